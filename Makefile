@@ -1,0 +1,14 @@
+# The two commands a new user runs (see README.md). Both install into ./.venv first.
+.PHONY: install demo test lint
+
+install:
+	./scripts/install.sh
+
+demo: install
+	.venv/bin/llmflow run workflows/llama2_bisect.yaml
+
+test: install
+	.venv/bin/python -m pytest -q
+
+lint: install
+	.venv/bin/ruff check llmflow plugins tests benchmarks

@@ -1,0 +1,273 @@
+"""Compare throughput: llmflow's compare vs reading the files raw (cat) vs msprobe's compare.
+
+    .venv/bin/python benchmarks/bench_compare.py --sizes-gb 1 8 [--workers 2] [--json out.json]
+
+For each size S it writes a synthetic golden and target dump of S/2 GB each with llmflow's own
+writer (fp32 activations, 4 MiB tensors, 64 per step folder) under /tmp, then measures
+  * raw:     ``cat`` of every data file to /dev/null (warm page cache, the ceiling),
+  * llmflow: ``compare_dumps`` with ``workers`` processes (CSV, no XLSX), GB/s of tensor data,
+             and the peak anonymous memory of the compare's process tree (sampled every 5 ms),
+  * msprobe: msprobe's ``pt_compare`` on the same tensors written in msprobe's layout
+             (dump.json + one .pt per tensor), when mindstudio-probe imports (PYTHONPATH may
+             point at a ``pip install --target`` directory); skipped otherwise. Only for the
+             smallest size: msprobe keeps every row in memory.
+Everything is deleted afterwards unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from llmflow.compare.run import CompareOptions, compare_dumps  # noqa: E402
+from llmflow.formats.base import Entry  # noqa: E402
+from llmflow.formats.llmflow_dump import DumpDirWriter, LlmflowDumpReader  # noqa: E402
+
+TENSOR_NUMEL = 1 << 20  # 4 MiB of fp32 per tensor
+PER_STEP = 64
+
+
+def write_side(path: Path, gb: float, seed: int, noise: float) -> int:
+    """A dump of about ``gb`` GB; returns the number of tensors."""
+    n = max(1, int(gb * 1e9 / (TENSOR_NUMEL * 4)))
+    w = DumpDirWriter(path, meta={"data_mode": "tensor"})
+    gen = torch.Generator().manual_seed(seed)
+    for step in range((n + PER_STEP - 1) // PER_STEP):
+        tensors, entries = {}, []
+        for i in range(min(PER_STEP, n - step * PER_STEP)):
+            base = torch.Generator().manual_seed(step * 1000 + i)
+            x = torch.randn(TENSOR_NUMEL, generator=base)
+            if noise:
+                x = x * (1 + noise * torch.randn(TENSOR_NUMEL, generator=gen))
+            tensors[str(i)] = x
+            entries.append(
+                Entry(
+                    step=step,
+                    rank=0,
+                    name=f"model.layers.{i}",
+                    kind="output",
+                    index="0",
+                    level="module",
+                    order=i,
+                    dtype="float32",
+                    shape=(TENSOR_NUMEL,),
+                    module_type="LlamaDecoderLayer",
+                    key=str(i),
+                )
+            )
+        w.write_batch(tensors, entries)
+    w.close()
+    return n
+
+
+def data_files(*dumps: Path) -> list[Path]:
+    return sorted(p for d in dumps for p in d.rglob("*.safetensors"))
+
+
+def raw_read(files: list[Path]) -> tuple[float, int]:
+    nbytes = sum(f.stat().st_size for f in files)
+    t0 = time.perf_counter()
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - t0, nbytes
+
+
+class AnonPeak:
+    """Peak RssAnon (MiB) of this process and its children, sampled in a thread."""
+
+    def __init__(self) -> None:
+        self.peak = 0.0
+        self._stop = False
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _anon(pid: int) -> float:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return 0.0
+
+    def _tree(self) -> list[int]:
+        import psutil
+
+        me = psutil.Process()
+        return [me.pid] + [c.pid for c in me.children(recursive=True)]
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.peak = max(self.peak, sum(self._anon(p) for p in self._tree()))
+            time.sleep(0.005)
+
+    def __enter__(self) -> AnonPeak:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._t.join()
+
+
+def llmflow_compare(g: Path, t: Path, out: Path, workers: int) -> dict:
+    base = AnonPeak._anon(os.getpid())
+    with AnonPeak() as peak:
+        t0 = time.perf_counter()
+        res = compare_dumps(
+            LlmflowDumpReader(g), LlmflowDumpReader(t), out, CompareOptions(workers=workers, xlsx=False)
+        )
+        dt = time.perf_counter() - t0
+    s = res["summary"]
+    return {
+        "seconds": round(dt, 2),
+        "pairs": s["pairs"],
+        "bytes": s["bytes"],
+        "gb_per_s": round(s["bytes"] / dt / 1e9, 3),
+        "peak_anon_mib_over_start": round(peak.peak - base, 1),
+        "verdict": s["verdict"],
+    }
+
+
+def write_msprobe(dump: Path, out: Path) -> None:
+    """The same tensors in msprobe's layout: dump.json + dump_tensor_data/<name>.pt."""
+    reader = LlmflowDumpReader(dump)
+    data_dir = out / "dump_tensor_data"
+    data_dir.mkdir(parents=True)
+    data = {}
+    for e in reader.entries():
+        op = f"Module.model.layers.{e.order}.LlamaDecoderLayer.forward.{e.step}"
+        x = reader.load(e)
+        name = f"{op}.output.0.pt"
+        torch.save(x, data_dir / name)
+        data[op] = {
+            "input_args": [],
+            "input_kwargs": {},
+            "output": [
+                {
+                    "type": "torch.Tensor",
+                    "dtype": "torch.float32",
+                    "shape": list(x.shape),
+                    "Max": float(x.max()),
+                    "Min": float(x.min()),
+                    "Mean": float(x.mean()),
+                    "Norm": float(x.norm()),
+                    "requires_grad": False,
+                    "data_name": name,
+                }
+            ],
+        }
+    (out / "dump.json").write_text(
+        json.dumps(
+            {
+                "task": "tensor",
+                "level": "L0",
+                "framework": "pytorch",
+                "dump_data_dir": str(data_dir),
+                "data": data,
+            }
+        )
+    )
+
+
+def msprobe_compare(g: Path, t: Path, tmp: Path) -> dict:
+    try:
+        from msprobe.pytorch.compare.pt_compare import pt_compare
+    except Exception as exc:  # not installed, or its own dependencies missing
+        return {"skipped": f"msprobe not importable: {type(exc).__name__}: {exc}"}
+    mg, mt, out = tmp / "ms_golden", tmp / "ms_target", tmp / "ms_out"
+    write_msprobe(g, mg)
+    write_msprobe(t, mt)
+    out.mkdir()
+    nbytes = sum(f.stat().st_size for d in (mg, mt) for f in (d / "dump_tensor_data").iterdir())
+    subprocess.run(
+        [
+            "cat",
+            *map(
+                str, sorted((mg / "dump_tensor_data").iterdir()) + sorted((mt / "dump_tensor_data").iterdir())
+            ),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    t0 = time.perf_counter()
+    try:
+        pt_compare(
+            {
+                "npu_path": str(mt / "dump.json"),
+                "bench_path": str(mg / "dump.json"),
+                "is_print_compare_log": False,
+            },
+            str(out),
+        )
+    except BaseException as exc:  # msprobe calls sys.exit on its own errors  # noqa: BLE001
+        return {"skipped": f"msprobe compare failed: {type(exc).__name__}: {exc}"}
+    dt = time.perf_counter() - t0
+    results = list(out.glob("*.xlsx")) + list(out.glob("*.csv"))
+    return {
+        "seconds": round(dt, 2),
+        "bytes": nbytes,
+        "gb_per_s": round(nbytes / dt / 1e9, 3),
+        "output": [p.name for p in results],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--sizes-gb", type=float, nargs="+", default=[1.0, 8.0], help="total dump sizes (both sides)"
+    )
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--no-msprobe", action="store_true")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    args = ap.parse_args(argv)
+    report: dict = {"workers": args.workers, "cpus": os.cpu_count(), "sizes": []}
+    for size in args.sizes_gb:
+        tmp = Path(tempfile.mkdtemp(prefix="llmflow-bench-compare-", dir="/tmp"))
+        try:
+            g, t = tmp / "golden", tmp / "target"
+            n = write_side(g, size / 2, 0, 0.0)
+            write_side(t, size / 2, 1, 1e-3)
+            raw_read(data_files(g, t))  # warm the page cache once, like a second run would see
+            raw_s, raw_b = raw_read(data_files(g, t))
+            row = {
+                "size_gb": size,
+                "tensors_per_side": n,
+                "raw": {
+                    "seconds": round(raw_s, 2),
+                    "bytes": raw_b,
+                    "gb_per_s": round(raw_b / raw_s / 1e9, 3),
+                },
+                "llmflow": llmflow_compare(g, t, tmp / "out", args.workers),
+            }
+            row["llmflow_vs_raw"] = round(row["llmflow"]["gb_per_s"] / row["raw"]["gb_per_s"], 3)
+            if not args.no_msprobe and size == min(args.sizes_gb):
+                row["msprobe"] = msprobe_compare(g, t, tmp)
+                if "gb_per_s" in row["msprobe"]:
+                    row["llmflow_vs_msprobe"] = round(
+                        row["llmflow"]["gb_per_s"] / row["msprobe"]["gb_per_s"], 1
+                    )
+            report["sizes"].append(row)
+            print(json.dumps(row), flush=True)
+        finally:
+            if not args.keep:
+                shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

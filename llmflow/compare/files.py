@@ -1,0 +1,82 @@
+"""Compare two single tensor files (``llmflow compare -gp a.npy -mp b.npy``).
+
+Supported: ``.safetensors`` (one tensor, or several compared by key), ``.npy`` (never pickled
+objects) and ``.pt``/``.pth``/``.bin`` read with ``torch.load(weights_only=True)`` (a tensor, or a
+dict of tensors compared by key). Nothing is unpickled beyond what ``weights_only`` allows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmflow.compare.algorithms import load_algorithms, run_algorithm
+from llmflow.compare.metrics import compare_tensors, verdict
+from llmflow.errors import UserError
+
+SUFFIXES = (".safetensors", ".npy", ".pt", ".pth", ".bin")
+
+
+def is_tensor_file(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_file() and p.suffix.lower() in SUFFIXES
+
+
+def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Key -> tensor of one file (a single tensor has the key ``""``)."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return dict(load_file(str(p)))
+        if suffix == ".npy":
+            import numpy as np
+
+            return {"": torch.from_numpy(np.load(p, allow_pickle=False))}
+        if suffix in (".pt", ".pth", ".bin"):
+            obj = torch.load(p, map_location="cpu", weights_only=True)
+            if isinstance(obj, torch.Tensor):
+                return {"": obj}
+            if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+                return {str(k): v for k, v in obj.items()}
+            raise UserError(f"{p}: expected a tensor or a dict of tensors, got {type(obj).__name__}")
+    except UserError:
+        raise
+    except Exception as exc:  # numpy/safetensors/torch each raise their own error types
+        raise UserError(f"{p}: cannot read tensor file: {type(exc).__name__}: {exc}") from exc
+    raise UserError(f"{p}: unsupported tensor file (expected one of {', '.join(SUFFIXES)})")
+
+
+def compare_files(golden: str | Path, target: str | Path, *, algorithms: list[str] | None = None,
+                  thresholds: dict | None = None, target_dtype: str | None = None,
+                  base_dir: str | Path = ".") -> list[dict[str, Any]]:
+    """One row per tensor: a single tensor each, or the keys both files share (others unmatched)."""
+    g_all, t_all = load_tensors(golden), load_tensors(target)
+    if len(g_all) == 1 and len(t_all) == 1:
+        keys = [(next(iter(g_all)), next(iter(t_all)))]
+    else:
+        keys = [(k, k) for k in g_all if k in t_all]
+    algs = load_algorithms(algorithms or [], base_dir)
+    rows: list[dict[str, Any]] = []
+    for gk, tk in keys:
+        g, t = g_all[gk], t_all[tk]
+        row: dict[str, Any] = {"name": gk or Path(golden).name,
+                               "golden_dtype": str(g.dtype).removeprefix("torch."),
+                               "target_dtype": str(t.dtype).removeprefix("torch."),
+                               "golden_shape": list(g.shape), "target_shape": list(t.shape)}
+        row.update(compare_tensors(g, t))
+        gf, tf = g.float(), t.float()
+        for name, func in algs.items():
+            row.update(run_algorithm(name, func, gf, tf) if gf.shape == tf.shape else
+                       {name: None, f"{name}_message": "skipped: shape mismatch"})
+        row["verdict"] = verdict(row, target_dtype or row["target_dtype"], thresholds)
+        rows.append(row)
+    if not (len(g_all) == 1 and len(t_all) == 1):
+        for side, mine, other in (("golden", g_all, t_all), ("target", t_all, g_all)):
+            rows += [{"name": k, "verdict": "unmatched", "reason": f"unmatched {side}"}
+                     for k in mine if k not in other]
+    return rows

@@ -1,0 +1,205 @@
+"""Op-mapping files: how target names of one implementation translate to golden names of another.
+
+A mapping file (YAML or JSON, shape in ``schemas/mapping.schema.json``) is a list of rules::
+
+    rules:
+      - target: "{n}_DecoderLayer"          # glob: '*' within a name part, '**' any, '{n}' an integer
+        golden: "model.layers.{n-1}"        # captures with + - * // arithmetic (no eval)
+      - target: ["*{n}_Add_A", "*{n}_Add_B"]  # the SUM of two target tensors ...
+        golden: "model.layers.{n}"          # ... against one golden tensor
+      - target_type: "RmsNorm"               # by module type, the i-th match per capture set:
+        target: "{n}_DecoderLayer.**"
+        golden_sequence: ["model.layers.{n-1}.input_layernorm", "model.layers.{n-1}.post_attention_layernorm"]
+
+``mapping:`` in a workflow (``-mf`` on the command line) is a path, or the name of an entry point
+in the ``llmflow.mappings`` group (a callable returning a path): ``atb-llama`` ships with llmflow.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from llmflow.errors import UserError
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "mappings"
+SCHEMA_FILE = DATA_DIR / "mapping.schema.json"
+_CAPTURE = re.compile(r"\{([A-Za-z_]\w*)\}")
+_TEMPLATE = re.compile(r"\{([A-Za-z_]\w*)\s*(?:(\+|-|\*|//)\s*(\d+))?\}")
+
+
+def atb_llama_mapping_path() -> str:
+    """The ``atb-llama`` entry point: ATB (Ascend Transformer Boost) Llama <-> Hugging Face Llama."""
+    return str(DATA_DIR / "atb_llama.yaml")
+
+
+@dataclass
+class Rule:
+    """One compiled rule (see the module docstring and the schema for the fields)."""
+
+    where: str
+    patterns: list[re.Pattern[str]]
+    target_type: str | None
+    golden: list[str]
+    sequence: bool
+    kind: str = "output"
+    target_index: str | None = None
+    golden_index: str | None = None
+    golden_kind: str | None = None
+    raw_targets: list[str] = field(default_factory=list)
+    golden_vars: frozenset[str] = frozenset()  # captures the golden templates use
+
+    def match_name(self, name: str, pattern: int = 0) -> dict[str, str] | None:
+        m = self.patterns[pattern].fullmatch(name)
+        return m.groupdict() if m else None
+
+    def applies(self, kind: str, index: str, module_type: str | None) -> bool:
+        if self.kind != "any" and kind != self.kind:
+            return False
+        if self.target_index is not None and index != self.target_index:
+            return False
+        if self.target_type is not None:
+            return module_type is not None and fnmatch.fnmatchcase(module_type, self.target_type)
+        return True
+
+    def golden_name(self, captures: dict[str, str], occurrence: int = 0) -> str | None:
+        """The golden name for these captures: the last replaced op, or the occurrence-th one."""
+        if self.sequence:
+            if occurrence >= len(self.golden):
+                return None
+            template = self.golden[occurrence]
+        else:
+            template = self.golden[-1]
+        return fill_template(template, captures, self.where)
+
+
+@dataclass
+class Mapping:
+    """A loaded mapping file."""
+
+    path: str
+    name: str
+    rules: list[Rule]
+
+
+def fill_template(template: str, captures: dict[str, str], where: str = "") -> str:
+    """``model.layers.{n-1}`` with ``{"n": "3"}`` -> ``model.layers.2`` (integer arithmetic only)."""
+
+    def sub(m: re.Match[str]) -> str:
+        var, op, num = m.group(1), m.group(2), m.group(3)
+        if var not in captures:
+            raise UserError(f"{where}: golden template {template!r} uses {{{var}}}, which the target "
+                            "pattern does not capture")
+        value = captures[var]
+        if op is None:
+            return value
+        try:
+            n, k = int(value), int(num)
+        except ValueError as exc:
+            raise UserError(f"{where}: capture {var}={value!r} is not an integer") from exc
+        result = {"+": n + k, "-": n - k, "*": n * k, "//": n // k if k else n}[op]
+        return str(result)
+
+    return _TEMPLATE.sub(sub, template)
+
+
+def glob_to_regex(pattern: str) -> str:
+    """A glob as a regex: ``*`` any text within one path part (no ``.`` or ``/``), ``**`` any
+    text, ``?`` one character, ``{name}`` an integer capture (the same name twice: equal)."""
+    out, pos, seen = [], 0, set()
+    for m in re.finditer(r"\{([A-Za-z_]\w*)\}|\*\*|\*|\?", pattern):
+        out.append(re.escape(pattern[pos:m.start()]))
+        tok = m.group(0)
+        if tok == "**":
+            out.append(".*?")
+        elif tok == "*":
+            out.append("[^./]*?")
+        elif tok == "?":
+            out.append(".")
+        elif m.group(1) in seen:
+            out.append(f"(?P={m.group(1)})")
+        else:
+            seen.add(m.group(1))
+            out.append(f"(?P<{m.group(1)}>\\d+)")
+        pos = m.end()
+    out.append(re.escape(pattern[pos:]))
+    return "".join(out)
+
+
+def resolve_mapping(ref: str | Path, base_dir: str | Path = ".") -> Path:
+    """A mapping reference (a file path, or an ``llmflow.mappings`` entry-point name) -> its file."""
+    text = str(ref)
+    p = Path(text).expanduser()
+    if not p.is_absolute():
+        p = Path(base_dir) / p
+    if p.is_file():
+        return p
+    if p.suffix.lower() in (".yaml", ".yml", ".json") or "/" in text or "\\" in text:
+        raise UserError(f"mapping: no such file {p}")
+    from llmflow.plugins import load_plugin
+
+    func = load_plugin("llmflow.mappings", text)
+    path = Path(func() if callable(func) else func)
+    if not path.is_file():
+        raise UserError(f"mapping {text!r}: its entry point returned {path}, which does not exist")
+    return path
+
+
+@lru_cache(maxsize=1)
+def _schema() -> dict[str, Any]:
+    return json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
+
+
+def load_mapping(ref: str | Path, base_dir: str | Path = ".") -> Mapping:
+    """Load, validate (JSON Schema) and compile a mapping file; UserError names file and path."""
+    import jsonschema
+    import yaml
+
+    path = resolve_mapping(ref, base_dir)
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        raise UserError(f"{path}{at}: cannot read mapping file: {str(exc).splitlines()[0]}") from exc
+    validator = jsonschema.Draft7Validator(_schema())
+    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise UserError(f"{path}: {where}: {err.message}")
+    default_match = data.get("match", "glob")
+    rules = [_compile(r, i, default_match, path) for i, r in enumerate(data["rules"])]
+    return Mapping(path=str(path), name=data.get("name", path.stem), rules=rules)
+
+
+def _compile(r: dict[str, Any], i: int, default_match: str, path: Path) -> Rule:
+    where = f"{path}: rules/{i}"
+    targets = r.get("target", "*")
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    syntax = r.get("match", default_match)
+    patterns = []
+    for t in targets:
+        try:
+            patterns.append(re.compile(t if syntax == "regex" else glob_to_regex(t)))
+        except re.error as exc:
+            raise UserError(f"{where}/target: bad pattern {t!r}: {exc}") from exc
+    golden = r.get("golden_sequence") or r.get("golden")
+    golden = [golden] if isinstance(golden, str) else list(golden)
+    captured = set().union(*(p.groupindex for p in patterns))
+    for g in golden:
+        for m in _TEMPLATE.finditer(g):
+            if m.group(1) not in captured:
+                raise UserError(f"{where}/golden: {g!r} uses {{{m.group(1)}}}, which the target "
+                                "pattern does not capture")
+    return Rule(where=where, patterns=patterns, target_type=r.get("target_type"), golden=golden,
+                sequence="golden_sequence" in r, kind=r.get("kind", "output"),
+                target_index=r.get("target_index"), golden_index=r.get("golden_index"),
+                golden_kind=r.get("golden_kind"), raw_targets=targets,
+                golden_vars=frozenset(m.group(1) for g in golden for m in _TEMPLATE.finditer(g)))

@@ -1,0 +1,247 @@
+"""The numbers of one golden/target tensor pair, and the pass/warn/fail verdict drawn from them.
+
+``compare_tensors`` is the hot loop of every compare: a 7B model's dump is ~100k pairs and
+gigabytes of data. It walks both tensors in chunks (``kernels.py``: cache-sized eager chunks, or
+fused compiled ones for big tensors), converting each chunk straight from its stored dtype (bf16,
+fp16, fp32 ...), accumulating every reduction in float64: the data is read twice (pass 2 is the
+KL divergence, which needs pass 1's log-sum-exp), the temporary memory is a few chunks whatever
+the tensor size.
+
+Column names follow msit llm compare, with msprobe's error ratios and a few of our own:
+
+=============================  =================================================================
+column                         definition (g golden, t target, d = t - g, eps = float32 eps)
+=============================  =================================================================
+cosine_similarity              g.t / (|g| |t|); 1 when both are all zero, NaN when one is
+max_relative_error             max of |d| / |g| over elements with |g| > eps (others count 0)
+mean_relative_error            mean of the same over all elements (msit's ``np.where(...).mean()``)
+max_absolute_error             max |d|
+mean_absolute_error            mean |d|
+kl_divergence                  KL(softmax(g) || softmax(t)) over the flattened tensors
+relative_euclidean_distance    |d| / |g| (0 when both are zero, inf when only g is zero)
+rmse                           sqrt(mean d^2)
+one_thousandth_err_ratio       share of elements whose relative error (as above) is < 0.001
+five_thousandths_err_ratio     share of elements whose relative error is < 0.005
+golden_nan, golden_inf, ...    NaN / +-Inf counts per side; metrics use the elements finite on both
+=============================  =================================================================
+
+A pair that cannot be compared (shape mismatch, empty, non-floating garbage) gets a ``reason``
+and NaN metrics instead of raising: one odd tensor never stops a 100k-row compare.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from llmflow.compare import kernels
+from llmflow.compare.thresholds import DEFAULT_THRESHOLDS, dtype_class, resolve_thresholds, verdict
+
+__all__ = ["COLUMNS", "METRIC_COLUMNS", "CHUNK", "DEFAULT_THRESHOLDS", "compare_tensors",
+           "compare_stats", "dtype_class", "resolve_thresholds", "verdict", "STAT_COLUMNS"]
+
+EPS = kernels.EPS
+CHUNK = 1 << 16  # elements per eager chunk: 64k float64 values x a few temporaries fit in L2 cache
+_FUSABLE = (torch.float32, torch.bfloat16, torch.float16)
+
+METRIC_COLUMNS = (
+    "cosine_similarity", "max_relative_error", "mean_relative_error", "max_absolute_error",
+    "mean_absolute_error", "kl_divergence", "relative_euclidean_distance", "rmse",
+    "one_thousandth_err_ratio", "five_thousandths_err_ratio",
+)
+COUNT_COLUMNS = ("golden_nan", "golden_inf", "target_nan", "target_inf")
+STAT_COLUMNS = tuple(f"{s}_{kind}" for s in ("max", "min", "mean", "norm") for kind in ("diff", "rel_diff"))
+COLUMNS = METRIC_COLUMNS + COUNT_COLUMNS + ("numel", "shape_mismatch", "dtype_mismatch", "reason")
+
+
+def _empty_row(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
+    row: dict[str, Any] = {c: math.nan for c in METRIC_COLUMNS}
+    row.update({c: 0 for c in COUNT_COLUMNS})
+    row.update(numel=golden.numel(), shape_mismatch=tuple(golden.shape) != tuple(target.shape),
+               dtype_mismatch=golden.dtype != target.dtype, reason="")
+    return row
+
+
+def _nonfinite(x: torch.Tensor) -> tuple[int, int]:
+    return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+
+
+def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
+    """Every metric of ``COLUMNS`` for one pair; never raises on odd data (see ``reason``)."""
+    golden, target = golden.detach(), target.detach()
+    row = _empty_row(golden, target)
+    if row["shape_mismatch"]:
+        if golden.numel() == target.numel() and golden.numel() > 0:
+            # same data, different view (e.g. [1, n, h] vs [n, h]): compare flat, but say so
+            row["reason"] = f"shape mismatch: golden {list(golden.shape)}, target {list(target.shape)}"
+            target = target.reshape(golden.shape)
+        else:
+            row["reason"] = f"shape mismatch: golden {list(golden.shape)}, target {list(target.shape)}"
+            return row
+    if golden.numel() == 0:
+        row["reason"] = "empty tensor"
+        return row
+    if golden.is_complex() or target.is_complex():
+        golden, target = torch.view_as_real(golden), torch.view_as_real(target)
+    if golden.dtype == torch.bool:
+        golden = golden.to(torch.uint8)
+    if target.dtype == torch.bool:
+        target = target.to(torch.uint8)
+    g = golden.cpu().reshape(-1) if golden.is_contiguous() else golden.cpu().contiguous().reshape(-1)
+    t = target.cpu().reshape(-1) if target.is_contiguous() else target.cpu().contiguous().reshape(-1)
+    acc = _reduce(g, t)
+    row.update(_finish(acc))
+    row["kl_divergence"] = _kl(g, t, acc)
+    reasons = [row["reason"]] if row["reason"] else []
+    for side in ("golden", "target"):
+        n_nan, n_inf = row[f"{side}_nan"], row[f"{side}_inf"]
+        if n_nan or n_inf:
+            reasons.append(f"{side} has {n_nan} NaN, {n_inf} Inf")
+    if acc["valid"] == 0:
+        reasons.append("no element finite on both sides")
+    row["reason"] = "; ".join(reasons)
+    return row
+
+
+def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
+    """Pass 1 over both flat tensors, chunk by chunk, accumulating float64 sums (``kernels``)."""
+    acc: dict[str, Any] = dict(gg=0.0, tt=0.0, gt=0.0, dd=0.0, max_abs=0.0, sum_abs=0.0, max_rel=0.0,
+                               sum_rel=0.0, c1=0, c5=0, valid=0, golden_nan=0, golden_inf=0,
+                               target_nan=0, target_inf=0, lse_g=-math.inf, lse_t=-math.inf,
+                               size=CHUNK, fused=None, bad={})
+    fast = (g.numel() >= kernels.FUSED_CHUNK and g.dtype in _FUSABLE and t.dtype in _FUSABLE
+            and kernels.fused())
+    if fast:
+        acc["size"], acc["fused"] = kernels.FUSED_CHUNK, fast
+    size = acc["size"]
+    for start in range(0, g.numel(), size):
+        a, b = g[start:start + size], t[start:start + size]
+        if fast and a.numel() == size:
+            vals = fast[0](a.float(), b.float()).tolist()
+        else:
+            vals = kernels.pass1(a, b).tolist()
+        if not math.isfinite(vals[0] + vals[1]):
+            # the rare slow path: count NaN/Inf per side, keep the elements finite on both
+            for side, x in (("golden", a), ("target", b)):
+                n_nan, n_inf = _nonfinite(x)
+                acc[f"{side}_nan"] += n_nan
+                acc[f"{side}_inf"] += n_inf
+            keep = torch.isfinite(a) & torch.isfinite(b)
+            acc["bad"][start] = keep
+            a, b = a[keep], b[keep]
+            if a.numel() == 0:
+                continue
+            vals = kernels.pass1(a, b).tolist()
+        for key, v in zip(("gg", "tt", "gt", "dd"), vals[:4], strict=True):
+            acc[key] += v
+        acc["max_abs"] = max(acc["max_abs"], vals[4])
+        acc["sum_abs"] += vals[5]
+        acc["max_rel"] = max(acc["max_rel"], vals[6])
+        acc["sum_rel"] += vals[7]
+        acc["c1"] += int(vals[8])
+        acc["c5"] += int(vals[9])
+        acc["lse_g"] = _logaddexp(acc["lse_g"], vals[10])
+        acc["lse_t"] = _logaddexp(acc["lse_t"], vals[11])
+        acc["valid"] += a.numel()
+    return acc
+
+
+def _logaddexp(x: float, y: float) -> float:
+    if x == -math.inf:
+        return y
+    if y == -math.inf:
+        return x
+    m = max(x, y)
+    return m + math.log(math.exp(x - m) + math.exp(y - m))
+
+
+def _finish(acc: dict[str, float]) -> dict[str, Any]:
+    """Turn the float64 sums of ``_reduce`` into the row's metrics."""
+    out: dict[str, Any] = {k: int(acc[k]) for k in COUNT_COLUMNS}
+    n = acc["valid"]
+    if n == 0:
+        return out
+    g_norm, t_norm, d_norm = math.sqrt(acc["gg"]), math.sqrt(acc["tt"]), math.sqrt(acc["dd"])
+    if g_norm <= EPS and t_norm <= EPS:
+        cos = 1.0
+    elif g_norm <= EPS or t_norm <= EPS:
+        cos = math.nan  # direction of a zero vector: undefined (msit says the same)
+    else:
+        cos = max(-1.0, min(1.0, acc["gt"] / (g_norm * t_norm)))
+    if g_norm > EPS:
+        red = d_norm / g_norm
+    else:
+        red = 0.0 if d_norm <= EPS else math.inf
+    out.update(
+        cosine_similarity=cos,
+        max_relative_error=acc["max_rel"],
+        mean_relative_error=acc["sum_rel"] / n,
+        max_absolute_error=acc["max_abs"],
+        mean_absolute_error=acc["sum_abs"] / n,
+        relative_euclidean_distance=red,
+        rmse=math.sqrt(acc["dd"] / n),
+        one_thousandth_err_ratio=acc["c1"] / n,
+        five_thousandths_err_ratio=acc["c5"] / n,
+    )
+    return out
+
+
+def _kl(g: torch.Tensor, t: torch.Tensor, acc: dict[str, Any]) -> float:
+    """KL(softmax(g) || softmax(t)) over all elements finite on both sides (pass 2).
+
+    For logits ``[1, vocab]`` this is the divergence of the two next-token distributions; for
+    activations it is msit's ``kl_divergence`` column on the flattened tensor. The golden
+    log-sum-exp comes from pass 1; pass 2 reads the tensors once more, a chunk at a time.
+    """
+    if acc["valid"] == 0 or not (math.isfinite(acc["lse_g"]) and math.isfinite(acc["lse_t"])):
+        return math.nan
+    lse_g = torch.tensor(acc["lse_g"], dtype=torch.float64)
+    fast, size = acc["fused"], acc["size"]
+    p_sum = pd_sum = pe_sum = 0.0
+    for start in range(0, g.numel(), size):
+        a, b = g[start:start + size], t[start:start + size]
+        keep = acc["bad"].get(start)
+        if keep is not None:
+            a, b = a[keep], b[keep]
+        if fast and keep is None and a.numel() == size:
+            vals = fast[1](a.float(), b.float(), lse_g).tolist()
+        elif a.numel():
+            vals = kernels.pass2(a, b, lse_g).tolist()
+        else:
+            continue
+        p_sum += vals[0]
+        pd_sum += vals[1]
+        pe_sum += vals[2]
+    if not p_sum > 0:
+        return math.nan
+    if math.isfinite(pe_sum):
+        kl = -pd_sum / p_sum + math.log1p(pe_sum / p_sum)
+    else:  # a difference beyond exp's range: the log-sum-exps are precise enough there
+        kl = -pd_sum / p_sum + acc["lse_t"] - acc["lse_g"] - math.log(p_sum)
+    return max(kl, 0.0) if math.isfinite(kl) else math.nan
+
+
+def compare_stats(golden: dict[str, float] | None, target: dict[str, float] | None) -> dict[str, Any]:
+    """Statistics-only entries: abs and relative differences of max, min, mean and norm."""
+    row: dict[str, Any] = {c: math.nan for c in STAT_COLUMNS}
+    row["reason"] = ""
+    if not golden or not target:
+        row["reason"] = "statistics missing on the " + ("golden" if not golden else "target") + " side"
+        return row
+    for key in ("max", "min", "mean", "norm"):
+        gv, tv = golden.get(key), target.get(key)
+        if gv is None or tv is None:
+            continue
+        gv, tv = float(gv), float(tv)
+        diff = abs(tv - gv)
+        row[f"{key}_diff"] = diff
+        row[f"{key}_rel_diff"] = diff / abs(gv) if abs(gv) > EPS else (0.0 if diff <= EPS else math.inf)
+    for side, stats in (("golden", golden), ("target", target)):
+        row[f"{side}_nan"] = int(stats.get("nan") or 0)
+        row[f"{side}_inf"] = int(stats.get("inf") or 0)
+        if row[f"{side}_nan"] or row[f"{side}_inf"]:
+            row["reason"] = "; ".join(filter(None, [row["reason"], f"{side} has {row[side + '_nan']} NaN, "
+                                                    f"{row[side + '_inf']} Inf"]))
+    return row

@@ -1,0 +1,155 @@
+"""One report row per ``Pair``: the work a compare worker does (load, compare, judge).
+
+Runs in worker processes (or dask workers): a ``Job`` carries the two readers (picklable, they
+re-open their files lazily in each process) and the options, ``run_chunk`` turns a list of pairs
+into small row dicts. Tensors are loaded one pair at a time and dropped right after, so a worker's
+memory is a few tensors whatever the dump size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from llmflow.compare.algorithms import load_algorithms, run_algorithm
+from llmflow.compare.match import Pair
+from llmflow.compare.metrics import compare_stats, compare_tensors, verdict
+from llmflow.compare.thresholds import dtype_class
+from llmflow.formats.base import DumpReader, Entry
+
+ID_COLUMNS = ["step", "target_step", "rank", "name", "target_name", "kind", "index", "order", "match",
+              "module_type", "golden_dtype", "target_dtype", "golden_shape", "target_shape"]
+LOGITS_COLUMNS = ["golden_top1", "target_top1", "top1_match", "top5_overlap"]
+TAIL_COLUMNS = ["verdict", "reason"]
+
+
+@dataclass
+class Job:
+    """Everything a worker needs besides the pairs themselves."""
+
+    golden: DumpReader
+    target: DumpReader
+    algorithms: list[str] = field(default_factory=list)
+    base_dir: str = "."
+    stats_only: bool = False
+    thresholds: dict | None = None
+    target_dtype: str | None = None
+    _algs: dict | None = field(default=None, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_algs"] = None  # functions from file.py refs are re-imported in each process
+        return state
+
+    def algs(self) -> dict:
+        if self._algs is None:
+            self._algs = load_algorithms(self.algorithms, self.base_dir)
+        return self._algs
+
+
+def _shape(e: Entry | None) -> list[int] | None:
+    return list(e.shape) if e is not None and e.shape is not None else None
+
+
+def base_row(p: Pair) -> dict[str, Any]:
+    """The identifying columns of a pair's row."""
+    g, t0 = p.golden, (p.targets[0] if p.targets else None)
+    ref = g or t0
+    assert ref is not None
+    return {
+        "step": p.golden_step, "target_step": p.target_step, "rank": p.rank,
+        "name": g.name if g else None,
+        "target_name": "+".join(t.name for t in p.targets) if p.targets else None,
+        "kind": ref.kind, "index": ref.index, "order": ref.order, "match": p.match,
+        "module_type": ref.module_type,
+        "golden_dtype": g.dtype if g else None,
+        "target_dtype": t0.dtype if t0 else None,
+        "golden_shape": _shape(g), "target_shape": _shape(t0),
+    }
+
+
+def judge_dtype(p: Pair, target_dtype: str | None) -> str:
+    """The dtype whose thresholds judge a pair: integer data stays exact, else the declared
+    target dtype (a bf16 model's logits are often upcast to fp32), else the entry's."""
+    t_dtype = p.targets[0].dtype if p.targets else None
+    if dtype_class(t_dtype) == "integer" or dtype_class(p.golden.dtype if p.golden else None) == "integer":
+        return "integer"
+    return target_dtype or t_dtype or "float32"
+
+
+def _stats_of(reader: DumpReader, e: Entry) -> dict[str, float] | None:
+    if e.stats:
+        return e.stats
+    if not e.has_data:
+        return None
+    x = reader.load(e).double()
+    finite = x[torch.isfinite(x)]
+    return {"max": float(finite.max()) if finite.numel() else math.nan,
+            "min": float(finite.min()) if finite.numel() else math.nan,
+            "mean": float(finite.mean()) if finite.numel() else math.nan,
+            "norm": float(torch.linalg.vector_norm(finite)),
+            "nan": int(torch.isnan(x).sum()), "inf": int(torch.isinf(x).sum())}
+
+
+def _sum_stats(stats: list[dict[str, float] | None]) -> dict[str, float] | None:
+    if len(stats) == 1:
+        return stats[0]
+    return None  # statistics of a sum cannot be derived from the parts' statistics
+
+
+def _logits_columns(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
+    """Greedy-token agreement of two logits tensors ``[batch, vocab]`` (first row)."""
+    g1, t1 = g.reshape(-1, g.shape[-1])[0].float(), t.reshape(-1, t.shape[-1])[0].float()
+    k = min(5, g1.numel())
+    gt, tt = torch.topk(g1, k).indices.tolist(), torch.topk(t1, k).indices.tolist()
+    return {"golden_top1": gt[0], "target_top1": tt[0], "top1_match": gt[0] == tt[0],
+            "top5_overlap": len(set(gt) & set(tt)) / k}
+
+
+def compute_row(job: Job, p: Pair) -> dict[str, Any]:
+    """The full row of one pair; never raises (errors become the row's reason and a fail)."""
+    row = base_row(p)
+    if p.unmatched:
+        row.update(verdict="unmatched", reason=p.match)
+        return row
+    assert p.golden is not None
+    try:
+        use_stats = job.stats_only or not p.golden.has_data or not all(t.has_data for t in p.targets)
+        if use_stats:
+            g_stats = _stats_of(job.golden, p.golden)
+            t_stats = _sum_stats([_stats_of(job.target, t) for t in p.targets])
+            row.update(compare_stats(g_stats, t_stats))
+        else:
+            g = job.golden.load(p.golden)
+            if len(p.targets) == 1:
+                t = job.target.load(p.targets[0])
+            else:
+                t = job.target.load(p.targets[0]).float()
+                for extra in p.targets[1:]:
+                    t = t + job.target.load(extra).float()
+            row.update(compare_tensors(g, t))
+            if "logits" in p.levels and g.dim() >= 1 and g.shape == t.shape and g.numel():
+                row.update(_logits_columns(g, t))
+            algs = job.algs()
+            if algs:
+                gf, tf = g.float(), t.float()
+                if gf.shape != tf.shape and gf.numel() == tf.numel():
+                    tf = tf.reshape(gf.shape)
+                for name, func in algs.items():
+                    if gf.shape == tf.shape:
+                        row.update(run_algorithm(name, func, gf, tf))
+                    else:
+                        row.update({name: math.nan, f"{name}_message": "skipped: shape mismatch"})
+            del g, t
+        row["verdict"] = verdict(row, judge_dtype(p, job.target_dtype), job.thresholds)
+    except Exception as exc:  # a corrupt tensor file must not stop a 100k-row compare
+        row.update(verdict="fail", reason=f"error: {type(exc).__name__}: {exc}")
+    return row
+
+
+def run_chunk(job: Job, pairs: list[Pair]) -> list[tuple[tuple[str, ...], dict[str, Any], int]]:
+    """(levels, row, bytes read) for each pair of a chunk, in order."""
+    return [(p.levels, compute_row(job, p), 0 if p.unmatched else p.nbytes) for p in pairs]

@@ -1,0 +1,417 @@
+"""Compare two sets of weights tensor by tensor: float vs quantized checkpoint, checkpoint vs
+checkpoint, or a dump's ``dump_weight`` output vs a checkpoint.
+
+Sources (``open_weights``): a safetensors file, a directory of shards (every ``*.safetensors``, or
+exactly the shards a ``*.safetensors.index.json`` names), or a dump directory with weight entries.
+Tensors are read one at a time through ``safe_open`` (memory-mapped), so memory stays bounded by
+the largest tensor pair, whatever the checkpoint size.
+
+Quantized weights (msModelSlim conventions, documented here because msModelSlim's vary by version):
+
+* ``quant_model_description*.json`` (auto-detected next to the weights) maps tensor names to a
+  type; ``model_quant_type`` is the default. Weight types dequantized: W8A8, W8A8S, W8A8_DYNAMIC,
+  W8A16 (int8) and W4A16 (int4). FLOAT tensors are compared as they are. Any other type (W8A8SC
+  compressed, W4A8 two-level scales, C8 ...) is reported as ``unsupported``, never skipped.
+* ``X.weight`` (integer) with ``X.weight_scale`` and optional ``X.weight_offset`` (zero when absent)
+  dequantizes to ``(weight - offset) * scale``. The scale's shape picks the scheme: one element
+  per-tensor; ``[out]`` or ``[out, 1]`` per-channel; ``[out, n_groups]`` (or ``[n_groups, out]``)
+  per-group along the input dimension, group size ``in / n_groups`` (checked against the config's
+  ``group_size`` when it gives one). An integer weight with a scale but no description entry is
+  treated as int8 (int4 if the description's default type says W4).
+* int4 is either one value per int8 (msModelSlim's default) or packed two per byte, low nibble
+  first, signed two's complement: packed when the description says ``"int4_packed": true`` or when
+  the stored last dimension is half the float twin's.
+* Companion tensors (``weight_scale``, ``weight_offset``, ``deq_scale``, ``quant_bias``,
+  ``input_scale``, ``input_offset``) are consumed, and counted in the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmflow.errors import UserError
+
+COMPANIONS = ("weight_scale", "weight_offset", "deq_scale", "quant_bias", "input_scale", "input_offset")
+DEQUANT_BITS = {"W8A8": 8, "W8A8S": 8, "W8A8_DYNAMIC": 8, "W8A16": 8, "W4A16": 4}
+
+
+@dataclass
+class QuantConfig:
+    """A parsed ``quant_model_description*.json``."""
+
+    types: dict[str, str] = field(default_factory=dict)
+    default: str | None = None
+    group_size: int | None = None
+    int4_packed: bool | None = None
+    path: Path | None = None
+
+    def type_of(self, name: str) -> str | None:
+        return self.types.get(name, self.default)
+
+    @classmethod
+    def load(cls, path: Path) -> QuantConfig:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{path}: not a readable quantization description ({exc})") from exc
+        if not isinstance(data, dict):
+            raise UserError(f"{path}: expected a JSON object mapping tensor names to quant types")
+        group = data.get("group_size")
+        cfg = path.parent / "config.json"  # some exports keep group_size in config.json only
+        if group is None and cfg.is_file():
+            try:
+                group = (json.loads(cfg.read_text()).get("quantization_config") or {}).get("group_size")
+            except (OSError, ValueError, AttributeError):
+                group = None
+        packed = data.get("int4_packed")
+        types = {k: str(v).upper() for k, v in data.items() if isinstance(v, str) and "." in k}
+        default = data.get("model_quant_type")
+        return cls(types, str(default).upper() if default else None,
+                   int(group) if isinstance(group, int) and group > 0 else None,
+                   packed if isinstance(packed, bool) else None, path)
+
+
+def find_quant_config(path: Path) -> Path | None:
+    """The quant description next to a checkpoint: ``quant_model_description.json`` first."""
+    folder = path if path.is_dir() else path.parent
+    found = sorted(folder.glob("quant_model_description*.json"))
+    exact = folder / "quant_model_description.json"
+    return exact if exact in found else (found[0] if found else None)
+
+
+class Checkpoint:
+    """A safetensors checkpoint: a file, a directory of shards, or a shard index."""
+
+    kind = "checkpoint"
+
+    def __init__(self, path: str | Path, quant: QuantConfig | None = None):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        self.quant = quant
+        self.files: dict[str, Path] = {}
+        self._handles: dict[Path, Any] = {}
+        for shard in _shards(self.path):
+            try:
+                with safe_open(str(shard), framework="pt") as f:
+                    keys = list(f.keys())
+            except (SafetensorError, OSError) as exc:
+                raise UserError(f"{shard}: unreadable safetensors file ({exc})") from exc
+            for k in keys:
+                if k in self.files:
+                    raise UserError(f"{self.path}: tensor {k!r} is in two shards: {self.files[k].name} "
+                                    f"and {shard.name}")
+                self.files[k] = shard
+
+    def _handle(self, key: str) -> Any:
+        from safetensors import safe_open
+
+        shard = self.files[key]
+        if shard not in self._handles:
+            self._handles.clear()  # shards are visited in order: one open file at a time
+            self._handles[shard] = safe_open(str(shard), framework="pt", device="cpu")
+        return self._handles[shard]
+
+    def keys(self) -> list[str]:
+        return list(self.files)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def meta(self, key: str) -> tuple[tuple[int, ...], str]:
+        sl = self._handle(key).get_slice(key)
+        return tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype())
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                       "BOOL": "bool"}
+
+
+def _shards(path: Path) -> list[Path]:
+    if path.is_file() and path.name.endswith(".index.json"):
+        return _index_shards(path)
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise UserError(f"{path}: not a safetensors file (convert .bin checkpoints to safetensors; "
+                            "llmflow never unpickles)")
+        return [path]
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if indexes:
+        return sorted({s for index in indexes for s in _index_shards(index)})
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{path}: no *.safetensors files here")
+    return files
+
+
+def _index_shards(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{index}: not a safetensors shard index (no weight_map: {exc})") from exc
+    shards = sorted({index.parent / str(f) for f in weight_map.values()})
+    for s in shards:
+        if not s.is_file():
+            raise UserError(f"{index}: shard {s.name} is missing")
+    return shards
+
+
+class DumpWeights:
+    """The weights a dump recorded with ``dump_weight`` (entries of kind ``weight``)."""
+
+    kind = "dump"
+    quant = None
+
+    def __init__(self, path: str | Path):
+        from llmflow.formats import open_dump
+
+        self.path = Path(path)
+        self.reader = open_dump(self.path)
+        self.by_name = {e.name: e for e in self.reader.entries() if e.kind == "weight"}
+        if not self.by_name:
+            raise UserError(f"{self.path}: this dump holds no weights (dump with dump_weight: true)")
+
+    def keys(self) -> list[str]:
+        return list(self.by_name)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.by_name
+
+    def meta(self, key: str) -> tuple[tuple[int, ...], str]:
+        e = self.by_name[key]
+        return tuple(e.shape or ()), str(e.dtype).removeprefix("torch.")
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.reader.load(self.by_name[key])
+
+
+def open_weights(path: str | Path, quant_config: str | Path | None = None) -> Checkpoint | DumpWeights:
+    """A weight source for a checkpoint or a dump path; the quant description is auto-detected."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p}: no such checkpoint or dump")
+    is_ckpt = p.is_file() or any(p.glob("*.safetensors")) or any(p.glob("*.safetensors.index.json"))
+    if not is_ckpt:
+        return DumpWeights(p)
+    qpath = Path(quant_config) if quant_config else find_quant_config(p)
+    if qpath is not None and not qpath.is_file():
+        raise UserError(f"quant_config: no such file {qpath}")
+    return Checkpoint(p, QuantConfig.load(qpath) if qpath else None)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Two signed 4-bit values per byte, low nibble first -> int8, last dimension doubled."""
+    b = packed.contiguous().view(torch.uint8).to(torch.int16)
+    lo, hi = b & 0xF, (b >> 4) & 0xF
+    both = torch.stack([lo, hi], dim=-1)
+    both = torch.where(both >= 8, both - 16, both).to(torch.int8)
+    return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, *,
+               group_size: int | None = None) -> tuple[torch.Tensor, str]:
+    """``(weight - offset) * scale`` in float32, broadcast per tensor, channel or group.
+
+    Returns the tensor and the scheme's name; ``ValueError`` when the shapes do not fit.
+    """
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    o = offset.to(torch.float32) if offset is not None else torch.zeros_like(s)
+    if o.shape != s.shape and o.numel() != 1:
+        raise ValueError(f"weight_offset shape {list(o.shape)} differs from weight_scale {list(s.shape)}")
+    out_f = w.shape[0] if w.dim() else 1
+    if s.numel() == 1:
+        return (w - o.reshape(()) if o.numel() == 1 else w - o) * s.reshape(()), "per-tensor"
+    if s.numel() == out_f and (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)):
+        view = (out_f,) + (1,) * (w.dim() - 1)
+        return (w - o.reshape(view)) * s.reshape(view), "per-channel"
+    if w.dim() == 2 and s.dim() == 2:
+        if s.shape[0] != out_f and s.shape[1] == out_f:  # stored [n_groups, out]
+            s, o = s.t(), o.t() if o.dim() == 2 else o
+        n_groups, in_f = s.shape[1], w.shape[1]
+        if s.shape[0] == out_f and in_f % n_groups == 0:
+            g = in_f // n_groups
+            if group_size is not None and group_size != g:
+                raise ValueError(f"group size {g} (from scale shape {list(scale.shape)}) differs from "
+                                 f"the config's group_size {group_size}")
+            o = o.reshape(out_f, n_groups, 1) if o.numel() != 1 else o.reshape(())
+            deq = (w.reshape(out_f, n_groups, g) - o) * s.reshape(out_f, n_groups, 1)
+            return deq.reshape(out_f, in_f), f"per-group g={g}"
+    raise ValueError(f"weight_scale shape {list(scale.shape)} fits neither per-tensor, per-channel nor "
+                     f"per-group quantization of a weight of shape {list(weight.shape)}")
+
+
+@dataclass
+class Plan:
+    """How to materialize one logical tensor of a source as float."""
+
+    key: str
+    qtype: str | None = None  # None: plain tensor
+    problem: str | None = None  # set: cannot be materialized (the reason)
+
+
+def plan_source(src: Checkpoint | DumpWeights) -> tuple[dict[str, Plan], int]:
+    """Logical tensors of a source (companions consumed) and the number of companions."""
+    keys = src.keys()
+    present = set(keys)
+    quant = src.quant
+    plans: dict[str, Plan] = {}
+    companions = 0
+    for key in keys:
+        if key.rsplit(".", 1)[-1] in COMPANIONS:
+            companions += 1
+            continue
+        qtype = quant.type_of(key) if quant else None
+        base = key[: -len("weight")] if key.endswith("weight") else None
+        has_scale = base is not None and f"{base}weight_scale" in present
+        _, dtype = src.meta(key)
+        is_int = dtype in ("int8", "uint8", "int16", "int32")
+        if qtype not in (None, "FLOAT") and qtype not in DEQUANT_BITS and (is_int or has_scale):
+            plans[key] = Plan(key, qtype, f"unsupported quantization scheme {qtype}")
+        elif is_int and has_scale:
+            plans[key] = Plan(key, qtype if qtype in DEQUANT_BITS else
+                              ("W4A16" if quant and (quant.default or "").startswith("W4") else "W8A16"))
+        else:  # float, or an integer tensor without a scale: compared as stored
+            plans[key] = Plan(key)
+    return plans, companions
+
+
+def materialize(src: Checkpoint | DumpWeights, plan: Plan,
+                twin_shape: tuple[int, ...] | None) -> tuple[torch.Tensor, str]:
+    """The float tensor of a plan and its scheme ("float" for plain tensors)."""
+    t = src.get(plan.key)
+    if plan.qtype is None or plan.qtype not in DEQUANT_BITS:
+        return t, "float"
+    base = plan.key[: -len("weight")]
+    scale = src.get(base + "weight_scale")
+    offset = src.get(base + "weight_offset") if base + "weight_offset" in src else None
+    quant = src.quant
+    packed = False
+    if DEQUANT_BITS[plan.qtype] == 4:
+        packed = quant.int4_packed if quant and quant.int4_packed is not None else (
+            twin_shape is not None and len(twin_shape) == t.dim() and t.shape[-1] * 2 == twin_shape[-1])
+        if packed:
+            t = unpack_int4(t)
+    deq, scheme = dequantize(t, scale, offset, group_size=quant.group_size if quant else None)
+    return deq, f"{plan.qtype} {scheme}" + (" int4-packed" if packed else "")
+
+
+def map_name(name: str, name_map: dict[str, str] | None) -> str:
+    """Rename a target tensor by the longest matching prefix of ``name_map`` (target -> golden)."""
+    for prefix in sorted(name_map or {}, key=len, reverse=True):
+        if name.startswith(prefix):
+            return name_map[prefix] + name[len(prefix):]  # type: ignore[index]
+    return name
+
+
+def compare_sources(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, *,
+                    name_map: dict[str, str] | None = None, thresholds: dict | None = None,
+                    on_tensor: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], int]:
+    """Every logical tensor compared (``rank_rows`` order) and the number of companion tensors."""
+    g_plans, g_comp = plan_source(golden)
+    t_plans, t_comp = plan_source(target)
+    rows = list(_rows(golden, target, g_plans, t_plans, name_map, thresholds, on_tensor))
+    return rank_rows(rows), g_comp + t_comp
+
+
+def _rows(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, g_plans: dict[str, Plan],
+          t_plans: dict[str, Plan], name_map: dict[str, str] | None, thresholds: dict | None,
+          on_tensor: Callable[[str], None] | None) -> Iterator[dict[str, Any]]:
+    """One row per logical tensor, golden order first (shard by shard), then target-only ones."""
+    from llmflow.compare.metrics import compare_tensors, verdict
+
+    t_by_golden = {map_name(k, name_map): p for k, p in t_plans.items()}
+    for name in list(g_plans) + [n for n in t_by_golden if n not in g_plans]:
+        gp, tp = g_plans.get(name), t_by_golden.get(name)
+        row: dict[str, Any] = {"name": name, "target_name": tp.key if tp else None,
+                               "quant_type": tp.qtype if tp else None}
+        if gp is not None:
+            g_shape, row["golden_dtype"] = golden.meta(gp.key)
+            row["golden_shape"] = list(g_shape)
+        if tp is not None:
+            t_shape, row["target_dtype"] = target.meta(tp.key)
+            row["target_shape"] = list(t_shape)
+        if on_tensor is not None:
+            on_tensor(name)
+        if tp is None or gp is None:
+            problem = "missing in target" if tp is None else "missing in golden"
+        else:
+            problem = f"golden: {gp.problem}" if gp.problem else tp.problem
+        if problem:
+            yield {**row, "status": _status(problem), "verdict": "fail", "reason": problem}
+            continue
+        try:
+            g, _ = materialize(golden, gp, None)
+            t, row["scheme"] = materialize(target, tp, tuple(g.shape))
+        except ValueError as exc:
+            yield {**row, "status": "unsupported", "verdict": "fail", "reason": str(exc)}
+            continue
+        if tuple(g.shape) != tuple(t.shape):
+            yield {**row, "status": "shape_mismatch", "verdict": "fail",
+                   "reason": f"shape mismatch: golden {list(g.shape)}, target {list(t.shape)}"}
+            continue
+        g, t = g.float(), t.float()  # rebinding drops the stored-dtype originals: bounded memory
+        row.update(compare_tensors(g, t))
+        row["numel"] = g.numel()
+        row["l2_distance"] = float(torch.linalg.vector_norm(g - t))
+        del g, t
+        row["status"] = "compared"
+        # judged at the precision the target stores: int8/int4 for quantized weights
+        bits = DEQUANT_BITS.get(tp.qtype or "")
+        row["verdict"] = verdict(row, f"int{bits}" if bits else row["target_dtype"], thresholds)
+        yield row
+
+
+def _status(problem: str) -> str:
+    if problem.startswith("missing in "):
+        return problem.replace(" ", "_")
+    return "unsupported"
+
+
+def badness(row: dict[str, Any]) -> float:
+    """How far a compared tensor is from its twin: the relative Euclidean distance (NaN: worst)."""
+    v = row.get("relative_euclidean_distance")
+    if v is None:
+        g, d = row.get("l2_distance"), row.get("cosine_similarity")
+        v = (1 - d) if isinstance(d, (int, float)) else g
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return math.inf
+    return math.inf if math.isnan(v) else v
+
+
+def rank_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Compared tensors worst first, then the tensors that could not be compared, by name."""
+    severity = {"fail": 0, "warn": 1, "pass": 2}
+    compared = [r for r in rows if r["status"] == "compared"]
+    others = [r for r in rows if r["status"] != "compared"]
+    compared.sort(key=lambda r: (severity.get(r["verdict"], 0), -badness(r)))
+    others.sort(key=lambda r: (r["status"], r["name"]))
+    return compared + others
+
+
+def weight_summary(rows: list[dict[str, Any]], companions: int) -> dict[str, Any]:
+    """The ``weight_compare`` block of summary.json."""
+    counts: dict[str, int] = {"tensors": len(rows), "companion_tensors": companions}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+        if r["status"] == "compared":
+            counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    worst = next((r for r in rows if r["status"] == "compared"), None)
+    keep = ("name", "verdict", "cosine_similarity", "relative_euclidean_distance", "max_absolute_error",
+            "quant_type", "scheme")
+    return {"counts": counts, "worst": {k: worst.get(k) for k in keep} if worst else None,
+            "problems": [{"name": r["name"], "status": r["status"], "reason": r["reason"]}
+                         for r in rows if r["status"] != "compared"][:50]}

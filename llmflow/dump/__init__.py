@@ -1,0 +1,29 @@
+"""Capture: hook a model, dump what every module (and op) computed, token by token.
+
+msit llm compatible (switch with one import line)::
+
+    from llmflow import DumpConfig, register_hook, set_dump_path, save
+    handle = register_hook(model, DumpConfig(dump_path="./dump", token_range=[0, 1]))
+    model.generate(...)
+    handle.remove()
+
+Map of this package:
+  config.py    DumpConfig: fields, validation, the filters the hooks ask
+  hooks.py     register_hook / set_dump_path / save; steps, dialogue turns, module stack
+  api.py       API mode (TorchFunctionMode): torch.*, F.*, Tensor methods and operators
+  capture.py   DumpSession: one dump directory; walks values, copies tensors faithfully
+  stats.py     statistics computed on the tensor's device
+  writer.py    background writer thread: batches tensors into safetensors files
+  env.py       env.json; topology.py: topology.json
+  run.py       dump_run(): load -> hook -> greedy generate -> close, used by the dump stage
+  worker.py    the dump stage's subprocess entry point
+The on-disk format itself lives in llmflow/formats/llmflow_dump.py.
+"""
+
+from __future__ import annotations
+
+from llmflow.dump.config import DumpConfig
+from llmflow.dump.hooks import DumpHandle, register_hook, save, set_dump_path
+from llmflow.dump.run import dump_run
+
+__all__ = ["DumpConfig", "DumpHandle", "dump_run", "register_hook", "save", "set_dump_path"]

@@ -1,0 +1,105 @@
+"""API mode: capture tensor operations (torch.*, torch.nn.functional.*, Tensor methods and
+operators) through ``torch.overrides.TorchFunctionMode``; nothing in torch is monkeypatched.
+
+Each captured call is named ``<calling module path>/<api name>.<n>``: the calling module is the
+innermost module whose forward is running (the module hooks keep the stack), ``n`` counts calls of
+that api within that module within the step. Operator dunders are named like the function they
+compute (``a @ b`` -> ``matmul``, ``a + b`` / ``b + a`` -> ``add``, ``a += b`` -> ``add_``), so
+``x.add(y)``, ``torch.add(x, y)`` and ``x + y`` line up across two dumps.
+
+Passed through without a record (documented in ``SKIPPED``): metadata queries (``size``, ``dim``,
+property reads via ``__get__``...), host conversions (``item``, ``tolist``), and pure layout/view
+ops (``view``, ``reshape``, ``transpose``, ``__getitem__``, ``contiguous``...). Layout ops move no
+arithmetic, so they cannot introduce a numerical error; skipping them keeps API mode cheap. Only
+tensor arguments of an API call are recorded (scalars such as ``dim=-1`` are not), and
+parameters passed to an op (``F.linear``'s weight) are recorded by dtype and shape only: they do
+not change between steps, ``dump_weight`` writes them once.
+
+While an op runs inside ``__torch_function__`` the mode is popped, so torch functions that call
+other torch functions are captured once, at the outermost call, and our own copies never recurse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from llmflow.dump.hooks import DumpHandle
+
+SKIPPED = frozenset("""
+    __get__ __set__ __delete__ size dim ndimension numel nelement stride storage_offset is_contiguous
+    data_ptr element_size is_floating_point is_complex is_signed get_device __len__ __iter__ __bool__
+    __format__ __repr__ __hash__ __index__ __int__ __float__ __reduce_ex__ __deepcopy__ __setstate__
+    __array__ __contains__ __dlpack__ item tolist type untyped_storage requires_grad_ is_nonzero
+    view view_as reshape reshape_as transpose transpose_ permute t unsqueeze squeeze expand expand_as
+    flatten unflatten narrow contiguous __getitem__ __setitem__ split chunk unbind select detach
+    clone is_inference is_same_size dim_order numpy cpu cuda npu pin_memory share_memory_
+    __torch_function__ _is_view has_names
+""".split())
+# dunder operators whose reflected (__r*__) and in-place (__i*__) forms map back to one name
+_OPERATORS = frozenset("""add sub mul matmul truediv floordiv mod pow and or xor lshift rshift
+                          div""".split())
+_RENAME = {"truediv": "div", "neg": "neg", "invert": "bitwise_not", "lt": "lt", "le": "le",
+           "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "abs": "abs", "pos": "positive"}
+
+
+def api_name(func: Callable[..., Any]) -> str | None:
+    """The recorded name of a torch callable, or None for calls that are passed through."""
+    name = getattr(func, "__name__", None) or str(func)
+    if name in SKIPPED or (name.startswith("_") and not name.startswith("__")):
+        return None  # private helpers (_set_grad_enabled, ...) are bookkeeping, not arithmetic
+    if name.startswith("__") and name.endswith("__"):
+        core = name[2:-2]
+        suffix = ""
+        if core not in _OPERATORS and core not in _RENAME:
+            if core[:1] == "r" and core[1:] in _OPERATORS:
+                core = core[1:]
+            elif core[:1] == "i" and core[1:] in _OPERATORS:
+                core, suffix = core[1:], "_"
+            else:
+                return None  # other dunders (__reduce__, __setstate__...) compute nothing
+        return _RENAME.get(core, core) + suffix
+    return name
+
+
+class ApiCaptureMode(TorchFunctionMode):
+    """Records every computing torch call made while a dumped step runs."""
+
+    def __init__(self, handle: DumpHandle):
+        super().__init__()
+        self.handle = handle
+        self._names: dict[Any, str | None] = {}
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            name = self._names[func]
+        except (KeyError, TypeError):
+            name = api_name(func)
+            try:
+                self._names[func] = name
+            except TypeError:  # an unhashable callable: name it every time
+                pass
+        session = self.handle.session
+        if name is None or session is None or not session.active:
+            return func(*args, **kwargs)
+        stack = self.handle.stack
+        module = stack[-1] if stack else ""
+        config = session.config
+        if not config.wants_name(module):
+            return func(*args, **kwargs)
+        key = f"{module}/{name}"
+        n = session.api_counts.get(key, 0)
+        session.api_counts[key] = n + 1
+        full = f"{key}.{n}"
+        session.exec_order.append(full)
+        if config.tensor_part != 1:
+            session.record_call(full, "input", args, kwargs, "api", name, tensors_only=True)
+        out = func(*args, **kwargs)
+        if config.tensor_part != 0:
+            session.record_output(full, out, "api", name, tensors_only=True)
+        return out

@@ -1,0 +1,260 @@
+"""One dump being written: step bookkeeping, what to keep, and faithful copies of tensors.
+
+A ``DumpSession`` is one dump directory (one dialogue turn). The hooks (``hooks.py``) and the API
+mode (``api.py``) call ``record`` with whatever a module or op saw; the session decides whether
+the current step is dumped, walks nested values into ``Entry`` rows, copies each tensor *at
+capture time* (so later in-place ops cannot change the dump) and hands it to the background
+writer. Copies to the host are non-blocking on accelerators; statistics are reduced on the
+tensor's device and read back by the writer thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmflow.dump.config import DumpConfig
+from llmflow.dump.topology import module_tree
+from llmflow.dump.writer import SAME_AS, AsyncWriter
+from llmflow.formats.base import Entry
+from llmflow.formats.llmflow_dump import ENV_FILE, SAFETENSORS_DTYPES, TOPOLOGY_FILE, DumpDirWriter
+
+log = logging.getLogger("llmflow.dump")
+_SIMPLE = (type(None), bool, int, float, str)
+_STATS_ENTRY_BYTES = 256  # what a statistics-only entry costs on disk, roughly (index line)
+_MAX_DEPTH = 6
+
+
+def current_rank() -> int:
+    """torch.distributed's rank when initialised, else $RANK / $LOCAL_RANK, else 0."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    for var in ("RANK", "LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class DumpSession:
+    """Writes one dump directory; the hooks drive it step by step."""
+
+    def __init__(self, dump_dir: str | Path, config: DumpConfig, model: torch.nn.Module,
+                 env: dict[str, Any] | None = None):
+        self.config = config
+        self.dump_dir = Path(dump_dir)
+        self.rank = current_rank()
+        self.statistics = config.data_mode == "statistics"
+        disk = DumpDirWriter(self.dump_dir, self.rank,
+                             meta={"data_mode": config.data_mode, "config": config.to_json()})
+        self.writer = AsyncWriter(disk, crc32=config.crc32)
+        if self.rank == 0 or not (self.dump_dir / TOPOLOGY_FILE).exists():
+            disk.write_json(TOPOLOGY_FILE, module_tree(model))
+            if env is not None:
+                disk.write_json(ENV_FILE, env)
+        self.step = -1
+        self.active = False  # is the current step dumped?
+        self.order = 0
+        self.exec_order: list[str] = []
+        self.api_counts: dict[str, int] = {}
+        self.bytes = 0
+        self.entries = 0
+        self.stopped: str | None = None  # why capture stopped early (max_bytes)
+        self.closed = False
+        # id(tensor) -> (weakref, version, entry, key) of the tensors captured this step
+        self._seen: dict[int, tuple[Any, int, Entry, str]] = {}
+        if config.dump_weight:
+            self._write_weights(model)
+
+    # -- steps --------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.step += 1
+        self.order = 0
+        self.exec_order = []
+        self.api_counts.clear()
+        self._seen.clear()
+        self.active = self.stopped is None and self.config.wants_step(self.step)
+
+    def end_step(self) -> None:
+        self.writer.end_step(self.step, self.exec_order if self.active else None)
+        self.active = False
+
+    def close(self, complete: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.writer.close(complete=complete, steps=self.step + 1, truncated=self.stopped is not None,
+                          stop_reason=self.stopped)
+        if self.stopped:
+            self.writer.disk.update_rank_meta(truncated=True, stop_reason=self.stopped)
+
+    # -- recording ----------------------------------------------------------------------------
+    def record_call(self, name: str, kind: str, args: tuple, kwargs: dict | None, level: str,
+                    module_type: str | None, tensors_only: bool = False) -> None:
+        """Inputs of a call: positional ``"0"``, ``"1"``..., keyword ``"kw:<name>"``."""
+        with torch._C.DisableTorchFunction():  # our own ops must not show up in API mode
+            for i, a in enumerate(args):
+                self._walk(name, kind, str(i), a, level, module_type, tensors_only, 0)
+            for k, v in (kwargs or {}).items():
+                self._walk(name, kind, f"kw:{k}", v, level, module_type, tensors_only, 0)
+
+    def record_output(self, name: str, output: Any, level: str, module_type: str | None,
+                      tensors_only: bool = False) -> None:
+        """Outputs of a call: a tensor is ``"0"``; tuples ``"0"``, ``"1"``...; dicts by key."""
+        with torch._C.DisableTorchFunction():
+            if isinstance(output, (tuple, list)):
+                for i, v in enumerate(output):
+                    self._walk(name, "output", str(i), v, level, module_type, tensors_only, 0)
+            elif isinstance(output, dict):
+                for k, v in output.items():
+                    self._walk(name, "output", str(k), v, level, module_type, tensors_only, 0)
+            else:
+                self._walk(name, "output", "0", output, level, module_type, tensors_only, 0)
+
+    def record_logits(self, logits: torch.Tensor) -> None:
+        """The last position's logits as float32: ``name="logits"``, level logits, every step."""
+        if self.stopped is not None:
+            return
+        with torch._C.DisableTorchFunction():
+            last = logits[:, -1, :] if logits.dim() == 3 else logits
+            # full data even in statistics mode: compare and bisect need every step's logits
+            self._tensor("logits", "output", "0", last.to(torch.float32), "logits", None, dedup=False,
+                         always_data=True)
+
+    def _walk(self, name: str, kind: str, index: str, value: Any, level: str,
+              module_type: str | None, tensors_only: bool, depth: int) -> None:
+        if isinstance(value, torch.nn.Parameter) and self.stopped is None:
+            # a weight handed to an op: the same every step, so shape and dtype only (dump_weight
+            # writes the bytes once)
+            entry = Entry(self.step, self.rank, name, kind, index, level, self._next_order(),
+                          shape=tuple(value.shape), module_type=module_type, has_data=False,
+                          pytype="Parameter", extra={"param_dtype": dtype_name(value.dtype)})
+            self.writer.submit(entry)
+            self.entries += 1
+        elif isinstance(value, torch.Tensor):
+            self._tensor(name, kind, index, value, level, module_type)
+        elif isinstance(value, (tuple, list)) and depth < _MAX_DEPTH:
+            for i, v in enumerate(value):
+                self._walk(name, kind, f"{index}.{i}", v, level, module_type, tensors_only, depth + 1)
+        elif isinstance(value, dict) and depth < _MAX_DEPTH:
+            for k, v in value.items():
+                self._walk(name, kind, f"{index}.{k}", v, level, module_type, tensors_only, depth + 1)
+        elif not tensors_only and self.stopped is None:
+            simple = isinstance(value, _SIMPLE) and (not isinstance(value, str) or len(value) < 256)
+            entry = Entry(self.step, self.rank, name, kind, index, level, self._next_order(),
+                          module_type=module_type, has_data=False,
+                          value=value if simple else None, pytype=type(value).__name__)
+            self.writer.submit(entry)
+            self.entries += 1
+
+    def _tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
+                module_type: str | None, dedup: bool = True, step: int | None = None,
+                always_data: bool = False) -> None:
+        stats_only = self.statistics and not always_data
+        if self.stopped is not None:
+            return
+        orig = t  # look up and remember the caller's object: detach() makes a new one each call
+        t = t.detach()
+        order = self._next_order() if step is None else self.entries
+        step = self.step if step is None else step
+        seen = self._seen.get(id(orig))
+        if seen is not None and seen[0]() is orig and seen[1] == _version(t):
+            # the same tensor, unchanged (same version counter), already captured this step:
+            # point at the first copy instead of copying again (layer outputs are the next
+            # layer's inputs, q/k/v_proj share one input, cos/sin go to every layer)
+            first: Entry = seen[2]
+            entry = Entry(step, self.rank, name, kind, index, level, order, dtype=first.dtype,
+                          shape=first.shape, module_type=module_type, has_data=first.has_data,
+                          key=seen[3])
+            self.writer.submit(entry, (SAME_AS, first) if stats_only else None)
+            self.entries += 1
+            return
+        data_bytes = t.numel() * t.element_size()
+        nbytes = _STATS_ENTRY_BYTES if stats_only else data_bytes
+        if self.config.max_bytes is not None and self.bytes + nbytes > self.config.max_bytes:
+            self._stop(f"max_bytes={self.config.max_bytes} reached at step {self.step} "
+                       f"({self.bytes} bytes dumped); dumping stopped, the dump holds what came before")
+            return
+        self.bytes += nbytes
+        self.entries += 1
+        entry = Entry(step, self.rank, name, kind, index, level, order, dtype=dtype_name(t.dtype),
+                      shape=tuple(t.shape), module_type=module_type, has_data=not stats_only,
+                      key=str(self.entries))
+        if entry.has_data and t.dtype not in SAFETENSORS_DTYPES:
+            entry.has_data = False  # e.g. complex128: safetensors has no code for it
+            entry.extra["not_stored"] = f"safetensors cannot store {entry.dtype}"
+            self.writer.submit(entry)
+            return
+        if stats_only:  # a copy on the device: the writer reduces it, batched
+            payload, event = device_copy(t)
+        else:
+            payload, event = host_copy(t)
+        version = _version(t)
+        if step >= 0 and version is not None and dedup:
+            try:
+                self._seen[id(orig)] = (weakref.ref(orig), version, entry, entry.key)
+            except TypeError:  # a tensor type without weak references: no de-duplication
+                pass
+        self.writer.submit(entry, payload, event, nbytes=data_bytes)
+
+    def _next_order(self) -> int:
+        self.order += 1
+        return self.order - 1
+
+    def _stop(self, reason: str) -> None:
+        self.stopped = reason
+        self.active = False
+        log.warning("llmflow dump %s: %s", self.dump_dir, reason)
+        self.writer.disk.rank_meta.update(truncated=True, stop_reason=reason)
+
+    def _write_weights(self, model: torch.nn.Module) -> None:
+        """Every parameter once: kind weight, step -1, name = the parameter's full name."""
+        with torch._C.DisableTorchFunction():
+            for name, p in model.named_parameters():
+                if self.config.wants_name(name):
+                    self._tensor(name, "weight", "0", p, "weight", None, step=-1)
+        self.writer.end_step(-1)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter; None for inference tensors, which have none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def device_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A contiguous copy of ``t`` on its own device, plus an event the writer waits on."""
+    copy = t.clone(memory_format=torch.contiguous_format)
+    if t.device.type == "cpu":
+        return copy, None
+    event = getattr(torch, t.device.type).Event()
+    event.record()
+    return copy, event
+
+
+def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A contiguous CPU copy of ``t`` as of now, plus an event to wait on before reading it.
+
+    On CPU this is a plain copy. On an accelerator it is a non-blocking copy into pinned memory
+    queued on the current stream, so the forward pass does not wait for it; kernels queued later
+    (in-place ops included) run after the copy, which keeps the dump bit-identical.
+    """
+    if t.device.type == "cpu":
+        return t.clone(memory_format=torch.contiguous_format), None
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    buf.copy_(t, non_blocking=True)
+    backend = getattr(torch, t.device.type)
+    event = backend.Event()
+    event.record()
+    return buf, event

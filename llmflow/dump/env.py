@@ -1,0 +1,84 @@
+"""The environment a dump was taken in (env.json): what env-check diffs between two dumps.
+
+Flat-ish on purpose: ``{"versions", "env_vars", "torch_settings", "model_config", "generation",
+"seed", "tokenizer"}``, each a flat dict of JSON values (model_config is the HF config's
+``to_dict()``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any
+
+import torch
+
+ENV_PREFIXES = ("ATB_", "HCCL_", "LCCL_", "ASCEND_", "CUDA_", "CUBLAS_", "TORCH_")
+ENV_NAMES = ("NVIDIA_TF32_OVERRIDE", "PYTHONHASHSEED", "OMP_NUM_THREADS")
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def collect_env(model: torch.nn.Module | None = None, *, generation: dict[str, Any] | None = None,
+                tokenizer: Any = None, seed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything about this process that can change a model's numbers."""
+    versions = {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": _version("transformers"), "torch_npu": _version("torch_npu"),
+        "llmflow": _version("llmflow"), "cuda": torch.version.cuda,
+        "platform": platform.platform(), "executable": sys.executable,
+    }
+    env_vars = {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    settings: dict[str, Any] = {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "num_threads": torch.get_num_threads(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "cuda_matmul_allow_bf16_reduced_precision":
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        "cuda_matmul_allow_fp16_reduced_precision":
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+    }
+    model_config: dict[str, Any] = {}
+    if model is not None:
+        first = next(model.parameters(), None)
+        if first is not None:
+            settings["model_dtype"] = str(first.dtype).removeprefix("torch.")
+            settings["model_device"] = str(first.device)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            model_config = _jsonable(config.to_dict())
+        model_config.setdefault("model_class", type(model).__name__)
+    tok: dict[str, Any] = {}
+    if tokenizer is not None:
+        tok = {"class": type(tokenizer).__name__,
+               "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
+               "vocab_size": getattr(tokenizer, "vocab_size", None),
+               "has_chat_template": bool(getattr(tokenizer, "chat_template", None))}
+    return {"versions": versions, "env_vars": env_vars, "torch_settings": settings,
+            "model_config": model_config, "generation": _jsonable(generation or {}),
+            "seed": _jsonable(seed or {}), "tokenizer": tok}
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON values: dtypes and other objects become strings."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

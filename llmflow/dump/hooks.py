@@ -1,0 +1,235 @@
+"""``register_hook``, ``set_dump_path`` and ``save``: the msit llm compatible entry points.
+
+Steps: every forward call of the root module is one step (prefill = 0, then one per decode step).
+Dialogue turns: a root call that starts a new sequence (an empty KV cache, or without a cache,
+input ids that do not extend the previous call's) closes the current dump and opens the next, so
+two prompts in one process give two dumps. Folders: the k-th turn since the last
+``set_dump_path`` (or since ``register_hook``) goes to ``<dump_path>/<dump_tag>`` for k = 0 and
+``<dump_path>/<dump_tag>_<k>`` after that; each holds one ``rank{R}`` folder per rank.
+
+The root module's own inputs and outputs are not dumped, except its logits (level ``logits``).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmflow.dump.api import ApiCaptureMode
+from llmflow.dump.capture import DumpSession
+from llmflow.dump.config import DumpConfig
+from llmflow.errors import UserError
+from llmflow.models import logits_of
+
+log = logging.getLogger("llmflow.dump")
+DEFAULT_TAG = "llmflow_dump"
+_PATH: dict[str, Any] = {"dump_path": None, "dump_tag": DEFAULT_TAG, "serial": 0}
+_HANDLES: weakref.WeakSet[DumpHandle] = weakref.WeakSet()
+
+
+class DumpHandle:
+    """The hooks on one model. ``remove()`` takes them all away and closes the open dump."""
+
+    def __init__(self, model: torch.nn.Module, config: DumpConfig, *, exact_dir: str | Path | None = None,
+                 env_factory: Callable[[], dict[str, Any]] | None = None):
+        self.model = model
+        self.config = config
+        self.exact_dir = Path(exact_dir) if exact_dir is not None else None
+        self.env_factory = env_factory
+        self.session: DumpSession | None = None
+        self.dumps: list[Path] = []  # every dump directory this handle has written
+        self.stack: list[str] = []  # modules whose forward is running, innermost last
+        self._turn = 0
+        self._path_serial = _PATH["serial"]
+        self._prev_ids: torch.Tensor | None = None
+        self._api = ApiCaptureMode(self) if config.dump_apis else None
+        self._api_entered = False
+        self._hooks: list[Any] = []
+        self.on_step: Callable[[int], None] | None = None  # progress callback after each step
+        self.enabled = _device_matches(model, config.device_id)
+        if self.enabled:
+            self._install()
+        _HANDLES.add(self)
+
+    # -- installation -------------------------------------------------------------------------
+    def _install(self) -> None:
+        m = self.model
+        self._hooks.append(m.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._hooks.append(m.register_forward_hook(self._root_post, with_kwargs=True, always_call=True))
+        cfg = self.config
+        for name, sub in m.named_modules():
+            if sub is m:
+                continue
+            mtype = type(sub).__name__
+            dumped = cfg.dump_modules and cfg.wants_module(name, mtype)
+            if not dumped and self._api is None:
+                continue  # neither dumped nor needed for API naming: no hook, no cost
+            self._hooks.append(sub.register_forward_pre_hook(
+                self._make_pre(name, mtype, dumped), with_kwargs=True))
+            self._hooks.append(sub.register_forward_hook(
+                self._make_post(name, mtype, dumped), with_kwargs=True, always_call=True))
+
+    def _make_pre(self, name: str, mtype: str, dumped: bool) -> Callable[..., None]:
+        want_inputs = dumped and self.config.tensor_part != 1
+
+        def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            self.stack.append(name)
+            s = self.session
+            if s is not None and s.active:
+                s.exec_order.append(name)
+                if want_inputs:
+                    s.record_call(name, "input", args, kwargs, "module", mtype)
+        return pre
+
+    def _make_post(self, name: str, mtype: str, dumped: bool) -> Callable[..., None]:
+        want_outputs = dumped and self.config.tensor_part != 0
+
+        def post(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self.stack and self.stack[-1] == name:
+                self.stack.pop()
+            s = self.session
+            if want_outputs and s is not None and s.active:
+                s.record_output(name, output, "module", mtype)
+        return post
+
+    # -- the root: steps and turns ------------------------------------------------------------
+    def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self.stack.clear()
+        new = self._new_sequence(args, kwargs)
+        fresh = self.session is not None and self.session.step < 0  # opened, no step yet
+        if self.session is None or self._path_serial != _PATH["serial"] or (new and not fresh):
+            self.open_next()
+        assert self.session is not None
+        self.session.begin_step()
+        if self._api is not None and self.session.active:
+            self._api.__enter__()
+            self._api_entered = True
+
+    def _root_post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._api_entered:
+            self._api.__exit__(None, None, None)  # type: ignore[union-attr]
+            self._api_entered = False
+        s = self.session
+        if s is None:
+            return
+        if self.config.logits and output is not None:
+            try:
+                logits = logits_of(output)
+            except TypeError:
+                logits = None
+            if logits is not None:
+                s.record_logits(logits)
+        s.end_step()
+        if self.on_step is not None:
+            self.on_step(s.step)
+
+    def _new_sequence(self, args: tuple, kwargs: dict) -> bool:
+        """Does this root call start a new sequence (a new prompt) rather than continue one?"""
+        cache = kwargs.get("past_key_values")
+        if cache is not None and hasattr(cache, "get_seq_length"):
+            return int(cache.get_seq_length()) == 0
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+            return False
+        prev, self._prev_ids = self._prev_ids, ids.detach().clone()
+        if cache is not None or kwargs.get("use_cache"):
+            return False  # a cache we cannot query: treat it as one sequence
+        n = prev.shape[1] if prev is not None else 0
+        return prev is None or ids.shape[1] <= n or not torch.equal(ids[:, :n], prev)
+
+    def open_next(self) -> None:
+        """Close the current dump (if any) and open the next turn's."""
+        if self.session is not None:
+            self.session.close()
+        if self._path_serial != _PATH["serial"]:
+            self._path_serial, self._turn = _PATH["serial"], 0
+        if self.exact_dir is not None:
+            target = self.exact_dir if self._turn == 0 else Path(f"{self.exact_dir}_{self._turn}")
+        else:
+            base = Path(_PATH["dump_path"] if _PATH["dump_path"] is not None else self.config.dump_path)
+            tag = _PATH["dump_tag"] + (f"_{self._turn}" if self._turn else "")
+            target = base / tag
+        self._turn += 1
+        env = self.env_factory() if self.env_factory else _default_env(self.model)
+        self.session = DumpSession(target, self.config, self.model, env=env)
+        self.dumps.append(target)
+        log.info("llmflow: dumping rank %d to %s", self.session.rank, target)
+
+    def close_session(self) -> None:
+        """Finish the current dump (complete); the next forward opens a new one."""
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+    def remove(self) -> None:
+        """Remove every hook and close the open dump."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._api_entered:
+            self._api.__exit__(None, None, None)  # type: ignore[union-attr]
+            self._api_entered = False
+        self.close_session()
+        _HANDLES.discard(self)
+
+
+def _device_matches(model: torch.nn.Module, device_id: int | None) -> bool:
+    if device_id is None:
+        return True
+    p = next(model.parameters(), None)
+    index = (p.device.index if p is not None and p.device.index is not None else 0)
+    return index == device_id
+
+
+def _default_env(model: torch.nn.Module) -> dict[str, Any]:
+    from llmflow.dump.env import collect_env
+
+    return collect_env(model)
+
+
+def register_hook(model: torch.nn.Module, config: DumpConfig, hook_type: str = "dump_data") -> DumpHandle:
+    """Hook ``model`` so its forward calls are dumped as ``config`` says (msit llm signature)."""
+    if hook_type != "dump_data":
+        raise UserError(f"register_hook: hook_type {hook_type!r} is not supported (only 'dump_data')")
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"register_hook: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(config, DumpConfig):
+        raise UserError(f"register_hook: config must be a DumpConfig, got {type(config).__name__}")
+    if config.seed is not None:
+        from llmflow.seeding import seed_all
+
+        seed_all(config.seed)
+    return DumpHandle(model, config)
+
+
+def set_dump_path(dump_path: str = ".", dump_tag: str = "msit_dump", backend: str = "pt") -> None:
+    """Send the next dump to ``<dump_path>/<dump_tag>`` (msit llm signature).
+
+    Open dumps are closed, so calling this before each dialogue turn gives one folder per turn.
+    """
+    if backend != "pt":
+        raise UserError(f"set_dump_path: backend {backend!r} is not supported: llmflow dumps torch "
+                        "models ('pt'); read ATB dumps with the 'atb' format instead")
+    if not dump_tag or "/" in dump_tag or dump_tag in (".", ".."):
+        raise UserError(f"set_dump_path: dump_tag {dump_tag!r} must be a plain folder name")
+    _PATH.update(dump_path=str(dump_path), dump_tag=dump_tag, serial=_PATH["serial"] + 1)
+    for handle in list(_HANDLES):
+        handle.close_session()
+
+
+def save(name: str, value: Any) -> bool:
+    """Record ``value`` (a tensor, or nested lists/dicts of them) into the current step of the
+    active dump (level ``save``). Returns False, with a warning, when no dump is open."""
+    for handle in list(_HANDLES):
+        s = handle.session
+        if s is not None and not s.closed:
+            s.record_output(str(name), value, "save", None)
+            return True
+    log.warning("llmflow.save(%r): no dump is open (call it during a hooked model's run)", name)
+    return False
+

@@ -1,0 +1,106 @@
+"""The dump stage's subprocess: ``python -m llmflow.dump.worker <args.json> <result.json>``.
+
+Running each dump in a fresh process means a golden and a target dump share no state (seeded
+generators, determinism flags, monkeypatches, device memory). The worker applies the seed
+settings, loads the model, encodes the prompt, dumps a greedy generation and writes:
+
+* ``result.json``: ``{"output_ids", "text", "bytes", "entries", "steps", "prompt_tokens"}`` on
+  success; ``{"error": "<one-line message>"}`` with exit status 2 on a user error;
+* ``<dump_dir>/../generation.json``: prompt, input_ids, output_ids, text;
+* progress lines ``LLMFLOW_STEP <n>`` on stdout, one per generated step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from llmflow.errors import UserError
+
+PROGRESS_PREFIX = "LLMFLOW_STEP "
+
+
+def config_from_params(params: dict[str, Any], dump_dir: str):
+    """The DumpConfig a dump stage's parameters describe (mode "none" = logits only)."""
+    from llmflow.dump.config import DumpConfig
+
+    return DumpConfig(
+        dump_path=dump_dir, token_range=params.get("token_range", [0]),
+        module_list=list(params.get("module_list") or []), tensor_part=params.get("tensor_part", 2),
+        dump_last_logits=bool(params.get("dump_last_logits", False)), mode=params.get("mode", "module"),
+        dump_weight=bool(params.get("dump_weight", False)), layer_name=params.get("layer_name"),
+        data_mode=params.get("data_mode", "tensor"), max_bytes=params.get("max_bytes"),
+        crc32=bool(params.get("crc32", False)),
+    )
+
+
+def run(args: dict[str, Any]) -> dict[str, Any]:
+    """Do one dump as described by ``args`` (the stage's params plus dump_dir, base_dir...)."""
+    settings = args.get("seed_settings")
+    if settings:
+        from llmflow.seeding import apply_settings
+
+        settings = apply_settings(settings)
+    from llmflow.dump.run import dump_run
+    from llmflow.models import encode_prompt, load_model
+
+    loaded = load_model(args["model"], device=args.get("device", "cpu"), dtype=args.get("dtype", "float32"),
+                        patch=args.get("patch"), base_dir=args.get("base_dir", "."))
+    prompt = args.get("prompt")
+    if args.get("input_ids") is not None:
+        input_ids = [int(i) for i in args["input_ids"]]
+        field = "input_ids"
+    else:
+        input_ids = encode_prompt(loaded.tokenizer, prompt, bool(args.get("chat_template", True)))
+        field = "prompt"
+    if not input_ids:
+        raise UserError(f"{field}: no tokens to run")
+    max_new = int(args.get("max_new_tokens", 20))
+    context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and len(input_ids) + max_new > context:
+        raise UserError(f"{field}: {len(input_ids)} prompt tokens + max_new_tokens {max_new} exceed the "
+                        f"model's context (max_position_embeddings={context})")
+    vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and any(not 0 <= i < vocab for i in input_ids):
+        raise UserError(f"{field}: token ids must be in [0, {vocab}) for this model")
+    config = config_from_params(args, args["dump_dir"])
+
+    def progress(step: int) -> None:
+        print(f"{PROGRESS_PREFIX}{step}", flush=True)
+
+    generation = {"chat_template": bool(args.get("chat_template", True)), "prompt": prompt,
+                  "model": args["model"], "device": args.get("device", "cpu"),
+                  "dtype": args.get("dtype", "float32"), "patch": args.get("patch")}
+    output_ids = dump_run(loaded, input_ids, max_new, config, seed=settings or {},
+                          generation=generation, on_step=progress)
+    tok = loaded.tokenizer
+    text = tok.decode(output_ids, skip_special_tokens=True) if tok is not None else ""
+    gen_record = {"prompt": prompt, "input_ids": input_ids, "output_ids": output_ids, "text": text}
+    Path(args["generation_file"]).write_text(json.dumps(gen_record, indent=1), encoding="utf-8")
+    ranks = [json.loads(p.read_text()) for p in Path(args["dump_dir"]).glob("rank*/rank.json")]
+    return {"output_ids": output_ids, "text": text, "bytes": _dir_bytes(Path(args["dump_dir"])),
+            "entries": sum(r.get("entries", 0) for r in ranks), "steps": len(output_ids),
+            "prompt_tokens": len(input_ids), "truncated": any(r.get("truncated") for r in ranks)}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args_file, result_file = Path(argv[0]), Path(argv[1])
+    args = json.loads(args_file.read_text(encoding="utf-8"))
+    try:
+        result = run(args)
+    except UserError as exc:
+        result_file.write_text(json.dumps({"error": str(exc)}), encoding="utf-8")
+        return 2
+    result_file.write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The background writer: the forward pass hands over copies, this thread puts them on disk.
+
+The capture side calls ``submit(entry, payload, event)``; ``event`` (if any) says when an
+asynchronous device copy has landed. ``payload`` is:
+
+* tensor mode: a host copy of the tensor, or None for a repeat of a tensor captured earlier in
+  the step (``entry.key`` then names the earlier tensor's key);
+* statistics mode: a copy of the tensor on its device (the statistics of a whole batch are
+  computed here, see ``stats.batched_stats``), or ``(SAME_AS, first_entry)`` for a repeat;
+* None for entries without data (non-tensor values, parameters).
+
+To keep the forward thread fast, ``submit`` only appends to a deque (atomic under the GIL) and
+wakes the thread at step ends or when more than ``wake_bytes`` are waiting; the thread then
+works through the backlog in bulk: tensors are collected into one safetensors file per step (or
+per ``batch_bytes``), device statistics are read back with one transfer, and the index lines are
+appended after their data file is in place. ``submit`` blocks while more than
+``max_pending_bytes`` are queued, which bounds memory. An exception in the thread is re-raised
+by the next ``submit``/``end_step``/``close``, so a full disk is reported, not swallowed.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections import deque
+from typing import Any
+
+import torch
+
+from llmflow.dump.stats import batched_stats
+from llmflow.formats.base import Entry
+from llmflow.formats.llmflow_dump import DumpDirWriter
+
+_STEP_END = object()
+_CLOSE = object()
+SAME_AS = "same-as"
+
+
+class AsyncWriter:
+    """Owns a ``DumpDirWriter`` and feeds it from a daemon thread."""
+
+    def __init__(self, disk: DumpDirWriter, *, crc32: bool = False, batch_bytes: int = 64 << 20,
+                 wake_bytes: int = 16 << 20, max_pending_bytes: int = 512 << 20):
+        self.disk = disk
+        self.crc32 = crc32
+        self.batch_bytes = batch_bytes
+        self.wake_bytes = wake_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self._queue: deque[tuple[Any, Any, Any, int]] = deque()
+        self._cond = threading.Condition()
+        self._wake = False
+        self._produced = 0  # bytes submitted (written by the producer only)
+        self._consumed = 0  # bytes processed (written by the writer thread only)
+        self._error: BaseException | None = None
+        self._batch: dict[str, torch.Tensor] = {}
+        self._batch_entries: list[Entry] = []
+        self._batch_size = 0
+        self._files: dict[str, str] = {}  # tensor key -> data file, for repeats after a flush
+        self._stats: list[tuple[Entry, Any]] = []  # statistics-mode entries awaiting their stats
+        self._stats_bytes = 0
+        self._thread = threading.Thread(target=self._loop, name="llmflow-dump-writer", daemon=True)
+        self._thread.start()
+
+    # -- producer side (forward thread) --------------------------------------------------------
+    def submit(self, entry: Entry, payload: Any = None, event: Any = None, nbytes: int = 0) -> None:
+        """Queue one entry (see the module docstring for ``payload``)."""
+        if self._error is not None:
+            self._raise_error()
+        self._queue.append((entry, payload, event, nbytes))
+        if nbytes:
+            self._produced += nbytes
+            pending = self._produced - self._consumed
+            if pending > self.wake_bytes:
+                self._notify()
+                while self._produced - self._consumed > self.max_pending_bytes and self._error is None:
+                    with self._cond:
+                        self._cond.wait(0.01)
+
+    def end_step(self, step: int, order: list[str] | None = None) -> None:
+        """End of a step: its data goes into its own file(s) before the next step's."""
+        self._raise_error()
+        self._queue.append((_STEP_END, step, order, 0))
+        self._notify()
+
+    def close(self, complete: bool = True, **meta: Any) -> None:
+        """Drain the queue, write the last batch, close the files, mark the dump complete."""
+        self._queue.append((_CLOSE, complete, meta, 0))
+        self._notify()
+        self._thread.join()
+        self._raise_error()
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._wake = True
+            self._cond.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"dump writer failed: {self._error}") from self._error
+
+    # -- consumer side (writer thread) ----------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._wake:
+                        self._cond.wait()
+                    self._wake = False
+                while self._queue:
+                    item = self._queue.popleft()
+                    if self._handle(item):
+                        return
+                    if item[3]:
+                        self._consumed += item[3]
+                with self._cond:
+                    self._cond.notify_all()  # a producer may wait for room
+        except BaseException as exc:  # kept and re-raised in the forward thread
+            self._error = exc
+            self._queue.clear()
+            with self._cond:
+                self._cond.notify_all()
+
+    def _handle(self, item: tuple[Any, Any, Any, int]) -> bool:
+        head = item[0]
+        if head is _STEP_END:
+            self._flush()
+            self._files.clear()
+            if item[2] is not None:
+                self.disk.append_order(item[1], item[2])
+            return False
+        if head is _CLOSE:
+            self._flush()
+            self.disk.close(complete=item[1], **item[2])
+            return True
+        entry, payload, event, _ = item
+        if event is not None:
+            event.synchronize()  # the asynchronous device copy has landed
+        if payload is None:
+            if entry.has_data and entry.key in self._files:  # a repeat of a flushed tensor
+                entry.key = f"{self._files[entry.key]}:{entry.key}"
+                self.disk.append_entries([entry])
+            elif entry.has_data:  # a repeat of a tensor still in the batch
+                self._batch_entries.append(entry)
+            else:
+                self.disk.append_entries([entry])
+        elif entry.has_data:
+            self._batch[entry.key] = payload
+            self._batch_entries.append(entry)
+            self._batch_size += payload.numel() * payload.element_size()
+            if self._batch_size >= self.batch_bytes:
+                self._flush()
+        else:  # statistics mode: a device copy, or (SAME_AS, first entry) for a repeat
+            self._stats.append((entry, payload))
+            if isinstance(payload, torch.Tensor):
+                self._stats_bytes += payload.numel() * payload.element_size()
+                if self._stats_bytes >= self.batch_bytes:
+                    self._flush()
+        return False
+
+    def _flush(self) -> None:
+        if self._stats:
+            fresh = [(e, t) for e, t in self._stats if isinstance(t, torch.Tensor)]
+            for (e, t), st in zip(fresh, batched_stats([t for _, t in fresh]), strict=True):
+                e.stats = st
+                if self.crc32:
+                    e.extra["crc32"] = zlib.crc32(_raw_bytes(t))
+            for e, p in self._stats:
+                if not isinstance(p, torch.Tensor):
+                    first = p[1]
+                    e.stats = dict(first.stats) if first.stats is not None else None
+                    if "crc32" in first.extra:
+                        e.extra["crc32"] = first.extra["crc32"]
+            self.disk.append_entries([e for e, _ in self._stats])
+            self._stats, self._stats_bytes = [], 0
+        if self._batch_entries:
+            keys = list(self._batch)
+            files = self.disk.write_batch(self._batch, self._batch_entries)
+            for key in keys:
+                self._files[key] = files
+        self._batch, self._batch_entries, self._batch_size = {}, [], 0
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's bytes in memory order (bf16 and friends via a uint8 view)."""
+    t = t.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""

@@ -1,0 +1,21 @@
+"""The two kinds of failure llmflow tells apart.
+
+A ``UserError`` is the user's to fix (a broken workflow, a wrong path, a corrupt dump, an
+unknown device): the CLI prints its one-line message without a traceback and exits 2.
+Any other exception inside a stage is a stage failure: the stage is marked failed, its
+dependents are skipped, and the CLI exits 1.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input. ``str(err)`` is the whole one-line message.
+
+    Name the file, line or field in the message, e.g. ``"workflow.yaml:12:5: unknown key 'nedds'"``
+    or ``"dump: device 'npu': torch_npu is not installed"``.
+    """
+
+
+class DumpFormatError(UserError):
+    """A dump file or index that cannot be read: truncated, lying header, unknown dtype, unsafe."""

@@ -1,0 +1,38 @@
+"""Dump formats: one reader (and where we write it, one writer) per format.
+
+``open_dump(path)`` tries each registered reader's ``detect`` in order and opens the first match.
+Readers are registered in the ``llmflow.formats`` entry-point group; the built-in ones are listed
+in pyproject.toml like any plugin.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmflow.errors import UserError
+from llmflow.formats.base import DumpReader, Entry
+
+__all__ = ["DumpReader", "Entry", "open_dump", "reader_types"]
+
+
+def reader_types() -> dict[str, type[DumpReader]]:
+    """Format name -> reader class, built-in first, then plugins."""
+    from llmflow.plugins import load_group
+
+    return load_group("llmflow.formats")
+
+
+def open_dump(path: str | Path, format: str | None = None) -> DumpReader:
+    """Open a dump directory (or a single dump file) of any known format."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p}: no such dump file or directory")
+    types = reader_types()
+    if format:
+        if format not in types:
+            raise UserError(f"{p}: unknown dump format {format!r} (known: {', '.join(types)})")
+        return types[format](p)
+    for cls in types.values():
+        if cls.detect(p):
+            return cls(p)
+    raise UserError(f"{p}: not a dump of any known format ({', '.join(types)})")

@@ -1,0 +1,344 @@
+"""llmflow's own dump format: JSON + safetensors, no pickle, readable after a crash.
+
+Layout (see docs/ARCHITECTURE.md)::
+
+  <dump_dir>/llmflow_dump.json        {"format": "llmflow-dump", "version": 1, "complete": bool, ...}
+  <dump_dir>/env.json, topology.json
+  <dump_dir>/rank{R}/rank.json        {"rank": R, "complete": bool, "truncated": bool, ...}
+  <dump_dir>/rank{R}/index.jsonl      one Entry.to_json() per line
+  <dump_dir>/rank{R}/order.jsonl      {"step": s, "order": [...]} execution order, one line per step
+  <dump_dir>/rank{R}/data/NNNNNN.safetensors
+
+Crash tolerance comes from the write order: a batch's safetensors file is written under a
+temporary name and renamed into place *before* the index lines pointing at it are appended, and
+each index line goes out in one write. A killed writer therefore leaves at worst a torn last index
+line (ignored here) and an orphan temporary file (never referenced). ``complete`` turns true only
+when the writer closes cleanly.
+
+``DumpDirWriter`` is the synchronous on-disk writer; ``llmflow.dump.writer`` drives it from a
+background thread. ``LlmflowDumpReader`` reads it with nothing but ``json`` and ``safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmflow.errors import DumpFormatError, UserError
+from llmflow.formats.base import DumpReader, Entry
+
+FORMAT = "llmflow-dump"
+VERSION = 1
+META_FILE = "llmflow_dump.json"
+ENV_FILE = "env.json"
+TOPOLOGY_FILE = "topology.json"
+_RANK_DIR = re.compile(r"^rank(\d+)$")
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to ``path`` via a temporary file + rename: readers see old or new, never half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, default=str, allow_nan=True))
+    os.replace(tmp, path)
+
+
+_FIELDS = tuple(Entry.__dataclass_fields__)
+_enc = json.encoder.encode_basestring  # type: ignore[attr-defined]
+
+
+def _s(v: str | None) -> str:
+    return "null" if v is None else _enc(v)
+
+
+def _f(v: float) -> str:
+    if v != v:
+        return "NaN"
+    if v in (math.inf, -math.inf):
+        return "Infinity" if v > 0 else "-Infinity"
+    return repr(float(v))
+
+
+def entry_line(e: Entry) -> str:
+    """``json.dumps(e.to_json())`` plus a newline, written by hand: the writer thread formats
+    thousands of these per step, and ``asdict`` + ``json.dumps`` is 5x slower."""
+    if tuple(e.__dict__) != _FIELDS:  # a subclass or an extended Entry: take the general road
+        return json.dumps(e.to_json(), default=str, allow_nan=True) + "\n"
+    shape = "null" if e.shape is None else "[" + ", ".join(str(int(d)) for d in e.shape) + "]"
+    stats = ("null" if e.stats is None else
+             "{" + ", ".join(f"{_enc(k)}: {_f(v)}" for k, v in e.stats.items()) + "}")
+    value = ("null" if e.value is None else
+             json.dumps(e.value, default=str, allow_nan=True))
+    extra = "{}" if not e.extra else json.dumps(e.extra, default=str, allow_nan=True)
+    return (f'{{"step": {int(e.step)}, "rank": {int(e.rank)}, "name": {_enc(e.name)}, '
+            f'"kind": {_enc(e.kind)}, "index": {_enc(e.index)}, "level": {_enc(e.level)}, '
+            f'"order": {int(e.order)}, "dtype": {_s(e.dtype)}, "shape": {shape}, '
+            f'"module_type": {_s(e.module_type)}, "stats": {stats}, '
+            f'"has_data": {"true" if e.has_data else "false"}, "value": {value}, '
+            f'"pytype": {_s(e.pytype)}, "key": {_enc(e.key)}, "extra": {extra}}}\n')
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.complex64: "C64",
+    **{getattr(torch, n): code for n, code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
+                                               ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"))
+       if hasattr(torch, n)},
+}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write CPU tensors as one safetensors file, streaming each tensor's memory (no extra copy).
+
+    The same bytes ``safetensors.torch.save_file`` writes, minus its per-tensor ``tobytes`` copy
+    and shared-storage checks (our tensors are private copies).
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for t in tensors.values():
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+class DumpDirWriter:
+    """Writes one rank of one dump directory. Not thread-safe: one writer thread owns it."""
+
+    def __init__(self, dump_dir: str | Path, rank: int = 0, meta: dict[str, Any] | None = None):
+        self.dump_dir = Path(dump_dir)
+        self.rank = rank
+        self.rank_dir = self.dump_dir / f"rank{rank}"
+        try:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            if self.rank_dir.exists():  # a previous dump of this rank here: replace it, like msit
+                for old in sorted(self.rank_dir.rglob("*"), reverse=True):
+                    old.rmdir() if old.is_dir() else old.unlink()
+            (self.rank_dir / "data").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"dump_path {str(self.dump_dir)!r}: cannot write a dump there: "
+                            f"{exc.strerror or exc}") from exc
+        self.meta = {"format": FORMAT, "version": VERSION, "complete": False,
+                     "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **(meta or {})}
+        self.rank_meta: dict[str, Any] = {"rank": rank, "complete": False, "truncated": False}
+        self._index = open(self.rank_dir / "index.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._order = open(self.rank_dir / "order.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._batch_no = 0
+        self.bytes_written = 0
+        self.entries_written = 0
+        write_json_atomic(self.rank_dir / "rank.json", self.rank_meta)
+        # rank 0 owns the top-level file; another rank writes it only when rank 0 has not (yet)
+        if rank == 0 or not (self.dump_dir / META_FILE).exists():
+            write_json_atomic(self.dump_dir / META_FILE, self.meta)
+
+    def write_batch(self, tensors: dict[str, torch.Tensor], entries: list[Entry]) -> str:
+        """Write tensors to the next data file, then append the entries that point at them.
+
+        ``entry.key`` must hold the tensor's key in ``tensors`` (several entries may share one);
+        it is rewritten to ``rank{R}/data/NNNNNN.safetensors:<key>``. Returns that file's
+        dump-relative path.
+        """
+        rel = ""
+        if tensors:
+            name = f"{self._batch_no:06d}.safetensors"
+            self._batch_no += 1
+            final = self.rank_dir / "data" / name
+            tmp = final.with_name(name + ".tmp")
+            write_safetensors(tmp, tensors)
+            os.replace(tmp, final)
+            self.bytes_written += final.stat().st_size
+            rel = f"rank{self.rank}/data/{name}"
+            for e in entries:
+                if e.has_data:
+                    e.key = f"{rel}:{e.key}"
+        self.append_entries(entries)
+        return rel
+
+    def append_entries(self, entries: list[Entry]) -> None:
+        """Append index lines (entries without data, or whose data is already on disk)."""
+        if not entries:
+            return
+        text = "".join(entry_line(e) for e in entries)
+        self._index.write(text)
+        self._index.flush()
+        self.entries_written += len(entries)
+
+    def append_order(self, step: int, order: list[str]) -> None:
+        """Record the execution order of modules and APIs of one step."""
+        self._order.write(json.dumps({"step": step, "order": order}) + "\n")
+        self._order.flush()
+
+    def write_json(self, name: str, obj: Any) -> None:
+        """A top-level JSON file (env.json, topology.json), atomically."""
+        write_json_atomic(self.dump_dir / name, obj)
+
+    def update_rank_meta(self, **fields: Any) -> None:
+        self.rank_meta.update(fields)
+        write_json_atomic(self.rank_dir / "rank.json", self.rank_meta)
+
+    def close(self, complete: bool = True, **meta: Any) -> None:
+        """Close the files; mark the dump complete only when asked (a clean close)."""
+        self._index.close()
+        self._order.close()
+        self.rank_meta.update(complete=complete, bytes=self.bytes_written,
+                              entries=self.entries_written)
+        write_json_atomic(self.rank_dir / "rank.json", self.rank_meta)
+        if self.rank == 0 or not (self.dump_dir / META_FILE).exists():
+            self.meta.update(meta, complete=complete)
+            write_json_atomic(self.dump_dir / META_FILE, self.meta)
+
+
+class LlmflowDumpReader(DumpReader):
+    """Reads an llmflow dump with ``json`` and ``safetensors`` only (never pickle)."""
+
+    format = "llmflow"
+
+    def __init__(self, path: str | Path):
+        p = Path(path)
+        super().__init__(p.parent if p.name == META_FILE else p)
+        self._entries: list[Entry] | None = None
+        self._handles: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "_entries": None, "_handles": {}}
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        p = Path(path)
+        meta = p if p.name == META_FILE else p / META_FILE
+        if not meta.is_file():
+            return False
+        try:
+            return json.loads(meta.read_text()).get("format") == FORMAT
+        except (OSError, ValueError):
+            return False
+
+    def meta(self) -> dict[str, Any]:
+        """llmflow_dump.json, with ``complete`` true only when every rank closed cleanly."""
+        meta = self._read_json(self.path / META_FILE) or {}
+        if meta.get("format") != FORMAT:
+            raise DumpFormatError(f"{self.path / META_FILE}: not an llmflow dump")
+        ranks = [self._read_json(d / "rank.json") or {} for d in self._rank_dirs()]
+        meta["ranks"] = ranks
+        meta["complete"] = bool(meta.get("complete")) and all(r.get("complete") for r in ranks)
+        meta["truncated"] = any(r.get("truncated") for r in ranks)
+        return meta
+
+    def _rank_dirs(self) -> list[Path]:
+        found = [(int(m.group(1)), d) for d in self.path.iterdir()
+                 if d.is_dir() and (m := _RANK_DIR.match(d.name))]
+        return [d for _, d in sorted(found)]
+
+    def entries(self) -> list[Entry]:
+        if self._entries is None:
+            out: list[Entry] = []
+            for rank_dir in self._rank_dirs():
+                out.extend(self._read_index(rank_dir))
+            out.sort(key=lambda e: (e.rank, e.step, e.order))
+            self._entries = out
+        return self._entries
+
+    def _read_index(self, rank_dir: Path) -> list[Entry]:
+        index = rank_dir / "index.jsonl"
+        if not index.is_file():
+            return []
+        lines = index.read_bytes().split(b"\n")
+        out: list[Entry] = []
+        present: dict[str, bool] = {}
+        for no, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                entry = Entry.from_json(json.loads(raw))
+            except (ValueError, TypeError) as exc:
+                if no >= len(lines) - 1:  # the torn last line of a killed writer
+                    break
+                raise DumpFormatError(f"{index}:{no}: corrupt index line ({exc})") from exc
+            if entry.has_data:
+                file_rel = entry.key.rpartition(":")[0]
+                if file_rel not in present:
+                    present[file_rel] = self._data_path(file_rel, index, no).is_file()
+                if not present[file_rel]:
+                    continue  # its data file is gone: the entry cannot be loaded, leave it out
+            out.append(entry)
+        return out
+
+    def _data_path(self, file_rel: str, where: Path | str = "", line: int = 0) -> Path:
+        """The data file of a key, refusing anything that is not a safetensors file in the dump."""
+        path = (self.path / file_rel).resolve()
+        root = self.path.resolve()
+        if not file_rel.endswith(".safetensors") or root not in path.parents:
+            raise DumpFormatError(f"{where}:{line}: data file {file_rel!r} is not a safetensors "
+                                  "file inside the dump")
+        return path
+
+    def load(self, entry: Entry) -> torch.Tensor:
+        if not entry.has_data:
+            raise DumpFormatError(f"{self.path}: entry {entry.name} {entry.kind} {entry.index} "
+                                  f"(step {entry.step}) has no tensor data ({self._why(entry)})")
+        file_rel, _, key = entry.key.rpartition(":")
+        handle = self._handles.get(file_rel)
+        if handle is None:
+            from safetensors import SafetensorError, safe_open
+
+            path = self._data_path(file_rel, self.path / f"rank{entry.rank}" / "index.jsonl")
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as exc:
+                raise DumpFormatError(f"{path}: unreadable safetensors file ({exc})") from exc
+            if len(self._handles) > 64:  # bound the open files on huge dumps
+                self._handles.clear()
+            self._handles[file_rel] = handle
+        try:
+            return handle.get_tensor(key)
+        except Exception as exc:  # safetensors raises its own error types for bad keys
+            raise DumpFormatError(f"{self.path / file_rel}: no tensor {key!r} ({exc})") from exc
+
+    @staticmethod
+    def _why(entry: Entry) -> str:
+        return "statistics-only dump" if entry.dtype is not None else f"a {entry.pytype} value"
+
+    def topology(self) -> dict[str, Any] | None:
+        topo = self._read_json(self.path / TOPOLOGY_FILE)
+        if topo is None:
+            return None
+        if not topo.get("execution"):  # a killed writer never merged order.jsonl: read it here
+            execution: dict[str, dict[str, list[str]]] = {}
+            for rank_dir in self._rank_dirs():
+                rank = rank_dir.name[4:]
+                path = rank_dir / "order.jsonl"
+                for raw in path.read_text().splitlines() if path.is_file() else []:
+                    try:
+                        rec = json.loads(raw)
+                    except ValueError:
+                        break
+                    execution.setdefault(rank, {})[str(rec["step"])] = rec["order"]
+            topo["execution"] = execution
+        return topo
+
+    def env(self) -> dict[str, Any] | None:
+        return self._read_json(self.path / ENV_FILE)
+
+    @staticmethod
+    def _read_json(path: Path) -> Any:
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except ValueError as exc:
+            raise DumpFormatError(f"{path}: not valid JSON ({exc})") from exc

@@ -1,0 +1,319 @@
+"""msit torch dumps (``msit_llm.DumpConfig`` + ``register_hook``), read and written.
+
+Layout (msit_llm/dump/torch_dump, read from its source)::
+
+  {dump_path}/msit_dump_{YYYYmmdd_HHMMSS}/torch_tensors/{device}_{pid}/
+    model_tree.json                     {"name": "root", "type": ..., "children": [...]} (call order)
+    weights/root.model.embed_tokens.weight.pth          (dump_weight=True)
+    {token}/root.model.layers.0.mlp/input_0.pth, input_1.pth ...   positional inputs
+    {token}/root.model.layers.0.mlp/output.pth                     a single-tensor output
+    {token}/root.model.layers.0.self_attn/output_0.pth, output_1_0.pth   tuple (nested) outputs
+    {token}/root.model.layers.0.mlp.linear/...          API mode: ``{calling module}.{api}[.{n}]``
+    {token}/{module}/statistics.csv     NodeName,NodeType,InputOutput,Index,DataType,Shape,Max,Min,Mean,L2Norm
+
+``{device}`` is ``cpu``, ``npu0``, ``cuda1``...; folders are ranks in device-id order. A token
+folder is one forward call of the root module (token 0 is the prefill). Every ``.pth`` holds one
+tensor saved with ``torch.save`` and is read with ``torch.load(weights_only=True)``.
+
+Names: the ``root.`` prefix is dropped (``root`` itself is the empty name); a folder that is not a
+module of ``model_tree.json`` but extends one with ``.{api}`` or ``.{api}.{n}`` is an API call,
+named ``{module}/{api}.{n}``. ``input_1`` is index ``"1"``, ``output`` index ``"0"``,
+``output_1_0`` index ``"1.0"``. Statistics rows without a tensor file become statistics-only
+entries; rows of a tensor that was also saved fill that entry's ``stats``.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import io
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmflow.errors import DumpFormatError
+from llmflow.formats._safe import (
+    device_dirs,
+    expect,
+    is_dir,
+    list_dir,
+    locate_msit,
+    read_json,
+    read_text,
+    torch_load,
+)
+from llmflow.formats.base import DumpReader, Entry
+
+SUB = "torch_tensors"
+STATS_FILE = "statistics.csv"
+_FILE = re.compile(r"^(input|output)((?:_\d+)*)\.pth$")
+_API = re.compile(r"^(?P<module>.*)\.(?P<api>[A-Za-z_][\w]*?)(?:\.(?P<n>\d+))?$")
+
+
+def strip_root(name: str) -> str:
+    return "" if name == "root" else name.removeprefix("root.")
+
+
+def _tree_modules(node: Any, path: Path, out: dict[str, str], depth: int = 0) -> None:
+    expect(isinstance(node, dict) and isinstance(node.get("name"), str), path,
+           "model_tree.json node without a string 'name'")
+    expect(depth < 256, path, "model_tree.json nested deeper than 256 levels")
+    out[strip_root(node["name"])] = str(node.get("type") or "")
+    children = node.get("children") or []
+    expect(isinstance(children, list), path, "model_tree.json 'children' is not a list")
+    for c in children:
+        _tree_modules(c, path, out, depth + 1)
+
+
+def _float(v: str) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+class MsitDumpReader(DumpReader):
+    """Reads an msit torch dump (``.pth`` per tensor, ``statistics.csv``, ``model_tree.json``)."""
+
+    format = "msit"
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
+        found = locate_msit(self.path, SUB)
+        if found is None:
+            p = self.path
+            if p.is_dir() and (p / "model_tree.json").is_file() and p.parent.name != SUB:
+                found = (p.parent, p.name)  # a bare {device}_{pid} folder moved out of its dump
+            else:
+                raise DumpFormatError(f"{p}: no msit '{SUB}' folder here (expected msit_dump_*/{SUB})")
+        self.tensors_dir, self._only = found
+        self._entries: list[Entry] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_entries": None}
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        p = Path(path)
+        return locate_msit(p, SUB) is not None or (p.is_dir() and (p / "model_tree.json").is_file())
+
+    def _ranks(self) -> list[tuple[int, str, Path]]:
+        if self._only is not None:  # the user pointed at one {device}_{pid} folder
+            return [(0, self._only, self.tensors_dir / self._only)]
+        return device_dirs(self.tensors_dir)
+
+    def topology(self) -> dict[str, Any] | None:
+        ranks = self._ranks()
+        path = ranks[0][2] / "model_tree.json" if ranks else None
+        if path is None or not path.is_file():
+            return None
+        tree = read_json(path)
+
+        def conv(node: dict[str, Any], depth: int = 0) -> dict[str, Any]:
+            expect(isinstance(node, dict) and depth < 256, path, "malformed model_tree.json node")
+            kids = node.get("children") or []
+            expect(isinstance(kids, list), path, "model_tree.json 'children' is not a list")
+            return {"name": strip_root(str(node.get("name", ""))), "type": node.get("type"),
+                    "children": [conv(c, depth + 1) for c in kids], "params": {}}
+
+        return conv(tree)
+
+    def _module_types(self, rank_dir: Path) -> dict[str, str]:
+        path = rank_dir / "model_tree.json"
+        types: dict[str, str] = {}
+        if path.is_file():
+            _tree_modules(read_json(path), path, types)
+        return types
+
+    def entries(self) -> list[Entry]:
+        if self._entries is None:
+            out: list[Entry] = []
+            for rank, _, rank_dir in self._ranks():
+                types = self._module_types(rank_dir)
+                for d in list_dir(rank_dir):
+                    if d.name.isdigit() and is_dir(d):
+                        out.extend(self._token(rank, int(d.name), Path(d.path), types))
+                    elif d.name == "weights" and is_dir(d):
+                        out.extend(self._weights(rank, Path(d.path)))
+            out.sort(key=lambda e: (e.rank, e.step, e.order))
+            self._entries = out
+        return self._entries
+
+    def _name(self, folder: str, types: dict[str, str]) -> tuple[str, str, str | None]:
+        """``(llmflow name, level, module type)`` of a module or API folder."""
+        name = strip_root(folder)
+        if not types or name in types:
+            return name, "module", types.get(name)
+        m = _API.match(folder)
+        if m and strip_root(m["module"]) in types:
+            return f"{strip_root(m['module'])}/{m['api']}.{m['n'] or 0}", "api", m["api"]
+        return name, "module", None
+
+    def _token(self, rank: int, step: int, token_dir: Path, types: dict[str, str]) -> list[Entry]:
+        out: list[Entry] = []
+        folders = [d for d in list_dir(token_dir) if is_dir(d)]
+        order_of = {strip_root(n): i for i, n in enumerate(types)}  # model_tree is in call order
+        folders.sort(key=lambda d: order_of.get(strip_root(d.name), len(order_of)))
+        for d in folders:
+            name, level, mtype = self._name(d.name, types)
+            found: dict[tuple[str, str], Entry] = {}
+            for f in list_dir(Path(d.path)):
+                m = _FILE.match(f.name)
+                if not m:
+                    continue
+                kind = m[1]
+                index = ".".join(m[2].split("_")[1:]) or "0"
+                e = Entry(step=step, rank=rank, name=name, kind=kind, index=index, level=level,
+                          order=0, module_type=mtype, key=os.path.relpath(f.path, self.tensors_dir))
+                found[(kind, index)] = e
+            has_files = bool(found)
+            for row in self._stats(Path(d.path) / STATS_FILE):
+                kind = "input" if row.get("InputOutput", "").lower().startswith("in") else "output"
+                index = str(row.get("Index") or "0").strip() or "0"
+                stats = {k: v for k, v in (("max", _float(row.get("Max"))), ("min", _float(row.get("Min"))),
+                                           ("mean", _float(row.get("Mean"))),
+                                           ("norm", _float(row.get("L2Norm")))) if v is not None}
+                e = found.get((kind, index))
+                if e is None and has_files:
+                    continue  # msit's Index keeps only the last number of nested outputs: no match
+                if e is not None and "." in e.index:
+                    continue
+                dtype = str(row.get("DataType") or "").removeprefix("torch.") or None
+                shape = self._shape(row.get("Shape"))
+                if e is None:
+                    e = Entry(step=step, rank=rank, name=name, kind=kind, index=index, level=level,
+                              order=0, module_type=mtype or row.get("NodeType") or None, dtype=dtype,
+                              shape=shape, has_data=False, key="")
+                    found[(kind, index)] = e
+                e.stats = stats
+                e.dtype, e.shape = e.dtype or dtype, e.shape or shape
+            for e in sorted(found.values(), key=lambda e: (e.kind != "input", e.index)):
+                if e.has_data and e.dtype is None:
+                    t = self._probe(e)  # msit writes no index: dtype and shape come from the file
+                    e.dtype, e.shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
+                e.order = len(out)
+                out.append(e)
+        return out
+
+    @staticmethod
+    def _shape(text: str | None) -> tuple[int, ...] | None:
+        if not text:
+            return None
+        try:
+            v = ast.literal_eval(text.strip()) if len(text) < 200 else None
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return None
+        if isinstance(v, int):
+            v = (v,)
+        if isinstance(v, (tuple, list)) and all(isinstance(x, int) and x >= 0 for x in v):
+            return tuple(v)
+        return None
+
+    @staticmethod
+    def _stats(path: Path) -> list[dict[str, str]]:
+        if not path.is_file():
+            return []
+        text = read_text(path)
+        try:
+            rows = list(csv.DictReader(io.StringIO(text)))
+        except csv.Error as exc:
+            raise DumpFormatError(f"{path}: malformed CSV ({exc})") from exc
+        if rows and "InputOutput" not in rows[0]:
+            raise DumpFormatError(f"{path}: not an msit statistics.csv (no InputOutput column)")
+        return [{k: v for k, v in r.items() if isinstance(k, str) and isinstance(v, str)} for r in rows]
+
+    def _weights(self, rank: int, wdir: Path) -> list[Entry]:
+        out = []
+        for f in list_dir(wdir):
+            if f.name.endswith(".pth") and not is_dir(f):
+                e = Entry(step=-1, rank=rank, name=strip_root(f.name[:-4]), kind="weight", index="0",
+                          level="weight", order=len(out), key=os.path.relpath(f.path, self.tensors_dir))
+                t = self._probe(e)
+                e.dtype, e.shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
+                out.append(e)
+        return out
+
+    def _probe(self, entry: Entry) -> torch.Tensor:
+        return torch_load(self._file(entry), mmap=True)
+
+    def _file(self, entry: Entry) -> Path:
+        path = (self.tensors_dir / entry.key).resolve()
+        expect(self.tensors_dir.resolve() in path.parents and path.suffix == ".pth", self.tensors_dir,
+               f"entry key {entry.key!r} is not a .pth file inside the dump")
+        return path
+
+    def load(self, entry: Entry) -> torch.Tensor:
+        if not entry.has_data:
+            raise DumpFormatError(f"{self.tensors_dir}: {entry.name} {entry.kind} {entry.index} "
+                                  f"(step {entry.step}) is statistics only")
+        return torch_load(self._file(entry))
+
+
+def _save_value(folder: Path, stem: str, value: Any, stats: list[list[Any]] | None, node: tuple[str, str],
+                depth: int = 0) -> None:
+    """msit's ``dump_tensor``: tuples/lists recurse as ``{stem}_{i}``, tensors go to ``{stem}.pth``."""
+    if isinstance(value, (tuple, list)) and depth < 16:
+        for i, v in enumerate(value):
+            _save_value(folder, f"{stem}_{i}", v, stats, node, depth + 1)
+    elif isinstance(value, torch.Tensor):
+        t = value.detach().cpu()
+        if stats is not None:
+            f = t.float()
+            index = int(stem.split("_")[-1]) if "_" in stem else 0
+            stats.append([node[0], node[1], "Input" if stem.startswith("input") else "Output", index,
+                          str(t.dtype), tuple(t.shape), f.max().item(), f.min().item(), f.mean().item(),
+                          f.norm().item()])
+        torch.save(t.clone(), folder / f"{stem}.pth")
+
+
+def write_msit_dump(path: str | Path, tokens: Mapping[int, Mapping[str, Mapping[str, Any]]], *,
+                    tree: Mapping[str, Any] | None = None, weights: Mapping[str, torch.Tensor] | None = None,
+                    device: str = "cpu", pid: int = 4242, timestamp: str | None = None,
+                    statistics: bool = False, types: Mapping[str, str] | None = None) -> Path:
+    """Write an msit torch dump; returns the ``msit_dump_*`` folder.
+
+    tokens: ``{token: {module name (with or without "root."): {"inputs": tuple, "output": value}}}``
+      in call order; ``inputs`` are saved ``input_{i}``, a tensor output as ``output``, a tuple
+      output as ``output_{i}`` (nested ``output_{i}_{j}``), like msit's forward hooks.
+    tree: model_tree.json content (``{"name": "root", "type", "children"}``).
+    weights: parameter name -> tensor, saved as ``weights/root.{name}.pth``.
+    statistics: also write each folder's statistics.csv (msit's ``dump_statistics_mode=2``).
+    """
+    ts = timestamp or time.strftime("%Y%m%d_%H%M%S")
+    root = Path(path) / f"msit_dump_{ts}"
+    dev = root / SUB / f"{device}_{pid}"
+    dev.mkdir(parents=True, exist_ok=True)
+    if tree is not None:
+        (dev / "model_tree.json").write_text(json.dumps(tree))
+    for token, modules in tokens.items():
+        for name, call in modules.items():
+            folder_name = name if name == "root" or name.startswith("root.") else (
+                f"root.{name}" if name else "root")
+            folder = dev / str(token) / folder_name
+            folder.mkdir(parents=True, exist_ok=True)
+            stats: list[list[Any]] | None = [] if statistics else None
+            node = (folder_name, (types or {}).get(name, ""))
+            if "inputs" in call:
+                _save_value(folder, "input", tuple(call["inputs"]), stats, node)
+            if "output" in call:
+                _save_value(folder, "output", call["output"], stats, node)
+            if stats:
+                _write_stats(folder / STATS_FILE, stats)
+    for name, w in (weights or {}).items():
+        (dev / "weights").mkdir(exist_ok=True)
+        torch.save(w.detach().cpu().clone(), dev / "weights" / f"root.{name}.pth")
+    return root
+
+
+def _write_stats(path: Path, rows: Iterable[list[Any]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["NodeName", "NodeType", "InputOutput", "Index", "DataType", "Shape", "Max", "Min",
+                    "Mean", "L2Norm"])
+        w.writerows(rows)

@@ -1,0 +1,343 @@
+"""msprobe dumps (``msprobe.pytorch.PrecisionDebugger``, tasks ``statistics`` and ``tensor``).
+
+Layout (read from dumps mindstudio-probe 26.x writes)::
+
+  {dump_path}/step{S}/rank{R}/ or proc{pid}/    (``rank`` alone on a single device)
+    dump.json        {"task", "level", "framework", "dump_data_dir", "data": {record name: record}}
+    construct.json   {record name: parent module record name or null}  (empty at level L1)
+    stack.json       call stacks (not read)
+    dump_tensor_data/{data_name}.pt or .npy         (task "tensor")
+
+A record is ``{"input_args": [...], "input_kwargs": {...}, "output": [...], "parameters": {...}}``;
+a tensor value is ``{"type": "torch.Tensor", "dtype", "shape", "Max", "Min", "Mean", "Norm",
+"requires_grad", "data_name"}``, another value ``{"type": "int", "value": 0}``; lists nest, and a
+``ModelOutput`` is a dict of values. Record names:
+
+* ``Module.model.layers.0.mlp.down_proj.Linear.forward.0`` -> module ``model.layers.0.mlp.down_proj``
+  (module_type ``Linear``); ``Cell.`` (MindSpore) alike;
+* ``Functional.linear.20.forward``, ``Tensor.__add__.3.forward``, ``Torch.matmul.5.forward`` ->
+  API ``{module}/{api}.{n}``: the module is the record's parent in construct.json (level mix),
+  else ``""``; ``n`` is renumbered per (step, module, api) like llmflow's own API names, and
+  operator dunders are named like the function (``__add__``/``__radd__`` -> ``add``,
+  ``__iadd__`` -> ``add_``, ``__truediv__`` -> ``div``).
+
+Steps: msprobe counts calls, not tokens. Inside one step folder the record that comes first
+(``Functional.embedding`` or ``Module.model.embed_tokens...``) starts every token again, so its
+k-th occurrence opens token k (for a module called once per token that is its call counter k).
+When every step folder holds one token (``debugger.step()`` after each token), step ``S`` is the
+token; otherwise the tokens of the folders are numbered on from one folder to the next.
+Backward records are left out (inference). ``parameters`` become weight entries (step -1).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmflow.errors import DumpFormatError
+from llmflow.formats._safe import (
+    check_shape,
+    expect,
+    is_dir,
+    list_dir,
+    numpy_load,
+    read_json,
+    torch_load,
+)
+from llmflow.formats.base import DumpReader, Entry
+
+DUMP_FILE = "dump.json"
+_STEP = re.compile(r"^step(\d+)$")
+_RANK = re.compile(r"^(?:rank(\d*)|proc(\d+))$")
+_MODULE = re.compile(
+    r"^(?:Module|Cell)\.(?:(?P<path>.+)\.)?(?P<cls>[^.]+)\.(?P<dir>forward|backward)\.(?P<k>\d+)$"
+)
+_API = re.compile(r"^(?P<group>[A-Za-z_]\w*)\.(?P<api>.+)\.(?P<k>\d+)\.(?P<dir>forward|backward)$")
+_OPS = {
+    "add",
+    "sub",
+    "mul",
+    "matmul",
+    "truediv",
+    "floordiv",
+    "mod",
+    "pow",
+    "and",
+    "or",
+    "xor",
+    "lshift",
+    "rshift",
+    "div",
+}
+_STAT_KEYS = (("Max", "max"), ("Min", "min"), ("Mean", "mean"), ("Norm", "norm"))
+
+
+def api_name(raw: str) -> str:
+    """msprobe's API name in llmflow's spelling (operators named like their function)."""
+    if raw.startswith("__") and raw.endswith("__") and len(raw) > 4:
+        core, suffix = raw[2:-2], ""
+        if core not in _OPS and core[:1] in ("r", "i") and core[1:] in _OPS:
+            core, suffix = core[1:], ("_" if core[0] == "i" else "")
+        return ("div" if core == "truediv" else core) + suffix
+    return raw
+
+
+def parse_name(record: str) -> tuple[str, str, str, str] | None:
+    """``(level, module path or api, module type or api group, direction)`` of a record name."""
+    m = _MODULE.match(record)
+    if m:
+        return "module", m["path"] or "", m["cls"], m["dir"]
+    m = _API.match(record)
+    if m:
+        return "api", m["api"], m["group"], m["dir"]
+    return None
+
+
+def _base(record: str) -> str:
+    """The record name without its call counter: equal for every call of the same thing."""
+    return re.sub(
+        r"\.\d+(\.(forward|backward))$", r"\1", re.sub(r"\.(forward|backward)\.\d+$", r".\1", record)
+    )
+
+
+class MsprobeDumpReader(DumpReader):
+    """Reads an msprobe dump: dump.json (+ construct.json, dump_tensor_data/*.pt or *.npy)."""
+
+    format = "msprobe"
+
+    def __init__(self, path: str | Path):
+        p = Path(path)
+        super().__init__(p.parent if p.name == DUMP_FILE else p)
+        self._entries: list[Entry] | None = None
+        self._meta: dict[str, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "_entries": None, "_meta": None}
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        p = Path(path)
+        if p.name == DUMP_FILE or (p / DUMP_FILE).is_file():
+            return True
+        try:
+            return bool(cls._rank_dirs(p)) or any(
+                cls._rank_dirs(Path(d.path)) for d in list_dir(p) if _STEP.match(d.name) and is_dir(d)
+            )
+        except (DumpFormatError, OSError):
+            return False
+
+    @staticmethod
+    def _rank_dirs(p: Path) -> list[tuple[int, Path]]:
+        """``(rank, folder)``: ``rank{N}`` is rank N, ``proc{pid}`` folders are ranked by pid."""
+        if not p.is_dir():
+            return []
+        found = []
+        for d in list_dir(p):
+            m = _RANK.match(d.name)
+            if m and is_dir(d) and (Path(d.path) / DUMP_FILE).is_file():
+                found.append((int(m[1] or 0) if m[2] is None else int(m[2]), m[2] is not None, Path(d.path)))
+        procs = sorted(x for x in found if x[1])
+        ranks = [(n, d) for n, is_proc, d in found if not is_proc]
+        ranks += [(i, d) for i, (_, _, d) in enumerate(procs)]
+        return sorted(ranks, key=lambda x: x[0])
+
+    def _layout(self) -> list[tuple[int | None, int, Path]]:
+        """``(step folder number or None, rank, rank folder)`` of every dump.json."""
+        p = self.path
+        if (p / DUMP_FILE).is_file():
+            m = _RANK.match(p.name)
+            rank = int(m[1] or 0) if m and m[2] is None else 0
+            s = _STEP.match(p.parent.name)
+            return [(int(s[1]) if s else None, rank, p)]
+        out: list[tuple[int | None, int, Path]] = []
+        s = _STEP.match(p.name)
+        for rank, d in self._rank_dirs(p):
+            out.append((int(s[1]) if s else None, rank, d))
+        for d in list_dir(p):
+            sm = _STEP.match(d.name)
+            if sm and is_dir(d):
+                out += [(int(sm[1]), rank, rd) for rank, rd in self._rank_dirs(Path(d.path))]
+        if not out:
+            raise DumpFormatError(f"{p}: no msprobe dump.json here (expected step*/rank*/dump.json)")
+        return out
+
+    def _read(self, folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        path = folder / DUMP_FILE
+        dump = read_json(path)
+        expect(
+            isinstance(dump, dict) and isinstance(dump.get("data"), dict),
+            path,
+            "not an msprobe dump.json (no 'data' object)",
+        )
+        construct: dict[str, Any] = {}
+        cpath = folder / "construct.json"
+        if cpath.is_file():
+            c = read_json(cpath)
+            expect(isinstance(c, dict), cpath, "construct.json is not a JSON object")
+            construct = c
+        if self._meta is None:
+            self._meta = {k: dump.get(k) for k in ("task", "level", "framework") if k in dump}
+        return dump, construct
+
+    def env(self) -> dict[str, Any] | None:
+        if self._meta is None:
+            self.entries()
+        return {"format": "msprobe", **(self._meta or {})}
+
+    def entries(self) -> list[Entry]:
+        if self._entries is None:
+            by_rank: dict[int, list[tuple[int | None, Path]]] = {}
+            for step, rank, folder in self._layout():
+                by_rank.setdefault(rank, []).append((step, folder))
+            out: list[Entry] = []
+            for rank, folders in sorted(by_rank.items()):
+                out.extend(self._rank_entries(rank, sorted(folders, key=lambda x: x[0] or 0)))
+            out.sort(key=lambda e: (e.rank, e.step, e.order))
+            self._entries = out
+        return self._entries
+
+    def _rank_entries(self, rank: int, folders: list[tuple[int | None, Path]]) -> list[Entry]:
+        parsed = []
+        for step_no, folder in folders:
+            dump, construct = self._read(folder)
+            records = [
+                (k, v)
+                for k, v in dump["data"].items()
+                if (p := parse_name(k)) is not None and p[3] == "forward"
+            ]
+            first = _base(records[0][0]) if records else ""
+            tokens, assigned = -1, []
+            for k, v in records:
+                tokens += _base(k) == first
+                assigned.append((max(tokens, 0), k, v))
+            parsed.append((step_no, folder, construct, assigned, max(tokens + 1, 1)))
+        one_each = all(n == 1 for *_, n in parsed) and all(s is not None for s, *_ in parsed)
+        out: list[Entry] = []
+        offset = 0
+        seen_weights: set[str] = set()
+        for step_no, folder, construct, assigned, n_tokens in parsed:
+            files = self._data_files(folder)
+            counters: dict[tuple[int, str, str], int] = {}
+            orders: dict[int, int] = {}
+            for token, key, record in assigned:
+                step = step_no if one_each and step_no is not None else offset + token
+                level, what, group, _ = parse_name(key)  # type: ignore[misc]
+                expect(isinstance(record, dict), folder / DUMP_FILE, f"record {key!r} is not an object")
+                if level == "module":
+                    name, mtype = what, group
+                else:
+                    parent = parse_name(str(construct.get(key) or ""))
+                    module = parent[1] if parent and parent[0] == "module" else ""
+                    api = api_name(what)
+                    n = counters.get((step, module, api), 0)
+                    counters[(step, module, api)] = n + 1
+                    name, mtype = f"{module}/{api}.{n}", api
+                ctx = (rank, step, name, level, mtype, files, folder, orders)
+                self._values(ctx, "input", "", record.get("input_args") or [], out)
+                kwargs = record.get("input_kwargs") or {}
+                if isinstance(kwargs, dict):
+                    for kw, v in kwargs.items():
+                        self._values(ctx, "input", f"kw:{kw}", v, out)
+                self._values(ctx, "output", "", record.get("output"), out)
+                params = record.get("parameters") or {}
+                if isinstance(params, dict) and level == "module":
+                    for pname, v in params.items():
+                        full = f"{name}.{pname}" if name else str(pname)
+                        if full not in seen_weights and isinstance(v, dict):
+                            seen_weights.add(full)
+                            wctx = (rank, -1, full, "weight", None, files, folder, {-1: len(seen_weights)})
+                            self._values(wctx, "weight", "0", v, out)
+            offset += n_tokens
+        return out
+
+    def _data_files(self, folder: Path) -> set[str]:
+        d = folder / "dump_tensor_data"
+        return {e.name for e in list_dir(d)} if d.is_dir() else set()
+
+    def _values(
+        self, ctx: tuple, kind: str, index: str, value: Any, out: list[Entry], depth: int = 0
+    ) -> None:
+        """Entries for one (possibly nested) value of a record."""
+        rank, step, name, level, mtype, files, folder, orders = ctx
+        if value is None or depth > 32:
+            return
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                self._values(ctx, kind, f"{index}.{i}" if index else str(i), v, out, depth + 1)
+            return
+        expect(
+            isinstance(value, dict), folder / DUMP_FILE, f"{name}: value {str(value)[:60]!r} is not an object"
+        )
+        if "type" not in value or not isinstance(value.get("type"), str):
+            for k, v in value.items():
+                self._values(ctx, kind, f"{index}.{k}" if index else str(k), v, out, depth + 1)
+            return
+        order = orders.get(step, 0)
+        orders[step] = order + 1
+        e = Entry(
+            step=step,
+            rank=rank,
+            name=name,
+            kind=kind,
+            index=index or "0",
+            level=level,
+            order=order,
+            module_type=mtype,
+            extra={"requires_grad": value.get("requires_grad")} if "requires_grad" in value else {},
+        )
+        if "dtype" in value and "shape" in value:
+            e.dtype = str(value["dtype"]).removeprefix("torch.")
+            e.shape = check_shape(value["shape"], folder / DUMP_FILE)
+            stats = {
+                ours: float(value[k])
+                for k, ours in _STAT_KEYS
+                if isinstance(value.get(k), (int, float)) and not isinstance(value.get(k), bool)
+            }
+            e.stats = stats or None
+            data_name = value.get("data_name")
+            e.has_data = isinstance(data_name, str) and data_name in files
+            e.key = (
+                os.path.join(os.path.relpath(folder, self.path), "dump_tensor_data", data_name)
+                if e.has_data
+                else ""
+            )
+        else:
+            e.has_data = False
+            v = value.get("value")
+            e.value = v if isinstance(v, (type(None), bool, int, float, str)) else str(v)[:200]
+            e.pytype = value["type"]
+        out.append(e)
+
+    def load(self, entry: Entry) -> torch.Tensor:
+        if not entry.has_data:
+            raise DumpFormatError(
+                f"{self.path}: {entry.name} {entry.kind} {entry.index} (step "
+                f"{entry.step}) has no tensor data (statistics task or not a tensor)"
+            )
+        path = (self.path / entry.key).resolve()
+        expect(self.path.resolve() in path.parents, self.path, f"entry key {entry.key!r} leaves the dump")
+        if path.suffix == ".npy":
+            return numpy_load(path)
+        expect(path.suffix in (".pt", ".pth"), path, "not a .pt or .npy tensor file")
+        return torch_load(path)
+
+    def topology(self) -> dict[str, Any] | None:
+        layout = self._layout()
+        _, construct = self._read(layout[0][2])
+        if not construct:
+            return None
+        nodes: dict[str, dict[str, Any]] = {"": {"name": "", "type": None, "children": [], "params": {}}}
+        links = []
+        for child, parent in construct.items():
+            c, p = parse_name(str(child)), parse_name(str(parent or ""))
+            if c and c[0] == "module" and c[1] not in nodes:
+                nodes[c[1]] = {"name": c[1], "type": c[2], "children": [], "params": {}}
+                links.append((c[1], p[1] if p and p[0] == "module" else ""))
+        for child, parent in links:
+            if child:
+                nodes.get(parent, nodes[""])["children"].append(nodes[child])
+        return nodes[""]

@@ -1,0 +1,14 @@
+"""Fault localisation: from "the texts differ" to the first bad token, layer, module and op.
+
+The bisect stage is a thin adapter over this package. Each module does one step of the
+coarse-to-fine narrowing:
+
+  tokens.py   per-step logits of the two dumps -> first mismatching token, first bad token
+  golden.py   the golden inputs of every module: from the dump, or re-run from dumped layer inputs
+  replay.py   isolation replay: each module of the TARGET model run on the GOLDEN inputs
+  rank.py     own error against the same module type in the other layers -> ranked candidates
+  ops.py      the chosen module replayed op by op (torch API calls) on both sides -> first bad op
+  cost.py     bytes and model runs spent, against an estimate of a full API-level dump
+  verdict.py  glues the steps together and writes the verdict dict (summary key ``verdict``)
+  badcase.py  many prompts on both sides, no dump: which prompt drifts most (the badcase stage)
+"""

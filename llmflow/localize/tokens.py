@@ -1,0 +1,89 @@
+"""Token level: which generated token is the first to go wrong, from the per-step logits.
+
+Two answers, because they differ:
+  first_mismatch_token: the first step whose greedy token differs (what the user sees);
+  first_bad_token: the first step whose logits fail the compare thresholds for the target dtype.
+It can be earlier: logits drift at step 1 but the argmax only flips at step 3 when the golden's
+top-2 margin is small. The margin is reported too: a flip on a 0.01-logit margin is noise
+deciding a coin toss, a flip on a 5-logit margin is a real fault.
+
+Steps after the first mismatch compare logits of different contexts (each side continues its own
+text): they are reported, but pick the first bad token only when no step up to the mismatch fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from llmflow.formats.base import DumpReader, Entry
+
+
+def first_mismatch(golden_ids: list[int], target_ids: list[int]) -> int | None:
+    """The first step whose token differs (a shorter sequence differs where it ends)."""
+    for i, (g, t) in enumerate(zip(golden_ids, target_ids, strict=False)):
+        if g != t:
+            return i
+    return min(len(golden_ids), len(target_ids)) if len(golden_ids) != len(target_ids) else None
+
+
+def logits_entries(reader: DumpReader, rank: int = 0) -> dict[int, Entry]:
+    """Step -> the logits entry of that step (level ``logits``)."""
+    return {e.step: e for e in reader.entries()
+            if e.level == "logits" and e.rank == rank and e.kind == "output" and e.has_data}
+
+
+def kl_divergence(golden: torch.Tensor, target: torch.Tensor) -> float:
+    """KL(p_golden || p_target) of the softmax distributions, in nats (float64)."""
+    g = torch.log_softmax(golden.detach().to(torch.float64).reshape(-1), dim=-1)
+    t = torch.log_softmax(target.detach().to(torch.float64).reshape(-1), dim=-1)
+    return float((g.exp() * (g - t)).sum().clamp_min(0.0))
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    """Top-1 minus top-2 logit: how close the greedy choice was to flipping."""
+    top = torch.topk(logits.detach().float().reshape(-1), 2).values
+    return float(top[0] - top[1])
+
+
+def token_rows(golden: DumpReader, target: DumpReader, *, golden_ids: list[int], target_ids: list[int],
+               pairs: list[dict[str, int]] | None = None, target_dtype: str = "bfloat16",
+               thresholds: dict[str, Any] | None = None,
+               decode: Callable[[int], str] | None = None) -> list[dict[str, Any]]:
+    """One row per aligned step: tokens, top-2 margin, KL and the compare metrics + verdict."""
+    from llmflow.compare.metrics import compare_tensors, verdict
+
+    g_log, t_log = logits_entries(golden), logits_entries(target)
+    if pairs is None:
+        pairs = [{"golden_step": s, "target_step": s} for s in sorted(set(g_log) & set(t_log))]
+    rows = []
+    for p in pairs:
+        gs, ts = p["golden_step"], p["target_step"]
+        if gs not in g_log or ts not in t_log:
+            continue
+        gl, tl = golden.load(g_log[gs])[0], target.load(t_log[ts])[0]
+        metrics = compare_tensors(gl.float(), tl.float())
+        row: dict[str, Any] = {"step": gs, "target_step": ts}
+        for side, ids in (("golden", golden_ids), ("target", target_ids)):
+            tok = ids[gs] if gs < len(ids) else None
+            row[f"{side}_token"] = tok
+            if decode is not None and tok is not None:
+                row[f"{side}_text"] = decode(tok)
+        row["same_token"] = row["golden_token"] == row["target_token"]
+        row["golden_margin"] = top2_margin(gl)
+        row["kl"] = kl_divergence(gl, tl)
+        row.update({k: v for k, v in metrics.items() if isinstance(v, (int, float, str)) or v is None})
+        row["verdict"] = verdict(metrics, target_dtype, thresholds)
+        rows.append(row)
+    return rows
+
+
+def first_bad_step(rows: list[dict[str, Any]], first_mismatch_step: int | None) -> int | None:
+    """The first step whose logits fail; steps after the first mismatch only when none before."""
+    fails = [r["step"] for r in rows if r.get("verdict") == "fail"]
+    if not fails:
+        return None
+    before = [s for s in fails if first_mismatch_step is None or s <= first_mismatch_step]
+    return before[0] if before else fails[0]

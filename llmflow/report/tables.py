@@ -1,0 +1,206 @@
+"""CSV and XLSX tables of compare rows: streamed, formula-safe, coloured by verdict.
+
+A 7B model's compare is ~100k rows, so the CSV is written row by row from any iterable and the
+XLSX uses openpyxl's write-only mode (rows go straight to the zip stream; memory stays flat).
+
+Names in a dump come from someone else's model code and end up in cells a person opens in Excel:
+``safe_cell`` makes sure no text cell can start a formula (``=``, ``+``, ``-``, ``@``, and the tab /
+carriage return tricks) by prefixing ``'``. Numbers stay numbers.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CsvStream", "columns_of", "read_csv_rows", "safe_cell", "write_csv", "write_xlsx"]
+
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n", "\uff1d", "\uff0b", "\uff0d", "\uff20")
+FILLS = {"fail": "FFC7CE", "warn": "FFEB9C"}  # Excel's own "bad" red and "neutral" yellow
+NUMBER_FORMAT = "0.000000"  # metrics; large/small magnitudes get the scientific format below
+SCI_FORMAT = "0.000E+00"
+
+
+def safe_cell(value: Any) -> Any:
+    """A value that is safe in a spreadsheet cell: numbers and bools as they are, None as None,
+    lists/dicts as JSON text, and text never starting like a formula (prefixed with ``'``)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        return value.item()  # numpy / torch scalars
+    if isinstance(value, (list, tuple, dict)):
+        value = json.dumps(value, default=str, separators=(",", ":"))
+    text = str(value)
+    if text.startswith(FORMULA_START):
+        return "'" + text
+    return text
+
+
+def columns_of(rows: Sequence[dict[str, Any]], first: Sequence[str] = ()) -> list[str]:
+    """``first`` then every other key of ``rows`` in order of first appearance."""
+    return list(dict.fromkeys(chain(first, (k for r in rows for k in r))))
+
+
+def _csv_value(value: Any) -> Any:
+    v = safe_cell(value)
+    return "" if v is None else v
+
+
+def write_csv(rows: Iterable[dict[str, Any]], path: str | Path, columns: Sequence[str] | None = None) -> int:
+    """Write ``rows`` to ``path`` as UTF-8 CSV, one row at a time; returns the number of rows.
+
+    Without ``columns``: a list's keys in order of appearance; an iterator's first row's keys
+    (keys that only later rows have are then left out, since the header is already written).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    it: Iterator[dict[str, Any]]
+    if columns is None:
+        if isinstance(rows, Sequence):
+            columns = columns_of(rows)
+            it = iter(rows)
+        else:
+            it = iter(rows)
+            first = next(it, None)
+            columns = list(first) if first is not None else []
+            it = chain([first], it) if first is not None else iter(())
+    else:
+        it = iter(rows)
+    n = 0
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow([_csv_value(c) for c in columns])
+        for row in it:
+            w.writerow([_csv_value(row.get(c)) for c in columns])
+            n += 1
+    return n
+
+
+def _xlsx_value(value: Any) -> Any:
+    v = safe_cell(value)
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # Excel has no NaN/Inf numbers; "nan"/"inf"/"-inf" as text
+    if isinstance(v, str) and len(v) > 32000:
+        return v[:32000] + "..."  # Excel's cell limit is 32767 characters
+    return v
+
+
+def write_xlsx(sheets: dict[str, Sequence[dict[str, Any]] | Iterable[dict[str, Any]]], path: str | Path,
+               columns: dict[str, Sequence[str]] | None = None) -> None:
+    """One sheet per key (sheet names made Excel-safe): bold frozen header, autofilter, floats
+    formatted, rows whose ``verdict`` is fail red and warn yellow. Rows are streamed."""
+    from openpyxl import Workbook
+    from openpyxl.cell import WriteOnlyCell
+    from openpyxl.styles import Font, PatternFill
+    from openpyxl.utils import get_column_letter
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    wb = Workbook(write_only=True)
+    fills = {k: PatternFill("solid", start_color=c, end_color=c) for k, c in FILLS.items()}
+    bold = Font(bold=True)
+    used: set[str] = set()
+    for name, rows in (sheets or {"empty": []}).items():
+        cols = list((columns or {}).get(name) or [])
+        if not cols:
+            if not isinstance(rows, Sequence):
+                rows = list(rows)
+            cols = columns_of(rows)  # type: ignore[arg-type]
+        ws = wb.create_sheet(_sheet_title(name, used))
+        for i, c in enumerate(cols, start=1):
+            ws.column_dimensions[get_column_letter(i)].width = min(max(len(str(c)) + 2, 10), 60)
+        ws.freeze_panes = "A2"
+        header = []
+        for c in cols:
+            cell = WriteOnlyCell(ws, value=_xlsx_value(c))
+            cell.font = bold
+            header.append(cell)
+        ws.append(header)
+        n = 0
+        for row in rows:
+            fill = fills.get(str(row.get("verdict", "")))
+            out = []
+            for c in cols:
+                v = _xlsx_value(row.get(c))
+                if isinstance(v, float) or fill is not None:
+                    cell = WriteOnlyCell(ws, value=v)
+                    if isinstance(v, float):
+                        sci = v != 0 and not 1e-4 <= abs(v) < 1e6
+                        cell.number_format = SCI_FORMAT if sci else NUMBER_FORMAT
+                    if fill is not None:
+                        cell.fill = fill
+                    out.append(cell)
+                else:
+                    out.append(v)
+            ws.append(out)
+            n += 1
+        if cols:
+            ws.auto_filter.ref = f"A1:{get_column_letter(len(cols))}{n + 1}"
+    wb.save(path)
+
+
+def _sheet_title(name: str, used: set[str]) -> str:
+    """Excel sheet names: at most 31 characters, none of ``[]:*?/\\``, unique (case-insensitive)."""
+    base = "".join("_" if ch in "[]:*?/\\" else ch for ch in str(name)).strip("'") or "sheet"
+    base = base[:31]
+    title, i = base, 2
+    while title.lower() in used:
+        suffix = f"_{i}"
+        title, i = base[:31 - len(suffix)] + suffix, i + 1
+    used.add(title.lower())
+    return title
+
+
+class CsvStream:
+    """A CSV file written one row at a time with a fixed header (several can be open at once)."""
+
+    def __init__(self, path: str | Path, columns: Sequence[str]):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.columns = list(columns)
+        self.rows = 0
+        self._f = self.path.open("w", newline="", encoding="utf-8")
+        self._w = csv.writer(self._f)
+        self._w.writerow([_csv_value(c) for c in self.columns])
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._w.writerow([_csv_value(row.get(c)) for c in self.columns])
+        self.rows += 1
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> CsvStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_csv_rows(path: str | Path, text_columns: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
+    """Rows of a CSV written here, numbers turned back into numbers (except ``text_columns``),
+    empty cells into None. Streams: for turning a big CSV into an XLSX sheet."""
+    text = set(text_columns)
+    with Path(path).open(newline="", encoding="utf-8") as f:
+        for raw in csv.DictReader(f):
+            yield {k: (v if k in text else _number(v)) for k, v in raw.items()}
+
+
+def _number(v: str | None) -> Any:
+    if v is None or v == "":
+        return None
+    if v in ("True", "False"):
+        return v == "True"
+    try:
+        return int(v)
+    except ValueError:
+        pass
+    try:
+        return float(v)
+    except ValueError:
+        return v

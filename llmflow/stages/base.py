@@ -1,0 +1,98 @@
+"""What a stage type is, and what the runner hands it.
+
+A stage type is a subclass of ``Stage`` registered in the ``llmflow.stages`` entry-point group
+(built-in ones too, see pyproject.toml) or referenced from a workflow as ``file.py:ClassName``.
+The runner resolves the stage's parameters, validates them against ``params_schema``, creates a
+temporary output directory, calls ``run(ctx)``, and moves the directory into place only if
+``run`` returns. Anything a stage wants later stages to read goes into the returned outputs dict;
+anything it wants in ``<run-dir>/summary.json`` goes into ``ctx.summary``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Protocol
+
+
+class ProgressTask(Protocol):
+    """A progress bar owned by one stage: ``advance`` it, or ``update`` its total/description."""
+
+    def advance(self, n: float = 1) -> None: ...
+
+    def update(self, *, total: float | None = None, completed: float | None = None,
+               description: str | None = None) -> None: ...
+
+
+@dataclass
+class StageContext:
+    """Everything a running stage may touch.
+
+    ``out_dir`` is a fresh temporary directory; write every file there. String outputs that point
+    inside ``out_dir`` are rewritten by the runner to the stage's final directory, so return
+    ``str(ctx.out_dir / "dump")`` and later stages receive the final path.
+    """
+
+    stage_id: str
+    params: dict[str, Any]
+    out_dir: Path
+    final_dir: Path
+    run_dir: Path
+    workflow_dir: Path
+    inputs: dict[str, dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+    log: Callable[[str], None] = print
+    progress: Callable[..., ProgressTask] | None = None
+
+    def resolve_path(self, value: str | Path) -> Path:
+        """A user-given path, relative to the workflow file's directory."""
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else (self.workflow_dir / p)
+
+    def task(self, description: str, total: float | None = None) -> ProgressTask:
+        """A progress bar for long work; a no-op when the runner shows no progress."""
+        if self.progress is None:
+            return _NullTask()
+        return self.progress(description=description, total=total)
+
+
+class _NullTask:
+    def advance(self, n: float = 1) -> None:
+        pass
+
+    def update(self, *, total: float | None = None, completed: float | None = None,
+               description: str | None = None) -> None:
+        pass
+
+
+class Stage(ABC):
+    """Base class of every stage type. The class docstring's first line is its one-line help.
+
+    Class attributes:
+      type: the name workflows use in ``uses:``.
+      version: bump when the stage's results change for the same parameters (invalidates caches).
+      params_schema: a JSON Schema (draft-07) ``object`` schema of the parameters, with defaults,
+        ``additionalProperties: false``, and a ``description`` on each property.
+      outputs: output name -> one-line description.
+    """
+
+    type: ClassVar[str] = ""
+    version: ClassVar[str] = "1"
+    params_schema: ClassVar[dict[str, Any]] = {"type": "object", "properties": {},
+                                               "additionalProperties": False}
+    outputs: ClassVar[dict[str, str]] = {}
+
+    def resources(self, params: dict[str, Any]) -> set[str]:
+        """Exclusive resources held while running (e.g. ``{"device:cuda:0"}``): stages sharing
+        one never run at the same time."""
+        return set()
+
+    @abstractmethod
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        """Do the work, write files under ``ctx.out_dir``, return the outputs (JSON values)."""
+
+    @classmethod
+    def doc(cls) -> str:
+        """The one-line help: the first line of the class docstring."""
+        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""

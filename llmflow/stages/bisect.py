@@ -1,0 +1,106 @@
+"""The ``bisect`` stage: first bad token, layer, module and op of a target against a golden.
+
+A thin adapter over ``llmflow.localize.verdict.run_bisect``: it reads the two dump stages'
+outputs (dump dirs, generation files, model specs) and the align stage's pairs, runs the
+narrowing, writes ``verdict.json`` and puts the headline fields in summary.json (key ``verdict``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+from llmflow.errors import UserError
+from llmflow.localize.rank import DEFAULT_RATIO_THRESHOLD
+from llmflow.localize.verdict import BisectInputs, run_bisect, to_json_safe
+from llmflow.stages.base import Stage, StageContext
+
+_SPEC = {"type": "object", "required": ["model"],
+         "properties": {"model": {"type": "string"}, "device": {"type": "string"},
+                        "dtype": {"type": "string"}, "patch": {"type": ["string", "null"]},
+                        "base_dir": {"type": ["string", "null"]}}}
+SUMMARY_KEYS = ("first_mismatch_token", "first_bad_token", "first_bad_layer", "first_bad_module",
+                "first_bad_op", "diagnosis", "token_detail", "evidence", "cost")
+
+
+class BisectStage(Stage):
+    """Narrow a divergence down to the first bad token, layer, module and op (isolation replay)."""
+
+    type: ClassVar[str] = "bisect"
+    version: ClassVar[str] = "1"
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["golden_dump", "target_dump", "golden_generation", "target_generation",
+                     "golden_model_spec", "target_model_spec"],
+        "properties": {
+            "golden_dump": {"type": "string", "description": "The golden dump directory; module mode "
+                            "with inputs and outputs at replay_step (tensor_part 2) so modules can be "
+                            "replayed."},
+            "target_dump": {"type": "string", "description": "The target dump directory (logits of "
+                            "every step; layer outputs at replay_step for the raw curve)."},
+            "golden_generation": {"type": "string",
+                                  "description": "The golden dump stage's generation_file."},
+            "target_generation": {"type": "string",
+                                  "description": "The target dump stage's generation_file."},
+            "golden_model_spec": {**_SPEC, "description": "The golden dump stage's model_spec output."},
+            "target_model_spec": {**_SPEC, "description": "The target dump stage's model_spec output "
+                                  "(its patch included): the model replayed module by module."},
+            "pairs_file": {"type": ["string", "null"], "default": None,
+                           "description": "The align stage's pairs_file (golden/target step pairs)."},
+            "replay_step": {"type": "integer", "minimum": 0, "default": 0,
+                            "description": "The step whose golden module inputs are replayed (0 = prefill, "
+                            "where a KV cache is empty and every module is replayable)."},
+            "ratio_threshold": {"type": "number", "exclusiveMinimum": 1, "default": DEFAULT_RATIO_THRESHOLD,
+                                "description": "A module (or op) is anomalous when its own error is this "
+                                "many times the typical own error of its type in the other layers."},
+            "thresholds": {"type": ["object", "null"], "default": None,
+                           "description": "Compare thresholds for the logits verdict (null: the target "
+                           "dtype's defaults)."},
+            "op_level": {"type": "boolean", "default": True,
+                         "description": "Replay the chosen module op by op on both sides (loads the "
+                         "golden model)."},
+            "estimate_cost": {"type": "boolean", "default": True,
+                              "description": "Measure what a full API-level dump of both sides would write."},
+        },
+    }
+    outputs: ClassVar[dict[str, str]] = {"verdict_file": "verdict.json: the verdict and all its evidence"}
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        p = {name: spec.get("default") for name, spec in self.params_schema["properties"].items()}
+        p.update(ctx.params)
+        gen = {side: _read_json(ctx.resolve_path(p[f"{side}_generation"]), f"{side}_generation")
+               for side in ("golden", "target")}
+        pairs = None
+        if p.get("pairs_file"):
+            pairs = _read_json(ctx.resolve_path(p["pairs_file"]), "pairs_file")
+        inputs = BisectInputs(
+            golden_dump=ctx.resolve_path(p["golden_dump"]), target_dump=ctx.resolve_path(p["target_dump"]),
+            golden_spec=p["golden_model_spec"], target_spec=p["target_model_spec"],
+            golden_ids=list(gen["golden"].get("output_ids") or []),
+            target_ids=list(gen["target"].get("output_ids") or []),
+            prompt_ids=list(gen["golden"].get("input_ids") or []), pairs=pairs,
+            replay_step=p["replay_step"], ratio_threshold=p["ratio_threshold"],
+            thresholds=p["thresholds"], op_level=p["op_level"], estimate_cost=p["estimate_cost"])
+
+        def progress(description: str, total: float | None) -> Any:
+            return ctx.task(f"{ctx.stage_id}: {description}", total)
+
+        verdict = to_json_safe(run_bisect(inputs, log=ctx.log, progress=progress))
+        path = ctx.out_dir / "verdict.json"
+        path.write_text(json.dumps(verdict, indent=1), encoding="utf-8")
+        summary = {k: verdict.get(k) for k in SUMMARY_KEYS}
+        summary["texts"] = {side: verdict["texts"][side]["text"] for side in ("golden", "target")}
+        ctx.summary["verdict"] = summary
+        ctx.log(f"{ctx.stage_id}: {verdict['diagnosis']}")
+        return {"verdict_file": str(path)}
+
+
+def _read_json(path: Path, field: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"bisect: {field}: cannot read {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise UserError(f"bisect: {field}: {path} is not JSON ({exc.msg} at line {exc.lineno})") from exc

@@ -1,0 +1,151 @@
+"""The ``dump`` stage: run a model on one prompt and dump it, in a subprocess of its own.
+
+A thin adapter over ``llmflow.dump.worker`` (which calls ``llmflow.dump.run.dump_run``): it writes
+the worker's arguments, streams its per-step progress into ``ctx.task``, and turns a user error in
+the worker (exit status 2, ``{"error": ...}``) back into a one-line ``UserError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from pathlib import Path
+from typing import Any, ClassVar
+
+from llmflow.errors import UserError
+from llmflow.stages.base import Stage, StageContext
+
+_NULLABLE_STR = {"type": ["string", "null"], "default": None}
+
+
+class DumpStage(Stage):
+    """Run a model greedily on a prompt and dump its tensors token by token (llmflow format)."""
+
+    type: ClassVar[str] = "dump"
+    version: ClassVar[str] = "1"
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["model"],
+        "properties": {
+            "model": {"type": "string", "description": "smollm2, tiny-llama[:k=v,...], a local Hugging "
+                      "Face model directory, or file.py:callable returning a module (and tokenizer)."},
+            "device": {"type": "string", "default": "cpu", "description": "cpu, cuda[:N] or npu[:N]."},
+            "dtype": {"type": "string", "enum": ["float32", "bfloat16", "float16"], "default": "float32",
+                      "description": "The dtype the model runs in."},
+            "prompt": {**_NULLABLE_STR, "description": "The prompt text (or give input_ids)."},
+            "input_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0},
+                          "default": None, "description": "Prompt token ids, instead of prompt."},
+            "chat_template": {"type": "boolean", "default": True,
+                              "description": "Wrap the prompt in the tokenizer's chat template."},
+            "max_new_tokens": {"type": "integer", "minimum": 1, "default": 20,
+                               "description": "Tokens to generate (greedy); one dump step each."},
+            "patch": {**_NULLABLE_STR, "description": "file.py:callable applied to the loaded model."},
+            "seed_settings": {"type": ["object", "null"], "default": None,
+                              "description": "The seed stage's settings, applied in the worker."},
+            "mode": {"type": "string", "enum": ["module", "api", "all", "none"], "default": "module",
+                     "description": "Capture module inputs/outputs, torch API calls, both, or none "
+                     "(logits only)."},
+            "token_range": {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}},
+                                      {"const": "all"}], "default": "all",
+                            "description": "Steps to dump (0 = prefill) or 'all'."},
+            "module_list": {"type": "array", "items": {"type": "string"}, "default": [],
+                            "description": "Module class names to dump; empty = all."},
+            "tensor_part": {"type": "integer", "enum": [0, 1, 2], "default": 2,
+                            "description": "0 inputs, 1 outputs, 2 both."},
+            "layer_name": {**_NULLABLE_STR, "description": "Glob over module paths, e.g. model.layers.3*."},
+            "dump_weight": {"type": "boolean", "default": False, "description": "Also dump weights once."},
+            "dump_last_logits": {"type": "boolean", "default": False,
+                                 "description": "Dump only the logits of each step."},
+            "data_mode": {"type": "string", "enum": ["tensor", "statistics"], "default": "tensor",
+                          "description": "Full tensors, or statistics only (min/max/mean/norm/NaN/Inf)."},
+            "max_bytes": {"type": ["integer", "null"], "minimum": 1, "default": None,
+                          "description": "Stop dumping past this many bytes of tensor data."},
+            "dump_dir": {**_NULLABLE_STR, "description": "Where to write the dump (default: the "
+                         "stage's output folder)."},
+        },
+    }
+    outputs: ClassVar[dict[str, str]] = {
+        "dump_dir": "the dump directory (llmflow format)",
+        "generation_file": "JSON: prompt, input_ids, output_ids, text",
+        "text": "the generated text",
+        "output_ids": "the generated token ids",
+        "model_spec": "dict for load_model(**model_spec): model, device, dtype, patch, base_dir",
+    }
+
+    def resources(self, params: dict[str, Any]) -> set[str]:
+        device = str(params.get("device", "cpu"))
+        return set() if device == "cpu" else {f"device:{device}"}
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        p = {name: spec.get("default") for name, spec in self.params_schema["properties"].items()}
+        p.update(ctx.params)
+        if p.get("prompt") is None and p.get("input_ids") is None:
+            raise UserError(f"{ctx.stage_id}: prompt: give a prompt or input_ids")
+        dump_dir = ctx.resolve_path(p["dump_dir"]) if p.get("dump_dir") else ctx.out_dir / "dump"
+        _check_writable(dump_dir, ctx.stage_id)
+        args = {**p, "dump_dir": str(dump_dir), "base_dir": str(ctx.workflow_dir),
+                "generation_file": str(ctx.out_dir / "generation.json")}
+        result = self._run_worker(ctx, args)
+        text = result["text"]
+        ctx.summary[ctx.stage_id] = {"dump": {"bytes": result["bytes"], "entries": result["entries"],
+                                              "steps": result["steps"], "text": text,
+                                              "truncated": result["truncated"]}}
+        ctx.log(f"{ctx.stage_id}: {result['steps']} steps, {result['entries']} entries, "
+                f"{result['bytes'] / 1e6:.1f} MB: {text!r}")
+        return {
+            "dump_dir": str(dump_dir),
+            "generation_file": args["generation_file"],
+            "text": text,
+            "output_ids": result["output_ids"],
+            "model_spec": {"model": p["model"], "device": p["device"], "dtype": p["dtype"],
+                           "patch": p["patch"], "base_dir": str(ctx.workflow_dir)},
+        }
+
+    def _run_worker(self, ctx: StageContext, args: dict[str, Any]) -> dict[str, Any]:
+        from llmflow.dump.worker import PROGRESS_PREFIX
+
+        args_file = ctx.out_dir / "worker_args.json"
+        result_file = ctx.out_dir / "worker_result.json"
+        args_file.write_text(json.dumps(args, indent=1), encoding="utf-8")
+        env = dict(os.environ)
+        settings = args.get("seed_settings") or {}
+        env.update({k: str(v) for k, v in (settings.get("env") or {}).items()})
+        task = ctx.task(f"{ctx.stage_id}: dump {args['model']}", total=args["max_new_tokens"])
+        tail: deque[str] = deque(maxlen=40)
+        # stderr goes to a file (no pipe to fill up); stdout carries the progress lines
+        with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "llmflow.dump.worker", str(args_file),
+                                     str(result_file)], stdout=subprocess.PIPE, stderr=err, text=True,
+                                    env=env, cwd=str(ctx.out_dir))
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith(PROGRESS_PREFIX):
+                    task.update(completed=int(line[len(PROGRESS_PREFIX):]) + 1)
+                else:
+                    tail.append(line.rstrip())
+            rc = proc.wait()
+            err.seek(0)
+            tail.extend(err.read().splitlines()[-40:])
+        (ctx.out_dir / "worker.log").write_text("\n".join(tail) + "\n", encoding="utf-8")
+        result = json.loads(result_file.read_text()) if result_file.is_file() else {}
+        if rc == 2 and "error" in result:
+            raise UserError(f"{ctx.stage_id}: {result['error']}")
+        if rc != 0:
+            raise RuntimeError(f"dump worker exited with status {rc}:\n" + "\n".join(list(tail)[-20:]))
+        return result
+
+
+def _check_writable(path: Path, stage_id: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".llmflow_write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"{stage_id}: dump_dir {str(path)!r}: not writable "
+                        f"({exc.strerror or exc})") from exc

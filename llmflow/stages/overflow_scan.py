@@ -1,0 +1,60 @@
+"""The ``overflow-scan`` stage: find the first Inf/NaN (or near-max value) in one dump.
+
+A thin adapter over ``llmflow.compare.overflow``: scans the dump in execution order per step and
+rank, names the origin (the first module or API whose inputs are finite and outputs are not),
+traces a NaN back to its first producer, writes ``overflow.json`` and ``overflow.csv`` and puts the
+origin and counts in summary.json (key ``overflow``). Needs no golden.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+from llmflow.compare.overflow import CSV_COLUMNS, DEFAULT_NEAR_MAX_FRACTION, overflow_summary, scan
+from llmflow.formats import open_dump
+from llmflow.stages.base import Stage, StageContext
+
+_INTS = {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}, "default": None}
+
+
+class OverflowScanStage(Stage):
+    """Scan one dump for Inf, NaN and near-max values; name where they first appear."""
+
+    type: ClassVar[str] = "overflow-scan"
+    version: ClassVar[str] = "1"
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["dump"],
+        "properties": {
+            "dump": {"type": "string", "description": "The dump directory (any format llmflow reads)."},
+            "near_max_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
+                                  "default": DEFAULT_NEAR_MAX_FRACTION,
+                                  "description": "Warn when max|x| reaches this fraction of the dtype's "
+                                  "largest finite value (fp16 65504)."},
+            "steps": {**_INTS, "description": "Steps to scan (null: all)."},
+            "ranks": {**_INTS, "description": "Ranks to scan (null: all)."},
+        },
+    }
+    outputs: ClassVar[dict[str, str]] = {"report_file": "overflow.json: origin, NaN trace, every anomaly",
+                                         "csv": "overflow.csv: every flagged entry in execution order"}
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        from llmflow.report.tables import write_csv
+
+        p = {"near_max_fraction": DEFAULT_NEAR_MAX_FRACTION, "steps": None, "ranks": None, **ctx.params}
+        reader = open_dump(ctx.resolve_path(p["dump"]))
+        task = ctx.task(f"{ctx.stage_id}: scanning", total=len(reader.entries()))
+        result = scan(reader, near_max_fraction=float(p["near_max_fraction"]), steps=p["steps"],
+                      ranks=p["ranks"], on_entry=task.advance)
+        report = ctx.out_dir / "overflow.json"
+        report.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+        csv_path = ctx.out_dir / "overflow.csv"
+        write_csv(result["rows"], csv_path, columns=list(CSV_COLUMNS))
+        ctx.summary["overflow"] = overflow_summary(result)
+        first = result["first_origin"]
+        ctx.log(f"{ctx.stage_id}: {result['anomalies']} flagged entries; " + (
+            f"first {first['kind']} at {first['name']} (step {first['step']}, rank {first['rank']})"
+            if first else "no Inf, NaN or near-max value"))
+        return {"report_file": str(report), "csv": str(csv_path)}

@@ -1,0 +1,67 @@
+"""The ``weight-compare`` stage: compare two checkpoints (or a dump's weights) tensor by tensor.
+
+A thin adapter over ``llmflow.compare.weights``: opens both sides (a float checkpoint, a
+msModelSlim-quantized one dequantized on the fly, or a dump taken with ``dump_weight``), compares
+every tensor, writes ``weights.csv`` and ``weights.xlsx`` worst first and puts the counts and the
+worst tensor in summary.json (key ``weight_compare``). Missing keys, shape mismatches and
+unsupported schemes are rows with a reason, never dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from llmflow.compare.weights import compare_sources, open_weights, weight_summary
+from llmflow.stages.base import Stage, StageContext
+
+COLUMNS = ["name", "status", "verdict", "quant_type", "scheme", "golden_dtype", "target_dtype",
+           "golden_shape", "target_shape", "numel", "cosine_similarity", "relative_euclidean_distance",
+           "l2_distance", "max_absolute_error", "mean_absolute_error", "max_relative_error",
+           "mean_relative_error", "rmse", "kl_divergence", "target_name", "reason"]
+
+
+class WeightCompareStage(Stage):
+    """Compare weights: float vs quantized checkpoint, checkpoint vs checkpoint, or dump vs checkpoint."""
+
+    type: ClassVar[str] = "weight-compare"
+    version: ClassVar[str] = "1"
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["golden", "target"],
+        "properties": {
+            "golden": {"type": "string", "description": "Golden weights: a safetensors file, a checkpoint "
+                       "directory (sharded or not), or a dump taken with dump_weight."},
+            "target": {"type": "string", "description": "Target weights, the same kinds (may be quantized)."},
+            "quant_config": {"type": ["string", "null"], "default": None,
+                             "description": "msModelSlim quant_model_description*.json of the target "
+                             "(default: found next to the target weights)."},
+            "thresholds": {"type": ["object", "null"], "default": None,
+                           "description": "Verdict thresholds overriding the defaults (see compare)."},
+            "name_map": {"type": ["object", "null"], "additionalProperties": {"type": "string"},
+                         "default": None, "description": "Target name prefix -> golden name prefix."},
+        },
+    }
+    outputs: ClassVar[dict[str, str]] = {"csv": "weights.csv: one row per tensor, worst first",
+                                         "xlsx": "weights.xlsx: the same, coloured by verdict"}
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        from llmflow.report.tables import write_csv, write_xlsx
+
+        p = {"quant_config": None, "thresholds": None, "name_map": None, **ctx.params}
+        golden = open_weights(ctx.resolve_path(p["golden"]))
+        qc = ctx.resolve_path(p["quant_config"]) if p["quant_config"] else None
+        target = open_weights(ctx.resolve_path(p["target"]), quant_config=qc)
+        task = ctx.task(f"{ctx.stage_id}: tensors", total=len(golden.keys()))
+        rows, companions = compare_sources(golden, target, name_map=p["name_map"], thresholds=p["thresholds"],
+                                           on_tensor=lambda _name: task.advance())
+        columns = COLUMNS + list(dict.fromkeys(k for r in rows for k in r if k not in COLUMNS))
+        csv_path, xlsx_path = ctx.out_dir / "weights.csv", ctx.out_dir / "weights.xlsx"
+        write_csv(rows, csv_path, columns=columns)
+        write_xlsx({"weights": [{c: r.get(c) for c in columns} for r in rows]}, xlsx_path)
+        summary = weight_summary(rows, companions)
+        ctx.summary["weight_compare"] = summary
+        worst = summary["worst"]
+        ctx.log(f"{ctx.stage_id}: {summary['counts']}" + (
+            f"; worst {worst['name']} ({worst['verdict']})" if worst else ""))
+        return {"csv": str(csv_path), "xlsx": str(xlsx_path)}

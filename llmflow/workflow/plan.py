@@ -1,0 +1,173 @@
+"""Which stages a run would execute, and why: shared by ``llmflow plan`` and the runner.
+
+A stage is cached when its directory holds a state file whose fingerprint (stage type + version,
+resolved parameters, needed stages' fingerprints) matches and whose recorded upstream run ids are
+the ones now on disk (so a stage whose input was re-run, even with the same fingerprint, re-runs).
+Otherwise it runs, for the first reason that applies: forced, new, previous run failed, upstream
+changed, stage type or version changed, parameters changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmflow.errors import UserError
+from llmflow.plugins import suggest
+from llmflow.workflow import dag
+from llmflow.workflow.loader import load_workflow
+from llmflow.workflow.marks import WorkflowError
+from llmflow.workflow.registry import stage_identity
+from llmflow.workflow.state import fingerprint, read_json, read_state
+from llmflow.workflow.validate import Checked, SetParams, check, resolve_with
+
+
+@dataclass
+class PlanItem:
+    """One stage in execution order. ``action``: run, cached or skip (not selected by --only)."""
+
+    stage: str
+    type: str
+    action: str
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"stage": self.stage, "type": self.type, "action": self.action, "reason": self.reason}
+
+
+@dataclass
+class Selection:
+    """Stages this run considers (``--only``) and those it re-runs regardless (``--force``/``--from``)."""
+
+    selected: set[str]
+    forced: set[str]
+
+
+def select(checked: Checked, only: Iterable[str] | None, from_stage: str | None, force: bool) -> Selection:
+    """Apply --only/--from/--force; unknown stage names are UserErrors with a suggestion."""
+    stages = checked.workflow.stages
+    only = list(only or [])
+    for name in [*only, *([from_stage] if from_stage else [])]:
+        if name not in stages:
+            raise UserError(f"unknown stage {name!r}{suggest(name, stages)}")
+    selected = set(only) if only else set(stages)
+    forced = set(selected) if force else set()
+    if from_stage:
+        forced |= dag.downstream(checked.needs, [from_stage]) & selected
+    return Selection(selected, forced)
+
+
+def decide(
+    state: dict[str, Any] | None,
+    fp: str,
+    identity: str,
+    upstream_runs: dict[str, str],
+    forced: bool,
+    previously_failed: bool,
+) -> tuple[bool, str]:
+    """(run?, reason) for one stage whose fingerprint is known."""
+    if forced:
+        return True, "forced"
+    if state is None:
+        return True, "previous run failed" if previously_failed else "new"
+    if state.get("upstream_runs", {}) != upstream_runs:
+        return True, "upstream changed"
+    if state.get("fingerprint") != fp:
+        if previously_failed:
+            return True, "previous run failed"
+        if state.get("identity") != identity:
+            return True, "stage type or version changed"
+        return True, "parameters changed"
+    return False, "cached"
+
+
+def previous_failures(run_dir: Path) -> set[str]:
+    """Stages the last run (its summary.json) recorded as failed."""
+    summary = read_json(run_dir / "summary.json")
+    stages = summary.get("stages", {}) if isinstance(summary, dict) else {}
+    return {sid for sid, st in stages.items() if isinstance(st, dict) and st.get("status") == "failed"}
+
+
+def missing_upstream(checked: Checked, sel: Selection, run_dir: Path) -> None:
+    """``--only``: every stage a selected one needs must be selected or have a completed result."""
+    for sid in checked.order:
+        if sid not in sel.selected:
+            continue
+        for dep in checked.workflow.stages[sid].needs:
+            if dep not in sel.selected and read_state(run_dir / dep) is None:
+                raise UserError(
+                    f"--only {sid}: stage {dep!r} (needed by {sid!r}) has no completed result "
+                    f"in {run_dir}; run it first or add --only {dep}"
+                )
+
+
+def compute_plan(checked: Checked, sel: Selection, run_dir: Path) -> list[PlanItem]:
+    """Simulate a run without executing anything."""
+    missing_upstream(checked, sel, run_dir)
+    failed = previous_failures(run_dir)
+    info: dict[str, dict[str, Any]] = {}  # sid -> state of a result that will be reused
+    will_run: set[str] = set()
+    items = []
+    for sid in checked.order:
+        st = checked.workflow.stages[sid]
+        state = read_state(run_dir / sid)
+        if sid not in sel.selected:
+            if state is not None:
+                info[sid] = state
+            items.append(PlanItem(sid, st.uses, "skip", "not selected (--only)"))
+            continue
+        if any(d in will_run for d in st.needs):
+            if sid in sel.forced:
+                reason = "forced"
+            elif state is None:
+                reason = "previous run failed" if sid in failed else "new"
+            else:
+                reason = "upstream changed"
+            will_run.add(sid)
+            items.append(PlanItem(sid, st.uses, "run", reason))
+            continue
+        params = resolve_with(checked, sid, {d: info[d].get("outputs", {}) for d in st.needs})
+        identity = stage_identity(st.uses, checked.classes[sid], st.base_dir)
+        fp = fingerprint(identity, params, {d: info[d]["fingerprint"] for d in st.needs})
+        run, reason = decide(
+            state,
+            fp,
+            identity,
+            {d: info[d].get("run_id", "") for d in st.needs},
+            sid in sel.forced,
+            sid in failed,
+        )
+        if run:
+            will_run.add(sid)
+        else:
+            info[sid] = state or {}
+        items.append(PlanItem(sid, st.uses, "run" if run else "cached", reason))
+    return items
+
+
+def prepare(path: str | Path, set_params: SetParams) -> Checked:
+    """Load and check a workflow for running: raises WorkflowError listing every problem."""
+    checked = check(load_workflow(path), set_params, runtime=True)
+    if checked.errors:
+        raise WorkflowError(checked.errors)
+    return checked
+
+
+def default_run_dir(checked: Checked, run_dir: str | Path | None) -> Path:
+    """``run_dir`` or ``runs/<workflow name>`` under the current directory; absolute."""
+    return Path(run_dir or Path("runs") / checked.workflow.name).expanduser().resolve()
+
+
+def plan_workflow(
+    path: str | Path,
+    set_params: SetParams = None,
+    run_dir: str | Path | None = None,
+    only: Iterable[str] | None = None,
+    from_stage: str | None = None,
+    force: bool = False,
+) -> list[PlanItem]:
+    """What ``run_workflow`` with the same arguments would do, stage by stage, in order."""
+    checked = prepare(path, set_params)
+    return compute_plan(checked, select(checked, only, from_stage, force), default_run_dir(checked, run_dir))

@@ -1,0 +1,61 @@
+"""``<run-dir>/summary.json``: the run at a glance, rewritten atomically whenever a stage changes.
+
+Top-level keys: workflow, workflow_file, run_dir, params, status, started, updated, stages; plus
+each stage's ``ctx.summary`` merged in, in execution order (``verdict``, ``compare``, ...).
+A stage may not overwrite those reserved keys. The shape is ``schemas/summary.schema.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from llmflow.workflow.model import Workflow
+from llmflow.workflow.result import StageResult, now_iso
+from llmflow.workflow.state import atomic_write_json
+
+RESERVED = ("workflow", "workflow_file", "run_dir", "params", "status", "started", "updated", "stages")
+
+log = logging.getLogger("llmflow.workflow")
+
+
+class SummaryWriter:
+    """Builds summary.json from the live ``StageResult``s (kept in execution order)."""
+
+    def __init__(self, path: Path, wf: Workflow, params: dict[str, Any], results: dict[str, StageResult]):
+        self.path = path
+        self.head = {
+            "workflow": wf.name,
+            "workflow_file": str(wf.path),
+            "run_dir": str(path.parent),
+            "params": params,
+            "started": now_iso(),
+        }
+        self.results = results
+        self.data: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._warned: set[tuple[str, str]] = set()
+
+    def write(self, status: str) -> dict[str, Any]:
+        with self._lock:
+            data: dict[str, Any] = {
+                **self.head,
+                "status": status,
+                "updated": now_iso(),
+                "stages": {sid: r.to_json() for sid, r in self.results.items()},
+            }
+            for sid, res in self.results.items():
+                if res.status not in ("done", "cached"):
+                    continue
+                for key, value in res.summary.items():
+                    if key in RESERVED:
+                        if (sid, key) not in self._warned:
+                            self._warned.add((sid, key))
+                            log.warning("stage %s: summary key %r is reserved; ignored", sid, key)
+                        continue
+                    data[key] = value
+            atomic_write_json(self.path, data)
+            self.data = data
+            return data

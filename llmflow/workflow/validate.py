@@ -1,0 +1,276 @@
+"""Semantic checks of a loaded workflow, and the run-time resolution of a stage's parameters.
+
+``check`` finds every problem it can before anything runs: param specs and ``--set`` values,
+stage types (with a suggestion), ``needs`` (unknown ids, cycles), ``${...}`` references
+(syntax, unknown params, stages not in ``needs``, undeclared outputs) and each stage's ``with:``
+against its ``params_schema``. Literal values and ``${params.X}``/``${env.X}`` values are checked
+now; values that depend on other stages' outputs are checked by ``resolve_with`` when the stage
+is about to run.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+import yaml
+
+from llmflow.errors import UserError
+from llmflow.plugins import suggest
+from llmflow.stages.base import Stage
+from llmflow.workflow import dag
+from llmflow.workflow.interpolate import InterpolationError, Ref, dig, has_refs, parse, resolve, strings
+from llmflow.workflow.marks import ValidationError, WorkflowError
+from llmflow.workflow.model import Workflow
+from llmflow.workflow.registry import resolve_stage
+from llmflow.workflow.schema import schema_errors
+
+SetParams = Mapping[str, Any] | Iterable[str] | None
+
+
+@dataclass
+class Checked:
+    """A workflow after ``check``: param values, stage classes, execution order, problems."""
+
+    workflow: Workflow
+    params: dict[str, Any] = field(default_factory=dict)
+    classes: dict[str, type[Stage]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    errors: list[ValidationError] = field(default_factory=list)
+
+    @property
+    def needs(self) -> dict[str, list[str]]:
+        return {sid: st.needs for sid, st in self.workflow.stages.items()}
+
+
+class _Dynamic(Exception):
+    """A value only known at run time (another stage's output, an unset env var)."""
+
+
+def parse_set(items: SetParams) -> dict[str, str]:
+    """``["a=1", "b=x"]`` (or a mapping) -> name -> raw value."""
+    if items is None:
+        return {}
+    if isinstance(items, Mapping):
+        return dict(items)
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise UserError(f"--set {item!r}: expected NAME=VALUE")
+        out[name.strip()] = value
+    return out
+
+
+def _param_schema(spec: dict[str, Any]) -> dict[str, Any]:
+    return {k: spec[k] for k in ("type", "enum", "minimum", "maximum") if k in spec}
+
+
+def _check_params(wf: Workflow, set_params: SetParams, checked: Checked) -> None:
+    for name, spec in wf.params.items():
+        if "default" in spec:
+            errs = schema_errors(_param_schema(spec), spec["default"], wf.marks, ("params", name, "default"))
+            checked.errors += [
+                ValidationError(f"param {name!r} default: {e.message.split(': ', 1)[-1]}", e.mark)
+                for e in errs
+            ]
+            checked.params[name] = spec["default"]
+    for name, raw in parse_set(set_params).items():
+        if name not in wf.params:
+            checked.errors.append(
+                ValidationError(f"--set {name}: unknown param {name!r}{suggest(name, wf.params)}")
+            )
+            continue
+        value: Any = raw
+        if isinstance(raw, str):
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else raw
+            except yaml.YAMLError:
+                value = raw
+            if wf.params[name]["type"] == "string" and not isinstance(value, str):
+                value = raw  # `--set prompt=yes` means the text "yes"
+        try:
+            jsonschema.validate(value, _param_schema(wf.params[name]))
+        except jsonschema.ValidationError as exc:
+            checked.errors.append(ValidationError(f"--set {name}={raw}: {exc.message}"))
+            continue
+        checked.params[name] = value
+
+
+def _check_stages(wf: Workflow, checked: Checked) -> None:
+    for sid, st in wf.stages.items():
+        try:
+            checked.classes[sid] = resolve_stage(st.uses, st.base_dir)
+        except UserError as exc:
+            checked.errors.append(ValidationError(f"stage {sid!r}: {exc}", wf.mark("stages", sid, "uses")))
+        for i, dep in enumerate(st.needs):
+            if dep not in wf.stages:
+                checked.errors.append(
+                    ValidationError(
+                        f"stage {sid!r} needs unknown stage {dep!r}{suggest(dep, wf.stages)}",
+                        wf.mark("stages", sid, "needs", i),
+                    )
+                )
+    cycle = dag.find_cycle(checked.needs)
+    if cycle:
+        first = wf.stages[cycle[0]].needs.index(cycle[1])
+        checked.errors.append(
+            ValidationError(
+                f"dependency cycle: {' -> '.join(cycle)}", wf.mark("stages", cycle[0], "needs", first)
+            )
+        )
+    else:
+        checked.order = dag.topological_order(checked.needs)
+
+
+def _check_refs(wf: Workflow, checked: Checked) -> None:
+    for sid, st in wf.stages.items():
+        for rel, text in strings(st.with_):
+            if not has_refs(text):
+                continue
+            mark = wf.mark("stages", sid, "with", *rel)
+            try:
+                parts = parse(text)
+            except InterpolationError as exc:
+                checked.errors.append(
+                    ValidationError(str(exc), mark.at_offset(text, exc.offset) if mark else None)
+                )
+                continue
+            for ref in (p for p in parts if isinstance(p, Ref)):
+                msg = _ref_problem(wf, checked, sid, ref)
+                if msg:
+                    checked.errors.append(
+                        ValidationError(msg, mark.at_offset(text, ref.start) if mark else None)
+                    )
+
+
+def _ref_problem(wf: Workflow, checked: Checked, sid: str, ref: Ref) -> str | None:
+    if ref.kind == "params" and ref.name not in wf.params:
+        return f"{ref.text}: unknown param {ref.name!r}{suggest(ref.name, wf.params)}"
+    if ref.kind != "stages":
+        return None
+    if ref.name not in wf.stages:
+        return f"{ref.text}: unknown stage {ref.name!r}{suggest(ref.name, wf.stages)}"
+    if ref.name not in wf.stages[sid].needs:
+        return f"{ref.text}: stage {ref.name!r} is not in the needs of stage {sid!r} (add it to needs:)"
+    cls = checked.classes.get(ref.name)
+    if cls is not None and cls.outputs and ref.keys[0] not in cls.outputs:
+        return (
+            f"{ref.text}: stage {ref.name!r} ({cls.type or wf.stages[ref.name].uses}) has no output "
+            f"{ref.keys[0]!r}{suggest(ref.keys[0], cls.outputs)}"
+        )
+    return None
+
+
+def _static_lookup(params: dict[str, Any]):
+    def lookup(ref: Ref) -> Any:
+        if ref.kind == "params":
+            if ref.name not in params:
+                raise _Dynamic
+            return params[ref.name]
+        if ref.kind == "env":
+            value = os.environ.get(ref.name, ref.default)
+            if value is None:
+                raise _Dynamic
+            return value
+        raise _Dynamic
+
+    return lookup
+
+
+def _static_with(value: Any, lookup, path: tuple, skip: list[tuple]) -> Any:
+    """``value`` with what is known now resolved; paths of run-time values go to ``skip``."""
+    if isinstance(value, dict):
+        return {k: _static_with(v, lookup, (*path, k), skip) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_static_with(v, lookup, (*path, i), skip) for i, v in enumerate(value)]
+    if isinstance(value, str) and has_refs(value):
+        try:
+            return resolve(value, lookup)
+        except (_Dynamic, InterpolationError):
+            skip.append(path)
+    return value
+
+
+def _check_with(wf: Workflow, checked: Checked) -> None:
+    lookup = _static_lookup(checked.params)
+    for sid, st in wf.stages.items():
+        cls = checked.classes.get(sid)
+        if cls is None:
+            continue
+        skip: list[tuple] = []
+        instance = _static_with(st.with_, lookup, (), skip)
+        checked.errors += schema_errors(cls.params_schema, instance, wf.marks, ("stages", sid, "with"), skip)
+
+
+def check(wf: Workflow, set_params: SetParams = None, runtime: bool = False) -> Checked:
+    """Every static problem of ``wf``. ``runtime`` also requires a value for every param."""
+    checked = Checked(wf)
+    _check_params(wf, set_params, checked)
+    if runtime:
+        for name in wf.params:
+            if name not in checked.params:
+                checked.errors.append(
+                    ValidationError(
+                        f"param {name!r} has no default: pass --set {name}=VALUE", wf.key_mark("params", name)
+                    )
+                )
+    _check_stages(wf, checked)
+    _check_refs(wf, checked)
+    _check_with(wf, checked)
+    return checked
+
+
+def resolve_with(checked: Checked, sid: str, outputs: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    """A stage's final parameters: references resolved, validated, schema defaults filled in.
+    ``outputs``: stage id -> outputs of the stages it needs. Raises WorkflowError (a UserError)."""
+    wf = checked.workflow
+    st = wf.stages[sid]
+    errors: list[ValidationError] = []
+
+    def lookup(ref: Ref) -> Any:
+        if ref.kind == "params":
+            return checked.params[ref.name]
+        if ref.kind == "env":
+            value = os.environ.get(ref.name, ref.default)
+            if value is None:
+                raise UserError(
+                    f"{ref.text}: environment variable {ref.name!r} is not set "
+                    f"(give a default: ${{env.{ref.name}:-VALUE}})"
+                )
+            return value
+        produced = outputs.get(ref.name, {})
+        try:
+            return dig(produced, ref.keys)
+        except KeyError as exc:
+            raise UserError(
+                f"{ref.text}: stage {ref.name!r} has no output {exc.args[0]!r} "
+                f"(it has: {', '.join(sorted(produced)) or 'none'})"
+            ) from None
+
+    resolved: dict[str, Any] = {}
+    for key, value in st.with_.items():
+        try:
+            resolved[key] = resolve(value, lookup)
+        except UserError as exc:
+            errors.append(ValidationError(str(exc), wf.mark("stages", sid, "with", key)))
+    if not errors:
+        errors = schema_errors(
+            checked.classes[sid].params_schema, resolved, wf.marks, ("stages", sid, "with")
+        )
+    if errors:
+        raise WorkflowError(errors)
+    return fill_defaults(checked.classes[sid].params_schema, resolved)
+
+
+def fill_defaults(schema: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` plus the schema's top-level defaults for the keys it lacks."""
+    out = dict(params)
+    for name, prop in schema.get("properties", {}).items():
+        if name not in out and isinstance(prop, dict) and "default" in prop:
+            out[name] = copy.deepcopy(prop["default"])
+    return out

@@ -1,0 +1,45 @@
+"""The recipes end to end through the workflow engine, on a tiny Llama (fast)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llmflow.workflow.runner import run_workflow
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = "tiny-llama:layers=4,seed=1"
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_llama2_bisect_names_an_injected_fault(tmp_path):
+    sets = [f"golden_model={TINY}", f"target_model={TINY}", "max_new_tokens=6",
+            "target_patch=../plugins/example_faults.py:wrong_act_layer_2"]
+    run_workflow(REPO / "workflows" / "llama2_bisect.yaml", set_params=sets, run_dir=tmp_path / "run")
+    s = _summary(tmp_path / "run")
+    assert s["status"] == "passed", {k: v.get("error") for k, v in s["stages"].items()}
+    v = s["verdict"]
+    assert v["first_bad_layer"] == "model.layers.2"
+    assert v["first_bad_module"] == "model.layers.2.mlp.act_fn"
+    assert v["first_bad_op"] == "model.layers.2.mlp.act_fn/relu.0"
+    assert set(v["texts"]) == {"golden", "target"} and v["cost"]["bytes_dumped"] > 0
+    html = Path(s["report"]["html"]).read_text()
+    assert "model.layers.2.mlp.act_fn" in html and "<svg" in html and "compare:" in html
+    verdict = json.loads((tmp_path / "run" / "bisect" / "verdict.json").read_text())
+    assert verdict["candidates"][0]["name"].startswith("model.layers.2.mlp")
+
+
+def test_compare_dumps_recipe_on_existing_dumps(tmp_path):
+    sets = [f"golden_model={TINY}", f"target_model={TINY}", "max_new_tokens=3"]
+    run_workflow(REPO / "workflows" / "llama2_bisect.yaml", set_params=sets, run_dir=tmp_path / "bisect",
+                 only=["seed", "dump-golden", "dump-npu"])
+    g, t = tmp_path / "bisect" / "dump-golden" / "dump", tmp_path / "bisect" / "dump-npu" / "dump"
+    run_workflow(REPO / "workflows" / "compare_dumps.yaml",
+                 set_params=[f"golden_dump={g}", f"target_dump={t}"], run_dir=tmp_path / "cmp")
+    s = _summary(tmp_path / "cmp")
+    assert s["status"] == "passed", {k: v.get("error") for k, v in s["stages"].items()}
+    html = Path(s["report"]["html"]).read_text()
+    assert "compare:" in html and "<table" in html

@@ -1,0 +1,87 @@
+"""overflow-scan on real dumps of a tiny Llama: an fp16 overflow at a known Linear (absent in fp32),
+an injected NaN, statistics-only dumps, the stage's files and the overflow_hunt workflow."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmflow.compare.overflow import scan
+from llmflow.formats.llmflow_dump import LlmflowDumpReader
+from llmflow.stages.overflow_scan import OverflowScanStage
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from checks_helpers import NAN_MODULE, OVERFLOW_MODULE, TINY, ctx, nan_o_proj, overflow_up_proj, real_dump  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("data_mode", ["tensor", "statistics"])
+def test_fp16_overflow_is_found_at_the_scaled_linear(tmp_path, data_mode):
+    dump = real_dump(tmp_path, dtype="float16", patch=overflow_up_proj, data_mode=data_mode)
+    r = scan(LlmflowDumpReader(dump))
+    first = r["first_origin"]
+    assert (first["name"], first["kind"], first["step"], first["module_type"]) == \
+        (OVERFLOW_MODULE, "inf", 0, "Linear")
+    assert first["inputs_clean"]
+    # the inf becomes a NaN further down; the trace walks back to the scaled Linear
+    assert r["counts"]["nan"] > 0
+    assert r["nan_trace"][0]["kind"] == "nan" and r["nan_trace"][-1]["name"] == OVERFLOW_MODULE
+    # nothing upstream of the scaled Linear is flagged
+    flagged = {row["name"] for row in r["rows"]}
+    assert not any(n.startswith("model.layers.0.") for n in flagged)
+
+
+def test_the_same_model_in_fp32_does_not_overflow(tmp_path):
+    r = scan(LlmflowDumpReader(real_dump(tmp_path, dtype="float32", patch=overflow_up_proj)))
+    assert r["first_origin"] is None and r["anomalies"] == 0 and r["counts"]["entries_scanned"] > 50
+
+
+def test_api_mode_names_the_op_inside_the_module(tmp_path):
+    r = scan(LlmflowDumpReader(real_dump(tmp_path, dtype="float16", patch=overflow_up_proj, mode="all",
+                                         new_tokens=1)))
+    first = r["first_origin"]
+    assert first["name"].startswith(OVERFLOW_MODULE + "/") and first["level"] == "api"
+    assert first["module"] == OVERFLOW_MODULE
+
+
+def test_injected_nan_origin_and_propagation(tmp_path):
+    r = scan(LlmflowDumpReader(real_dump(tmp_path, patch=nan_o_proj)))
+    first = r["first_origin"]
+    assert (first["name"], first["kind"], first["step"]) == (NAN_MODULE, "nan", 0)
+    assert [e["name"] for e in r["nan_trace"]] == [NAN_MODULE]
+    # every step shows it, and it spreads to later layers and the logits
+    assert {o["step"] for o in r["origins"]} == {0, 1}
+    assert any(row["name"] == "logits" for row in r["rows"])
+    assert any(row["name"].startswith("model.layers.1.") for row in r["rows"])
+
+
+def test_stage_writes_report_csv_and_summary(tmp_path):
+    dump = real_dump(tmp_path, dtype="float16", patch=overflow_up_proj)
+    c = ctx(tmp_path, {"dump": str(dump), "steps": [1]}, "overflow")
+    out = OverflowScanStage().run(c)
+    report = json.loads(Path(out["report_file"]).read_text())
+    assert report["first_origin"]["name"] == OVERFLOW_MODULE and report["first_origin"]["step"] == 1
+    with open(out["csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and {r["step"] for r in rows} == {"1"}
+    assert [r["name"] for r in rows if r["origin"] == "True"] == [OVERFLOW_MODULE]
+    s = c.summary["overflow"]
+    assert s["first_origin"]["name"] == OVERFLOW_MODULE and s["first_origin"]["kind"] == "inf"
+    assert s["anomalies"] == len(rows) and s["counts"]["steps"] == [1]
+
+
+def test_overflow_hunt_workflow(tmp_path):
+    from llmflow.workflow import run_workflow
+
+    sets = [f"model={TINY}", "max_new_tokens=2", "prompt=hi",
+            f"patch={REPO / 'tests' / 'checks_helpers.py'}:overflow_up_proj"]
+    run_workflow(REPO / "workflows" / "overflow_hunt.yaml", set_params=sets, run_dir=tmp_path / "run")
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["status"] == "passed", {k: v.get("error") for k, v in s["stages"].items()}
+    assert s["overflow"]["first_origin"]["name"] == OVERFLOW_MODULE
+    assert s["overflow"]["first_origin"]["kind"] == "inf"

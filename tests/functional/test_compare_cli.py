@@ -1,0 +1,164 @@
+"""The align and compare stages and ``llmflow compare`` (file vs file, dir vs dir)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from llmflow import formats
+from llmflow.cli import main
+from llmflow.formats.llmflow_dump import LlmflowDumpReader
+from llmflow.stages.align import AlignStage
+from llmflow.stages.base import StageContext
+from llmflow.stages.compare import CompareStage
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from compare_helpers import as_dump  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def llmflow_format_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests use llmflow dumps only: do not depend on the other format readers importing."""
+    monkeypatch.setattr(formats, "reader_types", lambda: {"llmflow": LlmflowDumpReader})
+
+
+def make_ctx(tmp: Path, stage_id: str, params: dict) -> StageContext:
+    out = tmp / stage_id
+    out.mkdir(parents=True, exist_ok=True)
+    return StageContext(
+        stage_id=stage_id,
+        params=params,
+        out_dir=out,
+        final_dir=out,
+        run_dir=tmp,
+        workflow_dir=tmp,
+        inputs={},
+        log=lambda _msg: None,
+    )
+
+
+def test_align_then_compare_stages(tmp_path: Path) -> None:
+    as_dump(tmp_path, "g", steps=[0, 1, 2])
+    as_dump(tmp_path, "t", steps=[0, 1], dtype=torch.bfloat16)
+    actx = make_ctx(tmp_path, "align", {"golden_dump": "g", "target_dump": "t", "prefill_offset": 1})
+    a = AlignStage().run(actx)
+    assert a["pairs"] == [
+        {"golden_step": 0, "target_step": 0},
+        {"golden_step": 1, "target_step": 0},
+        {"golden_step": 2, "target_step": 1},
+    ]
+    assert json.loads(Path(a["pairs_file"]).read_text()) == a["pairs"] and a["missing"] == []
+    cctx = make_ctx(
+        tmp_path,
+        "compare",
+        {
+            "golden": a["golden_dump"],
+            "target": a["target_dump"],
+            "pairs_file": a["pairs_file"],
+            "levels": ["logits", "layer"],
+            "target_dtype": "bfloat16",
+            "workers": 1,
+            "algorithms": [str(REPO / "plugins/example_algorithm.py:max_ulp_error")],
+        },
+    )
+    out = CompareStage().run(cctx)
+    assert set(out["csv"]) == {"logits", "layer"} and Path(out["xlsx"]).is_file()
+    s = cctx.summary["compare"]
+    assert s["pairs"] == 3 * (1 + 4) and s == json.loads(Path(out["summary_file"]).read_text())
+    # golden steps 0 and 1 both against target step 0: step 1's tokens differ from step 0's
+    assert s["logits"]["first_token_mismatch_step"] in (None, 1)
+    assert "max_ulp_error" in Path(out["csv"]["layer"]).read_text().splitlines()[0]
+
+
+def test_stage_schemas_accept_the_workflow_params() -> None:
+    import jsonschema
+
+    jsonschema.validate(
+        {
+            "golden_dump": "a",
+            "target_dump": "b",
+            "pairs_file": "p.json",
+            "mapping": "",
+            "target_dtype": "bfloat16",
+        },
+        CompareStage.params_schema,
+    )
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"golden_dump": "a"}, CompareStage.params_schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"golden": "a", "target": "b", "levels": ["tokens"]}, CompareStage.params_schema)
+    jsonschema.validate({"golden": "a", "target": "b", "prefill_offset": 1}, AlignStage.params_schema)
+
+
+def test_cli_dir_vs_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    g = as_dump(tmp_path, "g")
+    t = as_dump(tmp_path, "t", dtype=torch.bfloat16)
+    rc = main(
+        [
+            "compare",
+            "-gp",
+            str(g),
+            "-mp",
+            str(t),
+            "-o",
+            str(tmp_path / "out"),
+            "-cl",
+            "layer",
+            "logits",
+            "--target-dtype",
+            "bfloat16",
+            "--workers",
+            "1",
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0 and text.strip().splitlines()[-1].startswith("PASSED")
+    assert (tmp_path / "out" / "compare_layer.csv").is_file() and (
+        tmp_path / "out" / "compare.xlsx"
+    ).is_file()
+    bad = as_dump(tmp_path, "bad", fault=lambda i, x: -x if i == 1 else x)
+    rc = main(["compare", "-gp", str(g), "-mp", str(bad), "-o", str(tmp_path / "out2"), "-cl", "layer"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert rc == 1 and last.startswith("FAILED") and "model.layers.1" in last
+
+
+def test_cli_file_vs_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    x = torch.randn(8, 16)
+    np.save(tmp_path / "g.npy", x.numpy())
+    np.save(tmp_path / "t.npy", (x * 1.0001).numpy())
+    rc = main(
+        [
+            "compare",
+            "-gp",
+            str(tmp_path / "g.npy"),
+            "-mp",
+            str(tmp_path / "t.npy"),
+            "-alg",
+            str(REPO / "plugins/example_algorithm.py:sign_flip_ratio"),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0 and "cosine_similarity" in text and "sign_flip_ratio" in text
+    assert text.strip().splitlines()[-1].startswith("PASSED")
+    save_file({"w": x}, str(tmp_path / "g.safetensors"))
+    torch.save(-x, tmp_path / "t.pt")
+    rc = main(["compare", "-gp", str(tmp_path / "g.safetensors"), "-mp", str(tmp_path / "t.pt")])
+    assert rc == 1 and capsys.readouterr().out.strip().splitlines()[-1].startswith("FAILED")
+
+
+def test_cli_bad_input_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "x.npy").write_bytes(b"not numpy")
+    np.save(tmp_path / "y.npy", np.ones(3))
+    assert main(["compare", "-gp", str(tmp_path / "x.npy"), "-mp", str(tmp_path / "y.npy")]) == 2
+    assert "x.npy: cannot read tensor file" in capsys.readouterr().err
+    g = as_dump(tmp_path, "g", steps=[0])
+    assert main(["compare", "-gp", str(g), "-mp", str(g), "-mf", str(tmp_path / "nope.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err

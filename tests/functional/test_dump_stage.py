@@ -1,0 +1,127 @@
+"""The dump stage end to end (workflow runner, subprocess worker) and crash tolerance (SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from llmflow.formats.llmflow_dump import LlmflowDumpReader
+from llmflow.stages.dump import DumpStage
+from llmflow.workflow import run_workflow
+
+TINY = "tiny-llama:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64"
+
+
+def _workflow(tmp_path: Path, **dump_with) -> Path:
+    with_ = {"model": TINY, "prompt": "hello there", "max_new_tokens": 3,
+             "seed_settings": "${stages.seed.outputs.settings}", **dump_with}
+    wf = tmp_path / "wf.yaml"
+    wf.write_text(json.dumps({"name": "dump-test", "stages": {
+        "seed": {"uses": "seed", "with": {"seed": 7}},
+        "dump-golden": {"uses": "dump", "needs": ["seed"], "with": with_},
+    }}))
+    return wf
+
+
+def test_dump_stage_through_the_runner(tmp_path):
+    res = run_workflow(_workflow(tmp_path, mode="all", token_range=[0, 2]), run_dir=tmp_path / "run")
+    st = res.stages["dump-golden"]
+    assert st.status == "done", st.error
+    out = st.outputs
+    final = tmp_path / "run" / "dump-golden"
+    assert out["dump_dir"] == str(final / "dump")
+    gen = json.loads(Path(out["generation_file"]).read_text())
+    assert gen["prompt"] == "hello there" and gen["output_ids"] == out["output_ids"]
+    assert len(out["output_ids"]) == 3
+    assert gen["input_ids"][0] == 256 and out["text"] == gen["text"]
+    assert out["model_spec"] == {"model": TINY, "device": "cpu", "dtype": "float32", "patch": None,
+                                 "base_dir": str(tmp_path)}
+    r = LlmflowDumpReader(out["dump_dir"])
+    meta = r.meta()
+    assert meta["complete"] and meta["config"]["token_range"] == [0, 2]
+    assert {e.level for e in r.entries()} == {"module", "api", "logits"}
+    assert {e.step for e in r.entries() if e.level == "module"} == {0, 2}
+    assert r.env()["seed"]["seed"] == 7 and r.env()["generation"]["max_new_tokens"] == 3
+    summary = res.summary["dump-golden"]["dump"]
+    assert summary["steps"] == 3 and summary["entries"] > 100 and summary["bytes"] > 0
+    # the worker ran in its own process with the seed's environment
+    assert r.env()["env_vars"].get("PYTHONHASHSEED") == "7"
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"device": "npu:0"}, "device 'npu:0': torch_npu is not installed"),
+    ({"model": "no/such/model"}, "model 'no/such/model'"),
+    ({"model": "m.py:make"}, "model 'm.py:make': returned str, not a torch.nn.Module"),
+    ({"prompt": "x" * 600}, "prompt: 601 prompt tokens + max_new_tokens 3 exceed the model's context"),
+])
+def test_dump_stage_bad_input_is_a_user_error(tmp_path, params, message):
+    (tmp_path / "m.py").write_text("def make():\n    return 'not a model'\n")
+    res = run_workflow(_workflow(tmp_path, **params), run_dir=tmp_path / "run")
+    st = res.stages["dump-golden"]
+    assert st.status == "failed" and st.user_error, st.error
+    assert message in st.error and "\n" not in st.error.strip()
+    assert not (tmp_path / "run" / "dump-golden").exists()
+
+
+def test_bad_dtype_is_caught_when_the_workflow_is_checked(tmp_path):
+    from llmflow.errors import UserError
+
+    with pytest.raises(UserError, match=r"stages.dump-golden.with.dtype: 'float8' is not one of"):
+        run_workflow(_workflow(tmp_path, dtype="float8"), run_dir=tmp_path / "run")
+
+
+def test_dump_stage_unwritable_dump_dir(tmp_path):
+    from llmflow.errors import UserError
+    from llmflow.stages.base import StageContext
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    params = {"model": TINY, "prompt": "x", "dump_dir": str(blocker / "sub")}
+    ctx = StageContext("d", params, tmp_path / "out", tmp_path / "final", tmp_path, tmp_path, {})
+    (tmp_path / "out").mkdir()
+    with pytest.raises(UserError, match="dump_dir .* not writable"):
+        DumpStage().run(ctx)
+    assert DumpStage().resources({"device": "cuda:1"}) == {"device:cuda:1"}
+    assert DumpStage().resources({"device": "cpu"}) == set()
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from llmflow.dump import DumpConfig, register_hook
+    from llmflow.models import load_model, greedy_generate
+    lm = load_model("tiny-llama:layers=2,hidden=64,max_pos=4096")
+    h = register_hook(lm.model, DumpConfig(dump_path=sys.argv[1], token_range="all"))
+    greedy_generate(lm.model, [256, 1, 2, 3], 3000, eos_token_id=-1)
+""")
+
+
+def test_sigkill_mid_dump_leaves_a_readable_dump(tmp_path):
+    script = tmp_path / "victim.py"
+    script.write_text(KILL_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stderr=subprocess.PIPE)
+    index = tmp_path / "llmflow_dump" / "rank0" / "index.jsonl"
+    deadline = time.time() + 60
+    try:
+        while time.time() < deadline and (not index.exists() or index.stat().st_size < 200_000):
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.05)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    r = LlmflowDumpReader(tmp_path / "llmflow_dump")
+    meta = r.meta()
+    assert meta["complete"] is False
+    entries = r.entries()
+    assert len(r.steps()) >= 3
+    for e in entries:
+        if e.has_data:
+            assert r.load(e).shape == e.shape
+    assert r.topology()["execution"]["0"]

@@ -1,0 +1,99 @@
+"""Ranking on synthetic own-error tables: the faulty module must come first."""
+
+from __future__ import annotations
+
+import random
+
+from llmflow.localize.rank import (
+    first_jump,
+    layer_curve,
+    layer_of,
+    module_type,
+    pick_candidate,
+    rank_modules,
+)
+
+TYPES = {  # bf16 noise differs by module type: a realistic spread of own errors
+    "input_layernorm": 0.002, "self_attn.q_proj": 0.004, "self_attn.o_proj": 0.005,
+    "self_attn": 0.006, "mlp.gate_proj": 0.004, "mlp.down_proj": 0.03, "mlp": 0.02,
+    "mlp.act_fn": 0.003,
+}
+
+
+def _table(n_layers: int, fault: tuple[int, str, float] | None = None, seed: int = 0):
+    rng = random.Random(seed)
+    rows = []
+    for layer in range(n_layers):
+        for suffix, base in TYPES.items():
+            err = base * rng.uniform(0.7, 1.4)
+            if fault and fault[0] == layer and fault[1] == suffix:
+                err *= fault[2]
+            rows.append({"name": f"model.layers.{layer}.{suffix}", "rel_l2": err})
+    rows.append({"name": "lm_head", "rel_l2": 0.004})
+    rows.append({"name": "model.norm", "rel_l2": 0.002})
+    return rows
+
+
+def test_layer_and_type_names():
+    assert layer_of("model.layers.7.mlp.down_proj") == "model.layers.7"
+    assert layer_of("model.layers.12") == "model.layers.12"
+    assert layer_of("lm_head") is None
+    assert layer_of("model.layers.3.self_attn/matmul.0") == "model.layers.3"
+    assert module_type("model.layers.7.mlp.down_proj") == "model.layers.*.mlp.down_proj"
+    assert module_type("transformer.h.0.attn") == "transformer.h.*.attn"
+    assert module_type("lm_head") == "lm_head"
+
+
+def test_fault_in_small_module_beats_noisier_types():
+    # down_proj is noisy (0.03) everywhere; a 5x fault in a q_proj (0.02) is below that in
+    # absolute terms but must still rank first, because it is compared with other q_projs.
+    ranked = rank_modules(_table(30, (22, "self_attn.q_proj", 5.0)))
+    assert ranked[0]["name"] == "model.layers.22.self_attn.q_proj"
+    assert ranked[0]["anomalous"] and ranked[0]["score"] > 3
+    assert ranked[0]["z"] is not None and ranked[0]["z"] > 3
+    assert not any(r["anomalous"] for r in ranked[2:])  # the container may follow, nothing else
+
+
+def test_leaf_is_preferred_over_its_container():
+    rows = _table(6, (2, "mlp.act_fn", 50.0))
+    for r in rows:  # the container inherits the fault and even scores higher
+        if r["name"] == "model.layers.2.mlp":
+            r["rel_l2"] = 0.02 * 200
+    ranked = rank_modules(rows)
+    assert ranked[0]["name"] == "model.layers.2.mlp"
+    assert pick_candidate(ranked)["name"] == "model.layers.2.mlp.act_fn"
+
+
+def test_two_layers_use_leave_one_out():
+    ranked = rank_modules(_table(2, (1, "mlp.down_proj", 10.0)))
+    assert ranked[0]["name"] == "model.layers.1.mlp.down_proj"
+    assert ranked[0]["score"] > 5
+
+
+def test_no_fault_means_nothing_anomalous():
+    ranked = rank_modules(_table(30))
+    assert not any(r["anomalous"] for r in ranked)
+    assert pick_candidate(ranked)["name"] == ranked[0]["name"]
+
+
+def test_unreplayable_rows_go_last():
+    rows = _table(3) + [{"name": "model.layers.0.self_attn.rotary", "rel_l2": None}]
+    ranked = rank_modules(rows)
+    assert ranked[-1]["name"] == "model.layers.0.self_attn.rotary"
+    assert ranked[-1]["score"] is None and ranked[-1]["rank"] == len(ranked)
+    assert pick_candidate(rank_modules([{"name": "x", "rel_l2": None}])) is None
+
+
+def test_layer_curve_takes_worst_module_per_layer():
+    ranked = rank_modules(_table(4, (3, "mlp", 100.0)))
+    curve = layer_curve(ranked, key="score")
+    assert list(curve) == [0, 1, 2, 3]
+    assert max(curve, key=curve.get) == 3
+
+
+def test_first_jump():
+    assert first_jump([0.001, 0.002, 0.0015, 0.05, 0.06]) == 3
+    assert first_jump([0.001, 0.002, 0.003]) is None
+    assert first_jump([None, 0.001, float("nan"), 0.01]) == 3
+    assert first_jump([0.5, 0.5], floor=0.01) == 0  # the first op itself is far above noise
+    assert first_jump([1e-9, 1e-6], floor=1e-3) is None  # jumps inside the noise floor don't count

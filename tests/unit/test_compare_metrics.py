@@ -1,0 +1,222 @@
+"""Each metric of compare_tensors against an independent numpy computation, and the verdicts."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from llmflow.compare import metrics
+from llmflow.compare.metrics import COLUMNS, compare_stats, compare_tensors, verdict
+from llmflow.compare.thresholds import dtype_class, resolve_thresholds
+from llmflow.errors import UserError
+
+EPS = np.finfo(np.float32).eps
+
+
+def reference(g: np.ndarray, t: np.ndarray) -> dict[str, float]:
+    """The msit definitions, written out plainly in float64 numpy."""
+    g = g.astype(np.float64).ravel()
+    t = t.astype(np.float64).ravel()
+    d = t - g
+    rel = np.where(np.abs(g) > EPS, np.abs(d) / np.where(np.abs(g) > EPS, np.abs(g), 1), 0.0)
+    gn, tn = np.linalg.norm(g), np.linalg.norm(t)
+    return {
+        "cosine_similarity": float(g @ t / (gn * tn)),
+        "max_relative_error": float(rel.max()),
+        "mean_relative_error": float(rel.mean()),
+        "max_absolute_error": float(np.abs(d).max()),
+        "mean_absolute_error": float(np.abs(d).mean()),
+        "relative_euclidean_distance": float(np.linalg.norm(d) / gn),
+        "rmse": float(np.sqrt(np.mean(d * d))),
+        "one_thousandth_err_ratio": float(np.mean(rel < 1e-3)),
+        "five_thousandths_err_ratio": float(np.mean(rel < 5e-3)),
+    }
+
+
+def np_kl(g: np.ndarray, t: np.ndarray) -> float:
+    """KL(softmax(g) || softmax(t)) over the flattened tensors."""
+    g = g.astype(np.float64).reshape(1, -1)
+    t = t.astype(np.float64).reshape(1, -1)
+
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        m = x.max(axis=-1, keepdims=True)
+        return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+    lg, lt = log_softmax(g), log_softmax(t)
+    return float((np.exp(lg) * (lg - lt)).sum(-1).mean())
+
+
+def assert_matches(row: dict, ref: dict, rtol: float = 1e-9) -> None:
+    for k, v in ref.items():
+        assert row[k] == pytest.approx(v, rel=rtol, abs=1e-12), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_metrics_match_numpy(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(3, 50, 70, generator=gen)
+    t = (g + 0.01 * torch.randn(g.shape, generator=gen)).to(dtype)
+    row = compare_tensors(g, t)
+    gn, tn = g.numpy(), t.float().numpy()
+    assert_matches(row, reference(gn, tn))
+    assert row["kl_divergence"] == pytest.approx(np_kl(gn, tn), rel=1e-6)
+    assert row["dtype_mismatch"] is (dtype != torch.float32)
+    assert row["reason"] == "" and row["numel"] == g.numel()
+    assert set(COLUMNS) <= set(row)
+
+
+def test_chunking_does_not_change_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.randn(10_007, dtype=torch.float32)
+    t = g + 1e-3 * torch.randn(10_007)
+    whole = compare_tensors(g, t)
+    monkeypatch.setattr(metrics, "CHUNK", 1000)
+    chunked = compare_tensors(g, t)
+    for k in ("cosine_similarity", "max_relative_error", "mean_absolute_error", "kl_divergence",
+              "rmse", "one_thousandth_err_ratio"):
+        assert chunked[k] == pytest.approx(whole[k], rel=1e-9), k
+
+
+def test_long_row_kl_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.randn(5000, dtype=torch.float64)
+    t = g + 0.1 * torch.randn(5000, dtype=torch.float64)
+    monkeypatch.setattr(metrics, "CHUNK", 512)  # the row is longer than a chunk
+    assert compare_tensors(g, t)["kl_divergence"] == pytest.approx(np_kl(g.numpy(), t.numpy()), rel=1e-9)
+
+
+def test_tiny_golden_values_are_left_out_of_relative_errors() -> None:
+    g = torch.tensor([1e-9, 0.0, 2.0, -4.0])
+    t = torch.tensor([1.0, 0.5, 2.2, -4.0])
+    row = compare_tensors(g, t)
+    assert row["max_relative_error"] == pytest.approx(0.1)
+    assert row["mean_relative_error"] == pytest.approx(0.1 / 4)
+    assert row["max_absolute_error"] == pytest.approx(1.0)
+    assert_matches(row, reference(g.numpy(), t.numpy()), rtol=1e-6)
+
+
+def test_zeros() -> None:
+    z = torch.zeros(100)
+    row = compare_tensors(z, z)
+    assert row["cosine_similarity"] == 1.0 and row["relative_euclidean_distance"] == 0.0
+    assert verdict(row, "float32") == "pass"
+    row = compare_tensors(z, torch.ones(100))
+    assert math.isnan(row["cosine_similarity"]) and row["relative_euclidean_distance"] == math.inf
+    assert verdict(row, "bfloat16") == "fail"
+    row = compare_tensors(torch.ones(100), z)
+    assert math.isnan(row["cosine_similarity"]) and row["relative_euclidean_distance"] == 1.0
+    assert verdict(row, "bfloat16") == "fail"
+
+
+def test_nan_and_inf_are_counted_and_left_out() -> None:
+    g = torch.arange(1.0, 11.0)
+    t = g.clone()
+    t[2], t[5] = float("nan"), float("inf")
+    g2 = g.clone()
+    g2[7] = float("-inf")
+    row = compare_tensors(g2, t)
+    assert (row["target_nan"], row["target_inf"], row["golden_nan"], row["golden_inf"]) == (1, 1, 0, 1)
+    assert "target has 1 NaN, 1 Inf" in row["reason"] and "golden has 0 NaN, 1 Inf" in row["reason"]
+    # the 7 elements finite on both sides are equal
+    assert row["max_absolute_error"] == 0.0 and row["cosine_similarity"] == pytest.approx(1.0)
+    assert verdict(row, "float32") == "fail"  # the target has more non-finite values than golden
+    same = compare_tensors(t, t)
+    assert verdict(same, "float32") == "warn"  # NaN in both: not the target's fault, but worth a look
+    all_nan = compare_tensors(torch.full((4,), float("nan")), torch.ones(4))
+    assert "no element finite" in all_nan["reason"] and verdict(all_nan, "float32") == "fail"
+
+
+def test_shape_mismatch_never_raises() -> None:
+    row = compare_tensors(torch.ones(3, 4), torch.ones(5))
+    assert row["shape_mismatch"] and row["reason"].startswith("shape mismatch")
+    assert math.isnan(row["cosine_similarity"]) and verdict(row, "float32") == "fail"
+    # same elements, another view: compared flat, flagged
+    row = compare_tensors(torch.arange(6.0).reshape(1, 2, 3), torch.arange(6.0).reshape(2, 3))
+    assert row["shape_mismatch"] and row["cosine_similarity"] == pytest.approx(1.0)
+    assert compare_tensors(torch.ones(0), torch.ones(0))["reason"] == "empty tensor"
+
+
+def test_integer_and_bool_tensors() -> None:
+    ids = torch.tensor([[1, 2, 3]])
+    assert verdict(compare_tensors(ids, ids), "int64") == "pass"
+    assert verdict(compare_tensors(ids, ids + torch.tensor([[0, 0, 1]])), "int64") == "fail"
+    mask = torch.tensor([True, False])
+    assert compare_tensors(mask, mask)["max_absolute_error"] == 0.0
+
+
+def test_fp32_vs_bf16_does_not_fail_every_row() -> None:
+    gen = torch.Generator().manual_seed(1)
+    verdicts = []
+    for _ in range(20):
+        g = torch.randn(64, 128, generator=gen)
+        verdicts.append(verdict(compare_tensors(g, g.bfloat16()), "bfloat16"))
+    assert verdicts.count("pass") == 20
+    # the same rounding error held to fp32's standard is flagged
+    g = torch.randn(64, 128, generator=gen)
+    assert verdict(compare_tensors(g, g.bfloat16()), "float32") != "pass"
+    # a real fault in a bf16 target still fails
+    bad = g.clone()
+    bad[:, :16] *= 3
+    assert verdict(compare_tensors(g, bad.bfloat16()), "bfloat16") == "fail"
+
+
+def test_threshold_overrides() -> None:
+    row = {"cosine_similarity": 0.995, "relative_euclidean_distance": 0.01}
+    assert verdict(row, "bfloat16") == "warn"
+    assert verdict(row, "bfloat16", {"cosine_similarity": {"warn": 0.99, "fail": 0.9}}) == "pass"
+    assert verdict(row, "bfloat16", {"bf16": {"cosine_similarity": 0.999}}) == "fail"
+    # a per-dtype block only applies to that dtype
+    assert verdict(row, "float16", {"bfloat16": {"cosine_similarity": 0.999999}}) == "warn"
+    # custom columns with their own direction
+    assert verdict({**row, "my_score": 0.5}, "bfloat16",
+                   {"my_score": {"warn": 0.9, "fail": 0.8, "higher_is_better": True},
+                    "cosine_similarity": 0.9}) == "fail"
+    with pytest.raises(UserError, match="thresholds.cosine_similarity"):
+        resolve_thresholds("float32", {"cosine_similarity": "high"})
+    with pytest.raises(UserError, match="thresholds.bfloat16"):
+        resolve_thresholds("bfloat16", {"bfloat16": 3})
+
+
+def test_dtype_classes() -> None:
+    assert dtype_class("torch.bfloat16") == "bfloat16"
+    assert dtype_class("bf16") == "bfloat16"
+    assert dtype_class("float8_e4m3fn") == "float8"
+    assert dtype_class("int4") == "int4"
+    assert dtype_class("int64") == "integer"
+    assert dtype_class(None) == "float32"
+
+
+def test_statistics_only_rows() -> None:
+    g = {"max": 4.0, "min": -2.0, "mean": 0.5, "norm": 10.0, "nan": 0, "inf": 0}
+    t = {"max": 4.5, "min": -2.0, "mean": 0.5, "norm": 10.1, "nan": 0, "inf": 0}
+    row = compare_stats(g, t)
+    assert row["max_diff"] == pytest.approx(0.5) and row["max_rel_diff"] == pytest.approx(0.125)
+    assert row["norm_rel_diff"] == pytest.approx(0.01) and row["min_diff"] == 0.0
+    assert verdict(row, "bfloat16") == "pass" and verdict(row, "float32") == "warn"
+    row = compare_stats(g, {**t, "norm": 20.0, "inf": 3})
+    assert row["target_inf"] == 3 and verdict(row, "bfloat16") == "fail"
+    assert verdict(compare_stats(g, None), "float32") == "fail"
+
+
+def test_fused_kernels_agree_with_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmflow.compare import kernels
+
+    monkeypatch.setattr(kernels, "FUSED_CHUNK", 4096)
+    monkeypatch.setattr(kernels, "_fused", None)
+    if kernels.fused() is None:
+        pytest.skip("torch.compile is unavailable here (no C++ compiler?); the eager path is tested above")
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(3 * 4096 + 123, generator=gen)
+    cases = [g + 1e-3 * torch.randn(g.shape, generator=gen), g.bfloat16(), g.clone()]
+    bad = g.clone()
+    bad[5000] = float("nan")
+    cases.append(bad)
+    for t in cases:
+        fused = compare_tensors(g, t)
+        monkeypatch.setattr(kernels, "_fused", False)
+        eager = compare_tensors(g, t)
+        monkeypatch.setattr(kernels, "_fused", None)
+        for k in metrics.METRIC_COLUMNS:
+            assert fused[k] == pytest.approx(eager[k], rel=1e-6, abs=1e-15), k
+        assert fused["reason"] == eager["reason"]

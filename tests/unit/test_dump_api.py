@@ -1,0 +1,146 @@
+"""API mode, dialogue turns (two prompts, two dumps), set_dump_path and save()."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmflow
+from llmflow.dump import DumpConfig, register_hook, save, set_dump_path
+from llmflow.dump.api import api_name
+from llmflow.dump.hooks import _PATH
+from llmflow.errors import UserError
+from llmflow.formats.llmflow_dump import LlmflowDumpReader
+from llmflow.models import greedy_generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from dump_helpers import bits_equal, by_name, dump, prompt_ids, tiny  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _reset_dump_path():
+    saved = dict(_PATH)
+    yield
+    _PATH.update(saved)
+
+
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = x @ self.w          # operator
+        y = y.add(1.0)          # Tensor method
+        y = torch.tanh(y) + y   # torch function + operator
+        z = self.inner(y.view(-1, 4))  # view: layout only, passed through
+        return z.softmax(-1)
+
+
+def test_api_mode_catches_operators_methods_and_names_by_module(tmp_path):
+    model = Toy()
+    x = torch.randn(2, 4)
+    h = register_hook(model, DumpConfig(dump_path=str(tmp_path), mode="api"))
+    with torch.no_grad():
+        expected = model(x)
+    h.remove()
+    r = LlmflowDumpReader(h.dumps[0])
+    es = r.entries()
+    names = list(dict.fromkeys(e.name for e in es if e.level == "api"))
+    assert names == ["/matmul.0", "/add.0", "/tanh.0", "/add.1", "inner/linear.0", "/softmax.0"]
+    assert not any("view" in n or "size" in n or "__get__" in n for n in names)
+    mm_in = by_name(es, name="/matmul.0", kind="input")
+    assert bits_equal(r.load(mm_in[0]), x)
+    assert mm_in[1].pytype == "Parameter" and not mm_in[1].has_data and mm_in[1].shape == (4, 4)
+    assert bits_equal(r.load(by_name(es, name="/softmax.0", kind="output")[0]), expected)
+    assert r.topology()["execution"]["0"]["0"][:2] == ["/matmul.0", "/add.0"]
+
+
+def test_api_names():
+    assert api_name(torch.Tensor.__matmul__) == "matmul"
+    assert api_name(torch.Tensor.__radd__) == "add"
+    assert api_name(torch.Tensor.__iadd__) == "add_"
+    assert api_name(torch.Tensor.__truediv__) == "div"
+    assert api_name(torch.nn.functional.linear) == "linear"
+    for skipped in (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__getitem__, torch.Tensor.view,
+                    torch._C._set_grad_enabled, torch.Tensor.__repr__):
+        assert api_name(skipped) is None
+
+
+def test_api_and_module_mode_together_on_llama(tmp_path):
+    r, out = dump(tmp_path, new_tokens=2, mode="all", token_range=[1])
+    es = r.entries()
+    apis = {e.name for e in es if e.level == "api"}
+    assert "model.layers.0.self_attn.q_proj/linear.0" in apis
+    assert any(n.startswith("model.layers.1.mlp.act_fn/silu") for n in apis)
+    assert any(n.startswith("model.layers.0.input_layernorm/pow") for n in apis)
+    assert {e.level for e in es} == {"api", "module", "logits"}
+    # module outputs and the api that computed them agree bit for bit
+    lin = by_name(es, name="model.layers.0.self_attn.q_proj/linear.0", kind="output")[0]
+    mod = by_name(es, name="model.layers.0.self_attn.q_proj", kind="output")[0]
+    assert bits_equal(r.load(lin), r.load(mod))
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+
+def test_two_prompts_two_dumps(tmp_path):
+    lm = tiny()
+    cfg = DumpConfig(dump_path=str(tmp_path), token_range="all", module_list=["LlamaMLP"])
+    h = register_hook(lm.model, cfg)
+    a = greedy_generate(lm.model, prompt_ids("first prompt"), 2)
+    b = greedy_generate(lm.model, prompt_ids("a second, longer prompt"), 3)
+    h.remove()
+    assert h.dumps == [tmp_path / "llmflow_dump", tmp_path / "llmflow_dump_1"]
+    ra, rb = (LlmflowDumpReader(d) for d in h.dumps)
+    assert ra.steps() == [0, 1] and rb.steps() == [0, 1, 2]
+    assert ra.meta()["complete"] and rb.meta()["complete"]
+    la = [int(ra.load(e).argmax()) for e in ra.entries() if e.level == "logits"]
+    lb = [int(rb.load(e).argmax()) for e in rb.entries() if e.level == "logits"]
+    assert la == a and lb == b
+
+
+def test_set_dump_path_starts_a_new_folder(tmp_path):
+    lm = tiny()
+    h = register_hook(lm.model, DumpConfig(dump_path=str(tmp_path / "ignored"), module_list=["LlamaMLP"]))
+    set_dump_path(str(tmp_path), dump_tag="dialog_0")
+    greedy_generate(lm.model, prompt_ids("one"), 1)
+    set_dump_path(str(tmp_path), dump_tag="dialog_1")
+    greedy_generate(lm.model, prompt_ids("two"), 1)
+    h.remove()
+    assert h.dumps == [tmp_path / "dialog_0", tmp_path / "dialog_1"]
+    assert all(LlmflowDumpReader(d).meta()["complete"] for d in h.dumps)
+    with pytest.raises(UserError, match="backend"):
+        set_dump_path(str(tmp_path), backend="acl")
+    with pytest.raises(UserError, match="dump_tag"):
+        set_dump_path(str(tmp_path), dump_tag="../up")
+
+
+def test_save_records_into_the_current_step(tmp_path):
+    class Saver(torch.nn.Module):
+        def forward(self, x):
+            y = x * 3
+            llmflow.save("my_value", {"y": y, "parts": [x, x + 1]})
+            return y
+
+    h = register_hook(Saver(), DumpConfig(dump_path=str(tmp_path)))
+    x = torch.randn(3)
+    h.model(x)
+    h.remove()
+    r = LlmflowDumpReader(h.dumps[0])
+    saved = {e.index: e for e in r.entries() if e.level == "save"}
+    assert set(saved) == {"y", "parts.0", "parts.1"}
+    assert all(e.name == "my_value" and e.step == 0 for e in saved.values())
+    assert bits_equal(r.load(saved["y"]), x * 3) and bits_equal(r.load(saved["parts.1"]), x + 1)
+    assert save("late", torch.ones(1)) is False  # no dump open any more
+
+
+def test_top_level_names_are_msit_compatible():
+    from llmflow import DumpConfig as D
+    from llmflow import register_hook as rh
+    from llmflow import save as s
+    from llmflow import set_dump_path as sdp
+
+    assert (D, rh, s, sdp) == (DumpConfig, register_hook, save, set_dump_path)

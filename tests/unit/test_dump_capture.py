@@ -1,0 +1,235 @@
+"""Module-mode capture: faithful copies, steps, filters, kwargs, weights, statistics, budgets."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmflow.dump import DumpConfig, register_hook
+from llmflow.dump.stats import batched_stats
+from llmflow.formats.llmflow_dump import LlmflowDumpReader
+from llmflow.models import greedy_generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from dump_helpers import bits_equal, by_name, dump, prompt_ids, tiny  # noqa: E402
+
+
+def test_dump_equals_what_a_plain_forward_hook_sees(tmp_path):
+    model = tiny().model
+    seen: dict[tuple[int, str], torch.Tensor] = {}
+    calls = {"n": -1}
+
+    def root_pre(mod, args, kwargs):
+        calls["n"] += 1
+
+    def make(name):
+        def hook(mod, args, out):
+            first = out[0] if isinstance(out, tuple) else out
+            if isinstance(first, torch.Tensor):  # ModelOutput dicts are indexed by key instead
+                seen[(calls["n"], name)] = first.detach().clone()
+        return hook
+
+    handles = [model.register_forward_pre_hook(root_pre, with_kwargs=True)]
+    handles += [m.register_forward_hook(make(n)) for n, m in model.named_modules() if n]
+    try:
+        r, out = dump(tmp_path, new_tokens=3)
+    finally:
+        for h in handles:
+            h.remove()
+    outputs = [e for e in r.entries() if e.level == "module" and e.kind == "output" and e.index == "0"]
+    assert {e.step for e in outputs} == {0, 1, 2}  # prefill + one per decode step that ran the model
+    checked = 0
+    for e in outputs:
+        if (e.step, e.name) in seen:
+            assert bits_equal(r.load(e), seen[(e.step, e.name)]), (e.step, e.name)
+            checked += 1
+    assert checked == len(outputs) and checked > 40
+    assert len(out) == 3
+
+
+def test_copy_is_taken_at_capture_time(tmp_path):
+    """A module that changes its input in place after a submodule saw it: the dump keeps the old bits."""
+
+    class Inner(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+            self.after = Inner()
+
+        def forward(self, x):
+            y = self.inner(x)
+            y.add_(1000.0)  # in place, after 'inner' returned it
+            x.mul_(0)
+            return self.after(y)
+
+    model = Outer()
+    x = torch.randn(2, 3)
+    orig = x.clone()
+    h = register_hook(model, DumpConfig(dump_path=str(tmp_path)))
+    model(x)
+    h.remove()
+    r = LlmflowDumpReader(h.dumps[0])
+    got = {(e.name, e.kind): r.load(e) for e in r.entries() if e.has_data}
+    assert bits_equal(got[("inner", "input")], orig)
+    assert bits_equal(got[("inner", "output")], orig * 2)
+    assert bits_equal(got[("after", "input")], orig * 2 + 1000.0)  # a new version: not a stale repeat
+
+
+def test_token_range_and_logits_every_step(tmp_path):
+    r, out = dump(tmp_path, new_tokens=4, token_range=[1, 3])
+    es = r.entries()
+    assert {e.step for e in es if e.level == "module"} == {1, 3}
+    logits = [e for e in es if e.level == "logits"]
+    assert [e.step for e in logits] == [0, 1, 2, 3]
+    assert all(e.name == "logits" and e.kind == "output" and e.shape == (1, 300) for e in logits)
+    # the logits of step s pick the token generated at step s
+    assert [int(r.load(e).argmax()) for e in logits] == out
+
+
+def test_layer_name_module_list_tensor_part(tmp_path):
+    r, _ = dump(tmp_path / "a", new_tokens=1, layer_name="root.model.layers.1*")
+    names = {e.name for e in r.entries() if e.level == "module"}
+    assert names and all(n.startswith("model.layers.1") for n in names)
+    assert "model.layers.1.mlp.down_proj" in names
+
+    r, _ = dump(tmp_path / "b", new_tokens=1, module_list=["LlamaDecoderLayer", torch.nn.Embedding],
+                tensor_part=1)
+    mods = [e for e in r.entries() if e.level == "module"]
+    assert {e.module_type for e in mods} == {"LlamaDecoderLayer", "Embedding"}
+    assert {e.kind for e in mods} == {"output"}
+
+    r, _ = dump(tmp_path / "c", new_tokens=1, tensor_part=0)
+    assert {e.kind for e in r.entries() if e.level == "module"} == {"input"}
+
+
+def test_kwargs_and_non_tensors_are_recorded(tmp_path):
+    r, _ = dump(tmp_path, new_tokens=1, token_range=[0])
+    layer = [e for e in r.entries() if e.name == "model.layers.0" and e.kind == "input"]
+    idx = {e.index: e for e in layer}
+    assert idx["0"].dtype == "float32"
+    cos, sin = idx["kw:position_embeddings.0"], idx["kw:position_embeddings.1"]
+    assert cos.has_data and sin.has_data and cos.shape == sin.shape
+    assert idx["kw:attention_mask"].pytype == "NoneType" and idx["kw:attention_mask"].value is None
+    assert idx["kw:use_cache"].value is True and idx["kw:use_cache"].pytype == "bool"
+    assert idx["kw:past_key_values"].pytype == "DynamicCache" and not idx["kw:past_key_values"].has_data
+    # the same cos tensor reaches every layer: stored once, every entry loads it
+    cos1 = by_name(r.entries(), name="model.layers.1", index="kw:position_embeddings.0")[0]
+    assert cos1.key == cos.key and bits_equal(r.load(cos1), r.load(cos))
+    # order: inputs of a call before its outputs
+    out0 = by_name(r.entries(), name="model.layers.0", kind="output")[0]
+    assert max(e.order for e in layer) < out0.order
+
+
+def test_dump_weight_and_last_logits(tmp_path):
+    r, _ = dump(tmp_path / "w", new_tokens=1, dump_weight=True, layer_name="model.layers.0.mlp*")
+    weights = [e for e in r.entries() if e.kind == "weight"]
+    assert weights and all(e.step == -1 and e.level == "weight" for e in weights)
+    params = dict(tiny().model.named_parameters())
+    assert {e.name for e in weights} == {n for n in params if n.startswith("model.layers.0.mlp")}
+    for e in weights:
+        assert bits_equal(r.load(e), params[e.name].detach())
+
+    r, out = dump(tmp_path / "l", new_tokens=3, dump_last_logits=True)
+    assert {e.level for e in r.entries()} == {"logits"} and len(r.entries()) == len(out)
+
+
+def test_statistics_mode(tmp_path):
+    r, _ = dump(tmp_path / "s", new_tokens=2, data_mode="statistics", crc32=True)
+    rt, _ = dump(tmp_path / "t", new_tokens=2)
+    assert r.meta()["data_mode"] == "statistics"
+    stored = sum(p.stat().st_size for p in (tmp_path / "s" / "dump" / "rank0" / "data").glob("*"))
+    assert stored < 2 * (300 * 4 + 200)  # only the two steps' logits rows hold data
+    tensors = {(e.step, e.name, e.kind, e.index): e for e in rt.entries() if e.has_data}
+    stats_entries = [e for e in r.entries() if e.dtype is not None and e.level != "logits"]
+    assert len(stats_entries) == len(tensors) - 2
+    # logits keep their data in statistics mode: compare and bisect need them
+    assert all(e.has_data for e in r.entries() if e.level == "logits")
+    assert len([e for e in r.entries() if e.level == "logits"]) == 2
+    import zlib
+    for e in stats_entries:
+        assert not e.has_data and e.stats is not None
+        t = rt.load(tensors[(e.step, e.name, e.kind, e.index)])
+        x = t.double()
+        assert e.stats["max"] == pytest.approx(float(x.max()), rel=1e-6)
+        assert e.stats["min"] == pytest.approx(float(x.min()), rel=1e-6)
+        assert e.stats["mean"] == pytest.approx(float(x.mean()), rel=1e-4, abs=1e-6)
+        assert e.stats["norm"] == pytest.approx(float(x.norm()), rel=1e-5)
+        assert e.stats["nan"] == 0 and e.stats["inf"] == 0
+        assert e.extra["crc32"] == zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    with pytest.raises(Exception, match="statistics-only"):
+        r.load(stats_entries[0])
+
+
+def test_batched_stats_counts_nan_inf_and_odd_dtypes():
+    ts = [torch.tensor([1.0, float("nan"), float("inf"), -float("inf")]), torch.tensor([1.0, 2.0, 3.0, 4.0]),
+          torch.tensor([], dtype=torch.float32), torch.tensor([3, -1], dtype=torch.int64),
+          torch.tensor([True, False, True]), torch.tensor([1.5, -2.5], dtype=torch.bfloat16)]
+    s = batched_stats(ts)
+    assert s[0]["nan"] == 1 and s[0]["inf"] == 2
+    assert s[1] == {"max": 4.0, "min": 1.0, "mean": 2.5, "norm": pytest.approx(math.sqrt(30)), "nan": 0.0,
+                    "inf": 0.0}
+    assert math.isnan(s[2]["max"]) and s[2]["nan"] == 0
+    assert s[3]["max"] == 3 and s[3]["min"] == -1 and s[4]["mean"] == pytest.approx(2 / 3)
+    assert s[5]["max"] == 1.5 and s[5]["min"] == -2.5
+
+
+def test_max_bytes_stops_cleanly(tmp_path, caplog):
+    r, out = dump(tmp_path, new_tokens=3, max_bytes=20_000)
+    assert len(out) == 3  # generation went on
+    meta = r.meta()
+    assert meta["complete"] and meta["truncated"]
+    assert "max_bytes=20000" in meta["ranks"][0]["stop_reason"]
+    assert "max_bytes=20000" in caplog.text
+    data = sum(p.stat().st_size for p in (tmp_path / "dump" / "rank0" / "data").glob("*.safetensors"))
+    assert 0 < data <= 20_000 + 4096  # tensor bytes within budget (+ safetensors headers)
+    for e in r.entries():
+        if e.has_data:
+            r.load(e)
+
+
+def test_plain_forward_loop_counts_steps(tmp_path):
+    """Without generate (no KV cache): each root forward is one step, one dump for the sequence."""
+    model = tiny().model
+    h = register_hook(model, DumpConfig(dump_path=str(tmp_path), token_range="all", module_list=["LlamaMLP"]))
+    ids = torch.tensor([prompt_ids()])
+    with torch.no_grad():
+        for _ in range(3):
+            nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+    h.remove()
+    assert len(h.dumps) == 1
+    r = LlmflowDumpReader(h.dumps[0])
+    assert r.steps() == [0, 1, 2]
+
+
+def test_register_hook_validates_and_remove_restores(tmp_path):
+    model = tiny().model
+    before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    h = register_hook(model, DumpConfig(dump_path=str(tmp_path), mode="all"))
+    greedy_generate(model, prompt_ids(), 1)
+    h.remove()
+    after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    assert before == after
+    assert torch.overrides._get_current_function_mode_stack() == []
+    assert LlmflowDumpReader(h.dumps[0]).meta()["complete"]
+    from llmflow.errors import UserError
+    with pytest.raises(UserError, match="hook_type"):
+        register_hook(model, DumpConfig(), hook_type="overflow_check")
+    with pytest.raises(UserError, match="DumpConfig"):
+        register_hook(model, {"dump_path": "."})
+
+
+def test_device_id_filters(tmp_path):
+    model = tiny().model
+    h = register_hook(model, DumpConfig(dump_path=str(tmp_path / "x"), device_id=1))
+    greedy_generate(model, prompt_ids(), 1)
+    h.remove()
+    assert h.dumps == [] and not (tmp_path / "x").exists()

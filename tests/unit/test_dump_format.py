@@ -1,0 +1,153 @@
+"""The llmflow dump format: writer/reader round trip, crash tolerance, and safety."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmflow.errors import DumpFormatError
+from llmflow.formats.base import Entry
+from llmflow.formats.llmflow_dump import DumpDirWriter, LlmflowDumpReader, entry_line
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from dump_helpers import bits_equal, dump  # noqa: E402
+
+
+def _entry(step: int, order: int, key: str, t: torch.Tensor, name: str = "m") -> Entry:
+    return Entry(step, 0, name, "output", "0", "module", order, dtype=str(t.dtype)[6:],
+                 shape=tuple(t.shape), key=key)
+
+
+def test_round_trip_keeps_dtype_and_bits(tmp_path):
+    w = DumpDirWriter(tmp_path / "d", 0, meta={"data_mode": "tensor"})
+    special = torch.tensor([1.0, float("nan"), float("inf"), -0.0, 1e-40])
+    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(6, dtype=torch.int64),
+               "c": special, "d": torch.randn(2, 2).half(), "e": torch.tensor([True, False])}
+    entries = [_entry(0, i, k, t, name=k) for i, (k, t) in enumerate(tensors.items())]
+    w.write_batch(dict(tensors), entries)
+    w.close()
+    r = LlmflowDumpReader(tmp_path / "d")
+    assert LlmflowDumpReader.detect(tmp_path / "d") and r.meta()["complete"] is True
+    got = {e.name: r.load(e) for e in r.entries()}
+    for k, t in tensors.items():
+        assert bits_equal(got[k], t), k
+    assert [e.name for e in r.entries()] == list(tensors)
+
+
+def test_entry_line_matches_to_json():
+    e = Entry(1, 0, "x", "input", "kw:a.0", "module", 3, dtype="float32", shape=(1, 2),
+              stats={"max": 1.0}, value=None, pytype=None, extra={"crc32": 5})
+    assert json.loads(entry_line(e)) == e.to_json()
+    assert Entry.from_json(json.loads(entry_line(e))) == e
+
+
+def test_incomplete_until_closed_and_torn_last_line_ignored(tmp_path):
+    w = DumpDirWriter(tmp_path / "d", 0)
+    t = torch.ones(4)
+    w.write_batch({"1": t}, [_entry(0, 0, "1", t)])
+    r = LlmflowDumpReader(tmp_path / "d")
+    assert r.meta()["complete"] is False
+    # a writer killed mid-line leaves half a JSON object at the end
+    with open(tmp_path / "d" / "rank0" / "index.jsonl", "a") as f:
+        f.write('{"step": 1, "rank": 0, "na')
+    entries = LlmflowDumpReader(tmp_path / "d").entries()
+    assert len(entries) == 1 and bits_equal(r.load(entries[0]), t)
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path):
+    w = DumpDirWriter(tmp_path / "d", 0)
+    w.append_entries([Entry(0, 0, "a", "input", "0", "module", 0, has_data=False, pytype="NoneType")])
+    with open(tmp_path / "d" / "rank0" / "index.jsonl", "a") as f:
+        f.write("not json\n")
+    w.append_entries([Entry(0, 0, "b", "input", "0", "module", 1, has_data=False, pytype="NoneType")])
+    w.close()
+    with pytest.raises(DumpFormatError, match=r"index.jsonl:2"):
+        LlmflowDumpReader(tmp_path / "d").entries()
+
+
+def test_entries_of_a_missing_data_file_are_left_out(tmp_path):
+    w = DumpDirWriter(tmp_path / "d", 0)
+    t = torch.ones(2)
+    w.write_batch({"1": t}, [_entry(0, 0, "1", t, "kept")])
+    w.write_batch({"2": t}, [_entry(1, 0, "2", t, "lost")])
+    w.close()
+    (tmp_path / "d" / "rank0" / "data" / "000001.safetensors").unlink()
+    assert [e.name for e in LlmflowDumpReader(tmp_path / "d").entries()] == ["kept"]
+
+
+class _Bomb:
+    """Unpickling this creates a marker file: proof that someone unpickled dump data."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_planted_pickle_is_never_loaded(tmp_path):
+    r, _ = dump(tmp_path, new_tokens=1, token_range=[0])
+    marker = tmp_path / "PWNED"
+    bomb = pickle.dumps(_Bomb(str(marker)))
+    rank = tmp_path / "dump" / "rank0"
+    (rank / "data" / "evil.pth").write_bytes(bomb)
+    (rank / "data" / "evil.pt").write_bytes(bomb)
+    (tmp_path / "dump" / "evil.pkl").write_bytes(bomb)
+    # and an index line that points at the pickle, plus one escaping the dump directory
+    evil = [Entry(0, 0, "evil", "output", "0", "module", 999, dtype="float32", shape=(1,),
+                  key="rank0/data/evil.pth:x"),
+            Entry(0, 0, "escape", "output", "0", "module", 998, dtype="float32", shape=(1,),
+                  key="../../outside.safetensors:x")]
+    with open(rank / "index.jsonl", "a") as f:
+        f.writelines(entry_line(e) for e in evil)
+    reader = LlmflowDumpReader(tmp_path / "dump")
+    with pytest.raises(DumpFormatError, match="not a safetensors file inside the dump"):
+        reader.entries()
+    # the honest part of the dump still reads through the public API; nothing was unpickled
+    lines = (rank / "index.jsonl").read_text().splitlines()[:-2]
+    (rank / "index.jsonl").write_text("\n".join(lines) + "\n")
+    reader = LlmflowDumpReader(tmp_path / "dump")
+    for e in reader.entries():
+        if e.has_data:
+            reader.load(e)
+    reader.topology(), reader.env(), reader.meta()
+    assert not marker.exists()
+
+
+def test_reader_is_picklable_and_detect_rejects_others(tmp_path):
+    r, _ = dump(tmp_path, new_tokens=1, token_range=[0])
+    r.entries()
+    again = pickle.loads(pickle.dumps(r))
+    assert len(again.entries()) == len(r.entries())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "llmflow_dump.json").write_text('{"format": "something-else"}')
+    assert not LlmflowDumpReader.detect(tmp_path / "other")
+    assert not LlmflowDumpReader.detect(tmp_path / "nowhere")
+    assert LlmflowDumpReader.detect(tmp_path / "dump" / "llmflow_dump.json")
+
+
+def test_topology_env_and_layout(tmp_path):
+    r, out = dump(tmp_path, new_tokens=2)
+    meta = r.meta()
+    assert meta["format"] == "llmflow-dump" and meta["version"] == 1 and meta["data_mode"] == "tensor"
+    assert meta["complete"] and meta["steps"] == len(out)
+    topo = r.topology()
+    assert topo["name"] == "" and topo["type"] == "LlamaForCausalLM"
+    layers = next(c for c in topo["children"][0]["children"] if c["name"] == "model.layers")
+    assert layers["children"][0]["name"] == "model.layers.0"
+    assert topo["execution"]["0"]["1"][:2] == ["model", "model.embed_tokens"]
+    env = r.env()
+    assert set(env) == {"versions", "env_vars", "torch_settings", "model_config", "generation",
+                        "seed", "tokenizer"}
+    assert env["versions"]["torch"] == torch.__version__
+    assert env["torch_settings"]["float32_matmul_precision"] == torch.get_float32_matmul_precision()
+    assert env["model_config"]["num_hidden_layers"] == 2
+    assert env["generation"]["max_new_tokens"] == 2 and env["generation"]["do_sample"] is False
+    files = sorted(p.name for p in (tmp_path / "dump").iterdir())
+    assert files == ["env.json", "llmflow_dump.json", "rank0", "topology.json"]
+    assert not list((tmp_path / "dump").rglob("*.tmp"))
