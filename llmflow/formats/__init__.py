@@ -16,10 +16,15 @@ __all__ = ["DumpReader", "Entry", "open_dump", "reader_types"]
 
 
 def reader_types() -> dict[str, type[DumpReader]]:
-    """Format name -> reader class, built-in first, then plugins."""
+    """Format name -> reader class; llmflow's own format is detected first.
+
+    Detection tries readers in this order, and the native format is the most
+    specific (it has a manifest), so it goes first; the rest keep plugin order.
+    """
     from llmflow.plugins import load_group
 
-    return load_group("llmflow.formats")
+    types = load_group("llmflow.formats")
+    return dict(sorted(types.items(), key=lambda kv: kv[0] != "llmflow"))
 
 
 def open_dump(path: str | Path, format: str | None = None) -> DumpReader:
