@@ -141,7 +141,9 @@ def _from_callable(fn: Any, ref: str) -> tuple[torch.nn.Module, Any]:
 
 def _load_hf_dir(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # llmflow shows its own progress; tqdm bars garble it
     try:
         module = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dt)
     except (OSError, ValueError) as exc:

