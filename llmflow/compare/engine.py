@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from dataclasses import replace
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from llmflow.compare import kernels
 from llmflow.compare.match import Pair
 from llmflow.compare.rows import Job, run_chunk
 from llmflow.errors import UserError
@@ -73,11 +75,12 @@ def execute(job: Job, pairs: list[Pair], *, executor: str = "local", workers: in
             on_chunk: Callable[[int, int], None] | None = None) -> Iterator[Result]:
     """Yield ``(levels, row, bytes)`` for every pair, in order."""
     chunks = chunk_pairs(pairs)
+    total = sum(p.nbytes for p in pairs)
     if executor == "dask":
         results = _dask(job, chunks, scheduler_address, client)
     elif executor == "local":
         n = min(workers or default_workers(), len(chunks))
-        total = sum(p.nbytes for p in pairs)
+        job = replace(job, fused_kernels=total / max(n, 1) >= kernels.FUSE_MIN_BYTES)
         results = _inline(job, chunks) if n <= 1 or total < INLINE_BYTES else _pool(job, chunks, n)
     else:
         raise UserError(f"compare: executor: expected 'local' or 'dask', got {executor!r}")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from llmflow.compare import kernels
 from llmflow.compare.algorithms import load_algorithms, run_algorithm
 from llmflow.compare.match import Pair
 from llmflow.compare.metrics import compare_stats, compare_tensors, verdict
@@ -37,6 +38,7 @@ class Job:
     stats_only: bool = False
     thresholds: dict | None = None
     target_dtype: str | None = None
+    fused_kernels: bool = True  # compile the fused metric kernels (worth it for GBs per worker)
     _algs: dict | None = field(default=None, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -152,4 +154,5 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
 
 def run_chunk(job: Job, pairs: list[Pair]) -> list[tuple[tuple[str, ...], dict[str, Any], int]]:
     """(levels, row, bytes read) for each pair of a chunk, in order."""
+    kernels.want_fused(job.fused_kernels)
     return [(p.levels, compute_row(job, p), 0 if p.unmatched else p.nbytes) for p in pairs]
