@@ -27,6 +27,11 @@ from llmflow.errors import UserError
 CHUNK_PAIRS = 64
 CHUNK_BYTES = 64 << 20
 INLINE_BYTES = 16 << 20  # below this much data a process pool costs more than it saves
+# Pairs this big on average run in-process on torch's own threads: each worker process of a pool
+# costs ~2 s to start (torch import) and compiles the fused kernels again, while one process with
+# intra-op threads reads 8 GB of 4 MiB pairs in ~2 s. A pool pays off for many small pairs, where
+# per-pair Python work, not arithmetic, dominates.
+BIG_PAIR_BYTES = 1 << 20
 
 Result = tuple[tuple[str, ...], dict[str, Any], int]
 
@@ -80,8 +85,13 @@ def execute(job: Job, pairs: list[Pair], *, executor: str = "local", workers: in
         results = _dask(job, chunks, scheduler_address, client)
     elif executor == "local":
         n = min(workers or default_workers(), len(chunks))
-        job = replace(job, fused_kernels=total / max(n, 1) >= kernels.FUSE_MIN_BYTES)
-        results = _inline(job, chunks) if n <= 1 or total < INLINE_BYTES else _pool(job, chunks, n)
+        big_pairs = total / max(1, len(pairs)) >= BIG_PAIR_BYTES
+        if n <= 1 or total < INLINE_BYTES or big_pairs:
+            job = replace(job, fused_kernels=total >= kernels.FUSE_MIN_BYTES)
+            results = _inline(job, chunks, threads=n)
+        else:
+            job = replace(job, fused_kernels=total / n >= kernels.FUSE_MIN_BYTES)
+            results = _pool(job, chunks, n)
     else:
         raise UserError(f"compare: executor: expected 'local' or 'dask', got {executor!r}")
     for chunk_rows in results:
@@ -90,9 +100,16 @@ def execute(job: Job, pairs: list[Pair], *, executor: str = "local", workers: in
             on_chunk(len(chunk_rows), sum(r[2] for r in chunk_rows))
 
 
-def _inline(job: Job, chunks: list[list[Pair]]) -> Iterator[list[Result]]:
-    for chunk in chunks:
-        yield run_chunk(job, chunk)
+def _inline(job: Job, chunks: list[list[Pair]], threads: int = 1) -> Iterator[list[Result]]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(threads, before))
+    try:
+        for chunk in chunks:
+            yield run_chunk(job, chunk)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _pool(job: Job, chunks: list[list[Pair]], n: int) -> Iterator[list[Result]]:

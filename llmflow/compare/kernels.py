@@ -35,7 +35,7 @@ _lock = threading.Lock()
 _fused: tuple[Callable, Callable] | None | bool = None  # None: not tried yet; False: unavailable
 # Compiling costs ~5 s per process (less with inductor's disk cache) and saves ~1.2 s per GB
 # against eager torch, so a compare only asks for it when each worker has this much to read.
-FUSE_MIN_BYTES = 2 << 30
+FUSE_MIN_BYTES = 2 << 30  # per process
 _wanted = True
 
 
