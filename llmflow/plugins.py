@@ -27,7 +27,7 @@ import importlib
 import importlib.util
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ class PluginRef:
         return obj
 
 
-@lru_cache(maxsize=None)
+@cache
 def find_group(group: str) -> dict[str, PluginRef]:
     """Name -> PluginRef for one group, from installed distributions' metadata. Imports nothing."""
     found: dict[str, PluginRef] = {}

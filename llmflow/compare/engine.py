@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from dataclasses import replace
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from llmflow.compare import kernels

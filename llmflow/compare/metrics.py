@@ -216,9 +216,12 @@ def _kl(g: torch.Tensor, t: torch.Tensor, acc: dict[str, Any]) -> float:
         pe_sum += vals[2]
     if not p_sum > 0:
         return math.nan
-    if math.isfinite(pe_sum):
+    if math.isfinite(pe_sum) and pe_sum / p_sum > -0.5:
         kl = -pd_sum / p_sum + math.log1p(pe_sum / p_sum)
-    else:  # a difference beyond exp's range: the log-sum-exps are precise enough there
+    else:
+        # a difference beyond exp's range, or a target that puts almost no mass where the golden
+        # does (log1p's argument near -1, where rounding can push it past the domain): the
+        # divergence is then large (> log 2) and the log-sum-exps are precise enough for it
         kl = -pd_sum / p_sum + acc["lse_t"] - acc["lse_g"] - math.log(p_sum)
     return max(kl, 0.0) if math.isfinite(kl) else math.nan
 

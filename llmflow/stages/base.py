@@ -11,9 +11,10 @@ anything it wants in ``<run-dir>/summary.json`` goes into ``ctx.summary``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 
 class ProgressTask(Protocol):

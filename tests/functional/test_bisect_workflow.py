@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jsonschema
+
 from llmflow.workflow.runner import run_workflow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -12,7 +14,11 @@ TINY = "tiny-llama:layers=4,seed=1"
 
 
 def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
+    """summary.json, checked against its published schema (what other tools rely on)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    schema = json.loads((Path(__file__).resolve().parents[2] / "schemas" / "summary.schema.json").read_text())
+    jsonschema.validate(summary, schema)
+    return summary
 
 
 def test_llama2_bisect_names_an_injected_fault(tmp_path):

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from llmflow.compare.overflow import scan
@@ -83,5 +84,6 @@ def test_overflow_hunt_workflow(tmp_path):
     run_workflow(REPO / "workflows" / "overflow_hunt.yaml", set_params=sets, run_dir=tmp_path / "run")
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["status"] == "passed", {k: v.get("error") for k, v in s["stages"].items()}
+    jsonschema.validate(s, json.loads((REPO / "schemas" / "summary.schema.json").read_text()))
     assert s["overflow"]["first_origin"]["name"] == OVERFLOW_MODULE
     assert s["overflow"]["first_origin"]["kind"] == "inf"

@@ -220,3 +220,13 @@ def test_fused_kernels_agree_with_eager(monkeypatch: pytest.MonkeyPatch) -> None
         for k in metrics.METRIC_COLUMNS:
             assert fused[k] == pytest.approx(eager[k], rel=1e-6, abs=1e-15), k
         assert fused["reason"] == eager["reason"]
+
+
+def test_kl_when_the_target_moves_all_mass_away() -> None:
+    """The golden's mass sits where the target has almost none: KL is large and finite, never a
+    math domain error (found by benchmarks/bench_bisect.py on real API dumps)."""
+    g = np.array([100.0, 0.0, 0.0, 0.0], dtype=np.float32)
+    t = np.array([-100.0, 0.0, 0.0, 0.0], dtype=np.float32)
+    row = compare_tensors(torch.from_numpy(g), torch.from_numpy(t))
+    assert math.isfinite(row["kl_divergence"])
+    assert row["kl_divergence"] == pytest.approx(np_kl(g, t), rel=1e-6)
