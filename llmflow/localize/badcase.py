@@ -1,6 +1,7 @@
 """Bad-case search: which prompts does the target get most wrong? (no dump involved)
 
-Each prompt runs greedily on both sides, in batches with left padding. Two measures per prompt:
+Each prompt runs greedily on both sides (one at a time, as the dump stages run it), then both
+models score the golden continuations in batches with left padding. Two measures per prompt:
   first_mismatch_token: the first generated step whose token differs (what a user sees);
   max_kl: the largest KL(golden || target) of the next-token distributions over the golden's
     continuation, both models teacher-forced on the same (golden) text, so every step compares
@@ -76,21 +77,17 @@ def _cut(ids: list[int], eos: Any) -> list[int]:
 
 @torch.no_grad()
 def generate_batch(loaded: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of a batch of prompts (left padding; cut after EOS)."""
+    """Greedy continuations, one prompt at a time (cut after EOS).
+
+    Not batched on purpose: left padding and a batch dimension change the kernels' shapes and so
+    the low-precision rounding (seen on SmolLM2 bf16: the batched target kept the golden's text
+    where the unbatched one, like the dump stage's run, differs at token 8). The first mismatch
+    reported here must be the one the dump stages will then see. The scoring pass is batched.
+    """
     from llmflow.models import greedy_generate
 
-    model, tok = loaded.model, loaded.tokenizer
-    eos = getattr(tok, "eos_token_id", None)
-    if not hasattr(model, "generate") or len(prompts) == 1:
-        return [_cut(greedy_generate(model, p, max_new_tokens, eos_token_id=eos), eos) for p in prompts]
-    from transformers import GenerationConfig
-
-    pad = _pad_id(tok)
-    ids, mask = _left_pad(prompts, pad, loaded.device)
-    cfg = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
-                           pad_token_id=pad, eos_token_id=eos)
-    out = model.generate(ids, attention_mask=mask, generation_config=cfg)
-    return [_cut(row.tolist(), eos) for row in out[:, ids.shape[1]:]]
+    eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    return [_cut(greedy_generate(loaded.model, p, max_new_tokens, eos_token_id=eos), eos) for p in prompts]
 
 
 @torch.no_grad()

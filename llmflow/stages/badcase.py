@@ -36,7 +36,7 @@ class BadcaseStage(Stage):
     """Run many prompts on golden and target (no dump) and rank them by logits divergence."""
 
     type: ClassVar[str] = "badcase"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,

@@ -49,3 +49,19 @@ def test_compare_dumps_recipe_on_existing_dumps(tmp_path):
     assert s["status"] == "passed", {k: v.get("error") for k, v in s["stages"].items()}
     html = Path(s["report"]["html"]).read_text()
     assert "compare:" in html and "<table" in html
+
+
+def test_badcase_bisect_bisects_the_worst_prompt(tmp_path):
+    """badcase ranks the prompts; both dumps then run on the worst one and the bisect finds the fault."""
+    sets = [f"golden_model={TINY}", f"target_model={TINY}", "max_new_tokens=4", "badcase_tokens=4",
+            "target_patch=../plugins/example_faults.py:wrong_act_layer_2",
+            "prompts=[a short one, a somewhat longer prompt with more words in it]"]
+    run_workflow(REPO / "workflows" / "badcase_bisect.yaml", set_params=sets, run_dir=tmp_path / "run")
+    s = _summary(tmp_path / "run")
+    assert s["status"] == "passed", {k: v.get("error") for k, v in s["stages"].items()}
+    ranking = json.loads((tmp_path / "run" / "badcase" / "ranking.json").read_text())
+    worst = ranking[0]["prompt"]
+    assert ranking[0]["max_kl"] >= ranking[1]["max_kl"]
+    generation = json.loads(Path(s["stages"]["dump-golden"]["outputs"]["generation_file"]).read_text())
+    assert generation["prompt"] == worst
+    assert s["verdict"]["first_bad_module"] == "model.layers.2.mlp.act_fn"
