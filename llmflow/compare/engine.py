@@ -87,10 +87,10 @@ def execute(job: Job, pairs: list[Pair], *, executor: str = "local", workers: in
         n = min(workers or default_workers(), len(chunks))
         big_pairs = total / max(1, len(pairs)) >= BIG_PAIR_BYTES
         if n <= 1 or total < INLINE_BYTES or big_pairs:
-            job = replace(job, fused_kernels=total >= kernels.FUSE_MIN_BYTES)
+            job = replace(job, fused_kernels=kernels.packaged() or total >= kernels.FUSE_MIN_BYTES)
             results = _inline(job, chunks, threads=n)
         else:
-            job = replace(job, fused_kernels=total / n >= kernels.FUSE_MIN_BYTES)
+            job = replace(job, fused_kernels=kernels.packaged() or total / n >= kernels.FUSE_MIN_BYTES)
             results = _pool(job, chunks, n)
     else:
         raise UserError(f"compare: executor: expected 'local' or 'dask', got {executor!r}")

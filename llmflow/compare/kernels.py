@@ -12,19 +12,29 @@ precise log-sum-exp and keeps tiny divergences (fp32 vs fp32: 1e-12) exact.
 All sums are accumulated in float64.
 
 Eager torch needs ~20 separate element-wise passes per chunk; on big tensors that, not the disk,
-is the bottleneck (~0.7 GB/s per core). ``torch.compile`` fuses each pass into a loop or two over
-the data (~4 GB/s per core on fp32, both passes), so chunks of exactly ``FUSED_CHUNK`` elements of a tensor at
-least that large go through the compiled kernels when a C++ compiler is available; compiling costs
-a few seconds once per process (cached on disk by inductor). ``LLMFLOW_FUSED=0`` turns it off; any
-failure to compile turns it off for the process and the eager path is used.
+is the bottleneck (~0.6 GB/s on 2 cores). Compiled, each pass is a loop or two over the data
+(~4 GB/s on 2 cores, fp32, both passes), so chunks of exactly ``FUSED_CHUNK`` elements of a tensor
+at least that large go through the compiled kernels when a C++ compiler is available. They are
+compiled ahead of time (torch.export + AOTInductor) once per machine and torch version into the
+llmflow cache, and loaded through torch's C++ package loader, which takes milliseconds per process
+where ``torch.compile`` takes seconds (so worker processes start fast). Where that fails,
+``torch.compile`` is tried, then eager torch. ``LLMFLOW_FUSED=0`` turns the compiled kernels off;
+every compiled kernel is checked against eager torch before it is used.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 import os
+import platform
+import shutil
+import tempfile
 import threading
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -33,9 +43,10 @@ FUSED_CHUNK = 1 << 18  # 1 MiB per side in fp32: both passes of the kernel stay 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _fused: tuple[Callable, Callable] | None | bool = None  # None: not tried yet; False: unavailable
-# Compiling costs ~5 s per process (less with inductor's disk cache) and saves ~1.2 s per GB
-# against eager torch, so a compare only asks for it when each worker has this much to read.
-FUSE_MIN_BYTES = 2 << 30  # per process
+# The kernels are compiled ahead of time once per machine (~20 s; `make install` does it) and then
+# load in milliseconds. Without that cache a compare builds them only when it has this much to
+# read, where the build pays for itself (eager torch: ~0.6 GB/s on 2 cores, fused: ~4 GB/s).
+FUSE_MIN_BYTES = 8 << 30
 _wanted = True
 
 
@@ -96,31 +107,101 @@ def _pass2_fused(a: torch.Tensor, b: torch.Tensor, lse_a: torch.Tensor) -> torch
 def fused() -> tuple[Callable, Callable] | None:
     """The compiled (pass1, pass2) for fp32 chunks of ``FUSED_CHUNK`` elements, or None."""
     global _fused
-    if not _wanted:
+    if not _wanted or _disabled():
         return None
     if _fused is None:
         with _lock:
             if _fused is None:
-                _fused = _compile() or False
+                _fused = _load_or_build() or False
     return _fused or None
 
 
-def _compile() -> tuple[Callable, Callable] | None:
-    if os.environ.get("LLMFLOW_FUSED", "1").lower() in ("0", "false", "no", "off"):
-        return None
+def packaged() -> bool:
+    """True when this machine has the ahead-of-time compiled kernels (loading them takes ms)."""
+    return not _disabled() and all((package_dir() / f"{n}.pt2").is_file() for n in ("pass1", "pass2"))
+
+
+def package_dir() -> Path:
+    """Where the kernels compiled for this torch and this kernel source are cached."""
+    from llmflow.models import cache_dir
+
+    src = inspect.getsource(_pass1_fused) + inspect.getsource(_pass2_fused) + str(FUSED_CHUNK)
+    key = hashlib.sha256(src.encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{platform.machine()}-{key}"
+
+
+def build_packages() -> Path:
+    """Compile both kernels ahead of time (torch.export + AOTInductor, ~20 s once per machine)."""
+    final = package_dir()
+    if packaged():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
-        p1 = torch.compile(_pass1_fused, dynamic=False, fullgraph=True)
-        p2 = torch.compile(_pass2_fused, dynamic=False, fullgraph=True)
-        a = torch.linspace(-1, 1, FUSED_CHUNK)
-        b = a * 1.001
-        got, want = p1(a, b), pass1(a, b)
-        if not torch.allclose(got, want, rtol=1e-5, atol=1e-9):
-            _log.warning("compare: the compiled kernel disagrees with eager torch; using eager")
-            return None
-        if not torch.allclose(p2(a, b, got[10]), pass2(a, b, want[10]), rtol=1e-5, atol=1e-9):
-            _log.warning("compare: the compiled KL kernel disagrees with eager torch; using eager")
-            return None
-        return p1, p2
+        a, b = torch.linspace(-1, 1, FUSED_CHUNK), torch.linspace(-2, 2, FUSED_CHUNK)  # distinct: no aliasing
+        for name, fn, args in (("pass1", _pass1_fused, (a, b)),
+                               ("pass2", _pass2_fused, (a, b, torch.tensor(0.0, dtype=torch.float64)))):
+            with warnings.catch_warnings():  # torch's own deprecation chatter from export
+                warnings.simplefilter("ignore", FutureWarning)
+                program = torch.export.export(_AsModule(fn), args, strict=False)
+                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp / f"{name}.pt2"))
+        if not final.exists():
+            os.replace(tmp, final)  # atomic: a concurrent builder's result is as good as ours
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+class _AsModule(torch.nn.Module):
+    def __init__(self, fn: Callable) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.fn(*args)
+
+
+def _disabled() -> bool:
+    return os.environ.get("LLMFLOW_FUSED", "1").lower() in ("0", "false", "no", "off")
+
+
+def _load_or_build() -> tuple[Callable, Callable] | None:
+    """The AOT packages (built on first need), else torch.compile, else None (eager torch)."""
+    try:
+        d = build_packages()
+        # the C++ loader: no import of torch._inductor (~1 s), so every worker starts in ms
+        loaders = [torch._C._aoti.AOTIModelPackageLoader(str(d / f"{n}.pt2"), "model", False, 1, -1)
+                   for n in ("pass1", "pass2")]
+        kernels = (lambda a, b: loaders[0].run([a, b])[0],
+                   lambda a, b, lse: loaders[1].run([a, b, lse])[0])
+        if _agrees(*kernels):
+            return kernels
+    except Exception as exc:  # no compiler, a private API that moved ...: try the JIT
+        _log.info("compare: ahead-of-time kernels unavailable (%s: %s)", type(exc).__name__, exc)
+    try:
+        kernels = (torch.compile(_pass1_fused, dynamic=False, fullgraph=True),
+                   torch.compile(_pass2_fused, dynamic=False, fullgraph=True))
+        if _agrees(*kernels):
+            return kernels
     except Exception as exc:  # no compiler, unsupported platform ...: eager works everywhere
         _log.info("compare: fused kernels unavailable (%s: %s); using eager torch", type(exc).__name__, exc)
-        return None
+    return None
+
+
+def _agrees(p1: Callable, p2: Callable) -> bool:
+    """Both compiled kernels give eager torch's results on a test chunk."""
+    a = torch.linspace(-1, 1, FUSED_CHUNK)
+    b = a * 1.001
+    got, want = p1(a, b), pass1(a, b)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-9):
+        _log.warning("compare: the compiled kernel disagrees with eager torch; using eager")
+        return False
+    if not torch.allclose(p2(a, b, got[10]), pass2(a, b, want[10]), rtol=1e-5, atol=1e-9):
+        _log.warning("compare: the compiled KL kernel disagrees with eager torch; using eager")
+        return False
+    return True
+
+
+if __name__ == "__main__":  # python -m llmflow.compare.kernels: build the kernels now (install time)
+    print(f"llmflow: fused compare kernels in {build_packages()}"
+          if fused() else "llmflow: fused compare kernels unavailable here; compare uses eager torch")

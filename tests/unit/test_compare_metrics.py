@@ -202,15 +202,15 @@ def test_statistics_only_rows() -> None:
 def test_fused_kernels_agree_with_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     from llmflow.compare import kernels
 
-    monkeypatch.setattr(kernels, "FUSED_CHUNK", 4096)
     monkeypatch.setattr(kernels, "_fused", None)
     if kernels.fused() is None:
-        pytest.skip("torch.compile is unavailable here (no C++ compiler?); the eager path is tested above")
+        pytest.skip("no compiled kernels here (no C++ compiler?); the eager path is tested above")
+    n = kernels.FUSED_CHUNK
     gen = torch.Generator().manual_seed(3)
-    g = torch.randn(3 * 4096 + 123, generator=gen)
+    g = torch.randn(3 * n + 123, generator=gen)
     cases = [g + 1e-3 * torch.randn(g.shape, generator=gen), g.bfloat16(), g.clone()]
     bad = g.clone()
-    bad[5000] = float("nan")
+    bad[n + 5000] = float("nan")
     cases.append(bad)
     for t in cases:
         fused = compare_tensors(g, t)
@@ -230,3 +230,22 @@ def test_kl_when_the_target_moves_all_mass_away() -> None:
     row = compare_tensors(torch.from_numpy(g), torch.from_numpy(t))
     assert math.isfinite(row["kl_divergence"])
     assert row["kl_divergence"] == pytest.approx(np_kl(g, t), rel=1e-6)
+
+
+def test_ahead_of_time_kernels_are_cached_and_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AOT packages (built by `make install`, else here once) load without torch.compile."""
+    from llmflow.compare import kernels
+
+    try:
+        kernels.build_packages()
+    except Exception as exc:  # noqa: BLE001 - a machine without a C++ compiler
+        pytest.skip(f"cannot compile kernels here: {type(exc).__name__}: {exc}")
+    assert kernels.packaged()
+    monkeypatch.setattr(kernels, "_fused", None)
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("fell back to torch.compile"))
+    p1, p2 = kernels.fused()
+    a = torch.randn(kernels.FUSED_CHUNK, generator=torch.Generator().manual_seed(1))
+    b = a + 0.01
+    torch.testing.assert_close(p1(a, b), kernels.pass1(a, b), rtol=1e-5, atol=1e-9)
+    monkeypatch.setenv("LLMFLOW_FUSED", "0")
+    assert not kernels.packaged() and kernels.fused() is None
