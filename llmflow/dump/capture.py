@@ -132,7 +132,9 @@ class DumpSession:
 
     def _walk(self, name: str, kind: str, index: str, value: Any, level: str,
               module_type: str | None, tensors_only: bool, depth: int) -> None:
-        if isinstance(value, torch.nn.Parameter) and self.stopped is None:
+        if type(value) is torch.Tensor:  # the common case first: Parameter's isinstance is slow
+            self._tensor(name, kind, index, value, level, module_type)
+        elif isinstance(value, torch.nn.Parameter) and self.stopped is None:
             # a weight handed to an op: the same every step, so shape and dtype only (dump_weight
             # writes the bytes once)
             entry = Entry(self.step, self.rank, name, kind, index, level, self._next_order(),
