@@ -130,6 +130,10 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     alg_names = [algorithm_name(a) for a in opts.algorithms]
     t0 = time.perf_counter()
     pairs, missing = build_pairs(g_reader, t_reader, opts, mapping)
+    if not pairs:  # a compare of nothing must not read as a pass
+        raise UserError(f"compare: nothing to compare: {g_reader.path} has steps {_span(g_reader.steps())}, "
+                        f"{t_reader.path} has steps {_span(t_reader.steps())} and none pair up "
+                        "(check steps, prefill_offset, and that both dumps hold tensors)")
     # file refs made absolute: worker processes (or dask workers) may run in another directory
     algs = [_absolute_ref(a, opts.base_dir) for a in opts.algorithms]
     job = Job(g_reader, t_reader, algs, str(opts.base_dir), opts.stats_only, opts.thresholds,
@@ -188,3 +192,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     return {"csv": csvs, "xlsx": str(xlsx_path) if xlsx_path else None, "summary_file": str(summary_file),
             "summary": result}
 
+
+
+def _span(steps: list[int]) -> str:
+    return "none" if not steps else f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])

@@ -213,6 +213,10 @@ class LlmflowDumpReader(DumpReader):
         super().__init__(p.parent if p.name == META_FILE else p)
         self._entries: list[Entry] | None = None
         self._handles: dict[str, Any] = {}
+        meta = self._read_json(self.path / META_FILE)  # a damaged manifest fails here, named
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise DumpFormatError(f"{self.path / META_FILE}: not an llmflow dump manifest "
+                                  f"(expected a JSON object with \"format\": \"{FORMAT}\")")
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "_entries": None, "_handles": {}}
@@ -223,10 +227,13 @@ class LlmflowDumpReader(DumpReader):
         meta = p if p.name == META_FILE else p / META_FILE
         if not meta.is_file():
             return False
+        # the file's name claims the dump unless it names another format: a damaged manifest
+        # then gets an error naming it, not "not a dump of any known format"
         try:
-            return json.loads(meta.read_text()).get("format") == FORMAT
+            data = json.loads(meta.read_text())
         except (OSError, ValueError):
-            return False
+            return True
+        return not isinstance(data, dict) or data.get("format", FORMAT) == FORMAT
 
     def meta(self) -> dict[str, Any]:
         """llmflow_dump.json, with ``complete`` true only when every rank closed cleanly."""

@@ -162,3 +162,22 @@ def test_cli_bad_input_is_a_one_line_error(tmp_path: Path, capsys: pytest.Captur
     g = as_dump(tmp_path, "g", steps=[0])
     assert main(["compare", "-gp", str(g), "-mp", str(g), "-mf", str(tmp_path / "nope.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_refuses_to_pass_a_compare_of_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    g = as_dump(tmp_path, "g", steps=(0, 1))
+    t = as_dump(tmp_path, "t", steps=(5, 6))
+    rc = main(["compare", "-gp", str(g), "-mp", str(t), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "nothing to compare" in err and "0..1" in err and "5..6" in err
+
+
+@pytest.mark.parametrize("manifest", ["garbage{", "[1, 2]"])
+def test_cli_names_a_damaged_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str], manifest: str) -> None:
+    g = as_dump(tmp_path, "g")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "llmflow_dump.json").write_text(manifest)
+    rc = main(["compare", "-gp", str(g), "-mp", str(bad), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{bad / 'llmflow_dump.json'}:" in err and "Traceback" not in err
