@@ -1,19 +1,20 @@
 """The per-chunk reductions behind ``compare_tensors``: eager torch, and a fused compiled version.
 
-Pass 1 over a chunk of golden ``a`` and target ``b`` returns, in this order::
+One pass over a chunk of golden ``a`` and target ``b`` returns, in this order (``N_VALUES``)::
 
     sum a^2, sum b^2, sum a*b, sum d^2, max|d|, sum|d|, max rel, sum rel, #rel<1e-3, #rel<5e-3,
-    logsumexp(a), logsumexp(b)
+    lse(a), lse(b), sum w, sum w*d, sum w*expm1(d)
 
-with d = b - a and rel = |d| / |a| where |a| > eps (else 0). Pass 2 returns, with
-p = exp(a - lse_a): ``sum p, sum p*d, sum p*expm1(d)``, from which ``metrics`` gets
-KL(softmax(a) || softmax(b)) = -sum(p d)/P + log1p(sum(p expm1 d)/P), a form that needs no
-precise log-sum-exp and keeps tiny divergences (fp32 vs fp32: 1e-12) exact.
-All sums are accumulated in float64.
+with d = b - a, rel = |d| / |a| where |a| > eps (else 0), lse the log-sum-exp and
+w = exp(a - lse(a)) the chunk's own softmax weights. ``metrics`` merges chunks by rescaling with
+their log-sum-exps (the online-softmax identity), and gets
+KL(softmax(a) || softmax(b)) = -sum(w d)/W + log1p(sum(w expm1 d)/W), a form that needs no
+precise log-sum-exp and keeps tiny divergences (fp32 vs fp32: 1e-12) exact: one read of the data
+for every metric, KL included. All sums are accumulated in float64.
 
 Eager torch needs ~20 separate element-wise passes per chunk; on big tensors that, not the disk,
 is the bottleneck (~0.6 GB/s on 2 cores). Compiled, each pass is a loop or two over the data
-(~4 GB/s on 2 cores, fp32, both passes), so chunks of exactly ``FUSED_CHUNK`` elements of a tensor
+(~4 GB/s on 2 cores, fp32), so chunks of exactly ``FUSED_CHUNK`` elements of a tensor
 at least that large go through the compiled kernels when a C++ compiler is available. They are
 compiled ahead of time (torch.export + AOTInductor) once per machine and torch version into the
 llmflow cache, and loaded through torch's C++ package loader, which takes milliseconds per process
@@ -39,10 +40,11 @@ from pathlib import Path
 import torch
 
 EPS = float(torch.finfo(torch.float32).eps)
-FUSED_CHUNK = 1 << 18  # 1 MiB per side in fp32: both passes of the kernel stay in cache
+N_VALUES = 15
+FUSED_CHUNK = 1 << 18  # 1 MiB per side in fp32: the kernel's second loop reads it from cache
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_fused: tuple[Callable, Callable] | None | bool = None  # None: not tried yet; False: unavailable
+_fused: Callable | None | bool = None  # None: not tried yet; False: unavailable
 # The kernels are compiled ahead of time once per machine (~20 s; `make install` does it) and then
 # load in milliseconds. Without that cache a compare builds them only when it has this much to
 # read, where the build pays for itself (eager torch: ~0.6 GB/s on 2 cores, fused: ~4 GB/s).
@@ -57,26 +59,20 @@ def want_fused(flag: bool) -> None:
 
 
 def pass1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Pass 1 on one chunk (any float dtype, same shape, finite); a float64 tensor of 12 values."""
+    """One chunk (any float dtype, same shape, finite); a float64 tensor of ``N_VALUES`` values."""
     a = a.to(torch.float64)
     b = b.to(torch.float64)
     d = b - a
     ad = d.abs()
     ag = a.abs()
     rel = torch.where(ag > EPS, ad / ag, torch.zeros_like(ad))
+    lse_a = torch.logsumexp(a, 0)
+    w = (a - lse_a).exp()
     return torch.stack([
         (a * a).sum(), (b * b).sum(), (a * b).sum(), (d * d).sum(), ad.max(), ad.sum(), rel.max(),
         rel.sum(), (rel < 1e-3).sum().to(torch.float64), (rel < 5e-3).sum().to(torch.float64),
-        torch.logsumexp(a, 0), torch.logsumexp(b, 0),
+        lse_a, torch.logsumexp(b, 0), w.sum(), (w * d).sum(), (w * torch.expm1(d)).sum(),
     ])
-
-
-def pass2(a: torch.Tensor, b: torch.Tensor, lse_a: torch.Tensor) -> torch.Tensor:
-    """Pass 2 on one chunk: float64 ``[sum p, sum p*d, sum p*expm1(d)]`` (see module docstring)."""
-    a = a.to(torch.float64)
-    d = b.to(torch.float64) - a
-    p = (a - lse_a).exp()
-    return torch.stack([p.sum(), (p * d).sum(), (p * torch.expm1(d)).sum()])
 
 
 def _pass1_fused(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -90,22 +86,17 @@ def _pass1_fused(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ma, mb = a.max(), b.max()
     lse_a = torch.exp(a - ma).double().sum().log() + ma.double()
     lse_b = torch.exp(b - mb).double().sum().log() + mb.double()
+    # the KL weights in fp32 (their error scales the divergence by ~1e-7), d and expm1 in fp64
+    w = torch.exp(a - lse_a.float()).double()
     return torch.stack([
         (a64 * a64).sum(), (b64 * b64).sum(), (a64 * b64).sum(), (d64 * d64).sum(), ad.max().double(),
         ad.double().sum(), rel.max().double(), rel.double().sum(), (rel < 1e-3).sum().double(),
-        (rel < 5e-3).sum().double(), lse_a, lse_b,
+        (rel < 5e-3).sum().double(), lse_a, lse_b, w.sum(), (w * d64).sum(), (w * torch.expm1(d64)).sum(),
     ])
 
 
-def _pass2_fused(a: torch.Tensor, b: torch.Tensor, lse_a: torch.Tensor) -> torch.Tensor:
-    # the weights p in fp32 (their error scales the divergence by ~1e-7), d and expm1 in fp64
-    p = torch.exp(a - lse_a.float()).double()
-    d = b.double() - a.double()
-    return torch.stack([p.sum(), (p * d).sum(), (p * torch.expm1(d)).sum()])
-
-
-def fused() -> tuple[Callable, Callable] | None:
-    """The compiled (pass1, pass2) for fp32 chunks of ``FUSED_CHUNK`` elements, or None."""
+def fused() -> Callable | None:
+    """The compiled ``pass1`` for fp32 chunks of exactly ``FUSED_CHUNK`` elements, or None."""
     global _fused
     if not _wanted or _disabled():
         return None
@@ -118,20 +109,20 @@ def fused() -> tuple[Callable, Callable] | None:
 
 def packaged() -> bool:
     """True when this machine has the ahead-of-time compiled kernels (loading them takes ms)."""
-    return not _disabled() and all((package_dir() / f"{n}.pt2").is_file() for n in ("pass1", "pass2"))
+    return not _disabled() and (package_dir() / "pass1.pt2").is_file()
 
 
 def package_dir() -> Path:
     """Where the kernels compiled for this torch and this kernel source are cached."""
     from llmflow.models import cache_dir
 
-    src = inspect.getsource(_pass1_fused) + inspect.getsource(_pass2_fused) + str(FUSED_CHUNK)
+    src = inspect.getsource(_pass1_fused) + str(FUSED_CHUNK)
     key = hashlib.sha256(src.encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"torch-{torch.__version__}-{platform.machine()}-{key}"
 
 
 def build_packages() -> Path:
-    """Compile both kernels ahead of time (torch.export + AOTInductor, ~20 s once per machine)."""
+    """Compile the kernel ahead of time (torch.export + AOTInductor, ~20 s once per machine)."""
     final = package_dir()
     if packaged():
         return final
@@ -139,12 +130,10 @@ def build_packages() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
         a, b = torch.linspace(-1, 1, FUSED_CHUNK), torch.linspace(-2, 2, FUSED_CHUNK)  # distinct: no aliasing
-        for name, fn, args in (("pass1", _pass1_fused, (a, b)),
-                               ("pass2", _pass2_fused, (a, b, torch.tensor(0.0, dtype=torch.float64)))):
-            with warnings.catch_warnings():  # torch's own deprecation chatter from export
-                warnings.simplefilter("ignore", FutureWarning)
-                program = torch.export.export(_AsModule(fn), args, strict=False)
-                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp / f"{name}.pt2"))
+        with warnings.catch_warnings():  # torch's own deprecation chatter from export
+            warnings.simplefilter("ignore", FutureWarning)
+            program = torch.export.export(_AsModule(_pass1_fused), (a, b), strict=False)
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp / "pass1.pt2"))
         if not final.exists():
             os.replace(tmp, final)  # atomic: a concurrent builder's result is as good as ours
     finally:
@@ -165,39 +154,35 @@ def _disabled() -> bool:
     return os.environ.get("LLMFLOW_FUSED", "1").lower() in ("0", "false", "no", "off")
 
 
-def _load_or_build() -> tuple[Callable, Callable] | None:
-    """The AOT packages (built on first need), else torch.compile, else None (eager torch)."""
+def _load_or_build() -> Callable | None:
+    """The AOT package (built on first need), else torch.compile, else None (eager torch)."""
     try:
         d = build_packages()
         # the C++ loader: no import of torch._inductor (~1 s), so every worker starts in ms
-        loaders = [torch._C._aoti.AOTIModelPackageLoader(str(d / f"{n}.pt2"), "model", False, 1, -1)
-                   for n in ("pass1", "pass2")]
-        kernels = (lambda a, b: loaders[0].run([a, b])[0],
-                   lambda a, b, lse: loaders[1].run([a, b, lse])[0])
-        if _agrees(*kernels):
-            return kernels
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(d / "pass1.pt2"), "model", False, 1, -1)
+
+        def kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return loader.run([a, b])[0]
+
+        if _agrees(kernel):
+            return kernel
     except Exception as exc:  # no compiler, a private API that moved ...: try the JIT
         _log.info("compare: ahead-of-time kernels unavailable (%s: %s)", type(exc).__name__, exc)
     try:
-        kernels = (torch.compile(_pass1_fused, dynamic=False, fullgraph=True),
-                   torch.compile(_pass2_fused, dynamic=False, fullgraph=True))
-        if _agrees(*kernels):
-            return kernels
+        kernel = torch.compile(_pass1_fused, dynamic=False, fullgraph=True)
+        if _agrees(kernel):
+            return kernel
     except Exception as exc:  # no compiler, unsupported platform ...: eager works everywhere
         _log.info("compare: fused kernels unavailable (%s: %s); using eager torch", type(exc).__name__, exc)
     return None
 
 
-def _agrees(p1: Callable, p2: Callable) -> bool:
-    """Both compiled kernels give eager torch's results on a test chunk."""
+def _agrees(kernel: Callable) -> bool:
+    """The compiled kernel gives eager torch's results on a test chunk."""
     a = torch.linspace(-1, 1, FUSED_CHUNK)
     b = a * 1.001
-    got, want = p1(a, b), pass1(a, b)
-    if not torch.allclose(got, want, rtol=1e-5, atol=1e-9):
+    if not torch.allclose(kernel(a, b), pass1(a, b), rtol=1e-5, atol=1e-9):
         _log.warning("compare: the compiled kernel disagrees with eager torch; using eager")
-        return False
-    if not torch.allclose(p2(a, b, got[10]), pass2(a, b, want[10]), rtol=1e-5, atol=1e-9):
-        _log.warning("compare: the compiled KL kernel disagrees with eager torch; using eager")
         return False
     return True
 

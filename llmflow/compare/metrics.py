@@ -93,7 +93,7 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any
     t = target.cpu().reshape(-1) if target.is_contiguous() else target.cpu().contiguous().reshape(-1)
     acc = _reduce(g, t)
     row.update(_finish(acc))
-    row["kl_divergence"] = _kl(g, t, acc)
+    row["kl_divergence"] = _kl(acc)
     reasons = [row["reason"]] if row["reason"] else []
     for side in ("golden", "target"):
         n_nan, n_inf = row[f"{side}_nan"], row[f"{side}_inf"]
@@ -110,16 +110,16 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
     acc: dict[str, Any] = dict(gg=0.0, tt=0.0, gt=0.0, dd=0.0, max_abs=0.0, sum_abs=0.0, max_rel=0.0,
                                sum_rel=0.0, c1=0, c5=0, valid=0, golden_nan=0, golden_inf=0,
                                target_nan=0, target_inf=0, lse_g=-math.inf, lse_t=-math.inf,
-                               size=CHUNK, fused=None, bad={})
+                               kl_w=0.0, kl_wd=0.0, kl_we=0.0, size=CHUNK, bad={})
     fast = (g.numel() >= kernels.FUSED_CHUNK and g.dtype in _FUSABLE and t.dtype in _FUSABLE
             and kernels.fused())
     if fast:
-        acc["size"], acc["fused"] = kernels.FUSED_CHUNK, fast
+        acc["size"] = kernels.FUSED_CHUNK
     size = acc["size"]
     for start in range(0, g.numel(), size):
         a, b = g[start:start + size], t[start:start + size]
         if fast and a.numel() == size:
-            vals = fast[0](a.float(), b.float()).tolist()
+            vals = fast(a.float(), b.float()).tolist()
         else:
             vals = kernels.pass1(a, b).tolist()
         if not math.isfinite(vals[0] + vals[1]):
@@ -142,7 +142,14 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
         acc["sum_rel"] += vals[7]
         acc["c1"] += int(vals[8])
         acc["c5"] += int(vals[9])
-        acc["lse_g"] = _logaddexp(acc["lse_g"], vals[10])
+        # the KL sums, each chunk's weights normalised by its own log-sum-exp: rescale the
+        # running sums and the chunk's to the merged log-sum-exp (online softmax)
+        lse = _logaddexp(acc["lse_g"], vals[10])
+        old_scale = math.exp(acc["lse_g"] - lse) if acc["lse_g"] > -math.inf else 0.0
+        new_scale = math.exp(vals[10] - lse) if vals[10] > -math.inf else 0.0
+        for key, v in zip(("kl_w", "kl_wd", "kl_we"), vals[12:15], strict=True):
+            acc[key] = acc[key] * old_scale + v * new_scale
+        acc["lse_g"] = lse
         acc["lse_t"] = _logaddexp(acc["lse_t"], vals[11])
         acc["valid"] += a.numel()
     return acc
@@ -188,41 +195,24 @@ def _finish(acc: dict[str, float]) -> dict[str, Any]:
     return out
 
 
-def _kl(g: torch.Tensor, t: torch.Tensor, acc: dict[str, Any]) -> float:
-    """KL(softmax(g) || softmax(t)) over all elements finite on both sides (pass 2).
+def _kl(acc: dict[str, Any]) -> float:
+    """KL(softmax(g) || softmax(t)) over all elements finite on both sides, from ``_reduce``'s sums.
 
     For logits ``[1, vocab]`` this is the divergence of the two next-token distributions; for
-    activations it is msit's ``kl_divergence`` column on the flattened tensor. The golden
-    log-sum-exp comes from pass 1; pass 2 reads the tensors once more, a chunk at a time.
+    activations it is msit's ``kl_divergence`` column on the flattened tensor.
     """
     if acc["valid"] == 0 or not (math.isfinite(acc["lse_g"]) and math.isfinite(acc["lse_t"])):
         return math.nan
-    lse_g = torch.tensor(acc["lse_g"], dtype=torch.float64)
-    fast, size = acc["fused"], acc["size"]
-    p_sum = pd_sum = pe_sum = 0.0
-    for start in range(0, g.numel(), size):
-        a, b = g[start:start + size], t[start:start + size]
-        keep = acc["bad"].get(start)
-        if keep is not None:
-            a, b = a[keep], b[keep]
-        if fast and keep is None and a.numel() == size:
-            vals = fast[1](a.float(), b.float(), lse_g).tolist()
-        elif a.numel():
-            vals = kernels.pass2(a, b, lse_g).tolist()
-        else:
-            continue
-        p_sum += vals[0]
-        pd_sum += vals[1]
-        pe_sum += vals[2]
-    if not p_sum > 0:
+    w, wd, we = acc["kl_w"], acc["kl_wd"], acc["kl_we"]
+    if not w > 0:
         return math.nan
-    if math.isfinite(pe_sum) and pe_sum / p_sum > -0.5:
-        kl = -pd_sum / p_sum + math.log1p(pe_sum / p_sum)
+    if math.isfinite(we) and we / w > -0.5:
+        kl = -wd / w + math.log1p(we / w)
     else:
         # a difference beyond exp's range, or a target that puts almost no mass where the golden
         # does (log1p's argument near -1, where rounding can push it past the domain): the
         # divergence is then large (> log 2) and the log-sum-exps are precise enough for it
-        kl = -pd_sum / p_sum + acc["lse_t"] - acc["lse_g"] - math.log(p_sum)
+        kl = -wd / w + acc["lse_t"] - acc["lse_g"] - math.log(w)
     return max(kl, 0.0) if math.isfinite(kl) else math.nan
 
 
