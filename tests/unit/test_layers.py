@@ -1,0 +1,30 @@
+"""The package's layers import only downward (docs/ARCHITECTURE.md): cli over workflow over stages
+over localize over the dump/compare libraries over formats/report over models, plugins, errors."""
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[2] / "llmflow"
+RANK = {"cli": 7, "workflow": 6, "stages": 5, "localize": 4, "dump": 3, "compare": 3, "report": 2,
+        "formats": 2, "data": 1, "models": 1, "seeding": 1, "plugins": 0, "errors": -1}
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("llmflow."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("llmflow.")}
+    return found
+
+
+def test_imports_only_go_down():
+    upward = []
+    for f in sorted(PKG.rglob("*.py")):
+        me = f.relative_to(PKG).with_suffix("").parts[0]
+        if me == "__init__":  # the package's public API re-exports from every layer
+            continue
+        upward += [f"{f.relative_to(PKG)} imports llmflow.{other}" for other in _imports(f)
+                   if other != me and RANK[other] >= RANK[me]]
+    assert upward == []
