@@ -57,6 +57,9 @@ class AsyncWriter:
         self._batch_size = 0
         self._files: dict[str, str] = {}  # tensor key -> data file, for repeats after a flush
         self._stats: list[tuple[Entry, Any]] = []  # statistics-mode entries awaiting their stats
+        # index lines that need no data written first (repeats, non-tensors): one write per
+        # flush instead of one write and flush() per entry; the reader orders entries itself
+        self._lines: list[Entry] = []
         self._stats_bytes = 0
         self._thread = threading.Thread(target=self._loop, name="llmflow-dump-writer", daemon=True)
         self._thread.start()
@@ -138,11 +141,11 @@ class AsyncWriter:
         if payload is None:
             if entry.has_data and entry.key in self._files:  # a repeat of a flushed tensor
                 entry.key = f"{self._files[entry.key]}:{entry.key}"
-                self.disk.append_entries([entry])
+                self._lines.append(entry)
             elif entry.has_data:  # a repeat of a tensor still in the batch
                 self._batch_entries.append(entry)
             else:
-                self.disk.append_entries([entry])
+                self._lines.append(entry)
         elif entry.has_data:
             self._batch[entry.key] = payload
             self._batch_entries.append(entry)
@@ -158,6 +161,9 @@ class AsyncWriter:
         return False
 
     def _flush(self) -> None:
+        if self._lines:
+            self.disk.append_entries(self._lines)
+            self._lines = []
         if self._stats:
             fresh = [(e, t) for e, t in self._stats if isinstance(t, torch.Tensor)]
             for (e, t), st in zip(fresh, batched_stats([t for _, t in fresh]), strict=True):

@@ -173,7 +173,8 @@ def test_cli_refuses_to_pass_a_compare_of_nothing(tmp_path: Path, capsys: pytest
 
 
 @pytest.mark.parametrize("manifest", ["garbage{", "[1, 2]"])
-def test_cli_names_a_damaged_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str], manifest: str) -> None:
+def test_cli_names_a_damaged_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      manifest: str) -> None:
     g = as_dump(tmp_path, "g")
     bad = tmp_path / "bad"
     bad.mkdir()
