@@ -142,7 +142,13 @@ def _print_summary(con: Any, summary: dict[str, Any], result: dict[str, Any]) ->
         first = lg["first_token_mismatch_step"]
         tokens = f"first differing token at step {first}" if first is not None else "all greedy tokens agree"
         con.print(f"logits: top-1 agreement {lg['top1_agreement']:.1%}; {tokens}")
-    for step in summary.get("missing_steps") or []:
-        con.print(f"missing: {step}")
+    missing: dict[str, list] = {}
+    for m in summary.get("missing_steps") or []:  # one line per side, not one per step
+        step = m.get("golden_step", m.get("target_step"))
+        missing.setdefault(m.get("side", "?"), []).append(step)
+    for side, steps in missing.items():
+        shown = ", ".join(map(str, steps[:10])) + (f" ... ({len(steps)} in all)" if len(steps) > 10 else "")
+        other = "golden" if side == "target" else "target"
+        con.print(f"{other} steps with no {side} step: {shown}")
     con.print(f"{summary['pairs']} pairs, {summary['bytes'] / 1e9:.3f} GB in {summary['seconds']:.1f}s "
               f"({summary['gb_per_s'] or 0:.2f} GB/s); tables in {Path(result['summary_file']).parent}")
