@@ -41,10 +41,13 @@ MODES = {  # label -> DumpConfig fields
 }
 
 
-def timed(fn: Callable[[], Any], repeat: int) -> float:
+def timed(fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None) -> float:
+    """Median wall time of ``fn`` over ``repeat`` runs after a warm-up; ``before`` runs untimed."""
     fn()  # warm-up: first-call allocations, lazy imports
     times = []
     for _ in range(repeat):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -108,10 +111,14 @@ def msprobe_worker(spec: str, prompt: str, new: int, repeat: int, level: str, ta
         debugger.stop()
         debugger.step()
 
+    def free_disk() -> None:  # earlier steps' dumps (GBs each in tensor mode) are not needed
+        for step_dir in (Path(out) / "dump").glob("step*"):
+            shutil.rmtree(step_dir, ignore_errors=True)
+
     base = timed(lambda: greedy_generate(lm.model, ids, new), repeat)
-    sec = timed(run, repeat)
-    disk = sum(p.stat().st_size for p in (Path(out) / "dump").rglob("*") if p.is_file())
-    print("MSPROBE_RESULT " + json.dumps({"seconds": sec, "base": base, "disk": disk / (repeat + 1)}))
+    sec = timed(run, repeat, before=free_disk)
+    disk = sum(p.stat().st_size for p in (Path(out) / "dump").rglob("*") if p.is_file())  # the last run's
+    print("MSPROBE_RESULT " + json.dumps({"seconds": sec, "base": base, "disk": disk}))
 
 
 def bench_msprobe(spec: str, prompt: str, new: int, repeat: int, tmp: Path) -> list[dict[str, Any]]:
@@ -128,6 +135,9 @@ def bench_msprobe(spec: str, prompt: str, new: int, repeat: int, tmp: Path) -> l
         cmd = [sys.executable, __file__, "--msprobe-worker", spec, prompt, str(new), str(repeat), level, task,
                str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        # msprobe's tensor dumps are many GB per run (13 GB for SmolLM2 at L0): free the disk before
+        # the next configuration, or the later ones fail for want of space
+        shutil.rmtree(out, ignore_errors=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("MSPROBE_RESULT ")), None)
         if line is None:  # msprobe versions differ in API: report, do not crash the bench
             print(f"msprobe {level}/{task} failed:\n{proc.stderr[-1500:]}", file=sys.stderr)
