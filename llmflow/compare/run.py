@@ -123,7 +123,6 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
         if lv not in LEVELS:
             raise UserError(f"compare: levels: unknown level {lv!r} (known: {', '.join(LEVELS)})")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     g_reader, t_reader = _reader(golden), _reader(target)
     mapping = load_mapping(opts.mapping, opts.base_dir) if opts.mapping else None
     load_algorithms(opts.algorithms, opts.base_dir)  # fail fast on bad refs, before any work
@@ -134,6 +133,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
         raise UserError(f"compare: nothing to compare: {g_reader.path} has steps {_span(g_reader.steps())}, "
                         f"{t_reader.path} has steps {_span(t_reader.steps())} and none pair up "
                         "(check steps, prefill_offset, and that both dumps hold tensors)")
+    out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare leaves no empty folder
     # file refs made absolute: worker processes (or dask workers) may run in another directory
     algs = [_absolute_ref(a, opts.base_dir) for a in opts.algorithms]
     job = Job(g_reader, t_reader, algs, str(opts.base_dir), opts.stats_only, opts.thresholds,
