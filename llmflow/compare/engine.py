@@ -82,16 +82,14 @@ def execute(job: Job, pairs: list[Pair], *, executor: str = "local", workers: in
     chunks = chunk_pairs(pairs)
     total = sum(p.nbytes for p in pairs)
     if executor == "dask":
+        job = replace(job, build_kernels=total >= kernels.FUSE_MIN_BYTES)
         results = _dask(job, chunks, scheduler_address, client)
     elif executor == "local":
         n = min(workers or default_workers(), len(chunks))
-        big_pairs = total / max(1, len(pairs)) >= BIG_PAIR_BYTES
-        if n <= 1 or total < INLINE_BYTES or big_pairs:
-            job = replace(job, fused_kernels=kernels.packaged() or total >= kernels.FUSE_MIN_BYTES)
-            results = _inline(job, chunks, threads=n)
-        else:
-            job = replace(job, fused_kernels=kernels.packaged() or total / n >= kernels.FUSE_MIN_BYTES)
-            results = _pool(job, chunks, n)
+        inline = n <= 1 or total < INLINE_BYTES or total / max(1, len(pairs)) >= BIG_PAIR_BYTES
+        per_process = total if inline else total / n
+        job = replace(job, build_kernels=per_process >= kernels.FUSE_MIN_BYTES)
+        results = _inline(job, chunks, threads=n) if inline else _pool(job, chunks, n)
     else:
         raise UserError(f"compare: executor: expected 'local' or 'dask', got {executor!r}")
     for chunk_rows in results:

@@ -45,17 +45,11 @@ FUSED_CHUNK = 1 << 18  # 1 MiB per side in fp32: the kernel's second loop reads 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _fused: Callable | None | bool = None  # None: not tried yet; False: unavailable
-# The kernels are compiled ahead of time once per machine (~20 s; `make install` does it) and then
-# load in milliseconds. Without that cache a compare builds them only when it has this much to
-# read, where the build pays for itself (eager torch: ~0.6 GB/s on 2 cores, fused: ~4 GB/s).
+# The kernel is compiled ahead of time once per machine (~20 s; `make install` does it) and then
+# loads in milliseconds. Without that cache a compare builds it only when it has this much to
+# read per process, where the build pays for itself (eager torch: ~0.6 GB/s on 2 cores, fused:
+# ~4 GB/s).
 FUSE_MIN_BYTES = 8 << 30
-_wanted = True
-
-
-def want_fused(flag: bool) -> None:
-    """Allow (the default) or skip the compiled kernels in this process, e.g. for a small compare."""
-    global _wanted
-    _wanted = flag
 
 
 def pass1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -95,12 +89,18 @@ def _pass1_fused(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ])
 
 
-def fused() -> Callable | None:
-    """The compiled ``pass1`` for fp32 chunks of exactly ``FUSED_CHUNK`` elements, or None."""
+def fused(build: bool = False) -> Callable | None:
+    """The compiled ``pass1`` for fp32 chunks of exactly ``FUSED_CHUNK`` elements, or None.
+
+    Loads the cached package (milliseconds); compiles it only with ``build`` (seconds), which
+    the compare asks for when it has enough data to repay the build.
+    """
     global _fused
-    if not _wanted or _disabled():
+    if _disabled():
         return None
     if _fused is None:
+        if not (build or packaged()):
+            return None
         with _lock:
             if _fused is None:
                 _fused = _load_or_build() or False

@@ -68,8 +68,12 @@ def _nonfinite(x: torch.Tensor) -> tuple[int, int]:
     return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
 
 
-def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
-    """Every metric of ``COLUMNS`` for one pair; never raises on odd data (see ``reason``)."""
+def compare_tensors(golden: torch.Tensor, target: torch.Tensor, *,
+                    build_kernels: bool = False) -> dict[str, Any]:
+    """Every metric of ``COLUMNS`` for one pair; never raises on odd data (see ``reason``).
+
+    ``build_kernels``: compile the fused kernel if this machine has none cached (``kernels.fused``).
+    """
     golden, target = golden.detach(), target.detach()
     row = _empty_row(golden, target)
     if row["shape_mismatch"]:
@@ -91,7 +95,7 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any
         target = target.to(torch.uint8)
     g = golden.cpu().reshape(-1) if golden.is_contiguous() else golden.cpu().contiguous().reshape(-1)
     t = target.cpu().reshape(-1) if target.is_contiguous() else target.cpu().contiguous().reshape(-1)
-    acc = _reduce(g, t)
+    acc = _reduce(g, t, build_kernels)
     row.update(_finish(acc))
     row["kl_divergence"] = _kl(acc)
     reasons = [row["reason"]] if row["reason"] else []
@@ -105,17 +109,15 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any
     return row
 
 
-def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
+def _reduce(g: torch.Tensor, t: torch.Tensor, build_kernels: bool = False) -> dict[str, Any]:
     """Pass 1 over both flat tensors, chunk by chunk, accumulating float64 sums (``kernels``)."""
     acc: dict[str, Any] = dict(gg=0.0, tt=0.0, gt=0.0, dd=0.0, max_abs=0.0, sum_abs=0.0, max_rel=0.0,
                                sum_rel=0.0, c1=0, c5=0, valid=0, golden_nan=0, golden_inf=0,
                                target_nan=0, target_inf=0, lse_g=-math.inf, lse_t=-math.inf,
-                               kl_w=0.0, kl_wd=0.0, kl_we=0.0, size=CHUNK, bad={})
+                               kl_w=0.0, kl_wd=0.0, kl_we=0.0)
     fast = (g.numel() >= kernels.FUSED_CHUNK and g.dtype in _FUSABLE and t.dtype in _FUSABLE
-            and kernels.fused())
-    if fast:
-        acc["size"] = kernels.FUSED_CHUNK
-    size = acc["size"]
+            and kernels.fused(build_kernels))
+    size = kernels.FUSED_CHUNK if fast else CHUNK
     for start in range(0, g.numel(), size):
         a, b = g[start:start + size], t[start:start + size]
         if fast and a.numel() == size:
@@ -129,7 +131,6 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
                 acc[f"{side}_nan"] += n_nan
                 acc[f"{side}_inf"] += n_inf
             keep = torch.isfinite(a) & torch.isfinite(b)
-            acc["bad"][start] = keep
             a, b = a[keep], b[keep]
             if a.numel() == 0:
                 continue

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from llmflow.compare import kernels
 from llmflow.compare.algorithms import load_algorithms, run_algorithm
 from llmflow.compare.match import Pair
 from llmflow.compare.metrics import compare_stats, compare_tensors, verdict
@@ -38,7 +37,7 @@ class Job:
     stats_only: bool = False
     thresholds: dict | None = None
     target_dtype: str | None = None
-    fused_kernels: bool = True  # compile the fused metric kernels (worth it for GBs per worker)
+    build_kernels: bool = False  # compile the fused metric kernel if none is cached (GBs to read)
     _algs: dict | None = field(default=None, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -132,7 +131,7 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
                 t = job.target.load(p.targets[0]).float()
                 for extra in p.targets[1:]:
                     t = t + job.target.load(extra).float()
-            row.update(compare_tensors(g, t))
+            row.update(compare_tensors(g, t, build_kernels=job.build_kernels))
             if "logits" in p.levels and g.dim() >= 1 and g.shape == t.shape and g.numel():
                 row.update(_logits_columns(g, t))
             algs = job.algs()
@@ -154,5 +153,4 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
 
 def run_chunk(job: Job, pairs: list[Pair]) -> list[tuple[tuple[str, ...], dict[str, Any], int]]:
     """(levels, row, bytes read) for each pair of a chunk, in order."""
-    kernels.want_fused(job.fused_kernels)
     return [(p.levels, compute_row(job, p), 0 if p.unmatched else p.nbytes) for p in pairs]

@@ -193,6 +193,5 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
             "summary": result}
 
 
-
 def _span(steps: list[int]) -> str:
     return "none" if not steps else f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])
