@@ -188,5 +188,6 @@ def _agrees(kernel: Callable) -> bool:
 
 
 if __name__ == "__main__":  # python -m llmflow.compare.kernels: build the kernels now (install time)
-    print(f"llmflow: fused compare kernels in {build_packages()}"
-          if fused() else "llmflow: fused compare kernels unavailable here; compare uses eager torch")
+    # build=True: on a fresh machine nothing is cached yet, and building it is this command's job
+    print(f"llmflow: fused compare kernels in {package_dir()}"
+          if fused(build=True) and packaged() else "llmflow: fused compare kernels unavailable here; compare uses eager torch")
