@@ -233,3 +233,29 @@ def test_device_id_filters(tmp_path):
     greedy_generate(model, prompt_ids(), 1)
     h.remove()
     assert h.dumps == [] and not (tmp_path / "x").exists()
+
+
+def test_remove_restores_every_forward_including_one_another_tool_set(tmp_path):
+    """Submodules record through a wrapper on the instance; remove() puts back exactly what was
+    there, also a forward another tool (accelerate's hooks, say) had already put on the instance."""
+    model = tiny().model
+    layer0 = model.model.layers[0]
+    calls = []
+    plain = layer0.mlp.forward  # the class's bound method
+
+    def tool_forward(*args, **kwargs):  # what an accelerate-style hook leaves on an instance
+        calls.append(1)
+        return plain(*args, **kwargs)
+
+    layer0.mlp.forward = tool_forward
+    try:
+        handle = register_hook(model, DumpConfig(dump_path=str(tmp_path / "d"), token_range="all"))
+        greedy_generate(model, prompt_ids(), 2)
+        handle.remove()
+        assert layer0.mlp.__dict__["forward"] is tool_forward
+    finally:
+        del layer0.mlp.forward  # the tiny model is shared by the other tests
+    assert calls, "the tool's forward still ran under the dump"
+    assert all("forward" not in m.__dict__ for _, m in model.named_modules())
+    names = {e.name for e in LlmflowDumpReader(tmp_path / "d" / "llmflow_dump").entries()}
+    assert "model.layers.0.mlp" in names and "model.layers.0.mlp.down_proj" in names
