@@ -45,6 +45,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_DTYPE_NAMES = {d: dtype_name(d) for d in SAFETENSORS_DTYPES}
+
+
 class DumpSession:
     """Writes one dump directory; the hooks drive it step by step."""
 
@@ -161,49 +164,51 @@ class DumpSession:
     def _tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
                 module_type: str | None, dedup: bool = True, step: int | None = None,
                 always_data: bool = False) -> None:
-        stats_only = self.statistics and not always_data
+        # the hot path of every dump (thousands of calls per step): locals, no repeated lookups
         if self.stopped is not None:
             return
-        orig = t  # look up and remember the caller's object: detach() makes a new one each call
-        t = t.detach()
-        order = self._next_order() if step is None else self.entries
-        step = self.step if step is None else step
-        seen = self._seen.get(id(orig))
-        if seen is not None and seen[0]() is orig and seen[1] == _version(t):
+        stats_only = self.statistics and not always_data
+        if step is None:
+            step = self.step
+            order = self.order
+            self.order = order + 1
+        else:
+            order = self.entries
+        version = _version(t)
+        seen = self._seen.get(id(t)) if dedup else None
+        if seen is not None and seen[0]() is t and seen[1] == version:
             # the same tensor, unchanged (same version counter), already captured this step:
             # point at the first copy instead of copying again (layer outputs are the next
             # layer's inputs, q/k/v_proj share one input, cos/sin go to every layer)
             first: Entry = seen[2]
-            entry = Entry(step, self.rank, name, kind, index, level, order, dtype=first.dtype,
-                          shape=first.shape, module_type=module_type, has_data=first.has_data,
-                          key=seen[3])
+            entry = Entry(step, self.rank, name, kind, index, level, order, first.dtype, first.shape,
+                          module_type, None, first.has_data, None, None, seen[3], {})
             self.writer.submit(entry, (SAME_AS, first) if stats_only else None)
             self.entries += 1
             return
+        dtype = t.dtype
         data_bytes = t.numel() * t.element_size()
         nbytes = _STATS_ENTRY_BYTES if stats_only else data_bytes
-        if self.config.max_bytes is not None and self.bytes + nbytes > self.config.max_bytes:
-            self._stop(f"max_bytes={self.config.max_bytes} reached at step {self.step} "
+        max_bytes = self.config.max_bytes
+        if max_bytes is not None and self.bytes + nbytes > max_bytes:
+            self._stop(f"max_bytes={max_bytes} reached at step {self.step} "
                        f"({self.bytes} bytes dumped); dumping stopped, the dump holds what came before")
             return
         self.bytes += nbytes
         self.entries += 1
-        entry = Entry(step, self.rank, name, kind, index, level, order, dtype=dtype_name(t.dtype),
-                      shape=tuple(t.shape), module_type=module_type, has_data=not stats_only,
-                      key=str(self.entries))
-        if entry.has_data and t.dtype not in SAFETENSORS_DTYPES:
+        entry = Entry(step, self.rank, name, kind, index, level, order, _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
+                      tuple(t.shape), module_type, None, not stats_only, None, None, str(self.entries), {})
+        if entry.has_data and dtype not in SAFETENSORS_DTYPES:
             entry.has_data = False  # e.g. complex128: safetensors has no code for it
             entry.extra["not_stored"] = f"safetensors cannot store {entry.dtype}"
             self.writer.submit(entry)
             return
-        if stats_only:  # a copy on the device: the writer reduces it, batched
-            payload, event = device_copy(t)
-        else:
-            payload, event = host_copy(t)
-        version = _version(t)
+        # a copy must not join the autograd graph (generate runs without one: no detach needed)
+        src = t.detach() if t.requires_grad else t
+        payload, event = device_copy(src) if stats_only else host_copy(src)
         if step >= 0 and version is not None and dedup:
-            try:
-                self._seen[id(orig)] = (weakref.ref(orig), version, entry, entry.key)
+            try:  # keyed by the caller's object: the same tensor object arrives again
+                self._seen[id(t)] = (weakref.ref(t), version, entry, entry.key)
             except TypeError:  # a tensor type without weak references: no de-duplication
                 pass
         self.writer.submit(entry, payload, event, nbytes=data_bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 
 from llmflow.errors import DumpFormatError
 from llmflow.formats.base import Entry
-from llmflow.formats.llmflow_dump import DumpDirWriter, LlmflowDumpReader, entry_line
+from llmflow.formats.llmflow_dump import DumpDirWriter, LlmflowDumpReader, index_line, parse_index_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from dump_helpers import bits_equal, dump  # noqa: E402
@@ -39,11 +40,21 @@ def test_round_trip_keeps_dtype_and_bits(tmp_path):
     assert [e.name for e in r.entries()] == list(tensors)
 
 
-def test_entry_line_matches_to_json():
-    e = Entry(1, 0, "x", "input", "kw:a.0", "module", 3, dtype="float32", shape=(1, 2),
-              stats={"max": 1.0}, value=None, pytype=None, extra={"crc32": 5})
-    assert json.loads(entry_line(e)) == e.to_json()
-    assert Entry.from_json(json.loads(entry_line(e))) == e
+def test_index_line_round_trips_every_field():
+    full = {"max": 1.5, "min": -2.0, "mean": float("nan"), "norm": float("inf"), "nan": 1.0, "inf": 0.0}
+    entries = [Entry(1, 3, "x", "input", "kw:a.0", "module", 3, dtype="float32", shape=(1, 2),
+                     stats={"max": 1.0}, value=None, pytype=None, extra={"crc32": 5}),
+               Entry(1, 3, "=cmd|' /C calc'!A0", "output", "0", "api", 4, dtype="bfloat16", shape=(),
+                     stats=full, has_data=False, key="7"),
+               Entry(2, 3, "y", "input", "kw:use_cache", "module", 0, has_data=False, value=True,
+                     pytype="bool")]
+    line = index_line(entries, 3)
+    assert line.endswith("\n") and "\n" not in line[:-1]
+    back = parse_index_line(json.loads(line))
+    assert [e.to_json() for e in back][0] == entries[0].to_json() and back[2] == entries[2]
+    assert back[1].stats["max"] == 1.5 and math.isnan(back[1].stats["mean"]) and back[1].shape == ()
+    # version 1 wrote one Entry.to_json() per line: still read
+    assert parse_index_line(json.loads(json.dumps(entries[0].to_json()))) == [entries[0]]
 
 
 def test_incomplete_until_closed_and_torn_last_line_ignored(tmp_path):
@@ -104,12 +115,12 @@ def test_planted_pickle_is_never_loaded(tmp_path):
             Entry(0, 0, "escape", "output", "0", "module", 998, dtype="float32", shape=(1,),
                   key="../../outside.safetensors:x")]
     with open(rank / "index.jsonl", "a") as f:
-        f.writelines(entry_line(e) for e in evil)
+        f.write(index_line(evil, 0))
     reader = LlmflowDumpReader(tmp_path / "dump")
     with pytest.raises(DumpFormatError, match="not a safetensors file inside the dump"):
         reader.entries()
     # the honest part of the dump still reads through the public API; nothing was unpickled
-    lines = (rank / "index.jsonl").read_text().splitlines()[:-2]
+    lines = (rank / "index.jsonl").read_text().splitlines()[:-1]
     (rank / "index.jsonl").write_text("\n".join(lines) + "\n")
     reader = LlmflowDumpReader(tmp_path / "dump")
     for e in reader.entries():
@@ -134,7 +145,7 @@ def test_reader_is_picklable_and_detect_rejects_others(tmp_path):
 def test_topology_env_and_layout(tmp_path):
     r, out = dump(tmp_path, new_tokens=2)
     meta = r.meta()
-    assert meta["format"] == "llmflow-dump" and meta["version"] == 1 and meta["data_mode"] == "tensor"
+    assert meta["format"] == "llmflow-dump" and meta["version"] == 2 and meta["data_mode"] == "tensor"
     assert meta["complete"] and meta["steps"] == len(out)
     topo = r.topology()
     assert topo["name"] == "" and topo["type"] == "LlamaForCausalLM"
