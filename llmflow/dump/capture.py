@@ -196,8 +196,9 @@ class DumpSession:
             return
         self.bytes += nbytes
         self.entries += 1
-        entry = Entry(step, self.rank, name, kind, index, level, order, _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
-                      tuple(t.shape), module_type, None, not stats_only, None, None, str(self.entries), {})
+        entry = Entry(step, self.rank, name, kind, index, level, order,
+                      _DTYPE_NAMES.get(dtype) or dtype_name(dtype), tuple(t.shape), module_type, None,
+                      not stats_only, None, None, str(self.entries), {})
         if entry.has_data and dtype not in SAFETENSORS_DTYPES:
             entry.has_data = False  # e.g. complex128: safetensors has no code for it
             entry.extra["not_stored"] = f"safetensors cannot store {entry.dtype}"
