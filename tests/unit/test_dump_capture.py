@@ -259,3 +259,10 @@ def test_remove_restores_every_forward_including_one_another_tool_set(tmp_path):
     assert all("forward" not in m.__dict__ for _, m in model.named_modules())
     names = {e.name for e in LlmflowDumpReader(tmp_path / "d" / "llmflow_dump").entries()}
     assert "model.layers.0.mlp" in names and "model.layers.0.mlp.down_proj" in names
+
+
+def test_writer_thread_leaves_the_models_thread_count_alone(tmp_path):
+    """The writer limits its own torch ops to one thread; the setting must stay in its thread."""
+    before = torch.get_num_threads()
+    dump(tmp_path, new_tokens=1, data_mode="statistics")
+    assert torch.get_num_threads() == before
