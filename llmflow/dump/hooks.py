@@ -73,10 +73,18 @@ class DumpHandle:
             dumped = cfg.dump_modules and cfg.wants_module(name, mtype)
             if not dumped and self._api is None:
                 continue  # neither dumped nor needed for API naming: no wrapper, no cost
-            self._wrapped.append(_ForwardWrapper(sub, self._make_forward(sub.forward, name, mtype, dumped)))
+            # a forward hook already there may change the output after forward returns (a fault
+            # injected by a patch, say): record that module's output from a hook of ours run after
+            # it, so the dump holds what the module call really returned
+            outputs_by_hook = dumped and self.config.tensor_part != 0 and bool(
+                sub._forward_hooks or torch.nn.modules.module._global_forward_hooks)
+            if outputs_by_hook:
+                self._hooks.append(sub.register_forward_hook(self._make_post(name, mtype), always_call=True))
+            self._wrapped.append(_ForwardWrapper(sub, self._make_forward(
+                sub.forward, name, mtype, dumped, record_outputs=not outputs_by_hook)))
 
-    def _make_forward(self, forward: Callable[..., Any], name: str, mtype: str,
-                      dumped: bool) -> Callable[..., Any]:
+    def _make_forward(self, forward: Callable[..., Any], name: str, mtype: str, dumped: bool,
+                      record_outputs: bool = True) -> Callable[..., Any]:
         """``forward`` wrapped to record its inputs and outputs.
 
         A wrapper on the instance, not torch's forward hooks: with hooks every module call takes
@@ -85,7 +93,7 @@ class DumpHandle:
         wrapper sees what ``forward`` itself receives, after any pre-hooks the model has.
         """
         want_inputs = dumped and self.config.tensor_part != 1
-        want_outputs = dumped and self.config.tensor_part != 0
+        want_outputs = dumped and self.config.tensor_part != 0 and record_outputs
         stack = self.stack
 
         def recording_forward(*args: Any, **kwargs: Any) -> Any:
@@ -108,6 +116,13 @@ class DumpHandle:
                 if stack and stack[-1] == name:
                     stack.pop()
         return recording_forward
+
+    def _make_post(self, name: str, mtype: str) -> Callable[..., None]:
+        def post(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            s = self.session
+            if s is not None and s.active:
+                s.record_output(name, output, "module", mtype)
+        return post
 
     # -- the root: steps and turns ------------------------------------------------------------
     def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
