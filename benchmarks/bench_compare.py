@@ -12,6 +12,11 @@ writer (fp32 activations, 4 MiB tensors, 64 per step folder) under /tmp, then me
              point at a ``pip install --target`` directory); skipped otherwise. Only for the
              smallest size: msprobe keeps every row in memory.
 Everything is deleted afterwards unless --keep.
+
+    .venv/bin/python benchmarks/bench_compare.py --kernel [--workers 2]
+
+times ``compare_tensors`` alone on in-memory fp32 and bf16 pairs (``workers`` torch threads):
+64 pairs of 2^18 elements (1 MiB per side in fp32) and one pair of 2^24, GB/s of both sides.
 """
 
 from __future__ import annotations
@@ -109,8 +114,14 @@ class AnonPeak:
         return [me.pid] + [c.pid for c in me.children(recursive=True)]
 
     def _run(self) -> None:
+        # the process tree is refreshed every 20th sample only: scanning /proc for children takes
+        # ~1 ms of Python (holding the GIL), which on a small machine slowed the measured compare
+        tick, pids = 0, self._tree()
         while not self._stop:
-            self.peak = max(self.peak, sum(self._anon(p) for p in self._tree()))
+            if tick % 20 == 0:
+                pids = self._tree()
+            tick += 1
+            self.peak = max(self.peak, sum(self._anon(p) for p in pids))
             time.sleep(0.005)
 
     def __enter__(self) -> AnonPeak:
@@ -192,6 +203,7 @@ def msprobe_compare(g: Path, t: Path, tmp: Path) -> dict:
     write_msprobe(t, mt)
     out.mkdir()
     nbytes = sum(f.stat().st_size for d in (mg, mt) for f in (d / "dump_tensor_data").iterdir())
+    os.sync()  # as for llmflow: no writeback of the files just written during the measurement
     subprocess.run(
         [
             "cat",
@@ -223,6 +235,30 @@ def msprobe_compare(g: Path, t: Path, tmp: Path) -> dict:
     }
 
 
+def kernel_bench(threads: int) -> dict:
+    """GB/s (both sides) of compare_tensors on in-memory pairs: the arithmetic without the I/O."""
+    from llmflow.compare.metrics import compare_tensors
+
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(1 << 24, generator=gen)
+    t = g * (1 + 1e-3 * torch.randn(g.shape, generator=gen))
+    out: dict = {"threads": threads}
+    for dtype in (torch.float32, torch.bfloat16):
+        gd, td = g.to(dtype), t.to(dtype)
+        pieces = [(gd[i:i + (1 << 18)], td[i:i + (1 << 18)]) for i in range(0, 64 << 18, 1 << 18)]
+        for name, pairs in (("1MiB", pieces), ("64MiB", [(gd, td)])):
+            nbytes = sum(a.nbytes + b.nbytes for a, b in pairs)
+            best = float("inf")
+            for _ in range(6):  # the first run loads the kernels
+                t0 = time.perf_counter()
+                for a, b in pairs:
+                    compare_tensors(a, b)
+                best = min(best, time.perf_counter() - t0)
+            out[f"{str(dtype).removeprefix('torch.')}_{name}_gb_per_s"] = round(nbytes / best / 1e9, 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -232,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-msprobe", action="store_true")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument("--kernel", action="store_true", help="time compare_tensors alone, in memory")
     args = ap.parse_args(argv)
+    if args.kernel:
+        print(json.dumps(kernel_bench(args.workers)), flush=True)
+        return 0
     report: dict = {"workers": args.workers, "cpus": os.cpu_count(), "sizes": []}
     for size in args.sizes_gb:
         tmp = Path(tempfile.mkdtemp(prefix="llmflow-bench-compare-", dir="/tmp"))
@@ -240,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
             g, t = tmp / "golden", tmp / "target"
             n = write_side(g, size / 2, 0, 0.0)
             write_side(t, size / 2, 1, 1e-3)
+            # flush the dumps just written: writeback in flight otherwise takes CPU from what is
+            # measured (4 GB on 2 cores: llmflow 2.9 GB/s without, 5.1 with)
+            os.sync()
             raw_read(data_files(g, t))  # warm the page cache once, like a second run would see
             raw_s, raw_b = raw_read(data_files(g, t))
             row = {

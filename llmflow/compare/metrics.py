@@ -1,11 +1,15 @@
 """The numbers of one golden/target tensor pair, and the pass/warn/fail verdict drawn from them.
 
 ``compare_tensors`` is the hot loop of every compare: a 7B model's dump is ~100k pairs and
-gigabytes of data. It walks both tensors in chunks (``kernels.py``: cache-sized eager chunks, or
-fused compiled ones for big tensors), converting each chunk straight from its stored dtype (bf16,
-fp16, fp32 ...), accumulating every reduction in float64: the data is read twice (pass 2 is the
-KL divergence, which needs pass 1's log-sum-exp), the temporary memory is a few chunks whatever
-the tensor size.
+gigabytes of data. It reads both tensors once, piece by piece (``kernels.py``): tensors of at
+least ``kernels.FUSED_CHUNK`` float32/bfloat16/float16 elements through the compiled kernel
+(spans of whole rows, then the partial last row; bf16/fp16 converted into small reused fp32
+buffers), smaller ones and other dtypes in eager float64 chunks of ``CHUNK``, and a piece with
+NaN/Inf (a kernel span row by row first) eagerly with those elements counted and left out.
+Every piece returns float64 sums; ``_merge`` adds them up, rescaling the softmax-weighted KL sums
+of each piece by exp(lse_piece - lse) (online softmax), and ``_kl`` turns them into
+KL = z + (log1p(u) - u) (see ``kernels``). The temporary memory is a few pieces whatever the
+tensor size.
 
 Column names follow msit llm compare, with msprobe's error ratios and a few of our own:
 
@@ -32,6 +36,8 @@ and NaN metrics instead of raising: one odd tensor never stops a 100k-row compar
 from __future__ import annotations
 
 import math
+import threading
+from collections import deque
 from typing import Any
 
 import torch
@@ -45,6 +51,8 @@ __all__ = ["COLUMNS", "METRIC_COLUMNS", "CHUNK", "DEFAULT_THRESHOLDS", "compare_
 EPS = kernels.EPS
 CHUNK = 1 << 16  # elements per eager chunk: 64k float64 values x a few temporaries fit in L2 cache
 _FUSABLE = (torch.float32, torch.bfloat16, torch.float16)
+_CONVERT_SPAN = 8 * kernels.FUSED_CHUNK  # bf16/fp16 elements per kernel call: 2 MiB fp32 buffers
+_scratch = threading.local()
 
 METRIC_COLUMNS = (
     "cosine_similarity", "max_relative_error", "mean_relative_error", "max_absolute_error",
@@ -110,20 +118,42 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor, *,
 
 
 def _reduce(g: torch.Tensor, t: torch.Tensor, build_kernels: bool = False) -> dict[str, Any]:
-    """Pass 1 over both flat tensors, chunk by chunk, accumulating float64 sums (``kernels``)."""
+    """Pass 1 over both flat tensors, piece by piece, accumulating float64 sums (``kernels``)."""
     acc: dict[str, Any] = dict(gg=0.0, tt=0.0, gt=0.0, dd=0.0, max_abs=0.0, sum_abs=0.0, max_rel=0.0,
                                sum_rel=0.0, c1=0, c5=0, valid=0, golden_nan=0, golden_inf=0,
                                target_nan=0, target_inf=0, lse_g=-math.inf, lse_t=-math.inf,
-                               kl_w=0.0, kl_wd=0.0, kl_we=0.0)
-    fast = (g.numel() >= kernels.FUSED_CHUNK and g.dtype in _FUSABLE and t.dtype in _FUSABLE
+                               kl_w=0.0, kl_y=0.0, kl_z=0.0)
+    n = g.numel()
+    fast = (n >= kernels.FUSED_CHUNK and g.dtype in _FUSABLE and t.dtype in _FUSABLE
             and kernels.fused(build_kernels))
-    size = kernels.FUSED_CHUNK if fast else CHUNK
-    for start in range(0, g.numel(), size):
-        a, b = g[start:start + size], t[start:start + size]
-        if fast and a.numel() == size:
-            vals = fast(a.float(), b.float()).tolist()
+    # (start, stop, fused): spans of whole kernel rows and the last, partial row, or eager chunks;
+    # bf16/fp16 spans are converted into small reused buffers (a fresh 16 MiB tensor per span
+    # costs more in page faults than the conversion) and read back from cache
+    pieces: deque[tuple[int, int, bool]] = deque()
+    if fast:
+        rows_end = n - n % kernels.FUSED_CHUNK
+        span = kernels.FUSED_SPAN if g.dtype == t.dtype == torch.float32 else _CONVERT_SPAN
+        pieces.extend((s, min(s + span, rows_end), True) for s in range(0, rows_end, span))
+        if rows_end < n:
+            pieces.append((rows_end, n, True))
+    else:
+        pieces.extend((s, min(s + CHUNK, n), False) for s in range(0, n, CHUNK))
+    while pieces:
+        start, stop, on_kernel = pieces.popleft()
+        a, b = g[start:stop], t[start:stop]
+        if on_kernel:
+            vals = fast(_f32(a, 0), _f32(b, 1)).tolist()
         else:
             vals = kernels.pass1(a, b).tolist()
+        if on_kernel and not all(map(math.isfinite, vals)):
+            if stop - start > kernels.FUSED_CHUNK:
+                # NaN/Inf somewhere in the span: redo it row by row, so only those rows go slow
+                pieces.extendleft((s, s + kernels.FUSED_CHUNK, True)
+                                  for s in reversed(range(start, stop, kernels.FUSED_CHUNK)))
+                continue
+            if math.isfinite(vals[0] + vals[1]):
+                # finite data beyond the kernel's fp32 range (a difference > 88, exp overflows)
+                vals = kernels.pass1(a, b).tolist()
         if not math.isfinite(vals[0] + vals[1]):
             # the rare slow path: count NaN/Inf per side, keep the elements finite on both
             for side, x in (("golden", a), ("target", b)):
@@ -135,25 +165,42 @@ def _reduce(g: torch.Tensor, t: torch.Tensor, build_kernels: bool = False) -> di
             if a.numel() == 0:
                 continue
             vals = kernels.pass1(a, b).tolist()
-        for key, v in zip(("gg", "tt", "gt", "dd"), vals[:4], strict=True):
-            acc[key] += v
-        acc["max_abs"] = max(acc["max_abs"], vals[4])
-        acc["sum_abs"] += vals[5]
-        acc["max_rel"] = max(acc["max_rel"], vals[6])
-        acc["sum_rel"] += vals[7]
-        acc["c1"] += int(vals[8])
-        acc["c5"] += int(vals[9])
-        # the KL sums, each chunk's weights normalised by its own log-sum-exp: rescale the
-        # running sums and the chunk's to the merged log-sum-exp (online softmax)
-        lse = _logaddexp(acc["lse_g"], vals[10])
-        old_scale = math.exp(acc["lse_g"] - lse) if acc["lse_g"] > -math.inf else 0.0
-        new_scale = math.exp(vals[10] - lse) if vals[10] > -math.inf else 0.0
-        for key, v in zip(("kl_w", "kl_wd", "kl_we"), vals[12:15], strict=True):
-            acc[key] = acc[key] * old_scale + v * new_scale
-        acc["lse_g"] = lse
-        acc["lse_t"] = _logaddexp(acc["lse_t"], vals[11])
-        acc["valid"] += a.numel()
+        _merge(acc, vals, a.numel())
     return acc
+
+
+def _f32(x: torch.Tensor, slot: int) -> torch.Tensor:
+    """``x`` in float32: itself, or converted into this thread's buffer ``slot`` (reused)."""
+    if x.dtype == torch.float32:
+        return x
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get(slot)
+    if buf is None or buf.numel() < x.numel():
+        buf = buffers[slot] = torch.empty(max(x.numel(), _CONVERT_SPAN), dtype=torch.float32)
+    return buf[:x.numel()].copy_(x)
+
+
+def _merge(acc: dict[str, Any], vals: list[float], count: int) -> None:
+    """Add one piece's ``kernels.N_VALUES`` to the running sums."""
+    for key, v in zip(("gg", "tt", "gt", "dd"), vals[:4], strict=True):
+        acc[key] += v
+    acc["max_abs"] = max(acc["max_abs"], vals[4])
+    acc["sum_abs"] += vals[5]
+    acc["max_rel"] = max(acc["max_rel"], vals[6])
+    acc["sum_rel"] += vals[7]
+    acc["c1"] += int(vals[8])
+    acc["c5"] += int(vals[9])
+    # the KL sums, each piece's weights normalised by its own log-sum-exp (sum w = 1): rescale
+    # the running sums and the piece's to the merged log-sum-exp (online softmax)
+    lse = _logaddexp(acc["lse_g"], vals[10])
+    old_scale = math.exp(acc["lse_g"] - lse) if acc["lse_g"] > -math.inf else 0.0
+    new_scale = math.exp(vals[10] - lse) if vals[10] > -math.inf else 0.0
+    acc["kl_w"] = acc["kl_w"] * old_scale + new_scale
+    acc["kl_y"] = acc["kl_y"] * old_scale + vals[12] * new_scale
+    acc["kl_z"] = acc["kl_z"] * old_scale + vals[13] * new_scale
+    acc["lse_g"] = lse
+    acc["lse_t"] = _logaddexp(acc["lse_t"], vals[11])
+    acc["valid"] += count
 
 
 def _logaddexp(x: float, y: float) -> float:
@@ -200,21 +247,35 @@ def _kl(acc: dict[str, Any]) -> float:
     """KL(softmax(g) || softmax(t)) over all elements finite on both sides, from ``_reduce``'s sums.
 
     For logits ``[1, vocab]`` this is the divergence of the two next-token distributions; for
-    activations it is msit's ``kl_divergence`` column on the flattened tensor.
+    activations it is msit's ``kl_divergence`` column on the flattened tensor. With
+    y = sum w d, z = sum w (expm1(d) - d) and u = y + z = sum w expm1(d) (``kernels``):
+    KL = z + (log1p(u) - u) = -y + log1p(u).
     """
     if acc["valid"] == 0 or not (math.isfinite(acc["lse_g"]) and math.isfinite(acc["lse_t"])):
         return math.nan
-    w, wd, we = acc["kl_w"], acc["kl_wd"], acc["kl_we"]
+    w = acc["kl_w"]
     if not w > 0:
         return math.nan
-    if math.isfinite(we) and we / w > -0.5:
-        kl = -wd / w + math.log1p(we / w)
+    y, z = acc["kl_y"] / w, acc["kl_z"] / w
+    u = y + z
+    if math.isfinite(u) and -0.5 < u <= 1.0:
+        # z (a sum of terms >= 0, each to fp32 precision) carries a small divergence precisely
+        kl = z + _log1p_minus_x(u)
+    elif math.isfinite(u) and u > 1.0:
+        kl = -y + math.log1p(u)  # z and u both large: their difference would cancel
     else:
         # a difference beyond exp's range, or a target that puts almost no mass where the golden
-        # does (log1p's argument near -1, where rounding can push it past the domain): the
-        # divergence is then large (> log 2) and the log-sum-exps are precise enough for it
-        kl = -wd / w + acc["lse_t"] - acc["lse_g"] - math.log(w)
+        # does (u near -1, where y + z cancels): the divergence is then large (> log 2) or the
+        # tensors differ by about a constant shift, and the log-sum-exps are precise enough
+        kl = -y + acc["lse_t"] - acc["lse_g"] - math.log(w)
     return max(kl, 0.0) if math.isfinite(kl) else math.nan
+
+
+def _log1p_minus_x(u: float) -> float:
+    """log1p(u) - u without cancellation for small u (-u^2/2 + u^3/3 - ...)."""
+    if abs(u) >= 1e-2:
+        return math.log1p(u) - u
+    return -u * u * sum((-u) ** k / (k + 2) for k in range(9))
 
 
 def compare_stats(golden: dict[str, float] | None, target: dict[str, float] | None) -> dict[str, Any]:

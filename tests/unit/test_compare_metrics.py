@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -260,3 +262,130 @@ def test_ahead_of_time_kernels_are_cached_and_agree(monkeypatch: pytest.MonkeyPa
     torch.testing.assert_close(kernel(a, b), kernels.pass1(a, b), rtol=1e-5, atol=1e-9)
     monkeypatch.setenv("LLMFLOW_FUSED", "0")
     assert not kernels.packaged() and kernels.fused() is None
+
+
+def _fused_kernel_or_skip(monkeypatch: pytest.MonkeyPatch):
+    from llmflow.compare import kernels
+
+    monkeypatch.setattr(kernels, "_fused", None)
+    kernel = kernels.fused(build=True)
+    if kernel is None:
+        pytest.skip("no compiled kernels here (no C++ compiler?); the eager path is tested above")
+    return kernels, kernel
+
+
+def extended_kl(g: np.ndarray, t: np.ndarray) -> float:
+    """KL(softmax(g) || softmax(t)) in extended precision, cancellation-free for tiny divergences."""
+    g = g.astype(np.longdouble).ravel()
+    t = t.astype(np.longdouble).ravel()
+    p = np.exp(g - g.max())
+    p /= p.sum()
+    e = np.expm1(t - g)
+    u = (p * e).sum()
+    return float((p * (e - (t - g))).sum() + (np.log1p(u) - u))
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).eps > 1e-18, reason="no extended precision for the reference")
+@pytest.mark.parametrize("path", ["fused", "eager"])
+def test_kl_of_tiny_divergences_is_precise(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """fp32 vs fp32 one ulp apart: KL ~1e-13, which a difference of log-sum-exps cannot resolve."""
+    kernels, kernel = _fused_kernel_or_skip(monkeypatch)
+    if path == "eager":
+        monkeypatch.setattr(kernels, "_fused", False)
+    gen = np.random.default_rng(7)
+    g = (gen.standard_normal(3 * kernels.FUSED_CHUNK + 99) * 2).astype(np.float32)
+    t = np.nextafter(g, np.where(gen.random(g.size) < 0.5, -np.inf, np.inf).astype(np.float32))
+    ref = extended_kl(g, t)
+    assert 1e-15 < ref < 1e-11
+    kl = compare_tensors(torch.from_numpy(g), torch.from_numpy(t))["kl_divergence"]
+    assert kl == pytest.approx(ref, rel=1e-6)
+
+
+@pytest.mark.parametrize("case", ["shifted_rows", "large_d", "bf16", "fp16", "logits", "shift_100"])
+def test_fused_kernel_matches_eager_and_numpy(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Rows of very different scale (merged inside the kernel), |d| > 1 (phi's second branch),
+    bf16/fp16 on both sides (converted through reused buffers), a long logits row, a shift whose
+    exp overflows fp32 (those rows are redone eagerly)."""
+    kernels, kernel = _fused_kernel_or_skip(monkeypatch)
+    n = kernels.FUSED_CHUNK
+    gen = torch.Generator().manual_seed(11)
+    g = torch.randn(5 * n + 7, generator=gen)
+    if case == "shifted_rows":
+        g = g * 3 + torch.tensor([0.0, 900.0, -900.0, 40.0, 0.0, 0.0]).repeat_interleave(n)[:g.numel()]
+        t = g + 0.05 * torch.randn(g.shape, generator=gen)
+    elif case == "large_d":
+        t = g + 2 * torch.randn(g.shape, generator=gen)
+    elif case == "logits":
+        g = g * 4
+        t = g + 0.02 * torch.randn(g.shape, generator=gen)
+    elif case == "shift_100":
+        t = g + 100
+    else:
+        dtype = torch.bfloat16 if case == "bf16" else torch.float16
+        t = (g + 0.01 * torch.randn(g.shape, generator=gen)).to(dtype)
+        g = g.to(dtype)
+    fused = compare_tensors(g, t)
+    monkeypatch.setattr(kernels, "_fused", False)
+    eager = compare_tensors(g, t)
+    for k in metrics.METRIC_COLUMNS:
+        assert fused[k] == pytest.approx(eager[k], rel=1e-6, abs=1e-15), k
+    gn, tn = g.double().numpy(), t.double().numpy()
+    assert_matches(fused, reference(gn, tn), rtol=1e-6)
+    if case != "shift_100":  # KL ~1e-12 there: below numpy's own rounding of the log-softmaxes
+        assert fused["kl_divergence"] == pytest.approx(np_kl(gn, tn), rel=1e-6)
+
+
+def test_fused_spans_with_nan_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A span with NaN/Inf is redone row by row: only those rows go eager, counts stay exact."""
+    kernels, kernel = _fused_kernel_or_skip(monkeypatch)
+    n = kernels.FUSED_CHUNK
+    monkeypatch.setattr(kernels, "FUSED_SPAN", 2 * n)
+    gen = torch.Generator().manual_seed(12)
+    g = torch.randn(5 * n + 300, generator=gen)
+    t = g + 1e-3 * torch.randn(g.shape, generator=gen)
+    g[3 * n + 17] = float("nan")
+    t[n + 5] = float("inf")
+    t[5 * n + 3] = float("nan")  # in the eager tail
+    fused = compare_tensors(g, t)
+    monkeypatch.setattr(kernels, "_fused", False)
+    eager = compare_tensors(g, t)
+    assert (fused["golden_nan"], fused["target_inf"], fused["target_nan"]) == (1, 1, 1)
+    assert fused["reason"] == eager["reason"]
+    for k in metrics.METRIC_COLUMNS:
+        assert fused[k] == pytest.approx(eager[k], rel=1e-6, abs=1e-15), k
+
+
+def test_fused_kernel_runs_on_more_threads_than_it_was_built_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled code must not size per-thread state at build time (it once crashed at 4 threads)."""
+    kernels, kernel = _fused_kernel_or_skip(monkeypatch)
+    code = ("import torch\nfrom llmflow.compare import kernels\nk = kernels.fused()\n"
+            "a = torch.randn(9 * kernels.FUSED_CHUNK)\nb = a + 0.01\n"
+            "torch.set_num_threads(4 * (torch.get_num_threads() + 1))\n"
+            "assert torch.allclose(k(a, b), kernels.pass1(a, b), rtol=1e-5, atol=1e-9)\nprint('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).eps > 1e-18, reason="no extended precision for the reference")
+def test_log1p_minus_x_has_no_cancellation() -> None:
+    for u in (-0.4, -1e-2, -3e-3, -1e-7, 1e-12, 5e-5, 9.9e-3, 0.2, 1.0):
+        ref = float(np.log1p(np.longdouble(u)) - np.longdouble(u))
+        assert metrics._log1p_minus_x(u) == pytest.approx(ref, rel=1e-14), u
+
+
+def test_fused_tails_of_any_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last, partial row of a tensor goes through the variable-length kernel."""
+    kernels, kernel = _fused_kernel_or_skip(monkeypatch)
+    n = kernels.FUSED_CHUNK
+    gen = torch.Generator().manual_seed(13)
+    for tail in (1, 2, 15, 16, 17, 1001, n - 1):
+        g = torch.randn(2 * n + tail, generator=gen)
+        t = g + 0.3 * torch.randn(g.shape, generator=gen)
+        fused = compare_tensors(g, t)
+        monkeypatch.setattr(kernels, "_fused", False)
+        eager = compare_tensors(g, t)
+        monkeypatch.setattr(kernels, "_fused", kernel)
+        for k in metrics.METRIC_COLUMNS:
+            assert fused[k] == pytest.approx(eager[k], rel=1e-6, abs=1e-15), (tail, k)
+        a, b = g[-tail:], t[-tail:]
+        torch.testing.assert_close(kernel(a, b), kernels.pass1(a, b), rtol=1e-6, atol=1e-12)
