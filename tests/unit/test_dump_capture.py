@@ -266,3 +266,22 @@ def test_writer_thread_leaves_the_models_thread_count_alone(tmp_path):
     before = torch.get_num_threads()
     dump(tmp_path, new_tokens=1, data_mode="statistics")
     assert torch.get_num_threads() == before
+
+
+def test_output_changed_by_an_existing_forward_hook_is_what_gets_dumped(tmp_path):
+    """A patch that rewrites a module's output with a forward hook (a fault injected, say):
+    the dump holds what the call really returned, as downstream modules see it."""
+    model = tiny().model
+    target = model.model.layers[1].mlp.down_proj
+
+    def inject(_m, _args, out):
+        return out + 1000.0
+
+    handle = target.register_forward_hook(inject)
+    try:
+        r, _ = dump(tmp_path, new_tokens=1, token_range=[0])
+    finally:
+        handle.remove()
+    out = by_name(r.entries(), name="model.layers.1.mlp.down_proj",
+                  kind="output", index="0")
+    assert len(out) == 1 and float(r.load(out[0]).mean()) > 500.0
