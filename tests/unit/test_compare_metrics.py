@@ -260,6 +260,11 @@ def test_ahead_of_time_kernels_are_cached_and_agree(monkeypatch: pytest.MonkeyPa
     a = torch.randn(kernels.FUSED_CHUNK, generator=torch.Generator().manual_seed(1))
     b = a + 0.01
     torch.testing.assert_close(kernel(a, b), kernels.pass1(a, b), rtol=1e-5, atol=1e-9)
+    # checked against eager torch once per package; later processes skip the ~12 ms check
+    assert (kernels.package_dir() / "verified").is_file()
+    monkeypatch.setattr(kernels, "_fused", None)
+    monkeypatch.setattr(kernels, "_agrees", lambda k: pytest.fail("checked a verified package again"))
+    assert kernels.fused() is not None
     monkeypatch.setenv("LLMFLOW_FUSED", "0")
     assert not kernels.packaged() and kernels.fused() is None
 
