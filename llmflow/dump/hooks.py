@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from llmflow.dump.api import ApiCaptureMode
-from llmflow.dump.capture import DumpSession
+from llmflow.dump.capture import DumpSession, inline_writer
 from llmflow.dump.config import DumpConfig
 from llmflow.errors import UserError
 from llmflow.models import logits_of
@@ -55,6 +55,7 @@ class DumpHandle:
         self._hooks: list[Any] = []  # torch hook handles (the root module's)
         self._wrapped: list[_ForwardWrapper] = []  # submodules whose forward records
         self.on_step: Callable[[int], None] | None = None  # progress callback after each step
+        self.inline_writer = inline_writer(model)
         self.enabled = _device_matches(model, config.device_id)
         if self.enabled:
             self._install()
@@ -183,7 +184,7 @@ class DumpHandle:
             target = base / tag
         self._turn += 1
         env = self.env_factory() if self.env_factory else _default_env(self.model)
-        self.session = DumpSession(target, self.config, self.model, env=env)
+        self.session = DumpSession(target, self.config, self.model, env=env, inline=self.inline_writer)
         self.dumps.append(target)
         log.info("llmflow: dumping rank %d to %s", self.session.rank, target)
 

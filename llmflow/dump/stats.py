@@ -18,20 +18,23 @@ from collections import defaultdict
 
 import torch
 
-EMPTY = {"max": math.nan, "min": math.nan, "mean": math.nan, "norm": math.nan, "nan": 0.0, "inf": 0.0}
+from llmflow.formats.base import STAT_KEYS
+
+EMPTY = (math.nan, math.nan, math.nan, math.nan, 0, 0)  # STAT_KEYS order
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype.is_floating_point and dtype != torch.float64 else torch.float64
 
 
-def batched_stats(tensors: list[torch.Tensor]) -> list[dict[str, float]]:
-    """The statistics of every tensor, in order, with a few ops per (device, dtype, shape)."""
-    out: list[dict[str, float] | None] = [None] * len(tensors)
+def batched_stats(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """The statistics of every tensor, in order, each a list in ``STAT_KEYS`` order (the index
+    row's own form: no dict per tensor), with a few ops per (device, dtype, shape)."""
+    out: list[list[float] | None] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         if t.numel() == 0:
-            out[i] = dict(EMPTY)
+            out[i] = list(EMPTY)
         else:
             groups[(t.device, t.dtype, tuple(t.shape))].append(i)
     for (_, dtype, _), idx in groups.items():
@@ -47,13 +50,13 @@ def batched_stats(tensors: list[torch.Tensor]) -> list[dict[str, float]]:
         rows = torch.stack([mx, mn, total, norm], dim=1).tolist()
         n = x.shape[1]
         for j, (i, (vmax, vmin, vsum, vnorm)) in enumerate(zip(idx, rows, strict=True)):
-            nan = inf = 0.0
+            nan = inf = 0
             if not math.isfinite(vsum):
-                nan, inf = float(torch.isnan(x[j]).sum()), float(torch.isinf(x[j]).sum())
-            out[i] = {"max": vmax, "min": vmin, "mean": vsum / n, "norm": vnorm, "nan": nan, "inf": inf}
+                nan, inf = int(torch.isnan(x[j]).sum()), int(torch.isinf(x[j]).sum())
+            out[i] = [vmax, vmin, vsum / n, vnorm, nan, inf]
     return out  # type: ignore[return-value]
 
 
 def tensor_stats(t: torch.Tensor) -> dict[str, float]:
-    """The statistics of one tensor (same definitions as ``batched_stats``)."""
-    return batched_stats([t.detach()])[0]
+    """The statistics of one tensor (same definitions as ``batched_stats``), by name."""
+    return dict(zip(STAT_KEYS, batched_stats([t.detach()])[0], strict=True))

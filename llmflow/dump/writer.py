@@ -3,11 +3,12 @@
 The capture side calls ``submit(entry, payload, event)``; ``event`` (if any) says when an
 asynchronous device copy has landed. ``payload`` is:
 
-* tensor mode: a host copy of the tensor, or None for a repeat of a tensor captured earlier in
-  the step (``entry.key`` then names the earlier tensor's key);
+* tensor mode: a host copy of the tensor;
 * statistics mode: a copy of the tensor on its device (the statistics of a whole batch are
-  computed here, see ``stats.batched_stats``), or ``(SAME_AS, first_entry)`` for a repeat;
-* None for entries without data (non-tensor values, parameters).
+  computed here, see ``stats.batched_stats``);
+* None for entries without data (non-tensor values, parameters) and for a repeat of a tensor
+  captured earlier in the step: ``entry.key`` then names the earlier tensor's key, whose data
+  (tensor mode) or statistics (statistics mode, resolved by the reader) the repeat shares.
 
 To keep the forward thread fast, ``submit`` only appends to a deque (atomic under the GIL) and
 wakes the thread at step ends or when more than ``wake_bytes`` are waiting; the thread then
@@ -33,14 +34,13 @@ from llmflow.formats.llmflow_dump import DumpDirWriter
 
 _STEP_END = object()
 _CLOSE = object()
-SAME_AS = "same-as"
 
 
 class AsyncWriter:
     """Owns a ``DumpDirWriter`` and feeds it from a daemon thread."""
 
     def __init__(self, disk: DumpDirWriter, *, crc32: bool = False, batch_bytes: int = 64 << 20,
-                 wake_bytes: int = 16 << 20, max_pending_bytes: int = 512 << 20):
+                 wake_bytes: int = 16 << 20, max_pending_bytes: int = 512 << 20, inline: bool = False):
         self.disk = disk
         self.crc32 = crc32
         self.batch_bytes = batch_bytes
@@ -56,13 +56,18 @@ class AsyncWriter:
         self._batch_entries: list[Entry] = []
         self._batch_size = 0
         self._files: dict[str, str] = {}  # tensor key -> data file, for repeats after a flush
-        self._stats: list[tuple[Entry, Any]] = []  # statistics-mode entries awaiting their stats
+        self._stats: list[tuple[Entry, torch.Tensor]] = []  # statistics-mode entries awaiting stats
         # index lines that need no data written first (repeats, non-tensors): one write per
         # flush instead of one write and flush() per entry; the reader orders entries itself
         self._lines: list[Entry] = []
         self._stats_bytes = 0
-        self._thread = threading.Thread(target=self._loop, name="llmflow-dump-writer", daemon=True)
-        self._thread.start()
+        # inline: the backlog is worked through in the forward thread at step ends (and every
+        # ``wake_bytes``) instead of by a thread; see ``inline_writer`` in capture.py for when
+        self.inline = inline
+        self._thread: threading.Thread | None = None
+        if not inline:
+            self._thread = threading.Thread(target=self._loop, name="llmflow-dump-writer", daemon=True)
+            self._thread.start()
 
     # -- producer side (forward thread) --------------------------------------------------------
     def submit(self, entry: Entry, payload: Any = None, event: Any = None, nbytes: int = 0) -> None:
@@ -74,6 +79,9 @@ class AsyncWriter:
             self._produced += nbytes
             pending = self._produced - self._consumed
             if pending > self.wake_bytes:
+                if self.inline:
+                    self._drain_inline()
+                    return
                 self._notify()
                 while self._produced - self._consumed > self.max_pending_bytes and self._error is None:
                     with self._cond:
@@ -83,13 +91,19 @@ class AsyncWriter:
         """End of a step: its data goes into its own file(s) before the next step's."""
         self._raise_error()
         self._queue.append((_STEP_END, step, order, 0))
-        self._notify()
+        if self.inline:
+            self._drain_inline()
+        else:
+            self._notify()
 
     def close(self, complete: bool = True, **meta: Any) -> None:
         """Drain the queue, write the last batch, close the files, mark the dump complete."""
         self._queue.append((_CLOSE, complete, meta, 0))
-        self._notify()
-        self._thread.join()
+        if self._thread is None:
+            self._drain_inline()
+        else:
+            self._notify()
+            self._thread.join()
         self._raise_error()
 
     def _notify(self) -> None:
@@ -114,12 +128,8 @@ class AsyncWriter:
                     while not self._wake:
                         self._cond.wait()
                     self._wake = False
-                while self._queue:
-                    item = self._queue.popleft()
-                    if self._handle(item):
-                        return
-                    if item[3]:
-                        self._consumed += item[3]
+                if self._drain():
+                    return
                 with self._cond:
                     self._cond.notify_all()  # a producer may wait for room
         except BaseException as exc:  # kept and re-raised in the forward thread
@@ -127,6 +137,26 @@ class AsyncWriter:
             self._queue.clear()
             with self._cond:
                 self._cond.notify_all()
+
+    def _drain(self) -> bool:
+        """Work through the queue; True once the dump is closed."""
+        while self._queue:
+            item = self._queue.popleft()
+            if self._handle(item):
+                return True
+            if item[3]:
+                self._consumed += item[3]
+        return False
+
+    def _drain_inline(self) -> None:
+        if self._error is not None:
+            self._raise_error()
+        try:
+            self._drain()
+        except BaseException as exc:  # reported like the thread's errors: "dump writer failed"
+            self._error = exc
+            self._queue.clear()
+            self._raise_error()
 
     def _handle(self, item: tuple[Any, Any, Any, int]) -> bool:
         head = item[0]
@@ -157,12 +187,11 @@ class AsyncWriter:
             self._batch_size += payload.numel() * payload.element_size()
             if self._batch_size >= self.batch_bytes:
                 self._flush()
-        else:  # statistics mode: a device copy, or (SAME_AS, first entry) for a repeat
+        else:  # statistics mode: a copy on the tensor's device
             self._stats.append((entry, payload))
-            if isinstance(payload, torch.Tensor):
-                self._stats_bytes += payload.numel() * payload.element_size()
-                if self._stats_bytes >= self.batch_bytes:
-                    self._flush()
+            self._stats_bytes += payload.numel() * payload.element_size()
+            if self._stats_bytes >= self.batch_bytes:
+                self._flush()
         return False
 
     def _flush(self) -> None:
@@ -170,17 +199,11 @@ class AsyncWriter:
             self.disk.append_entries(self._lines)
             self._lines = []
         if self._stats:
-            fresh = [(e, t) for e, t in self._stats if isinstance(t, torch.Tensor)]
-            for (e, t), st in zip(fresh, batched_stats([t for _, t in fresh]), strict=True):
-                e.stats = st
+            stats = batched_stats([t for _, t in self._stats])
+            for (e, t), st in zip(self._stats, stats, strict=True):
+                e.stats = st  # a list in STAT_KEYS order: what the index row holds
                 if self.crc32:
                     e.extra["crc32"] = zlib.crc32(_raw_bytes(t))
-            for e, p in self._stats:
-                if not isinstance(p, torch.Tensor):
-                    first = p[1]
-                    e.stats = dict(first.stats) if first.stats is not None else None
-                    if "crc32" in first.extra:
-                        e.extra["crc32"] = first.extra["crc32"]
             self.disk.append_entries([e for e, _ in self._stats])
             self._stats, self._stats_bytes = [], 0
         if self._batch_entries:

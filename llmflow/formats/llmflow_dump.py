@@ -2,7 +2,7 @@
 
 Layout (see docs/ARCHITECTURE.md)::
 
-  <dump_dir>/llmflow_dump.json        {"format": "llmflow-dump", "version": 2, "complete": bool, ...}
+  <dump_dir>/llmflow_dump.json        {"format": "llmflow-dump", "version": 3, "complete": bool, ...}
   <dump_dir>/env.json, topology.json
   <dump_dir>/rank{R}/rank.json        {"rank": R, "complete": bool, "truncated": bool, ...}
   <dump_dir>/rank{R}/index.jsonl      entries, a batch of rows per line (``index_line``)
@@ -35,7 +35,9 @@ from llmflow.errors import DumpFormatError, UserError
 from llmflow.formats.base import STAT_KEYS, DumpReader, Entry
 
 FORMAT = "llmflow-dump"
-VERSION = 2  # 2: index lines hold batches of rows; version 1's one-entry lines still read
+# 2: index lines hold batches of rows (version 1: one entry a line, still read);
+# 3: a statistics-mode repeat of a tensor holds no statistics of its own (see ``_read_index``)
+VERSION = 3
 META_FILE = "llmflow_dump.json"
 ENV_FILE = "env.json"
 TOPOLOGY_FILE = "topology.json"
@@ -69,7 +71,7 @@ def index_line(entries: list[Entry], rank: int) -> str:
     for e in entries:
         row = _row_of(e)
         st = row[_STATS_AT]
-        if st is not None and tuple(st) == STAT_KEYS:
+        if type(st) is dict and tuple(st) == STAT_KEYS:  # (the writer thread hands lists already)
             row = (*row[:_STATS_AT], list(st.values()), *row[_STATS_AT + 1:])
         rows.append(row)
     return _encode({"rank": rank, "fields": ROW_FIELDS, "rows": rows}) + "\n"
@@ -211,6 +213,31 @@ class DumpDirWriter:
             write_json_atomic(self.dump_dir / META_FILE, self.meta)
 
 
+def _share_repeat_stats(entries: list[Entry]) -> None:
+    """Give each statistics-mode repeat the statistics (and CRC) of the entry it repeats.
+
+    A tensor passed on unchanged (a layer's output is the next layer's input; q/k/v_proj share
+    one input) is captured once per step; its later appearances are rows with the first
+    capture's ``key`` and no statistics of their own, which halves the floats the writer formats
+    on a decoder model. Entries with data share the first capture's bytes the same way.
+    """
+    first: dict[str, Entry] = {}
+    repeats: list[Entry] = []
+    for e in entries:
+        if e.dtype is None or e.has_data or not e.key:
+            continue
+        if e.stats is not None:
+            first[e.key] = e
+        else:
+            repeats.append(e)
+    for e in repeats:
+        src = first.get(e.key)
+        if src is not None:  # (None: its first capture was on a torn last line)
+            e.stats = dict(src.stats)  # type: ignore[arg-type]
+            if "crc32" in src.extra:
+                e.extra["crc32"] = src.extra["crc32"]
+
+
 class LlmflowDumpReader(DumpReader):
     """Reads an llmflow dump with ``json`` and ``safetensors`` only (never pickle)."""
 
@@ -292,6 +319,7 @@ class LlmflowDumpReader(DumpReader):
                     if not present[file_rel]:
                         continue  # its data file is gone: the entry cannot be loaded, leave it out
                 out.append(entry)
+        _share_repeat_stats(out)
         return out
 
     def _data_path(self, file_rel: str, where: Path | str = "", line: int = 0) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 
 from llmflow.dump import DumpConfig, register_hook
+from llmflow.dump.capture import inline_writer
 from llmflow.dump.stats import batched_stats
+from llmflow.errors import UserError
+from llmflow.formats.base import STAT_KEYS
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 from llmflow.models import greedy_generate
 
@@ -18,7 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the
 from dump_helpers import bits_equal, by_name, dump, prompt_ids, tiny  # noqa: E402
 
 
-def test_dump_equals_what_a_plain_forward_hook_sees(tmp_path):
+@pytest.fixture(params=["thread", "inline"])
+def writer_mode(request, monkeypatch):
+    """Both ways of writing a dump: a background thread, or in the forward thread at step ends."""
+    monkeypatch.setenv("LLMFLOW_DUMP_WRITER", request.param)
+    return request.param
+
+
+def test_dump_equals_what_a_plain_forward_hook_sees(tmp_path, writer_mode):
     model = tiny().model
     seen: dict[tuple[int, str], torch.Tensor] = {}
     calls = {"n": -1}
@@ -51,7 +62,7 @@ def test_dump_equals_what_a_plain_forward_hook_sees(tmp_path):
     assert len(out) == 3
 
 
-def test_copy_is_taken_at_capture_time(tmp_path):
+def test_copy_is_taken_at_capture_time(tmp_path, writer_mode):
     """A module that changes its input in place after a submodule saw it: the dump keeps the old bits."""
 
     class Inner(torch.nn.Module):
@@ -141,7 +152,7 @@ def test_dump_weight_and_last_logits(tmp_path):
     assert {e.level for e in r.entries()} == {"logits"} and len(r.entries()) == len(out)
 
 
-def test_statistics_mode(tmp_path):
+def test_statistics_mode(tmp_path, writer_mode):
     r, _ = dump(tmp_path / "s", new_tokens=2, data_mode="statistics", crc32=True)
     rt, _ = dump(tmp_path / "t", new_tokens=2)
     assert r.meta()["data_mode"] == "statistics"
@@ -166,13 +177,23 @@ def test_statistics_mode(tmp_path):
         assert e.extra["crc32"] == zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     with pytest.raises(Exception, match="statistics-only"):
         r.load(stats_entries[0])
+    # on disk a repeat (a layer's output is the next layer's input) has no statistics of its
+    # own, only its first capture's key; the reader gave it that entry's (checked above)
+    import json
+
+    from llmflow.formats.llmflow_dump import ROW_FIELDS
+    rows = [dict(zip(ROW_FIELDS, row, strict=True))
+            for line in (tmp_path / "s" / "dump" / "rank0" / "index.jsonl").read_text().splitlines()
+            for row in json.loads(line)["rows"]]
+    repeats = [row for row in rows if row["dtype"] and row["stats"] is None and not row["has_data"]]
+    assert repeats and all(any(o["key"] == row["key"] and o["stats"] for o in rows) for row in repeats)
 
 
 def test_batched_stats_counts_nan_inf_and_odd_dtypes():
     ts = [torch.tensor([1.0, float("nan"), float("inf"), -float("inf")]), torch.tensor([1.0, 2.0, 3.0, 4.0]),
           torch.tensor([], dtype=torch.float32), torch.tensor([3, -1], dtype=torch.int64),
           torch.tensor([True, False, True]), torch.tensor([1.5, -2.5], dtype=torch.bfloat16)]
-    s = batched_stats(ts)
+    s = [dict(zip(STAT_KEYS, row, strict=True)) for row in batched_stats(ts)]
     assert s[0]["nan"] == 1 and s[0]["inf"] == 2
     assert s[1] == {"max": 4.0, "min": 1.0, "mean": 2.5, "norm": pytest.approx(math.sqrt(30)), "nan": 0.0,
                     "inf": 0.0}
@@ -181,7 +202,7 @@ def test_batched_stats_counts_nan_inf_and_odd_dtypes():
     assert s[5]["max"] == 1.5 and s[5]["min"] == -2.5
 
 
-def test_max_bytes_stops_cleanly(tmp_path, caplog):
+def test_max_bytes_stops_cleanly(tmp_path, caplog, writer_mode):
     r, out = dump(tmp_path, new_tokens=3, max_bytes=20_000)
     assert len(out) == 3  # generation went on
     meta = r.meta()
@@ -261,8 +282,43 @@ def test_remove_restores_every_forward_including_one_another_tool_set(tmp_path):
     assert "model.layers.0.mlp" in names and "model.layers.0.mlp.down_proj" in names
 
 
-def test_writer_thread_leaves_the_models_thread_count_alone(tmp_path):
+def test_writer_choice_auto_env_and_bad_value(monkeypatch):
+    """auto: inline where torch's threads take every core of a CPU model, else a thread."""
+    model = tiny().model
+    monkeypatch.delenv("LLMFLOW_DUMP_WRITER", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    assert inline_writer(model)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores + 4)))
+    assert not inline_writer(model)
+    monkeypatch.setenv("LLMFLOW_DUMP_WRITER", "inline")
+    assert inline_writer(model)
+    monkeypatch.setenv("LLMFLOW_DUMP_WRITER", "threads")
+    with pytest.raises(UserError, match="LLMFLOW_DUMP_WRITER.*'threads'"):
+        register_hook(model, DumpConfig(dump_path="unused"))
+
+
+@pytest.mark.parametrize("mode", ["thread", "inline"])
+def test_a_failing_write_is_reported_not_swallowed(tmp_path, monkeypatch, mode):
+    """A write that fails (a full disk, say) surfaces in the forward thread and the dump is
+    not marked complete, whichever way it is written."""
+    from llmflow.formats import llmflow_dump
+
+    monkeypatch.setenv("LLMFLOW_DUMP_WRITER", mode)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(llmflow_dump, "write_safetensors", full_disk)
+    with pytest.raises(RuntimeError, match="dump writer failed.*No space left"):
+        dump(tmp_path, new_tokens=2)
+    monkeypatch.undo()
+    assert not LlmflowDumpReader(tmp_path / "dump").meta()["complete"]
+
+
+def test_writer_thread_leaves_the_models_thread_count_alone(tmp_path, monkeypatch):
     """The writer limits its own torch ops to one thread; the setting must stay in its thread."""
+    monkeypatch.setenv("LLMFLOW_DUMP_WRITER", "thread")
     before = torch.get_num_threads()
     dump(tmp_path, new_tokens=1, data_mode="statistics")
     assert torch.get_num_threads() == before

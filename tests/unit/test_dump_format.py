@@ -145,7 +145,7 @@ def test_reader_is_picklable_and_detect_rejects_others(tmp_path):
 def test_topology_env_and_layout(tmp_path):
     r, out = dump(tmp_path, new_tokens=2)
     meta = r.meta()
-    assert meta["format"] == "llmflow-dump" and meta["version"] == 2 and meta["data_mode"] == "tensor"
+    assert meta["format"] == "llmflow-dump" and meta["version"] == 3 and meta["data_mode"] == "tensor"
     assert meta["complete"] and meta["steps"] == len(out)
     topo = r.topology()
     assert topo["name"] == "" and topo["type"] == "LlamaForCausalLM"
