@@ -17,6 +17,10 @@ per ``batch_bytes``), device statistics are read back with one transfer, and the
 appended after their data file is in place. ``submit`` blocks while more than
 ``max_pending_bytes`` are queued, which bounds memory. An exception in the thread is re-raised
 by the next ``submit``/``end_step``/``close``, so a full disk is reported, not swallowed.
+
+With ``inline=True`` no thread is started: the same backlog is worked through by the forward
+thread itself at each step end (and whenever ``wake_bytes`` are waiting). That is faster where
+the thread would have no core of its own (``capture.inline_writer`` decides).
 """
 
 from __future__ import annotations
