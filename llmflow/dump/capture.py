@@ -217,7 +217,7 @@ class DumpSession:
             self.entries += 1
             return
         dtype = t.dtype
-        data_bytes = t.numel() * t.element_size()
+        data_bytes = t.nbytes
         nbytes = _STATS_ENTRY_BYTES if stats_only else data_bytes
         max_bytes = self.config.max_bytes
         if max_bytes is not None and self.bytes + nbytes > max_bytes:
@@ -272,8 +272,13 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def device_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A contiguous copy of ``t`` on its own device, plus an event the writer waits on."""
-    copy = t.clone(memory_format=torch.contiguous_format)
+    """A copy of ``t`` on its own device, plus an event the writer waits on.
+
+    ``clone()`` keeps a dense tensor's strides (a transposed view stays transposed) and makes
+    anything else contiguous: ~0.6 us a call less than asking for contiguous memory, on ~1000
+    calls a step; the writer's consumers (``torch.stack``, ``write_safetensors``) take any strides.
+    """
+    copy = t.clone()
     if t.is_cpu:  # not t.device.type: that builds a device object per call (~2% of a dump)
         return copy, None
     event = getattr(torch, t.device.type).Event()
@@ -282,14 +287,14 @@ def device_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
 
 
 def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A contiguous CPU copy of ``t`` as of now, plus an event to wait on before reading it.
+    """A CPU copy of ``t`` as of now, plus an event to wait on before reading it.
 
     On CPU this is a plain copy. On an accelerator it is a non-blocking copy into pinned memory
     queued on the current stream, so the forward pass does not wait for it; kernels queued later
     (in-place ops included) run after the copy, which keeps the dump bit-identical.
     """
     if t.is_cpu:
-        return t.clone(memory_format=torch.contiguous_format), None
+        return t.clone(), None  # strides as device_copy: write_safetensors makes it contiguous
     buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     buf.copy_(t, non_blocking=True)
     backend = getattr(torch, t.device.type)

@@ -56,6 +56,7 @@ class AsyncWriter:
         self._produced = 0  # bytes submitted (written by the producer only)
         self._consumed = 0  # bytes processed (written by the writer thread only)
         self._error: BaseException | None = None
+        self._reported = False
         self._batch: dict[str, torch.Tensor] = {}
         self._batch_entries: list[Entry] = []
         self._batch_size = 0
@@ -93,7 +94,9 @@ class AsyncWriter:
 
     def end_step(self, step: int, order: list[str] | None = None) -> None:
         """End of a step: its data goes into its own file(s) before the next step's."""
-        self._raise_error()
+        if self._error is not None:
+            self._raise_error()
+            return  # reported already: the dump is abandoned, not continued
         self._queue.append((_STEP_END, step, order, 0))
         if self.inline:
             self._drain_inline()
@@ -104,7 +107,8 @@ class AsyncWriter:
         """Drain the queue, write the last batch, close the files, mark the dump complete."""
         self._queue.append((_CLOSE, complete, meta, 0))
         if self._thread is None:
-            self._drain_inline()
+            if self._error is None:
+                self._drain_inline()
         else:
             self._notify()
             self._thread.join()
@@ -116,7 +120,11 @@ class AsyncWriter:
             self._cond.notify_all()
 
     def _raise_error(self) -> None:
-        if self._error is not None:
+        # once: the model's own hooks (an always_call root hook, a finally) come back here while
+        # the first report propagates, and a second raise would only turn into torch's warning
+        # that it silenced one
+        if self._error is not None and not self._reported:
+            self._reported = True
             raise RuntimeError(f"dump writer failed: {self._error}") from self._error
 
     # -- consumer side (writer thread) ----------------------------------------------------------

@@ -298,6 +298,7 @@ def test_writer_choice_auto_env_and_bad_value(monkeypatch):
         register_hook(model, DumpConfig(dump_path="unused"))
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # reported once, not again from torch's hooks
 @pytest.mark.parametrize("mode", ["thread", "inline"])
 def test_a_failing_write_is_reported_not_swallowed(tmp_path, monkeypatch, mode):
     """A write that fails (a full disk, say) surfaces in the forward thread and the dump is

@@ -28,7 +28,9 @@ def test_round_trip_keeps_dtype_and_bits(tmp_path):
     w = DumpDirWriter(tmp_path / "d", 0, meta={"data_mode": "tensor"})
     special = torch.tensor([1.0, float("nan"), float("inf"), -0.0, 1e-40])
     tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(6, dtype=torch.int64),
-               "c": special, "d": torch.randn(2, 2).half(), "e": torch.tensor([True, False])}
+               "c": special, "d": torch.randn(2, 2).half(), "e": torch.tensor([True, False]),
+               "f": torch.randn(4, 3).t().clone()}  # a transposed copy (capture keeps strides)
+    assert not tensors["f"].is_contiguous()
     entries = [_entry(0, i, k, t, name=k) for i, (k, t) in enumerate(tensors.items())]
     w.write_batch(dict(tensors), entries)
     w.close()
