@@ -164,18 +164,19 @@ class DumpSession:
 
     def _walk(self, name: str, kind: str, index: str, value: Any, level: str,
               module_type: str | None, tensors_only: bool, depth: int) -> None:
-        if type(value) is torch.Tensor:  # the common case first: Parameter's isinstance is slow
+        if type(value) is torch.Tensor:  # the common case first
             self._tensor(name, kind, index, value, level, module_type)
-        elif isinstance(value, torch.nn.Parameter) and self.stopped is None:
-            # a weight handed to an op: the same every step, so shape and dtype only (dump_weight
-            # writes the bytes once)
-            entry = Entry(self.step, self.rank, name, kind, index, level, self._next_order(),
-                          shape=tuple(value.shape), module_type=module_type, has_data=False,
-                          pytype="Parameter", extra={"param_dtype": dtype_name(value.dtype)})
-            self.writer.submit(entry)
-            self.entries += 1
-        elif isinstance(value, torch.Tensor):
-            self._tensor(name, kind, index, value, level, module_type)
+        elif isinstance(value, torch.Tensor):  # (Parameter's own isinstance is Python: asked last)
+            if not isinstance(value, torch.nn.Parameter):
+                self._tensor(name, kind, index, value, level, module_type)
+            elif self.stopped is None:
+                # a weight handed to an op: the same every step, so shape and dtype only
+                # (dump_weight writes the bytes once)
+                entry = Entry(self.step, self.rank, name, kind, index, level, self._next_order(),
+                              shape=tuple(value.shape), module_type=module_type, has_data=False,
+                              pytype="Parameter", extra={"param_dtype": dtype_name(value.dtype)})
+                self.writer.submit(entry)
+                self.entries += 1
         elif isinstance(value, (tuple, list)) and depth < _MAX_DEPTH:
             for i, v in enumerate(value):
                 self._walk(name, kind, f"{index}.{i}", v, level, module_type, tensors_only, depth + 1)

@@ -55,6 +55,7 @@ class DumpHandle:
         self._hooks: list[Any] = []  # torch hook handles (the root module's)
         self._wrapped: list[_ForwardWrapper] = []  # submodules whose forward records
         self.on_step: Callable[[int], None] | None = None  # progress callback after each step
+        self.in_step = False  # between the root's pre- and post-hook: ``save`` targets this dump
         self.inline_writer = inline_writer(model)
         self.enabled = _device_matches(model, config.device_id)
         if self.enabled:
@@ -134,11 +135,13 @@ class DumpHandle:
             self.open_next()
         assert self.session is not None
         self.session.begin_step()
+        self.in_step = True
         if self._api is not None and self.session.active:
             self._api.__enter__()
             self._api_entered = True
 
     def _root_post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.in_step = False
         if self._api_entered:
             self._api.__exit__(None, None, None)  # type: ignore[union-attr]
             self._api_entered = False
@@ -280,9 +283,12 @@ def set_dump_path(dump_path: str = ".", dump_tag: str = "msit_dump", backend: st
 def save(name: str, value: Any) -> bool:
     """Record ``value`` (a tensor, or nested lists/dicts of them) into the current step of the
     active dump (level ``save``). Returns False, with a warning, when no dump is open."""
-    for handle in list(_HANDLES):
+    # the model running now, else any open dump: another hooked model never removed must not
+    # take values saved from inside this one's forward
+    open_now = [h for h in list(_HANDLES) if h.session is not None and not h.session.closed]
+    for handle in [h for h in open_now if h.in_step] or open_now:
         s = handle.session
-        if s is not None and not s.closed:
+        if s is not None:
             s.record_output(str(name), value, "save", None)
             return True
     log.warning("llmflow.save(%r): no dump is open (call it during a hooked model's run)", name)

@@ -39,7 +39,9 @@ def dump_run(loaded: LoadedModel, input_ids: list[int], max_new_tokens: int, con
         new_ids = greedy_generate(loaded.model, input_ids, max_new_tokens, eos_token_id=eos)
         ok = True
     finally:
-        if handle.session is not None:
-            handle.session.close(complete=ok)
-        handle.remove()
+        try:
+            if handle.session is not None:
+                handle.session.close(complete=ok)
+        finally:  # a close that raises (a write failed) must not leave the hooks on the model
+            handle.remove()
     return new_ids

@@ -36,7 +36,8 @@ def batched_stats(tensors: list[torch.Tensor]) -> list[list[float]]:
         if t.numel() == 0:
             out[i] = list(EMPTY)
         else:
-            groups[(t.device, t.dtype, tuple(t.shape))].append(i)
+            # get_device() (-1 on the CPU) and the Size itself: no device object or tuple per tensor
+            groups[(t.get_device(), t.dtype, t.shape)].append(i)
     for (_, dtype, _), idx in groups.items():
         wide = _wide(dtype)
         x = torch.stack([tensors[i] for i in idx]).reshape(len(idx), -1)

@@ -196,12 +196,12 @@ class AsyncWriter:
         elif entry.has_data:
             self._batch[entry.key] = payload
             self._batch_entries.append(entry)
-            self._batch_size += payload.numel() * payload.element_size()
+            self._batch_size += payload.nbytes
             if self._batch_size >= self.batch_bytes:
                 self._flush()
         else:  # statistics mode: a copy on the tensor's device
             self._stats.append((entry, payload))
-            self._stats_bytes += payload.numel() * payload.element_size()
+            self._stats_bytes += payload.nbytes
             if self._stats_bytes >= self.batch_bytes:
                 self._flush()
         return False

@@ -311,10 +311,33 @@ def test_a_failing_write_is_reported_not_swallowed(tmp_path, monkeypatch, mode):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(llmflow_dump, "write_safetensors", full_disk)
+    loaded = tiny()
     with pytest.raises(RuntimeError, match="dump writer failed.*No space left"):
-        dump(tmp_path, new_tokens=2)
+        dump(tmp_path, new_tokens=2, loaded=loaded)
     monkeypatch.undo()
     assert not LlmflowDumpReader(tmp_path / "dump").meta()["complete"]
+    # and the hooks are off the model: the next run of it writes nothing here
+    assert not loaded.model._forward_pre_hooks and not loaded.model._forward_hooks
+    assert all("forward" not in m.__dict__ for m in loaded.model.modules())
+    greedy_generate(loaded.model, prompt_ids(), 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]
+
+
+def test_a_close_that_fails_still_takes_the_hooks_off(tmp_path, monkeypatch):
+    """The writer thread's failure can surface first when the dump closes: the model (shared by
+    the caller) must come back without our hooks all the same."""
+    from llmflow.dump.capture import DumpSession
+
+    def failing_close(self, complete=True):
+        raise RuntimeError("dump writer failed: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(DumpSession, "close", failing_close)
+    loaded = tiny()
+    with pytest.raises(RuntimeError, match="No space left"):
+        dump(tmp_path, new_tokens=1, loaded=loaded)
+    monkeypatch.undo()
+    assert not loaded.model._forward_pre_hooks and not loaded.model._forward_hooks
+    assert all("forward" not in m.__dict__ for m in loaded.model.modules())
 
 
 def test_writer_thread_leaves_the_models_thread_count_alone(tmp_path, monkeypatch):
