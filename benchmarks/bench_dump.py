@@ -60,9 +60,9 @@ def dump_size(path: Path) -> tuple[int, int, int]:
 
 
 def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: Path) -> list[dict[str, Any]]:
-    """Each repeat times a plain run, then every mode right after it: a ratio is taken between
-    runs seconds apart, so load that drifts over the minutes of a benchmark cancels out. The
-    reported ratio is the median of the per-repeat ratios."""
+    """Each repeat times, for every mode, a plain run and the dump run right after it: a ratio is
+    taken between two adjacent runs, so load that drifts over the minutes of a benchmark cancels
+    out. The reported ratio is the median of the per-repeat ratios."""
     def plain() -> None:
         greedy_generate(lm.model, ids, new)
 
@@ -81,8 +81,8 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
     seconds: dict[str, list[float]] = {label: [] for label in runs}
     ratios: dict[str, list[float]] = {label: [] for label in runs}
     for _ in range(repeat):
-        base.append(_seconds(plain))
         for label, fn in runs.items():
+            base.append(_seconds(plain))
             seconds[label].append(_seconds(fn))
             ratios[label].append(seconds[label][-1] / base[-1])
     rows = [{"tool": "none", "mode": "no dump", "seconds": statistics.median(base), "ratio": 1.0}]
