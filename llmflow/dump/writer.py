@@ -79,6 +79,7 @@ class AsyncWriter:
         """Queue one entry (see the module docstring for ``payload``)."""
         if self._error is not None:
             self._raise_error()
+            return  # reported already: nothing more is queued for a writer that has failed
         self._queue.append((entry, payload, event, nbytes))
         if nbytes:
             self._produced += nbytes
@@ -105,13 +106,13 @@ class AsyncWriter:
 
     def close(self, complete: bool = True, **meta: Any) -> None:
         """Drain the queue, write the last batch, close the files, mark the dump complete."""
-        self._queue.append((_CLOSE, complete, meta, 0))
-        if self._thread is None:
-            if self._error is None:
+        if self._error is None:  # (after a failure nothing is written, complete stays false)
+            self._queue.append((_CLOSE, complete, meta, 0))
+            if self._thread is None:
                 self._drain_inline()
-        else:
-            self._notify()
-            self._thread.join()
+            else:
+                self._notify()
+                self._thread.join()
         self._raise_error()
 
     def _notify(self) -> None:

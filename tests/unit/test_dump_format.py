@@ -164,3 +164,30 @@ def test_topology_env_and_layout(tmp_path):
     files = sorted(p.name for p in (tmp_path / "dump").iterdir())
     assert files == ["env.json", "llmflow_dump.json", "rank0", "topology.json"]
     assert not list((tmp_path / "dump").rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_failed_writer_reports_once_and_queues_nothing_more(tmp_path, monkeypatch, inline):
+    """After a failed write the forward thread hears of it once; later submits neither raise
+    again nor pile up in a queue nobody drains (a caller that carries on must not leak)."""
+    from llmflow.dump.writer import AsyncWriter
+    from llmflow.formats import llmflow_dump
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(llmflow_dump, "write_safetensors", full_disk)
+    w = AsyncWriter(DumpDirWriter(tmp_path / "d", 0), inline=inline)
+    t = torch.ones(4)
+    w.submit(_entry(0, 0, "1", t), t.clone(), nbytes=t.nbytes)
+    with pytest.raises(RuntimeError, match="dump writer failed.*No space left"):
+        w.end_step(0)
+        if not inline:  # the thread fails on its own time: the next call hears of it
+            w._thread.join(timeout=10)
+            w.submit(_entry(1, 0, "2", t), t.clone(), nbytes=t.nbytes)
+    for i in range(100):
+        w.submit(_entry(1, i, str(i + 3), t), t.clone(), nbytes=t.nbytes)
+    w.end_step(1)
+    w.close()
+    assert not w._queue
+    assert LlmflowDumpReader(tmp_path / "d").meta()["complete"] is False
