@@ -137,6 +137,26 @@ def test_save_records_into_the_current_step(tmp_path):
     assert save("late", torch.ones(1)) is False  # no dump open any more
 
 
+def test_save_goes_to_the_model_running_now(tmp_path):
+    """Another hooked model whose dump is still open must not take a value saved from inside
+    this model's forward."""
+    class Saver(torch.nn.Module):
+        def forward(self, x):
+            save("mine", x + 1)
+            return x
+
+    idle = register_hook(Saver(), DumpConfig(dump_path=str(tmp_path / "idle")))
+    idle.model(torch.zeros(2))  # its dump is open (never removed) but it is not running now
+    busy = register_hook(Saver(), DumpConfig(dump_path=str(tmp_path / "busy")))
+    busy.model(torch.ones(2))
+    busy.remove()
+    idle.remove()
+    saved = {d: [e for e in LlmflowDumpReader(h.dumps[0]).entries() if e.level == "save"]
+             for d, h in (("idle", idle), ("busy", busy))}
+    assert len(saved["idle"]) == 1 and len(saved["busy"]) == 1
+    assert bits_equal(LlmflowDumpReader(busy.dumps[0]).load(saved["busy"][0]), torch.full((2,), 2.0))
+
+
 def test_top_level_names_are_msit_compatible():
     from llmflow import DumpConfig as D
     from llmflow import register_hook as rh
