@@ -41,7 +41,7 @@ _CLOSE = object()
 
 
 class AsyncWriter:
-    """Owns a ``DumpDirWriter`` and feeds it from a daemon thread."""
+    """Owns a ``DumpDirWriter`` and feeds it from a daemon thread, or inline (see above)."""
 
     def __init__(self, disk: DumpDirWriter, *, crc32: bool = False, batch_bytes: int = 64 << 20,
                  wake_bytes: int = 16 << 20, max_pending_bytes: int = 512 << 20, inline: bool = False):
@@ -68,7 +68,6 @@ class AsyncWriter:
         self._stats_bytes = 0
         # inline: the backlog is worked through in the forward thread at step ends (and every
         # ``wake_bytes``) instead of by a thread; see ``inline_writer`` in capture.py for when
-        self.inline = inline
         self._thread: threading.Thread | None = None
         if not inline:
             self._thread = threading.Thread(target=self._loop, name="llmflow-dump-writer", daemon=True)
@@ -85,7 +84,7 @@ class AsyncWriter:
             self._produced += nbytes
             pending = self._produced - self._consumed
             if pending > self.wake_bytes:
-                if self.inline:
+                if self._thread is None:  # inline
                     self._drain_inline()
                     return
                 self._notify()
@@ -99,7 +98,7 @@ class AsyncWriter:
             self._raise_error()
             return  # reported already: the dump is abandoned, not continued
         self._queue.append((_STEP_END, step, order, 0))
-        if self.inline:
+        if self._thread is None:  # inline
             self._drain_inline()
         else:
             self._notify()
@@ -108,7 +107,7 @@ class AsyncWriter:
         """Drain the queue, write the last batch, close the files, mark the dump complete."""
         if self._error is None:  # (after a failure nothing is written, complete stays false)
             self._queue.append((_CLOSE, complete, meta, 0))
-            if self._thread is None:
+            if self._thread is None:  # inline
                 self._drain_inline()
             else:
                 self._notify()
@@ -162,8 +161,7 @@ class AsyncWriter:
         return False
 
     def _drain_inline(self) -> None:
-        if self._error is not None:
-            self._raise_error()
+        # (callers return early once a failure is known: this only runs on a healthy writer)
         try:
             self._drain()
         except BaseException as exc:  # reported like the thread's errors: "dump writer failed"

@@ -36,7 +36,7 @@ from llmflow.formats.base import STAT_KEYS, DumpReader, Entry
 
 FORMAT = "llmflow-dump"
 # 2: index lines hold batches of rows (version 1: one entry a line, still read);
-# 3: a statistics-mode repeat of a tensor holds no statistics of its own (see ``_read_index``)
+# 3: a statistics-mode repeat of a tensor holds no statistics of its own (``_share_repeat_stats``)
 VERSION = 3
 META_FILE = "llmflow_dump.json"
 ENV_FILE = "env.json"
