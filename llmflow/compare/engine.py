@@ -16,7 +16,6 @@ import multiprocessing
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 from llmflow.compare import kernels
@@ -28,8 +27,8 @@ CHUNK_PAIRS = 64
 CHUNK_BYTES = 64 << 20
 INLINE_BYTES = 16 << 20  # below this much data a process pool costs more than it saves
 # Pairs this big on average run in-process on torch's own threads: each worker process of a pool
-# costs ~2 s to start (torch import) and compiles the fused kernels again, while one process with
-# intra-op threads reads 8 GB of 4 MiB pairs in ~2 s. A pool pays off for many small pairs, where
+# costs ~2 s to start (torch import), while one process with intra-op threads reads 8 GB of 4 MiB
+# pairs in ~2 s. A pool pays off for many small pairs, where
 # per-pair Python work, not arithmetic, dominates.
 BIG_PAIR_BYTES = 1 << 20
 
@@ -82,13 +81,11 @@ def execute(job: Job, pairs: list[Pair], *, executor: str = "local", workers: in
     chunks = chunk_pairs(pairs)
     total = sum(p.nbytes for p in pairs)
     if executor == "dask":
-        job = replace(job, build_kernels=total >= kernels.FUSE_MIN_BYTES)
         results = _dask(job, chunks, scheduler_address, client)
     elif executor == "local":
+        kernels.fused()  # built here if this machine has none yet, not by every worker at once
         n = min(workers or default_workers(), len(chunks))
         inline = n <= 1 or total < INLINE_BYTES or total / max(1, len(pairs)) >= BIG_PAIR_BYTES
-        per_process = total if inline else total / n
-        job = replace(job, build_kernels=per_process >= kernels.FUSE_MIN_BYTES)
         results = _inline(job, chunks, threads=n) if inline else _pool(job, chunks, n)
     else:
         raise UserError(f"compare: executor: expected 'local' or 'dask', got {executor!r}")

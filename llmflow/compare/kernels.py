@@ -1,4 +1,4 @@
-"""The per-piece reductions behind ``compare_tensors``: eager torch, and a fused compiled kernel.
+"""The per-piece reductions behind ``compare_tensors``: eager torch, and a compiled kernel.
 
 One pass over golden ``a`` and target ``b`` (same number of elements) returns, in this order
 (``N_VALUES``)::
@@ -19,44 +19,43 @@ sum of non-negative terms, each known to fp32 precision, and log1p(u) - u (-u^2/
 small u) is evaluated in Python floats; no float64 exp or expm1 per element. One read of the
 data gives every metric, KL included.
 
-Eager torch (``pass1``: any float dtype, float64 throughout, ~30 torch ops per chunk, 0.05-0.6
-GB/s by size) serves tensors smaller than ``FUSED_CHUNK``, other dtypes, pieces with NaN/Inf.
-Bigger float32/bfloat16/float16 tensors go through the compiled ``_pass1_fused``: spans of
-``FUSED_SPAN`` elements viewed as rows of ``FUSED_CHUNK`` (256 KiB of fp32 per side, so a row
-stays in L2), plus the last, partial row. Per row, a first loop reads both sides from memory
-for the maxima and every sum that needs no maximum; a second loop reads the row again from
-cache for the softmax sums. Rows run in parallel (OpenMP) and are merged inside the kernel:
-one call and one ``.tolist()`` per span. The element-wise work is fp32 (exact for
-bf16/fp16/fp32 data) with no function calls, which would make the compiler spill every
-accumulator: exp(x <= 0) is an inlined degree-6 polynomial scaled by 2^n, phi(d) a series for
-|d| < 1 and exp(b - max b) * exp(max b - max a) - exp(a - max a) * (1 + d) beyond, using the
-two exps every element needs anyway. Products for the quadratic sums are formed in float64
-(exact) and every sum is accumulated in float64 (fused multiply-add allowed). A row whose fp32
-arithmetic overflows (|d| > ~88) is redone by eager torch. Throughput: ~4.5 GB/s per core of
-fp32 data, both sides counted (the previous compiled kernel: 1.4). Limit: the KL of a
+Eager torch (``pass1``: any float dtype, float64 throughout, ~30 torch ops a call) is the
+reference, and serves other dtypes, pieces with NaN/Inf, and machines without a C++ compiler.
+float32/bfloat16/float16 data goes through the compiled ``pass1.cpp`` (beside this file): rows
+of ``FUSED_CHUNK`` elements (256 KiB of fp32 per side, so a row stays in L2) in parallel
+(OpenMP, torch's thread count), merged inside the kernel, one call per span of rows. Per row, a
+first loop reads both sides from memory for the maxima and every sum that needs no maximum; a
+second loop reads the row again from cache for the softmax sums. The element-wise work is fp32
+(exact for bf16/fp16/fp32 data) with no function calls: exp(x <= 0) is a degree-6 polynomial
+scaled by 2^n, phi(d) a series for |d| < 1 and exp(b - max b) * exp(max b - max a) -
+exp(a - max a) * (1 + d) beyond, using the two exps every element needs anyway. Products for
+the quadratic sums are formed in float64 (exact) and summed in float64; the other sums are
+summed in fp32 over 8 elements of a lane, then in float64 (each partial sum of non-negative
+terms is off by at most 8 ulps). A piece whose fp32 arithmetic overflows (|d| > ~88) is redone
+by eager torch. Throughput: ~5 GB/s per core of fp32 data, both sides counted (the
+torch.export/AOTInductor kernel it replaced: 3.9; eager: 0.1-0.3). Limit: the KL of a
 near-constant shift by more than ~1 nat is known to ~1e-8 absolute, not relative (fp32 exps).
 
-The kernel is compiled ahead of time (torch.export + AOTInductor) once per machine, torch
-version and kernel source into the llmflow cache: ``pass1.pt2`` with a fixed row length (the
-faster code) and a dynamic number of rows, ``pass1_tail.pt2`` with a dynamic row length for the
-partial row. Both load through torch's C++ package loader, which takes milliseconds per process
-where ``torch.compile`` takes seconds (so worker processes start fast). Where that fails,
-``torch.compile`` is tried, then eager torch. ``LLMFLOW_FUSED=0`` turns the compiled kernels
-off; they are checked against eager torch before they are used.
+The kernel is compiled (``c++ -O3 -march=native -fopenmp``, under a second) once per machine,
+compiler flags and source into the llmflow cache, loaded through ctypes (the GIL is released
+while it runs) and checked against eager torch once per build. Where no compiler works the
+failure is remembered beside it and compares run on eager torch; ``python -m
+llmflow.compare.kernels`` (the install step) tries again. ``LLMFLOW_FUSED=0`` turns the
+compiled kernel off.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
-import math
 import os
 import platform
 import shutil
+import subprocess
 import tempfile
 import threading
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,26 +65,16 @@ EPS = float(torch.finfo(torch.float32).eps)
 N_VALUES = 14
 FUSED_CHUNK = 1 << 16  # elements per kernel row: 256 KiB per side in fp32, read twice from L2
 FUSED_SPAN = 64 * FUSED_CHUNK  # fp32 elements per kernel call (rows in parallel)
+SOURCE = Path(__file__).with_name("pass1.cpp")
+_LIBRARY = "pass1.so"
+_FAILED = "build-failed.txt"
+_BASE_FLAGS = ("-O3", "-std=gnu++17", "-fPIC", "-shared")
+# tried in order: the host's full vector ISA with OpenMP; without OpenMP (Apple clang has none:
+# one thread); the compiler's baseline ISA
+_FLAG_CHOICES = (("-march=native", "-fopenmp"), ("-march=native",), ())
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _fused: Callable | None | bool = None  # None: not tried yet; False: unavailable
-# The kernels are compiled ahead of time once per machine (~40 s; `make install` does it) and
-# then load in milliseconds. Without that cache a compare builds them only when it has this much
-# to read per process, where the build pays for itself (eager torch: ~0.3 GB/s on 2 cores,
-# fused: ~8 GB/s).
-FUSE_MIN_BYTES = 8 << 30
-# the compiled kernel's fp32 code: exp(x) for x <= 0 as 2^n * p(r), r = x - n ln2 in
-# [-ln2/2, ln2/2], p a degree-6 minimax polynomial (1.9e-9 relative, under fp32's rounding)
-_LOG2E = 1.4426950408889634
-_LN2_HI = 0.693145751953125  # 15 significant bits: n * _LN2_HI is exact for |n| < 2^9
-_LN2_LO = 1.428606765330187e-06
-_EXP_P = (1.0, 1.0, 0.49999991059303284, 0.16666419804096222, 0.04166822507977486,
-          0.00837481115013361, 0.0013836828293278813)
-# phi(d) = d^2 * sum_k d^k / (k + 2)! for |d| < 1: terms to d^10, truncation < 3e-8 relative
-_PHI_SERIES = tuple(1.0 / math.factorial(k) for k in range(2, 11))
-# fused multiply-add: the polynomials and the float64 sums of products round once, not twice
-_INDUCTOR_CONFIGS = (("cpp.enable_floating_point_contract_flag", "fast"),)
-_PACKAGES = ("pass1.pt2", "pass1_tail.pt2")
 
 
 def pass1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -108,74 +97,17 @@ def pass1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ])
 
 
-def _exp_neg(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) for fp32 x <= 0 (0 below -87), inlined: Sleef's exp is a call, which makes the
-    compiler spill every accumulator around it."""
-    n = torch.round(x * _LOG2E)
-    r = x - n * _LN2_HI - n * _LN2_LO
-    p = r * _EXP_P[6] + _EXP_P[5]
-    for c in reversed(_EXP_P[:5]):
-        p = p * r + c
-    scale = ((n.to(torch.int32) + 127) << 23).view(torch.float32)  # 2^n
-    return torch.where(x < -87.0, 0.0, p * scale)
+def fused(build: bool = True) -> Callable | None:
+    """The compiled ``pass1`` for flat float32 tensors of any length, or None (eager torch).
 
-
-def _pass1_fused(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # a, b: [rows, FUSED_CHUNK] fp32; per-row sums (fp32 element-wise, float64 accumulation),
-    # then the rows merged: the same N_VALUES as pass1 of the flattened tensors
-    d = b - a
-    ad = d.abs()
-    ag = a.abs()
-    rel = torch.where(ag > EPS, ad / ag, 0.0)
-    a64, b64 = a.double(), b.double()
-    d64 = b64 - a64
-    aa, bb, ab, dd = (a64 * a64).sum(1), (b64 * b64).sum(1), (a64 * b64).sum(1), (d64 * d64).sum(1)
-    sad, srel = ad.double().sum(1), rel.double().sum(1)
-    max_ad, max_rel = ad.amax(1).double(), rel.amax(1).double()
-    c1 = (rel < 1e-3).sum(1, dtype=torch.int32).double()
-    c5 = (rel < 5e-3).sum(1, dtype=torch.int32).double()
-    # 0 (a sum of terms >= 0 or +inf: aa + bb + ab >= 0), or NaN with NaN data, which the caller
-    # redoes eagerly: a dependency that makes inductor compute all of the above in the maxima's
-    # loop, leaving the softmax loop fewer live registers and no second division
-    dep = torch.clamp(aa + bb + ab + dd + sad + srel + max_ad + max_rel + c1 + c5, max=0.0).float()
-    ma = a.amax(1) + dep
-    mb = b.amax(1) + dep
-    ea = _exp_neg(a - ma[:, None])
-    eb = _exp_neg(b - mb[:, None])
-    # ea * phi(d); beyond |d| = 1 through eb: ea * exp(d) = exp(b - ma) = eb * exp(mb - ma)
-    scale_b = torch.exp(mb - ma)[:, None]
-    series = _PHI_SERIES[-1] * d + _PHI_SERIES[-2]
-    for c in reversed(_PHI_SERIES[:-2]):
-        series = series * d + c
-    z = torch.where(ad < 1.0, ea * (series * (d * d)), eb * scale_b - ea * (1.0 + d))
-    sa, sb = ea.double().sum(1), eb.double().sum(1)
-    y, z = (ea * d).double().sum(1), z.double().sum(1)
-    # merge the rows, weights relative to the largest row maximum (online softmax); from one
-    # [rows, 16] tensor, so that inductor keeps both loops of a row in one parallel loop
-    r = torch.stack([aa, bb, ab, dd, max_ad, sad, max_rel, srel, c1, c5, ma.double(), sa, mb.double(), sb,
-                     y, z], 1)
-    top_a, top_b = r[:, 10].amax(), r[:, 12].amax()
-    wa, wb = torch.exp(r[:, 10] - top_a), torch.exp(r[:, 12] - top_b)
-    sa_all = (wa * r[:, 11]).sum()
-    return torch.stack([
-        r[:, 0].sum(), r[:, 1].sum(), r[:, 2].sum(), r[:, 3].sum(), r[:, 4].amax(), r[:, 5].sum(),
-        r[:, 6].amax(), r[:, 7].sum(), r[:, 8].sum(), r[:, 9].sum(), sa_all.log() + top_a,
-        (wb * r[:, 13]).sum().log() + top_b, (wa * r[:, 14]).sum() / sa_all, (wa * r[:, 15]).sum() / sa_all,
-    ])
-
-
-def fused(build: bool = False) -> Callable | None:
-    """The compiled ``pass1`` for flat fp32 pieces of a multiple of ``FUSED_CHUNK`` elements or
-    fewer than ``FUSED_CHUNK`` (a tail), or None.
-
-    Loads the cached packages (milliseconds); compiles them only with ``build`` (a minute), which
-    the compare asks for when it has enough data to repay the build.
+    Loads the cached library (milliseconds); builds it first when this machine has none
+    (under a second), unless ``build`` is False or an earlier build failed here.
     """
     global _fused
     if _disabled():
         return None
     if _fused is None:
-        if not (build or packaged()):
+        if not (build or compiled()):
             return None
         with _lock:
             if _fused is None:
@@ -183,62 +115,80 @@ def fused(build: bool = False) -> Callable | None:
     return _fused or None
 
 
-def packaged() -> bool:
-    """True when this machine has the ahead-of-time compiled kernels (loading them takes ms)."""
-    return not _disabled() and all((package_dir() / f).is_file() for f in _PACKAGES)
+def compiled() -> bool:
+    """True when this machine has the compiled kernel (loading it takes milliseconds)."""
+    return not _disabled() and (library_dir() / _LIBRARY).is_file()
 
 
-def package_dir() -> Path:
-    """Where the kernels compiled for this torch and this kernel source are cached."""
+def library_dir() -> Path:
+    """Where the kernel built from this source, for this CPU, is cached."""
     from llmflow.models import cache_dir
 
-    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{platform.machine()}-{_source_key()}"
+    return cache_dir() / "kernels" / f"{platform.machine()}-{_build_key()}"
 
 
 @functools.cache
-def _source_key() -> str:
-    """A hash of this file, which holds everything the compiled kernels are made of. (Hashing
-    ``inspect.getsource`` of the kernel functions alone cost ~10 ms of tokenizing per process,
-    5% of a 1 GB compare; an edit elsewhere in the file now rebuilds them, once.)"""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+def _build_key() -> str:
+    """A hash of the source, the compiler flags and this CPU's features: -march=native code
+    must not run on another CPU that shares the cache (a cluster's home directory)."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(repr((_BASE_FLAGS, _FLAG_CHOICES)).encode())
+    h.update(_cpu_features().encode())
+    return h.hexdigest()[:16]
 
 
-def build_packages() -> Path:
-    """Compile the kernels ahead of time (torch.export + AOTInductor, ~45 s once per machine):
-    ``pass1.pt2`` for rows of ``FUSED_CHUNK`` elements (the row length fixed: ~12% faster code),
-    ``pass1_tail.pt2`` for one row of any length (a tensor's last, partial row)."""
-    final = package_dir()
-    if packaged():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
+def _cpu_features() -> str:
     try:
-        # distinct inputs (no aliasing); the number of rows is dynamic, the tail's length too
-        a = torch.linspace(-1, 1, 4 * FUSED_CHUNK).view(4, FUSED_CHUNK)
-        b = torch.linspace(-2, 2, 4 * FUSED_CHUNK).view(4, FUSED_CHUNK)
-        rows = torch.export.Dim("rows", min=1, max=1 << 40)
-        cols = torch.export.Dim("cols", min=1, max=FUSED_CHUNK)
-        for name, dims in (("pass1.pt2", {0: rows}), ("pass1_tail.pt2", {0: rows, 1: cols})):
-            with warnings.catch_warnings():  # torch's own deprecation chatter from export
-                warnings.simplefilter("ignore", FutureWarning)
-                program = torch.export.export(_AsModule(_pass1_fused), (a, b), strict=False,
-                                              dynamic_shapes=(dims, dims))
-                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp / name),
-                                                         inductor_configs=dict(_INDUCTOR_CONFIGS))
-        if not final.exists():
-            os.replace(tmp, final)  # atomic: a concurrent builder's result is as good as ours
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
 
 
-class _AsModule(torch.nn.Module):
-    def __init__(self, fn: Callable) -> None:
-        super().__init__()
-        self.fn = fn
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or next(
+        (c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
 
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self.fn(a, b)
+
+def build(force: bool = False) -> Path:
+    """Compile ``pass1.cpp`` into the cache (atomically: a concurrent build is as good as ours).
+    Raises ``RuntimeError`` with the compiler's message when no flag choice compiles; the failure
+    is remembered (``build-failed.txt``) so that later compares go to eager torch at once, until
+    ``force``."""
+    final = library_dir()
+    lib, failed = final / _LIBRARY, final / _FAILED
+    if lib.is_file():
+        return lib
+    if failed.is_file() and not force:
+        raise RuntimeError(failed.read_text(encoding="utf-8").strip())
+    final.mkdir(parents=True, exist_ok=True)
+    cxx = _compiler()
+    errors = []
+    if cxx is None:
+        errors.append("no C++ compiler (c++, g++ or clang++; or set CXX)")
+    else:
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=final)
+        os.close(fd)
+        try:
+            for flags in _FLAG_CHOICES:
+                cmd = [cxx, *_BASE_FLAGS, *flags, str(SOURCE), "-o", tmp]
+                try:
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                except (OSError, subprocess.SubprocessError) as exc:  # CXX names no program ...
+                    errors.append(f"{' '.join(cmd)}: {exc}")
+                    break
+                if done.returncode == 0:
+                    os.replace(tmp, lib)
+                    failed.unlink(missing_ok=True)
+                    return lib
+                errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    message = "compare kernel: cannot compile " + str(SOURCE) + ": " + " | ".join(errors)
+    failed.write_text(message + "\n", encoding="utf-8")
+    raise RuntimeError(message)
 
 
 def _disabled() -> bool:
@@ -246,47 +196,43 @@ def _disabled() -> bool:
 
 
 def _load_or_build() -> Callable | None:
-    """The AOT packages (built on first need), else torch.compile, else None (eager torch)."""
+    """The compiled kernel (built on first need) once it agrees with eager torch, else None."""
     try:
-        d = build_packages()
-        # the C++ loader: no import of torch._inductor (~1 s), so every worker starts in ms
-        rows, tail = (torch._C._aoti.AOTIModelPackageLoader(str(d / f), "model", False, 1, -1)
-                      for f in _PACKAGES)
-        kernel = _dispatch(lambda a, b: rows.run([a, b])[0], lambda a, b: tail.run([a, b])[0])
-        # the check costs ~12 ms (eager float64), a tenth of a 1 GB compare: once per package,
-        # since the same package file computes the same thing in every process
-        verified = d / "verified"
+        lib = build()
+        fn = ctypes.CDLL(str(lib)).llmflow_pass1
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                       ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        kernel = _wrap(fn)
+        # the check costs ~10 ms (eager float64): once per build, since the same library computes
+        # the same thing in every process
+        verified = lib.parent / "verified"
         if verified.is_file() or _agrees(kernel):
             verified.touch()
             return kernel
-    except Exception as exc:  # no compiler, a private API that moved ...: try the JIT
-        _log.info("compare: ahead-of-time kernels unavailable (%s: %s)", type(exc).__name__, exc)
-    try:
-        compiled = torch.compile(_pass1_fused, dynamic=True, fullgraph=True,
-                                 options=dict(_INDUCTOR_CONFIGS))
-        kernel = _dispatch(compiled, compiled)
-        if _agrees(kernel):
-            return kernel
-    except Exception as exc:  # no compiler, unsupported platform ...: eager works everywhere
-        _log.info("compare: fused kernels unavailable (%s: %s); using eager torch", type(exc).__name__, exc)
+    except Exception as exc:  # no compiler, an odd platform ...: eager works everywhere
+        _log.info("compare: compiled kernel unavailable (%s); using eager torch", exc)
     return None
 
 
-def _dispatch(rows: Callable, tail: Callable) -> Callable:
+def _wrap(fn: Callable) -> Callable:
     def kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """Flat fp32 ``a`` and ``b``: whole rows of ``FUSED_CHUNK``, or one shorter row."""
+        """``pass1`` of two contiguous float32 CPU tensors of the same, non-zero, size."""
         n = a.numel()
-        if n % FUSED_CHUNK == 0:
-            return rows(a.view(-1, FUSED_CHUNK), b.view(-1, FUSED_CHUNK))
-        if n > FUSED_CHUNK:
-            raise ValueError(f"compare kernel: {n} elements are neither whole rows nor one row")
-        return tail(a.view(1, n), b.view(1, n))
+        if not (a.dtype == b.dtype == torch.float32 and a.device.type == b.device.type == "cpu"
+                and a.is_contiguous() and b.is_contiguous() and b.numel() == n > 0):
+            raise ValueError(f"compare kernel: expected two contiguous float32 CPU tensors of one "
+                             f"size, got {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
+        out = torch.empty(N_VALUES, dtype=torch.float64)
+        if fn(a.data_ptr(), b.data_ptr(), n, FUSED_CHUNK, torch.get_num_threads(), out.data_ptr()):
+            raise MemoryError("compare kernel: out of memory")
+        return out
 
     return kernel
 
 
 def _agrees(kernel: Callable) -> bool:
-    """The compiled kernels give eager torch's results on 2 rows and on a tail."""
+    """The compiled kernel gives eager torch's results on 2 rows and on a short piece."""
     a = torch.linspace(-3, 5, 2 * FUSED_CHUNK)
     b = a * 1.001 + torch.linspace(0, 2, 2 * FUSED_CHUNK) ** 3  # |d| > 1 at the end
     for n in (2 * FUSED_CHUNK, 1001):
@@ -296,7 +242,10 @@ def _agrees(kernel: Callable) -> bool:
     return True
 
 
-if __name__ == "__main__":  # python -m llmflow.compare.kernels: build the kernels now (install time)
-    # build=True: on a fresh machine nothing is cached yet, and building it is this command's job
-    print(f"llmflow: fused compare kernels in {package_dir()}" if fused(build=True) and packaged()
-          else "llmflow: fused compare kernels unavailable here; compare uses eager torch")
+if __name__ == "__main__":  # python -m llmflow.compare.kernels: build the kernel now (install time)
+    try:
+        build(force=True)
+    except (RuntimeError, OSError) as exc:  # no compiler: compare still works, on eager torch
+        print(f"llmflow: {exc}")
+    print(f"llmflow: compiled compare kernel in {library_dir()}" if fused() and compiled()
+          else "llmflow: compiled compare kernel unavailable here; compare uses eager torch")

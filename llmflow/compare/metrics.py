@@ -1,13 +1,13 @@
 """The numbers of one golden/target tensor pair, and the pass/warn/fail verdict drawn from them.
 
 ``compare_tensors`` is the hot loop of every compare: a 7B model's dump is ~100k pairs and
-gigabytes of data. It reads both tensors once, piece by piece (``kernels.py``): tensors of at
-least ``kernels.FUSED_CHUNK`` float32/bfloat16/float16 elements through the compiled kernel
-(spans of whole rows, then the partial last row; bf16/fp16 converted into small reused fp32
-buffers), smaller ones and other dtypes in eager float64 chunks of ``CHUNK``, and a piece with
+gigabytes of data. It reads both tensors once, piece by piece (``kernels.py``): float32/
+bfloat16/float16 tensors through the compiled kernel (spans of ``kernels.FUSED_SPAN`` elements;
+bf16/fp16 converted into small reused fp32 buffers; ~6 us for a 576-element pair, where eager
+torch's ~30 ops take ~110 us), other dtypes in eager float64 chunks of ``CHUNK``, and a piece with
 NaN/Inf (a kernel span row by row first) eagerly with those elements counted and left out.
-Every piece returns float64 sums; ``_merge`` adds them up, rescaling the softmax-weighted KL sums
-of each piece by exp(lse_piece - lse) (online softmax), and ``_kl`` turns them into
+Every piece returns float64 sums; ``_merge`` adds them up, rescaling the softmax-weighted KL
+sums of each piece by exp(lse_piece - lse) (online softmax), and ``_kl`` turns them into
 KL = z + (log1p(u) - u) (see ``kernels``). The temporary memory is a few pieces whatever the
 tensor size.
 
@@ -76,12 +76,8 @@ def _nonfinite(x: torch.Tensor) -> tuple[int, int]:
     return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
 
 
-def compare_tensors(golden: torch.Tensor, target: torch.Tensor, *,
-                    build_kernels: bool = False) -> dict[str, Any]:
-    """Every metric of ``COLUMNS`` for one pair; never raises on odd data (see ``reason``).
-
-    ``build_kernels``: compile the fused kernel if this machine has none cached (``kernels.fused``).
-    """
+def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
+    """Every metric of ``COLUMNS`` for one pair; never raises on odd data (see ``reason``)."""
     golden, target = golden.detach(), target.detach()
     row = _empty_row(golden, target)
     if row["shape_mismatch"]:
@@ -103,7 +99,7 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor, *,
         target = target.to(torch.uint8)
     g = golden.cpu().reshape(-1) if golden.is_contiguous() else golden.cpu().contiguous().reshape(-1)
     t = target.cpu().reshape(-1) if target.is_contiguous() else target.cpu().contiguous().reshape(-1)
-    acc = _reduce(g, t, build_kernels)
+    acc = _reduce(g, t)
     row.update(_finish(acc))
     row["kl_divergence"] = _kl(acc)
     reasons = [row["reason"]] if row["reason"] else []
@@ -117,25 +113,21 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor, *,
     return row
 
 
-def _reduce(g: torch.Tensor, t: torch.Tensor, build_kernels: bool = False) -> dict[str, Any]:
+def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
     """Pass 1 over both flat tensors, piece by piece, accumulating float64 sums (``kernels``)."""
     acc: dict[str, Any] = dict(gg=0.0, tt=0.0, gt=0.0, dd=0.0, max_abs=0.0, sum_abs=0.0, max_rel=0.0,
                                sum_rel=0.0, c1=0, c5=0, valid=0, golden_nan=0, golden_inf=0,
                                target_nan=0, target_inf=0, lse_g=-math.inf, lse_t=-math.inf,
                                kl_w=0.0, kl_y=0.0, kl_z=0.0)
     n = g.numel()
-    fast = (n >= kernels.FUSED_CHUNK and g.dtype in _FUSABLE and t.dtype in _FUSABLE
-            and kernels.fused(build_kernels))
-    # (start, stop, fused): spans of whole kernel rows and the last, partial row, or eager chunks;
-    # bf16/fp16 spans are converted into small reused buffers (a fresh 16 MiB tensor per span
-    # costs more in page faults than the conversion) and read back from cache
+    fast = g.dtype in _FUSABLE and t.dtype in _FUSABLE and kernels.fused()
+    # (start, stop, fused): kernel spans, or eager chunks; bf16/fp16 spans are converted into
+    # small reused buffers (a fresh 16 MiB tensor per span costs more in page faults than the
+    # conversion) and read back from cache
     pieces: deque[tuple[int, int, bool]] = deque()
     if fast:
-        rows_end = n - n % kernels.FUSED_CHUNK
         span = kernels.FUSED_SPAN if g.dtype == t.dtype == torch.float32 else _CONVERT_SPAN
-        pieces.extend((s, min(s + span, rows_end), True) for s in range(0, rows_end, span))
-        if rows_end < n:
-            pieces.append((rows_end, n, True))
+        pieces.extend((s, min(s + span, n), True) for s in range(0, n, span))
     else:
         pieces.extend((s, min(s + CHUNK, n), False) for s in range(0, n, CHUNK))
     while pieces:
@@ -148,7 +140,7 @@ def _reduce(g: torch.Tensor, t: torch.Tensor, build_kernels: bool = False) -> di
         if on_kernel and not all(map(math.isfinite, vals)):
             if stop - start > kernels.FUSED_CHUNK:
                 # NaN/Inf somewhere in the span: redo it row by row, so only those rows go slow
-                pieces.extendleft((s, s + kernels.FUSED_CHUNK, True)
+                pieces.extendleft((s, min(s + kernels.FUSED_CHUNK, stop), True)
                                   for s in reversed(range(start, stop, kernels.FUSED_CHUNK)))
                 continue
             if math.isfinite(vals[0] + vals[1]):

@@ -37,7 +37,6 @@ class Job:
     stats_only: bool = False
     thresholds: dict | None = None
     target_dtype: str | None = None
-    build_kernels: bool = False  # compile the fused metric kernel if none is cached (GBs to read)
     _algs: dict | None = field(default=None, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -131,7 +130,7 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
                 t = job.target.load(p.targets[0]).float()
                 for extra in p.targets[1:]:
                     t = t + job.target.load(extra).float()
-            row.update(compare_tensors(g, t, build_kernels=job.build_kernels))
+            row.update(compare_tensors(g, t))
             if "logits" in p.levels and g.dim() >= 1 and g.shape == t.shape and g.numel():
                 row.update(_logits_columns(g, t))
             algs = job.algs()
