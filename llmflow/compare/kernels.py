@@ -21,8 +21,9 @@ data gives every metric, KL included.
 
 Eager torch (``pass1``: any float dtype, float64 throughout, ~30 torch ops a call) is the
 reference, and serves other dtypes, pieces with NaN/Inf, and machines without a C++ compiler.
-float32/bfloat16/float16 data goes through the compiled ``pass1.cpp`` (beside this file): rows
-of ``FUSED_CHUNK`` elements (256 KiB of fp32 per side, so a row stays in L2) in parallel
+float32/bfloat16/float16 data goes through the compiled ``pass1.cpp`` (beside this file; it
+reads float32 and bfloat16, either side, as they are; float16 is converted first): rows of
+``FUSED_CHUNK`` elements (256 KiB of fp32 per side, so a row stays in L2) in parallel
 (OpenMP, torch's thread count), merged inside the kernel, one call per span of rows. Per row, a
 first loop reads both sides from memory for the maxima and every sum that needs no maximum; a
 second loop reads the row again from cache for the softmax sums. The element-wise work is fp32
@@ -200,8 +201,8 @@ def _load_or_build() -> Callable | None:
     try:
         lib = build()
         fn = ctypes.CDLL(str(lib)).llmflow_pass1
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                       ctypes.c_void_p]
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         kernel = _wrap(fn)
         # the check costs ~10 ms (eager float64): once per build, since the same library computes
@@ -215,16 +216,21 @@ def _load_or_build() -> Callable | None:
     return None
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # read as they are; others are converted first
+
+
 def _wrap(fn: Callable) -> Callable:
     def kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``pass1`` of two contiguous float32 CPU tensors of the same, non-zero, size."""
+        """``pass1`` of two contiguous CPU tensors of one non-zero size, each float32 or bfloat16."""
         n = a.numel()
-        if not (a.dtype == b.dtype == torch.float32 and a.device.type == b.device.type == "cpu"
-                and a.is_contiguous() and b.is_contiguous() and b.numel() == n > 0):
-            raise ValueError(f"compare kernel: expected two contiguous float32 CPU tensors of one "
+        if not (a.dtype in KERNEL_DTYPES and b.dtype in KERNEL_DTYPES and a.device.type == "cpu"
+                and b.device.type == "cpu" and a.is_contiguous() and b.is_contiguous()
+                and b.numel() == n > 0):
+            raise ValueError(f"compare kernel: expected two contiguous float32/bfloat16 CPU tensors of one "
                              f"size, got {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
         out = torch.empty(N_VALUES, dtype=torch.float64)
-        if fn(a.data_ptr(), b.data_ptr(), n, FUSED_CHUNK, torch.get_num_threads(), out.data_ptr()):
+        if fn(a.data_ptr(), a.dtype == torch.bfloat16, b.data_ptr(), b.dtype == torch.bfloat16, n,
+              FUSED_CHUNK, torch.get_num_threads(), out.data_ptr()):
             raise MemoryError("compare kernel: out of memory")
         return out
 
@@ -232,11 +238,12 @@ def _wrap(fn: Callable) -> Callable:
 
 
 def _agrees(kernel: Callable) -> bool:
-    """The compiled kernel gives eager torch's results on 2 rows and on a short piece."""
+    """The compiled kernel gives eager torch's results on 2 rows, on a short piece, and on
+    float32 against bfloat16."""
     a = torch.linspace(-3, 5, 2 * FUSED_CHUNK)
     b = a * 1.001 + torch.linspace(0, 2, 2 * FUSED_CHUNK) ** 3  # |d| > 1 at the end
-    for n in (2 * FUSED_CHUNK, 1001):
-        if not torch.allclose(kernel(a[-n:], b[-n:]), pass1(a[-n:], b[-n:]), rtol=1e-5, atol=1e-9):
+    for x, y in ((a, b), (a[-1001:], b[-1001:]), (a, b.bfloat16())):
+        if not torch.allclose(kernel(x, y), pass1(x, y), rtol=1e-5, atol=1e-9):
             _log.warning("compare: the compiled kernel disagrees with eager torch; using eager")
             return False
     return True

@@ -3,7 +3,7 @@
 ``compare_tensors`` is the hot loop of every compare: a 7B model's dump is ~100k pairs and
 gigabytes of data. It reads both tensors once, piece by piece (``kernels.py``): float32/
 bfloat16/float16 tensors through the compiled kernel (spans of ``kernels.FUSED_SPAN`` elements;
-bf16/fp16 converted into small reused fp32 buffers; ~6 us for a 576-element pair, where eager
+fp16 converted into small reused fp32 buffers; ~6 us for a 576-element pair, where eager
 torch's ~30 ops take ~110 us), other dtypes in eager float64 chunks of ``CHUNK``, and a piece with
 NaN/Inf (a kernel span row by row first) eagerly with those elements counted and left out.
 Every piece returns float64 sums; ``_merge`` adds them up, rescaling the softmax-weighted KL
@@ -51,7 +51,7 @@ __all__ = ["COLUMNS", "METRIC_COLUMNS", "CHUNK", "DEFAULT_THRESHOLDS", "compare_
 EPS = kernels.EPS
 CHUNK = 1 << 16  # elements per eager chunk: 64k float64 values x a few temporaries fit in L2 cache
 _FUSABLE = (torch.float32, torch.bfloat16, torch.float16)
-_CONVERT_SPAN = 8 * kernels.FUSED_CHUNK  # bf16/fp16 elements per kernel call: 2 MiB fp32 buffers
+_CONVERT_SPAN = 8 * kernels.FUSED_CHUNK  # fp16 elements per kernel call: 2 MiB fp32 buffers
 _scratch = threading.local()
 
 METRIC_COLUMNS = (
@@ -121,12 +121,13 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
                                kl_w=0.0, kl_y=0.0, kl_z=0.0)
     n = g.numel()
     fast = g.dtype in _FUSABLE and t.dtype in _FUSABLE and kernels.fused()
-    # (start, stop, fused): kernel spans, or eager chunks; bf16/fp16 spans are converted into
+    # (start, stop, fused): kernel spans, or eager chunks; fp16 spans are converted into
     # small reused buffers (a fresh 16 MiB tensor per span costs more in page faults than the
     # conversion) and read back from cache
     pieces: deque[tuple[int, int, bool]] = deque()
     if fast:
-        span = kernels.FUSED_SPAN if g.dtype == t.dtype == torch.float32 else _CONVERT_SPAN
+        read_as_is = g.dtype in kernels.KERNEL_DTYPES and t.dtype in kernels.KERNEL_DTYPES
+        span = kernels.FUSED_SPAN if read_as_is else _CONVERT_SPAN
         pieces.extend((s, min(s + span, n), True) for s in range(0, n, span))
     else:
         pieces.extend((s, min(s + CHUNK, n), False) for s in range(0, n, CHUNK))
@@ -162,8 +163,9 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
 
 
 def _f32(x: torch.Tensor, slot: int) -> torch.Tensor:
-    """``x`` in float32: itself, or converted into this thread's buffer ``slot`` (reused)."""
-    if x.dtype == torch.float32:
+    """``x`` as the kernel reads it: itself (float32, bfloat16), or converted to float32 into this
+    thread's buffer ``slot`` (reused)."""
+    if x.dtype in kernels.KERNEL_DTYPES:
         return x
     buffers = _scratch.__dict__.setdefault("buffers", {})
     buf = buffers.get(slot)

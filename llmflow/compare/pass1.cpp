@@ -29,7 +29,17 @@ constexpr int N_ROW = 16;    // values a row yields before the rows are merged
 constexpr float EPS = 1.1920928955078125e-07f;
 
 inline vf splat(float v) { return vf{} + v; }
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+struct bf16 { uint16_t bits; };  // bfloat16: the top half of a float32, widened exactly by a shift
+
 inline vf load(const float *p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline vf load(const bf16 *p) {
+    vu16 h;
+    std::memcpy(&h, p, sizeof h);
+    vu32 w = __builtin_convertvector(h, vu32) << 16;
+    return (vf)w;
+}
 inline vd half(vf x, int which) {  // 8 floats of x widened (memcpy: no __builtin_shufflevector in GCC 11)
     vf8 h;
     std::memcpy(&h, reinterpret_cast<const char *>(&x) + which * sizeof h, sizeof h);
@@ -119,8 +129,8 @@ struct Pass2 {  // the softmax sums, weights exp(a - max a) and exp(b - max b) o
 inline double hsum(vd v) { double s = 0; for (int i = 0; i < 8; i++) s += v[i]; return s; }
 inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < W; i++) m = v[i] > m ? v[i] : m; return m; }
 
-template <class P>
-void sweep(P &p, const float *a, const float *b, int64_t n) {
+template <class P, class A, class B>
+void sweep(P &p, const A *a, const B *b, int64_t n) {
     int64_t full = n - n % W;
     for (int64_t i0 = 0; i0 < full; i0 += BLOCK * W) {
         int64_t end = i0 + BLOCK * W < full ? i0 + BLOCK * W : full;
@@ -128,18 +138,20 @@ void sweep(P &p, const float *a, const float *b, int64_t n) {
         p.flush();
     }
     if (full < n) {  // the last n % W elements, from a zero-padded copy (no read past the end)
-        float ta[W] = {0}, tb[W] = {0};
+        A ta[W] = {};
+        B tb[W] = {};
         vi valid{};
         for (int i = 0; i < W; i++) valid[i] = i < n - full ? -1 : 0;
-        std::memcpy(ta, a + full, (n - full) * sizeof(float));
-        std::memcpy(tb, b + full, (n - full) * sizeof(float));
+        std::memcpy(ta, a + full, (n - full) * sizeof(A));
+        std::memcpy(tb, b + full, (n - full) * sizeof(B));
         p.template step<true>(load(ta), load(tb), valid);
         p.flush();
     }
 }
 
 // one row: its N_ROW values (the first loop reads a and b from memory, the second from cache)
-void one_row(const float *a, const float *b, int64_t n, double *r) {
+template <class A, class B>
+void one_row(const A *a, const B *b, int64_t n, double *r) {
     Pass1 s;
     sweep(s, a, b, n);
     float ma = hmax(s.ma), mb = hmax(s.mb);
@@ -153,23 +165,32 @@ void one_row(const float *a, const float *b, int64_t n, double *r) {
     std::memcpy(r, v, sizeof v);
 }
 
+template <class A, class B>
+void all_rows(const void *a, const void *b, int64_t n, int64_t row, int64_t rows, int threads, double *r) {
+    (void)threads;  // without OpenMP (-fopenmp refused): one thread
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
+    for (int64_t i = 0; i < rows; i++) {
+        int64_t start = i * row, stop = start + row < n ? start + row : n;
+        one_row(static_cast<const A *>(a) + start, static_cast<const B *>(b) + start, stop - start,
+                r + i * N_ROW);
+    }
+}
+
 }  // namespace
 
-// n elements of a and b as rows of `row` elements (the last may be shorter), rows in parallel on
-// `threads` threads, merged here: the 14 values of kernels.pass1 into out. Returns 0, or -1 when
-// out of memory.
-extern "C" int llmflow_pass1(const float *a, const float *b, int64_t n, int64_t row, int threads,
-                             double *out) {
-    (void)threads;  // without OpenMP (-fopenmp refused): one thread
+// n elements of a and b (each float32, or bfloat16 where a_bf16 / b_bf16) as rows of `row`
+// elements (the last may be shorter), rows in parallel on `threads` threads, merged here: the 14
+// values of kernels.pass1 into out. Returns 0, or -1 when out of memory.
+extern "C" int llmflow_pass1(const void *a, int a_bf16, const void *b, int b_bf16, int64_t n, int64_t row,
+                             int threads, double *out) {
     int64_t rows = (n + row - 1) / row;
     double stack[64 * N_ROW];
     double *r = rows <= 64 ? stack : static_cast<double *>(std::malloc(rows * N_ROW * sizeof(double)));
     if (!r) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
-    for (int64_t i = 0; i < rows; i++) {
-        int64_t start = i * row, stop = start + row < n ? start + row : n;
-        one_row(a + start, b + start, stop - start, r + i * N_ROW);
-    }
+    if (a_bf16 && b_bf16) all_rows<bf16, bf16>(a, b, n, row, rows, threads, r);
+    else if (a_bf16) all_rows<bf16, float>(a, b, n, row, rows, threads, r);
+    else if (b_bf16) all_rows<float, bf16>(a, b, n, row, rows, threads, r);
+    else all_rows<float, float>(a, b, n, row, rows, threads, r);
     // rows merged with weights relative to the largest row maximum (online softmax)
     double top_a = -INFINITY, top_b = -INFINITY;
     for (int64_t i = 0; i < rows; i++) {
