@@ -183,6 +183,7 @@ def build(force: bool = False) -> Path:
                 if done.returncode == 0:
                     os.replace(tmp, lib)
                     failed.unlink(missing_ok=True)
+                    (final / "build.txt").write_text(" ".join(cmd) + "\n", encoding="utf-8")  # which flags
                     return lib
                 errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
         finally:

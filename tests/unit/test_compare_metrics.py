@@ -303,6 +303,27 @@ def test_a_failed_build_is_remembered_and_compare_goes_eager(monkeypatch: pytest
     assert compare_tensors(g, g * 1.01)["max_relative_error"] == pytest.approx(0.01, rel=1e-5)
 
 
+def test_a_build_without_openmp_or_native_isa_agrees(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The last flag choice (the compiler's baseline ISA, no OpenMP: what Apple clang gets) gives
+    the same numbers, one thread."""
+    from llmflow.compare import kernels
+
+    monkeypatch.setenv("LLMFLOW_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_FLAG_CHOICES", ((),))
+    monkeypatch.setattr(kernels, "_fused", None)
+    try:
+        kernels.build()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    assert "-fopenmp" not in (kernels.library_dir() / "build.txt").read_text()
+    kernel = kernels.fused()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(3 * kernels.FUSED_CHUNK + 5, generator=gen)
+    b = (a + 0.01 * torch.randn(a.shape, generator=gen)).bfloat16()
+    torch.testing.assert_close(kernel(a, b), kernels.pass1(a, b), rtol=1e-6, atol=1e-12)
+
+
 def _fused_kernel_or_skip(monkeypatch: pytest.MonkeyPatch):
     from llmflow.compare import kernels
 
