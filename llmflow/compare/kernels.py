@@ -30,11 +30,12 @@ second loop reads the row again from cache for the softmax sums. The element-wis
 (exact for bf16/fp16/fp32 data) with no function calls: exp(x <= 0) is a degree-6 polynomial
 scaled by 2^n, phi(d) a series for |d| < 1 and exp(b - max b) * exp(max b - max a) -
 exp(a - max a) * (1 + d) beyond, using the two exps every element needs anyway. Products for
-the quadratic sums are formed in float64 (exact) and summed in float64; the other sums are
-summed in fp32 over 8 elements of a lane, then in float64 (each partial sum of non-negative
-terms is off by at most 8 ulps). A piece whose fp32 arithmetic overflows (|d| > ~88) is redone
-by eager torch. Throughput: ~5 GB/s per core of fp32 data, both sides counted (the
-torch.export/AOTInductor kernel it replaced: 3.9; eager: 0.1-0.3). Limit: the KL of a
+the quadratic sums are formed in float64 (exact) and summed in float64; the other sums (|d|,
+rel, the softmax weights, y and z) are summed in fp32 over 8 elements of a lane, then in float64
+(each partial sum is off by at most 8 ulps of the sum of its terms' magnitudes). A piece whose
+fp32 arithmetic overflows (|d| > ~88) is redone by eager torch. Throughput: ~5 GB/s per core of
+fp32 data, both sides counted (~1.3x the torch.export/AOTInductor kernel it replaced, which
+widened every term to float64 before summing it; eager torch: 0.1-0.6). Limit: the KL of a
 near-constant shift by more than ~1 nat is known to ~1e-8 absolute, not relative (fp32 exps).
 
 The kernel is compiled (``c++ -O3 -march=native -fopenmp``, under a second) once per machine,
@@ -99,7 +100,8 @@ def pass1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def fused(build: bool = True) -> Callable | None:
-    """The compiled ``pass1`` for flat float32 tensors of any length, or None (eager torch).
+    """The compiled ``pass1`` for contiguous float32/bfloat16 tensors of any length, or None
+    (eager torch).
 
     Loads the cached library (milliseconds); builds it first when this machine has none
     (under a second), unless ``build`` is False or an earlier build failed here.
@@ -213,7 +215,7 @@ def _load_or_build() -> Callable | None:
             verified.touch()
             return kernel
     except Exception as exc:  # no compiler, an odd platform ...: eager works everywhere
-        _log.info("compare: compiled kernel unavailable (%s); using eager torch", exc)
+        _log.warning("compare: compiled kernel unavailable (%s); using eager torch (slower)", exc)
     return None
 
 

@@ -6,10 +6,11 @@
 // Written with GCC/Clang vector extensions, not intrinsics: 16 floats a step on any ISA the
 // compiler targets, no libm calls in the loops (a call makes the compiler spill every
 // accumulator). Element-wise work is float32, exact for float32/bfloat16/float16 data. Products
-// for the quadratic sums are formed in float64 (exact) and summed in float64. The other sums
-// (|d|, rel, the softmax sums) are summed in float32 over BLOCK steps of each lane, then in
-// float64: a block's partial sum of BLOCK non-negative terms is off by at most BLOCK ulps, and the
-// conversions and float64 additions it saves make the pass ~1.35x faster.
+// for the quadratic sums (cosine depends on them to the last bit) are formed in float64 (exact)
+// and summed in float64. The other sums (|d|, rel, the softmax weights, y and z) are summed in
+// float32 over BLOCK steps of each lane, then in float64: a block's partial sum is off by at most
+// BLOCK ulps of the sum of its terms' magnitudes, and the conversions and float64 additions it
+// saves make the pass ~1.3x faster.
 
 #include <cmath>
 #include <cstdint>
