@@ -28,8 +28,8 @@ CHUNK_BYTES = 64 << 20
 INLINE_BYTES = 16 << 20  # below this much data a process pool costs more than it saves
 # Pairs this big on average run in-process on torch's own threads: each worker process of a pool
 # costs ~2 s to start (torch import), while one process with intra-op threads reads 8 GB of 4 MiB
-# pairs in ~2 s. A pool pays off for many small pairs, where
-# per-pair Python work, not arithmetic, dominates.
+# pairs in ~2 s. A pool pays off for many small pairs, where per-pair Python work, not
+# arithmetic, dominates.
 BIG_PAIR_BYTES = 1 << 20
 
 Result = tuple[tuple[str, ...], dict[str, Any], int]
