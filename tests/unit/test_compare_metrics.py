@@ -80,6 +80,24 @@ def test_metrics_match_numpy(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
     assert set(COLUMNS) <= set(row)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_equal_integer_tensors_take_the_exact_match_path(monkeypatch: pytest.MonkeyPatch,
+                                                         dtype: torch.dtype) -> None:
+    """Integer pairs equal element for element skip the eager pass and give its numbers."""
+    g = torch.arange(-3, 40).reshape(1, -1).to(dtype)
+    fast = compare_tensors(g, g.clone())
+    monkeypatch.setattr(torch, "equal", lambda a, b: False)  # the general path, for reference
+    slow = compare_tensors(g, g.clone())
+    assert fast.keys() == slow.keys()
+    for k, v in slow.items():
+        assert fast[k] == (pytest.approx(v, rel=1e-12, abs=1e-15) if isinstance(v, float) else v), k
+    assert fast["cosine_similarity"] == 1.0 and fast["kl_divergence"] == 0.0
+    assert fast["one_thousandth_err_ratio"] == 1.0 and fast["max_absolute_error"] == 0.0
+    off = g.clone()
+    off[0, 5] = 0 if dtype == torch.bool else 99
+    assert compare_tensors(g, off)["max_absolute_error"] > 0  # unequal: the general path
+
+
 def test_chunking_does_not_change_results(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.randn(10_007, dtype=torch.float32)
     t = g + 1e-3 * torch.randn(10_007)
