@@ -29,7 +29,10 @@ first loop reads both sides from memory for the maxima and every sum that needs 
 second loop reads the row again from cache for the softmax sums. The element-wise work is fp32
 (exact for bf16/fp16/fp32 data) with no function calls: exp(x <= 0) is a degree-6 polynomial
 scaled by 2^n, phi(d) a series for |d| < 1 and exp(b - max b) * exp(max b - max a) -
-exp(a - max a) * (1 + d) beyond, using the two exps every element needs anyway. Products for
+exp(a - max a) * (1 + d) beyond. The first loop's max |d| picks the second loop's form per row:
+where every |d| < 1 (most rows of a compare), exp(b - max b) comes from exp(a - max a) *
+(1 + d + phi(d)) * exp(max a - max b) instead of a second exp, and below 1/16 the series stops at
+d^4 (truncation < 4e-10); ~1.3x faster than two exps and the full series everywhere. Products for
 the quadratic sums are formed in float64 (exact) and summed in float64; the other sums (|d|,
 rel, the softmax weights, y and z) are summed in fp32 over 8 elements of a lane, then in float64
 (each partial sum is off by at most 8 ulps of the sum of its terms' magnitudes). A piece whose

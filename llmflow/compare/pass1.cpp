@@ -105,15 +105,38 @@ struct Pass1 {  // maxima, exact quadratic sums, counts
     void flush() { sad += widen_sum(block_ad); srel += widen_sum(block_rel); block_ad = block_rel = vf{}; }
 };
 
+// phi(d) / d^2 for |d| < 1/16: terms to d^4 (truncation < 4e-10 relative)
+inline vf phi_series_short(vf d) {
+    vf p = d * 0.001388888888888889f + 0.008333333333333333f;
+    p = p * d + 0.041666666666666664f;
+    p = p * d + 0.16666666666666666f;
+    return p * d + 0.5f;
+}
+
+// The second pass's form, by the row's largest |d| (the first pass's max): every |d| < 1 means
+// exp(d) = 1 + d + phi(d) converges, so exp(b - mb) = exp(a - ma) * exp(d) * exp(ma - mb) costs 3
+// products where a second exp_neg costs ~16 operations; under 1/16 four terms of the series do.
+// Chosen per row, not per element: a test per vector of 16 costs more than it saves.
+enum Spread { SMALL, UNDER_ONE, ANY };  // the row's largest |d|: < 1/16, < 1, or more
+
+template <Spread S>
 struct Pass2 {  // the softmax sums, weights exp(a - max a) and exp(b - max b) of this row
-    vf ma, mb, scale_b, block_sa{}, block_sb{}, block_y{}, block_z{};
+    vf ma, mb, scale_b, scale_ab, block_sa{}, block_sb{}, block_y{}, block_z{};
     vd sa{}, sb{}, y{}, z{};
 
     template <bool TAIL>
     void step(vf xa, vf xb, vi valid) {
-        vf d = xb - xa, ea = exp_neg(xa - ma), eb = exp_neg(xb - mb);
-        // ea * phi(d); beyond |d| = 1 through eb: ea * exp(d) = exp(b - ma) = eb * exp(mb - ma)
-        vf zz = vabs(d) < 1.0f ? ea * (phi_series(d) * (d * d)) : eb * scale_b - ea * (1.0f + d);
+        vf d = xb - xa, ea = exp_neg(xa - ma), eb, zz;
+        if (S == ANY) {
+            eb = exp_neg(xb - mb);
+            // ea * phi(d); beyond |d| = 1 through eb: ea * exp(d) = exp(b - ma) = eb * exp(mb - ma)
+            zz = vabs(d) < 1.0f ? ea * (phi_series(d) * (d * d)) : eb * scale_b - ea * (1.0f + d);
+        } else {
+            // every |d| < 1: exp(d) = 1 + d + phi(d) gives eb from ea, without a second exp
+            vf phi = (S == SMALL ? phi_series_short(d) : phi_series(d)) * (d * d);
+            zz = ea * phi;
+            eb = ea * ((1.0f + d) + phi) * scale_ab;
+        }
         vf yd = ea * d;
         if (TAIL) {
             const vf zero = splat(0.0f);
@@ -150,19 +173,29 @@ void sweep(P &p, const A *a, const B *b, int64_t n) {
     }
 }
 
+template <class P, class A, class B>
+void second_pass(P p, const A *a, const B *b, int64_t n, double *t) {
+    sweep(p, a, b, n);
+    t[0] = hsum(p.sa); t[1] = hsum(p.sb); t[2] = hsum(p.y); t[3] = hsum(p.z);
+}
+
 // one row: its N_ROW values (the first loop reads a and b from memory, the second from cache)
 template <class A, class B>
 void one_row(const A *a, const B *b, int64_t n, double *r) {
     Pass1 s;
     sweep(s, a, b, n);
-    float ma = hmax(s.ma), mb = hmax(s.mb);
-    Pass2 t{splat(ma), splat(mb), splat(std::exp(mb - ma))};
-    sweep(t, a, b, n);
+    float ma = hmax(s.ma), mb = hmax(s.mb), spread = hmax(s.mad);
+    const vf va = splat(ma), vb = splat(mb);
+    const vf scale_b = splat(std::exp(mb - ma)), scale_ab = splat(std::exp(ma - mb));
+    double t[4];
+    if (spread < 0.0625f) second_pass(Pass2<SMALL>{va, vb, scale_b, scale_ab}, a, b, n, t);
+    else if (spread < 1.0f) second_pass(Pass2<UNDER_ONE>{va, vb, scale_b, scale_ab}, a, b, n, t);
+    else second_pass(Pass2<ANY>{va, vb, scale_b, scale_ab}, a, b, n, t);
     int64_t c1 = 0, c5 = 0;
     for (int i = 0; i < W; i++) { c1 += s.c1[i]; c5 += s.c5[i]; }
     const double v[N_ROW] = {hsum(s.aa), hsum(s.bb), hsum(s.ab), hsum(s.dd), hmax(s.mad), hsum(s.sad),
-                             hmax(s.mrel), hsum(s.srel), double(c1), double(c5), ma, hsum(t.sa), mb,
-                             hsum(t.sb), hsum(t.y), hsum(t.z)};
+                             hmax(s.mrel), hsum(s.srel), double(c1), double(c5), ma, t[0], mb, t[1],
+                             t[2], t[3]};
     std::memcpy(r, v, sizeof v);
 }
 

@@ -413,6 +413,27 @@ def test_fused_kernel_matches_eager_and_numpy(monkeypatch: pytest.MonkeyPatch, c
         assert fused["kl_divergence"] == pytest.approx(np_kl(gn, tn), rel=1e-6)
 
 
+def test_each_row_spread_gives_eager_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's second pass takes one of three forms by the row's largest |d| (< 1/16: a
+    short series and exp(b) from exp(a); < 1: the full series; beyond: a second exp): rows of
+    each kind in one tensor agree with eager torch, each kind alone and merged."""
+    kernels, kernel = _fused_kernel_or_skip(monkeypatch)
+    n = kernels.FUSED_CHUNK
+    gen = torch.Generator().manual_seed(21)
+    g = torch.randn(3 * n, generator=gen) * 2
+    noise = torch.randn(3 * n, generator=gen).clamp(-3, 3)
+    spread = torch.tensor([0.01, 0.3, 1.5]).repeat_interleave(n)  # max |d| ~0.03, ~0.9, ~4.5
+    t = g + spread * noise
+    for lo, hi in ((0, n), (n, 2 * n), (2 * n, 3 * n), (0, 3 * n)):
+        a, b = g[lo:hi], t[lo:hi]
+        torch.testing.assert_close(kernel(a, b), kernels.pass1(a, b), rtol=1e-6, atol=1e-12)
+    fused = compare_tensors(g, t)
+    monkeypatch.setattr(kernels, "_fused", False)
+    eager = compare_tensors(g, t)
+    for k in metrics.METRIC_COLUMNS:
+        assert fused[k] == pytest.approx(eager[k], rel=1e-6, abs=1e-15), k
+
+
 def test_fused_spans_with_nan_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """A span with NaN/Inf is redone row by row: only those rows go eager, counts stay exact."""
     kernels, kernel = _fused_kernel_or_skip(monkeypatch)
