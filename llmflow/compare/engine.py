@@ -25,12 +25,14 @@ from llmflow.errors import UserError
 
 CHUNK_PAIRS = 64
 CHUNK_BYTES = 64 << 20
-INLINE_BYTES = 16 << 20  # below this much data a process pool costs more than it saves
-# Pairs this big on average run in-process on torch's own threads: each worker process of a pool
-# costs ~2 s to start (torch import), while one process with intra-op threads reads 8 GB of 4 MiB
-# pairs in ~2 s. A pool pays off for many small pairs, where per-pair Python work, not
-# arithmetic, dominates.
-BIG_PAIR_BYTES = 1 << 20
+# A process pool spreads the per-pair Python work (index rows, loading, the row: ~200 us a pair)
+# over its workers, but starting them costs ~2 s (torch's import in each); the bytes go as fast
+# in-process, where the kernel runs on torch's threads. So a pool pays when
+# pairs * PAIR_SECONDS * (1 - 1/n) > POOL_START_SECONDS: above ~20,000 pairs on 2 cores, ~11,000 on
+# 8. (Measured on 2 cores: a SmolLM2 module dump's 19,480 small pairs took 4.3 s in-process and
+# 5.0 s on a 2-process pool; 1 GB of 4 MiB pairs, 119 of them, is all kernel either way.)
+PAIR_SECONDS = 200e-6
+POOL_START_SECONDS = 2.0
 
 Result = tuple[tuple[str, ...], dict[str, Any], int]
 
@@ -70,6 +72,11 @@ def _worker_chunk(pairs: list[Pair]) -> list[Result]:
     return run_chunk(_JOB, pairs)
 
 
+def use_pool(pairs: int, processes: int) -> bool:
+    """Is a pool of ``processes`` worth starting for ``pairs`` pairs (see ``PAIR_SECONDS``)?"""
+    return processes > 1 and pairs * PAIR_SECONDS * (1 - 1 / processes) > POOL_START_SECONDS
+
+
 def default_workers() -> int:
     return max(1, os.cpu_count() or 1)
 
@@ -79,14 +86,12 @@ def execute(job: Job, pairs: list[Pair], *, executor: str = "local", workers: in
             on_chunk: Callable[[int, int], None] | None = None) -> Iterator[Result]:
     """Yield ``(levels, row, bytes)`` for every pair, in order."""
     chunks = chunk_pairs(pairs)
-    total = sum(p.nbytes for p in pairs)
     if executor == "dask":
         results = _dask(job, chunks, scheduler_address, client)
     elif executor == "local":
         kernels.fused()  # built here if this machine has none yet, not by every worker at once
         n = min(workers or default_workers(), len(chunks))
-        inline = n <= 1 or total < INLINE_BYTES or total / max(1, len(pairs)) >= BIG_PAIR_BYTES
-        results = _inline(job, chunks, threads=n) if inline else _pool(job, chunks, n)
+        results = _pool(job, chunks, n) if use_pool(len(pairs), n) else _inline(job, chunks, threads=n)
     else:
         raise UserError(f"compare: executor: expected 'local' or 'dask', got {executor!r}")
     for chunk_rows in results:

@@ -61,7 +61,7 @@ def test_bf16_target_passes_and_a_fault_is_the_first_failing_layer(tmp_path: Pat
 def test_pool_and_dask_give_the_same_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     g, t = as_dump(tmp_path, "g"), as_dump(tmp_path, "t", noise=1e-3)
     base = compare_dumps(reader(g), reader(t), tmp_path / "inline", CompareOptions(workers=1, xlsx=False))
-    monkeypatch.setattr(engine, "INLINE_BYTES", 0)
+    monkeypatch.setattr(engine, "POOL_START_SECONDS", 0.0)
     monkeypatch.setattr(engine, "CHUNK_PAIRS", 5)
     pool = compare_dumps(reader(g), reader(t), tmp_path / "pool", CompareOptions(workers=2, xlsx=False))
     from dask.distributed import Client, LocalCluster
