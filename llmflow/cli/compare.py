@@ -35,7 +35,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-mf", "--op-mapping-file", default=None, metavar="MAPPING",
                         help="op-mapping YAML/JSON file or a mapping name (atb-llama)")
     parser.add_argument("-r", "--rank", type=int, default=None, help="compare only this rank")
-    parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU cores)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="parallel workers (default: CPU cores): processes for many small pairs, "
+                        "threads in this process otherwise")
     parser.add_argument("--steps", type=int, nargs="+", default=None, help="golden steps to compare")
     parser.add_argument("--prefill-offset", type=int, default=0,
                         help="target folders holding prefill + first decode (ATB: 1)")

@@ -47,11 +47,13 @@ class CompareStage(Stage):
                         "description": "Op-mapping file or llmflow.mappings name (e.g. atb-llama); "
                         "empty: match by name."},
             "executor": {"type": "string", "enum": ["local", "dask"], "default": "local",
-                         "description": "local: a process pool here; dask: an existing dask cluster."},
+                         "description": ("local: this machine (a process pool where there are many small "
+                                         "pairs); dask: an existing dask cluster.")},
             "scheduler_address": {"type": ["string", "null"], "default": None,
                                   "description": "The dask scheduler (tcp://host:8786) for executor dask."},
             "workers": {"type": ["integer", "null"], "minimum": 1, "default": None,
-                        "description": "Local worker processes (null: one per CPU core)."},
+                        "description": ("Local workers (null: one per CPU core): processes for many small "
+                                        "pairs, threads in one process otherwise.")},
             "rank": {"type": ["integer", "null"], "minimum": 0, "default": None,
                      "description": "Compare only this rank (null: all)."},
             "steps": {**_INTS, "description": "Golden steps to compare (null: all)."},
