@@ -39,11 +39,10 @@ rel, the softmax weights, y and z) are summed in fp32 over 8 elements of a lane,
 fp32 arithmetic overflows (|d| > ~88) is redone by eager torch. Throughput: ~5 GB/s per core of
 fp32 data, both sides counted (~1.6x the torch.export/AOTInductor kernel it replaced, which
 widened every term to float64 before summing it and took a second exp everywhere; eager torch:
-0.1-0.6). Limit: each term
-of z is known to fp32 precision, so the KL carries an absolute error of up to ~1e-7 times z
-(~d^2/2): the divergence of small differences stays precise to ~1e-6 relative, but the KL of a
-shift of ~0.5 nat or more is known to ~1e-8-1e-7 absolute (one element, whose KL is 0 by
-definition, reads up to ~1e-7; eager torch's float64 gives 0).
+0.1-0.6). Limit: each term of z is known to fp32 precision, so the KL carries an absolute error
+of up to ~1e-7 times z (~d^2/2): the divergence of small differences stays precise to ~1e-6
+relative, but the KL of a shift of ~0.5 nat or more is known to ~1e-8-1e-7 absolute (one
+element, whose KL is 0 by definition, reads up to ~1e-7; eager torch's float64 gives 0).
 
 The kernel is compiled (``c++ -O3 -march=native -fopenmp``, under a second) once per machine,
 compiler flags and source into the llmflow cache, loaded through ctypes (the GIL is released
