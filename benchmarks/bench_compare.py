@@ -31,6 +31,7 @@ tensors, where per-pair costs, not bytes, decide.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -267,20 +269,31 @@ def kernel_bench(threads: int) -> dict:
                     compare_tensors(a, b)
                 best = min(best, time.perf_counter() - t0)
             out[f"{str(dtype).removeprefix('torch.')}_{name}_gb_per_s"] = round(nbytes / best / 1e9, 2)
-    compiled = kernels._fused
     for numel in (576, 4096):  # SmolLM2's and a 7B model's hidden size
         a, b = g[:numel], t[:numel]
         for path in ("compiled", "eager"):
-            kernels._fused = compiled if path == "compiled" else False
-            best = float("inf")
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    compare_tensors(a, b)
-                best = min(best, (time.perf_counter() - t0) / 200)
+            with kernel_path(path):
+                best = float("inf")
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    for _ in range(200):
+                        compare_tensors(a, b)
+                    best = min(best, (time.perf_counter() - t0) / 200)
             out[f"fp32_{numel}_{path}_us_per_pair"] = round(best * 1e6, 1)
-    kernels._fused = compiled
     return out
+
+
+@contextlib.contextmanager
+def kernel_path(path: str) -> Iterator[None]:
+    """Within: compare_tensors on the compiled kernel ("compiled") or on eager torch ("eager")."""
+    from llmflow.compare import kernels
+
+    compiled = kernels.fused()
+    kernels._fused = compiled if path == "compiled" else False
+    try:
+        yield
+    finally:
+        kernels._fused = compiled
 
 
 def smollm2_bench(tokens: int) -> dict:
@@ -298,17 +311,15 @@ def smollm2_bench(tokens: int) -> dict:
             ids = encode_prompt(loaded.tokenizer, "Tell me a story about a dragon.")
             config = DumpConfig(dump_path=str(tmp / side), mode="module", token_range="all")
             dump_run(loaded, ids, tokens, config)
-        compiled = kernels.fused()
-        for path in ("compiled", "eager") if compiled else ("eager",):
-            kernels._fused = compiled if path == "compiled" else False
-            t0 = time.perf_counter()
-            res = compare_dumps(tmp / "golden", tmp / "target", tmp / f"out-{path}",
-                                CompareOptions(workers=1, xlsx=False))
-            dt = time.perf_counter() - t0
+        for path in ("compiled", "eager") if kernels.fused() else ("eager",):
+            with kernel_path(path):
+                t0 = time.perf_counter()
+                res = compare_dumps(tmp / "golden", tmp / "target", tmp / f"out-{path}",
+                                    CompareOptions(workers=1, xlsx=False))
+                dt = time.perf_counter() - t0
             s = res["summary"]
             out.update(pairs=s["pairs"], bytes=s["bytes"])
             out[path] = {"seconds": round(dt, 2), "pairs_per_s": round(s["pairs"] / dt)}
-        kernels._fused = compiled
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -105,19 +105,17 @@ def pass1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ])
 
 
-def fused(build: bool = True) -> Callable | None:
+def fused() -> Callable | None:
     """The compiled ``pass1`` for contiguous float32/bfloat16 tensors of any length, or None
     (eager torch).
 
     Loads the cached library (milliseconds); builds it first when this machine has none
-    (under a second), unless ``build`` is False or an earlier build failed here.
+    (under a second), unless an earlier build failed here.
     """
     global _fused
     if _disabled():
         return None
     if _fused is None:
-        if not (build or compiled()):
-            return None
         with _lock:
             if _fused is None:
                 _fused = _load_or_build() or False

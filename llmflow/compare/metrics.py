@@ -50,7 +50,7 @@ __all__ = ["COLUMNS", "METRIC_COLUMNS", "CHUNK", "DEFAULT_THRESHOLDS", "compare_
 
 EPS = kernels.EPS
 CHUNK = 1 << 16  # elements per eager chunk: 64k float64 values x a few temporaries fit in L2 cache
-_FUSABLE = (torch.float32, torch.bfloat16, torch.float16)
+_FUSABLE = (*kernels.KERNEL_DTYPES, torch.float16)  # fp16 through a float32 buffer (``_f32``)
 _CONVERT_SPAN = 8 * kernels.FUSED_CHUNK  # fp16 elements per kernel call: 2 MiB fp32 buffers
 _scratch = threading.local()
 

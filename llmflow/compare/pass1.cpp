@@ -1,5 +1,5 @@
-// The compiled pass of compare_tensors: one read of a golden row `a` and a target row `b` (float32)
-// gives every sum the metrics need. kernels.py holds the math (the N_VALUES it returns, in order)
+// The compiled pass of compare_tensors: one read of a golden row `a` and a target row `b` (float32
+// or bfloat16) gives every sum the metrics need. kernels.py holds the math (the N_VALUES it returns, in order)
 // and the eager float64 reference this must agree with; it builds this file once per machine
 // (g++ -O3 -march=native -fopenmp) and calls llmflow_pass1 through ctypes.
 //
@@ -29,9 +29,9 @@ constexpr int BLOCK = 8;     // steps summed in float32 before a float64 sum
 constexpr int N_ROW = 16;    // values a row yields before the rows are merged
 constexpr float EPS = 1.1920928955078125e-07f;
 
-inline vf splat(float v) { return vf{} + v; }
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 typedef uint32_t vu32 __attribute__((vector_size(64)));
+inline vf splat(float v) { return vf{} + v; }
 struct bf16 { uint16_t bits; };  // bfloat16: the top half of a float32, widened exactly by a shift
 
 inline vf load(const float *p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
@@ -66,16 +66,17 @@ inline vf exp_neg(vf x) {
     return x < -87.0f ? splat(0.0f) : p * (vf)scale;
 }
 
-// phi(d) / d^2 = sum_k d^k / (k + 2)! for |d| < 1, terms to d^8 (truncation < 3e-8 relative)
+// phi(d) / d^2 = sum_k d^k / (k + 2)!, by Horner from term TERMS - 1: TERMS = 9 (to d^8) for
+// |d| < 1 (truncation < 3e-8 relative), TERMS = 5 (to d^4) for |d| < 1/16 (< 4e-10)
+constexpr float PHI[9] = {0.5f, 0.16666666666666666f, 0.041666666666666664f, 0.008333333333333333f,
+                          0.001388888888888889f, 0.0001984126984126984f, 2.48015873015873e-05f,
+                          2.7557319223985893e-06f, 2.755731922398589e-07f};
+
+template <int TERMS>
 inline vf phi_series(vf d) {
-    vf p = d * 2.755731922398589e-07f + 2.7557319223985893e-06f;
-    p = p * d + 2.48015873015873e-05f;
-    p = p * d + 0.0001984126984126984f;
-    p = p * d + 0.001388888888888889f;
-    p = p * d + 0.008333333333333333f;
-    p = p * d + 0.041666666666666664f;
-    p = p * d + 0.16666666666666666f;
-    return p * d + 0.5f;
+    vf p = splat(PHI[TERMS - 1]);
+    for (int k = TERMS - 2; k >= 0; k--) p = p * d + PHI[k];
+    return p;
 }
 
 struct Pass1 {  // maxima, exact quadratic sums, counts
@@ -105,14 +106,6 @@ struct Pass1 {  // maxima, exact quadratic sums, counts
     void flush() { sad += widen_sum(block_ad); srel += widen_sum(block_rel); block_ad = block_rel = vf{}; }
 };
 
-// phi(d) / d^2 for |d| < 1/16: terms to d^4 (truncation < 4e-10 relative)
-inline vf phi_series_short(vf d) {
-    vf p = d * 0.001388888888888889f + 0.008333333333333333f;
-    p = p * d + 0.041666666666666664f;
-    p = p * d + 0.16666666666666666f;
-    return p * d + 0.5f;
-}
-
 // The second pass's form, by the row's largest |d| (the first pass's max): every |d| < 1 means
 // exp(d) = 1 + d + phi(d) converges, so exp(b - mb) = exp(a - ma) * exp(d) * exp(ma - mb) costs 3
 // products where a second exp_neg costs ~16 operations; under 1/16 four terms of the series do.
@@ -130,10 +123,10 @@ struct Pass2 {  // the softmax sums, weights exp(a - max a) and exp(b - max b) o
         if (S == ANY) {
             eb = exp_neg(xb - mb);
             // ea * phi(d); beyond |d| = 1 through eb: ea * exp(d) = exp(b - ma) = eb * exp(mb - ma)
-            zz = vabs(d) < 1.0f ? ea * (phi_series(d) * (d * d)) : eb * scale_b - ea * (1.0f + d);
+            zz = vabs(d) < 1.0f ? ea * (phi_series<9>(d) * (d * d)) : eb * scale_b - ea * (1.0f + d);
         } else {
             // every |d| < 1: exp(d) = 1 + d + phi(d) gives eb from ea, without a second exp
-            vf phi = (S == SMALL ? phi_series_short(d) : phi_series(d)) * (d * d);
+            vf phi = (S == SMALL ? phi_series<5>(d) : phi_series<9>(d)) * (d * d);
             zz = ea * phi;
             eb = ea * ((1.0f + d) + phi) * scale_ab;
         }

@@ -243,7 +243,7 @@ def test_fused_kernels_agree_with_eager(monkeypatch: pytest.MonkeyPatch) -> None
     from llmflow.compare import kernels
 
     monkeypatch.setattr(kernels, "_fused", None)
-    kernel = kernels.fused(build=True)
+    kernel = kernels.fused()
     if kernel is None:
         pytest.skip("no compiled kernels here (no C++ compiler?); the eager path is tested above")
     n = kernels.FUSED_CHUNK
@@ -284,7 +284,7 @@ def test_compiled_kernel_is_cached_checked_once_and_can_be_off(monkeypatch: pyte
         pytest.skip(str(exc))
     assert kernels.compiled()
     monkeypatch.setattr(kernels, "_fused", None)
-    kernel = kernels.fused(build=False)
+    kernel = kernels.fused()
     a = torch.randn(kernels.FUSED_CHUNK, generator=torch.Generator().manual_seed(1))
     b = a + 0.01
     torch.testing.assert_close(kernel(a, b), kernels.pass1(a, b), rtol=1e-5, atol=1e-9)
@@ -346,7 +346,7 @@ def _fused_kernel_or_skip(monkeypatch: pytest.MonkeyPatch):
     from llmflow.compare import kernels
 
     monkeypatch.setattr(kernels, "_fused", None)
-    kernel = kernels.fused(build=True)
+    kernel = kernels.fused()
     if kernel is None:
         pytest.skip("no compiled kernels here (no C++ compiler?); the eager path is tested above")
     return kernels, kernel
