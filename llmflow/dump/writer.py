@@ -10,13 +10,17 @@ asynchronous device copy has landed. ``payload`` is:
   captured earlier in the step: ``entry.key`` then names the earlier tensor's key, whose data
   (tensor mode) or statistics (statistics mode, resolved by the reader) the repeat shares.
 
-To keep the forward thread fast, ``submit`` only appends to a deque (atomic under the GIL) and
+To keep the forward thread fast, ``submit`` only appends to a deque (atomic under the GIL), or
+for an entry that is an index row and nothing more to a list handed over at the step's end, and
 wakes the thread at step ends or when more than ``wake_bytes`` are waiting; the thread then
-works through the backlog in bulk: tensors are collected into one safetensors file per step (or
-per ``batch_bytes``), device statistics are read back with one transfer, and the index lines are
-appended after their data file is in place. ``submit`` blocks while more than
-``max_pending_bytes`` are queued, which bounds memory. An exception in the thread is re-raised
-by the next ``submit``/``end_step``/``close``, so a full disk is reported, not swallowed.
+works through the backlog in bulk: tensors are collected into one safetensors file per
+``batch_bytes``, or at the first step end ``data_seconds`` after the last file (a file per step
+of a small model cost ~3% of its statistics-mode dump, for one logits row; a crash loses at most
+that last second of data), device statistics are read back with one transfer, and the index
+lines are appended after their data file is in place (rows without data: at every step end).
+``submit`` blocks while more than ``max_pending_bytes`` are queued, which bounds memory. An
+exception in the thread is re-raised by the next ``submit``/``end_step``/``close``, so a full
+disk is reported, not swallowed.
 
 With ``inline=True`` no thread is started: the same backlog is worked through by the forward
 thread itself at each step end (and whenever ``wake_bytes`` are waiting). That is faster where
@@ -26,6 +30,7 @@ the thread would have no core of its own (``capture.inline_writer`` decides).
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 from collections import deque
 from typing import Any
@@ -38,19 +43,24 @@ from llmflow.formats.llmflow_dump import DumpDirWriter
 
 _STEP_END = object()
 _CLOSE = object()
+_ROWS = object()  # a list of entries that are index rows only
 
 
 class AsyncWriter:
     """Owns a ``DumpDirWriter`` and feeds it from a daemon thread, or inline (see above)."""
 
     def __init__(self, disk: DumpDirWriter, *, crc32: bool = False, batch_bytes: int = 64 << 20,
-                 wake_bytes: int = 16 << 20, max_pending_bytes: int = 512 << 20, inline: bool = False):
+                 wake_bytes: int = 16 << 20, max_pending_bytes: int = 512 << 20, data_seconds: float = 1.0,
+                 inline: bool = False):
         self.disk = disk
         self.crc32 = crc32
         self.batch_bytes = batch_bytes
         self.wake_bytes = wake_bytes
         self.max_pending_bytes = max_pending_bytes
+        self.data_seconds = data_seconds
+        self._data_due = 0.0  # (monotonic clock) a step end after this writes the data batch
         self._queue: deque[tuple[Any, Any, Any, int]] = deque()
+        self._rows: list[Entry] = []  # producer side: index-only entries of the current step
         self._cond = threading.Condition()
         self._wake = False
         self._produced = 0  # bytes submitted (written by the producer only)
@@ -79,6 +89,12 @@ class AsyncWriter:
         if self._error is not None:
             self._raise_error()
             return  # reported already: nothing more is queued for a writer that has failed
+        if payload is None and not entry.has_data:
+            # an index row and nothing else (a non-tensor, statistics known at capture, a
+            # statistics-mode repeat): kept here, handed over with the step's end in one piece
+            # (most of a statistics-mode dump's entries: one list append instead of a queue item)
+            self._rows.append(entry)
+            return
         self._queue.append((entry, payload, event, nbytes))
         if nbytes:
             self._produced += nbytes
@@ -97,6 +113,7 @@ class AsyncWriter:
         if self._error is not None:
             self._raise_error()
             return  # reported already: the dump is abandoned, not continued
+        self._hand_over_rows()
         self._queue.append((_STEP_END, step, order, 0))
         if self._thread is None:  # inline
             self._drain_inline()
@@ -106,6 +123,7 @@ class AsyncWriter:
     def close(self, complete: bool = True, **meta: Any) -> None:
         """Drain the queue, write the last batch, close the files, mark the dump complete."""
         if self._error is None:  # (after a failure nothing is written, complete stays false)
+            self._hand_over_rows()
             self._queue.append((_CLOSE, complete, meta, 0))
             if self._thread is None:  # inline
                 self._drain_inline()
@@ -113,6 +131,11 @@ class AsyncWriter:
                 self._notify()
                 self._thread.join()
         self._raise_error()
+
+    def _hand_over_rows(self) -> None:
+        if self._rows:
+            self._queue.append((_ROWS, self._rows, None, 0))
+            self._rows = []
 
     def _notify(self) -> None:
         with self._cond:
@@ -171,8 +194,11 @@ class AsyncWriter:
 
     def _handle(self, item: tuple[Any, Any, Any, int]) -> bool:
         head = item[0]
+        if head is _ROWS:
+            self._lines.extend(item[1])
+            return False
         if head is _STEP_END:
-            self._flush()
+            self._flush(data=time.monotonic() >= self._data_due)
             self._files.clear()
             if item[2] is not None:
                 self.disk.append_order(item[1], item[2])
@@ -205,7 +231,7 @@ class AsyncWriter:
                 self._flush()
         return False
 
-    def _flush(self) -> None:
+    def _flush(self, data: bool = True) -> None:
         if self._lines:
             self.disk.append_entries(self._lines)
             self._lines = []
@@ -217,11 +243,14 @@ class AsyncWriter:
                     e.extra["crc32"] = zlib.crc32(_raw_bytes(t))
             self.disk.append_entries([e for e, _ in self._stats])
             self._stats, self._stats_bytes = [], 0
+        if not data:
+            return
         if self._batch_entries:
             keys = list(self._batch)
             files = self.disk.write_batch(self._batch, self._batch_entries)
             for key in keys:
                 self._files[key] = files
+            self._data_due = time.monotonic() + self.data_seconds
         self._batch, self._batch_entries, self._batch_size = {}, [], 0
 
 

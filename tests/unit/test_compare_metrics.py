@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from llmflow import native
 from llmflow.compare import metrics
 from llmflow.compare.metrics import COLUMNS, compare_stats, compare_tensors, verdict
 from llmflow.compare.thresholds import dtype_class, resolve_thresholds
@@ -309,7 +310,7 @@ def test_a_failed_build_is_remembered_and_compare_goes_eager(monkeypatch: pytest
     monkeypatch.setattr(kernels, "_fused", None)
     runs = []
     real_run = subprocess.run
-    monkeypatch.setattr(kernels.subprocess, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
     with pytest.raises(RuntimeError, match="no-such-compiler"):
         kernels.build()
     assert (kernels.library_dir() / "build-failed.txt").is_file() and len(runs) == 1
@@ -327,7 +328,7 @@ def test_a_build_without_openmp_or_native_isa_agrees(monkeypatch: pytest.MonkeyP
     from llmflow.compare import kernels
 
     monkeypatch.setenv("LLMFLOW_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernels, "_FLAG_CHOICES", ((),))
+    monkeypatch.setattr(native, "FLAG_CHOICES", ((),))
     monkeypatch.setattr(kernels, "_fused", None)
     try:
         kernels.build()

@@ -152,8 +152,16 @@ def test_dump_weight_and_last_logits(tmp_path):
     assert {e.level for e in r.entries()} == {"logits"} and len(r.entries()) == len(out)
 
 
-def test_statistics_mode(tmp_path, writer_mode):
-    r, _ = dump(tmp_path / "s", new_tokens=2, data_mode="statistics", crc32=True)
+@pytest.mark.parametrize("crc32", [False, True], ids=["compiled-at-capture", "copied-crc32"])
+def test_statistics_mode(tmp_path, writer_mode, crc32):
+    """Both ways to statistics: the compiled kernel at capture (CPU float/int tensors), and a copy
+    reduced by the writer's ``batched_stats`` (what a CRC32, an accelerator or a machine without
+    a compiler gets)."""
+    from llmflow.dump.stats import CpuStats
+
+    if not crc32 and CpuStats.create() is None:
+        pytest.skip("no compiled statistics here (no C++ compiler)")
+    r, _ = dump(tmp_path / "s", new_tokens=2, data_mode="statistics", crc32=crc32)
     rt, _ = dump(tmp_path / "t", new_tokens=2)
     assert r.meta()["data_mode"] == "statistics"
     stored = sum(p.stat().st_size for p in (tmp_path / "s" / "dump" / "rank0" / "data").glob("*"))
@@ -174,7 +182,11 @@ def test_statistics_mode(tmp_path, writer_mode):
         assert e.stats["mean"] == pytest.approx(float(x.mean()), rel=1e-4, abs=1e-6)
         assert e.stats["norm"] == pytest.approx(float(x.norm()), rel=1e-5)
         assert e.stats["nan"] == 0 and e.stats["inf"] == 0
-        assert e.extra["crc32"] == zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        if crc32:
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            assert e.extra["crc32"] == zlib.crc32(raw)
+        else:
+            assert "crc32" not in e.extra
     with pytest.raises(Exception, match="statistics-only"):
         r.load(stats_entries[0])
     # on disk a repeat (a layer's output is the next layer's input) has no statistics of its
@@ -200,6 +212,74 @@ def test_batched_stats_counts_nan_inf_and_odd_dtypes():
     assert math.isnan(s[2]["max"]) and s[2]["nan"] == 0
     assert s[3]["max"] == 3 and s[3]["min"] == -1 and s[4]["mean"] == pytest.approx(2 / 3)
     assert s[5]["max"] == 1.5 and s[5]["min"] == -2.5
+
+
+def test_compiled_stats_equal_batched_stats():
+    """The kernel behind statistics at capture gives ``batched_stats``'s numbers for every dtype it
+    takes: odd lengths (the vector loop's tail), NaN (max, min, mean and norm NaN, as torch),
+    Inf, bfloat16/float16 read as they are, int64 beyond float32's integers."""
+    from llmflow.dump.stats import KERNEL_DTYPES, CpuStats
+
+    stats = CpuStats.create()
+    if stats is None:
+        pytest.skip("no compiled statistics here (no C++ compiler)")
+    gen = torch.Generator().manual_seed(3)
+    floats = [torch.randn(n, generator=gen) * 5 for n in (1, 63, 64, 65, 4097)]
+    inf, nan = float("inf"), float("nan")
+    floats += [torch.tensor([2.0, inf, -1.0] * 30), torch.tensor([1.0, nan, -inf] * 30)]
+    ints = [torch.tensor([7]), torch.tensor([2**40 + 1, -3, 5]),
+            torch.randint(-1000, 1000, (333,), generator=gen)]
+    for dtype, code in KERNEL_DTYPES.items():
+        for t in floats if dtype.is_floating_point else ints:
+            t = t.to(dtype)
+            got, want = stats(t, code), batched_stats([t])[0]
+            assert got[4:] == want[4:], (dtype, t)  # counts: exact
+            for g, w in zip(got[:4], want[:4], strict=True):
+                assert (math.isnan(g) and math.isnan(w)) or g == pytest.approx(w, rel=1e-5, abs=1e-6), dtype
+    assert stats(torch.tensor([1.0, float("nan")]), 0)[:4] == pytest.approx([math.nan] * 4, nan_ok=True)
+
+
+def test_statistics_without_a_compiler_fall_back_to_torch(tmp_path, monkeypatch, caplog):
+    """No working compiler: one warning, then statistics from copies and ``batched_stats``, the
+    same numbers."""
+    from llmflow.dump import stats
+
+    monkeypatch.setenv("LLMFLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(stats, "_kernel", None)
+    r, _ = dump(tmp_path / "s", new_tokens=1, data_mode="statistics")
+    assert "compiled statistics unavailable" in caplog.text and stats.CpuStats.create() is None
+    monkeypatch.undo()
+    rt, _ = dump(tmp_path / "t", new_tokens=1)
+    tensors = {(e.step, e.name, e.kind, e.index): e for e in rt.entries() if e.has_data}
+    checked = 0
+    for e in r.entries():
+        if e.dtype is not None and e.level != "logits":
+            t = rt.load(tensors[(e.step, e.name, e.kind, e.index)])
+            assert e.stats["max"] == float(t.max())
+            assert e.stats["norm"] == pytest.approx(float(t.double().norm()))
+            checked += 1
+    assert checked > 20
+
+
+def test_data_files_at_most_once_per_data_seconds(tmp_path, monkeypatch):
+    """Index rows go out at every step end; tensor data at the first step end ``data_seconds``
+    after the last data file (or every ``batch_bytes``), and all of it at close: fewer files,
+    the same dump."""
+    from llmflow.dump import writer
+
+    def take(data_seconds: float, out: Path) -> tuple[LlmflowDumpReader, int]:
+        monkeypatch.setitem(writer.AsyncWriter.__init__.__kwdefaults__, "data_seconds", data_seconds)
+        r, _ = dump(out, new_tokens=3)
+        return r, len(list((out / "dump" / "rank0" / "data").glob("*.safetensors")))
+
+    each, n_each = take(0.0, tmp_path / "each")
+    once, n_once = take(3600.0, tmp_path / "once")
+    assert len(each.steps()) == 3 and n_each == 3  # one file per step
+    assert n_once == 2  # the first step's, then the rest at close
+    a, b = each.entries(), once.entries()
+    assert [(e.step, e.name, e.kind, e.index) for e in a] == [(e.step, e.name, e.kind, e.index) for e in b]
+    assert all(bits_equal(each.load(x), once.load(y)) for x, y in zip(a, b, strict=True) if x.has_data)
 
 
 def test_max_bytes_stops_cleanly(tmp_path, caplog, writer_mode):

@@ -44,17 +44,31 @@ def test_round_trip_keeps_dtype_and_bits(tmp_path):
 
 def test_index_line_round_trips_every_field():
     full = {"max": 1.5, "min": -2.0, "mean": float("nan"), "norm": float("inf"), "nan": 1.0, "inf": 0.0}
+    finite = [0.1 + 0.2, -1e-30, 3.0, 7.25, 0, 0]  # as the writer hands them: a list, shortest repr kept
     entries = [Entry(1, 3, "x", "input", "kw:a.0", "module", 3, dtype="float32", shape=(1, 2),
                      stats={"max": 1.0}, value=None, pytype=None, extra={"crc32": 5}),
                Entry(1, 3, "=cmd|' /C calc'!A0", "output", "0", "api", 4, dtype="bfloat16", shape=(),
                      stats=full, has_data=False, key="7"),
                Entry(2, 3, "y", "input", "kw:use_cache", "module", 0, has_data=False, value=True,
-                     pytype="bool")]
-    line = index_line(entries, 3)
-    assert line.endswith("\n") and "\n" not in line[:-1]
-    back = parse_index_line(json.loads(line))
-    assert [e.to_json() for e in back][0] == entries[0].to_json() and back[2] == entries[2]
+                     pytype="bool"),
+               Entry(2, 3, "z", "output", "0", "module", 1, dtype="float32", shape=(4,), stats=list(finite),
+                     has_data=False, key="9"),
+               Entry(2, 3, "eps", "input", "kw:eps", "module", 2, has_data=False, value=float("-inf"),
+                     pytype="float"),
+               Entry(2, 3, "odd", "input", "0", "module", 3, has_data=False, pytype="X",
+                     extra={1: "int key"})]
+    data = index_line(entries, 3)
+    assert isinstance(data, bytes) and data.endswith(b"\n")
+    # rows with NaN/Infinity (which orjson would write as null) and what orjson refuses go to a
+    # second line written by the standard library: every line is one JSON object
+    back = [e for line in data.splitlines() for e in parse_index_line(json.loads(line))]
+    back.sort(key=lambda e: (e.step, e.order))
+    assert len(back) == len(entries)
+    assert back[0].to_json() == entries[0].to_json() and back[2] == entries[2]
     assert back[1].stats["max"] == 1.5 and math.isnan(back[1].stats["mean"]) and back[1].shape == ()
+    assert back[1].stats["norm"] == math.inf and back[4].value == -math.inf
+    assert list(back[3].stats.values()) == finite  # bit-exact floats
+    assert back[5].extra == {"1": "int key"}
     # version 1 wrote one Entry.to_json() per line: still read
     assert parse_index_line(json.loads(json.dumps(entries[0].to_json()))) == [entries[0]]
 
@@ -116,7 +130,7 @@ def test_planted_pickle_is_never_loaded(tmp_path):
                   key="rank0/data/evil.pth:x"),
             Entry(0, 0, "escape", "output", "0", "module", 998, dtype="float32", shape=(1,),
                   key="../../outside.safetensors:x")]
-    with open(rank / "index.jsonl", "a") as f:
+    with open(rank / "index.jsonl", "ab") as f:
         f.write(index_line(evil, 0))
     reader = LlmflowDumpReader(tmp_path / "dump")
     with pytest.raises(DumpFormatError, match="not a safetensors file inside the dump"):

@@ -1,12 +1,13 @@
 """The package's layers import only downward (docs/ARCHITECTURE.md): cli over workflow over stages
-over localize over the dump/compare libraries over formats/report over models, plugins, errors."""
+over localize over the dump/compare libraries over formats/report/native over models, plugins,
+errors."""
 
 import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "llmflow"
 RANK = {"cli": 7, "workflow": 6, "stages": 5, "localize": 4, "dump": 3, "compare": 3, "report": 2,
-        "formats": 2, "data": 1, "models": 1, "seeding": 1, "plugins": 0, "errors": -1}
+        "formats": 2, "native": 2, "data": 1, "models": 1, "seeding": 1, "plugins": 0, "errors": -1}
 
 
 def _imports(path: Path) -> set[str]:
@@ -14,6 +15,8 @@ def _imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("llmflow."):
             found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.ImportFrom) and node.module == "llmflow":  # from llmflow import native
+            found |= {a.name for a in node.names if a.name in RANK}  # (not __version__)
         elif isinstance(node, ast.Import):
             found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("llmflow.")}
     return found
