@@ -3,9 +3,10 @@
 llmflow's hot loops that torch serves badly are a few hundred lines of plain C++ (GCC/Clang
 vector extensions, no intrinsics, no Python headers): the compare's one-pass metrics
 (``compare/pass1.cpp``) and the statistics of a dumped tensor (``dump/stats.cpp``). Each source
-is one ``NativeLibrary``. ``load()`` returns the ctypes library, building it first when this
-machine has none (under a second with ``c++ -O3 -march=native``); callers check it against their
-eager torch reference once per build and fall back to that reference when it is None.
+is one ``NativeLibrary``. ``function()`` returns one of its ctypes functions, building the
+library first when this machine has none (under a second with ``c++ -O3 -march=native``) and
+checking it against the caller's eager torch reference once per build; None sends the caller to
+that reference.
 
 Why ctypes and a compiler at run time rather than a wheel or a torch extension: the package stays
 pure Python (one wheel for every platform), ``-march=native`` uses the host's full vector ISA,
@@ -25,18 +26,22 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 _BASE_FLAGS = ("-O3", "-std=gnu++17", "-fPIC", "-shared")
 # tried in order: the host's full vector ISA with OpenMP; without OpenMP (Apple clang has none:
 # one thread); the compiler's baseline ISA
 FLAG_CHOICES: tuple[tuple[str, ...], ...] = (("-march=native", "-fopenmp"), ("-march=native",), ())
 _FAILED = "build-failed.txt"
+_log = logging.getLogger(__name__)
 
 
 def disabled() -> bool:
@@ -102,10 +107,26 @@ class NativeLibrary:
         failed.write_text(message + "\n", encoding="utf-8")
         raise RuntimeError(message)
 
-    def load(self) -> ctypes.CDLL:
-        """The library, built first if need be; raises ``RuntimeError``/``OSError`` when it cannot
-        be had (the caller logs it once and takes its eager path)."""
-        return ctypes.CDLL(str(self.build()))
+    def function(self, symbol: str, argtypes: list[Any], restype: Any,
+                 agrees: Callable[[Any], bool]) -> Any | None:
+        """The ctypes function ``symbol``, built first if need be, once ``agrees(function)`` (the
+        caller's check against its eager torch reference) has passed for this build; else None,
+        with one warning naming why (no compiler, a failed check): the caller's eager path.
+
+        The check runs once per build, not per process (a ``verified`` file beside the library):
+        the same library computes the same thing in every process.
+        """
+        try:
+            fn = getattr(ctypes.CDLL(str(self.build())), symbol)
+            fn.argtypes, fn.restype = argtypes, restype
+            verified = self.library_dir() / "verified"
+            if verified.is_file() or agrees(fn):
+                verified.touch()
+                return fn
+            _log.warning("%s disagrees with eager torch; using eager torch", self.what)
+        except Exception as exc:  # no compiler, an odd platform ...: eager torch works everywhere
+            _log.warning("%s unavailable (%s); using eager torch (slower)", self.what, exc)
+        return None
 
 
 @functools.cache

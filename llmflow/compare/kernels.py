@@ -55,7 +55,6 @@ compiled kernels off.
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -69,7 +68,6 @@ N_VALUES = 14
 FUSED_CHUNK = 1 << 16  # elements per kernel row: 256 KiB per side in fp32, read twice from L2
 FUSED_SPAN = 64 * FUSED_CHUNK  # fp32 elements per kernel call (rows in parallel)
 LIBRARY = native.PASS1
-_log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _fused: Callable | None | bool = None  # None: not tried yet; False: unavailable
 
@@ -128,22 +126,10 @@ def build(force: bool = False) -> Path:
 
 def _load_or_build() -> Callable | None:
     """The compiled kernel (built on first need) once it agrees with eager torch, else None."""
-    try:
-        lib = LIBRARY.load()
-        fn = lib.llmflow_pass1
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-                       ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        kernel = _wrap(fn)
-        # the check costs ~10 ms (eager float64): once per build, since the same library computes
-        # the same thing in every process
-        verified = library_dir() / "verified"
-        if verified.is_file() or _agrees(kernel):
-            verified.touch()
-            return kernel
-    except Exception as exc:  # no compiler, an odd platform ...: eager works everywhere
-        _log.warning("compare: compiled kernel unavailable (%s); using eager torch (slower)", exc)
-    return None
+    fn = LIBRARY.function("llmflow_pass1", [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p],
+                          ctypes.c_int, lambda f: _agrees(_wrap(f)))  # (the check: ~10 ms of float64)
+    return _wrap(fn) if fn is not None else None
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # read as they are; others are converted first
@@ -174,7 +160,6 @@ def _agrees(kernel: Callable) -> bool:
     b = a * 1.001 + torch.linspace(0, 2, 2 * FUSED_CHUNK) ** 3  # |d| > 1 at the end
     for x, y in ((a, b), (a[-1001:], b[-1001:]), (a, b.bfloat16())):
         if not torch.allclose(kernel(x, y), pass1(x, y), rtol=1e-5, atol=1e-9):
-            _log.warning("compare: the compiled kernel disagrees with eager torch; using eager")
             return False
     return True
 

@@ -4,9 +4,9 @@ A ``DumpSession`` is one dump directory (one dialogue turn). The hooks (``hooks.
 mode (``api.py``) call ``record`` with whatever a module or op saw; the session decides whether
 the current step is dumped, walks nested values into ``Entry`` rows, copies each tensor *at
 capture time* (so later in-place ops cannot change the dump) and hands it to the background
-writer. Copies to the host are non-blocking on accelerators. In statistics mode, CPU float
-tensors get their statistics at capture from a compiled kernel (no copy); other tensors are
-copied on their device and reduced there by the writer (see ``stats.py``).
+writer. Copies to the host are non-blocking on accelerators. In statistics mode, CPU tensors
+(float and integer) get their statistics at capture from a compiled kernel (no copy); other
+tensors are copied on their device and reduced there by the writer (see ``stats.py``).
 """
 
 from __future__ import annotations

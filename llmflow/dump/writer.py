@@ -14,10 +14,11 @@ To keep the forward thread fast, ``submit`` only appends to a deque (atomic unde
 for an entry that is an index row and nothing more to a list handed over at the step's end, and
 wakes the thread at step ends or when more than ``wake_bytes`` are waiting; the thread then
 works through the backlog in bulk: tensors are collected into one safetensors file per
-``batch_bytes``, or at the first step end ``data_seconds`` after the last file (a file per step
-of a small model cost ~3% of its statistics-mode dump, for one logits row; a crash loses at most
-that last second of data), device statistics are read back with one transfer, and the index
-lines are appended after their data file is in place (rows without data: at every step end).
+``batch_bytes``, or at the first step end ``data_seconds`` after the last file (a file per step,
+for one logits row, cost ~5% of a small model's statistics-mode dump in interleaved A/B runs; a
+crash loses at most that last second of data), device statistics are read back with one
+transfer, and the index lines are appended after their data file is in place (rows without
+data: at every step end).
 ``submit`` blocks while more than ``max_pending_bytes`` are queued, which bounds memory. An
 exception in the thread is re-raised by the next ``submit``/``end_step``/``close``, so a full
 disk is reported, not swallowed.

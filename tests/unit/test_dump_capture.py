@@ -248,7 +248,7 @@ def test_statistics_without_a_compiler_fall_back_to_torch(tmp_path, monkeypatch,
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(stats, "_kernel", None)
     r, _ = dump(tmp_path / "s", new_tokens=1, data_mode="statistics")
-    assert "compiled statistics unavailable" in caplog.text and stats.CpuStats.create() is None
+    assert "dump statistics kernel unavailable" in caplog.text and stats.CpuStats.create() is None
     monkeypatch.undo()
     rt, _ = dump(tmp_path / "t", new_tokens=1)
     tensors = {(e.step, e.name, e.kind, e.index): e for e in rt.entries() if e.has_data}
