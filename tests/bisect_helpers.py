@@ -63,12 +63,14 @@ def synthetic_verdict(n_layers: int = 12, bad_layer: int = 7) -> dict:
 
 
 def make_dumps(tmp: Path, model: str, *, patch: str | None = None, prompt: str = "Tell me a story.",
-               max_new_tokens: int = 6, golden_dir: Path | None = None, golden_all: bool = False) -> dict:
+               max_new_tokens: int = 6, golden_dir: Path | None = None, golden_all: bool = False,
+               target_device: str = "cpu") -> dict:
     """Golden (fp32, step 0 inputs+outputs of the decoder layers, or of every module with
     ``golden_all``) and target (bf16, decoder-layer outputs) dumps written with ``dump_run``
     directly, as the recipe's two dump stages write them.
 
-    Pass ``golden_dir`` of an earlier call to reuse its golden dump (the golden never changes)."""
+    Pass ``golden_dir`` of an earlier call to reuse its golden dump (the golden never changes);
+    ``target_device`` puts the target on an accelerator (the golden stays on the CPU)."""
     from llmflow.dump.config import DumpConfig
     from llmflow.dump.run import dump_run
     from llmflow.models import encode_prompt, load_model
@@ -85,14 +87,14 @@ def make_dumps(tmp: Path, model: str, *, patch: str | None = None, prompt: str =
         g_ids = dump_run(golden, ids, max_new_tokens, config)
         g_ids_file.write_text(json.dumps(g_ids))
     g_ids = json.loads(g_ids_file.read_text())
-    target = load_model(model, dtype="bfloat16", patch=patch, base_dir=repo)
+    target = load_model(model, device=target_device, dtype="bfloat16", patch=patch, base_dir=repo)
     t_dir = tmp / "target"
     t_ids = dump_run(target, ids, max_new_tokens, DumpConfig(dump_path=str(t_dir), token_range=[0],
                                                               tensor_part=1, module_list=[layer_cls]))
     return {"golden_dump": g_dir, "target_dump": t_dir, "golden_ids": g_ids, "target_ids": t_ids,
             "prompt_ids": ids,
             "golden_spec": {"model": model, "device": "cpu", "dtype": "float32"},
-            "target_spec": {"model": model, "device": "cpu", "dtype": "bfloat16", "patch": patch,
+            "target_spec": {"model": model, "device": target_device, "dtype": "bfloat16", "patch": patch,
                             "base_dir": str(repo)}}
 
 
