@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from llmflow.dump import DumpConfig, dump_run
+from llmflow.dump import DumpConfig, dump_run, register_hook
 from llmflow.formats.base import Entry
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 from llmflow.models import LoadedModel, encode_prompt, load_model
@@ -49,3 +49,41 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         return bool(torch.equal(a.view(width), b.view(width)))
     return bool(torch.equal(a, b))
+
+
+def assert_copies_taken_at_capture(dump_path: Path, x: torch.Tensor, additions: int = 1,
+                                   amount: float = 1000.0) -> None:
+    """Dump a model that changes values in place after a submodule saw them (``additions`` adds of
+    ``amount`` to the submodule's output, then its own input zeroed): the dump must hold the bits
+    as they were at capture. On an accelerator, many adds queue enough work after the capture that
+    a copy not ordered before them would see it."""
+    class Double(torch.nn.Module):
+        def forward(self, v):
+            return v * 2
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Double()
+            self.after = Double()
+
+        def forward(self, v):
+            y = self.inner(v)
+            for _ in range(additions):  # in place, after 'inner' returned it
+                y.add_(amount)
+            v.mul_(0)
+            return self.after(y)
+
+    orig = x.to("cpu", copy=True)  # (x.cpu() is x itself on the CPU)
+    model = Outer()
+    h = register_hook(model, DumpConfig(dump_path=str(dump_path)))
+    model(x)
+    h.remove()
+    r = LlmflowDumpReader(h.dumps[0])
+    got = {(e.name, e.kind): r.load(e) for e in r.entries() if e.has_data}
+    assert bits_equal(got[("inner", "input")], orig)
+    assert bits_equal(got[("inner", "output")], orig * 2)
+    want = orig * 2
+    for _ in range(additions):  # the same roundings as the model's: one add at a time
+        want.add_(amount)
+    assert bits_equal(got[("after", "input")], want)  # a new version: not a stale repeat

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmflow.dump import DumpConfig, register_hook
 from llmflow.dump.stats import batched_stats
 from llmflow.formats.base import STAT_KEYS
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
@@ -26,16 +25,10 @@ from llmflow.workflow import run_workflow
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
 from bisect_helpers import bisect_dumps, make_dumps  # noqa: E402
-from dump_helpers import TINY, bits_equal, dump, prompt_ids  # noqa: E402
+from dump_helpers import TINY, assert_copies_taken_at_capture, bits_equal, dump, prompt_ids  # noqa: E402
 from example_faults import FAULT_MODULES  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
-
-
-@pytest.fixture(params=["thread", "inline"])
-def writer_mode(request, monkeypatch):
-    monkeypatch.setenv("LLMFLOW_DUMP_WRITER", request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -78,38 +71,7 @@ def test_cuda_dump_equals_what_a_forward_hook_sees(tmp_path, writer_mode, dtype)
 
 def test_cuda_copy_is_taken_at_capture_time(tmp_path, writer_mode):
     """Kernels queued after the capture (in-place ops on a big tensor) must not reach the copy."""
-
-    class Double(torch.nn.Module):
-        def forward(self, x):
-            return x * 2
-
-    class Outer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = Double()
-            self.after = Double()
-
-        def forward(self, x):
-            y = self.inner(x)
-            for _ in range(20):  # enough queued work that an unordered copy would see it
-                y.add_(1.0)
-            x.mul_(0)
-            return self.after(y)
-
-    x = torch.randn(2048, 2048, device="cuda")
-    orig = x.cpu()
-    model = Outer()
-    h = register_hook(model, DumpConfig(dump_path=str(tmp_path)))
-    model(x)
-    h.remove()
-    r = LlmflowDumpReader(h.dumps[0])
-    got = {(e.name, e.kind): r.load(e) for e in r.entries() if e.has_data}
-    assert bits_equal(got[("inner", "input")], orig)
-    assert bits_equal(got[("inner", "output")], orig * 2)
-    want = orig * 2
-    for _ in range(20):  # the same roundings as on the device: twenty additions, not one of 20
-        want.add_(1.0)
-    assert bits_equal(got[("after", "input")], want)
+    assert_copies_taken_at_capture(tmp_path, torch.randn(2048, 2048, device="cuda"), additions=20, amount=1.0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

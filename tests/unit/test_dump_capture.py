@@ -19,14 +19,7 @@ from llmflow.formats.llmflow_dump import LlmflowDumpReader
 from llmflow.models import greedy_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
-from dump_helpers import bits_equal, by_name, dump, prompt_ids, tiny  # noqa: E402
-
-
-@pytest.fixture(params=["thread", "inline"])
-def writer_mode(request, monkeypatch):
-    """Both ways of writing a dump: a background thread, or in the forward thread at step ends."""
-    monkeypatch.setenv("LLMFLOW_DUMP_WRITER", request.param)
-    return request.param
+from dump_helpers import assert_copies_taken_at_capture, bits_equal, by_name, dump, prompt_ids, tiny  # noqa: E402
 
 
 def test_dump_equals_what_a_plain_forward_hook_sees(tmp_path, writer_mode):
@@ -64,34 +57,7 @@ def test_dump_equals_what_a_plain_forward_hook_sees(tmp_path, writer_mode):
 
 def test_copy_is_taken_at_capture_time(tmp_path, writer_mode):
     """A module that changes its input in place after a submodule saw it: the dump keeps the old bits."""
-
-    class Inner(torch.nn.Module):
-        def forward(self, x):
-            return x * 2
-
-    class Outer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = Inner()
-            self.after = Inner()
-
-        def forward(self, x):
-            y = self.inner(x)
-            y.add_(1000.0)  # in place, after 'inner' returned it
-            x.mul_(0)
-            return self.after(y)
-
-    model = Outer()
-    x = torch.randn(2, 3)
-    orig = x.clone()
-    h = register_hook(model, DumpConfig(dump_path=str(tmp_path)))
-    model(x)
-    h.remove()
-    r = LlmflowDumpReader(h.dumps[0])
-    got = {(e.name, e.kind): r.load(e) for e in r.entries() if e.has_data}
-    assert bits_equal(got[("inner", "input")], orig)
-    assert bits_equal(got[("inner", "output")], orig * 2)
-    assert bits_equal(got[("after", "input")], orig * 2 + 1000.0)  # a new version: not a stale repeat
+    assert_copies_taken_at_capture(tmp_path, torch.randn(2, 3))
 
 
 def test_token_range_and_logits_every_step(tmp_path):
