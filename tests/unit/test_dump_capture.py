@@ -183,7 +183,8 @@ def test_batched_stats_counts_nan_inf_and_odd_dtypes():
 def test_compiled_stats_equal_batched_stats():
     """The kernel behind statistics at capture gives ``batched_stats``'s numbers for every dtype it
     takes: odd lengths (the vector loop's tail), NaN (max, min, mean and norm NaN, as torch),
-    Inf, bfloat16/float16 read as they are, int64 beyond float32's integers."""
+    Inf, bfloat16/float16 read as they are, int64 beyond float32's integers; a large tensor's
+    as float64 gives them."""
     from llmflow.dump.stats import KERNEL_DTYPES, CpuStats
 
     stats = CpuStats.create()
@@ -203,6 +204,12 @@ def test_compiled_stats_equal_batched_stats():
             for g, w in zip(got[:4], want[:4], strict=True):
                 assert (math.isnan(g) and math.isnan(w)) or g == pytest.approx(w, rel=1e-5, abs=1e-6), dtype
     assert stats(torch.tensor([1.0, float("nan")]), 0)[:4] == pytest.approx([math.nan] * 4, nan_ok=True)
+    # a million elements: against float64, which the kernel's blockwise sums follow more closely
+    # than torch's float32 reductions (a norm 1.2e-5 off here)
+    big = torch.randn((1 << 20) + 3, generator=gen) * 5
+    x = big.double()
+    want = [float(x.max()), float(x.min()), float(x.mean()), float(x.norm()), 0.0, 0.0]
+    assert stats(big, 0) == pytest.approx(want, rel=1e-6, abs=1e-6)
 
 
 def test_statistics_without_a_compiler_fall_back_to_torch(tmp_path, monkeypatch, caplog):
