@@ -61,7 +61,10 @@ class AsyncWriter:
         self.data_seconds = data_seconds
         self._data_due = 0.0  # (monotonic clock) a step end after this writes the data batch
         self._queue: deque[tuple[Any, Any, Any, int]] = deque()
-        self._rows: list[Entry] = []  # producer side: index-only entries of the current step
+        # producer side: index-only entries of the current step, as ``Entry`` objects or as rows
+        # in ``ROW_FIELDS`` order (``add_row``: what the capture builds for most of them)
+        self._rows: list[Entry | tuple] = []
+        self.add_row = self._rows.append  # (one list for the writer's life: the bound append stays valid)
         self._cond = threading.Condition()
         self._wake = False
         self._produced = 0  # bytes submitted (written by the producer only)
@@ -75,7 +78,7 @@ class AsyncWriter:
         self._stats: list[tuple[Entry, torch.Tensor]] = []  # statistics-mode entries awaiting stats
         # index lines that need no data written first (repeats, non-tensors): one write per
         # flush instead of one write and flush() per entry; the reader orders entries itself
-        self._lines: list[Entry] = []
+        self._lines: list[Entry | tuple] = []
         self._stats_bytes = 0
         # inline: the backlog is worked through in the forward thread at step ends (and every
         # ``wake_bytes``) instead of by a thread; see ``inline_writer`` in capture.py for when
@@ -135,8 +138,8 @@ class AsyncWriter:
 
     def _hand_over_rows(self) -> None:
         if self._rows:
-            self._queue.append((_ROWS, self._rows, None, 0))
-            self._rows = []
+            self._queue.append((_ROWS, self._rows.copy(), None, 0))
+            self._rows.clear()
 
     def _notify(self) -> None:
         with self._cond:

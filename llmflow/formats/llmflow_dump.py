@@ -67,8 +67,9 @@ _encode = json.JSONEncoder(allow_nan=True, check_circular=False, default=str,
                            separators=(",", ":")).encode
 
 
-def index_line(entries: list[Entry], rank: int) -> bytes:
+def index_line(entries: list[Entry | tuple], rank: int) -> bytes:
     """The index line(s) holding ``entries``, all of rank ``rank``: UTF-8 JSON, newline-ended.
+    An entry is an ``Entry`` or already a row (a tuple in ``ROW_FIELDS`` order).
 
     Rows go through orjson: formatting the statistics' floats is most of the encoding, and the
     standard library took ~3 us an entry (a fifth of a statistics-mode dump's overhead on a small
@@ -79,7 +80,7 @@ def index_line(entries: list[Entry], rank: int) -> bytes:
     fast: list[tuple] = []
     slow: list[tuple] = []
     for e in entries:
-        row = _row_of(e)
+        row = e if type(e) is tuple else _row_of(e)
         st = row[_STATS_AT]
         if st is not None:
             if type(st) is dict and tuple(st) == STAT_KEYS:  # (the writer thread hands lists already)
@@ -225,8 +226,9 @@ class DumpDirWriter:
         self.append_entries(entries)
         return rel
 
-    def append_entries(self, entries: list[Entry]) -> None:
-        """Append index lines (entries without data, or whose data is already on disk)."""
+    def append_entries(self, entries: list[Entry | tuple]) -> None:
+        """Append index lines (entries without data, or whose data is already on disk; entries
+        or rows, see ``index_line``)."""
         if not entries:
             return
         self._index.write(index_line(entries, self.rank))
