@@ -85,16 +85,15 @@ _DTYPE_NAMES = {d: dtype_name(d) for d in SAFETENSORS_DTYPES}
 # written. Interleaved runs on the tiny 8x512 model (3 x ~100 pairs, statistics module): medians
 # 1.30/1.27/1.27x before, 1.21/1.26/1.22x after; statistics API 1.96x against 1.87x.
 _NO_EXTRA: dict[str, Any] = {}  # (shared by those rows: nothing writes into a row's extra)
-if ROW_FIELDS != ("step", "name", "kind", "index", "level", "order", "dtype", "shape", "module_type",
-                  "stats", "has_data", "value", "pytype", "key", "extra"):
-    raise ImportError("llmflow.dump.capture: ROW_FIELDS changed; update DumpSession's rows")
-# ``_tensor`` builds entries positionally (half the cost of keywords, ~0.6 us an entry): it relies
-# on this field order, checked once here so a change to Entry fails loudly instead of silently
+# ``_tensor`` builds entries positionally (half the cost of keywords, ~0.6 us an entry) and rows
+# too: both rely on this field order (a row is an entry without its rank), checked once here so a
+# change to Entry or ROW_FIELDS fails loudly instead of silently
 _ENTRY_FIELDS = ("step", "rank", "name", "kind", "index", "level", "order", "dtype", "shape",
                  "module_type", "stats", "has_data", "value", "pytype", "key", "extra")
-if tuple(Entry.__dataclass_fields__) != _ENTRY_FIELDS:
-    raise ImportError(f"llmflow.dump.capture: Entry's fields changed to "
-                      f"{tuple(Entry.__dataclass_fields__)}; update DumpSession._tensor")
+if tuple(Entry.__dataclass_fields__) != _ENTRY_FIELDS or \
+        ROW_FIELDS != tuple(f for f in _ENTRY_FIELDS if f != "rank"):
+    raise ImportError(f"llmflow.dump.capture: Entry's fields ({tuple(Entry.__dataclass_fields__)}) or "
+                      f"ROW_FIELDS ({ROW_FIELDS}) changed; update DumpSession's entries and rows")
 
 
 class DumpSession:
