@@ -8,6 +8,12 @@ dependents are skipped, and the CLI exits 1.
 
 from __future__ import annotations
 
+# Exit codes of every llmflow command, and the word of its last line.
+EXIT_PASSED = 0  # the target matches (PASSED)
+EXIT_FAILED = 1  # a fault was found, a compared row failed, or a stage crashed (FAILED)
+EXIT_BAD_INPUT = 2  # bad input: one line naming the file, line or field (FAILED)
+EXIT_INCONCLUSIVE = 3  # the evidence does not cover the question (INCONCLUSIVE)
+
 
 class UserError(Exception):
     """A mistake in the user's input. ``str(err)`` is the whole one-line message.

@@ -32,6 +32,14 @@ def console() -> Console:
     return Console(highlight=False, soft_wrap=True)
 
 
-def verdict_line(ok: bool, reason: str) -> None:
-    """The last line of a command: ``PASSED ...`` or ``FAILED: reason``."""
-    print(f"PASSED ({reason})" if ok and reason else "PASSED" if ok else f"FAILED: {reason}", flush=True)
+def verdict_line(ok: bool | str, reason: str) -> None:
+    """The last line of a command: ``PASSED (reason)``, ``FAILED: reason`` or
+    ``INCONCLUSIVE: reason``. ``ok`` is a bool, or an outcome status (``"pass"``, ``"fail"``,
+    ``"inconclusive"``, see ``llmflow.stages.base.OUTCOMES``)."""
+    status = ("pass" if ok else "fail") if isinstance(ok, bool) else ok
+    if status == "pass":
+        print(f"PASSED ({reason})" if reason else "PASSED", flush=True)
+    elif status == "inconclusive":
+        print(f"INCONCLUSIVE: {reason}", flush=True)
+    else:
+        print(f"FAILED: {reason}", flush=True)

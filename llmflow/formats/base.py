@@ -117,6 +117,12 @@ class DumpReader(ABC):
         """The recorded environment (versions, env vars, model config, seed settings)."""
         return None
 
+    def problems(self) -> list[str]:
+        """Why this dump cannot be trusted as whole, one line each (empty when it can): a writer
+        that never closed, index rows whose data file is missing or unreadable, a torn index.
+        A compare or bisect on a dump with problems never reports PASSED."""
+        return []
+
     def steps(self) -> list[int]:
         return sorted({e.step for e in self.entries() if e.step >= 0})
 

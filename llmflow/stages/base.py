@@ -16,6 +16,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+#: What a stage can conclude about the target, least severe first: "pass" (it matches),
+#: "inconclusive" (the evidence does not cover the question), "fail" (a fault found, rows failed).
+#: The run's exit code comes from the outcomes of the stages no later outcome-setting stage
+#: needs: fail -> 1, inconclusive -> 3, pass -> 0 (see ``llmflow.errors``).
+OUTCOMES = ("pass", "inconclusive", "fail")
+
+
+@dataclass
+class Outcome:
+    """A stage's conclusion: ``status`` in OUTCOMES and a one-line ``headline`` for the last line."""
+
+    status: str
+    headline: str
+
+    def __post_init__(self) -> None:
+        if self.status not in OUTCOMES:
+            raise ValueError(f"outcome status {self.status!r} is not one of {OUTCOMES}")
+
 
 class ProgressTask(Protocol):
     """A progress bar owned by one stage: ``advance`` it, or ``update`` its total/description."""
@@ -45,6 +63,12 @@ class StageContext:
     summary: dict[str, Any] = field(default_factory=dict)
     log: Callable[[str], None] = print
     progress: Callable[..., ProgressTask] | None = None
+    outcome: Outcome | None = None
+
+    def set_outcome(self, status: str, headline: str) -> None:
+        """Say what this stage concluded about the target (see ``OUTCOMES``); stages that only
+        produce data (dumps, reports) set none."""
+        self.outcome = Outcome(status, headline)
 
     def resolve_path(self, value: str | Path) -> Path:
         """A user-given path, relative to the workflow file's directory."""
