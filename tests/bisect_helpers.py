@@ -64,10 +64,11 @@ def synthetic_verdict(n_layers: int = 12, bad_layer: int = 7) -> dict:
 
 def make_dumps(tmp: Path, model: str, *, patch: str | None = None, prompt: str = "Tell me a story.",
                max_new_tokens: int = 6, golden_dir: Path | None = None, golden_all: bool = False,
-               target_device: str = "cpu") -> dict:
-    """Golden (fp32, step 0 inputs+outputs of the decoder layers, or of every module with
-    ``golden_all``) and target (bf16, decoder-layer outputs) dumps written with ``dump_run``
-    directly, as the recipe's two dump stages write them.
+               target_device: str = "cpu", target_model: str | None = None) -> dict:
+    """Golden (fp32, inputs+outputs of the decoder layers at every step, or of every module at
+    the prefill with ``golden_all``) and target (bf16, decoder-layer outputs at every step) dumps
+    written with ``dump_run`` directly, as the recipe's two dump stages write them (the decoder
+    layers found from the model's structure, as the recipe's ``layer_class: auto``).
 
     Pass ``golden_dir`` of an earlier call to reuse its golden dump (the golden never changes);
     ``target_device`` puts the target on an accelerator (the golden stays on the CPU)."""
@@ -76,30 +77,33 @@ def make_dumps(tmp: Path, model: str, *, patch: str | None = None, prompt: str =
     from llmflow.models import encode_prompt, load_model
 
     repo = Path(__file__).resolve().parents[1]
+    from llmflow.structure import resolve_module_classes
+
     golden = load_model(model)
-    layer_cls = type(dict(golden.model.named_modules())["model.layers.0"]).__name__
+    layer_cls = resolve_module_classes(golden.model, ["auto"])
     ids = encode_prompt(golden.tokenizer, prompt)
     g_dir = golden_dir or tmp / "golden"
     g_ids_file = g_dir.with_name(g_dir.name + ".ids.json")
     if golden_dir is None:
-        config = DumpConfig(dump_path=str(g_dir), token_range=[0], tensor_part=2,
-                            module_list=[] if golden_all else [layer_cls])
+        config = DumpConfig(dump_path=str(g_dir), token_range=[0] if golden_all else "all", tensor_part=2,
+                            module_list=[] if golden_all else layer_cls)
         g_ids = dump_run(golden, ids, max_new_tokens, config)
         g_ids_file.write_text(json.dumps(g_ids))
     g_ids = json.loads(g_ids_file.read_text())
-    target = load_model(model, device=target_device, dtype="bfloat16", patch=patch, base_dir=repo)
+    target_model = target_model or model
+    target = load_model(target_model, device=target_device, dtype="bfloat16", patch=patch, base_dir=repo)
     t_dir = tmp / "target"
-    t_ids = dump_run(target, ids, max_new_tokens, DumpConfig(dump_path=str(t_dir), token_range=[0],
-                                                              tensor_part=1, module_list=[layer_cls]))
+    t_ids = dump_run(target, ids, max_new_tokens, DumpConfig(dump_path=str(t_dir), token_range="all",
+                                                              tensor_part=1, module_list=layer_cls))
     return {"golden_dump": g_dir, "target_dump": t_dir, "golden_ids": g_ids, "target_ids": t_ids,
             "prompt_ids": ids,
             "golden_spec": {"model": model, "device": "cpu", "dtype": "float32"},
-            "target_spec": {"model": model, "device": target_device, "dtype": "bfloat16", "patch": patch,
-                            "base_dir": str(repo)}}
+            "target_spec": {"model": target_model, "device": target_device, "dtype": "bfloat16",
+                            "patch": patch, "base_dir": str(repo)}}
 
 
 def bisect_dumps(dumps: dict, **kwargs) -> dict:
     """``run_bisect`` on ``make_dumps``'s result."""
-    from llmflow.localize.verdict import BisectInputs, run_bisect
+    from llmflow.localize.bisect import BisectInputs, run_bisect
 
-    return run_bisect(BisectInputs(**dumps, **kwargs), log=lambda _m: None)
+    return run_bisect(BisectInputs(**dumps, **kwargs), log=lambda _m: None).to_json()

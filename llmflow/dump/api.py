@@ -9,7 +9,9 @@ compute (``a @ b`` -> ``matmul``, ``a + b`` / ``b + a`` -> ``add``, ``a += b`` -
 
 Passed through without a record (documented in ``SKIPPED``): metadata queries (``size``, ``dim``,
 property reads via ``__get__``...), host conversions (``item``, ``tolist``), and pure layout/view
-ops (``view``, ``reshape``, ``transpose``, ``__getitem__``, ``contiguous``...). Layout ops move no
+ops (``view``, ``reshape``, ``transpose``, ``__getitem__``, ``contiguous``...), and allocations of
+uninitialised memory (``empty``, ``empty_like``...: their contents are whatever was there until an
+op writes them, so two runs' "outputs" would be compared as garbage). Layout ops move no
 arithmetic, so they cannot introduce a numerical error; skipping them keeps API mode cheap. Only
 tensor arguments of an API call are recorded (scalars such as ``dim=-1`` are not), and
 parameters passed to an op (``F.linear``'s weight) are recorded by dtype and shape only: they do
@@ -38,6 +40,7 @@ SKIPPED = frozenset("""
     flatten unflatten narrow contiguous __getitem__ __setitem__ split chunk unbind select detach
     clone is_inference is_same_size dim_order numpy cpu cuda npu pin_memory share_memory_
     __torch_function__ _is_view has_names
+    empty empty_like new_empty empty_strided new_empty_strided
 """.split())
 # dunder operators whose reflected (__r*__) and in-place (__i*__) forms map back to one name
 _OPERATORS = frozenset("""add sub mul matmul truediv floordiv mod pow and or xor lshift rshift

@@ -65,6 +65,10 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
     if isinstance(vocab, int) and any(not 0 <= i < vocab for i in input_ids):
         raise UserError(f"{field}: token ids must be in [0, {vocab}) for this model")
+    if args.get("module_list"):  # "auto" -> the decoder-layer classes; unknown classes are an error
+        from llmflow.structure import resolve_module_classes
+
+        args = {**args, "module_list": resolve_module_classes(loaded.model, list(args["module_list"]))}
     config = config_from_params(args, args["dump_dir"])
 
     def progress(step: int) -> None:

@@ -1,30 +1,42 @@
 """Where the golden inputs of every module come from, as cheaply as possible.
 
 Isolation replay needs, for each module, the golden model's inputs and output at the replay step.
-Two sources, used per decoder layer:
 
+At the prefill step (0) two sources, used per decoder layer:
   the golden dump itself, when it recorded the module (a full module-mode dump, tensor_part 2);
   the golden *decoder layer's* dumped inputs, re-run in memory through the golden model's layer
     (golden device and dtype, so bit-identical to what a full dump would have held) with every
     sub-module's call captured. The recipe dumps only the decoder layers' inputs and outputs, a
     few percent of a full module dump (the 1536-wide MLP intermediates dominate that), and lets
     the bisect recompute the rest layer by layer, never holding more than one layer in memory.
+
+At a decode step t > 0 a module also reads state: the KV cache of the steps before, the cache
+position, the rotary angles and the mask. A dump holds no cache contents, so the golden model is
+re-run in memory, teacher-forced on its own generated tokens through its own decoding loop (the
+same forward calls its dump run made), and every module's call at step t is captured with the
+cache as that module found it (``golden_rerun``). The re-run's logits are checked against the
+golden dump's, so a re-run that does not reproduce the golden run is reported, not trusted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch import nn
+
 from llmflow.formats.base import DumpReader
-from llmflow.localize.rank import layer_of
-from llmflow.localize.replay import Call, _cast, calls_from_dump, capture_calls
+from llmflow.localize.calls import Call, CallRecorder, calls_from_dump, capture_calls, cast_inputs
+from llmflow.structure import LayerStack, layer_of
 
 
 def golden_calls(reader: DumpReader, step: int, load_golden: Callable[[], Any],
-                 stats: dict[str, int] | None = None) -> Iterator[Call]:
-    """Every golden call at ``step``: the dumped ones, then for each dumped decoder layer whose
-    sub-modules the dump lacks, the sub-module calls recomputed from the layer's inputs.
+                 stats: dict[str, int] | None = None, stack: LayerStack | None = None,
+                 select: Callable[[str, nn.Module], bool] | None = None) -> Iterator[Call]:
+    """Every golden call at ``step`` from the dump: the dumped ones, then for each dumped decoder
+    layer whose sub-modules the dump lacks, the sub-module calls recomputed from the layer's inputs.
 
     ``load_golden()`` returns the golden LoadedModel (called only when a layer must be re-run).
     ``stats["recomputed_layers"]`` counts the layers re-run.
@@ -35,7 +47,7 @@ def golden_calls(reader: DumpReader, step: int, load_golden: Callable[[], Any],
     for call in calls_from_dump(reader, step):
         yield call
         layer = call.name
-        if layer_of(layer) != layer or not call.replayable:
+        if layer_of(layer, stack) != layer or not call.replayable:
             continue
         if any(n.startswith(layer + ".") for n in names):
             continue  # the dump has this layer's modules: nothing to recompute
@@ -43,26 +55,100 @@ def golden_calls(reader: DumpReader, step: int, load_golden: Callable[[], Any],
         module = dict(golden.model.named_modules()).get(layer)
         if module is None:
             continue
-        args, kwargs = _cast(call.args, golden.device, golden.dtype), _cast(call.kwargs, golden.device,
-                                                                            golden.dtype)
-        sub = capture_calls(module, lambda m=module, a=args, k=kwargs: m(*a, **k), prefix=layer)
+        args = cast_inputs(call.args, golden.device, golden.dtype, module)
+        kwargs = cast_inputs(call.kwargs, golden.device, golden.dtype, module)
+        sub = capture_calls(module, lambda m=module, a=args, k=kwargs: m(*a, **k), prefix=layer,
+                            select=select or (lambda n, _m, top=layer: n != top))
         stats["recomputed_layers"] += 1
         yield from sub.values()
 
 
-def golden_call(reader: DumpReader, step: int, name: str, load_golden: Callable[[], Any]) -> Call | None:
-    """The golden call of one module: from the dump, else recomputed from its layer's inputs."""
+def golden_call(reader: DumpReader, step: int, name: str, load_golden: Callable[[], Any],
+                stack: LayerStack | None = None) -> Call | None:
+    """The golden call of one module from the dump: dumped, else recomputed from its layer's inputs."""
     dumped = next(calls_from_dump(reader, step, names={name}), None)
     if dumped is not None and dumped.replayable:
         return dumped
-    layer = layer_of(name)
+    layer = layer_of(name, stack)
     layer_call = next(calls_from_dump(reader, step, names={layer}), None) if layer else None
     if layer_call is None or not layer_call.replayable:
         return dumped
     golden = load_golden()
     module = dict(golden.model.named_modules())[layer]
-    args = _cast(layer_call.args, golden.device, golden.dtype)
-    kwargs = _cast(layer_call.kwargs, golden.device, golden.dtype)
+    args = cast_inputs(layer_call.args, golden.device, golden.dtype, module)
+    kwargs = cast_inputs(layer_call.kwargs, golden.device, golden.dtype, module)
     sub = capture_calls(module, lambda: module(*args, **kwargs), prefix=layer,
                         select=lambda n, _m: n == name)
     return sub.get(name, dumped)
+
+
+def dump_has_layer_inputs(reader: DumpReader, step: int) -> bool:
+    """Does the dump hold replayable module inputs at ``step`` (the dump-based golden source)?"""
+    return any(e.step == step and e.level == "module" and e.kind == "input" and e.is_tensor and e.has_data
+               for e in reader.entries())
+
+
+@dataclass
+class GoldenRerun:
+    """The golden model re-run up to one step: every selected module's call at that step, and
+    the last position's logits of every step run (float32, CPU) to check it against the dump."""
+
+    step: int
+    calls: dict[str, Call] = field(default_factory=dict)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+@torch.no_grad()
+def golden_rerun(golden: Any, prompt_ids: list[int], golden_ids: list[int], step: int,
+                 select: Callable[[str, nn.Module], bool]) -> GoldenRerun:
+    """Re-run ``golden`` (a LoadedModel) on the prompt, forcing its own tokens ``golden_ids``,
+    through step ``step`` of its decoding loop; capture every selected module's call at that step."""
+    from llmflow.models import greedy_generate, logits_of
+
+    result = GoldenRerun(step)
+    model = golden.model
+    counter = {"step": -1}
+    recorder = CallRecorder(model, select)
+    recorder.active = False
+
+    def pre(_module: nn.Module, _args: tuple) -> None:
+        counter["step"] += 1
+        recorder.active = counter["step"] == step
+
+    def post(_module: nn.Module, _args: tuple, out: Any) -> None:
+        recorder.active = False
+        try:
+            logits = logits_of(out)
+        except TypeError:
+            return
+        last = logits[:, -1, :] if logits.dim() == 3 else logits
+        result.logits.append(last.detach().float().cpu())
+
+    handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+    try:
+        eos = getattr(golden.tokenizer, "eos_token_id", None)
+        greedy_generate(model, prompt_ids, step + 1, eos_token_id=eos, force_ids=golden_ids[:step + 1])
+    finally:
+        for h in handles:
+            h.remove()
+        recorder.close()
+    result.calls = recorder.calls
+    return result
+
+
+def rerun_fidelity(rerun: GoldenRerun, reader: DumpReader) -> float | None:
+    """The largest |logit| difference between the re-run and the golden dump over the steps both
+    hold (0.0 when the re-run reproduced the dump bit for bit); None when nothing to compare."""
+    from llmflow.localize.tokens import logits_entries
+
+    dumped = logits_entries(reader)
+    worst: float | None = None
+    for s, logits in enumerate(rerun.logits):
+        if s not in dumped:
+            continue
+        ref = reader.load(dumped[s]).float()
+        if ref.numel() != logits.numel():
+            continue
+        d = float((ref.reshape(logits.shape) - logits).abs().max())
+        worst = d if worst is None else max(worst, d)
+    return worst

@@ -33,8 +33,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from llmflow.dump.api import api_name
+from llmflow.localize.calls import Call, cast_inputs
 from llmflow.localize.rank import DEFAULT_RATIO_THRESHOLD, first_jump
-from llmflow.localize.replay import Call, _cast, own_error
+from llmflow.localize.replay import own_error
 
 #: relative error a correct op shows in each target dtype (half an ulp-ish, times a margin)
 DTYPE_FLOOR = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 4e-3, torch.float16: 5e-4}
@@ -104,7 +105,8 @@ def capture_ops(module: nn.Module, name: str, call: Call, *, device: torch.devic
             handles.append(sub.register_forward_hook(leave))
     recorder = _Recorder(stack)
     try:
-        args, kwargs = _cast(call.args, device, dtype), _cast(call.kwargs, device, dtype)
+        args = cast_inputs(call.args, device, dtype, module)
+        kwargs = cast_inputs(call.kwargs, device, dtype, module)
         with recorder:
             module(*args, **kwargs)
     finally:

@@ -13,47 +13,27 @@ Everything here works on plain rows (dicts) so it can be unit-tested on syntheti
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
 from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
-# The first all-digit dotted segment is the layer index: model.layers.7.mlp -> model.layers.7
-_LAYER_RE = re.compile(r"^((?:[^./]+\.)*?\d+)(?=\.|$)")
+from llmflow.structure import LayerStack, layer_index, layer_of, module_type
+
+__all__ = ["DEFAULT_RATIO_THRESHOLD", "first_jump", "is_descendant", "layer_curve", "layer_index",
+           "layer_of", "module_type", "pick_candidate", "rank_modules"]
 
 #: A module is *anomalous* when its own error is this many times its type's typical error.
 DEFAULT_RATIO_THRESHOLD = 3.0
-
-
-def layer_of(name: str) -> str | None:
-    """The layer a module belongs to: ``model.layers.7.mlp.down_proj`` -> ``model.layers.7``.
-
-    The layer is the path up to the first all-digit segment; ``None`` for modules outside the
-    layer stack (``model.norm``, ``lm_head``). API names (``module/api.n``) use their module part.
-    """
-    module = name.split("/", 1)[0]
-    m = _LAYER_RE.match(module)
-    return m.group(1) if m else None
-
-
-def layer_index(name: str) -> int | None:
-    """The integer index of ``layer_of(name)``, or None."""
-    layer = layer_of(name)
-    return int(layer.rsplit(".", 1)[-1]) if layer else None
-
-
-def module_type(name: str) -> str:
-    """The name with its layer index replaced by ``*``: the key modules are compared within.
-
-    ``model.layers.7.mlp.down_proj`` -> ``model.layers.*.mlp.down_proj``; names outside the layer
-    stack are their own type.
-    """
-    layer = layer_of(name)
-    if layer is None:
-        return name
-    prefix, _, _ = layer.rpartition(".")
-    return (prefix + "." if prefix else "") + "*" + name[len(layer):]
+#: A module with no peers (a type seen once: the final norm, lm_head, the rotary embedding) is
+#: compared with the median of all modules; rounding differs more between kinds of module than
+#: within one (a bf16 rotary embedding sat at 1.7-3.6x the median in clean SmolLM2 runs), so it
+#: must stand out this many times further.
+SINGLETON_MARGIN = 3.0
+#: An output of fewer elements than this (a one-value gate at a decode step) gives a relative
+#: error that is one draw of the rounding, not a statistic: 3x another layer's draw is chance.
+#: Such a module is anomalous only when its error is also large in itself.
+SMALL_OUTPUT, SMALL_OUTPUT_MIN_ERROR = 32, 0.05
 
 
 def is_descendant(name: str, ancestor: str) -> bool:
@@ -70,26 +50,40 @@ def _finite(x: Any) -> float | None:
 
 
 def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
-                 ratio_threshold: float = DEFAULT_RATIO_THRESHOLD) -> list[dict[str, Any]]:
+                 ratio_threshold: float = DEFAULT_RATIO_THRESHOLD,
+                 stack: LayerStack | None = None) -> list[dict[str, Any]]:
     """Score each row (one module with its own error ``row[key]``) and sort, worst first.
 
     Adds to a copy of every row:
       ``module_type``, ``layer``;
+      ``error``: ``row[key]``; where a row also carries ``l2`` and ``norm`` (||t - g||, ||g||), the
+      error is ``l2 / max(norm, median norm of its type)``: a module whose output happens to be
+      tiny in one layer (a one-value gate at a decode step) would otherwise divide by almost
+      nothing and stand out on rounding alone;
       ``typical``: the median own error of the *other* modules of the same type (leave-one-out,
       so with two layers the faulty one is compared with the healthy one); for a type seen once,
       the median over all modules (the dtype's overall noise level);
       ``score``: ``error / typical`` (how many times the usual error for this kind of module);
       ``z``: robust z-score of log(error) within the type (median/MAD), None when undefined;
-      ``anomalous``: ``score >= ratio_threshold``.
+      ``anomalous``: ``score >= ratio_threshold`` (times SINGLETON_MARGIN for a type seen once; for
+      an output of fewer than SMALL_OUTPUT elements, also an error of SMALL_OUTPUT_MIN_ERROR).
     Rows without a finite error (not replayable) are kept at the end with ``score`` None.
     """
     rows = [dict(r) for r in rows]
     by_type: dict[str, list[int]] = defaultdict(list)
     errors: list[float] = []
+    norms: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        r["module_type"] = module_type(r["name"], stack)
+        if _finite(r.get("norm")) is not None:
+            norms[r["module_type"]].append(float(r["norm"]))
+    floor = {t: median(v) for t, v in norms.items()}
     for i, r in enumerate(rows):
-        r["module_type"] = module_type(r["name"])
-        r["layer"] = layer_of(r["name"])
+        r["layer"] = layer_of(r["name"], stack)
         err = _finite(r.get(key))
+        l2, norm = _finite(r.get("l2")), _finite(r.get("norm"))
+        if err is not None and key == "rel_l2" and l2 is not None and norm is not None:
+            err = l2 / max(norm, floor.get(r["module_type"], 0.0), 1e-30)
         r["error"] = err
         if err is not None:
             by_type[r["module_type"]].append(i)
@@ -108,7 +102,9 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
             r["typical"] = typical
             r["score"] = r["error"] / max(typical, tiny) if r["error"] > 0 else 0.0
             r["z"] = (logs[pos] - log_med) / mad if mad > 0 else None
-            r["anomalous"] = r["score"] >= ratio_threshold
+            small = (r.get("numel") or SMALL_OUTPUT) < SMALL_OUTPUT and r["error"] < SMALL_OUTPUT_MIN_ERROR
+            margin = 1.0 if others else SINGLETON_MARGIN
+            r["anomalous"] = not small and r["score"] >= ratio_threshold * margin
     for r in rows:
         r.setdefault("typical", None)
         r.setdefault("score", None)
@@ -138,11 +134,12 @@ def pick_candidate(ranked: list[dict[str, Any]]) -> dict[str, Any] | None:
         best = max(deeper, key=lambda r: r["score"])
 
 
-def layer_curve(rows: Iterable[dict[str, Any]], *, key: str = "error") -> dict[int, float]:
+def layer_curve(rows: Iterable[dict[str, Any]], *, key: str = "error",
+                stack: LayerStack | None = None) -> dict[int, float]:
     """Layer index -> the worst ``row[key]`` among that layer's modules (for the report chart)."""
     curve: dict[int, float] = {}
     for r in rows:
-        idx = layer_index(r["name"])
+        idx = layer_index(r["name"], stack)
         v = _finite(r.get(key))
         if idx is None or v is None:
             continue

@@ -8,7 +8,7 @@ top-2 margin is small. The margin is reported too: a flip on a 0.01-logit margin
 deciding a coin toss, a flip on a 5-logit margin is a real fault.
 
 Steps after the first mismatch compare logits of different contexts (each side continues its own
-text): they are reported, but pick the first bad token only when no step up to the mismatch fails.
+text): they are reported, but never picked as the first bad token.
 """
 
 from __future__ import annotations
@@ -81,9 +81,11 @@ def token_rows(golden: DumpReader, target: DumpReader, *, golden_ids: list[int],
 
 
 def first_bad_step(rows: list[dict[str, Any]], first_mismatch_step: int | None) -> int | None:
-    """The first step whose logits fail; steps after the first mismatch only when none before."""
-    fails = [r["step"] for r in rows if r.get("verdict") == "fail"]
-    if not fails:
-        return None
-    before = [s for s in fails if first_mismatch_step is None or s <= first_mismatch_step]
-    return before[0] if before else fails[0]
+    """The first step whose logits fail, up to the first mismatching token.
+
+    After the texts part, each side continues its own text: a failing step there compares the
+    logits of two different contexts, which says nothing about a fault, so it is not counted."""
+    for r in rows:
+        if r.get("verdict") == "fail" and (first_mismatch_step is None or r["step"] <= first_mismatch_step):
+            return r["step"]
+    return None

@@ -1,8 +1,9 @@
 """The ``bisect`` stage: first bad token, layer, module and op of a target against a golden.
 
-A thin adapter over ``llmflow.localize.verdict.run_bisect``: it reads the two dump stages'
+A thin adapter over ``llmflow.localize.bisect.run_bisect``: it reads the two dump stages'
 outputs (dump dirs, generation files, model specs) and the align stage's pairs, runs the
-narrowing, writes ``verdict.json`` and puts the headline fields in summary.json (key ``verdict``).
+narrowing, writes ``verdict.json``, puts the headline fields in summary.json (key ``verdict``)
+and sets the stage's outcome: fail (a fault named), pass, or inconclusive.
 """
 
 from __future__ import annotations
@@ -12,23 +13,24 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmflow.errors import UserError
+from llmflow.localize.bisect import BisectInputs, run_bisect
 from llmflow.localize.rank import DEFAULT_RATIO_THRESHOLD
-from llmflow.localize.verdict import BisectInputs, run_bisect, to_json_safe
 from llmflow.stages.base import Stage, StageContext
 
 _SPEC = {"type": "object", "required": ["model"],
          "properties": {"model": {"type": "string"}, "device": {"type": "string"},
                         "dtype": {"type": "string"}, "patch": {"type": ["string", "null"]},
                         "base_dir": {"type": ["string", "null"]}}}
-SUMMARY_KEYS = ("first_mismatch_token", "first_bad_token", "first_bad_layer", "first_bad_module",
-                "first_bad_op", "diagnosis", "token_detail", "evidence", "cost")
+SUMMARY_KEYS = ("status", "headline", "first_mismatch_token", "first_bad_token", "first_bad_layer",
+                "first_bad_module", "first_bad_op", "first_bad_expert", "diagnosis", "inconclusive",
+                "replay", "routing", "token_detail", "evidence", "cost")
 
 
 class BisectStage(Stage):
     """Narrow a divergence down to the first bad token, layer, module and op (isolation replay)."""
 
     type: ClassVar[str] = "bisect"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
@@ -49,9 +51,13 @@ class BisectStage(Stage):
                                   "(its patch included): the model replayed module by module."},
             "pairs_file": {"type": ["string", "null"], "default": None,
                            "description": "The align stage's pairs_file (golden/target step pairs)."},
-            "replay_step": {"type": "integer", "minimum": 0, "default": 0,
-                            "description": "The step whose golden module inputs are replayed (0 = prefill, "
-                            "where a KV cache is empty and every module is replayable)."},
+            "replay_step": {"type": ["integer", "null"], "minimum": 0, "default": None,
+                            "description": "The step to replay (0 = prefill, t > 0 a decode step, replayed "
+                            "with the golden KV cache); null: the first step whose logits fail, else the "
+                            "first differing token, else the prefill."},
+            "layers": {"type": ["string", "null"], "default": None,
+                       "description": "The module path of the decoder-layer list (e.g. transformer.h) "
+                       "when it cannot be found from the model's structure; null: found."},
             "ratio_threshold": {"type": "number", "exclusiveMinimum": 1, "default": DEFAULT_RATIO_THRESHOLD,
                                 "description": "A module (or op) is anomalous when its own error is this "
                                 "many times the typical own error of its type in the other layers."},
@@ -82,18 +88,21 @@ class BisectStage(Stage):
             target_ids=list(gen["target"].get("output_ids") or []),
             prompt_ids=list(gen["golden"].get("input_ids") or []), pairs=pairs,
             replay_step=p["replay_step"], ratio_threshold=p["ratio_threshold"],
-            thresholds=p["thresholds"], op_level=p["op_level"], estimate_cost=p["estimate_cost"])
+            thresholds=p["thresholds"], op_level=p["op_level"], estimate_cost=p["estimate_cost"],
+            layers=p["layers"])
 
         def progress(description: str, total: float | None) -> Any:
             return ctx.task(f"{ctx.stage_id}: {description}", total)
 
-        verdict = to_json_safe(run_bisect(inputs, log=ctx.log, progress=progress))
+        result = run_bisect(inputs, log=ctx.log, progress=progress)
+        verdict = result.to_json()
         path = ctx.out_dir / "verdict.json"
         path.write_text(json.dumps(verdict, indent=1), encoding="utf-8")
         summary = {k: verdict.get(k) for k in SUMMARY_KEYS}
         summary["texts"] = {side: verdict["texts"][side]["text"] for side in ("golden", "target")}
         ctx.summary["verdict"] = summary
         ctx.log(f"{ctx.stage_id}: {verdict['diagnosis']}")
+        ctx.set_outcome(result.status, result.headline)
         return {"verdict_file": str(path)}
 
 

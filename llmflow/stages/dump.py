@@ -54,7 +54,8 @@ class DumpStage(Stage):
                                       {"const": "all"}], "default": "all",
                             "description": "Steps to dump (0 = prefill) or 'all'."},
             "module_list": {"type": "array", "items": {"type": "string"}, "default": [],
-                            "description": "Module class names to dump; empty = all."},
+                            "description": "Module class names to dump; empty = all; 'auto' = the "
+                            "model's decoder-layer class(es), found from its structure."},
             "tensor_part": {"type": "integer", "enum": [0, 1, 2], "default": 2,
                             "description": "0 inputs, 1 outputs, 2 both."},
             "layer_name": {**_NULLABLE_STR, "description": "Glob over module paths, e.g. model.layers.3*."},

@@ -71,7 +71,8 @@ def test_full_golden_dump_and_recomputed_layers_agree(golden_dir, tmp_path):
     full = bisect_dumps(full_dumps, estimate_cost=False)
     assert slim["cost"]["model_runs"]["golden_layers_recomputed"] == 6
     assert full["cost"]["model_runs"]["golden_layers_recomputed"] == 0
-    assert full["cost"]["golden_dump_bytes"] > 5 * slim["cost"]["golden_dump_bytes"]
+    # (the slim dump holds the layers at every step, the full one every module at the prefill)
+    assert full["cost"]["golden_dump_bytes"] > 3 * slim["cost"]["golden_dump_bytes"]
     errs = {r["name"]: r["error"] for r in full["candidates"] if r.get("layer")}
     for r in slim["candidates"]:
         if r["name"] in errs:

@@ -7,17 +7,9 @@ import math
 import torch
 from torch import nn
 
+from llmflow.localize.calls import Call, build_call, capture_calls, flatten_outputs
 from llmflow.localize.ops import align_ops, capture_ops, compare_ops
-from llmflow.localize.replay import (
-    Call,
-    build_call,
-    capture_calls,
-    flatten_outputs,
-    is_branch,
-    own_error,
-    replay_call,
-    replay_modules,
-)
+from llmflow.localize.replay import is_branch, own_error, replay_call, replay_modules
 
 
 class Kw(nn.Module):
@@ -46,7 +38,7 @@ def test_opaque_input_after_prefill_is_not_replayable():
                       [("0", torch.ones(2))], step=3)
     assert not call.replayable and "DynamicCache" in call.reason
     row = replay_call(Kw(), call, device=torch.device("cpu"), dtype=torch.float32)
-    assert row["replayable"] is False and "opaque" in row["reason"]
+    assert row["replayable"] is False and "KV cache" in row["reason"]
 
 
 def test_replay_failure_is_reported_not_raised():
@@ -80,7 +72,7 @@ def _tiny(patch=None):
 def test_capture_and_replay_tiny_llama_bf16_finds_the_wrong_epsilon():
     golden = _tiny()
     ids = torch.tensor([[256, 72, 101, 108, 108, 111]])
-    calls = capture_calls(golden.model, lambda: golden.model(ids))
+    calls = capture_calls(golden.model, lambda: golden.model(ids), select=is_branch)
     assert "model.layers.1.self_attn" in calls and "model.layers.1" not in calls
 
     def wrong_eps(model):

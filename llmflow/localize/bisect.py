@@ -1,0 +1,279 @@
+"""The bisect: from "the texts differ" to the first bad token, layer, module and op.
+
+  1. token   per-step logits of both dumps -> first mismatching token, first bad token (tokens.py)
+  2. step    the step to replay: the first step whose logits fail, else the first differing token,
+             else the prefill and the first decode step; a decode step is replayed with the golden
+             KV cache (golden.py)
+  3. module  isolation replay of every module of the TARGET on the GOLDEN inputs at that step
+             (replay.py) -> own errors, ranked against the same module in the other layers
+             (rank.py); where nothing stands out at a decode step, the prefill is replayed too
+             (a fault there reaches later steps through the cache it wrote)
+  4. op      the chosen module replayed op by op on both sides (ops.py); in fused experts, the
+             expert (moe.py)
+  5. cost    bytes dumped and model runs, against a full API-level dump of both sides (cost.py)
+  6. verdict pass / fail / inconclusive, with what the evidence covers (conclude.py)
+
+Nothing is re-dumped to disk: replay reads the golden dump or re-runs the golden model and keeps
+its captures in memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmflow.errors import UserError
+from llmflow.formats import open_dump
+from llmflow.formats.base import DumpReader
+from llmflow.localize import cost as cost_mod
+from llmflow.localize import moe
+from llmflow.localize import ops as ops_mod
+from llmflow.localize.calls import Call
+from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude
+from llmflow.localize.golden import (
+    dump_has_layer_inputs,
+    golden_call,
+    golden_calls,
+    golden_rerun,
+    rerun_fidelity,
+)
+from llmflow.localize.rank import DEFAULT_RATIO_THRESHOLD, pick_candidate, rank_modules
+from llmflow.localize.replay import is_branch, own_error, replay_modules
+from llmflow.localize.result import BisectResult
+from llmflow.localize.tokens import first_bad_step, first_mismatch, token_rows
+from llmflow.structure import LayerStack, find_layer_stack
+
+
+@dataclass
+class BisectInputs:
+    """What the bisect needs: the two dumps, what each side generated, and how to reload each
+    side's model (a dump stage's ``model_spec``: model, device, dtype, patch, base_dir).
+
+    ``replay_step`` None picks the step (see the module docstring); ``layers`` names the
+    decoder-layer list when structure discovery cannot find it."""
+
+    golden_dump: str | Path
+    target_dump: str | Path
+    golden_spec: dict[str, Any]
+    target_spec: dict[str, Any]
+    golden_ids: list[int]
+    target_ids: list[int]
+    prompt_ids: list[int] = field(default_factory=list)
+    pairs: list[dict[str, int]] | None = None
+    replay_step: int | None = None
+    ratio_threshold: float = DEFAULT_RATIO_THRESHOLD
+    thresholds: dict[str, Any] | None = None
+    op_level: bool = True
+    estimate_cost: bool = True
+    top_k: int = 15
+    layers: str | None = None
+
+
+Progress = Callable[[str, float | None], Any]
+
+
+def _load(spec: dict[str, Any]) -> Any:
+    from llmflow.models import load_model
+
+    keys = ("device", "dtype", "patch", "base_dir")
+    return load_model(spec["model"], **{k: spec[k] for k in keys if spec.get(k) is not None})
+
+
+def raw_errors(golden: DumpReader, target: DumpReader, step: int) -> dict[str, dict[str, float]]:
+    """Output ``"0"`` of every module both dumps hold at ``step``: error metrics (inherited error)."""
+    def outs(reader: DumpReader) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for e in reader.entries():
+            if (e.step == step and e.level == "module" and e.kind == "output" and e.index == "0"
+                    and e.has_data and e.is_tensor):
+                found.setdefault(e.name, e)
+        return found
+    g, t = outs(golden), outs(target)
+    return {n: own_error(golden.load(g[n]), target.load(t[n])) for n in g if n in t}
+
+
+class _Bisect:
+    """One bisect's state: the dumps, the models (the golden loaded on first need), the timings."""
+
+    def __init__(self, inp: BisectInputs, log: Callable[[str], None], progress: Progress | None):
+        self.inp, self.log, self.progress = inp, log, progress
+        self.t0 = time.time()
+        self.mark = self.t0
+        self.phases: dict[str, float] = {}
+        self.golden_dump, self.target_dump = open_dump(inp.golden_dump), open_dump(inp.target_dump)
+        self.target = _load(inp.target_spec)
+        self.phase("load target model")
+        self.stack: LayerStack | None = find_layer_stack(self.target.model, inp.layers)
+        self.held: dict[str, Any] = {}
+        self.stats: dict[str, int] = {"recomputed_layers": 0, "golden_reruns": 0}
+
+    def phase(self, name: str) -> None:
+        now = time.time()
+        self.phases[name] = round(self.phases.get(name, 0.0) + now - self.mark, 2)
+        self.mark = now
+
+    def golden(self) -> Any:
+        """The golden model, loaded on first use (layer recompute, decode re-run, op level, cost)."""
+        if "golden" not in self.held:
+            self.held["golden"] = _load(self.inp.golden_spec)
+        return self.held["golden"]
+
+    def select(self, name: str, module: Any) -> bool:
+        return is_branch(name, module, self.stack)
+
+    def decode(self, i: int) -> str:
+        tok = self.target.tokenizer
+        return tok.decode([i]) if tok is not None else str(i)
+
+    # -- 3. one step's isolation replay --------------------------------------------------------
+    def replay_step(self, step: int, why: str) -> StepReplay:
+        inp, tgt = self.inp, self.target
+        raw = raw_errors(self.golden_dump, self.target_dump, step)
+        result = StepReplay(step=step, why=why, raw=raw)
+        if step == 0 and dump_has_layer_inputs(self.golden_dump, 0):
+            before = self.stats["recomputed_layers"]
+            calls: Any = golden_calls(self.golden_dump, 0, self.golden, self.stats, self.stack, self.select)
+            result.call_of = lambda name: golden_call(self.golden_dump, 0, name, self.golden, self.stack)
+        else:
+            if not inp.prompt_ids or len(inp.golden_ids) <= step:
+                result.missing = (f"step {step} cannot be replayed: the golden generation file lacks "
+                                  "the prompt's token ids or the tokens up to that step")
+                return result
+            try:
+                rerun = golden_rerun(self.golden(), inp.prompt_ids, inp.golden_ids, step, self.select)
+            except UserError as exc:
+                result.missing = f"the golden model cannot be loaded to re-run step {step}: {exc}"
+                return result
+            self.stats["golden_reruns"] += 1
+            result.rerun_diff = rerun_fidelity(rerun, self.golden_dump)
+            calls = rerun.calls.values()
+            result.call_of = rerun.calls.get
+            before = None
+        n_modules = sum(1 for n, m in tgt.model.named_modules() if n and self.select(n, m))
+        task = self.progress(f"isolation replay, step {step}", float(n_modules)) if self.progress else None
+        result.rows = replay_modules(tgt.model, calls, device=tgt.device, dtype=tgt.dtype, select=self.select,
+                                     stack=self.stack, advance=task.advance if task is not None else None)
+        if before is None:
+            result.source = "golden re-run"
+        else:
+            result.source = "dump + layer recompute" if self.stats["recomputed_layers"] > before else "dump"
+        replayed = [r for r in result.rows if r.get("replayable")]
+        # what each attention wrote into its KV cache is ranked like a module of its own
+        replayed += [{"name": f"{r['name']}{KV_CACHE}", "module_type": "kv cache write",
+                      "replayable": True, "rel_l2": r["kv_cache_rel_l2"]}
+                     for r in replayed if r.get("kv_cache_rel_l2") is not None]
+        result.ranked = rank_modules(replayed, ratio_threshold=inp.ratio_threshold, stack=self.stack)
+        result.candidate = pick_candidate(result.ranked)
+        result.routing = moe.routing_divergences(result.rows, step, self.decode_position(step))
+        self.phase(f"module: isolation replay (step {step})")
+        cand = result.candidate
+        self.log(f"bisect: step {step} ({result.source}): replayed {len(replayed)} of {len(result.rows)} "
+                 f"modules; top candidate {cand['name'] if cand else None} "
+                 f"(score {cand['score'] if cand else float('nan'):.2f})")
+        return result
+
+    def decode_position(self, step: int) -> Callable[[int], str]:
+        """Token text at a position of the sequence seen at ``step`` (prompt, then golden tokens)."""
+        seq = list(self.inp.prompt_ids) + list(self.inp.golden_ids[:step])
+        offset = len(seq) - 1 if step > 0 else 0  # a decode step sees one new position
+
+        def text(pos: int) -> str:
+            i = pos + offset
+            return self.decode(seq[i]) if 0 <= i < len(seq) else f"#{pos}"
+        return text
+
+    # -- 4. op level and experts ---------------------------------------------------------------
+    def op_level(self, chosen: StepReplay) -> None:
+        cand = chosen.candidate
+        if not (self.inp.op_level and cand and cand.get("anomalous") and chosen.call_of):
+            return
+        call: Call | None = chosen.call_of(cand["name"].removesuffix(KV_CACHE))
+        if call is None or not call.replayable:
+            return
+        gld, tgt = self.golden(), self.target
+        name = cand["name"].removesuffix(KV_CACHE)
+        g_mod = dict(gld.model.named_modules())[name]
+        t_mod = dict(tgt.model.named_modules())[name]
+        if moe.is_fused_experts(t_mod, call):
+            chosen.experts = moe.expert_errors(g_mod, t_mod, call, golden=gld, target=tgt)
+            chosen.expert = moe.worst_expert(chosen.experts, self.inp.ratio_threshold)
+        g_ops = ops_mod.capture_ops(g_mod, name, call, device=gld.device, dtype=gld.dtype)
+        t_ops = ops_mod.capture_ops(t_mod, name, call, device=tgt.device, dtype=tgt.dtype)
+        chosen.op_rows, chosen.first_op = ops_mod.compare_ops(g_ops, t_ops, target_dtype=tgt.dtype,
+                                                              ratio=self.inp.ratio_threshold)
+        self.log(f"bisect: {len(t_ops)} target ops in {name}; first bad op {chosen.first_op}")
+        self.phase("op: replay with API capture")
+
+    # -- 5. cost ---------------------------------------------------------------------------------
+    def cost(self, tried: list[StepReplay], chosen: StepReplay) -> dict[str, Any]:
+        inp = self.inp
+        g_bytes, t_bytes = cost_mod.dir_bytes(inp.golden_dump), cost_mod.dir_bytes(inp.target_dump)
+        cost: dict[str, Any] = {
+            "model_runs": {"full_generations": 2, "models_loaded_by_bisect": 1 + ("golden" in self.held),
+                           "golden_layers_recomputed": self.stats["recomputed_layers"],
+                           "golden_reruns": self.stats["golden_reruns"],
+                           "module_replays": sum(len(t.rows) for t in tried),
+                           "op_replays": len(chosen.op_rows)},
+            "bytes_dumped": g_bytes + t_bytes, "golden_dump_bytes": g_bytes, "target_dump_bytes": t_bytes,
+        }
+        if inp.estimate_cost and inp.prompt_ids:
+            n = max(len(inp.golden_ids), 1)
+            full = sum(cost_mod.estimate_api_dump_bytes(m.model, inp.prompt_ids, n)["total_bytes"]
+                       for m in (self.golden(), self.target))
+            cost["full_api_dump_bytes_estimate"] = full
+            cost["bytes_fraction_of_full_api_dump"] = round(cost["bytes_dumped"] / max(full, 1), 4)
+            self.phase("cost: full API dump estimate")
+        cost["bisect_seconds"] = round(time.time() - self.t0, 2)
+        cost["bisect_phase_seconds"] = self.phases
+        return cost
+
+
+def replay_plan(inp: BisectInputs, mismatch: int | None, bad_token: int | None) -> tuple[int, str]:
+    """The step to replay first, and why."""
+    if inp.replay_step is not None:
+        return inp.replay_step, "the step asked for (replay_step)"
+    if bad_token is not None:
+        return bad_token, "the first step whose logits fail the thresholds"
+    if mismatch is not None:
+        return mismatch, "the first step whose greedy token differs"
+    return 0, "nothing diverges: the prefill, where every module runs on the whole prompt"
+
+
+def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
+               progress: Progress | None = None) -> BisectResult:
+    """Narrow the divergence down; returns the verdict with its evidence."""
+    b = _Bisect(inp, log, progress)
+    tgt = b.target
+    dtype = str(tgt.dtype).removeprefix("torch.")
+    mismatch = first_mismatch(inp.golden_ids, inp.target_ids)
+    rows = token_rows(b.golden_dump, b.target_dump, golden_ids=inp.golden_ids, target_ids=inp.target_ids,
+                      pairs=inp.pairs, target_dtype=dtype, thresholds=inp.thresholds, decode=b.decode)
+    bad_token = first_bad_step(rows, mismatch)
+    log(f"bisect: first mismatching token {mismatch}, first bad token (logits) {bad_token}")
+    b.phase("token: logits per step")
+
+    step, why = replay_plan(inp, mismatch, bad_token)
+    tried = [b.replay_step(step, why)]
+    first = tried[0]
+    found = first.candidate is not None and bool(first.candidate.get("anomalous"))
+    if not found and inp.replay_step is None:
+        if step > 0:
+            tried.append(b.replay_step(0, f"nothing stands out at step {step}: the prefill, whose KV "
+                                          "cache every later step reads"))
+        elif mismatch is None and bad_token is None and len(inp.golden_ids) > 1:
+            tried.append(b.replay_step(1, "nothing diverges: the first decode step too, where the decode "
+                                          "kernel runs against the KV cache"))
+    chosen = next((t for t in tried if t.candidate and t.candidate.get("anomalous")), tried[0])
+    b.op_level(chosen)
+    cost = b.cost(tried, chosen)
+    problems = [f"golden dump: {p}" for p in b.golden_dump.problems()]
+    problems += [f"target dump: {p}" for p in b.target_dump.problems()]
+    result = conclude(inp, tried, chosen, rows=rows, mismatch=mismatch, bad_token=bad_token,
+                      stack=b.stack, decode=b.decode, dtype=dtype, device=str(tgt.device),
+                      problems=problems, note=getattr(tgt, "note", None))
+    result.cost = cost
+    b.held.clear()
+    return result

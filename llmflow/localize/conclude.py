@@ -1,0 +1,248 @@
+"""From the evidence to a verdict: fault, pass or inconclusive, and the words that say so.
+
+A module whose own error stands out is a fault (``fail``), whatever else is missing. Otherwise the
+verdict is ``pass`` only when the evidence covers the question: every module replayed at the step
+where the divergence starts, the dumps whole, no logits failing before the texts part. Anything
+less is ``inconclusive``, with the reason and what to run next; it never says "matches" or
+"rounding" on no evidence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+from llmflow.localize.result import BisectResult, Inconclusive, ReplayInfo
+from llmflow.structure import LayerStack, layer_index, layer_of, module_type
+
+#: the suffix of a ranked row measuring what an attention wrote into its KV cache at a decode step
+KV_CACHE = "/kv_cache"
+CURVE_METRICS = {"rel_l2": "relative L2 error", "cos_dist": "cosine distance (1 - cos)",
+                 "max_rel": "max abs error / max |golden|"}
+
+
+@dataclass
+class StepReplay:
+    """The isolation replay of one step: its rows, ranking and candidate, and the golden source."""
+
+    step: int
+    why: str
+    raw: dict[str, dict[str, float]] = field(default_factory=dict)
+    source: str = ""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    ranked: list[dict[str, Any]] = field(default_factory=list)
+    candidate: dict[str, Any] | None = None
+    call_of: Callable[[str], Any] | None = None
+    rerun_diff: float | None = None
+    missing: str | None = None  # why this step could not be replayed at all
+    routing: list[dict[str, Any]] = field(default_factory=list)
+    op_rows: list[dict[str, Any]] = field(default_factory=list)
+    first_op: str | None = None
+    experts: list[dict[str, Any]] = field(default_factory=list)
+    expert: int | None = None
+
+    @property
+    def replayed(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r.get("replayable")]
+
+    @property
+    def not_replayable(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if not r.get("replayable")]
+
+    @property
+    def anomalous(self) -> bool:
+        return bool(self.candidate and self.candidate.get("anomalous"))
+
+
+def _reasons(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for r in rows:
+        out.setdefault(str(r.get("reason")), []).append(r["name"])
+    return out
+
+
+def _curves(raw: dict[str, dict[str, float]], iso_rows: list[dict[str, Any]],
+            stack: LayerStack | None) -> dict[str, Any]:
+    curves: dict[str, Any] = {}
+    for key, label in CURVE_METRICS.items():
+        raw_s: dict[int, float] = {}
+        iso: dict[int, float] = {}
+        for name, m in raw.items():
+            idx = layer_index(name, stack)
+            if idx is not None and layer_of(name, stack) == name:
+                raw_s[idx] = m[key]
+        for r in iso_rows:
+            idx = layer_index(r["name"], stack)
+            if idx is not None and r.get(key) is not None:
+                iso[idx] = max(iso.get(idx, 0.0), r[key])
+        series = {"raw (layer output, dumps)": raw_s, "isolated (worst module, replay)": iso}
+        curves[label] = {k: {str(x): y for x, y in sorted(v.items())} for k, v in series.items()}
+    return curves
+
+
+def _noisiest_types(rows: list[dict[str, Any]], stack: LayerStack | None, n: int = 3) -> str:
+    """The module types with the largest median own error: where the dtype's rounding bites."""
+    by_type: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("rel_l2") is not None:
+            by_type.setdefault(module_type(r["name"], stack), []).append(r["rel_l2"])
+    top = sorted(((median(v), k) for k, v in by_type.items()), reverse=True)[:n]
+    return ", ".join(f"{k} {m:.2g}" for m, k in top)
+
+
+def _step_word(step: int) -> str:
+    return "the prefill (step 0)" if step == 0 else f"decode step {step}"
+
+
+def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[dict[str, Any]],
+             mismatch: int | None, bad_token: int | None, stack: LayerStack | None,
+             decode: Callable[[int], str], dtype: str, device: str, problems: list[str],
+             note: str | None = None) -> BisectResult:
+    """The verdict of a bisect from what each replayed step showed."""
+    cand = chosen.candidate
+    module = cand["name"].removesuffix(KV_CACHE) if chosen.anomalous and cand else None
+    expert = chosen.expert if module else None
+    layer = layer_of(module, stack) if module else None
+    by_step = {r["step"]: r for r in rows}
+    detail: dict[str, Any] = {}
+    if mismatch is not None:
+        g = inp.golden_ids[mismatch] if mismatch < len(inp.golden_ids) else None
+        t = inp.target_ids[mismatch] if mismatch < len(inp.target_ids) else None
+        detail = {"step": mismatch, "golden_token": decode(g) if g is not None else None,
+                  "target_token": decode(t) if t is not None else None,
+                  "golden_margin": by_step.get(mismatch, {}).get("golden_margin"),
+                  "kl": by_step.get(mismatch, {}).get("kl"),
+                  "logits_max_abs_error": by_step.get(mismatch, {}).get("max_absolute_error")}
+    replay = ReplayInfo(step=chosen.step, why=chosen.why, source=chosen.source,
+                        replayed=len(chosen.replayed), not_replayable=len(chosen.not_replayable),
+                        reasons=_reasons(chosen.not_replayable), steps_tried=[t.step for t in tried],
+                        ratio_threshold=inp.ratio_threshold, device=device, dtype=dtype,
+                        golden_rerun_max_abs_diff=chosen.rerun_diff)
+    routing = [r for t in tried for r in t.routing]
+    status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
+                                                  problems, routing, stack, dtype)
+    diagnosis += _token_sentence(mismatch, detail)
+    if note:
+        diagnosis += f" {note}"
+    top = [r for r in chosen.ranked if r.get("score") is not None][: inp.top_k]
+    keep = ("rank", "name", "module_type", "layer", "error", "typical", "score", "z", "anomalous",
+            "raw_rel_l2", "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2")
+    for r in top:
+        r["raw_rel_l2"] = chosen.raw.get(r["name"], {}).get("rel_l2")
+    unrep = [{"name": r["name"], "replayable": False, "reason": r.get("reason"),
+              "raw_rel_l2": chosen.raw.get(r["name"], {}).get("rel_l2")} for r in chosen.not_replayable]
+    return BisectResult(
+        status=status, headline=headline, diagnosis=diagnosis, replay=replay,
+        first_mismatch_token=mismatch, first_bad_token=bad_token, first_bad_layer=layer,
+        first_bad_module=module, first_bad_op=chosen.first_op if module else None,
+        first_bad_expert=expert, inconclusive=why_not, token_detail=detail,
+        evidence=[{"name": r["name"], "isolated_rel_l2": r["error"], "typical": r["typical"],
+                   "score": r["score"], "raw_rel_l2": r.get("raw_rel_l2"), "step": chosen.step}
+                  for r in top[:5]],
+        texts={side: {"label": f"{spec.get('model')} {spec.get('dtype')} {spec.get('device')}"
+                      + (f" patch={spec['patch']}" if spec.get("patch") else ""),
+                      "text": "".join(decode(i) for i in ids), "tokens": [decode(i) for i in ids]}
+               for side, spec, ids in (("golden", inp.golden_spec, inp.golden_ids),
+                                       ("target", inp.target_spec, inp.target_ids))},
+        curves=_curves(chosen.raw, chosen.replayed, stack),
+        candidates=[{k: r.get(k) for k in keep} for r in top] + unrep[:50],
+        ops=chosen.op_rows, experts=chosen.experts, routing=routing, token_rows=rows,
+        problems=problems, notes=[note] if note else [])
+
+
+def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | None, expert: int | None,
+           mismatch: int | None, bad_token: int | None, problems: list[str], routing: list[dict[str, Any]],
+           stack: LayerStack | None, dtype: str) -> tuple[str, str, str, Inconclusive | None]:
+    """(status, headline, diagnosis, inconclusive) from the evidence."""
+    cand = chosen.candidate
+    steps = " and ".join(_step_word(t.step) for t in tried)
+    if module and cand:
+        where = _step_word(chosen.step)
+        what = f"{module}" + (f" (expert {expert})" if expert is not None else "")
+        if cand["name"].endswith(KV_CACHE):
+            what += " (the keys and values it writes to the KV cache)"
+        op = f"; first bad op {chosen.first_op}" if chosen.first_op else ""
+        headline = (f"{what} is the fault: {cand['score']:.0f}x the own error of the same module in the "
+                    f"other layers, at {where}{op}")
+        diagnosis = (f"{what} is the fault: replayed alone on the golden inputs at {where} it adds "
+                     f"{cand['error']:.3g} relative error, {cand['score']:.0f}x the {cand['typical']:.2g} "
+                     f"the same module adds in the other layers")
+        if expert is not None:
+            diagnosis += f"; of its experts, expert {expert} stands out"
+        diagnosis += (f"; inside it, {chosen.first_op} is the first op that goes wrong." if chosen.first_op
+                      else ".")
+        if chosen.step > 0:
+            diagnosis += (f" Step {chosen.step} was replayed ({chosen.why}) with the golden KV cache, so the "
+                          "fault lives on the decode path.")
+        if problems:
+            diagnosis += f" Note: {problems[0]}."
+        return "fail", headline, diagnosis, None
+    worst = f"{cand['name']} at {cand['score']:.1f}x" if cand else "none replayed"
+    nothing = (f"No module's own error stands out from the same module in the other layers at {steps} "
+               f"(worst: {worst}, threshold {inp.ratio_threshold}x)")
+    missing = [t.missing for t in tried if t.missing]
+    if routing:  # near-tied experts swapped by the router's rounding: reported, not a fault
+        r = routing[0]
+        toks = ", ".join(repr(t["text"]) for t in r["tokens"][:5])
+        nothing += (f"; routing diverges in {r['module']} at {_step_word(r['step'])} for {toks}: "
+                    f"{r['detail']} (the router's own error does not stand out: rounding picked other "
+                    "experts for near-tied tokens)")
+    reason, nxt = None, None
+    if missing and not chosen.replayed:
+        reason, nxt = missing[0], ("give the bisect the golden model (golden_model_spec) and the golden "
+                                   "generation file with input_ids, or replay_step: 0")
+    elif not chosen.replayed:
+        reason = f"no module could be replayed at {_step_word(chosen.step)}{_reason_list(chosen)}"
+        nxt = ("dump the golden's decoder layers with inputs and outputs (module mode, tensor_part 2, "
+               "layer_class auto) at that step, or give the golden model so the bisect can re-run it")
+    elif problems:
+        reason = "the dumps are not whole: " + "; ".join(problems[:3])
+        nxt = "rerun the dump stages (llmflow run ... --from dump-golden) and bisect again"
+    elif bad_token is not None:
+        reason = (f"the logits fail the {dtype} thresholds at step {bad_token}, but no module's own error "
+                  f"stands out when replayed at {steps}: the fault may live in state carried between steps "
+                  "(a KV cache written wrong at earlier steps), in a module the replay cannot isolate, or "
+                  "be spread over many layers")
+        nxt = (f"replay other steps (bisect replay_step: {max(bad_token - 1, 0)}, or 0), dump both sides "
+               "in module mode at that step and compare them (llmflow compare), or lower ratio_threshold")
+    elif chosen.not_replayable:
+        reason = (f"{len(chosen.not_replayable)} module(s) could not be replayed at "
+                  f"{_step_word(chosen.step)}{_reason_list(chosen)}: the fault may be among them")
+        nxt = "dump those modules on both sides in module mode and compare them (llmflow compare)"
+    elif mismatch is not None and inp.replay_step is not None and mismatch != chosen.step:
+        reason = (f"the texts part at step {mismatch}, but step {chosen.step} was replayed (replay_step): "
+                  "the evidence does not cover the step where the divergence starts")
+        nxt = f"bisect with replay_step: {mismatch}, or leave replay_step unset to let the bisect choose"
+    if reason:
+        diagnosis = nothing + ". Inconclusive: " + reason + "."
+        return "inconclusive", reason, diagnosis, Inconclusive(reason, nxt or "")
+    if mismatch is None:
+        headline = "the target matches the golden: the same tokens, logits within the thresholds"
+        return "pass", headline, ("The target matches the golden: the same tokens, logits within the "
+                                  "thresholds. " + nothing + "."), None
+    noisy = _noisiest_types(chosen.replayed, stack)
+    headline = (f"no fault: no module stands out at {_step_word(chosen.step)}; the texts part at token "
+                f"{mismatch} through {dtype} rounding")
+    diagnosis = (nothing + f": the drift is the {dtype} rounding of every layer adding up, not one faulty op"
+                 + (f" (largest own errors: {noisy})." if noisy else "."))
+    return "pass", headline, diagnosis, None
+
+
+def _reason_list(step: StepReplay, n: int = 3) -> str:
+    reasons = _reasons(step.not_replayable)
+    parts = [f"{len(names)}x {why} (e.g. {names[0]})" for why, names in list(reasons.items())[:n]]
+    return (": " + "; ".join(parts)) if parts else ""
+
+
+def _token_sentence(mismatch: int | None, detail: dict[str, Any]) -> str:
+    if mismatch is None or detail.get("golden_margin") is None:
+        return ""
+    s = (f" The texts first differ at generated token {mismatch} ({detail['golden_token']!r} -> "
+         f"{detail['target_token']!r}), where the golden's top-2 logit margin was "
+         f"{detail['golden_margin']:.3g}")
+    err = detail.get("logits_max_abs_error")
+    if isinstance(err, (int, float)) and err >= detail["golden_margin"]:
+        return s + f" and the target's logits there differ by up to {err:.3g}: enough to swap the top two."
+    return s + "."

@@ -1,0 +1,187 @@
+"""Mixture-of-experts blocks: replay with the golden routing, routing divergences, the faulty expert.
+
+A router picks each token's top-k experts from its logits. In a low-precision target two nearly
+tied experts can swap places: the router is not wrong (its logits are within rounding), yet the
+block's output for that token changes completely. Replaying an MoE block as it is would blame it
+for that. So:
+
+  the router is judged by its own replay, on its logits (output 0), never by its top-k indices;
+  the MoE block is replayed with the golden routing forced into its router (the golden router's
+    outputs, cast to the target router's dtypes), so its own error is the experts' arithmetic;
+  the same block replayed with the target's own routing shows what a flip costs: tokens whose
+    expert choice differs, and how much the output moves. A flip that moves the output far beyond
+    the block's own rounding is a routing divergence, reported with the tokens it hit;
+  fused experts (one module holding every expert's weights, called with the routing) are split by
+    expert: each expert's contribution alone, golden against target, names the faulty one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from statistics import median
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmflow.localize.calls import Call, cast_inputs, flatten_outputs
+
+
+def router_of(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The router child of an MoE block (``gate``/``router``, or a class named ``*Router``) when
+    the block also holds experts; None for any other module."""
+    router = None
+    experts = False
+    for attr, child in module.named_children():
+        cls = type(child).__name__.lower()
+        if attr in ("gate", "router") or "router" in cls:
+            router = (attr, child)
+        elif "experts" in attr or cls.endswith("experts"):
+            experts = True
+    return router if experts else None
+
+
+def _rebuild(outputs: dict[str, torch.Tensor]) -> Any:
+    """A router's call result from its flattened outputs: one tensor, or a flat tuple."""
+    if set(outputs) == {"0"}:
+        return outputs["0"]
+    keys = sorted(outputs, key=lambda k: int(k) if k.isdigit() else -1)
+    if not all(k.isdigit() for k in keys) or [int(k) for k in keys] != list(range(len(keys))):
+        return None
+    return tuple(outputs[k] for k in keys)
+
+
+@contextmanager
+def _router_output(router: nn.Module, replace: Callable[[Any], Any] | None,
+                   seen: list[Any]) -> Iterator[None]:
+    """While inside: the router's output is recorded into ``seen`` and, with ``replace``,
+    replaced by ``replace(output)``."""
+    def hook(_m: nn.Module, _args: Any, out: Any) -> Any:
+        seen.append(out)
+        return replace(out) if replace is not None else None
+    handle = router.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _like(golden: Any, target: Any) -> Any:
+    """The golden router output in the target's dtypes and device, position by position."""
+    if isinstance(golden, torch.Tensor) and isinstance(target, torch.Tensor):
+        return golden.to(device=target.device, dtype=target.dtype)
+    if isinstance(golden, tuple) and isinstance(target, (tuple, list)) and len(golden) == len(target):
+        return tuple(_like(g, t) for g, t in zip(golden, target, strict=True))
+    return target
+
+
+def _choices(out: Any) -> torch.Tensor | None:
+    """The router's selected experts per token (the integer output), sorted per row."""
+    flat = flatten_outputs(out)
+    idx = [t for t in flat.values() if not t.is_floating_point() and t.dim() == 2]
+    return idx[-1].detach().cpu().sort(dim=-1).values if idx else None
+
+
+@torch.no_grad()
+def replay_moe_block(module: nn.Module, name: str, call: Call, context: dict[str, Call], *,
+                     device: torch.device, dtype: torch.dtype) -> tuple[Any, dict[str, Any]] | None:
+    """Replay an MoE block with the golden routing forced; None when ``module`` is not one or the
+    golden router call is missing. Returns the forced output and the routing facts: ``flips`` (token
+    positions whose experts differ under the target's own routing, with both choices) and
+    ``own_routing_output`` (the block's output with the target's routing)."""
+    found = router_of(module)
+    if found is None:
+        return None
+    attr, router = found
+    golden_router = context.get(f"{name}.{attr}")
+    if golden_router is None or not golden_router.outputs:
+        return None
+    forced = _rebuild(golden_router.outputs)
+    if forced is None:
+        return None
+    args = cast_inputs(call.args, device, dtype, module)
+    kwargs = cast_inputs(call.kwargs, device, dtype, module)
+    seen: list[Any] = []
+    with _router_output(router, None, seen):
+        own = module(*args, **kwargs)
+    target_routing = seen[0] if seen else None
+    with _router_output(router, lambda out: _like(forced, out), []):
+        out = module(*args, **kwargs)
+    facts: dict[str, Any] = {"own_routing_output": own, "flips": []}
+    g_choice, t_choice = _choices(forced), _choices(target_routing)
+    if g_choice is not None and t_choice is not None and g_choice.shape == t_choice.shape:
+        differ = (g_choice != t_choice).any(dim=-1).nonzero().flatten().tolist()
+        facts["flips"] = [{"position": int(p), "golden_experts": g_choice[p].tolist(),
+                           "target_experts": t_choice[p].tolist()} for p in differ]
+    return out, facts
+
+
+def routing_divergences(rows: list[dict[str, Any]], step: int, token_text: Callable[[int], str],
+                        ratio: float = 3.0) -> list[dict[str, Any]]:
+    """Routing flips that move an MoE block's output well beyond its own rounding: one entry per
+    block, with the tokens they hit."""
+    out = []
+    for r in rows:
+        flips = r.get("routing_flips")
+        if not flips or r.get("rel_l2") is None:
+            continue
+        with_own = r.get("own_routing_rel_l2") or 0.0
+        floor = max(r["rel_l2"], 1e-6)
+        if with_own < ratio * floor:
+            continue
+        out.append({"module": r["name"], "step": step,
+                    "tokens": [{**f, "text": token_text(f["position"])} for f in flips],
+                    "output_error_with_target_routing": with_own,
+                    "output_error_with_golden_routing": r["rel_l2"],
+                    "detail": f"{len(flips)} token(s) routed to other experts; the block's output moves "
+                              f"{with_own:.3g} (relative) against {r['rel_l2']:.3g} with the golden routing"})
+    return out
+
+
+def is_fused_experts(module: nn.Module, call: Call) -> bool:
+    """One module holding every expert, called with the routing: (hidden, indices, weights)."""
+    cls = type(module).__name__.lower()
+    ints = [a for a in call.args if isinstance(a, torch.Tensor) and not a.is_floating_point()]
+    return cls.endswith("experts") and len(ints) == 1 and ints[0].dim() == 2
+
+
+@torch.no_grad()
+def expert_errors(golden_module: nn.Module, target_module: nn.Module, call: Call, *, golden: Any,
+                  target: Any) -> list[dict[str, Any]]:
+    """Each expert's contribution alone (the routing weights of every other expert zeroed),
+    golden against target: one row per expert the golden routing used."""
+    from llmflow.localize.replay import own_error
+
+    pos = next(i for i, a in enumerate(call.args)
+               if isinstance(a, torch.Tensor) and not a.is_floating_point())
+    index = call.args[pos]
+    w_pos = next((i for i, a in enumerate(call.args) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                  and a.shape == index.shape), None)
+    if w_pos is None:
+        return []
+    rows = []
+    for e in sorted(set(index.flatten().tolist())):
+        args = list(call.args)
+        args[w_pos] = call.args[w_pos] * (index == e)
+        outs = []
+        for side, module in ((golden, golden_module), (target, target_module)):
+            a = cast_inputs(args, side.device, side.dtype, module)
+            k = cast_inputs(call.kwargs, side.device, side.dtype, module)
+            outs.append(flatten_outputs(module(*a, **k))["0"])
+        err = own_error(outs[0], outs[1])
+        rows.append({"expert": int(e), "tokens": int((index == e).any(dim=-1).sum()), **err})
+    return rows
+
+
+def worst_expert(rows: list[dict[str, Any]], ratio: float) -> int | None:
+    """The expert whose own error stands out from the module's other experts; None when none
+    does (every expert alike: the fault is shared, e.g. a wrong kernel for all of them)."""
+    scored = [r for r in rows if r.get("rel_l2") is not None]
+    if len(scored) < 2:
+        return None
+    worst = max(scored, key=lambda r: r["rel_l2"])
+    others = [r["rel_l2"] for r in scored if r is not worst]
+    typical = max(median(others), 1e-9)
+    worst["score"] = worst["rel_l2"] / typical
+    return worst["expert"] if worst["score"] >= ratio else None
