@@ -365,16 +365,29 @@ class _ForceTokens:
         return scores
 
 
+class _StopAfter:
+    """A stopping criterion: end generation once ``n`` new tokens exist."""
+
+    def __init__(self, n: int, start: int):
+        self.n, self.start = n, start
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_kwargs: Any) -> torch.Tensor:
+        done = input_ids.shape[1] - self.start >= self.n
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
 def greedy_generate(model: torch.nn.Module, input_ids: list[int], max_new_tokens: int,
-                    eos_token_id: int | None = None, force_ids: list[int] | None = None) -> list[int]:
+                    eos_token_id: int | None = None, force_ids: list[int] | None = None,
+                    stop_after: int | None = None) -> list[int]:
     """Greedy decoding (do_sample=False); returns the new ids only.
 
     Hugging Face models go through ``generate`` (KV cache: one root forward per step); any other
     module through a plain loop that re-runs the whole sequence each step. Either way each step is
     exactly one forward call of the root module, which is what the dump counts as a step.
     ``force_ids`` makes step k pick ``force_ids[k]`` instead of the argmax (the forward calls are
-    the same ones greedy decoding of that text makes).
+    the same ones greedy decoding of that text makes); ``stop_after`` ends it after that many
+    tokens while every setting sized by ``max_new_tokens`` (a static cache's length) stays the same.
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)
@@ -386,14 +399,19 @@ def greedy_generate(model: torch.nn.Module, input_ids: list[int], max_new_tokens
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else (
             eos[0] if isinstance(eos, list) else eos)
         gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, num_beams=1,
-                               eos_token_id=eos, pad_token_id=pad)
-        extra = {}
+                               eos_token_id=eos, pad_token_id=pad,
+                               cache_implementation=getattr(cfg, "cache_implementation", None))
+        extra: dict[str, Any] = {}
         if force_ids is not None:
             extra["logits_processor"] = LogitsProcessorList([_ForceTokens(list(force_ids), ids.shape[1])])
+        if stop_after is not None:
+            from transformers import StoppingCriteriaList
+
+            extra["stopping_criteria"] = StoppingCriteriaList([_StopAfter(stop_after, ids.shape[1])])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, **extra)
         return [int(i) for i in out[0, ids.shape[1]:].tolist()]
     new: list[int] = []
-    for k in range(max_new_tokens):
+    for k in range(min(max_new_tokens, stop_after or max_new_tokens)):
         nxt = int(logits_of(model(ids))[0, -1].argmax())
         if force_ids is not None and k < len(force_ids):
             nxt = int(force_ids[k])

@@ -200,7 +200,7 @@ def _role_of(attr: str, cls: str) -> str | None:
     a, c = attr.lower(), cls.lower()
     if "dropout" in c or c == "identity":
         return None  # no arithmetic of its own
-    if "attention" in c or "attn" in c or a in _ATTENTION_ATTRS:
+    if "attention" in c or "attn" in c or "mixer" in c or a in _ATTENTION_ATTRS:
         return "attention"
     if "norm" in c or "norm" in a or re.fullmatch(r"ln(_\w*|\d*|f)", a):
         return "norm"

@@ -360,13 +360,17 @@ def decode_mask_oldest(layer: int, drop: int = 4) -> Patch:
             h = _hidden(args, kwargs)
             if found is None or h is None or not _decoding(args, kwargs):
                 return None
-            # this layer's cached positions plus the new token (a cache's default is layer 0's)
-            n = int(found[1].get_seq_length(getattr(m_, "layer_idx", 0))) + 1
-            m = torch.zeros(h.shape[0], 1, 1, n, dtype=h.dtype, device=h.device)
-            m[..., : min(drop, n - 1)] = torch.finfo(h.dtype).min
             old = kwargs.get("attention_mask")
-            if isinstance(old, torch.Tensor) and old.dtype != torch.bool and old.shape[-1] >= n:
-                m = old[..., :n] + m
+            if isinstance(old, torch.Tensor) and old.dtype == torch.bool:  # True: attend
+                m = old.clone()
+                m[..., :drop] = False
+            elif isinstance(old, torch.Tensor):  # additive
+                m = old.clone()
+                m[..., :drop] = torch.finfo(m.dtype).min
+            else:  # no mask: every cached position plus the new token (a cache's default is layer 0)
+                n = int(found[1].get_seq_length(getattr(m_, "layer_idx", 0))) + 1
+                m = torch.zeros(h.shape[0], 1, 1, n, dtype=h.dtype, device=h.device)
+                m[..., : min(drop, n - 1)] = torch.finfo(h.dtype).min
             return args, {**kwargs, "attention_mask": m}
         part(model, layer, "attention").register_forward_pre_hook(mask, with_kwargs=True)
     return patch

@@ -108,6 +108,7 @@ class _Bisect:
         self.phase("load target model")
         self.stack: LayerStack | None = find_layer_stack(self.target.model, inp.layers)
         self.held: dict[str, Any] = {}
+        self.golden_error: str | None = None  # why the golden model could not be loaded
         self.stats: dict[str, int] = {"recomputed_layers": 0, "golden_reruns": 0}
 
     def phase(self, name: str) -> None:
@@ -116,10 +117,14 @@ class _Bisect:
         self.mark = now
 
     def golden(self) -> Any:
-        """The golden model, loaded on first use (layer recompute, decode re-run, op level, cost)."""
-        if "golden" not in self.held:
-            self.held["golden"] = _load(self.inp.golden_spec)
-        return self.held["golden"]
+        """The golden model, loaded on first use (layer recompute, decode re-run, op level, cost);
+        None when it cannot be loaded (``golden_error`` says why: the verdict reports it)."""
+        if "golden" not in self.held and self.golden_error is None:
+            try:
+                self.held["golden"] = _load(self.inp.golden_spec)
+            except UserError as exc:
+                self.golden_error = str(exc)
+        return self.held.get("golden")
 
     def select(self, name: str, module: Any) -> bool:
         return is_branch(name, module, self.stack)
@@ -142,11 +147,12 @@ class _Bisect:
                 result.missing = (f"step {step} cannot be replayed: the golden generation file lacks "
                                   "the prompt's token ids or the tokens up to that step")
                 return result
-            try:
-                rerun = golden_rerun(self.golden(), inp.prompt_ids, inp.golden_ids, step, self.select)
-            except UserError as exc:
-                result.missing = f"the golden model cannot be loaded to re-run step {step}: {exc}"
+            golden = self.golden()
+            if golden is None:
+                result.missing = (f"the golden model cannot be loaded to re-run step {step}: "
+                                  f"{self.golden_error}")
                 return result
+            rerun = golden_rerun(golden, inp.prompt_ids, inp.golden_ids, step, self.select)
             self.stats["golden_reruns"] += 1
             result.rerun_diff = rerun_fidelity(rerun, self.golden_dump)
             calls = rerun.calls.values()
@@ -161,6 +167,9 @@ class _Bisect:
         else:
             result.source = "dump + layer recompute" if self.stats["recomputed_layers"] > before else "dump"
         replayed = [r for r in result.rows if r.get("replayable")]
+        if not replayed and self.golden_error:
+            result.missing = (f"the golden model cannot be loaded to recompute the layers' modules at step "
+                              f"{step}: {self.golden_error}")
         # what each attention wrote into its KV cache is ranked like a module of its own
         replayed += [{"name": f"{r['name']}{KV_CACHE}", "module_type": "kv cache write",
                       "replayable": True, "rel_l2": r["kv_cache_rel_l2"]}
@@ -191,9 +200,9 @@ class _Bisect:
         if not (self.inp.op_level and cand and cand.get("anomalous") and chosen.call_of):
             return
         call: Call | None = chosen.call_of(cand["name"].removesuffix(KV_CACHE))
-        if call is None or not call.replayable:
-            return
         gld, tgt = self.golden(), self.target
+        if call is None or not call.replayable or gld is None:
+            return
         name = cand["name"].removesuffix(KV_CACHE)
         g_mod = dict(gld.model.named_modules())[name]
         t_mod = dict(tgt.model.named_modules())[name]
@@ -221,8 +230,9 @@ class _Bisect:
         }
         if inp.estimate_cost and inp.prompt_ids:
             n = max(len(inp.golden_ids), 1)
+            sides = [m for m in (self.golden(), self.target) if m is not None]
             full = sum(cost_mod.estimate_api_dump_bytes(m.model, inp.prompt_ids, n)["total_bytes"]
-                       for m in (self.golden(), self.target))
+                       for m in sides) * 2 // len(sides)
             cost["full_api_dump_bytes_estimate"] = full
             cost["bytes_fraction_of_full_api_dump"] = round(cost["bytes_dumped"] / max(full, 1), 4)
             self.phase("cost: full API dump estimate")

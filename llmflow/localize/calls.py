@@ -67,35 +67,35 @@ def is_cache_type(pytype: str | None) -> bool:
 class CacheSnapshot:
     """A KV cache as a module found it when it was called.
 
-    For a transformers ``Cache`` the snapshot copies the per-layer objects, not their tensors
-    (a dynamic cache appends by rebinding its tensors, so the old ones stay as they were: no tensor
-    is copied at capture); any other cache class is deep-copied. ``materialize`` gives a private
-    copy for one replay, in the replaying side's dtype and device: only the layer the module
-    reads (its ``layer_idx``) is deep-copied when that is known.
+    For a transformers ``Cache`` and a module that names its layer (``layer_idx``), that layer is
+    deep-copied (a static cache writes its tensors and position counter in place, so a shared
+    reference would show later steps' writes) and the others are shallow copies; any other cache
+    is deep-copied whole. ``materialize`` gives a private copy for one replay, in the replaying
+    side's dtype and device.
     """
 
-    def __init__(self, cache: Any):
+    def __init__(self, cache: Any, layer_idx: int | None = None):
         self.type = type(cache).__name__
         layers = getattr(cache, "layers", None)
-        if isinstance(layers, list):
+        ok = isinstance(layers, list) and isinstance(layer_idx, int) and 0 <= layer_idx < len(layers)
+        self.idx = layer_idx if ok else None
+        if self.idx is not None:
             snap = copy.copy(cache)
             snap.layers = [copy.copy(layer) for layer in layers]
+            snap.layers[self.idx] = copy.deepcopy(layers[self.idx])
             self.cache = snap
-            self.layered = True
         else:
             self.cache = copy.deepcopy(cache)
-            self.layered = False
 
     def layer_kv(self, idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer ``idx``'s keys and values, where the cache keeps them as ``layers[idx].keys``."""
-        return layer_kv(self.cache, idx) if self.layered else None
+        return layer_kv(self.cache, idx)
 
     def materialize(self, module: nn.Module | None, device: torch.device, dtype: torch.dtype) -> Any:
-        idx = getattr(module, "layer_idx", None)
-        if self.layered and isinstance(idx, int) and 0 <= idx < len(self.cache.layers):
+        if self.idx is not None and getattr(module, "layer_idx", None) == self.idx:
             out = copy.copy(self.cache)
             out.layers = list(self.cache.layers)
-            out.layers[idx] = _cast_object(copy.deepcopy(self.cache.layers[idx]), device, dtype)
+            out.layers[self.idx] = _cast_object(copy.deepcopy(self.cache.layers[self.idx]), device, dtype)
             return out
         return _cast_object(copy.deepcopy(self.cache), device, dtype)
 
@@ -158,17 +158,32 @@ def cast_inputs(value: Any, device: torch.device, dtype: torch.dtype, module: nn
     return value
 
 
+def _written_len(cache: Any, idx: int) -> int | None:
+    """How many positions layer ``idx`` of a cache holds (its own count: a static layer's buffer
+    is longer than what it holds)."""
+    layers = (cache.cache if isinstance(cache, CacheSnapshot) else cache).layers
+    count = getattr(layers[idx], "get_seq_length", None)
+    try:
+        return int(count()) if callable(count) else None
+    except Exception:  # an uninitialised layer refuses: it holds nothing
+        return 0
+
+
 def written_kv(before: CacheSnapshot | Any, after: CacheSnapshot | Any, idx: int) -> torch.Tensor | None:
-    """The keys and values a module appended to layer ``idx`` of a cache (``before`` and ``after``
-    the call: snapshots or cache objects), concatenated along the last dimension; None when
-    unknown (another cache layout, a sliding window that dropped old positions)."""
+    """The keys and values a module wrote into layer ``idx`` of a cache (``before`` and ``after``
+    the call: snapshots or cache objects), concatenated along the last dimension: the positions
+    between the layer's lengths before and after (appended by a dynamic cache, written in place
+    into a static one, the newest ones of a sliding window); None for another cache layout."""
     def kv(c: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
         return c.layer_kv(idx) if isinstance(c, CacheSnapshot) else layer_kv(c, idx)
-    b, a = kv(before), kv(after)
-    n0 = b[0].shape[-2] if b is not None else 0
-    if a is None or a[0].shape[-2] <= n0:
+    a = kv(after)
+    n0, n1 = _written_len(before, idx), _written_len(after, idx)
+    if a is None or n0 is None or n1 is None or n1 <= n0:
         return None
-    return torch.cat([a[0][..., n0:, :], a[1][..., n0:, :]], dim=-1)
+    keys, values = a
+    held = keys.shape[-2]
+    where = slice(n0, n1) if held >= n1 else slice(held - (n1 - n0), held)
+    return torch.cat([keys[..., where, :], values[..., where, :]], dim=-1)
 
 
 def flatten_outputs(out: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -281,17 +296,17 @@ class _Opaque:
         self.type = type(value).__name__
 
 
-def _keep(value: Any) -> Any:
+def _keep(value: Any, layer_idx: int | None = None) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone()
     if isinstance(value, (tuple, list)):
-        return type(value)(_keep(v) for v in value)
+        return type(value)(_keep(v, layer_idx) for v in value)
     if isinstance(value, dict):
-        return {k: _keep(v) for k, v in value.items()}
+        return {k: _keep(v, layer_idx) for k, v in value.items()}
     if isinstance(value, (type(None), bool, int, float, str, torch.dtype, torch.device)):
         return value
     if is_cache(value):
-        return CacheSnapshot(value)
+        return CacheSnapshot(value, layer_idx)
     return _Opaque(value)
 
 
@@ -331,7 +346,8 @@ class CallRecorder:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not self.active or name in self.calls:
                 return
-            a, k = list(_keep(args)), {key: _keep(v) for key, v in kwargs.items()}
+            idx = getattr(module, "layer_idx", None)
+            a, k = list(_keep(args, idx)), {key: _keep(v, idx) for key, v in kwargs.items()}
             self.calls[name] = Call(name, type(module).__name__, a, k, reason=_opaque_reason(a, k))
         return hook
 
@@ -342,7 +358,7 @@ class CallRecorder:
                 call.outputs = {k: v.detach().cpu() for k, v in flatten_outputs(out).items()}
                 cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
                 if cache is not None:
-                    call.cache_after = CacheSnapshot(cache)
+                    call.cache_after = CacheSnapshot(cache, getattr(module, "layer_idx", None))
         return hook
 
     def close(self) -> None:

@@ -38,7 +38,8 @@ def golden_calls(reader: DumpReader, step: int, load_golden: Callable[[], Any],
     """Every golden call at ``step`` from the dump: the dumped ones, then for each dumped decoder
     layer whose sub-modules the dump lacks, the sub-module calls recomputed from the layer's inputs.
 
-    ``load_golden()`` returns the golden LoadedModel (called only when a layer must be re-run).
+    ``load_golden()`` returns the golden LoadedModel, or None when it cannot be loaded (called only
+    when a layer must be re-run).
     ``stats["recomputed_layers"]`` counts the layers re-run.
     """
     names = {e.name for e in reader.entries() if e.step == step and e.level == "module"}
@@ -52,7 +53,7 @@ def golden_calls(reader: DumpReader, step: int, load_golden: Callable[[], Any],
         if any(n.startswith(layer + ".") for n in names):
             continue  # the dump has this layer's modules: nothing to recompute
         golden = load_golden()
-        module = dict(golden.model.named_modules()).get(layer)
+        module = dict(golden.model.named_modules()).get(layer) if golden is not None else None
         if module is None:
             continue
         args = cast_inputs(call.args, golden.device, golden.dtype, module)
@@ -74,6 +75,8 @@ def golden_call(reader: DumpReader, step: int, name: str, load_golden: Callable[
     if layer_call is None or not layer_call.replayable:
         return dumped
     golden = load_golden()
+    if golden is None:
+        return dumped
     module = dict(golden.model.named_modules())[layer]
     args = cast_inputs(layer_call.args, golden.device, golden.dtype, module)
     kwargs = cast_inputs(layer_call.kwargs, golden.device, golden.dtype, module)
@@ -127,7 +130,9 @@ def golden_rerun(golden: Any, prompt_ids: list[int], golden_ids: list[int], step
     handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
     try:
         eos = getattr(golden.tokenizer, "eos_token_id", None)
-        greedy_generate(model, prompt_ids, step + 1, eos_token_id=eos, force_ids=golden_ids[:step + 1])
+        # the dump run's max_new_tokens (a static cache is sized by it), stopped after step ``step``
+        greedy_generate(model, prompt_ids, len(golden_ids), eos_token_id=eos, force_ids=golden_ids,
+                        stop_after=step + 1)
     finally:
         for h in handles:
             h.remove()
