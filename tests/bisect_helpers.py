@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,18 @@ def make_dumps(tmp: Path, model: str, *, patch: str | None = None, prompt: str =
             "golden_spec": {"model": model, "device": "cpu", "dtype": "float32"},
             "target_spec": {"model": target_model, "device": target_device, "dtype": "bfloat16",
                             "patch": patch, "base_dir": str(repo)}}
+
+
+def golden_maker(factory, spec) -> Callable[[str], Path]:
+    """A function family -> golden dump dir of the model ``spec(family)``, made once per family
+    (``factory`` is pytest's ``tmp_path_factory``)."""
+    made: dict[str, Path] = {}
+
+    def golden(family: str) -> Path:
+        if family not in made:
+            made[family] = make_dumps(factory.mktemp(f"golden-{family}"), spec(family))["golden_dump"]
+        return made[family]
+    return golden
 
 
 def bisect_dumps(dumps: dict, **kwargs) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
-from bisect_helpers import bisect_dumps, make_dumps  # noqa: E402
+from bisect_helpers import bisect_dumps, golden_maker, make_dumps  # noqa: E402
 from example_faults import DECODE_FAULTS, faulty_module  # noqa: E402
 
 from llmflow.models import load_model  # noqa: E402
@@ -28,13 +28,8 @@ def spec(family: str) -> str:
 
 @pytest.fixture(scope="module")
 def goldens(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def golden(family: str) -> Path:
-        if family not in made:
-            made[family] = make_dumps(tmp_path_factory.mktemp(f"golden-{family}"), spec(family))["golden_dump"]
-        return made[family]
-    return golden
+    """One golden dump per family, made on first use."""
+    return golden_maker(tmp_path_factory, spec)
 
 
 CASES = [(family, fault, layer) for family in ("llama", "qwen2", "gpt-neox", "static-cache")
@@ -64,8 +59,9 @@ def test_clean_run_replays_a_decode_step_too_and_blames_nothing(goldens, tmp_pat
 
 
 def test_prefill_fault_is_replayed_at_the_prefill(goldens, tmp_path):
-    v = bisect_dumps(make_dumps(tmp_path, spec("llama"), golden_dir=goldens("llama"),
-                                patch="plugins/example_faults.py:scale_down_proj_layer_4"), estimate_cost=False)
+    dumps = make_dumps(tmp_path, spec("llama"), golden_dir=goldens("llama"),
+                       patch="plugins/example_faults.py:scale_down_proj_layer_4")
+    v = bisect_dumps(dumps, estimate_cost=False)
     assert v["first_bad_module"] == "model.layers.4.mlp.down_proj"
     assert v["replay"]["step"] == 0 and v["replay"]["steps_tried"] == [0]
 

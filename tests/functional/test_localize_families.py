@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
-from bisect_helpers import bisect_dumps, make_dumps  # noqa: E402
+from bisect_helpers import bisect_dumps, golden_maker, make_dumps  # noqa: E402
 from example_faults import faulty_module  # noqa: E402
 
 from llmflow.models import load_model  # noqa: E402
@@ -31,14 +31,7 @@ def spec(family: str) -> str:
 @pytest.fixture(scope="module")
 def goldens(tmp_path_factory):
     """One golden dump per family, made on first use."""
-    made: dict[str, Path] = {}
-
-    def golden(family: str) -> Path:
-        if family not in made:
-            tmp = tmp_path_factory.mktemp(f"golden-{family}")
-            made[family] = make_dumps(tmp, spec(family))["golden_dump"]
-        return made[family]
-    return golden
+    return golden_maker(tmp_path_factory, spec)
 
 
 def _bisect(family: str, fault: str | None, goldens, tmp_path: Path) -> dict:
