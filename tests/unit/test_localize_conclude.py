@@ -1,0 +1,86 @@
+"""The verdict's three answers from synthetic evidence: a fault, a pass, and each way the evidence
+can fall short (inconclusive, with the reason and what to run next)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmflow.localize.conclude import StepReplay, conclude
+from llmflow.localize.rank import pick_candidate, rank_modules
+
+
+@dataclass
+class Inputs:
+    golden_ids: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    target_ids: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    golden_spec: dict = field(default_factory=lambda: {"model": "m", "dtype": "float32", "device": "cpu"})
+    target_spec: dict = field(default_factory=lambda: {"model": "m", "dtype": "bfloat16", "device": "cpu"})
+    ratio_threshold: float = 3.0
+    replay_step: int | None = None
+    top_k: int = 15
+
+
+def replay(step: int = 0, bad: dict[str, float] | None = None, unreplayable: int = 0) -> StepReplay:
+    rows = [{"name": f"model.layers.{i}.mlp.down_proj", "replayable": True,
+             "rel_l2": (bad or {}).get(f"model.layers.{i}.mlp.down_proj", 0.004 + 0.0002 * i)} for i in range(6)]
+    rows += [{"name": f"model.layers.{i}.self_attn", "replayable": False, "reason": "input 1 is an opaque Foo"}
+             for i in range(unreplayable)]
+    s = StepReplay(step=step, why="test", source="dump", rows=rows)
+    s.ranked = rank_modules(s.replayed)
+    s.candidate = pick_candidate(s.ranked)
+    return s
+
+
+def verdict(tried, mismatch=None, bad_token=None, problems=(), inp=None):
+    return conclude(inp or Inputs(), tried, tried[0] if not any(t.anomalous for t in tried)
+                    else next(t for t in tried if t.anomalous), rows=[], mismatch=mismatch,
+                    bad_token=bad_token, stack=None, decode=str, dtype="bfloat16", device="cpu",
+                    problems=list(problems))
+
+
+def test_a_module_that_stands_out_is_the_fault():
+    v = verdict([replay(2, bad={"model.layers.4.mlp.down_proj": 0.5})], mismatch=3, bad_token=2)
+    assert v.status == "fail" and v.first_bad_module == "model.layers.4.mlp.down_proj"
+    assert v.first_bad_layer == "model.layers.4" and "decode step 2" in v.headline
+
+
+def test_matching_tokens_and_nothing_standing_out_passes():
+    v = verdict([replay(0), replay(1)])
+    assert v.status == "pass" and "matches" in v.headline and v.inconclusive is None
+
+
+def test_texts_that_part_with_nothing_standing_out_is_rounding():
+    inp = Inputs(target_ids=[1, 2, 9, 9])
+    v = verdict([replay(2), replay(0)], mismatch=2, inp=inp)
+    assert v.status == "pass" and "rounding" in v.diagnosis
+
+
+def test_no_module_replayed_is_inconclusive():
+    s = StepReplay(step=0, why="test", source="dump",
+                   rows=[{"name": "model.layers.0.mlp", "replayable": False, "reason": "no inputs recorded"}])
+    v = verdict([s])
+    assert v.status == "inconclusive" and "no module could be replayed" in v.inconclusive.reason
+    assert "no inputs recorded" in v.inconclusive.reason and v.inconclusive.next
+    assert v.replay.reasons == {"no inputs recorded": ["model.layers.0.mlp"]}
+
+
+def test_failing_logits_with_nothing_standing_out_is_inconclusive_not_rounding():
+    v = verdict([replay(3), replay(0)], mismatch=5, bad_token=3, inp=Inputs(target_ids=[1, 2, 3, 4, 5, 9]))
+    assert v.status == "inconclusive" and "rounding" not in v.diagnosis
+    assert "step 3" in v.inconclusive.reason and "replay_step" in v.inconclusive.next
+
+
+def test_modules_that_could_not_be_replayed_make_it_inconclusive_and_are_named():
+    v = verdict([replay(0, unreplayable=2)])
+    assert v.status == "inconclusive" and "2 module(s) could not be replayed" in v.inconclusive.reason
+    assert v.replay.not_replayable == 2 and "opaque Foo" in next(iter(v.replay.reasons))
+
+
+def test_dumps_with_problems_never_pass():
+    v = verdict([replay(0)], problems=["golden dump: rank0/data/000001.safetensors is missing"])
+    assert v.status == "inconclusive" and "not whole" in v.inconclusive.reason
+
+
+def test_a_fault_is_still_named_when_a_dump_has_problems():
+    v = verdict([replay(0, bad={"model.layers.1.mlp.down_proj": 0.9})], problems=["target dump: torn index"])
+    assert v.status == "fail" and "torn index" in v.diagnosis
