@@ -21,10 +21,10 @@ class Inputs:
 
 
 def replay(step: int = 0, bad: dict[str, float] | None = None, unreplayable: int = 0) -> StepReplay:
-    rows = [{"name": f"model.layers.{i}.mlp.down_proj", "replayable": True,
-             "rel_l2": (bad or {}).get(f"model.layers.{i}.mlp.down_proj", 0.004 + 0.0002 * i)} for i in range(6)]
-    rows += [{"name": f"model.layers.{i}.self_attn", "replayable": False, "reason": "input 1 is an opaque Foo"}
-             for i in range(unreplayable)]
+    errors = {f"model.layers.{i}.mlp.down_proj": 0.004 + 0.0002 * i for i in range(6)} | (bad or {})
+    rows = [{"name": name, "replayable": True, "rel_l2": err} for name, err in errors.items()]
+    rows += [{"name": f"model.layers.{i}.self_attn", "replayable": False,
+              "reason": "input 1 is an opaque Foo"} for i in range(unreplayable)]
     s = StepReplay(step=step, why="test", source="dump", rows=rows)
     s.ranked = rank_modules(s.replayed)
     s.candidate = pick_candidate(s.ranked)
