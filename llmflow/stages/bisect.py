@@ -89,7 +89,7 @@ class BisectStage(Stage):
             prompt_ids=list(gen["golden"].get("input_ids") or []), pairs=pairs,
             replay_step=p["replay_step"], ratio_threshold=p["ratio_threshold"],
             thresholds=p["thresholds"], op_level=p["op_level"], estimate_cost=p["estimate_cost"],
-            layers=p["layers"])
+            layers=p["layers"] or None)
 
         def progress(description: str, total: float | None) -> Any:
             return ctx.task(f"{ctx.stage_id}: {description}", total)
