@@ -22,7 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 LAYER = 17
-DESCRIPTION = (f"the demo target carries a planted bug: the decode-attention kernel of layer {LAYER} "
+DESCRIPTION = (f"The demo target carries a planted bug: the decode-attention kernel of layer {LAYER} "
                "takes its softmax scale from the hidden size instead of the head size "
                "(plugins/demo_bug.py)")
 

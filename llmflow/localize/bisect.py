@@ -179,8 +179,8 @@ class _Bisect:
         result.routing = moe.routing_divergences(result.rows, step, self.decode_position(step))
         self.phase(f"module: isolation replay (step {step})")
         cand = result.candidate
-        self.log(f"bisect: step {step} ({result.source}): replayed {len(replayed)} of {len(result.rows)} "
-                 f"modules; top candidate {cand['name'] if cand else None} "
+        self.log(f"bisect: step {step} ({result.source}): replayed {len(result.replayed)} of "
+                 f"{len(result.rows)} modules; top candidate {cand['name'] if cand else None} "
                  f"(score {cand['score'] if cand else float('nan'):.2f})")
         return result
 
