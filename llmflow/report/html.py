@@ -44,6 +44,7 @@ MAX_ROWS = 5000  # per table: a browser stays responsive, the CSV has the rest
 COMPARE_LEAD = ("step", "name", "kind", "index", "verdict", "reason", "cosine_similarity",
                 "relative_euclidean_distance", "max_absolute_error", "max_relative_error", "kl_divergence",
                 "top1_match", "match")
+CANDIDATE_LEAD = ("rank", "name", "score", "error", "typical", "anomalous", "compare rows")
 LOGITS_LEAD = ("step", "golden_text", "target_text", "same_token", "verdict", "golden_margin", "kl",
                "cosine_similarity", "max_absolute_error")
 # columns left out of the page when on every row they echo another one (the CSV keeps them)
@@ -234,14 +235,14 @@ def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
         "fields": hv.fields(v) if verdict else [], "diagnosis": str(v.get("diagnosis") or ""),
         "inconclusive": hv.inconclusive(v), "replay": replay,
         "prompt": hv.prompt_of(envs, params), "sides": hv.sides(envs) if envs else None,
-        "params": [(str(k), _cell(val)["text"]) for k, val in params.items()],
+        "params": [(str(k), _cell(val)["text"] if val != "" else '""') for k, val in params.items()],
         "workflow": run.get("workflow"), "texts": _texts(v),
         "charts": charts(v.get("curves") or {}, mark_x=layer_number(layer) if layer else None),
         "curve_step": replay["step_label"] if replay else None,
         "heat": layer_heat_map(levels.get("layer"), v),
         "candidates": table_view(_with_row_links(list(v.get("candidates") or []), levels),
                                  table_id="t-candidates", highlight=v.get("first_bad_module"),
-                                 max_rows=max_rows) if v.get("candidates") else None,
+                                 max_rows=max_rows, lead=CANDIDATE_LEAD) if v.get("candidates") else None,
         "ops": table_view(list(v.get("ops") or []), table_id="t-ops", highlight=v.get("first_bad_op"),
                           max_rows=max_rows) if v.get("ops") else None,
         "routing": table_view(hv.routing(v), table_id="t-routing") if hv.routing(v) else None,

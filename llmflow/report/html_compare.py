@@ -154,10 +154,11 @@ def layer_heat_map(layer_rows: LevelRows | None, verdict: Mapping[str, Any] | No
     verdicts = {k: str(c.get("verdict") or "") for k, c in layer_rows.grid.items()}
     fails = sorted(k for k, verdict_ in verdicts.items() if verdict_ == "fail")
     tokens = ((v.get("texts") or {}).get("golden") or {}).get("tokens") or []
-    bad_token = v.get("first_bad_token")
+    bad_token, mismatch = v.get("first_bad_token"), v.get("first_mismatch_token")
     chart = heat_map(values, row_labels={s: _token_label(s, tokens) for s, _ in values}, metric=metric,
                      verdicts=verdicts, mark_row=bad_token if isinstance(bad_token, int) else None,
-                     mark_col=layer_number(v.get("first_bad_layer")), first_fail=fails[0] if fails else None)
+                     mark_col=layer_number(v.get("first_bad_layer")), first_fail=fails[0] if fails else None,
+                     split_after=mismatch if isinstance(mismatch, int) else None)
     if chart is not None:
         chart["n_fail"] = len(fails)
     return chart

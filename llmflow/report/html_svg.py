@@ -127,12 +127,15 @@ def heat_color(f: float) -> str:
 
 def heat_map(values: dict[tuple[int, int], float], *, row_labels: dict[int, str], metric: str,
              verdicts: dict[tuple[int, int], str] | None = None, mark_row: int | None = None,
-             mark_col: int | None = None, first_fail: tuple[int, int] | None = None) -> dict[str, Any] | None:
+             mark_col: int | None = None, first_fail: tuple[int, int] | None = None,
+             split_after: int | None = None) -> dict[str, Any] | None:
     """The geometry of a (step, layer) -> error heat map; None without a positive finite value.
 
     The colour scale is logarithmic over the values' decades; zeros take the palest colour.
     ``mark_row``/``mark_col`` (the first bad token and layer) get a red triangle at the axis,
-    ``first_fail`` (the first failing cell, step-major) a thick outline.
+    ``first_fail`` (the first failing cell, step-major) a thick outline, ``split_after`` (the
+    step whose tokens first differ) a dashed line under its row: later steps run on different
+    input tokens on the two sides.
     """
     finite = [v for v in values.values() if v is not None and math.isfinite(v)]
     positive = [v for v in finite if v > 0]
@@ -182,18 +185,22 @@ def heat_map(values: dict[tuple[int, int], float], *, row_labels: dict[int, str]
     def col_x(layer: int | None) -> float | None:
         return left + layers.index(layer) * cw + cw / 2 if layer in layers else None
 
+    split = None
+    later = [s for s in steps if split_after is not None and s > split_after]
+    if later:
+        split = top + steps.index(later[0]) * ch
     outline = None
     if first_fail is not None and first_fail[0] in steps and first_fail[1] in layers:
         outline = {"x": left + layers.index(first_fail[1]) * cw, "y": top + steps.index(first_fail[0]) * ch,
                    "step": first_fail[0], "layer": first_fail[1]}
     return {
-        "metric": metric, "w": left + max(grid_w, legend_w) + 20, "h": legend_y + legend_h,
+        "metric": metric, "w": left + max(grid_w + (170 if split is not None else 20), legend_w) + 20, "h": legend_y + legend_h,
         "left": left, "top": top, "cw": cw, "ch": ch, "grid_w": grid_w, "grid_h": grid_h, "cells": cells,
         "rows": [{"y": top + r * ch + ch / 2 + 4, "label": row_labels.get(s, f"step {s}"), "step": s}
                  for r, s in enumerate(steps) if r % row_every == 0 or s == mark_row],
         "cols": [{"x": left + c * cw + cw / 2, "label": str(ly)}
                  for c, ly in enumerate(layers) if c % col_every == 0 or ly == mark_col],
         "mark_row": row_y(mark_row), "mark_col": col_x(mark_col), "mark_step": mark_row,
-        "mark_layer": mark_col, "outline": outline,
+        "mark_layer": mark_col, "outline": outline, "split": split,
         "legend": {"y": legend_y, "w": legend_w, "stops": stops, "ticks": ticks},
     }

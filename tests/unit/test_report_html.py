@@ -159,6 +159,9 @@ def test_heat_map_cells_and_marks():
     marked = [t.text for t in find(dom, "text", "marked")]
     assert marked == ["1 → ' capital'", "7"]  # the verdict's first bad token (row) and layer (column)
     assert len(find(dom, "path", "marker")) == 2
+    # the texts differ at token 3: from step 4 on the sides run on different input tokens
+    (split,) = find(dom, "line", "split")
+    assert split.attrs["y1"] == by_pos[(4, 0)].attrs["y"]
 
 
 def test_no_heat_map_for_a_single_step():

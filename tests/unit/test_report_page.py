@@ -85,7 +85,9 @@ def test_tables_sort_and_filter(tmp_path):
     # a test-only script drives the page: sort candidates by score descending, keep failing rows
     probe = path.with_name("probe.html")
     driver = """<script>
-      var th=document.querySelectorAll('#t-candidates th')[4]; th.click(); th.click();
+      var th=[].filter.call(document.querySelectorAll('#t-candidates th'),
+                            function(h){return h.textContent==='score';})[0];
+      th.click(); th.click();
       var first=document.querySelector('#t-candidates tbody tr td:nth-child(2)').textContent;
       var box=document.querySelector('.filters[data-table="t-cmp-layer"]');
       var sel=box.querySelector('select'); sel.value='fail'; sel.dispatchEvent(new Event('change'));
