@@ -194,7 +194,8 @@ def heat_map(values: dict[tuple[int, int], float], *, row_labels: dict[int, str]
         outline = {"x": left + layers.index(first_fail[1]) * cw, "y": top + steps.index(first_fail[0]) * ch,
                    "step": first_fail[0], "layer": first_fail[1]}
     return {
-        "metric": metric, "w": left + max(grid_w + (170 if split is not None else 20), legend_w) + 20, "h": legend_y + legend_h,
+        "metric": metric, "h": legend_y + legend_h,
+        "w": left + max(grid_w + (170 if split is not None else 20), legend_w) + 20,  # the split's label
         "left": left, "top": top, "cw": cw, "ch": ch, "grid_w": grid_w, "grid_h": grid_h, "cells": cells,
         "rows": [{"y": top + r * ch + ch / 2 + 4, "label": row_labels.get(s, f"step {s}"), "step": s}
                  for r, s in enumerate(steps) if r % row_every == 0 or s == mark_row],
