@@ -1,12 +1,17 @@
-"""Shared helpers of the bisect area's tests: a synthetic verdict and a headless Chromium runner."""
+"""Shared helpers of the bisect and report tests: synthetic verdicts and compare rows, dumps of
+tiny models, and a headless Chromium runner with what reads its output (DOM, screenshot pixels)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import struct
 import subprocess
 import tempfile
+import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -25,42 +30,230 @@ def chromium() -> str:
     pytest.skip("headless Chromium is not installed (apt-get install -y chromium)")
 
 
-def run_chromium(html: Path, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run headless Chromium on a local file with a throw-away profile."""
+def run_chromium(html: Path, *extra: str, fragment: str = "",
+                 timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run headless Chromium on a local file (``#fragment`` appended) with a throw-away profile."""
     with tempfile.TemporaryDirectory(prefix="llmflow-chrome-") as profile:
-        cmd = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *extra, html.as_uri()]
+        url = html.as_uri() + (f"#{fragment}" if fragment else "")
+        cmd = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *extra, url]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
-def synthetic_verdict(n_layers: int = 12, bad_layer: int = 7) -> dict:
-    """A verdict shaped like the bisect stage's, with hostile names to test escaping."""
+@dataclass
+class Element:
+    """One element of a parsed page: its tag, attributes and the text inside it."""
+
+    tag: str
+    attrs: dict[str, str]
+    text: str = ""
+    parent: Element | None = None
+
+    @property
+    def classes(self) -> set[str]:
+        return set(self.attrs.get("class", "").split())
+
+    def within(self, tag: str, **attrs: str) -> bool:
+        """Whether an ancestor has this tag (and these attribute values)."""
+        node = self.parent
+        while node is not None:
+            if node.tag == tag and all(node.attrs.get(k) == v for k, v in attrs.items()):
+                return True
+            node = node.parent
+        return False
+
+
+VOID_TAGS = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track",
+             "wbr"}
+
+
+def parse_dom(html: str) -> list[Element]:
+    """Every element of ``html`` (e.g. Chromium's ``--dump-dom``) in document order."""
+    elements: list[Element] = []
+    stack: list[Element] = []
+
+    class Parser(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            el = Element(tag, {k: v or "" for k, v in attrs}, parent=stack[-1] if stack else None)
+            elements.append(el)
+            if tag not in VOID_TAGS:
+                stack.append(el)
+
+        def handle_startendtag(self, tag, attrs):
+            elements.append(Element(tag, {k: v or "" for k, v in attrs}, parent=stack[-1] if stack else None))
+
+        def handle_endtag(self, tag):
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i].tag == tag:
+                    del stack[i:]
+                    break
+
+        def handle_data(self, data):
+            for el in stack:
+                el.text += data
+
+    Parser(convert_charrefs=True).feed(html)
+    return elements
+
+
+def find(elements: list[Element], tag: str | None = None, cls: str | None = None,
+         **attrs: str) -> list[Element]:
+    """The elements with this tag, class and attribute values (``data_name`` for data-name)."""
+    return [e for e in elements if (tag is None or e.tag == tag) and (cls is None or cls in e.classes)
+            and all(e.attrs.get(k.replace("_", "-")) == v for k, v in attrs.items())]
+
+
+def children(elements: list[Element], parent: Element) -> list[Element]:
+    return [e for e in elements if e.parent is parent]
+
+
+def side_rows(elements: list[Element]) -> dict[str, Element]:
+    """The report's golden/target table: fact (model, dtype, torch, ...) -> its row."""
+    return {th.text: th.parent for th in find(elements, "th", scope="row")
+            if th.within("table", **{"class": "sides"})}
+
+
+def png_rows(data: bytes, first: int, count: int) -> tuple[int, list[list[tuple[int, int, int]]]]:
+    """(width, rows ``first`` .. ``first + count - 1`` as RGB pixels) of an 8-bit RGB/RGBA,
+    non-interlaced PNG such as Chromium's screenshots: enough to check what a region shows."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    assert header is not None
+    width, _height, depth, color, _c, _f, interlace = header
+    assert depth == 8 and color in (2, 6) and interlace == 0, header
+    bpp = 3 if color == 2 else 4
+    stride = width * bpp
+    raw = zlib.decompress(idat)
+    prev = bytearray(stride)
+    rows = []
+    for y in range(first + count):
+        ftype, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if ftype == 1:
+                line[i] = (line[i] + a) & 255
+            elif ftype == 2:
+                line[i] = (line[i] + b) & 255
+            elif ftype == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif ftype == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        if y >= first:
+            rows.append([tuple(line[x * bpp:x * bpp + 3]) for x in range(width)])
+        prev = line
+    return width, rows
+
+
+def synthetic_verdict(n_layers: int = 12, bad_layer: int = 7, *, state: str = "fault") -> dict:
+    """A verdict shaped like the bisect stage's, with hostile names to test escaping.
+
+    ``state``: "fault" (a module and op blamed, status fail), "pass" (identical outputs),
+    "inconclusive" (the texts differ, no module stands out, what to run next), "moe" (a fault
+    plus MoE routing differences), "legacy" (a fault, without the status/headline/inconclusive/
+    replay reasons/routing keys, as older verdicts are)."""
     raw = {i: 2e-3 * (1.25 ** i) for i in range(n_layers)}
     iso = {i: 3e-3 * (1 + 0.1 * (i % 3)) for i in range(n_layers)}
     iso[bad_layer] = 0.4
     cands = [{"rank": 1, "name": f"model.layers.{bad_layer}.mlp.down_proj", "error": 0.4,
-              "typical": 0.003, "score": 133.3, "anomalous": True}]
+              "typical": 0.003, "score": 133.3, "anomalous": True, "layer": f"model.layers.{bad_layer}"}]
     cands += [{"rank": i + 2, "name": f"model.layers.{i}.mlp.down_proj", "error": 0.003,
-               "typical": 0.003, "score": 1.0 + i / 100, "anomalous": False} for i in range(5)]
+               "typical": 0.003, "score": 1.0 + i / 100, "anomalous": False, "layer": f"model.layers.{i}"}
+              for i in range(5)]
     cands.append({"rank": 8, "name": "<script>alert('x')</script>", "error": None, "score": None})
-    return {
+    tokens = ["The", " capital", " is", " Paris", ".", " It", " is", " big", ".", "\n"]
+    target = tokens[:3] + [" Lyon", "<&>"] + tokens[5:]
+    v = {
+        "status": "fail",
+        "headline": f"fault in model.layers.{bad_layer}.mlp.down_proj/mul.0 <i>(op)</i>",
         "first_mismatch_token": 3, "first_bad_token": 1,
         "first_bad_layer": f"model.layers.{bad_layer}",
         "first_bad_module": f"model.layers.{bad_layer}.mlp.down_proj",
         "first_bad_op": f"model.layers.{bad_layer}.mlp.down_proj/mul.0",
-        "diagnosis": "model.layers.7.mlp.down_proj's own error is 133x that of the same module "
+        "diagnosis": f"model.layers.{bad_layer}.mlp.down_proj's own error is 133x that of the same module "
                      "in other layers & <b>not</b> bf16 noise",
         "token_detail": {"golden_token": " Paris", "target_token": " Lyon"},
-        "texts": {"golden": {"label": "fp32 cpu", "tokens": ["The", " capital", " is", " Paris", "."]},
-                  "target": {"label": "bf16 cpu", "tokens": ["The", " capital", " is", " Lyon", "<&>"]}},
+        "texts": {"golden": {"label": "fp32 cpu", "tokens": tokens},
+                  "target": {"label": "bf16 cpu", "tokens": target}},
         "curves": {"relative error": {"raw": raw, "isolated": iso},
                    "cosine distance": {"raw": {i: v / 10 for i, v in raw.items()},
                                        "isolated": {i: v / 10 for i, v in iso.items()}}},
         "candidates": cands,
         "ops": [{"name": f"model.layers.{bad_layer}.mlp.down_proj/linear.0", "error": 0.003},
                 {"name": f"model.layers.{bad_layer}.mlp.down_proj/mul.0", "error": 0.5}],
-        "cost": {"model_runs": 6, "bytes_dumped": 1234567, "seconds": 12.5,
-                 "full_api_dump_bytes_estimate": 98765432},
+        "token_rows": [{"step": i, "target_step": i, "golden_text": tok, "target_text": target[i],
+                        "same_token": tok == target[i], "kl": 1e-4 * (1 + 50 * (i >= 1)),
+                        "cosine_similarity": 0.9999 if i < 1 else 0.9, "verdict": "pass" if i < 1 else "fail"}
+                       for i, tok in enumerate(tokens)],
+        "replay": {"step": 0, "replayed": 6 * n_layers, "not_replayable": 2, "ratio_threshold": 3.0,
+                   "device": "cpu", "dtype": "bfloat16",
+                   "reasons": {"needs the KV cache of earlier steps": ["model.layers.0.self_attn"],
+                               "<b>no golden inputs</b> dumped": ["lm_head<x>"]}},
+        "cost": {"model_runs": {"full_generations": 2, "module_replays": 72}, "bytes_dumped": 1234567,
+                 "golden_dump_bytes": 1000000, "full_api_dump_bytes_estimate": 98765432,
+                 "bytes_fraction_of_full_api_dump": 0.0125, "bisect_seconds": 12.5,
+                 "bisect_phase_seconds": {"load target model": 3.0, "module: isolation replay": 9.5}},
     }
+    if state == "pass":
+        v.update(status="pass", headline="the target matches the golden: same tokens, logits within limits",
+                 first_mismatch_token=None, first_bad_token=None, first_bad_layer=None,
+                 first_bad_module=None, first_bad_op=None, token_detail={}, ops=[],
+                 diagnosis="The target matches the golden.")
+        v["texts"]["target"]["tokens"] = tokens
+        for r in v["token_rows"]:
+            r.update(target_text=r["golden_text"], same_token=True, verdict="pass", cosine_similarity=0.99999)
+    elif state == "inconclusive":
+        v.update(status="inconclusive", headline="the texts differ at token 3 but no module stands out",
+                 diagnosis="No module's own error stands out from the same module in the other layers.",
+                 first_bad_layer=None, first_bad_module=None, first_bad_op=None, ops=[],
+                 inconclusive={"reason": "the replay covers step 0 (prefill) only; the logits first "
+                                         "fail at step 1 <decode>",
+                               "next": "llmflow run workflows/llama2_bisect.yaml --set replay_step=1"})
+    elif state == "moe":
+        v["routing"] = [{"layer": f"model.layers.{bad_layer}.mlp.gate", "step": 1, "tokens": [4, 9],
+                         "detail": "experts {3, 5} -> {3, 6} <top-2>"},
+                        {"layer": "model.layers.9.mlp.gate", "step": 2, "tokens": [1],
+                         "detail": "{0, 1} -> {0, 2}"}]
+    elif state == "legacy":
+        for key in ("status", "headline"):
+            del v[key]
+        del v["replay"]["reasons"]
+    elif state != "fault":
+        raise ValueError(f"unknown synthetic verdict state {state!r}")
+    return v
+
+
+def synthetic_layer_rows(n_steps: int = 8, n_layers: int = 12, *, bad_step: int = 1, bad_layer: int = 7,
+                         level: str = "layer") -> list[dict]:
+    """Compare rows as the compare stage's CSV holds them (all strings): decoder-layer outputs
+    at every step, the error jumping at (bad_step, bad_layer) and carried to every later layer
+    and step. ``level="module"`` adds the golden's layer inputs, unmatched (kept for replay), as
+    in a bisect's module-level compare."""
+    rows = []
+    for step in range(n_steps):
+        for layer in range(n_layers):
+            bad = step >= bad_step and layer >= bad_layer
+            err = (0.3 if bad else 2e-3) * (1 + 0.05 * layer) * (1 + 0.1 * step)
+            base = {"step": str(step), "target_step": str(step), "rank": "0", "name": f"model.layers.{layer}",
+                    "target_name": f"model.layers.{layer}", "kind": "output", "index": "0", "match": "name",
+                    "module_type": "LlamaDecoderLayer"}
+            rows.append({**base, "cosine_similarity": repr(1 - err * err),
+                         "relative_euclidean_distance": repr(err), "max_absolute_error": repr(err * 3),
+                         "verdict": "fail" if err > 0.05 else "pass", "reason": ""})
+            if level == "module":
+                rows.append({**base, "target_name": "", "kind": "input", "match": "unmatched golden",
+                             "cosine_similarity": "", "relative_euclidean_distance": "",
+                             "max_absolute_error": "", "verdict": "unmatched", "reason": "unmatched golden"})
+    return rows
 
 
 def make_dumps(tmp: Path, model: str, *, patch: str | None = None, prompt: str = "Tell me a story.",

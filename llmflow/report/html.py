@@ -1,99 +1,132 @@
 """One self-contained HTML report: the verdict on top, then the evidence that supports it.
 
-No network: CSS, JS (sortable/filterable tables) and SVG charts are inline, so the file can be
-mailed or attached to an issue. Every string that came from a dump, a model or a user (module
-names, token text, prompts) goes through ``html.escape``.
+The page is ``templates/report.html.j2`` rendered by Jinja2 with autoescaping on, so every string
+that came from a dump, a model or a user (module names, token text, prompts, paths) is escaped;
+nothing here builds markup by hand. No network: CSS, JS (sortable/filterable tables, row links)
+and SVG charts are inline, so the file can be mailed or attached to an issue.
 
 Sections, each shown only when its data is there:
-  verdict      first mismatching token, first bad token, layer, module, op, the diagnosis line
+  banner       the status (pass/fail/inconclusive) and a one-line headline, coloured
+  verdict      first mismatching token, first bad token, layer, module, op, the diagnosis line;
+               why the evidence is inconclusive and what to run next
+  run          the prompt, the two sides' model/device/dtype/versions (env.json), the run's parameters
   texts        golden and target generations token by token, the first difference marked
-  curves       per-layer errors, raw (from the dumps) against isolated (replay), one chart per metric
-  candidates   the ranked modules (own error, typical error of the type, score)
-  ops          the op-level comparison inside the chosen module
-  cost         model runs, bytes dumped, seconds, against a full API-level dump
-  tables       any row tables (the compare stage's CSVs), sortable and filterable
+  curves       per-layer errors at the replayed step, raw (dumps) against isolated (replay)
+  heat map     layer-output error per step and layer (compare rows of level "layer", 2+ steps)
+  candidates   the ranked modules, each linked to its compare rows; ops inside the chosen one;
+               modules that could not be replayed and why; MoE routing differences
+  logits       one table of the logits per step
+  compare      per level: the compared rows (sortable, filterable) and, collapsed, the rows not
+               compared with their reasons; links to the CSV/XLSX files
+  cost         model runs, bytes dumped (kB/MB/GB), seconds per phase
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
-from html import escape
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+from urllib.parse import quote
 
-from llmflow.report.html_assets import CSS, JS
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from markupsafe import Markup
+
+from llmflow.report import html_verdict as hv
+from llmflow.report.html_compare import LevelRows, layer_heat_map, layer_number, parse_row, summarize_level
 from llmflow.report.html_svg import charts
 
 MAX_ROWS = 5000  # per table: a browser stays responsive, the CSV has the rest
+# columns a reader looks at first (the rest follow in the CSV's order)
+COMPARE_LEAD = ("step", "name", "kind", "index", "verdict", "reason", "cosine_similarity",
+                "relative_euclidean_distance", "max_absolute_error", "max_relative_error", "kl_divergence",
+                "top1_match", "match")
+CANDIDATE_LEAD = ("rank", "name", "score", "error", "typical", "anomalous", "compare rows")
+LOGITS_LEAD = ("step", "golden_text", "target_text", "same_token", "verdict", "golden_margin", "kl",
+               "cosine_similarity", "max_absolute_error")
+# columns left out of the page when on every row they echo another one (the CSV keeps them)
+ECHOES = (("target_step", "step"), ("target_name", "name"), ("rank", None))
+TEMPLATES = Path(__file__).with_name("templates")
 
 
-def _cell(v: Any) -> tuple[str, str, bool]:
-    """(display text, sort value, is-number) of one table cell."""
-    if v is None:
-        return "", "", False
+class Link(NamedTuple):
+    """A table cell that links somewhere in the page (or to a file next to it)."""
+
+    text: str
+    href: str
+
+
+@cache
+def _env() -> Environment:
+    return Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True, undefined=StrictUndefined,
+                       trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+
+def _cell(v: Any) -> dict[str, Any]:
+    """Display text, sort value, is-number and link of one table cell."""
+    if isinstance(v, Link):
+        return {"text": v.text, "sort": v.text, "num": False, "href": v.href}
+    text, sort, num = "", "", False
     if isinstance(v, bool):
-        return str(v).lower(), str(v).lower(), False
-    if isinstance(v, (int, float)):
+        text = sort = str(v).lower()
+    elif isinstance(v, (int, float)):
         f = float(v)
-        if not math.isfinite(f):
-            return str(f), str(f), False
-        text = str(v) if isinstance(v, int) else (f"{f:.4g}" if f != 0 else "0")
-        return text, repr(f), True
-    if isinstance(v, (dict, list, tuple)):
-        s = json.dumps(v, default=str)
-        return s, s, False
-    s = str(v)
-    return s, s, False
+        if math.isfinite(f):
+            text = str(v) if isinstance(v, int) else (f"{f:.4g}" if f != 0 else "0")
+            sort, num = repr(f), True
+        else:
+            text = sort = str(f)
+    elif isinstance(v, (dict, list, tuple)):
+        text = sort = json.dumps(v, default=str)
+    elif v is not None:
+        text = sort = str(v)
+    return {"text": text, "sort": sort, "num": num, "href": None}
 
 
-def table(rows: list[Mapping[str, Any]], *, table_id: str, columns: list[str] | None = None,
-          max_rows: int = MAX_ROWS, highlight: str | None = None, filters: bool = True) -> str:
-    """A sortable ``<table>`` (with a filter box and a verdict selector when ``filters``).
-
-    Rows with a ``verdict`` of fail/warn are coloured; the row whose ``name`` equals
-    ``highlight`` is bold. Columns default to the union of the rows' keys in first-seen order.
+def table_view(rows: Sequence[Mapping[str, Any]], *, table_id: str, columns: list[str] | None = None,
+               max_rows: int = MAX_ROWS, highlight: str | None = None, filters: bool = True,
+               total: int | None = None, lead: Sequence[str] = (),
+               drop_echoes: bool = False) -> dict[str, Any]:
+    """What the ``table`` macro draws: a sortable table (with a filter box and a verdict selector
+    when ``filters``). Rows with a ``verdict`` of fail/warn are coloured; the row whose ``name``
+    equals ``highlight`` is bold. Columns default to every key that has a value in some row, in
+    first-seen order, ``lead`` ones first; ``drop_echoes`` leaves out the ``ECHOES``.
+    ``total``: how many rows there are in all (when ``rows`` is already a prefix).
     """
-    if columns is None:  # every key that has a value in some row, in first-seen order
+    shown = rows[:max_rows]
+    if columns is None:
         columns = []
         for r in rows:
             columns.extend(k for k in r if k not in columns and r[k] is not None)
-    shown = rows[:max_rows]
-    out = []
-    if filters:
-        has_verdict = "verdict" in columns
-        sel = ('<select aria-label="verdict"><option value="">all verdicts</option>'
-               '<option value="fail">fail</option><option value="warn">warn</option></select>'
-               if has_verdict else "")
-        out.append(f'<div class="filters" data-table="{escape(table_id)}"><input type="search" '
-                   f'placeholder="filter rows..." aria-label="filter"> {sel} '
-                   f'<span class="count muted"></span></div>')
-    if len(rows) > max_rows:
-        out.append(f'<p class="muted">showing the first {max_rows} of {len(rows)} rows; the CSV '
-                   f'has all of them</p>')
-    out.append(f'<div class="tablebox"><table class="sortable" id="{escape(table_id)}"><thead><tr>')
-    out.extend(f"<th>{escape(str(c))}</th>" for c in columns)
-    out.append("</tr></thead><tbody>")
+        columns = [c for c in lead if c in columns] + [c for c in columns if c not in lead]
+        if drop_echoes:
+            columns = [c for c in columns if not _echoes(c, shown)]
+    out_rows = []
     for r in shown:
-        cls = [str(r.get("verdict"))] if r.get("verdict") in ("fail", "warn") else []
+        cls = [str(r["verdict"])] if r.get("verdict") in ("fail", "warn") else []
         if highlight is not None and r.get("name") == highlight:
             cls.append("cand")
-        out.append(f'<tr class="{" ".join(cls)}">' if cls else "<tr>")
-        for c in columns:
-            text, sort, num = _cell(r.get(c))
-            attr = f' class="num" data-v="{escape(sort)}"' if num else ""
-            out.append(f"<td{attr}>{escape(text)}</td>")
-        out.append("</tr>")
-    out.append("</tbody></table></div>")
-    return "".join(out)
+        out_rows.append({"cls": " ".join(cls), "name": "" if r.get("name") is None else str(r.get("name")),
+                         "cells": [_cell(r.get(c)) for c in columns]})
+    return {"id": table_id, "columns": [str(c) for c in columns], "rows": out_rows, "filters": filters,
+            "has_verdict": "verdict" in columns, "shown": len(shown), "total": max(total or 0, len(rows))}
 
 
-def _tokens(tokens: list[str], first_diff: int | None, first_bad: int | None) -> str:
-    out = ['<div class="tokens">']
+def _echoes(column: str, rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether ``column`` repeats another column (or, for ``rank``, is 0) on every row."""
+    for col, other in ECHOES:
+        if col == column:
+            return all(r.get(col) == (r.get(other) if other else 0) for r in rows)
+    return False
+
+
+def _tokens(tokens: list[str], first_diff: int | None, first_bad: int | None) -> list[dict[str, str]]:
+    out = []
     for i, tok in enumerate(tokens):
-        cls = ["tok"]
-        title = f"step {i}"
+        cls, title = ["tok"], f"step {i}"
         if first_diff is not None and i == first_diff:
             cls.append("diff")
             title += ": first differing token"
@@ -102,84 +135,133 @@ def _tokens(tokens: list[str], first_diff: int | None, first_bad: int | None) ->
         if first_bad is not None and i == first_bad and i != first_diff:
             cls.append("bad")
             title += ": first token whose logits fail"
-        out.append(f'<span class="{" ".join(cls)}" title="{escape(title)}">{escape(tok)}</span>')
-    out.append("</div>")
-    return "".join(out)
+        out.append({"text": tok, "cls": " ".join(cls), "title": title})
+    return out
 
 
-def _verdict_box(v: Mapping[str, Any]) -> str:
-    found = v.get("first_bad_layer") is not None or v.get("first_bad_op") is not None
-    same = v.get("first_mismatch_token") is None and v.get("first_bad_token") is None
-    # red: a module is blamed; amber: the outputs drift but no module stands out; green: identical
-    cls = "verdict" if found else ("verdict ok" if same else "verdict drift")
-    fields = [("first mismatching token", v.get("first_mismatch_token")),
-              ("first bad token (logits)", v.get("first_bad_token")),
-              ("first bad layer", v.get("first_bad_layer")),
-              ("first bad module", v.get("first_bad_module")),
-              ("first bad op", v.get("first_bad_op"))]
-    detail = v.get("token_detail") or {}
-    if detail.get("golden_token") is not None:
-        fields.append(("tokens at the mismatch",
-                       f"golden {detail.get('golden_token')!r} vs target {detail.get('target_token')!r}"))
-    out = [f'<section class="{cls}"><h2 style="margin-top:0;border:0">Verdict</h2>']
-    if v.get("diagnosis"):
-        out.append(f'<p class="diagnosis">{escape(str(v["diagnosis"]))}</p>')
-    out.append("<dl>")
-    for label, value in fields:
-        shown = "none" if value is None else str(value)
-        out.append(f"<dt>{escape(label)}</dt><dd><code>{escape(shown)}</code></dd>")
-    out.append("</dl></section>")
-    return "".join(out)
+def _texts(v: Mapping[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for side in ("golden", "target"):
+        t = (v.get("texts") or {}).get(side) or {}
+        if not t:
+            continue
+        tokens = [str(x) for x in t.get("tokens") or [t.get("text", "")]]
+        out.append({"label": f"{side}: {t.get('label', '')}".rstrip(": "),
+                    "tokens": _tokens(tokens, v.get("first_mismatch_token"), v.get("first_bad_token"))})
+    return out
+
+
+def _safe_id(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", text)
+
+
+def _layer_of(row: Mapping[str, Any]) -> str | None:
+    if row.get("layer"):
+        return str(row["layer"])
+    m = re.match(r"^(.*?\.\d+)(?:\.|$)", str(row.get("name") or ""))
+    return m[1] if m else None
+
+
+def _with_row_links(rows: list[Mapping[str, Any]], levels: Mapping[str, LevelRows]) -> list[dict[str, Any]]:
+    """Candidates with a ``compare rows`` cell linking to the module's compare rows in the page:
+    its own (module, api or layer level), else its decoder layer's output; empty when neither
+    was compared."""
+    names = {lv: rows_.shown_names() for lv, rows_ in levels.items()}
+    out = []
+    for r in rows:
+        link = None
+        layer = _layer_of(r)
+        for target, where, prefix in ((r.get("name"), ("module", "api", "layer"), ""),
+                                      (layer, ("layer", "module"), f"layer {layer}: ")):
+            found = [lv for lv in where if target is not None and names.get(lv, {}).get(str(target))]
+            if found:
+                n = names[found[0]][str(target)]
+                link = Link(f"{prefix}{n} row{'s' if n != 1 else ''}",
+                            f"#rows=t-cmp-{_safe_id(found[0])}&name={quote(str(target), safe='')}")
+                break
+        out.append({**r, "compare rows": link})
+    return out
+
+
+def _compare_sections(levels: Mapping[str, LevelRows], max_rows: int,
+                      logits_shown: bool) -> list[dict[str, Any]]:
+    out = []
+    for name, lv in levels.items():
+        tid = f"t-cmp-{_safe_id(name)}"
+        in_logits = logits_shown and name == "logits"
+        out.append({
+            "level": name, "id": f"compare-{_safe_id(name)}", "href": lv.href,
+            "n_compared": lv.n_compared, "n_not_compared": lv.n_not_compared, "in_logits": in_logits,
+            "matches": ", ".join(f"{n} by {m}" for m, n in lv.matches.most_common()),
+            "verdicts": ", ".join(f"{n} {k}" for k, n in lv.verdicts.most_common() if k),
+            "table": None if in_logits or not lv.compared else
+            table_view(lv.compared, table_id=tid, max_rows=max_rows, total=lv.n_compared,
+                       lead=COMPARE_LEAD, drop_echoes=True),
+            "reasons": lv.reason_rows(),
+            "reason_line": "; ".join(f"{n} {why}" for why, n in lv.why_counts()),
+            "not_table": table_view(lv.not_compared, table_id=f"{tid}-not", max_rows=max_rows,
+                                    total=lv.n_not_compared, lead=COMPARE_LEAD, drop_echoes=True)
+            if lv.not_compared else None,
+        })
+    return out
 
 
 def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
+                  compare: Mapping[str, LevelRows | Iterable[Mapping[str, Any]]] | None = None,
+                  files: Sequence[tuple[str, str]] = (), run: Mapping[str, Any] | None = None,
                   tables: Mapping[str, list[Mapping[str, Any]]] | None = None,
                   meta: Mapping[str, Any] | None = None, max_rows: int = MAX_ROWS) -> str:
-    """The whole HTML document as a string. ``verdict`` is the bisect stage's verdict dict."""
-    body: list[str] = [f"<h1>{escape(title)}</h1>"]
-    if meta:
-        body.append('<p class="muted">' + " &middot; ".join(
-            f"{escape(str(k))}: <code>{escape(str(val))}</code>" for k, val in meta.items()) + "</p>")
-    v = verdict or {}
-    if verdict:
-        body.append(_verdict_box(v))
-        texts = v.get("texts") or {}
-        if texts:
-            body.append("<h2>Generated texts</h2>")
-            for side in ("golden", "target"):
-                t = texts.get(side) or {}
-                label = f"{side}: {t.get('label', '')}".rstrip(": ")
-                body.append(f"<div><b>{escape(label)}</b></div>")
-                body.append(_tokens([str(x) for x in t.get("tokens") or [t.get("text", "")]],
-                                    v.get("first_mismatch_token"), v.get("first_bad_token")))
-        curves = v.get("curves") or {}
-        if curves:
-            layer = v.get("first_bad_layer")
-            mark = int(str(layer).rsplit(".", 1)[-1]) if layer and str(layer)[-1:].isdigit() else None
-            body.append("<h2>Per-layer error: raw (dumps) against isolated (replay)</h2>"
-                        '<p class="muted">Raw errors carry everything upstream (the residual stream '
-                        "accumulates); isolated errors are each module's own, measured on the golden "
-                        "inputs. The dashed red line marks the first bad layer.</p>")
-            body.append(charts(curves, mark_x=mark))
-        sections = [("Ranked candidate modules", "candidates", v.get("first_bad_module")),
-                    ("Ops inside the chosen module", "ops", v.get("first_bad_op")),
-                    ("Logits per step", "token_rows", None)]
-        for heading, key, highlight in sections:
-            rows = v.get(key) or []
-            if rows:
-                body.append(f"<h2>{escape(heading)}</h2>")
-                body.append(table(rows, table_id=f"t-{key}", highlight=highlight, max_rows=max_rows))
-        cost = v.get("cost")
-        if cost:
-            body.append("<h2>Cost</h2>")
-            body.append(table([{"what": k, "value": val} for k, val in cost.items()],
-                              table_id="t-cost", filters=False))
-    for i, (name, rows) in enumerate((tables or {}).items()):
-        body.append(f"<h2>{escape(name)}</h2>")
-        body.append(table(list(rows), table_id=f"t-extra-{i}", max_rows=max_rows))
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<meta name=\"viewport\" content=\"width=device-width\"><title>{escape(title)}</title>"
-            f"<style>{CSS}</style></head><body>{''.join(body)}<script>{JS}</script></body></html>\n")
+    """The whole HTML document as a string.
+
+    ``verdict``: the bisect stage's verdict dict. ``compare``: level -> the compare stage's rows
+    (or a ``LevelRows`` already summarised, with the CSV's relative link). ``files``: (label, href)
+    links to files next to the page (CSV, XLSX). ``run``: {"params": the run's parameters,
+    "env": {"golden": env.json dict, "target": ...}}. ``tables``: any other row tables by heading.
+    """
+    v = dict(verdict or {})
+    levels = {lv: rows if isinstance(rows, LevelRows) else summarize_level(lv, rows, max_rows=max_rows)
+              for lv, rows in (compare or {}).items()}
+    run = run or {}
+    envs = dict(run.get("env") or {})
+    params = run.get("params") or {}
+    replay = hv.replay(v) if verdict else None
+    layer = v.get("first_bad_layer")
+    token_rows = list(v.get("token_rows") or [])  # the bisect's logits rows: tokens, margins, KL
+    logits_shown = bool(token_rows)  # then the compare section does not repeat its logits rows
+    ctx = {
+        "title": title, "meta": [(str(k), str(val)) for k, val in (meta or {}).items()],
+        "css": Markup(_asset("report.css")), "js": Markup(_asset("report.js")),
+        "banner": hv.banner(v) if verdict else None,
+        "fields": hv.fields(v) if verdict else [], "diagnosis": str(v.get("diagnosis") or ""),
+        "inconclusive": hv.inconclusive(v), "replay": replay,
+        "prompt": hv.prompt_of(envs, params), "sides": hv.sides(envs) if envs else None,
+        "params": [(str(k), _cell(val)["text"] if val != "" else '""') for k, val in params.items()],
+        "workflow": run.get("workflow"), "texts": _texts(v),
+        "charts": charts(v.get("curves") or {}, mark_x=layer_number(layer) if layer else None),
+        "curve_step": replay["step_label"] if replay else None,
+        "heat": layer_heat_map(levels.get("layer"), v),
+        "candidates": table_view(_with_row_links(list(v.get("candidates") or []), levels),
+                                 table_id="t-candidates", highlight=v.get("first_bad_module"),
+                                 max_rows=max_rows, lead=CANDIDATE_LEAD) if v.get("candidates") else None,
+        "ops": table_view(list(v.get("ops") or []), table_id="t-ops", highlight=v.get("first_bad_op"),
+                          max_rows=max_rows) if v.get("ops") else None,
+        "routing": table_view(hv.routing(v), table_id="t-routing") if hv.routing(v) else None,
+        "logits": table_view(token_rows, table_id="t-logits", max_rows=max_rows, lead=LOGITS_LEAD,
+                             drop_echoes=True) if logits_shown else None,
+        "logits_href": levels["logits"].href if "logits" in levels else None,
+        "compare": _compare_sections(levels, max_rows, logits_shown),
+        "files": [{"label": str(label), "href": str(href)} for label, href in files],
+        "cost": hv.cost(v.get("cost")),
+        "extra": [{"name": str(name),
+                   "table": table_view(list(rows), table_id=f"t-extra-{i}", max_rows=max_rows)}
+                  for i, (name, rows) in enumerate((tables or {}).items())],
+    }
+    return _env().get_template("report.html.j2").render(ctx)
+
+
+@cache
+def _asset(name: str) -> str:
+    return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
 def write_report(path: str | Path, **kwargs: Any) -> Path:
@@ -191,20 +273,5 @@ def write_report(path: str | Path, **kwargs: Any) -> Path:
 
 
 def rows_of(items: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Plain dict copies (CSV readers give OrderedDicts of strings; numbers are parsed back)."""
-    out = []
-    for item in items:
-        row = {}
-        for k, val in item.items():
-            if isinstance(val, str):
-                try:
-                    num = float(val)
-                    row[k] = int(num) if val.strip().lstrip("-").isdigit() else num
-                    continue
-                except ValueError:
-                    pass
-                row[k] = None if val == "" else val
-            else:
-                row[k] = val
-        out.append(row)
-    return out
+    """Plain dict copies (CSV readers give dicts of strings; numbers are parsed back)."""
+    return [parse_row(item) for item in items]

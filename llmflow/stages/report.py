@@ -1,36 +1,49 @@
-"""The ``report`` stage: one self-contained HTML file from a verdict and compare tables.
+"""The ``report`` stage: one self-contained HTML file from a verdict, compare tables and the run.
 
-A thin adapter over ``llmflow.report.html``: reads the bisect stage's ``verdict_file`` (optional)
-and the compare stage's CSVs (``csv``: level -> path, optional) and writes ``report.html``.
+A thin adapter over ``llmflow.report.html``: reads the bisect stage's ``verdict_file``, streams
+the compare stage's CSVs (``csv``: level -> path), reads each dump's ``env.json`` (``golden_dump``,
+``target_dump``) and the run's parameters (``<run-dir>/summary.json``), and writes ``report.html``.
+Every input is optional. Links to the CSV/XLSX files are relative to the stage's final directory,
+so the run directory can be moved or zipped whole and the links still work.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+from llmflow.compare.env_diff import load_env
 from llmflow.errors import UserError
-from llmflow.report.html import MAX_ROWS, rows_of, write_report
+from llmflow.report.html import MAX_ROWS, write_report
+from llmflow.report.html_compare import LevelRows, summarize_level
 from llmflow.stages.base import Stage, StageContext
+
+_PATH = {"type": ["string", "null"], "default": None}
 
 
 class ReportStage(Stage):
-    """Write a self-contained HTML report: verdict, texts, per-layer charts, sortable tables."""
+    """Write a self-contained HTML report: verdict, run, texts, charts, heat map, linked tables."""
 
     type: ClassVar[str] = "report"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
         "properties": {
             "title": {"type": "string", "default": "llmflow report", "description": "The page title."},
-            "verdict_file": {"type": ["string", "null"], "default": None,
+            "verdict_file": {**_PATH,
                              "description": "The bisect stage's verdict_file (verdict, texts, charts)."},
             "csv": {"type": ["object", "string", "null"], "default": None,
                     "description": "Compare tables: the compare stage's csv output (level -> path) "
                     "or one path."},
+            "xlsx": {**_PATH, "description": "The compare stage's xlsx output, linked from the page."},
+            "golden_dump": {**_PATH, "description": "The golden dump directory (or its env.json): the "
+                            "prompt, model, device, dtype and versions shown for the golden side."},
+            "target_dump": {**_PATH, "description": "The target dump directory (or its env.json)."},
             "max_rows": {"type": "integer", "minimum": 1, "default": MAX_ROWS,
                          "description": "Rows per table in the page (the CSV keeps them all)."},
         },
@@ -50,31 +63,59 @@ class ReportStage(Stage):
         csvs = p["csv"] or {}
         if isinstance(csvs, str):
             csvs = {Path(csvs).stem: csvs}
-        tables: dict[str, list[dict[str, Any]]] = {}
+        levels: dict[str, LevelRows] = {}
+        files: list[tuple[str, str]] = []
         task = ctx.task(f"{ctx.stage_id}: tables", total=len(csvs))
         for level, csv_path in csvs.items():
-            tables[f"compare: {level}"] = _read_csv(ctx.resolve_path(csv_path), p["max_rows"], ctx.stage_id)
+            path = ctx.resolve_path(csv_path)
+            href = _href(path, ctx.final_dir)
+            levels[level] = summarize_level(level, _csv_rows(path, ctx.stage_id), max_rows=p["max_rows"],
+                                            href=href)
+            files.append((path.name, href))
             task.advance()
-        meta = {"run": str(ctx.run_dir)}
-        out = write_report(ctx.out_dir / "report.html", title=p["title"], verdict=verdict, tables=tables,
-                           meta=meta, max_rows=p["max_rows"])
+        if p["xlsx"]:
+            xlsx = ctx.resolve_path(p["xlsx"])
+            files.append((xlsx.name, _href(xlsx, ctx.final_dir)))
+        run = {"env": {side: _env(ctx, p[f"{side}_dump"]) for side in ("golden", "target")
+                       if p[f"{side}_dump"]}, **_run_record(ctx.run_dir)}
+        out = write_report(ctx.out_dir / "report.html", title=p["title"], verdict=verdict, compare=levels,
+                           files=files, run=run, meta={"run": str(ctx.run_dir)}, max_rows=p["max_rows"])
         ctx.summary["report"] = {"html": str(out)}
         ctx.log(f"{ctx.stage_id}: wrote {out.name} ({out.stat().st_size / 1e3:.0f} kB)")
         return {"html": str(out)}
 
 
-def _read_csv(path: Path, max_rows: int, stage_id: str) -> list[dict[str, Any]]:
-    """The first ``max_rows`` rows of a CSV (numbers parsed back), plus a truncation marker row."""
-    rows: list[dict[str, Any]] = []
+def _href(path: Path, page_dir: Path) -> str:
+    """``path`` relative to the page's final directory, as a URL path (forward slashes)."""
+    rel = os.path.relpath(path.resolve(), page_dir.resolve())
+    return Path(rel).as_posix()
+
+
+def _csv_rows(path: Path, stage_id: str) -> Iterator[dict[str, str]]:
+    """The CSV's rows, streamed (a 7B compare has ~100k rows a level)."""
     try:
         with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            for i, row in enumerate(reader):
-                if i >= max_rows:
-                    rows.append({reader.fieldnames[0] if reader.fieldnames else "note":
-                                 f"... more rows in {path.name}"})
-                    break
-                rows.append(row)
+            yield from csv.DictReader(f)
     except OSError as exc:
         raise UserError(f"{stage_id}: csv: cannot read {path}: {exc.strerror or exc}") from exc
-    return rows_of(rows)
+
+
+def _env(ctx: StageContext, source: str) -> dict[str, Any] | None:
+    """A dump's env.json; None (and a log line) when the dump recorded none."""
+    try:
+        return load_env(ctx.resolve_path(source))
+    except (UserError, OSError, ValueError) as exc:
+        ctx.log(f"{ctx.stage_id}: no environment shown: {exc}")
+        return None
+
+
+def _run_record(run_dir: Path) -> dict[str, Any]:
+    """The workflow's name and parameters from ``<run-dir>/summary.json`` (written by the runner
+    before any stage runs); nothing when the stage runs outside a workflow."""
+    try:
+        head = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if not isinstance(head, dict):
+        return {}
+    return {"workflow": head.get("workflow"), "params": head.get("params") or {}}
