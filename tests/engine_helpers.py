@@ -128,3 +128,43 @@ class SleepStage(Stage):
 
 class NotAStage:
     """Referenced by a test: not a Stage subclass."""
+
+
+class OutcomeStage(Stage):
+    """Conclude ``status`` with ``headline`` (a judging stage, like compare or bisect); ``status``
+    empty sets no outcome. Writes ``verdict.txt`` so it has a file in its dir."""
+
+    type: ClassVar[str] = "outcome"
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "status": {"type": "string", "default": "pass"},
+            "headline": {"type": "string", "default": "all good"},
+        },
+    }
+    outputs: ClassVar[dict[str, str]] = {"verdict_file": "verdict.txt"}
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        _log_event(ctx, "start")
+        path = ctx.out_dir / "verdict.txt"
+        path.write_text(f"{ctx.params['status']}: {ctx.params['headline']}\n")
+        if ctx.params["status"]:
+            ctx.set_outcome(ctx.params["status"], ctx.params["headline"])
+        return {"verdict_file": str(path)}
+
+
+class ExitStage(Stage):
+    """Call ``sys.exit(code)`` inside run(), as a careless plugin might."""
+
+    type: ClassVar[str] = "exit"
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {"code": {"type": "integer", "default": 0}},
+    }
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        import sys
+
+        sys.exit(ctx.params["code"])

@@ -42,14 +42,17 @@ __all__ = [
 ]
 
 
-def validate_workflow(path: str | Path, set_params: SetParams = None) -> list[ValidationError]:
-    """Every problem of a workflow file (and its recipes), in file order; [] when it is valid."""
+def validate_workflow(
+    path: str | Path, set_params: SetParams = None, trust_plugins: bool = False
+) -> list[ValidationError]:
+    """Every problem of a workflow file (and its recipes), in file order; [] when it is valid.
+    Executes nothing: ``file.py:Class`` stages are read, not imported, unless ``trust_plugins``."""
     try:
         wf = load_workflow(path)
     except WorkflowError as exc:
         return exc.errors
     try:
-        errors = check(wf, set_params).errors
+        errors = check(wf, set_params, trust_plugins=trust_plugins).errors
     except UserError as exc:  # a malformed --set item
         return [ValidationError(str(exc))]
     return sorted(
