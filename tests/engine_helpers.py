@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -25,6 +27,26 @@ def write_workflow(directory: Path, text: str, name: str = "wf.yaml") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(text).lstrip("\n").replace("{HELPERS}", HELPERS), encoding="utf-8")
     return path
+
+
+def llmflow(*args: str, cwd: Path | None = None, umask: int | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m llmflow.cli ARGS`` as a user runs it (this checkout first on the path)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "llmflow.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout,
+                          preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+
+
+def assert_bad_input(proc: subprocess.CompletedProcess, *names: str) -> str:
+    """Exit 2, no traceback, and a last line ``FAILED: ...`` naming each of ``names``; returns it."""
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert last.startswith("FAILED: ") and len(last) < 600, last
+    for name in names:
+        assert name in last, (name, last)
+    return last
 
 
 def _log_event(ctx: StageContext, event: str) -> None:

@@ -5,19 +5,19 @@ input beat outcomes."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 
+from llmflow import cli as cli_package
 from llmflow.cli import main
 from llmflow.workflow import run_workflow
 from llmflow.workflow.state import STATE_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import REPO, ran, write_workflow  # noqa: E402
+from engine_helpers import REPO, llmflow, ran, write_workflow  # noqa: E402
 
 TWO_BRANCHES = """
     name: branches
@@ -169,12 +169,11 @@ def test_a_failed_stage_beats_outcomes(tmp_path, capsys, user, code):
 
 
 def test_run_help_documents_the_exit_codes():
-    proc = subprocess.run([sys.executable, "-m", "llmflow.cli", "run", "--help"],
-                          capture_output=True, text=True, check=True)
+    proc = llmflow("run", "--help")
+    assert proc.returncode == 0
     codes = ("0  PASSED (headline)", "1  FAILED: headline", "2  FAILED: reason", "3  INCONCLUSIVE: headline")
     for line in codes:
         assert line in proc.stdout
     assert "superseded" in proc.stdout
-    import llmflow.cli
-
-    assert "3    INCONCLUSIVE" in llmflow.cli.__doc__ and "130  interrupted" in llmflow.cli.__doc__
+    doc = cli_package.__doc__
+    assert "3    INCONCLUSIVE" in doc and "130  interrupted" in doc
