@@ -29,10 +29,11 @@ def write_workflow(directory: Path, text: str, name: str = "wf.yaml") -> Path:
     return path
 
 
-def llmflow(*args: str, cwd: Path | None = None, umask: int | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m llmflow.cli ARGS`` as a user runs it (this checkout first on the path)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def llmflow(*args: str, cwd: Path | None = None, umask: int | None = None, timeout: float = 120,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m llmflow.cli ARGS`` as a user runs it (this checkout first on the path; ``env``
+    added to the environment)."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "llmflow.cli", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=timeout,
                           preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
