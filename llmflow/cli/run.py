@@ -6,6 +6,11 @@ everything downstream. `--dry-run` prints the plan. A cached stage re-runs when 
 the code files it names (uses: file.py:Class, a patch or model file.py:name) or the files it left
 in its directory changed. Running a workflow runs the plugin files it names.
 
+The run dir (default runs/<workflow name>) may be copied (cp -a, rsync -a: mtimes kept) or
+moved: its state files store paths relative to it, so it reads its own files. llmflow never
+follows a symbolic link inside it where it writes, deletes or locks (.lock, .tmp, .failed,
+summary.json, a stage's dir): it refuses with exit 2 naming the link.
+
 The last line and the exit code say what the stages concluded. Stages that judge the target
 (compare, bisect, overflow-scan, weight-compare, ...) each conclude pass, inconclusive or fail;
 a stage's conclusion is superseded by that of any stage that needs it (the bisect speaks for

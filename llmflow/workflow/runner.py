@@ -135,7 +135,7 @@ class _Run:
                 return None
             stage = self.checked.classes[sid]()
             resources = set(stage.resources(key.params))
-        except (Exception, SystemExit) as exc:  # a bad reference, a failing resources(): the stage's
+        except (Exception, SystemExit) as exc:  # a bad reference, a failing resources(): its own failure
             self._fail(sid, exc)
             return None
         self.prepared[sid] = _Prepared(stage, key, reason, resources)

@@ -99,8 +99,10 @@ def _check_params(wf: Workflow, set_params: SetParams, checked: Checked) -> None
             try:
                 value = parse_set_value(name, raw)
             except YamlTooBig as exc:
-                checked.errors.append(ValidationError(f"--set {name}: {exc.error.message}"))
-                continue
+                if wf.params[name]["type"] != "string":
+                    checked.errors.append(ValidationError(f"--set {name}: {exc.error.message}"))
+                    continue
+                value = raw  # any text is a string
             if wf.params[name]["type"] == "string" and not isinstance(value, str):
                 value = raw  # `--set prompt=yes` means the text "yes"
         try:

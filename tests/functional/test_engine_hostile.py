@@ -232,3 +232,17 @@ def test_a_stage_calling_sys_exit_fails_in_one_line(tmp_path):
     assert said in proc.stdout
     assert proc.stdout.splitlines()[-1].startswith("FAILED: stage 'b' failed: the stage called sys.exit(0)")
     assert "c: skipped" in proc.stdout
+
+
+def test_deep_text_for_a_string_param_is_just_text(tmp_path):
+    wf = write_workflow(tmp_path, """
+        name: p
+        params:
+          prompt: {type: string, default: hi}
+        stages:
+          s: {uses: "{HELPERS}:EchoStage", with: {value: "${params.prompt}"}}
+    """)
+    text = "[" * 100 + "]" * 100
+    proc = llmflow("run", str(wf), "--set", f"prompt={text}", "--run-dir", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "r" / "s" / "value.json").read_text() == f'"{text}"'
