@@ -2,9 +2,10 @@
 
 A failed stage skips its dependents; other branches finish; re-running resumes from the failure.
 `--only` runs the named stages (what they need must already be done); `--from` re-runs a stage and
-everything downstream. `--dry-run` prints the plan. A cached stage re-runs when its parameters,
-the code files it names (uses: file.py:Class, a patch or model file.py:name) or the files it left
-in its directory changed. Running a workflow runs the plugin files it names.
+everything downstream. `--dry-run` prints the plan (running no plugin code, like `llmflow plan`).
+A cached stage re-runs when its parameters, the code files it names (uses: file.py:Class, a patch
+or model file.py:name) or the files it left in its directory changed. Running a workflow runs the
+plugin files it names.
 
 The run dir (default runs/<workflow name>) may be copied (cp -a, rsync -a: mtimes kept) or
 moved: its state files store paths relative to it, so it reads its own files. llmflow never
@@ -32,6 +33,7 @@ import sys
 
 from llmflow.cli.common import add_workflow_args, verdict_line
 from llmflow.cli.plan import add_selection_args, print_plan
+from llmflow.errors import one_line
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +84,7 @@ def execute(args: argparse.Namespace) -> int:
     for res in result.stages.values():
         if res.outcome and res.status in ("done", "cached"):
             note = "  (superseded by a stage that needs it)" if res.id in superseded else ""
-            print(f"{res.id}: {res.outcome['status']}: {res.outcome['headline']}{note}")
+            print(one_line(f"{res.id}: {res.outcome['status']}: {res.outcome['headline']}") + note)
     print(f"run dir: {result.run_dir}  (summary: {result.run_dir / 'summary.json'})")
     verdict_line(result.verdict, result.reason)
     return result.exit_code

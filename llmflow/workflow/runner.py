@@ -285,7 +285,7 @@ def run_workflow(
     the result (``result.exit_code`` is 1, or 2 when a stage raised a UserError); so is what the
     stages concluded (``result.conclusion``: exit code 1 fail, 3 inconclusive, 0 pass).
     """
-    checked = prepare(path, set_params)
+    checked = prepare(path, set_params, trust_plugins=not dry_run)  # a dry run executes nothing
     sel = select(checked, only, from_stage, force)
     rdir = default_run_dir(checked, run_dir)
     reporter = reporter or Reporter()

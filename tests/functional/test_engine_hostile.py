@@ -135,6 +135,8 @@ def test_validate_and_plan_read_a_plugin_without_running_it(tmp_path):
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == f"PASSED ({wf} is valid)"
     proc = llmflow("plan", str(wf), "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 0 and "new" in proc.stdout
+    proc = llmflow("run", str(wf), "--dry-run", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0 and "2 stage(s) would run" in proc.stdout
     assert not (tmp_path / "IMPORTED").exists()
     bad = _plugin_workflow(tmp_path, size='"three"')
     proc = llmflow("validate", str(bad))
