@@ -248,3 +248,11 @@ def test_deep_text_for_a_string_param_is_just_text(tmp_path):
     proc = llmflow("run", str(wf), "--set", f"prompt={text}", "--run-dir", str(tmp_path / "r"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "r" / "s" / "value.json").read_text() == f'"{text}"'
+
+
+def test_a_long_extends_chain_is_one_error(tmp_path):
+    for i in range(100):
+        (tmp_path / f"r{i}.yaml").write_text(f"extends: r{i + 1}.yaml\n" if i < 99 else "stages: {}\n")
+    proc = llmflow("validate", str(tmp_path / "r0.yaml"))
+    assert_bad_input(proc)
+    assert "include/extends chain deeper than 32 files" in proc.stdout
