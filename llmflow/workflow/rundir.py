@@ -80,6 +80,11 @@ def check_run_dir(run_dir: Path, stage_ids: Iterable[str]) -> None:
         raise UserError(f"run dir {run_dir}: not a directory")
     for name in (LOCK_FILE, TMP_DIR, FAILED_DIR, SUMMARY_FILE):
         refuse_link(run_dir / name)
+    for name, is_dir in ((TMP_DIR, True), (FAILED_DIR, True), (SUMMARY_FILE, False)):
+        path = run_dir / name
+        if os.path.lexists(path) and (path.is_dir() if is_dir else path.is_file()) is False:
+            kind = "a directory" if is_dir else "a file"
+            raise UserError(f"{path}: not {kind}; llmflow keeps its own {name} there (remove it)")
     for sid in stage_ids:
         refuse_link(run_dir / sid)
         refuse_link(run_dir / FAILED_DIR / sid)
@@ -206,8 +211,8 @@ def discard(tmp: Path, run_dir: Path, stage_id: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         return
     shutil.rmtree(failed, ignore_errors=True)
-    parent.mkdir(exist_ok=True)
     try:
+        parent.mkdir(exist_ok=True)
         os.replace(tmp, failed)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

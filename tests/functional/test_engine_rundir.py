@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import sys
 from pathlib import Path
@@ -67,6 +68,15 @@ def test_a_linked_lock_file_is_refused_not_truncated(completed):
     (rd / ".lock").symlink_to(victim / "precious.txt")
     assert_bad_input(llmflow("run", str(wf), "--run-dir", str(rd)), str(rd / ".lock"), "symbolic link")
     _victim_intact(victim)
+
+
+@pytest.mark.parametrize(("name", "make"), [(".tmp", "file"), (".failed", "file"), ("summary.json", "dir")])
+def test_a_run_dir_entry_of_the_wrong_kind_is_refused(completed, name, make):
+    wf, rd, _ = completed
+    path = rd / name
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    path.mkdir() if make == "dir" else path.write_text("not llmflow's")
+    assert_bad_input(llmflow("run", str(wf), "--run-dir", str(rd)), str(path), "not a ")
 
 
 def test_links_inside_tmp_are_removed_not_followed(completed):
