@@ -51,7 +51,7 @@ def read_stage_class(path: Path, name: str, ref: str) -> type[Stage]:
         if target in FIELDS and value is not None:
             try:
                 found[target] = _literal(value, consts)
-            except ValueError:
+            except (ValueError, TypeError, RecursionError):
                 raise StaticReadError(
                     f"{where}: {target} is computed ({path.name}:{node.lineno}), so it is only known "
                     "by importing the file"
