@@ -15,6 +15,12 @@ import os
 import random
 from typing import Any
 
+from llmflow.errors import UserError
+
+#: The largest seed: PYTHONHASHSEED takes 0..4294967295 (a bigger one kills the interpreter at
+#: start-up) and numpy's legacy seeding takes 0..2**32-1.
+MAX_SEED = 2**32 - 1
+
 # What each variable does, for the record: cuBLAS reproducible workspaces; Ascend collective
 # communication (HCCL, LCCL) in a fixed reduction order; ATB matmul without K-shuffling and
 # without the LCOC compute/communication overlap, both of which reorder float additions.
@@ -28,7 +34,9 @@ DETERMINISTIC_ENV = {
 
 
 def determinism_settings(seed: int = 1234, deterministic: bool = True) -> dict[str, Any]:
-    """What ``seed_all(seed, deterministic)`` applies, as JSON; touches nothing."""
+    """What ``seed_all(seed, deterministic)`` applies, as JSON; touches nothing. A seed outside
+    0..MAX_SEED is a UserError."""
+    check_seed(seed)
     env = {"PYTHONHASHSEED": str(seed)}
     if deterministic:
         env.update(DETERMINISTIC_ENV)
@@ -44,16 +52,24 @@ def determinism_settings(seed: int = 1234, deterministic: bool = True) -> dict[s
     }
 
 
+def check_seed(seed: Any) -> int:
+    """``seed`` as an int, or a UserError naming it when it is not one in 0..MAX_SEED."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise UserError(f"seed {seed!r}: must be an integer from 0 to {MAX_SEED} "
+                        "(what PYTHONHASHSEED and numpy accept)")
+    return int(seed)
+
+
 def apply_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """Apply a ``determinism_settings`` dict in this process; returns it, with what was seeded."""
-    seed = int(settings["seed"])
+    seed = check_seed(settings["seed"])
     os.environ.update({k: str(v) for k, v in settings.get("env", {}).items()})
     random.seed(seed)
     seeded = ["random"]
     try:
         import numpy as np
 
-        np.random.seed(seed % 2**32)
+        np.random.seed(seed)
         seeded.append("numpy")
     except ImportError:
         pass

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -25,6 +27,27 @@ def write_workflow(directory: Path, text: str, name: str = "wf.yaml") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(text).lstrip("\n").replace("{HELPERS}", HELPERS), encoding="utf-8")
     return path
+
+
+def llmflow(*args: str, cwd: Path | None = None, umask: int | None = None, timeout: float = 120,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m llmflow.cli ARGS`` as a user runs it (this checkout first on the path; ``env``
+    added to the environment)."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "llmflow.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout,
+                          preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+
+
+def assert_bad_input(proc: subprocess.CompletedProcess, *names: str) -> str:
+    """Exit 2, no traceback, and a last line ``FAILED: ...`` naming each of ``names``; returns it."""
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert last.startswith("FAILED: ") and len(last) < 600, last
+    for name in names:
+        assert name in last, (name, last)
+    return last
 
 
 def _log_event(ctx: StageContext, event: str) -> None:
@@ -128,3 +151,43 @@ class SleepStage(Stage):
 
 class NotAStage:
     """Referenced by a test: not a Stage subclass."""
+
+
+class OutcomeStage(Stage):
+    """Conclude ``status`` with ``headline`` (a judging stage, like compare or bisect); ``status``
+    empty sets no outcome. Writes ``verdict.txt`` so it has a file in its dir."""
+
+    type: ClassVar[str] = "outcome"
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "status": {"type": "string", "default": "pass"},
+            "headline": {"type": "string", "default": "all good"},
+        },
+    }
+    outputs: ClassVar[dict[str, str]] = {"verdict_file": "verdict.txt"}
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        _log_event(ctx, "start")
+        path = ctx.out_dir / "verdict.txt"
+        path.write_text(f"{ctx.params['status']}: {ctx.params['headline']}\n")
+        if ctx.params["status"]:
+            ctx.set_outcome(ctx.params["status"], ctx.params["headline"])
+        return {"verdict_file": str(path)}
+
+
+class ExitStage(Stage):
+    """Call ``sys.exit(code)`` inside run(), as a careless plugin might."""
+
+    type: ClassVar[str] = "exit"
+    params_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {"code": {"type": "integer", "default": 0}},
+    }
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        import sys
+
+        sys.exit(ctx.params["code"])

@@ -4,8 +4,15 @@ Every tool module in ``TOOLS`` has a docstring (its help; the first line is the 
 ``configure(parser)`` and ``execute(args) -> int``. Tools are imported one by one and a tool that
 fails to import is reported when used, so one broken tool never takes the others down.
 
-Exit codes: 0 ok, 1 a stage failed, 2 bad input (a ``UserError`` anywhere), 130 interrupted.
-A ``UserError`` prints one line, no traceback (``--log-level debug`` shows it).
+Every command ends with one last line, PASSED (...), FAILED: ... or INCONCLUSIVE: ..., and exits
+  0    PASSED: the target matches (for ``run``: every conclusion that stands is pass, or no stage
+       judges the target; ``validate``: the workflow is valid)
+  1    FAILED: a fault was found, compared rows failed, or a stage crashed
+  2    FAILED: bad input (a ``UserError`` anywhere): one line naming the file, field or path
+  3    INCONCLUSIVE: the evidence does not cover the question
+  130  interrupted (Ctrl-C)
+``llmflow run --help`` says how a run's stage conclusions add up to its exit code. A
+``UserError`` prints one line, no traceback (``--log-level debug`` shows it).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from llmflow import __version__
-from llmflow.errors import UserError
+from llmflow.errors import EXIT_BAD_INPUT, UserError, one_line
 
 TOOLS = {
     "run": "llmflow.cli.run",
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         errors = getattr(exc, "errors", None)
         for line in errors if errors else [exc]:
-            print(f"{line}" if errors else f"error: {line}", file=sys.stderr)
-        reason = f"{len(errors)} problem(s) in the workflow" if errors else str(exc)
+            print(one_line(line) if errors else f"error: {one_line(line)}", file=sys.stderr)
+        reason = f"{len(errors)} problem(s) in the workflow" if errors else one_line(exc)
         print(f"FAILED: {reason}", flush=True)
-        return 2
+        return EXIT_BAD_INPUT

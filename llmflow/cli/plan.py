@@ -1,7 +1,12 @@
 """Show what `llmflow run` would do: stages in order, and whether each runs (and why) or is cached.
 
-Reasons: new, forced, previous run failed, upstream changed, parameters changed, stage type or
-version changed. Takes the same --set/--run-dir/--only/--from/--force as `run`.
+Reasons: new, forced, previous run failed, upstream changed, stage type or version changed,
+code changed (a file.py the stage names), parameters changed, outputs changed on disk (a file the
+stage left in its directory was deleted, modified or added). Takes the same
+--set/--run-dir/--only/--from/--force as `run`.
+
+Planning runs no code from the workflow: local plugin stages (file.py:Class) are read, not
+imported, as by `llmflow validate`; --trust-plugins imports them.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 from rich.table import Table
 
 from llmflow.cli.common import add_workflow_args, console, verdict_line
+from llmflow.cli.validate import add_trust_arg
 
 
 def add_selection_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +43,7 @@ def add_selection_args(parser: argparse.ArgumentParser) -> None:
 def configure(parser: argparse.ArgumentParser) -> None:
     add_workflow_args(parser)
     add_selection_args(parser)
+    add_trust_arg(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -61,6 +68,7 @@ def execute(args: argparse.Namespace) -> int:
         only=args.only,
         from_stage=args.from_stage,
         force=args.force,
+        trust_plugins=args.trust_plugins,
     )
     if args.json:
         print(json.dumps([i.to_json() for i in items], indent=2))

@@ -2,7 +2,27 @@
 
 A failed stage skips its dependents; other branches finish; re-running resumes from the failure.
 `--only` runs the named stages (what they need must already be done); `--from` re-runs a stage and
-everything downstream. `--dry-run` prints the plan. Ends with PASSED or FAILED (reason).
+everything downstream. `--dry-run` prints the plan (running no plugin code, like `llmflow plan`).
+A cached stage re-runs when its parameters, the code files it names (uses: file.py:Class, a patch
+or model file.py:name) or the files it left in its directory changed. Running a workflow runs the
+plugin files it names.
+
+The run dir (default runs/<workflow name>) may be copied (cp -a, rsync -a: mtimes kept) or
+moved: its state files store paths relative to it, so it reads its own files. llmflow never
+follows a symbolic link inside it where it writes, deletes or locks (.lock, .tmp, .failed,
+summary.json, a stage's dir): it refuses with exit 2 naming the link.
+
+The last line and the exit code say what the stages concluded. Stages that judge the target
+(compare, bisect, overflow-scan, weight-compare, ...) each conclude pass, inconclusive or fail;
+a stage's conclusion is superseded by that of any stage that needs it (the bisect speaks for
+the compare it reads), and of the rest the most severe decides:
+  0  PASSED (headline)      every standing conclusion is pass, or no stage judges the target
+  1  FAILED: headline       a fault was found / rows failed, or a stage crashed
+  2  FAILED: reason         bad input: the workflow, a --set value, the run dir, a stage's
+                            parameters (one line naming the file, field or path)
+  3  INCONCLUSIVE: headline the evidence does not cover the question
+A crashed stage (1) or bad input (2) beats any conclusion. Interrupted (Ctrl-C): 130.
+Cached stages keep their conclusion, so a rerun ends as the first run did.
 """
 
 from __future__ import annotations
@@ -13,6 +33,7 @@ import sys
 
 from llmflow.cli.common import add_workflow_args, verdict_line
 from llmflow.cli.plan import add_selection_args, print_plan
+from llmflow.errors import one_line
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +80,11 @@ def execute(args: argparse.Namespace) -> int:
         if res.traceback and (not res.user_error or logging.getLogger().isEnabledFor(logging.DEBUG)):
             print(res.traceback, file=sys.stderr)
         print(f"stage {res.id} failed: {res.error}")
+    superseded = set(result.conclusion.superseded) if result.conclusion else set()
+    for res in result.stages.values():
+        if res.outcome and res.status in ("done", "cached"):
+            note = "  (superseded by a stage that needs it)" if res.id in superseded else ""
+            print(one_line(f"{res.id}: {res.outcome['status']}: {res.outcome['headline']}") + note)
     print(f"run dir: {result.run_dir}  (summary: {result.run_dir / 'summary.json'})")
-    verdict_line(result.exit_code == 0, result.reason)
+    verdict_line(result.verdict, result.reason)
     return result.exit_code

@@ -76,7 +76,9 @@ def load_env(source: str | Path | dict[str, Any]) -> dict[str, Any]:
             raise UserError(f"{path}: expected a JSON object with sections {', '.join(SECTIONS)}")
         return data
     from llmflow.formats import open_dump
+    from llmflow.formats._safe import path_inside
 
+    path_inside(path.parent if path.is_file() else path, "env.json")  # a link out of the dump: refused
     env = open_dump(path).env()
     if not env:
         raise UserError(f"{path}: this dump recorded no environment (no env.json)")

@@ -3,6 +3,11 @@
 Flat-ish on purpose: ``{"versions", "env_vars", "torch_settings", "model_config", "generation",
 "seed", "tokenizer"}``, each a flat dict of JSON values (model_config is the HF config's
 ``to_dict()``).
+
+env.json travels with the dump to other people and machines, so the value of any recorded
+variable whose name says it holds a secret (TOKEN, SECRET, PASSWORD, KEY, CREDENTIAL, in any
+case) is written as ``<redacted>``; its name stays, so env-check still sees that it differs in
+presence.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import re
 import sys
 from typing import Any
 
@@ -17,6 +23,16 @@ import torch
 
 ENV_PREFIXES = ("ATB_", "HCCL_", "LCCL_", "ASCEND_", "CUDA_", "CUBLAS_", "TORCH_")
 ENV_NAMES = ("NVIDIA_TF32_OVERRIDE", "PYTHONHASHSEED", "OMP_NUM_THREADS")
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def recorded_env_vars(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables env.json records (``ENV_PREFIXES``, ``ENV_NAMES``), sorted, with
+    the values of secret-looking names redacted."""
+    environ = os.environ if environ is None else environ
+    return {k: REDACTED if SECRET_NAME.search(k) else v for k, v in sorted(environ.items())
+            if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
 
 
 @functools.cache  # installed versions do not change under a running process; reading the
@@ -38,8 +54,7 @@ def collect_env(model: torch.nn.Module | None = None, *, generation: dict[str, A
         "llmflow": _version("llmflow"), "cuda": torch.version.cuda,
         "platform": platform.platform(), "executable": sys.executable,
     }
-    env_vars = {k: v for k, v in sorted(os.environ.items())
-                if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    env_vars = recorded_env_vars()
     settings: dict[str, Any] = {
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),

@@ -80,6 +80,17 @@ def read_json(path: Path, limit: int = MAX_INDEX_BYTES) -> Any:
         raise DumpFormatError(f"{path}: not valid JSON ({exc})") from exc
 
 
+def path_inside(root: Path, name: str) -> Path:
+    """``root / name``, refused (``DumpFormatError``) when it resolves outside ``root``: a dump's
+    metadata file that is a link to elsewhere must not be read as the dump's (it could copy any
+    file the user can read into a report)."""
+    path = Path(root) / name
+    real, base = path.resolve(), Path(root).resolve()
+    if base not in real.parents:
+        raise DumpFormatError(f"{path}: resolves outside the dump (to {real}); refusing to read it")
+    return path
+
+
 def expect(cond: bool, path: Path | str, message: str) -> None:
     """Raise a ``DumpFormatError`` naming ``path`` unless ``cond``."""
     if not cond:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from llmflow.seeding import determinism_settings
+from llmflow.seeding import MAX_SEED, determinism_settings
 from llmflow.stages.base import Stage, StageContext
 
 
@@ -26,6 +26,7 @@ class SeedStage(Stage):
             "seed": {
                 "type": "integer",
                 "minimum": 0,
+                "maximum": MAX_SEED,
                 "default": 1234,
                 "description": "Seed for random, numpy and torch (CPU, CUDA, NPU).",
             },

@@ -8,9 +8,12 @@ The library API that the CLI commands are thin adapters over::
     result = run_workflow("workflows/hello.yaml", set_params={"seed": 7}, run_dir="runs/x")
     result.status, result.exit_code, result.stages["seed"].outputs
 
-Modules: marks (YAML + FILE:LINE:COL), loader (include/extends), schema (JSON Schema), validate
-(static checks, run-time parameter resolution), interpolate (``${...}``), dag, plan (cache
-decisions), runner, state (on-disk layout, lock), summary (summary.json), progress (display).
+Modules: marks (bounded YAML + FILE:LINE:COL), loader (include/extends), schema (JSON Schema),
+validate (static checks, run-time parameter resolution), registry and static_stage (stage types;
+local plugins read without running them), interpolate (``${...}``), dag, plan (cache decisions),
+runner, rundir (the run dir on disk: lock, tmp, never following links), state (stage state files:
+fingerprints, portable paths, file manifests), conclusion (stage outcomes -> the run's verdict),
+result, summary (summary.json), progress (display).
 """
 
 from __future__ import annotations
@@ -42,14 +45,17 @@ __all__ = [
 ]
 
 
-def validate_workflow(path: str | Path, set_params: SetParams = None) -> list[ValidationError]:
-    """Every problem of a workflow file (and its recipes), in file order; [] when it is valid."""
+def validate_workflow(
+    path: str | Path, set_params: SetParams = None, trust_plugins: bool = False
+) -> list[ValidationError]:
+    """Every problem of a workflow file (and its recipes), in file order; [] when it is valid.
+    Executes nothing: ``file.py:Class`` stages are read, not imported, unless ``trust_plugins``."""
     try:
         wf = load_workflow(path)
     except WorkflowError as exc:
         return exc.errors
     try:
-        errors = check(wf, set_params).errors
+        errors = check(wf, set_params, trust_plugins=trust_plugins).errors
     except UserError as exc:  # a malformed --set item
         return [ValidationError(str(exc))]
     return sorted(

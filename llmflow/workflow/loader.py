@@ -22,6 +22,8 @@ from llmflow.workflow.marks import Mark, MarkMap, ValidationError, WorkflowError
 from llmflow.workflow.model import StageSpec, Workflow
 from llmflow.workflow.schema import schema_errors, structural_schema
 
+MAX_RECIPE_DEPTH = 32  # files deep through include:/extends: (each is a level of recursion)
+
 
 @dataclass
 class _Doc:
@@ -105,6 +107,11 @@ class _Loader:
         if target.resolve() in stack:
             chain = " -> ".join([*(p.name for p in stack), target.name])
             self.errors.append(ValidationError(f"include cycle: {chain}", mark))
+            return None
+        if len(stack) >= MAX_RECIPE_DEPTH:
+            self.errors.append(
+                ValidationError(f"include/extends chain deeper than {MAX_RECIPE_DEPTH} files", mark)
+            )
             return None
         return self.load(target, shown, stack)
 

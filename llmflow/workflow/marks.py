@@ -5,6 +5,11 @@ uses ``yaml.compose`` (a node tree with marks) instead of ``yaml.safe_load`` and
 to plain JSON-like values itself, recording a ``Mark`` for every value and every mapping key under
 its *path* in the document: ``("stages", "dump", "with", "model")``. Paths stay valid through
 ``include:``/``extends:`` merging, and each mark names the file that defined the node.
+
+A workflow may come from someone else, so loading is bounded: at most ``MAX_YAML_BYTES`` of text,
+collections nested at most ``MAX_DEPTH`` deep (checked while composing, before any recursion can
+run away), and at most ``MAX_VALUES`` values once aliases are expanded (a "billion laughs" file
+of a few hundred bytes otherwise grows to gigabytes). Going past a bound is one error, not a hang.
 """
 
 from __future__ import annotations
@@ -16,9 +21,13 @@ from typing import Any
 
 import yaml
 
-from llmflow.errors import UserError
+from llmflow.errors import UserError, one_line
 
 Path_ = tuple  # a path in a document: keys (str) and list indices (int)
+
+MAX_YAML_BYTES = 2 << 20
+MAX_DEPTH = 64
+MAX_VALUES = 100_000
 
 _MAP_TAG = "tag:yaml.org,2002:map"
 _SEQ_TAG = "tag:yaml.org,2002:seq"
@@ -60,7 +69,7 @@ class ValidationError:
     mark: Mark | None = None
 
     def __str__(self) -> str:
-        return f"{self.mark}: {self.message}" if self.mark else self.message
+        return one_line(f"{self.mark}: {self.message}" if self.mark else self.message)
 
 
 class WorkflowError(UserError):
@@ -126,6 +135,36 @@ def _yaml_error(exc: yaml.YAMLError, display: str) -> ValidationError:
     return ValidationError(msg, Mark(display, mark.line + 1, mark.column + 1))
 
 
+class YamlTooBig(UserError):
+    """YAML past a loading bound (size, depth, expanded values); ``error`` says where."""
+
+    def __init__(self, error: ValidationError):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _TooDeep(yaml.composer.ComposerError):
+    pass
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``SafeLoader`` whose composer refuses collections nested deeper than ``MAX_DEPTH``."""
+
+    depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise _TooDeep(
+                    None, None, f"collections nested deeper than {MAX_DEPTH} levels", mark
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
 class _Converter:
     """Node tree -> plain values + marks, collecting problems instead of stopping at the first."""
 
@@ -135,8 +174,17 @@ class _Converter:
         self.errors: list[ValidationError] = []
         self._scalars = yaml.constructor.SafeConstructor()
         self._open: set[int] = set()  # collections being converted: a recursive alias is an error
+        self._values = 0
 
     def convert(self, node: yaml.Node, path: Path_) -> Any:
+        self._values += 1
+        if self._values > MAX_VALUES:
+            raise YamlTooBig(
+                ValidationError(
+                    f"more than {MAX_VALUES} values once YAML aliases are expanded; refusing to load",
+                    _mark(node, self.display),
+                )
+            )
         self.marks.values[path] = _mark(node, self.display)
         if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
             if id(node) in self._open:
@@ -192,11 +240,27 @@ class _Converter:
 def load_yaml(path: Path, display: str) -> tuple[Any, MarkMap, list[ValidationError]]:
     """Parse one YAML file into (data, marks, errors). Errors never raise."""
     try:
+        size = path.stat().st_size
+        if size > MAX_YAML_BYTES:
+            too_big = f"{size} bytes: larger than the {MAX_YAML_BYTES} bytes a workflow file may be"
+            return None, MarkMap(), [ValidationError(too_big, Mark(display, 1, 1))]
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         return None, MarkMap(), [ValidationError(f"cannot read file: {exc}", Mark(display, 1, 1))]
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        return parse_yaml(text, display)
+    except YamlTooBig as exc:
+        return None, MarkMap(), [exc.error]
+
+
+def parse_yaml(text: str, display: str) -> tuple[Any, MarkMap, list[ValidationError]]:
+    """Parse YAML text into (data, marks, errors); raises ``YamlTooBig`` past a bound."""
+    if len(text) > MAX_YAML_BYTES:
+        raise YamlTooBig(ValidationError(f"{len(text)} characters: more than {MAX_YAML_BYTES} allowed"))
+    try:
+        node = yaml.compose(text, Loader=_BoundedLoader)
+    except _TooDeep as exc:
+        raise YamlTooBig(_yaml_error(exc, display)) from None
     except yaml.YAMLError as exc:
         return None, MarkMap(), [_yaml_error(exc, display)]
     if node is None:

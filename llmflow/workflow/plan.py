@@ -1,10 +1,11 @@
 """Which stages a run would execute, and why: shared by ``llmflow plan`` and the runner.
 
 A stage is cached when its directory holds a state file whose fingerprint (stage type + version,
-resolved parameters, needed stages' fingerprints) matches and whose recorded upstream run ids are
-the ones now on disk (so a stage whose input was re-run, even with the same fingerprint, re-runs).
+resolved parameters, the content of code files they name, needed stages' fingerprints) matches,
+whose recorded upstream run ids are the ones now on disk (so a stage whose input was re-run, even
+with the same fingerprint, re-runs) and whose files are still as it left them (sizes and mtimes).
 Otherwise it runs, for the first reason that applies: forced, new, previous run failed, upstream
-changed, stage type or version changed, parameters changed.
+changed, stage type or version changed, code changed, parameters changed, outputs changed on disk.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from llmflow.plugins import suggest
 from llmflow.workflow import dag
 from llmflow.workflow.loader import load_workflow
 from llmflow.workflow.marks import WorkflowError
-from llmflow.workflow.registry import stage_identity
-from llmflow.workflow.state import fingerprint, read_json, read_state
+from llmflow.workflow.registry import referenced_code, stage_identity
+from llmflow.workflow.rundir import SUMMARY_FILE, check_run_dir, read_json
+from llmflow.workflow.state import fingerprint, outputs_changed, portable, read_state
 from llmflow.workflow.validate import Checked, SetParams, check, resolve_with
 
 
@@ -59,33 +61,64 @@ def select(checked: Checked, only: Iterable[str] | None, from_stage: str | None,
     return Selection(selected, forced)
 
 
+@dataclass
+class StageKey:
+    """What a stage's cache entry must match: resolved ``params`` and what is derived from them."""
+
+    params: dict[str, Any]
+    identity: str
+    code: dict[str, str]
+    fingerprint: str
+    upstream: dict[str, str]  # needed stage -> its fingerprint
+    upstream_runs: dict[str, str]  # needed stage -> the run id of its result in use
+
+
+def stage_key(checked: Checked, sid: str, states: dict[str, dict[str, Any]], run_dir: Path) -> StageKey:
+    """The key of stage ``sid`` given the states of the stages it needs (raises WorkflowError on
+    parameters that do not resolve or validate)."""
+    spec = checked.workflow.stages[sid]
+    params = resolve_with(checked, sid, {d: states[d].get("outputs", {}) for d in spec.needs})
+    identity = stage_identity(spec.uses, checked.classes[sid], spec.base_dir)
+    code = referenced_code(params, [checked.workflow.directory, spec.base_dir, Path.cwd()])
+    upstream = {d: states[d]["fingerprint"] for d in spec.needs}
+    fp = fingerprint(identity, portable(params, run_dir), upstream, code)
+    runs = {d: states[d].get("run_id", "") for d in spec.needs}
+    return StageKey(params, identity, code, fp, upstream, runs)
+
+
 def decide(
     state: dict[str, Any] | None,
-    fp: str,
-    identity: str,
-    upstream_runs: dict[str, str],
+    key: StageKey,
+    stage_dir: Path,
     forced: bool,
     previously_failed: bool,
 ) -> tuple[bool, str]:
-    """(run?, reason) for one stage whose fingerprint is known."""
+    """(run?, reason) for one stage whose key is known."""
     if forced:
         return True, "forced"
     if state is None:
         return True, "previous run failed" if previously_failed else "new"
-    if state.get("upstream_runs", {}) != upstream_runs:
+    if state.get("upstream_runs", {}) != key.upstream_runs:
         return True, "upstream changed"
-    if state.get("fingerprint") != fp:
+    if state.get("fingerprint") != key.fingerprint:
         if previously_failed:
             return True, "previous run failed"
-        if state.get("identity") != identity:
+        if state.get("identity") != key.identity:
             return True, "stage type or version changed"
+        old_code = state.get("code", {})
+        if isinstance(old_code, dict) and old_code != key.code:
+            changed = sorted(r for r in {*old_code, *key.code} if old_code.get(r) != key.code.get(r))
+            return True, f"code changed: {changed[0].rpartition(':')[0]}"
         return True, "parameters changed"
+    changed = outputs_changed(stage_dir, state)
+    if changed:
+        return True, f"outputs changed on disk ({changed})"
     return False, "cached"
 
 
 def previous_failures(run_dir: Path) -> set[str]:
     """Stages the last run (its summary.json) recorded as failed."""
-    summary = read_json(run_dir / "summary.json")
+    summary = read_json(run_dir / SUMMARY_FILE)
     stages = summary.get("stages", {}) if isinstance(summary, dict) else {}
     return {sid for sid, st in stages.items() if isinstance(st, dict) and st.get("status") == "failed"}
 
@@ -128,17 +161,8 @@ def compute_plan(checked: Checked, sel: Selection, run_dir: Path) -> list[PlanIt
             will_run.add(sid)
             items.append(PlanItem(sid, st.uses, "run", reason))
             continue
-        params = resolve_with(checked, sid, {d: info[d].get("outputs", {}) for d in st.needs})
-        identity = stage_identity(st.uses, checked.classes[sid], st.base_dir)
-        fp = fingerprint(identity, params, {d: info[d]["fingerprint"] for d in st.needs})
-        run, reason = decide(
-            state,
-            fp,
-            identity,
-            {d: info[d].get("run_id", "") for d in st.needs},
-            sid in sel.forced,
-            sid in failed,
-        )
+        key = stage_key(checked, sid, info, run_dir)
+        run, reason = decide(state, key, run_dir / sid, sid in sel.forced, sid in failed)
         if run:
             will_run.add(sid)
         else:
@@ -147,9 +171,10 @@ def compute_plan(checked: Checked, sel: Selection, run_dir: Path) -> list[PlanIt
     return items
 
 
-def prepare(path: str | Path, set_params: SetParams) -> Checked:
-    """Load and check a workflow for running: raises WorkflowError listing every problem."""
-    checked = check(load_workflow(path), set_params, runtime=True)
+def prepare(path: str | Path, set_params: SetParams, trust_plugins: bool = True) -> Checked:
+    """Load and check a workflow for running: raises WorkflowError listing every problem.
+    ``trust_plugins=False`` reads ``file.py:Class`` stages without importing them."""
+    checked = check(load_workflow(path), set_params, runtime=True, trust_plugins=trust_plugins)
     if checked.errors:
         raise WorkflowError(checked.errors)
     return checked
@@ -167,7 +192,12 @@ def plan_workflow(
     only: Iterable[str] | None = None,
     from_stage: str | None = None,
     force: bool = False,
+    trust_plugins: bool = False,
 ) -> list[PlanItem]:
-    """What ``run_workflow`` with the same arguments would do, stage by stage, in order."""
-    checked = prepare(path, set_params)
-    return compute_plan(checked, select(checked, only, from_stage, force), default_run_dir(checked, run_dir))
+    """What ``run_workflow`` with the same arguments would do, stage by stage, in order. Nothing
+    is executed: ``file.py:Class`` stages are read, not imported, unless ``trust_plugins``."""
+    checked = prepare(path, set_params, trust_plugins)
+    rdir = default_run_dir(checked, run_dir)
+    if rdir.exists():
+        check_run_dir(rdir, checked.order)
+    return compute_plan(checked, select(checked, only, from_stage, force), rdir)

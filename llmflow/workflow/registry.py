@@ -1,17 +1,24 @@
 """Stage types: the registered ones (entry-point group ``llmflow.stages``) and ``file.py:Class`` refs.
 
 Registered stage types are *found* from package metadata without importing anything, so a broken
-stage module only breaks the workflows (and the ``llmflow stages`` line) that use it.
+stage module only breaks the workflows (and the ``llmflow stages`` line) that use it. They are
+installed code and are imported when used. A ``file.py:Class`` ref is imported only when trusted
+(``llmflow run``, or ``--trust-plugins``); otherwise its declarations are read statically
+(static_stage.py) and nothing in the file runs.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from llmflow import plugins
 from llmflow.errors import UserError
 from llmflow.stages.base import Stage
+from llmflow.workflow.interpolate import strings
+from llmflow.workflow.static_stage import read_stage_class
 
 GROUP = "llmflow.stages"
 
@@ -26,10 +33,25 @@ def is_file_ref(uses: str) -> bool:
     return plugins.is_file_ref(uses)
 
 
-def resolve_stage(uses: str, base_dir: Path) -> type[Stage]:
-    """The Stage subclass named by ``uses``; a UserError says what is wrong (with a suggestion)."""
+def file_ref_path(ref: str, base_dir: Path) -> Path:
+    """The file a ``file.py:name`` ref names, relative to ``base_dir``."""
+    path = Path(ref.rpartition(":")[0]).expanduser()
+    return path if path.is_absolute() else base_dir / path
+
+
+def resolve_stage(uses: str, base_dir: Path, trust_plugins: bool = True) -> type[Stage]:
+    """The Stage subclass named by ``uses``; a UserError says what is wrong (with a suggestion).
+    Without ``trust_plugins`` a ``file.py:Class`` is read, not imported (see module docstring)."""
     if is_file_ref(uses):
-        obj = plugins.load_file_ref(uses, base_dir)
+        if not trust_plugins:
+            path = file_ref_path(uses, base_dir)
+            if not path.is_file():
+                raise UserError(f"{uses}: no such file {path}")
+            return read_stage_class(path, uses.rpartition(":")[2], uses)
+        try:
+            obj = plugins.load_file_ref(uses, base_dir)
+        except SystemExit as exc:  # the plugin's import-time code exited: its failure, not ours
+            raise UserError(f"{uses}: importing it called sys.exit({exc.code!r})") from None
     else:
         found = plugins.find_group(GROUP)
         if uses not in found:
@@ -52,12 +74,35 @@ def load_registered() -> tuple[dict[str, type[Stage]], dict[str, str]]:
     return ok, failed
 
 
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def stage_identity(uses: str, cls: type[Stage], base_dir: Path) -> str:
     """What a stage's fingerprint records about its code: the type name and version, plus the
     file's content hash for ``file.py:Class`` refs (editing a local plugin invalidates its cache)."""
     ident = f"{uses}@{cls.version}"
     if is_file_ref(uses):
-        path = Path(uses.rpartition(":")[0]).expanduser()
-        path = path if path.is_absolute() else base_dir / path
-        ident += "#" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        ident += "#" + _file_hash(file_ref_path(uses, base_dir))
     return ident
+
+
+def referenced_code(params: Any, dirs: Iterable[Path]) -> dict[str, str]:
+    """``file.py:name`` -> content hash for every parameter string that names code in a file
+    (a model patch, a ``file.py:callable`` model, an algorithm), found relative to the first of
+    ``dirs`` that has it. Editing such a file changes the stage's fingerprint. A ref to a file
+    that does not exist is left to the stage to report."""
+    out: dict[str, str] = {}
+    dirs = list(dirs)
+    for _, text in strings(params):
+        if not is_file_ref(text) or text in out:
+            continue
+        for base in dirs:
+            path = file_ref_path(text, base)
+            try:
+                if path.is_file():
+                    out[text] = _file_hash(path)
+                    break
+            except OSError:
+                break
+    return out

@@ -3,7 +3,9 @@
 The main thread owns all bookkeeping (decisions, state files, renames, summary.json); worker
 threads only call ``Stage.run``. A stage becomes ready when everything it needs is done or
 cached; it starts when a worker is free and none of its exclusive resources is held. A failed
-stage marks its dependents ``skipped``; other branches go on. See state.py for the on-disk layout.
+stage marks its dependents ``skipped``; other branches go on. A stage's outcome
+(``ctx.set_outcome``) is kept in its state file, so a cached stage still contributes it to the
+run's conclusion (conclusion.py). See rundir.py and state.py for the on-disk layout.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import json
 import logging
 import queue
 import secrets
-import shutil
 import threading
 import time
 import traceback
@@ -21,11 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmflow.errors import UserError
+from llmflow.errors import UserError, one_line
 from llmflow.stages.base import Stage, StageContext
+from llmflow.workflow import rundir
 from llmflow.workflow import state as st
+from llmflow.workflow.conclusion import Conclusion, conclude, outcome_record
 from llmflow.workflow.plan import (
     Selection,
+    StageKey,
     compute_plan,
     decide,
     default_run_dir,
@@ -33,24 +37,22 @@ from llmflow.workflow.plan import (
     prepare,
     previous_failures,
     select,
+    stage_key,
 )
 from llmflow.workflow.progress import Reporter
-from llmflow.workflow.registry import stage_identity
-from llmflow.workflow.result import RunResult, StageResult, now_iso
+from llmflow.workflow.result import RunResult, StageResult, now_iso, run_status
 from llmflow.workflow.summary import SummaryWriter
-from llmflow.workflow.validate import Checked, SetParams, resolve_with
+from llmflow.workflow.validate import Checked, SetParams
 
 log = logging.getLogger("llmflow.workflow")
 
 
 @dataclass
 class _Prepared:
-    """A stage that must run: its instance, params, fingerprint and why."""
+    """A stage that must run: its instance, key (params, fingerprint, ...) and why."""
 
     stage: Stage
-    params: dict[str, Any]
-    fingerprint: str
-    identity: str
+    key: StageKey
     reason: str
     resources: set[str]
 
@@ -67,7 +69,8 @@ class _Run:
         self.running: dict[str, tuple[_Prepared, Path, float]] = {}
         self.done_q: queue.Queue = queue.Queue()
         self.failed_before = previous_failures(run_dir)
-        self.summary = SummaryWriter(run_dir / "summary.json", self.wf, checked.params, self.results)
+        self.summary = SummaryWriter(run_dir / rundir.SUMMARY_FILE, self.wf, checked.params, self.results)
+        self.conclusion: Conclusion | None = None
 
     # -- the loop -------------------------------------------------------------------------------
     def execute(self) -> None:
@@ -85,7 +88,11 @@ class _Run:
                     continue
                 break
             self._wait_one()
-        self.summary.write("failed" if any(r.status == "failed" for r in self.results.values()) else "passed")
+        outcomes = {
+            sid: r.outcome for sid, r in self.results.items() if r.outcome and r.status in ("done", "cached")
+        }
+        self.conclusion = conclude(self.checked.order, self.checked.needs, outcomes, self.states)
+        self.summary.write(run_status(self.results, self.conclusion), self.conclusion)
 
     def _launch_ready(self) -> bool:
         progressed = False
@@ -117,32 +124,21 @@ class _Run:
 
     def _prepare(self, sid: str) -> _Prepared | None:
         """Resolve params and decide; a cached stage is finished here (returns None)."""
-        spec = self.wf.stages[sid]
         try:
-            params = resolve_with(
-                self.checked, sid, {d: self.states[d].get("outputs", {}) for d in spec.needs}
-            )
-            cls = self.checked.classes[sid]
-            identity = stage_identity(spec.uses, cls, spec.base_dir)
-            fp = st.fingerprint(identity, params, {d: self.states[d]["fingerprint"] for d in spec.needs})
+            key = stage_key(self.checked, sid, self.states, self.run_dir)
             state = st.read_state(self.run_dir / sid)
             run, reason = decide(
-                state,
-                fp,
-                identity,
-                {d: self.states[d].get("run_id", "") for d in spec.needs},
-                sid in self.sel.forced,
-                sid in self.failed_before,
+                state, key, self.run_dir / sid, sid in self.sel.forced, sid in self.failed_before
             )
             if not run:
                 self._use_state(sid, state or {}, "")
                 return None
-            stage = cls()
-            resources = set(stage.resources(params))
-        except Exception as exc:  # a bad reference, a failing resources(): the stage's own failure
+            stage = self.checked.classes[sid]()
+            resources = set(stage.resources(key.params))
+        except (Exception, SystemExit) as exc:  # a bad reference, a failing resources(): its own failure
             self._fail(sid, exc)
             return None
-        self.prepared[sid] = _Prepared(stage, params, fp, identity, reason, resources)
+        self.prepared[sid] = _Prepared(stage, key, reason, resources)
         return self.prepared[sid]
 
     def _use_state(self, sid: str, state: dict[str, Any], detail: str) -> None:
@@ -150,15 +146,16 @@ class _Run:
         res = self.results[sid]
         res.outputs = state.get("outputs", {})
         res.summary = state.get("summary", {})
+        res.outcome = state.get("outcome")
         res.cached = True
         self._finish(sid, "cached", detail=detail)
 
     def _start(self, sid: str, prep: _Prepared) -> None:
-        tmp = st.new_tmp_dir(self.run_dir, sid)
+        tmp = rundir.new_tmp_dir(self.run_dir, sid)
         final = self.run_dir / sid
         ctx = StageContext(
             stage_id=sid,
-            params=prep.params,
+            params=prep.key.params,
             out_dir=tmp,
             final_dir=final,
             run_dir=self.run_dir,
@@ -195,7 +192,7 @@ class _Run:
                 return
             except Exception as err:  # bad outputs: the stage's fault
                 exc = err
-        st.discard(tmp, self.run_dir / ".failed" / sid)
+        rundir.discard(tmp, self.run_dir, sid)
         self._fail(sid, exc)
 
     def _complete(self, sid: str, prep: _Prepared, tmp: Path, ctx: StageContext, outputs: Any) -> None:
@@ -208,36 +205,44 @@ class _Run:
         summary = st.rewrite_paths(ctx.summary, str(tmp), str(final))
         json.dumps([outputs, summary])  # fails here (stage failed) rather than in summary.json
         res = self.results[sid]
+        key = prep.key
         state = {
             "stage": sid,
             "type": self.wf.stages[sid].uses,
-            "identity": prep.identity,
-            "fingerprint": prep.fingerprint,
+            "identity": key.identity,
+            "fingerprint": key.fingerprint,
+            "code": key.code,
             "run_id": secrets.token_hex(8),
-            "params": prep.params,
-            "upstream": {d: self.states[d]["fingerprint"] for d in self.wf.stages[sid].needs},
-            "upstream_runs": {d: self.states[d].get("run_id", "") for d in self.wf.stages[sid].needs},
+            "params": key.params,
+            "upstream": key.upstream,
+            "upstream_runs": key.upstream_runs,
             "outputs": outputs,
             "summary": summary,
+            "outcome": outcome_record(ctx.outcome),
             "started": res.started,
             "finished": now_iso(),
             "duration_s": res.duration_s,
         }
-        st.atomic_write_json(tmp / st.STATE_FILE, state)
-        st.install(tmp, final)
-        shutil.rmtree(self.run_dir / ".failed" / sid, ignore_errors=True)  # an older failure's leftovers
+        rundir.atomic_write_json(tmp / st.STATE_FILE, st.state_record(self.run_dir, tmp, **state))
+        rundir.install(tmp, final)
+        rundir.remove_failed(self.run_dir, sid)
         self.states[sid] = state
         res.outputs, res.summary, res.finished = outputs, summary, state["finished"]
+        res.outcome = state["outcome"]
         self._finish(sid, "done", detail=f"{res.duration_s:.1f}s")
 
     def _fail(self, sid: str, exc: BaseException) -> None:
         res = self.results[sid]
         res.user_error = isinstance(exc, UserError)
         res.error = str(exc) if res.user_error else f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, KeyboardInterrupt):
-            res.error = "interrupted"
         res.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         log.debug("stage %s failed:\n%s", sid, res.traceback)
+        if isinstance(exc, KeyboardInterrupt):
+            res.error = "interrupted"
+        elif isinstance(exc, SystemExit):  # the stage's own failure, said in one line
+            res.error = f"the stage called sys.exit({exc.code!r}) instead of returning its outputs or raising"
+            res.traceback = None
+        res.error = one_line(res.error)
         self._finish(sid, "failed", detail=res.error)
 
     def _finish(self, sid: str, status: str, detail: str = "", error: str | None = None) -> None:
@@ -275,18 +280,23 @@ def run_workflow(
     """Run (or with ``dry_run`` only plan) a workflow; see ``llmflow run --help`` for the options.
 
     Raises UserError (WorkflowError) for a workflow that does not validate, an unknown stage in
-    ``only``/``from_stage`` or a run dir held by another run. Stage failures do not raise: they
-    are in the result (``result.exit_code`` is 1, or 2 when a stage raised a UserError).
+    ``only``/``from_stage``, a run dir that cannot be one (a file, unwritable, a link inside
+    where llmflow writes) or one held by another run. Stage failures do not raise: they are in
+    the result (``result.exit_code`` is 1, or 2 when a stage raised a UserError); so is what the
+    stages concluded (``result.conclusion``: exit code 1 fail, 3 inconclusive, 0 pass).
     """
-    checked = prepare(path, set_params)
+    checked = prepare(path, set_params, trust_plugins=not dry_run)  # a dry run executes nothing
     sel = select(checked, only, from_stage, force)
     rdir = default_run_dir(checked, run_dir)
     reporter = reporter or Reporter()
     if dry_run:
+        if rdir.exists():
+            rundir.check_run_dir(rdir, checked.order)
         plan = compute_plan(checked, sel, rdir)
         return RunResult(checked.workflow.name, rdir, "planned", {}, {}, plan)
-    with st.RunDirLock(rdir):
-        removed = st.clean_tmp(rdir)
+    rundir.open_run_dir(rdir, checked.order)
+    with rundir.RunDirLock(rdir):
+        removed = rundir.clean_tmp(rdir)
         if removed:
             log.info("removed %d leftover temporary dir(s) of an interrupted run", len(removed))
         run = _Run(checked, sel, rdir, workers, reporter)
@@ -298,5 +308,5 @@ def run_workflow(
             raise
         finally:
             reporter.stop()
-    status = "failed" if any(r.status == "failed" for r in run.results.values()) else "passed"
-    return RunResult(checked.workflow.name, rdir, status, run.results, run.summary.data, [])
+    status = run_status(run.results, run.conclusion)
+    return RunResult(checked.workflow.name, rdir, status, run.results, run.summary.data, [], run.conclusion)

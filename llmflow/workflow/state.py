@@ -1,36 +1,37 @@
-"""What a run leaves on disk, written so that a killed run never lies.
+"""A completed stage's state file, ``<run-dir>/<stage>/.llmflow-stage.json``, and what the cache
+checks against it.
 
-<run-dir>/
-  .lock                       flock'ed for the whole run; holds the owner's pid
-  .tmp/<stage>-<random>/      a running stage's output; renamed into place when run() returns
-  <stage>/.llmflow-stage.json written inside the tmp dir *before* the rename: a stage dir with a
-                              state file is complete; the file records fingerprint, outputs, timings
-  summary.json                rewritten atomically as stages finish
+The file is written inside the stage's tmp dir *before* the rename (rundir.py): a stage dir with a
+state file is complete. It records the fingerprint (stage type + version, resolved parameters,
+the content of code files the stage names, needed stages' fingerprints), the run id, outputs,
+summary, outcome, timings, and the size and mtime of every file the stage left in its dir.
+
+Paths inside the run dir are stored relative to it (``paths`` lists where they are), so a copied
+or moved run dir reads its own files; ``read_state`` resolves them against the dir it reads from.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
-import secrets
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from llmflow.errors import UserError
+from llmflow.workflow.rundir import read_json
 
 STATE_FILE = ".llmflow-stage.json"
-TMP_DIR = ".tmp"
+#: keys of a state whose path strings are stored relative to the run dir
+PORTABLE_KEYS = ("params", "outputs", "summary")
 
 
-def fingerprint(identity: str, params: dict[str, Any], upstream: dict[str, str]) -> str:
-    """sha256 of the stage type (+version), its resolved parameters and its inputs' fingerprints."""
+def fingerprint(identity: str, params: Any, upstream: dict[str, str], code: dict[str, str] | None = None,
+                ) -> str:
+    """sha256 of the stage type (+version), its resolved parameters (in ``portable`` form, so
+    the same run dir elsewhere has the same fingerprints), the hashes of code files its
+    parameters name, and its inputs' fingerprints."""
     payload = json.dumps(
-        {"stage": identity, "params": params, "needs": upstream},
+        {"stage": identity, "params": params, "needs": upstream, **({"code": code} if code else {})},
         sort_keys=True,
         default=str,
         separators=(",", ":"),
@@ -38,99 +39,44 @@ def fingerprint(identity: str, params: dict[str, Any], upstream: dict[str, str])
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def atomic_write_json(path: Path, data: Any) -> None:
-    """Write JSON via a temp file + rename, so readers see the old or the new file, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, default=str)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; summary.json is for everyone to read
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+# -- paths relative to the run dir ----------------------------------------------------------------
+def portable(value: Any, run_dir: Path) -> tuple[Any, list[list[Any]]]:
+    """``value`` with every string at or under ``run_dir`` made relative to it, and the JSON
+    paths (lists of keys and indices) of those strings."""
+    root = str(run_dir)
+    pointers: list[list[Any]] = []
+
+    def walk(v: Any, at: list[Any]) -> Any:
+        if isinstance(v, Path):
+            v = str(v)
+        if isinstance(v, str) and (v == root or v.startswith(root + os.sep)):
+            pointers.append(at)
+            return os.path.relpath(v, root)
+        if isinstance(v, dict):
+            return {k: walk(x, [*at, k]) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [walk(x, [*at, i]) for i, x in enumerate(v)]
+        return v
+
+    return walk(value, []), pointers
 
 
-def read_json(path: Path) -> Any | None:
-    """A JSON file's content, or None when missing or unreadable (a torn write counts as missing)."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def read_state(stage_dir: Path) -> dict[str, Any] | None:
-    """The state of a *completed* stage directory, or None."""
-    state = read_json(stage_dir / STATE_FILE)
-    return state if isinstance(state, dict) and "fingerprint" in state else None
-
-
-class RunDirLock:
-    """An exclusive ``fcntl.flock`` on ``<run-dir>/.lock`` held for a whole run."""
-
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / ".lock"
-        self._fh: Any = None
-
-    def __enter__(self) -> RunDirLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held until __exit__
+def resolve_portable(value: Any, pointers: list[list[Any]], run_dir: Path) -> Any:
+    """Undo ``portable`` against ``run_dir`` (a copy of ``value``; bad pointers are ignored)."""
+    value = json.loads(json.dumps(value))
+    for at in pointers:
+        if not at:
+            value = os.path.normpath(os.path.join(run_dir, value)) if isinstance(value, str) else value
+            continue
+        parent = value
         try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            fh.seek(0)
-            pid = fh.read().strip() or "unknown"
-            fh.close()
-            raise UserError(
-                f"run dir {self.path.parent} is in use by another llmflow run (pid {pid})"
-            ) from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(str(os.getpid()))
-        fh.flush()
-        self._fh = fh
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._fh is not None:
-            fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
-            self._fh.close()
-            self._fh = None
-
-
-def clean_tmp(run_dir: Path) -> list[str]:
-    """Remove what interrupted runs left in ``<run-dir>/.tmp``; returns the removed names."""
-    tmp = run_dir / TMP_DIR
-    if not tmp.is_dir():
-        return []
-    removed = []
-    for child in tmp.iterdir():
-        shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
-        removed.append(child.name)
-    return removed
-
-
-def new_tmp_dir(run_dir: Path, stage_id: str) -> Path:
-    """A fresh ``<run-dir>/.tmp/<stage>-<random>`` directory."""
-    path = run_dir / TMP_DIR / f"{stage_id}-{secrets.token_hex(4)}"
-    path.mkdir(parents=True)
-    return path
-
-
-def install(tmp: Path, final: Path) -> None:
-    """Move a finished stage's tmp dir to its final place, replacing an older result."""
-    if final.exists():
-        old = tmp.parent / f"{final.name}-old-{secrets.token_hex(4)}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+            for key in at[:-1]:
+                parent = parent[key]
+            if isinstance(parent[at[-1]], str):
+                parent[at[-1]] = os.path.normpath(os.path.join(run_dir, parent[at[-1]]))
+        except (KeyError, IndexError, TypeError):
+            continue
+    return value
 
 
 def rewrite_paths(value: Any, old: str, new: str) -> Any:
@@ -149,11 +95,67 @@ def rewrite_paths(value: Any, old: str, new: str) -> Any:
     return value
 
 
-def discard(tmp: Path, failed_dir: Path) -> None:
-    """Keep a failed stage's partial output at ``failed_dir`` (for inspection), replacing older."""
-    shutil.rmtree(failed_dir, ignore_errors=True)
-    failed_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, failed_dir)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+# -- what the stage left on disk ------------------------------------------------------------------
+def file_manifest(stage_dir: Path) -> dict[str, list[int]]:
+    """Relative path -> [size, mtime_ns] of every file under ``stage_dir`` (links not followed),
+    the state file aside. One ``lstat`` a file: cheap next to writing them."""
+    out: dict[str, list[int]] = {}
+    for top, dirs, files in os.walk(stage_dir):
+        dirs.sort()
+        for name in sorted(files) + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            path = os.path.join(top, name)
+            rel = os.path.relpath(path, stage_dir)
+            if rel == STATE_FILE:
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            out[rel] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def outputs_changed(stage_dir: Path, state: dict[str, Any]) -> str | None:
+    """Why the files a completed stage left no longer match its state (one file named), or None.
+    A state without a manifest (written by an older llmflow) is taken as it is."""
+    recorded = state.get("files")
+    if not isinstance(recorded, dict):
+        return None
+    now = file_manifest(stage_dir)
+    for rel, meta in recorded.items():
+        if rel not in now:
+            return f"{rel} is gone"
+        if list(meta) != now[rel]:
+            return f"{rel} was modified"
+    extra = sorted(set(now) - set(recorded))
+    return f"{extra[0]} was added" if extra else None
+
+
+# -- the state file -------------------------------------------------------------------------------
+def state_record(run_dir: Path, stage_dir: Path, **fields: Any) -> dict[str, Any]:
+    """The state file's content: ``fields`` with run-dir paths made relative (see module doc) and
+    the manifest of ``stage_dir`` (the tmp dir about to become the stage dir)."""
+    record = dict(fields)
+    paths = {}
+    for key in PORTABLE_KEYS:
+        if key in record:
+            record[key], paths[key] = portable(record[key], run_dir)
+    record["paths"] = paths
+    record["files"] = file_manifest(stage_dir)
+    return record
+
+
+def read_state(stage_dir: Path) -> dict[str, Any] | None:
+    """The state of a *completed* stage directory, paths resolved against the run dir it is in;
+    None when there is none (or the stage dir is a link, which llmflow never follows)."""
+    if os.path.islink(stage_dir):
+        return None
+    state = read_json(stage_dir / STATE_FILE)
+    if not isinstance(state, dict) or "fingerprint" not in state:
+        return None
+    paths = state.get("paths") if isinstance(state.get("paths"), dict) else {}
+    run_dir = stage_dir.resolve().parent
+    for key in PORTABLE_KEYS:
+        if key in state and isinstance(paths.get(key), list):
+            state[key] = resolve_portable(state[key], paths[key], run_dir)
+    return state

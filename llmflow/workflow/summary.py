@@ -1,7 +1,9 @@
 """``<run-dir>/summary.json``: the run at a glance, rewritten atomically whenever a stage changes.
 
-Top-level keys: workflow, workflow_file, run_dir, params, status, started, updated, stages; plus
-each stage's ``ctx.summary`` merged in, in execution order (``verdict``, ``compare``, ...).
+Top-level keys: workflow, workflow_file, run_dir, params, status, outcome (the run's conclusion,
+conclusion.py; null while running and when no stage set one), started, updated, stages (each with
+its own ``outcome``); plus each stage's ``ctx.summary`` merged in, in execution order
+(``verdict``, ``compare``, ...).
 A stage may not overwrite those reserved keys. The shape is ``schemas/summary.schema.json``.
 """
 
@@ -12,11 +14,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from llmflow.workflow.conclusion import Conclusion
 from llmflow.workflow.model import Workflow
 from llmflow.workflow.result import StageResult, now_iso
-from llmflow.workflow.state import atomic_write_json
+from llmflow.workflow.rundir import atomic_write_json
 
-RESERVED = ("workflow", "workflow_file", "run_dir", "params", "status", "started", "updated", "stages")
+RESERVED = (
+    "workflow", "workflow_file", "run_dir", "params", "status", "outcome", "started", "updated", "stages"
+)
 
 log = logging.getLogger("llmflow.workflow")
 
@@ -38,11 +43,12 @@ class SummaryWriter:
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
 
-    def write(self, status: str) -> dict[str, Any]:
+    def write(self, status: str, conclusion: Conclusion | None = None) -> dict[str, Any]:
         with self._lock:
             data: dict[str, Any] = {
                 **self.head,
                 "status": status,
+                "outcome": conclusion.to_json() if conclusion else None,
                 "updated": now_iso(),
                 "stages": {sid: r.to_json() for sid, r in self.results.items()},
             }

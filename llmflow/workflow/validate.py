@@ -17,17 +17,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
-import yaml
 
-from llmflow.errors import UserError
+from llmflow.errors import UserError, one_line
 from llmflow.plugins import suggest
 from llmflow.stages.base import Stage
 from llmflow.workflow import dag
 from llmflow.workflow.interpolate import InterpolationError, Ref, dig, has_refs, parse, resolve, strings
-from llmflow.workflow.marks import ValidationError, WorkflowError
+from llmflow.workflow.marks import ValidationError, WorkflowError, YamlTooBig, parse_yaml
 from llmflow.workflow.model import Workflow
-from llmflow.workflow.registry import resolve_stage
+from llmflow.workflow.registry import file_ref_path, resolve_stage
 from llmflow.workflow.schema import schema_errors
+from llmflow.workflow.static_stage import StaticReadError
 
 SetParams = Mapping[str, Any] | Iterable[str] | None
 
@@ -66,6 +66,15 @@ def parse_set(items: SetParams) -> dict[str, str]:
     return out
 
 
+def parse_set_value(name: str, raw: str) -> Any:
+    """A ``--set`` value read as YAML (``3``, ``true``, ``[1, 2]``), within the same bounds as a
+    workflow file (raises ``YamlTooBig``); text that is not valid YAML stays text."""
+    if not raw.strip():
+        return raw
+    data, _, errors = parse_yaml(raw, f"--set {name}")
+    return raw if errors else data
+
+
 def _param_schema(spec: dict[str, Any]) -> dict[str, Any]:
     return {k: spec[k] for k in ("type", "enum", "minimum", "maximum") if k in spec}
 
@@ -88,23 +97,34 @@ def _check_params(wf: Workflow, set_params: SetParams, checked: Checked) -> None
         value: Any = raw
         if isinstance(raw, str):
             try:
-                value = yaml.safe_load(raw) if raw.strip() else raw
-            except yaml.YAMLError:
-                value = raw
+                value = parse_set_value(name, raw)
+            except YamlTooBig as exc:
+                if wf.params[name]["type"] != "string":
+                    checked.errors.append(ValidationError(f"--set {name}: {exc.error.message}"))
+                    continue
+                value = raw  # any text is a string
             if wf.params[name]["type"] == "string" and not isinstance(value, str):
                 value = raw  # `--set prompt=yes` means the text "yes"
         try:
             jsonschema.validate(value, _param_schema(wf.params[name]))
         except jsonschema.ValidationError as exc:
-            checked.errors.append(ValidationError(f"--set {name}={raw}: {exc.message}"))
+            checked.errors.append(ValidationError(f"--set {name}={one_line(raw, 80)}: {exc.message}"))
             continue
         checked.params[name] = value
 
 
-def _check_stages(wf: Workflow, checked: Checked) -> None:
+def _check_stages(wf: Workflow, checked: Checked, trust_plugins: bool) -> None:
     for sid, st in wf.stages.items():
         try:
-            checked.classes[sid] = resolve_stage(st.uses, st.base_dir)
+            checked.classes[sid] = resolve_stage(st.uses, st.base_dir, trust_plugins)
+        except StaticReadError as exc:
+            checked.errors.append(
+                ValidationError(
+                    f"stage {sid!r}: {exc}; checking it would execute {file_ref_path(st.uses, st.base_dir)}:"
+                    " pass --trust-plugins to import it",
+                    wf.mark("stages", sid, "uses"),
+                )
+            )
         except UserError as exc:
             checked.errors.append(ValidationError(f"stage {sid!r}: {exc}", wf.mark("stages", sid, "uses")))
         for i, dep in enumerate(st.needs):
@@ -207,8 +227,12 @@ def _check_with(wf: Workflow, checked: Checked) -> None:
         checked.errors += schema_errors(cls.params_schema, instance, wf.marks, ("stages", sid, "with"), skip)
 
 
-def check(wf: Workflow, set_params: SetParams = None, runtime: bool = False) -> Checked:
-    """Every static problem of ``wf``. ``runtime`` also requires a value for every param."""
+def check(
+    wf: Workflow, set_params: SetParams = None, runtime: bool = False, trust_plugins: bool = False
+) -> Checked:
+    """Every static problem of ``wf``. ``runtime`` also requires a value for every param.
+    ``trust_plugins`` imports ``file.py:Class`` stages; otherwise they are read statically
+    (``static_stage``) and a class that cannot be read that way is a problem saying so."""
     checked = Checked(wf)
     _check_params(wf, set_params, checked)
     if runtime:
@@ -219,7 +243,7 @@ def check(wf: Workflow, set_params: SetParams = None, runtime: bool = False) -> 
                         f"param {name!r} has no default: pass --set {name}=VALUE", wf.key_mark("params", name)
                     )
                 )
-    _check_stages(wf, checked)
+    _check_stages(wf, checked, trust_plugins)
     _check_refs(wf, checked)
     _check_with(wf, checked)
     return checked

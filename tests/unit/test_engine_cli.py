@@ -12,7 +12,7 @@ import pytest
 
 import llmflow.workflow
 from llmflow.cli import TOOLS, main
-from llmflow.workflow.state import RunDirLock
+from llmflow.workflow.rundir import RunDirLock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_helpers import HELPERS, REPO, write_workflow  # noqa: E402

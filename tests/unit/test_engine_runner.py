@@ -12,7 +12,8 @@ import pytest
 
 from llmflow.errors import UserError
 from llmflow.workflow import plan_workflow, run_workflow
-from llmflow.workflow.state import STATE_FILE, RunDirLock
+from llmflow.workflow.rundir import RunDirLock
+from llmflow.workflow.state import STATE_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_helpers import REPO, events, ran, write_workflow  # noqa: E402

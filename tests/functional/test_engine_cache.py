@@ -1,0 +1,186 @@
+"""The cache trusts only what it can still see: a stage whose files changed on disk re-runs, an
+edited code file a stage names re-runs it, and a copied or moved run dir reads its own files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmflow.workflow import plan_workflow, run_workflow
+from llmflow.workflow.state import STATE_FILE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine_helpers import llmflow, ran, write_workflow  # noqa: E402
+
+CHAIN = """
+    name: chain
+    stages:
+      a: {uses: "{HELPERS}:EchoStage", with: {value: "code.py:make"}}
+      b: {uses: "{HELPERS}:EchoStage", needs: [a], with: {value: "${stages.a.outputs.file}"}}
+      local: {uses: "local_stage.py:Local"}
+"""
+
+LOCAL_STAGE = '''
+from llmflow.stages.base import Stage
+
+
+class Local(Stage):
+    """A plugin stage next to the workflow."""
+
+    type = "local"
+
+    def run(self, ctx):
+        (ctx.out_dir / "out.txt").write_text("local")
+        return {"out": str(ctx.out_dir / "out.txt")}
+'''
+
+
+@pytest.fixture
+def chain(tmp_path):
+    wf = write_workflow(tmp_path, CHAIN)
+    (tmp_path / "code.py").write_text("def make():\n    return 1\n")
+    (tmp_path / "local_stage.py").write_text(LOCAL_STAGE)
+    rd = tmp_path / "run"
+    assert run_workflow(wf, run_dir=rd).exit_code == 0
+    return wf, rd
+
+
+def plan(wf: Path, rd: Path) -> dict[str, tuple[str, str]]:
+    return {i.stage: (i.action, i.reason) for i in plan_workflow(wf, run_dir=rd)}
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda f: f.unlink(), "value.json is gone"),
+        (lambda f: f.write_text('"edited"'), "value.json was modified"),
+        (lambda f: (f.parent / "stray.bin").write_bytes(b"x"), "stray.bin was added"),
+    ],
+    ids=["deleted", "modified", "added"],
+)
+def test_a_stage_whose_files_changed_reruns(chain, change, reason):
+    wf, rd = chain
+    change(rd / "a" / "value.json")
+    assert plan(wf, rd) == {
+        "a": ("run", f"outputs changed on disk ({reason})"),
+        "b": ("run", "upstream changed"),
+        "local": ("cached", "cached"),
+    }
+    res = run_workflow(wf, run_dir=rd)
+    assert [res.stages[s].status for s in ("a", "b", "local")] == ["done", "done", "cached"]
+    assert json.loads((rd / "a" / "value.json").read_text()) == "code.py:make"
+    assert {i.action for i in plan_workflow(wf, run_dir=rd)} == {"cached"}
+
+
+def test_edited_code_files_rerun_their_stage(chain, tmp_path):
+    wf, rd = chain
+    with open(tmp_path / "code.py", "a") as fh:
+        fh.write("# a comment is an edit too\n")
+    with open(tmp_path / "local_stage.py", "a") as fh:
+        fh.write("# edited\n")
+    assert plan(wf, rd) == {
+        "a": ("run", "code changed: code.py"),
+        "b": ("run", "upstream changed"),
+        "local": ("run", "stage type or version changed"),
+    }
+    res = run_workflow(wf, run_dir=rd)
+    assert [res.stages[s].status for s in ("a", "b", "local")] == ["done", "done", "done"]
+    assert ran(rd) == ["a", "b", "a", "b"]  # the helper stages log their starts; local does not
+
+
+@pytest.mark.parametrize("how", ["copy", "move"])
+def test_a_copied_or_moved_run_dir_reads_its_own_files(chain, tmp_path, how):
+    wf, rd = chain
+    state_text = (rd / "b" / STATE_FILE).read_text()
+    assert str(rd) not in state_text  # paths inside the run dir are stored relative to it
+    other = tmp_path / "elsewhere" / "run-copy"
+    other.parent.mkdir()
+    if how == "copy":
+        shutil.copytree(rd, other, symlinks=True)  # copy2 keeps mtimes, like cp -a / rsync -a
+        shutil.rmtree(rd)  # the original is gone: nothing may still point at it
+    else:
+        os.rename(rd, other)
+    assert {i.action for i in plan_workflow(wf, run_dir=other)} == {"cached"}
+    res = run_workflow(wf, run_dir=other)
+    assert {r.status for r in res.stages.values()} == {"cached"}
+    assert res.stages["a"].outputs["file"] == str(other / "a" / "value.json")
+    assert res.stages["b"].outputs["value"] == str(other / "a" / "value.json")
+    assert res.stages["b"].outputs["nested"]["dir"] == str(other / "b")
+    summary = json.loads((other / "summary.json").read_text())
+    assert str(rd) + os.sep not in json.dumps(summary)
+
+
+TINY = "tiny-llama:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64,seed=5"
+
+DUMPS = f"""
+    name: dumps
+    params:
+      target_patch: {{type: string, default: "patch.py:identity"}}
+    stages:
+      seed: {{uses: seed, with: {{seed: 3}}}}
+      golden:
+        uses: dump
+        needs: [seed]
+        with: {{model: "{TINY}", prompt: "hi", max_new_tokens: 4, chat_template: false,
+                seed_settings: "${{stages.seed.outputs.settings}}"}}
+      target:
+        uses: dump
+        needs: [seed]
+        with: {{model: "{TINY}", prompt: "hi", max_new_tokens: 4, chat_template: false,
+                patch: "${{params.target_patch}}", seed_settings: "${{stages.seed.outputs.settings}}"}}
+      align:
+        uses: align
+        needs: [golden, target]
+        with: {{golden_dump: "${{stages.golden.outputs.dump_dir}}",
+                target_dump: "${{stages.target.outputs.dump_dir}}"}}
+      compare:
+        uses: compare
+        needs: [align]
+        with: {{golden_dump: "${{stages.align.outputs.golden_dump}}",
+                target_dump: "${{stages.align.outputs.target_dump}}",
+                pairs_file: "${{stages.align.outputs.pairs_file}}", target_dtype: float32}}
+"""
+
+
+def _rows(rd: Path) -> dict[str, int]:
+    levels = json.loads((rd / "summary.json").read_text())["compare"]["levels"]
+    return {level: info["rows"] for level, info in levels.items()}
+
+
+@pytest.mark.slow
+def test_deleted_dump_data_and_an_edited_patch_rerun_through_the_cli(tmp_path):
+    """A dump whose data file was deleted re-dumps (the compare sees every row again, not what
+    was left); an edited target patch re-runs its dump. env.json records no secret values."""
+    wf = write_workflow(tmp_path, DUMPS)
+    (tmp_path / "patch.py").write_text("def identity(model):\n    return None\n")
+    rd = tmp_path / "run"
+    secrets = {"TORCH_HUB_TOKEN": "hunter2-token", "ASCEND_PASSWORD": "hunter2-pw", "ATB_SECRET": "hunter2-s"}
+    first = llmflow("run", str(wf), "--run-dir", str(rd), "--workers", "2", timeout=300, env=secrets)
+    assert first.returncode == 0, first.stdout + first.stderr
+    rows = _rows(rd)
+    assert sum(rows.values()) > 10
+    # env.json names the secret-looking variables but never holds their values
+    env_vars = json.loads((rd / "target" / "dump" / "env.json").read_text())["env_vars"]
+    assert {k: env_vars[k] for k in secrets} == dict.fromkeys(secrets, "<redacted>")
+    assert not [p for p in rd.rglob("*") if p.is_file() and b"hunter2" in p.read_bytes()]
+
+    data = sorted((rd / "target" / "dump").rglob("*.safetensors"))
+    assert len(data) > 1
+    data[-1].unlink()
+    proc = llmflow("plan", str(wf), "--run-dir", str(rd), "--json")
+    reasons = {i["stage"]: (i["action"], i["reason"]) for i in json.loads(proc.stdout)}
+    assert reasons["target"][0] == "run" and reasons["target"][1].startswith("outputs changed on disk (dump/")
+    assert reasons["golden"] == ("cached", "cached") and reasons["compare"] == ("run", "upstream changed")
+    again = llmflow("run", str(wf), "--run-dir", str(rd), timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _rows(rd) == rows  # the whole target again, not what was left of it
+
+    with open(tmp_path / "patch.py", "a") as fh:
+        fh.write("# reviewed\n")
+    proc = llmflow("plan", str(wf), "--run-dir", str(rd))
+    assert "code changed: patch.py" in proc.stdout and proc.returncode == 0
