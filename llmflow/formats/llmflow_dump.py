@@ -22,19 +22,20 @@ background thread. ``LlmflowDumpReader`` reads it with nothing but ``json`` and 
 from __future__ import annotations
 
 import json
-import operator
 import os
 import re
 import time
 from math import isfinite
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import torch
 
 from llmflow.errors import DumpFormatError, UserError
+from llmflow.formats._safe import open_regular, read_json, read_text, regular_file
 from llmflow.formats.base import STAT_KEYS, DumpReader, Entry
+from llmflow.formats.llmflow_check import rank_problems, safetensors_keys
 
 FORMAT = "llmflow-dump"
 # 2: index lines hold batches of rows (version 1: one entry a line, still read);
@@ -44,6 +45,8 @@ META_FILE = "llmflow_dump.json"
 ENV_FILE = "env.json"
 TOPOLOGY_FILE = "topology.json"
 _RANK_DIR = re.compile(r"^rank(\d+)$")
+MAX_META_BYTES = 64 << 20  # llmflow_dump.json, rank.json, env.json, topology.json: small files
+MAX_JSON_DEPTH = 100  # their nesting (a module tree: two levels a module, ~25 deep): deeper is refused
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -58,18 +61,60 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 # positional row per entry and statistics as a list in STAT_KEYS order. The writer writes batches:
 # a decode step of a 30-layer model indexes ~1000 entries, and one line per batch costs far less
 # than a formatted object per entry (and 40% fewer bytes, most of a small-tensor dump's size).
-ROW_FIELDS = ("step", "name", "kind", "index", "level", "order", "dtype", "shape", "module_type",
-              "stats", "has_data", "value", "pytype", "key", "extra")
-_row_of = operator.attrgetter(*ROW_FIELDS)
+class IndexRow(NamedTuple):
+    """One entry as an index line stores it: a positional row of ``ROW_FIELDS`` (the ``Entry``
+    fields without ``rank``, which the line holds once). The capture builds these, the background
+    writer passes them on (filling in ``key`` and ``stats``), and ``index_line`` encodes them.
+
+    The capture builds them on its hot path as ``new_row(IndexRow, (step, name, ...))``: a tuple
+    display turned into a row by ``tuple.__new__`` in C. ``IndexRow(...)`` gives the same row
+    through the generated Python ``__new__``, twice the cost (~160 against ~340 ns measured);
+    with a thousand rows a decode step that difference is a visible share of a dump's overhead.
+    """
+
+    step: int
+    name: str
+    kind: str
+    index: str
+    level: str
+    order: int
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    module_type: str | None
+    stats: list[float] | dict[str, float] | None  # a list in STAT_KEYS order (a dict: a partial set)
+    has_data: bool
+    value: Any  # a non-tensor input's JSON value (None, bool, int, float, short str)
+    pytype: str | None
+    key: str  # "<data file>:<tensor key>" once written; the tensor key before (see the writer)
+    extra: dict[str, Any]
+
+    @classmethod
+    def of(cls, e: Entry) -> IndexRow:
+        """The row of an ``Entry`` (statistics with every STAT_KEYS key become a list)."""
+        st = e.stats
+        if type(st) is dict and tuple(st) == STAT_KEYS:
+            st = list(st.values())
+        return new_row(cls, (e.step, e.name, e.kind, e.index, e.level, e.order, e.dtype, e.shape,
+                             e.module_type, st, e.has_data, e.value, e.pytype, e.key, e.extra))
+
+    def with_key(self, key: str) -> IndexRow:
+        return new_row(IndexRow, (*self[:_KEY_AT], key, *self[_KEY_AT + 1:]))
+
+    def with_stats(self, stats: list[float]) -> IndexRow:
+        return new_row(IndexRow, (*self[:_STATS_AT], stats, *self[_STATS_AT + 1:]))
+
+
+new_row = tuple.__new__  # new_row(IndexRow, (...)): see IndexRow's docstring
+ROW_FIELDS: tuple[str, ...] = IndexRow._fields
 _STATS_AT = ROW_FIELDS.index("stats")
 _VALUE_AT = ROW_FIELDS.index("value")
+_KEY_AT = ROW_FIELDS.index("key")
 _encode = json.JSONEncoder(allow_nan=True, check_circular=False, default=str,
                            separators=(",", ":")).encode
 
 
-def index_line(entries: list[Entry | tuple], rank: int) -> bytes:
-    """The index line(s) holding ``entries``, all of rank ``rank``: UTF-8 JSON, newline-ended.
-    An entry is an ``Entry`` or already a row (a tuple in ``ROW_FIELDS`` order).
+def index_line(rows: list[IndexRow], rank: int) -> bytes:
+    """The index line(s) holding ``rows``, all of rank ``rank``: UTF-8 JSON, newline-ended.
 
     Rows go through orjson: formatting the statistics' floats is most of the encoding, and the
     standard library took ~3 us an entry (a fifth of a statistics-mode dump's overhead on a small
@@ -78,22 +123,17 @@ def index_line(entries: list[Entry | tuple], rank: int) -> bytes:
     a second line written by the standard library, which keeps them as ``NaN``/``Infinity``.
     """
     fast: list[tuple] = []
-    slow: list[tuple] = []
-    for e in entries:
-        row = e if type(e) is tuple else _row_of(e)
+    slow: list[IndexRow] = []
+    for row in rows:
         st = row[_STATS_AT]
-        if st is not None:
-            if type(st) is dict and tuple(st) == STAT_KEYS:  # (the writer thread hands lists already)
-                st = list(st.values())
-                row = (*row[:_STATS_AT], st, *row[_STATS_AT + 1:])
-            if not _finite_stats(st):
-                slow.append(row)
-                continue
+        if st is not None and not _finite_stats(st):
+            slow.append(row)
+            continue
         value = row[_VALUE_AT]
         if type(value) is float and not isfinite(value):
             slow.append(row)
             continue
-        fast.append(row)
+        fast.append(tuple(row))  # (orjson writes plain tuples only; a subclass would go to ``default``)
     out = b""
     if fast:
         try:
@@ -124,21 +164,55 @@ def _loads(raw: bytes) -> Any:
 
 
 def parse_index_line(obj: Any) -> list[Entry]:
-    """The entries of one decoded index line, of either kind (see ``ROW_FIELDS``)."""
+    """The entries of one decoded index line, of either kind (see ``ROW_FIELDS``).
+
+    Every field's type is checked (``TypeError``/``ValueError`` naming it), so a hand-edited or
+    foreign line fails here, where the reader names its file and line, not in the code using it.
+    """
     if not isinstance(obj, dict):
         raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
     if "rows" not in obj:
-        return [Entry.from_json(obj)]
-    fields, rank = obj["fields"], obj["rank"]
+        return [_checked(Entry.from_json(obj))]
+    fields, rank, rows = obj["fields"], obj["rank"], obj["rows"]
+    if type(rank) is not int or not isinstance(rows, list) or not isinstance(fields, list) or \
+            not all(type(f) is str for f in fields):
+        raise TypeError("expected 'rank' an integer, 'fields' a list of names and 'rows' a list")
     out = []
-    for row in obj["rows"]:
+    for row in rows:
+        if type(row) is not list:
+            raise TypeError(f"a row is a {type(row).__name__}, not a list")
         d = dict(zip(fields, row, strict=True))
         st = d.get("stats")
-        if isinstance(st, list):
+        if type(st) is list:
             d["stats"] = dict(zip(STAT_KEYS, st, strict=True))
         d["rank"] = rank
-        out.append(Entry.from_json(d))
+        out.append(_checked(Entry.from_json(d)))
     return out
+
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _checked(e: Entry) -> Entry:
+    """``e`` when every field has its type (see ``Entry``), else a ``TypeError`` naming the field."""
+    if type(e.step) is not int or type(e.order) is not int or type(e.rank) is not int:
+        raise TypeError("step, rank and order must be integers")
+    for name in ("name", "kind", "index", "level", "key"):
+        if type(getattr(e, name)) is not str:
+            raise TypeError(f"{name} must be a string")
+    for name in ("dtype", "module_type", "pytype"):
+        if not isinstance(getattr(e, name), (str, type(None))):
+            raise TypeError(f"{name} must be a string or null")
+    if type(e.has_data) is not bool or not isinstance(e.value, _SCALARS):
+        raise TypeError("has_data must be true or false, value a JSON scalar")
+    if e.shape is not None and not all(type(d) is int and d >= 0 for d in e.shape):
+        raise TypeError("shape must be a list of sizes")
+    if e.stats is not None and not (isinstance(e.stats, dict) and all(
+            isinstance(v, (int, float, type(None))) for v in e.stats.values())):
+        raise TypeError("stats must be numbers")
+    if not isinstance(e.extra, dict) or not all(isinstance(v, _SCALARS) for v in e.extra.values()):
+        raise TypeError("extra must be an object of JSON scalars")
+    return e
 
 
 SAFETENSORS_DTYPES = {
@@ -203,12 +277,12 @@ class DumpDirWriter:
         if rank == 0 or not (self.dump_dir / META_FILE).exists():
             write_json_atomic(self.dump_dir / META_FILE, self.meta)
 
-    def write_batch(self, tensors: dict[str, torch.Tensor], entries: list[Entry]) -> str:
-        """Write tensors to the next data file, then append the entries that point at them.
+    def write_rows(self, tensors: dict[str, torch.Tensor], rows: list[IndexRow]) -> str:
+        """Write tensors to the next data file, then append the rows that point at them.
 
-        ``entry.key`` must hold the tensor's key in ``tensors`` (several entries may share one);
-        it is rewritten to ``rank{R}/data/NNNNNN.safetensors:<key>``. Returns that file's
-        dump-relative path.
+        A row with data holds its tensor's key in ``tensors`` (several rows may share one); its
+        index line holds ``rank{R}/data/NNNNNN.safetensors:<key>``. Returns that file's
+        dump-relative path ("" when ``tensors`` is empty).
         """
         rel = ""
         if tensors:
@@ -217,23 +291,28 @@ class DumpDirWriter:
             final = self.rank_dir / "data" / name
             tmp = final.with_name(name + ".tmp")
             write_safetensors(tmp, tensors)
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # complete on disk before any index line names it
             self.bytes_written += final.stat().st_size
             rel = f"rank{self.rank}/data/{name}"
-            for e in entries:
-                if e.has_data:
-                    e.key = f"{rel}:{e.key}"
-        self.append_entries(entries)
+            rows = [r.with_key(f"{rel}:{r.key}") if r.has_data else r for r in rows]
+        self.append_rows(rows)
         return rel
 
-    def append_entries(self, entries: list[Entry | tuple]) -> None:
-        """Append index lines (entries without data, or whose data is already on disk; entries
-        or rows, see ``index_line``)."""
-        if not entries:
+    def write_batch(self, tensors: dict[str, torch.Tensor], entries: list[Entry]) -> str:
+        """``write_rows`` for ``Entry`` objects (their ``key``: the tensor's key in ``tensors``)."""
+        return self.write_rows(tensors, [IndexRow.of(e) for e in entries])
+
+    def append_rows(self, rows: list[IndexRow]) -> None:
+        """Append index lines: rows without data, or whose data is already on disk."""
+        if not rows:
             return
-        self._index.write(index_line(entries, self.rank))
+        self._index.write(index_line(rows, self.rank))
         self._index.flush()
-        self.entries_written += len(entries)
+        self.entries_written += len(rows)
+
+    def append_entries(self, entries: list[Entry]) -> None:
+        """``append_rows`` for ``Entry`` objects."""
+        self.append_rows([IndexRow.of(e) for e in entries])
 
     def append_order(self, step: int, order: list[str]) -> None:
         """Record the execution order of modules and APIs of one step."""
@@ -248,11 +327,12 @@ class DumpDirWriter:
         self.rank_meta.update(fields)
         write_json_atomic(self.rank_dir / "rank.json", self.rank_meta)
 
-    def close(self, complete: bool = True, **meta: Any) -> None:
-        """Close the files; mark the dump complete only when asked (a clean close)."""
+    def close(self, complete: bool = True, rank_meta: dict[str, Any] | None = None, **meta: Any) -> None:
+        """Close the files; mark the dump complete only when asked (a clean close). ``rank_meta``
+        goes into rank.json, ``meta`` into llmflow_dump.json."""
         self._index.close()
         self._order.close()
-        self.rank_meta.update(complete=complete, bytes=self.bytes_written,
+        self.rank_meta.update(rank_meta or {}, complete=complete, bytes=self.bytes_written,
                               entries=self.entries_written)
         write_json_atomic(self.rank_dir / "rank.json", self.rank_meta)
         if self.rank == 0 or not (self.dump_dir / META_FILE).exists():
@@ -286,7 +366,12 @@ def _share_repeat_stats(entries: list[Entry]) -> None:
 
 
 class LlmflowDumpReader(DumpReader):
-    """Reads an llmflow dump with ``json`` and ``safetensors`` only (never pickle)."""
+    """Reads an llmflow dump with ``json`` and ``safetensors`` only (never pickle).
+
+    Entries whose data file is missing or unusable (truncated, not a regular file, without the
+    entry's tensor) are left out of ``entries()``; ``problems()`` names each such file, with the
+    rest of what makes the dump less than whole (see ``llmflow_check``).
+    """
 
     format = "llmflow"
 
@@ -294,6 +379,7 @@ class LlmflowDumpReader(DumpReader):
         p = Path(path)
         super().__init__(p.parent if p.name == META_FILE else p)
         self._entries: list[Entry] | None = None
+        self._index_problems: list[str] = []
         self._handles: dict[str, Any] = {}
         meta = self._read_json(self.path / META_FILE)  # a damaged manifest fails here, named
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -301,32 +387,53 @@ class LlmflowDumpReader(DumpReader):
                                   f"(expected a JSON object with \"format\": \"{FORMAT}\")")
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_entries": None, "_handles": {}}
+        return {"path": self.path, "_entries": None, "_index_problems": [], "_handles": {}}
 
     @classmethod
     def detect(cls, path: Path) -> bool:
         p = Path(path)
         meta = p if p.name == META_FILE else p / META_FILE
-        if not meta.is_file():
+        if not meta.exists():
             return False
         # the file's name claims the dump unless it names another format: a damaged manifest
-        # then gets an error naming it, not "not a dump of any known format"
+        # (or one that is not a regular file) then gets an error naming it, not "not a dump of
+        # any known format"
         try:
-            data = json.loads(meta.read_text())
-        except (OSError, ValueError):
+            data = read_json(meta, limit=MAX_META_BYTES)
+        except DumpFormatError:
             return True
         return not isinstance(data, dict) or data.get("format", FORMAT) == FORMAT
 
     def meta(self) -> dict[str, Any]:
         """llmflow_dump.json, with ``complete`` true only when every rank closed cleanly."""
         meta = self._read_json(self.path / META_FILE) or {}
-        if meta.get("format") != FORMAT:
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise DumpFormatError(f"{self.path / META_FILE}: not an llmflow dump")
-        ranks = [self._read_json(d / "rank.json") or {} for d in self._rank_dirs()]
+        ranks = [r if isinstance(r := self._read_json(d / "rank.json"), dict) else {}
+                 for d in self._rank_dirs()]
         meta["ranks"] = ranks
         meta["complete"] = bool(meta.get("complete")) and all(r.get("complete") for r in ranks)
         meta["truncated"] = any(r.get("truncated") for r in ranks)
         return meta
+
+    def problems(self) -> list[str]:
+        """Why this dump is not whole, one line each (empty when it is): see ``llmflow_check``."""
+        self.entries()  # reading the index checks the data files it names
+        out: list[str] = []
+        meta = self._read_json(self.path / META_FILE) or {}
+        rank_dirs = self._rank_dirs()
+        if not rank_dirs:
+            out.append(f"{self.path}: no rank folders: nothing was written")
+        for rank_dir in rank_dirs:
+            try:
+                rank_meta = self._read_json(rank_dir / "rank.json")
+            except DumpFormatError as exc:
+                out.append(str(exc))
+                rank_meta = {"complete": True}  # (reported just now, not twice)
+            out += rank_problems(rank_dir, rank_meta)
+        if not meta.get("complete") and not any("complete: false" in line for line in out):
+            out.append(f"{self.path / META_FILE}: complete: false (the writer never closed this dump)")
+        return out + self._index_problems
 
     def _rank_dirs(self) -> list[Path]:
         found = [(int(m.group(1)), d) for d in self.path.iterdir()
@@ -336,36 +443,54 @@ class LlmflowDumpReader(DumpReader):
     def entries(self) -> list[Entry]:
         if self._entries is None:
             out: list[Entry] = []
+            problems: list[str] = []
             for rank_dir in self._rank_dirs():
-                out.extend(self._read_index(rank_dir))
+                out.extend(self._read_index(rank_dir, problems))
             out.sort(key=lambda e: (e.rank, e.step, e.order))
-            self._entries = out
+            self._entries, self._index_problems = out, problems
         return self._entries
 
-    def _read_index(self, rank_dir: Path) -> list[Entry]:
+    def _read_index(self, rank_dir: Path, problems: list[str]) -> list[Entry]:
         index = rank_dir / "index.jsonl"
-        if not index.is_file():
+        if not index.exists():
+            problems.append(f"{index}: missing: this rank indexed nothing")
             return []
-        lines = index.read_bytes().split(b"\n")
+        if regular_file(index) is None:
+            problems.append(f"{index}: not a regular file: left unread")
+            return []
+        with open_regular(index) as f:
+            lines = f.read().split(b"\n")
         out: list[Entry] = []
-        present: dict[str, bool] = {}
+        files: dict[str, tuple[frozenset[str], str | None]] = {}  # data file -> (keys, why unusable)
+        left_out: dict[str, list[Entry]] = {}
         for no, raw in enumerate(lines, 1):
             if not raw.strip():
                 continue
             try:
                 batch = parse_index_line(_loads(raw))
-            except (ValueError, TypeError, KeyError) as exc:
-                if no >= len(lines) - 1:  # the torn last line of a killed writer
+            except RecursionError:
+                raise DumpFormatError(f"{index}:{no}: index line nested too deeply to read") from None
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                if no >= len(lines) - 1 and not raw.endswith(b"}"):  # the torn last line of a killed writer
+                    problems.append(f"{index}:{no}: a torn last line (the writer was killed while "
+                                    "writing it): its entries are lost")
                     break
                 raise DumpFormatError(f"{index}:{no}: corrupt index line ({exc})") from exc
             for entry in batch:
                 if entry.has_data:
-                    file_rel = entry.key.rpartition(":")[0]
-                    if file_rel not in present:
-                        present[file_rel] = self._data_path(file_rel, index, no).is_file()
-                    if not present[file_rel]:
-                        continue  # its data file is gone: the entry cannot be loaded, leave it out
+                    file_rel, _, key = entry.key.rpartition(":")
+                    if file_rel not in files:
+                        files[file_rel] = safetensors_keys(self._data_path(file_rel, index, no))
+                    keys, why = files[file_rel]
+                    if why is not None or key not in keys:
+                        left_out.setdefault(file_rel, []).append(entry)
+                        continue  # it cannot be loaded: left out, and said so in problems()
                 out.append(entry)
+        for file_rel, lost in left_out.items():
+            why = files[file_rel][1] or "does not hold the tensors the index names"
+            steps = sorted({e.step for e in lost})
+            problems.append(f"{self.path / file_rel}: {why}; {len(lost)} entries of step"
+                            f"{'s' if len(steps) > 1 else ''} {_span(steps)} point at it (left out)")
         _share_repeat_stats(out)
         return out
 
@@ -388,6 +513,8 @@ class LlmflowDumpReader(DumpReader):
             from safetensors import SafetensorError, safe_open
 
             path = self._data_path(file_rel, self.path / f"rank{entry.rank}" / "index.jsonl")
+            if regular_file(path) is None:  # (safe_open would block on a FIFO)
+                raise DumpFormatError(f"{path}: missing or not a regular file")
             try:
                 handle = safe_open(str(path), framework="pt", device="cpu")
             except (SafetensorError, OSError) as exc:
@@ -408,17 +535,22 @@ class LlmflowDumpReader(DumpReader):
         topo = self._read_json(self.path / TOPOLOGY_FILE)
         if topo is None:
             return None
+        if not isinstance(topo, dict):
+            raise DumpFormatError(f"{self.path / TOPOLOGY_FILE}: not a JSON object")
         if not topo.get("execution"):  # a killed writer never merged order.jsonl: read it here
             execution: dict[str, dict[str, list[str]]] = {}
             for rank_dir in self._rank_dirs():
                 rank = rank_dir.name[4:]
                 path = rank_dir / "order.jsonl"
-                for raw in path.read_text().splitlines() if path.is_file() else []:
+                text = read_text(path) if regular_file(path) is not None else ""
+                for raw in text.splitlines():
                     try:
                         rec = json.loads(raw)
-                    except ValueError:
-                        break
-                    execution.setdefault(rank, {})[str(rec["step"])] = rec["order"]
+                        step, order = rec["step"], rec["order"]
+                    except (ValueError, TypeError, KeyError, RecursionError):
+                        break  # (a torn last line)
+                    if isinstance(order, list) and all(type(n) is str for n in order):
+                        execution.setdefault(rank, {})[str(step)] = order
             topo["execution"] = execution
         return topo
 
@@ -427,9 +559,12 @@ class LlmflowDumpReader(DumpReader):
 
     @staticmethod
     def _read_json(path: Path) -> Any:
-        if not path.is_file():
+        """A JSON file of the dump (None when absent): bounded in size and nesting, never opened
+        when it is not a regular file, every failure a one-line ``DumpFormatError`` naming it."""
+        if not path.exists():
             return None
-        try:
-            return json.loads(path.read_text())
-        except ValueError as exc:
-            raise DumpFormatError(f"{path}: not valid JSON ({exc})") from exc
+        return read_json(path, limit=MAX_META_BYTES, max_depth=MAX_JSON_DEPTH)
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
