@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import weakref
 from pathlib import Path
 from typing import Any
@@ -341,10 +340,6 @@ def _close_unattended(session: DumpSession) -> None:
         session.close()
     except Exception as exc:  # (the writer's error, already a one-line message)
         log.warning("llmflow dump %s: could not be finished: %s", session.dump_dir, exc)
-    else:
-        if threading.current_thread() is not session.writer._thread:
-            log.info("llmflow: finished the dump %s (never closed: its model is gone or the process "
-                     "exits)", session.dump_dir)
 
 
 def _version(t: torch.Tensor) -> int | None:
