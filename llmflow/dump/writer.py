@@ -13,15 +13,14 @@ index line will hold it); ``event`` (if any) says when an asynchronous device co
 Rows that are an index row and nothing more (non-tensors, statistics known at capture, repeats
 in statistics mode, whose statistics the reader resolves by key) go to ``add_row`` instead.
 
-To keep the forward thread fast, ``submit`` only appends to a deque (atomic under the GIL),
-``add_row`` to a list handed over at the step's end, and
-wakes the thread at step ends or when more than ``wake_bytes`` are waiting; the thread then
-works through the backlog in bulk: tensors are collected into one safetensors file per
-``batch_bytes``, or at the first step end ``data_seconds`` after the last file (a file per step,
-for one logits row, cost ~5% of a small model's statistics-mode dump in interleaved A/B runs; a
-crash loses at most that last second of data), device statistics are read back with one
-transfer, and the index lines are appended after their data file is in place (rows without
-data: at every step end).
+To keep the forward thread fast, ``submit`` only appends to a deque (atomic under the GIL) and
+``add_row`` to a list handed over at the step's end; the thread is woken at step ends or when
+more than ``wake_bytes`` are waiting, and works through the backlog in bulk: tensors are
+collected into one safetensors file per ``batch_bytes``, or at the first step end
+``data_seconds`` after the last file (a file per step, for one logits row, cost ~5% of a small
+model's statistics-mode dump in interleaved A/B runs; a crash loses at most that last second of
+data), device statistics are read back with one transfer, and the index lines are appended after
+their data file is in place (rows without data: at every step end).
 ``submit`` blocks while more than ``max_pending_bytes`` are queued, which bounds memory. An
 exception in the thread is re-raised by the next ``submit``/``end_step``/``close``, so a full
 disk is reported, not swallowed.
@@ -41,7 +40,6 @@ close that was requested from inside it (a garbage-collected model's dump).
 from __future__ import annotations
 
 import atexit
-import logging
 import threading
 import time
 import zlib
@@ -53,7 +51,6 @@ import torch
 from llmflow.dump.stats import batched_stats
 from llmflow.formats.llmflow_dump import DumpDirWriter, IndexRow
 
-log = logging.getLogger("llmflow.dump")
 _STEP_END = object()
 _CLOSE = object()
 _ROWS = object()  # a list of rows that are index rows only

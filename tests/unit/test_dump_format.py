@@ -13,13 +13,8 @@ import torch
 
 from llmflow.errors import DumpFormatError
 from llmflow.formats.base import Entry
-from llmflow.formats.llmflow_dump import (
-    DumpDirWriter,
-    IndexRow,
-    LlmflowDumpReader,
-    index_line,
-    parse_index_line,
-)
+from llmflow.formats.llmflow_dump import DumpDirWriter, IndexRow, LlmflowDumpReader, index_line
+from llmflow.formats.llmflow_reader import parse_index_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from dump_helpers import bits_equal, dump  # noqa: E402
