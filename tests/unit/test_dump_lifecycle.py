@@ -1,6 +1,6 @@
 """How a dump ends, in process: closed by nobody (the model collected), a forward that raises,
 one interrupted, and a close requested from inside the writer thread. The same as a user's
-script sees it is in tests/functional/test_dump_lifecycle.py."""
+script sees it is in tests/functional/test_dump_user_scripts.py."""
 
 from __future__ import annotations
 
