@@ -260,7 +260,7 @@ class AsyncWriter:
 
     def _flush(self, data: bool = True) -> None:
         if self._lines:
-            self.disk.append_entries(self._lines)
+            self.disk.append_rows(self._lines)
             self._lines = []
         if self._stats:
             stats = batched_stats([t for _, t in self._stats])
