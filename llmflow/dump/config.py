@@ -1,14 +1,20 @@
 """``DumpConfig``: what to capture, msit llm compatible (same field names and defaults) plus
 llmflow's own fields (``data_mode``, ``crc32``, ``max_bytes``, ``logits``).
 
+This is the one declaration of the dump settings: each field carries its description and, when
+the ``dump`` stage offers it as a parameter, its JSON-schema type (``stage_properties()`` builds
+the stage's parameters from them, ``from_params`` the config from the stage's validated
+parameters, ``to_json`` the record in llmflow_dump.json).
+
 Every field is validated when the config is created; a bad value raises a one-line ``UserError``
 naming the field, e.g. ``DumpConfig.tensor_part: expected 0, 1 or 2, got 5``.
 """
 
 from __future__ import annotations
 
+import copy
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -16,47 +22,59 @@ import torch
 from llmflow.errors import UserError
 
 MODES = ("module", "api")
+_NULLABLE_STR = {"type": ["string", "null"]}
+
+
+def setting(default: Any, description: str, stage: dict[str, Any] | None = None) -> Any:
+    """A ``DumpConfig`` field: its default, what it means, and its JSON-schema type as a ``dump``
+    stage parameter (None: not a stage parameter; the stage has its own way to say it)."""
+    meta = {"description": description, "stage": stage}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class DumpConfig:
-    """What to dump and where.
+    """What to dump and where; each field's description is in its declaration below
+    (``DumpConfig.describe()`` lists them)."""
 
-    dump_path: folder the dump goes to (``register_hook`` adds a per-dialogue-turn folder below it,
-      see ``set_dump_path``; ``dump_run`` writes into it directly).
-    token_range: steps to dump (0 = prefill, 1.. = decode steps), or ``"all"``.
-    module_list: module classes (or class names) to dump; empty = every module.
-    tensor_part: 0 inputs, 1 outputs, 2 both.
-    device_id: dump only when the model runs on this device index (None = any).
-    dump_last_logits: dump only the model's final logits of each step, no intermediate tensors.
-    mode: "module", "api", ["module", "api"], "all", or "none" (only logits/weights/save).
-    dump_weight: write every parameter once (kind weight, step -1).
-    layer_name: glob (only ``*`` is special) over module paths, e.g. ``model.layers.3*``; also
-      filters API calls by their calling module and weights by their parameter name.
-    seed: when set, ``llmflow.seeding.seed_all(seed)`` runs at ``register_hook``.
-    data_mode: "tensor" (full tensors) or "statistics" (dtype, shape, min/max/mean/norm, NaN/Inf
-      counts; no tensor data).
-    crc32: in statistics mode also record a CRC32 of each tensor's bytes (costs a host copy).
-    max_bytes: stop dumping (with a warning, the dump stays readable) once this many bytes of
-      tensor data have been captured; None = no limit.
-    logits: record the last position's logits of every step (level "logits"), whatever the
-      token_range; compare and bisect need them.
-    """
-
-    dump_path: str = "."
-    token_range: list[int] | str = field(default_factory=lambda: [0])
-    module_list: list[Any] = field(default_factory=list)
-    tensor_part: int = 2
-    device_id: int | None = None
-    dump_last_logits: bool = False
-    mode: str | list[str] = "module"
-    dump_weight: bool = False
-    layer_name: str | None = None
-    seed: int | None = None
-    data_mode: str = "tensor"
-    crc32: bool = False
-    max_bytes: int | None = None
-    logits: bool = True
+    dump_path: str = setting(
+        ".", "Folder the dump goes to (register_hook adds a per-dialogue-turn folder below it, see "
+        "set_dump_path; dump_run writes into it directly).")
+    token_range: list[int] | str = setting(
+        [0], "Steps to dump (0 = prefill, 1.. = decode steps), or 'all'.",
+        {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}}, {"const": "all"}]})
+    module_list: list[Any] = setting(
+        [], "Module classes (or class names) to dump; empty = every module; 'auto' = the model's "
+        "decoder-layer class(es), found from its structure.",
+        {"type": "array", "items": {"type": "string"}})
+    tensor_part: int = setting(2, "0 inputs, 1 outputs, 2 both.", {"type": "integer", "enum": [0, 1, 2]})
+    device_id: int | None = setting(None, "Dump only when the model runs on this device index (None = any).")
+    dump_last_logits: bool = setting(
+        False, "Dump only the model's final logits of each step, no intermediate tensors.",
+        {"type": "boolean"})
+    mode: str | list[str] = setting(
+        "module", "Capture module inputs/outputs ('module'), torch API calls ('api'), both ('all' or "
+        "['module', 'api']), or none (logits, weights and save() only).",
+        {"type": "string", "enum": ["module", "api", "all", "none"]})
+    dump_weight: bool = setting(False, "Also write every parameter once (kind weight, step -1).",
+                                {"type": "boolean"})
+    layer_name: str | None = setting(
+        None, "Glob over module paths (only * is special), e.g. model.layers.3*; also filters API calls "
+        "by their calling module and weights by their parameter name.", _NULLABLE_STR)
+    seed: int | None = setting(None, "When set, llmflow.seeding.seed_all(seed) runs at register_hook.")
+    data_mode: str = setting(
+        "tensor", "'tensor' (full tensors) or 'statistics' (dtype, shape, min/max/mean/norm, NaN/Inf "
+        "counts; no tensor data).", {"type": "string", "enum": ["tensor", "statistics"]})
+    crc32: bool = setting(False, "In statistics mode also record a CRC32 of each tensor's bytes (costs a "
+                                 "copy of each).", {"type": "boolean"})
+    max_bytes: int | None = setting(
+        None, "Stop dumping (with a warning; the dump stays readable and says it was cut short) once this "
+        "many bytes of tensor data have been captured; None = no limit.",
+        {"type": ["integer", "null"], "minimum": 1})
+    logits: bool = setting(True, "Record the last position's logits of every step (level 'logits'), "
+                                 "whatever the token_range; compare and bisect need them.")
 
     def __post_init__(self) -> None:
         self.dump_path = str(self.dump_path)
@@ -111,14 +129,34 @@ class DumpConfig:
 
     def to_json(self) -> dict[str, Any]:
         """The settings as JSON (module classes by name), recorded in llmflow_dump.json."""
-        return {
-            "token_range": self.token_range, "module_list": sorted(self._type_names),
-            "tensor_part": self.tensor_part, "device_id": self.device_id,
-            "dump_last_logits": self.dump_last_logits, "mode": self.mode,
-            "dump_weight": self.dump_weight, "layer_name": self.layer_name, "seed": self.seed,
-            "data_mode": self.data_mode, "crc32": self.crc32, "max_bytes": self.max_bytes,
-            "logits": self.logits,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "dump_path"}
+        out["module_list"] = sorted(self._type_names)
+        return out
+
+    # -- the dump stage's view of the same fields --------------------------------------------------
+    @classmethod
+    def stage_properties(cls) -> dict[str, dict[str, Any]]:
+        """JSON-schema properties of the fields the ``dump`` stage takes as parameters, with this
+        class's defaults and descriptions."""
+        out = {}
+        for f in fields(cls):
+            stage = f.metadata.get("stage")
+            if stage is not None:
+                default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+                out[f.name] = {**stage, "default": default, "description": f.metadata["description"]}
+        return out
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], dump_path: str) -> DumpConfig:
+        """The config the ``dump`` stage's (validated) parameters describe; a setting not given
+        keeps this class's default."""
+        given = {name: params[name] for name in cls.stage_properties() if name in params}
+        return cls(dump_path=dump_path, **given)
+
+    @classmethod
+    def describe(cls) -> dict[str, str]:
+        """Field name -> what it means."""
+        return {f.name: f.metadata["description"] for f in fields(cls)}
 
 
 def glob_regex(pattern: str) -> re.Pattern[str]:

@@ -11,11 +11,17 @@ The root module's own inputs and outputs are not dumped, except its logits (leve
 The root carries torch forward hooks (one call per step); every other module gets a recording
 ``forward`` on its instance instead (see ``DumpHandle._make_forward`` for why), which
 ``remove()`` takes off again.
+
+``remove()`` is optional: a dump nobody closed is finished when its model is garbage-collected
+or when the process exits normally (see ``capture.py``). A forward that raises does not end the
+dump: the step keeps what it captured before the exception, the exception (and the innermost
+module it came through) is recorded in ``rank.json``, and the next forward goes on dumping.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +62,7 @@ class DumpHandle:
         self._wrapped: list[_ForwardWrapper] = []  # submodules whose forward records
         self.on_step: Callable[[int], None] | None = None  # progress callback after each step
         self.in_step = False  # between the root's pre- and post-hook: ``save`` targets this dump
+        self.raised_in: str | None = None  # the innermost module an exception of this step left
         self.inline_writer = inline_writer(model)
         self.enabled = _device_matches(model, config.device_id)
         if self.enabled:
@@ -114,6 +121,10 @@ class DumpHandle:
                 if want_outputs and s is not None and s.active:
                     s.record_output(name, output, "module", mtype)
                 return output
+            except BaseException:  # (no cost until something raises)
+                if self.raised_in is None:
+                    self.raised_in = name
+                raise
             finally:
                 if stack and stack[-1] == name:
                     stack.pop()
@@ -136,6 +147,7 @@ class DumpHandle:
         assert self.session is not None
         self.session.begin_step()
         self.in_step = True
+        self.raised_in = None
         if self._api is not None and self.session.active:
             self._api.__enter__()
             self._api_entered = True
@@ -148,6 +160,14 @@ class DumpHandle:
         s = self.session
         if s is None:
             return
+        # torch calls this hook (always_call) with output None from inside its ``except`` when
+        # the forward raised: that exception is the one being handled now
+        exc = sys.exc_info()[1] if output is None else None
+        if exc is not None:
+            s.end_step(error=f"{type(exc).__name__}: {exc}".splitlines()[0], module=self.raised_in)
+            self.raised_in = None
+            return
+        self.raised_in = None  # (an exception caught inside the model is not the step's)
         if self.config.logits and output is not None:
             try:
                 logits = logits_of(output)
@@ -262,6 +282,12 @@ def register_hook(model: torch.nn.Module, config: DumpConfig, hook_type: str = "
         from llmflow.seeding import seed_all
 
         seed_all(config.seed)
+    if "auto" in config.module_list:  # the decoder-layer classes, found from the model's structure
+        from llmflow.structure import resolve_module_classes
+
+        names = [m if isinstance(m, str) else m.__name__ for m in config.module_list]
+        config.module_list = resolve_module_classes(model, names)
+        config.__post_init__()
     return DumpHandle(model, config)
 
 

@@ -5,7 +5,8 @@ generators, determinism flags, monkeypatches, device memory). The worker applies
 settings, loads the model, encodes the prompt, dumps a greedy generation and writes:
 
 * ``result.json``: ``{"output_ids", "text", "bytes", "entries", "steps", "prompt_tokens"}`` on
-  success; ``{"error": "<one-line message>"}`` with exit status 2 on a user error;
+  success; ``{"error": "<one-line message>"}`` with exit status 2 on a user error (a ``sys.exit``
+  from the user's model or patch is one); written whole or not at all;
 * ``<dump_dir>/../generation.json``: prompt, input_ids, output_ids, text;
 * progress lines ``LLMFLOW_STEP <n>`` on stdout, one per generated step.
 """
@@ -13,6 +14,7 @@ settings, loads the model, encodes the prompt, dumps a greedy generation and wri
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,20 +22,6 @@ from typing import Any
 from llmflow.errors import UserError
 
 PROGRESS_PREFIX = "LLMFLOW_STEP "
-
-
-def config_from_params(params: dict[str, Any], dump_dir: str):
-    """The DumpConfig a dump stage's parameters describe (mode "none" = logits only)."""
-    from llmflow.dump.config import DumpConfig
-
-    return DumpConfig(
-        dump_path=dump_dir, token_range=params.get("token_range", [0]),
-        module_list=list(params.get("module_list") or []), tensor_part=params.get("tensor_part", 2),
-        dump_last_logits=bool(params.get("dump_last_logits", False)), mode=params.get("mode", "module"),
-        dump_weight=bool(params.get("dump_weight", False)), layer_name=params.get("layer_name"),
-        data_mode=params.get("data_mode", "tensor"), max_bytes=params.get("max_bytes"),
-        crc32=bool(params.get("crc32", False)),
-    )
 
 
 def run(args: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +57,9 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         from llmflow.structure import resolve_module_classes
 
         args = {**args, "module_list": resolve_module_classes(loaded.model, list(args["module_list"]))}
-    config = config_from_params(args, args["dump_dir"])
+    from llmflow.dump.config import DumpConfig
+
+    config = DumpConfig.from_params(args, args["dump_dir"])
 
     def progress(step: int) -> None:
         print(f"{PROGRESS_PREFIX}{step}", flush=True)
@@ -100,10 +90,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(args)
     except UserError as exc:
-        result_file.write_text(json.dumps({"error": str(exc)}), encoding="utf-8")
+        _write_result(result_file, {"error": str(exc)})
         return 2
-    result_file.write_text(json.dumps(result), encoding="utf-8")
+    except SystemExit as exc:  # user code (the model's file.py:callable, a patch) ended the run
+        _write_result(result_file, {"error": f"{_user_code(args)} called sys.exit({exc.code!r}) "
+                                             "before the dump finished"})
+        return 2
+    _write_result(result_file, result)
     return 0
+
+
+def _user_code(args: dict[str, Any]) -> str:
+    """The user's code a worker runs, for messages: the patch, else a file.py:callable model."""
+    if args.get("patch"):
+        return f"patch {args['patch']!r}"
+    return f"model {args.get('model')!r}"
+
+
+def _write_result(path: Path, result: dict[str, Any]) -> None:
+    """result.json, whole or not at all (the stage reads a missing file as "no result")."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,26 @@
 """The background writer: the forward pass hands over copies, this thread puts them on disk.
 
-The capture side calls ``submit(entry, payload, event)``; ``event`` (if any) says when an
-asynchronous device copy has landed. ``payload`` is:
+The capture side calls ``submit(row, payload, event)`` with an ``IndexRow`` (the entry as its
+index line will hold it); ``event`` (if any) says when an asynchronous device copy has landed.
+``payload`` is:
 
 * tensor mode: a host copy of the tensor;
 * statistics mode: a copy of the tensor on its device (the statistics of a whole batch are
   computed here, see ``stats.batched_stats``);
-* None for entries without data (non-tensor values, parameters) and for a repeat of a tensor
-  captured earlier in the step: ``entry.key`` then names the earlier tensor's key, whose data
-  (tensor mode) or statistics (statistics mode, resolved by the reader) the repeat shares.
+* None for a repeat of a tensor captured earlier in the step: ``row.key`` then names the earlier
+  tensor's key, whose data the repeat shares.
 
-To keep the forward thread fast, ``submit`` only appends to a deque (atomic under the GIL), or
-for an entry that is an index row and nothing more to a list handed over at the step's end, and
-wakes the thread at step ends or when more than ``wake_bytes`` are waiting; the thread then
-works through the backlog in bulk: tensors are collected into one safetensors file per
-``batch_bytes``, or at the first step end ``data_seconds`` after the last file (a file per step,
-for one logits row, cost ~5% of a small model's statistics-mode dump in interleaved A/B runs; a
-crash loses at most that last second of data), device statistics are read back with one
-transfer, and the index lines are appended after their data file is in place (rows without
-data: at every step end).
+Rows that are an index row and nothing more (non-tensors, statistics known at capture, repeats
+in statistics mode, whose statistics the reader resolves by key) go to ``add_row`` instead.
+
+To keep the forward thread fast, ``submit`` only appends to a deque (atomic under the GIL) and
+``add_row`` to a list handed over at the step's end; the thread is woken at step ends or when
+more than ``wake_bytes`` are waiting, and works through the backlog in bulk: tensors are
+collected into one safetensors file per ``batch_bytes``, or at the first step end
+``data_seconds`` after the last file (a file per step, for one logits row, cost ~5% of a small
+model's statistics-mode dump in interleaved A/B runs; a crash loses at most that last second of
+data), device statistics are read back with one transfer, and the index lines are appended after
+their data file is in place (rows without data: at every step end).
 ``submit`` blocks while more than ``max_pending_bytes`` are queued, which bounds memory. An
 exception in the thread is re-raised by the next ``submit``/``end_step``/``close``, so a full
 disk is reported, not swallowed.
@@ -26,10 +28,18 @@ disk is reported, not swallowed.
 With ``inline=True`` no thread is started: the same backlog is worked through by the forward
 thread itself at each step end (and whenever ``wake_bytes`` are waiting). That is faster where
 the thread would have no core of its own (``capture.inline_writer`` decides).
+
+The thread is a daemon (a user's script must be able to end without closing anything), so a
+writer still open when the interpreter exits must be finished before the interpreter tears
+itself down under a thread with torch work in flight (which aborts the process: "terminate
+called without an active exception"). The capture closes its open dumps from an exit hook
+(``capture.DumpSession``); ``_join_at_exit`` here then waits for any thread still finishing a
+close that was requested from inside it (a garbage-collected model's dump).
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import zlib
@@ -39,12 +49,12 @@ from typing import Any
 import torch
 
 from llmflow.dump.stats import batched_stats
-from llmflow.formats.base import Entry
-from llmflow.formats.llmflow_dump import DumpDirWriter
+from llmflow.formats.llmflow_dump import DumpDirWriter, IndexRow
 
 _STEP_END = object()
 _CLOSE = object()
-_ROWS = object()  # a list of entries that are index rows only
+_ROWS = object()  # a list of rows that are index rows only
+_THREADED: set[AsyncWriter] = set()  # writers whose thread runs (removed once it has finished)
 
 
 class AsyncWriter:
@@ -61,9 +71,9 @@ class AsyncWriter:
         self.data_seconds = data_seconds
         self._data_due = 0.0  # (monotonic clock) a step end after this writes the data batch
         self._queue: deque[tuple[Any, Any, Any, int]] = deque()
-        # producer side: index-only entries of the current step, as ``Entry`` objects or as rows
-        # in ``ROW_FIELDS`` order (``add_row``: what the capture builds for most of them)
-        self._rows: list[Entry | tuple] = []
+        # producer side: the current step's rows that are index rows only (most of a
+        # statistics-mode dump): one list append each, handed over at the step's end in one piece
+        self._rows: list[IndexRow] = []
         self.add_row = self._rows.append  # (one list for the writer's life: the bound append stays valid)
         self._cond = threading.Condition()
         self._wake = False
@@ -72,34 +82,30 @@ class AsyncWriter:
         self._error: BaseException | None = None
         self._reported = False
         self._batch: dict[str, torch.Tensor] = {}
-        self._batch_entries: list[Entry] = []
+        self._batch_rows: list[IndexRow] = []
         self._batch_size = 0
         self._files: dict[str, str] = {}  # tensor key -> data file, for repeats after a flush
-        self._stats: list[tuple[Entry, torch.Tensor]] = []  # statistics-mode entries awaiting stats
-        # index lines that need no data written first (repeats, non-tensors): one write per
+        self._stats: list[tuple[IndexRow, torch.Tensor]] = []  # statistics-mode rows awaiting stats
+        # index rows that need no data written first (repeats, non-tensors): one write per
         # flush instead of one write and flush() per entry; the reader orders entries itself
-        self._lines: list[Entry | tuple] = []
+        self._lines: list[IndexRow] = []
         self._stats_bytes = 0
         # inline: the backlog is worked through in the forward thread at step ends (and every
         # ``wake_bytes``) instead of by a thread; see ``inline_writer`` in capture.py for when
         self._thread: threading.Thread | None = None
+        self.closing = False  # close() was called: nothing more is queued
         if not inline:
             self._thread = threading.Thread(target=self._loop, name="llmflow-dump-writer", daemon=True)
+            _THREADED.add(self)
             self._thread.start()
 
     # -- producer side (forward thread) --------------------------------------------------------
-    def submit(self, entry: Entry, payload: Any = None, event: Any = None, nbytes: int = 0) -> None:
-        """Queue one entry (see the module docstring for ``payload``)."""
+    def submit(self, row: IndexRow, payload: Any = None, event: Any = None, nbytes: int = 0) -> None:
+        """Queue one row with data (see the module docstring for ``payload``)."""
         if self._error is not None:
             self._raise_error()
             return  # reported already: nothing more is queued for a writer that has failed
-        if payload is None and not entry.has_data:
-            # an index row and nothing else (a non-tensor, statistics known at capture, a
-            # statistics-mode repeat): kept here, handed over with the step's end in one piece
-            # (most of a statistics-mode dump's entries: one list append instead of a queue item)
-            self._rows.append(entry)
-            return
-        self._queue.append((entry, payload, event, nbytes))
+        self._queue.append((row, payload, event, nbytes))
         if nbytes:
             self._produced += nbytes
             pending = self._produced - self._consumed
@@ -112,28 +118,43 @@ class AsyncWriter:
                     with self._cond:
                         self._cond.wait(0.01)
 
-    def end_step(self, step: int, order: list[str] | None = None) -> None:
-        """End of a step: its data goes into its own file(s) before the next step's."""
+    def end_step(self, step: int, order: list[str] | None = None,
+                 error: dict[str, Any] | None = None) -> None:
+        """End of a step: its data goes into its own file(s) before the next step's. ``error``:
+        the step's forward raised (recorded in rank.json at once, see ``DumpSession.end_step``)."""
         if self._error is not None:
             self._raise_error()
             return  # reported already: the dump is abandoned, not continued
         self._hand_over_rows()
-        self._queue.append((_STEP_END, step, order, 0))
+        self._queue.append((_STEP_END, step, (order, error), 0))
         if self._thread is None:  # inline
             self._drain_inline()
         else:
             self._notify()
 
     def close(self, complete: bool = True, **meta: Any) -> None:
-        """Drain the queue, write the last batch, close the files, mark the dump complete."""
+        """Drain the queue, write the last batch, close the files, mark the dump complete.
+
+        From any thread, once (later calls only wait for the first to finish). Called from the
+        writer thread itself (a garbage collection there finalized the model whose dump this is),
+        the close is queued and the thread finishes it after the item in hand.
+        """
+        thread = self._thread
+        if self.closing:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
+            return
+        self.closing = True
         if self._error is None:  # (after a failure nothing is written, complete stays false)
             self._hand_over_rows()
             self._queue.append((_CLOSE, complete, meta, 0))
-            if self._thread is None:  # inline
+            if thread is None:  # inline
                 self._drain_inline()
             else:
                 self._notify()
-                self._thread.join()
+                if thread is threading.current_thread():
+                    return  # _loop handles the close next; _join_at_exit waits for it
+                thread.join()
         self._raise_error()
 
     def _hand_over_rows(self) -> None:
@@ -176,6 +197,8 @@ class AsyncWriter:
             self._queue.clear()
             with self._cond:
                 self._cond.notify_all()
+        finally:
+            _THREADED.discard(self)
 
     def _drain(self) -> bool:
         """Work through the queue; True once the dump is closed."""
@@ -204,32 +227,32 @@ class AsyncWriter:
         if head is _STEP_END:
             self._flush(data=time.monotonic() >= self._data_due)
             self._files.clear()
-            if item[2] is not None:
-                self.disk.append_order(item[1], item[2])
+            order, error = item[2]
+            if order is not None:
+                self.disk.append_order(item[1], order)
+            if error is not None:  # on disk now: a process killed later still tells of it
+                self.disk.update_rank_meta(errors=[*self.disk.rank_meta.get("errors", ()), error])
             return False
         if head is _CLOSE:
             self._flush()
             self.disk.close(complete=item[1], **item[2])
             return True
-        entry, payload, event, _ = item
+        row, payload, event, _ = item
         if event is not None:
             event.synchronize()  # the asynchronous device copy has landed
-        if payload is None:
-            if entry.has_data and entry.key in self._files:  # a repeat of a flushed tensor
-                entry.key = f"{self._files[entry.key]}:{entry.key}"
-                self._lines.append(entry)
-            elif entry.has_data:  # a repeat of a tensor still in the batch
-                self._batch_entries.append(entry)
-            else:
-                self._lines.append(entry)
-        elif entry.has_data:
-            self._batch[entry.key] = payload
-            self._batch_entries.append(entry)
+        if payload is None:  # a repeat of a tensor of this step
+            if row.key in self._files:  # already flushed: point at its file
+                self._lines.append(row.with_key(f"{self._files[row.key]}:{row.key}"))
+            else:  # still in the batch: written with it
+                self._batch_rows.append(row)
+        elif row.has_data:
+            self._batch[row.key] = payload
+            self._batch_rows.append(row)
             self._batch_size += payload.nbytes
             if self._batch_size >= self.batch_bytes:
                 self._flush()
         else:  # statistics mode: a copy on the tensor's device
-            self._stats.append((entry, payload))
+            self._stats.append((row, payload))
             self._stats_bytes += payload.nbytes
             if self._stats_bytes >= self.batch_bytes:
                 self._flush()
@@ -237,28 +260,36 @@ class AsyncWriter:
 
     def _flush(self, data: bool = True) -> None:
         if self._lines:
-            self.disk.append_entries(self._lines)
+            self.disk.append_rows(self._lines)
             self._lines = []
         if self._stats:
             stats = batched_stats([t for _, t in self._stats])
-            for (e, t), st in zip(self._stats, stats, strict=True):
-                e.stats = st  # a list in STAT_KEYS order: what the index row holds
-                if self.crc32:
-                    e.extra["crc32"] = zlib.crc32(_raw_bytes(t))
-            self.disk.append_entries([e for e, _ in self._stats])
+            if self.crc32:  # (the capture gives these rows an ``extra`` dict of their own)
+                for (row, t) in self._stats:
+                    row.extra["crc32"] = zlib.crc32(_raw_bytes(t))
+            self.disk.append_rows([row.with_stats(st)
+                                   for (row, _), st in zip(self._stats, stats, strict=True)])
             self._stats, self._stats_bytes = [], 0
         if not data:
             return
-        if self._batch_entries:
+        if self._batch_rows:
             keys = list(self._batch)
-            files = self.disk.write_batch(self._batch, self._batch_entries)
+            files = self.disk.write_rows(self._batch, self._batch_rows)
             for key in keys:
                 self._files[key] = files
             self._data_due = time.monotonic() + self.data_seconds
-        self._batch, self._batch_entries, self._batch_size = {}, [], 0
+        self._batch, self._batch_rows, self._batch_size = {}, [], 0
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
     """The tensor's bytes in memory order (bf16 and friends via a uint8 view)."""
     t = t.detach().contiguous().cpu()
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    """Wait for writer threads still finishing a close (see the module docstring)."""
+    for writer in list(_THREADED):
+        if writer.closing and writer._thread is not None:
+            writer._thread.join(timeout=600)

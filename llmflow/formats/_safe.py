@@ -20,9 +20,10 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -52,16 +53,38 @@ def file_size(path: Path) -> int:
     return st.st_size
 
 
+def open_regular(path: Path | str) -> BinaryIO:
+    """``open(path, "rb")`` for a regular file only: a ``DumpFormatError`` for anything else.
+
+    The file is opened without blocking and checked on the open descriptor: opening a FIFO for
+    reading would wait for a writer forever, and a ``stat`` before ``open`` leaves a window in
+    which the file can be swapped for one.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise DumpFormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DumpFormatError(f"{path}: not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_bounded(path: Path, limit: int = MAX_INDEX_BYTES) -> bytes:
     """The whole file, refusing one larger than ``limit`` bytes."""
     size = file_size(path)
     if size > limit:
         raise DumpFormatError(f"{path}: {size} bytes, larger than the {limit} bytes allowed for it")
-    try:
-        with open(path, "rb") as f:
+    with open_regular(path) as f:
+        try:
             return f.read(limit + 1)
-    except OSError as exc:
-        raise DumpFormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+        except OSError as exc:
+            raise DumpFormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
 
 
 def read_text(path: Path, limit: int = MAX_INDEX_BYTES) -> str:
@@ -71,13 +94,57 @@ def read_text(path: Path, limit: int = MAX_INDEX_BYTES) -> str:
         raise DumpFormatError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
 
 
-def read_json(path: Path, limit: int = MAX_INDEX_BYTES) -> Any:
-    """Parsed JSON, or a ``DumpFormatError`` naming the file (bad syntax, too deep, too big)."""
-    text = read_text(path, limit)
+def read_json(path: Path, limit: int = MAX_INDEX_BYTES, max_depth: int | None = None) -> Any:
+    """Parsed JSON, or a ``DumpFormatError`` naming the file (bad syntax, too deep, too big).
+    ``max_depth``: also refuse a document nested deeper than that (see ``check_depth``)."""
+    obj = loads_json(read_text(path, limit), path)
+    if max_depth is not None:
+        check_depth(obj, path, max_depth)
+    return obj
+
+
+def loads_json(text: str | bytes, where: Path | str) -> Any:
+    """``json.loads``, every failure a one-line ``DumpFormatError`` naming ``where``.
+
+    Nesting deeper than the interpreter's recursion limit makes ``json`` raise ``RecursionError``
+    (not a ``ValueError``): caught here like any other malformed input.
+    """
     try:
         return json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise DumpFormatError(f"{path}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise DumpFormatError(f"{where}: not valid JSON (nested too deeply to read)") from None
+    except ValueError as exc:
+        raise DumpFormatError(f"{where}: not valid JSON ({exc})") from exc
+
+
+def check_depth(obj: Any, where: Path | str, limit: int) -> None:
+    """Refuse JSON data nested deeper than ``limit`` levels (iteratively: no recursion here).
+
+    A document that parses can still be deep enough to overflow the recursive code that walks it
+    later (a module tree, an environment diff); the files we check are small and shallow.
+    """
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise DumpFormatError(f"{where}: JSON nested deeper than {limit} levels")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
+
+
+def regular_file(path: Path | str) -> os.stat_result | None:
+    """``stat`` of ``path`` when it is a regular file (symlinks followed), else None.
+
+    Readers check this before opening a data file: opening a FIFO for reading blocks until
+    someone writes to it, and a device file may never end.
+    """
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def path_inside(root: Path, name: str) -> Path:

@@ -92,9 +92,16 @@ class AtbDumpReader(DumpReader):
         self.tensors_dir, self._only = found
         self._entries: list[Entry] | None = None
         self._models: dict[str, list[tuple[int, int, str, dict]]] = {}
+        self._problems: list[str] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_entries": None}
+        return {**self.__dict__, "_entries": None, "_problems": []}
+
+    def problems(self) -> list[str]:
+        """``.bin`` files whose header cannot be read (truncated, not a regular file, lying about
+        its size): each is found while listing, and its entry is left out."""
+        self.entries()
+        return list(self._problems)
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -154,6 +161,7 @@ class AtbDumpReader(DumpReader):
 
     def entries(self) -> list[Entry]:
         if self._entries is None:
+            self._problems = []
             out: list[Entry] = []
             walker = Walker()
             for rank, dev_name, dev_dir in device_dirs(self.tensors_dir, self._only):
@@ -200,7 +208,11 @@ class AtbDumpReader(DumpReader):
             chosen = files[prefer].get(prefix) or files[other].get(prefix) or {}
             for idx in sorted(chosen):
                 path = chosen[idx]
-                h = read_header(path)
+                try:
+                    h = read_header(path)
+                except DumpFormatError as exc:
+                    self._problems.append(f"{exc}; left out")
+                    continue
                 order = orders.get(step, 0)
                 orders[step] = order + 1
                 out.append(Entry(step=step, rank=rank, name=name, kind=kind, index=str(idx),

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from llmflow.errors import DumpFormatError
-from llmflow.formats._safe import MAX_DIM, MAX_DIMS, expect, file_size
+from llmflow.formats._safe import MAX_DIM, MAX_DIMS, expect, file_size, open_regular
 
 MAX_HEADER = 64 << 10
 MAX_LINES = 256
@@ -97,7 +97,7 @@ def read_header(path: Path) -> BinHeader:
     """Parse and validate the header of an ATB ``.bin`` file (reads at most ``MAX_HEADER`` bytes)."""
     size = file_size(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             head = f.read(min(size, MAX_HEADER))
     except OSError as exc:
         raise DumpFormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
@@ -170,7 +170,7 @@ def load_bin(path: Path, header: BinHeader | None = None) -> torch.Tensor:
                                           f"{max(size - offset, 0)} on disk")
     buf = bytearray(length)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             f.seek(offset)
             got = f.readinto(buf)
     except OSError as exc:

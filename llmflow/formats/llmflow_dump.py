@@ -15,26 +15,27 @@ each index line goes out in one write. A killed writer therefore leaves at worst
 line (ignored here) and an orphan temporary file (never referenced). ``complete`` turns true only
 when the writer closes cleanly.
 
-``DumpDirWriter`` is the synchronous on-disk writer; ``llmflow.dump.writer`` drives it from a
-background thread. ``LlmflowDumpReader`` reads it with nothing but ``json`` and ``safetensors``.
+This module is the format and its writing side: ``IndexRow`` and ``index_line`` (how an entry is
+encoded), ``DumpDirWriter`` (the synchronous on-disk writer; ``llmflow.dump.writer`` drives it
+from a background thread). ``llmflow_reader.LlmflowDumpReader`` reads it with nothing but
+``json`` and ``safetensors``; it is importable from here too (``llmflow_dump.LlmflowDumpReader``,
+the ``llmflow`` format's registered reader).
 """
 
 from __future__ import annotations
 
 import json
-import operator
 import os
-import re
 import time
 from math import isfinite
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import torch
 
-from llmflow.errors import DumpFormatError, UserError
-from llmflow.formats.base import STAT_KEYS, DumpReader, Entry
+from llmflow.errors import UserError
+from llmflow.formats.base import STAT_KEYS, Entry
 
 FORMAT = "llmflow-dump"
 # 2: index lines hold batches of rows (version 1: one entry a line, still read);
@@ -43,7 +44,6 @@ VERSION = 3
 META_FILE = "llmflow_dump.json"
 ENV_FILE = "env.json"
 TOPOLOGY_FILE = "topology.json"
-_RANK_DIR = re.compile(r"^rank(\d+)$")
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -58,18 +58,60 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 # positional row per entry and statistics as a list in STAT_KEYS order. The writer writes batches:
 # a decode step of a 30-layer model indexes ~1000 entries, and one line per batch costs far less
 # than a formatted object per entry (and 40% fewer bytes, most of a small-tensor dump's size).
-ROW_FIELDS = ("step", "name", "kind", "index", "level", "order", "dtype", "shape", "module_type",
-              "stats", "has_data", "value", "pytype", "key", "extra")
-_row_of = operator.attrgetter(*ROW_FIELDS)
+class IndexRow(NamedTuple):
+    """One entry as an index line stores it: a positional row of ``ROW_FIELDS`` (the ``Entry``
+    fields without ``rank``, which the line holds once). The capture builds these, the background
+    writer passes them on (filling in ``key`` and ``stats``), and ``index_line`` encodes them.
+
+    The capture builds them on its hot path as ``new_row(IndexRow, (step, name, ...))``: a tuple
+    display turned into a row by ``tuple.__new__`` in C. ``IndexRow(...)`` gives the same row
+    through the generated Python ``__new__``, twice the cost (~160 against ~340 ns measured);
+    with a thousand rows a decode step that difference is a visible share of a dump's overhead.
+    """
+
+    step: int
+    name: str
+    kind: str
+    index: str
+    level: str
+    order: int
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    module_type: str | None
+    stats: list[float] | dict[str, float] | None  # a list in STAT_KEYS order (a dict: a partial set)
+    has_data: bool
+    value: Any  # a non-tensor input's JSON value (None, bool, int, float, short str)
+    pytype: str | None
+    key: str  # "<data file>:<tensor key>" once written; the tensor key before (see the writer)
+    extra: dict[str, Any]
+
+    @classmethod
+    def of(cls, e: Entry) -> IndexRow:
+        """The row of an ``Entry`` (statistics with every STAT_KEYS key become a list)."""
+        st = e.stats
+        if type(st) is dict and tuple(st) == STAT_KEYS:
+            st = list(st.values())
+        return new_row(cls, (e.step, e.name, e.kind, e.index, e.level, e.order, e.dtype, e.shape,
+                             e.module_type, st, e.has_data, e.value, e.pytype, e.key, e.extra))
+
+    def with_key(self, key: str) -> IndexRow:
+        return new_row(IndexRow, (*self[:_KEY_AT], key, *self[_KEY_AT + 1:]))
+
+    def with_stats(self, stats: list[float]) -> IndexRow:
+        return new_row(IndexRow, (*self[:_STATS_AT], stats, *self[_STATS_AT + 1:]))
+
+
+new_row = tuple.__new__  # new_row(IndexRow, (...)): see IndexRow's docstring
+ROW_FIELDS: tuple[str, ...] = IndexRow._fields
 _STATS_AT = ROW_FIELDS.index("stats")
 _VALUE_AT = ROW_FIELDS.index("value")
+_KEY_AT = ROW_FIELDS.index("key")
 _encode = json.JSONEncoder(allow_nan=True, check_circular=False, default=str,
                            separators=(",", ":")).encode
 
 
-def index_line(entries: list[Entry | tuple], rank: int) -> bytes:
-    """The index line(s) holding ``entries``, all of rank ``rank``: UTF-8 JSON, newline-ended.
-    An entry is an ``Entry`` or already a row (a tuple in ``ROW_FIELDS`` order).
+def index_line(rows: list[IndexRow], rank: int) -> bytes:
+    """The index line(s) holding ``rows``, all of rank ``rank``: UTF-8 JSON, newline-ended.
 
     Rows go through orjson: formatting the statistics' floats is most of the encoding, and the
     standard library took ~3 us an entry (a fifth of a statistics-mode dump's overhead on a small
@@ -78,22 +120,19 @@ def index_line(entries: list[Entry | tuple], rank: int) -> bytes:
     a second line written by the standard library, which keeps them as ``NaN``/``Infinity``.
     """
     fast: list[tuple] = []
-    slow: list[tuple] = []
-    for e in entries:
-        row = e if type(e) is tuple else _row_of(e)
+    slow: list[IndexRow] = []
+    for row in rows:
         st = row[_STATS_AT]
-        if st is not None:
-            if type(st) is dict and tuple(st) == STAT_KEYS:  # (the writer thread hands lists already)
-                st = list(st.values())
-                row = (*row[:_STATS_AT], st, *row[_STATS_AT + 1:])
-            if not _finite_stats(st):
-                slow.append(row)
-                continue
+        if st is not None and not _finite_stats(st):
+            slow.append(row)
+            continue
         value = row[_VALUE_AT]
         if type(value) is float and not isfinite(value):
             slow.append(row)
             continue
-        fast.append(row)
+        # orjson writes plain tuples only (an IndexRow would go to ``default``); a slice of a
+        # tuple subclass is a plain tuple, made in C (~55 ns, tuple(row) ~105 ns)
+        fast.append(row[:])
     out = b""
     if fast:
         try:
@@ -113,32 +152,6 @@ def _finite_stats(st: Any) -> bool:
         return type(st) is list and len(st) == len(STAT_KEYS) and isfinite(st[0] + st[1] + st[2] + st[3])
     except TypeError:  # a None or a string among them
         return False
-
-
-def _loads(raw: bytes) -> Any:
-    """One index line: orjson, or the standard library for lines holding NaN or Infinity."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return json.loads(raw)
-
-
-def parse_index_line(obj: Any) -> list[Entry]:
-    """The entries of one decoded index line, of either kind (see ``ROW_FIELDS``)."""
-    if not isinstance(obj, dict):
-        raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
-    if "rows" not in obj:
-        return [Entry.from_json(obj)]
-    fields, rank = obj["fields"], obj["rank"]
-    out = []
-    for row in obj["rows"]:
-        d = dict(zip(fields, row, strict=True))
-        st = d.get("stats")
-        if isinstance(st, list):
-            d["stats"] = dict(zip(STAT_KEYS, st, strict=True))
-        d["rank"] = rank
-        out.append(Entry.from_json(d))
-    return out
 
 
 SAFETENSORS_DTYPES = {
@@ -203,12 +216,12 @@ class DumpDirWriter:
         if rank == 0 or not (self.dump_dir / META_FILE).exists():
             write_json_atomic(self.dump_dir / META_FILE, self.meta)
 
-    def write_batch(self, tensors: dict[str, torch.Tensor], entries: list[Entry]) -> str:
-        """Write tensors to the next data file, then append the entries that point at them.
+    def write_rows(self, tensors: dict[str, torch.Tensor], rows: list[IndexRow]) -> str:
+        """Write tensors to the next data file, then append the rows that point at them.
 
-        ``entry.key`` must hold the tensor's key in ``tensors`` (several entries may share one);
-        it is rewritten to ``rank{R}/data/NNNNNN.safetensors:<key>``. Returns that file's
-        dump-relative path.
+        A row with data holds its tensor's key in ``tensors`` (several rows may share one); its
+        index line holds ``rank{R}/data/NNNNNN.safetensors:<key>``. Returns that file's
+        dump-relative path ("" when ``tensors`` is empty).
         """
         rel = ""
         if tensors:
@@ -217,23 +230,28 @@ class DumpDirWriter:
             final = self.rank_dir / "data" / name
             tmp = final.with_name(name + ".tmp")
             write_safetensors(tmp, tensors)
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # complete on disk before any index line names it
             self.bytes_written += final.stat().st_size
             rel = f"rank{self.rank}/data/{name}"
-            for e in entries:
-                if e.has_data:
-                    e.key = f"{rel}:{e.key}"
-        self.append_entries(entries)
+            rows = [r.with_key(f"{rel}:{r.key}") if r.has_data else r for r in rows]
+        self.append_rows(rows)
         return rel
 
-    def append_entries(self, entries: list[Entry | tuple]) -> None:
-        """Append index lines (entries without data, or whose data is already on disk; entries
-        or rows, see ``index_line``)."""
-        if not entries:
+    def write_batch(self, tensors: dict[str, torch.Tensor], entries: list[Entry]) -> str:
+        """``write_rows`` for ``Entry`` objects (their ``key``: the tensor's key in ``tensors``)."""
+        return self.write_rows(tensors, [IndexRow.of(e) for e in entries])
+
+    def append_rows(self, rows: list[IndexRow]) -> None:
+        """Append index lines: rows without data, or whose data is already on disk."""
+        if not rows:
             return
-        self._index.write(index_line(entries, self.rank))
+        self._index.write(index_line(rows, self.rank))
         self._index.flush()
-        self.entries_written += len(entries)
+        self.entries_written += len(rows)
+
+    def append_entries(self, entries: list[Entry]) -> None:
+        """``append_rows`` for ``Entry`` objects."""
+        self.append_rows([IndexRow.of(e) for e in entries])
 
     def append_order(self, step: int, order: list[str]) -> None:
         """Record the execution order of modules and APIs of one step."""
@@ -248,11 +266,12 @@ class DumpDirWriter:
         self.rank_meta.update(fields)
         write_json_atomic(self.rank_dir / "rank.json", self.rank_meta)
 
-    def close(self, complete: bool = True, **meta: Any) -> None:
-        """Close the files; mark the dump complete only when asked (a clean close)."""
+    def close(self, complete: bool = True, rank_meta: dict[str, Any] | None = None, **meta: Any) -> None:
+        """Close the files; mark the dump complete only when asked (a clean close). ``rank_meta``
+        goes into rank.json, ``meta`` into llmflow_dump.json."""
         self._index.close()
         self._order.close()
-        self.rank_meta.update(complete=complete, bytes=self.bytes_written,
+        self.rank_meta.update(rank_meta or {}, complete=complete, bytes=self.bytes_written,
                               entries=self.entries_written)
         write_json_atomic(self.rank_dir / "rank.json", self.rank_meta)
         if self.rank == 0 or not (self.dump_dir / META_FILE).exists():
@@ -260,176 +279,11 @@ class DumpDirWriter:
             write_json_atomic(self.dump_dir / META_FILE, self.meta)
 
 
-def _share_repeat_stats(entries: list[Entry]) -> None:
-    """Give each statistics-mode repeat the statistics (and CRC) of the entry it repeats.
+def __getattr__(name: str) -> Any:
+    # the reader lives in llmflow_reader.py, which imports this module: it is handed out on first
+    # use instead of imported above, which would make the two modules import each other
+    if name in ("LlmflowDumpReader", "parse_index_line"):
+        from llmflow.formats import llmflow_reader
 
-    A tensor passed on unchanged (a layer's output is the next layer's input; q/k/v_proj share
-    one input) is captured once per step; its later appearances are rows with the first
-    capture's ``key`` and no statistics of their own, which halves the floats the writer formats
-    on a decoder model. Entries with data share the first capture's bytes the same way.
-    """
-    first: dict[str, Entry] = {}
-    repeats: list[Entry] = []
-    for e in entries:
-        if e.dtype is None or e.has_data or not e.key:
-            continue
-        if e.stats is not None:
-            first[e.key] = e
-        else:
-            repeats.append(e)
-    for e in repeats:
-        src = first.get(e.key)
-        if src is not None:  # (None: its first capture was on a torn last line)
-            e.stats = dict(src.stats)  # type: ignore[arg-type]
-            if "crc32" in src.extra:
-                e.extra["crc32"] = src.extra["crc32"]
-
-
-class LlmflowDumpReader(DumpReader):
-    """Reads an llmflow dump with ``json`` and ``safetensors`` only (never pickle)."""
-
-    format = "llmflow"
-
-    def __init__(self, path: str | Path):
-        p = Path(path)
-        super().__init__(p.parent if p.name == META_FILE else p)
-        self._entries: list[Entry] | None = None
-        self._handles: dict[str, Any] = {}
-        meta = self._read_json(self.path / META_FILE)  # a damaged manifest fails here, named
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise DumpFormatError(f"{self.path / META_FILE}: not an llmflow dump manifest "
-                                  f"(expected a JSON object with \"format\": \"{FORMAT}\")")
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_entries": None, "_handles": {}}
-
-    @classmethod
-    def detect(cls, path: Path) -> bool:
-        p = Path(path)
-        meta = p if p.name == META_FILE else p / META_FILE
-        if not meta.is_file():
-            return False
-        # the file's name claims the dump unless it names another format: a damaged manifest
-        # then gets an error naming it, not "not a dump of any known format"
-        try:
-            data = json.loads(meta.read_text())
-        except (OSError, ValueError):
-            return True
-        return not isinstance(data, dict) or data.get("format", FORMAT) == FORMAT
-
-    def meta(self) -> dict[str, Any]:
-        """llmflow_dump.json, with ``complete`` true only when every rank closed cleanly."""
-        meta = self._read_json(self.path / META_FILE) or {}
-        if meta.get("format") != FORMAT:
-            raise DumpFormatError(f"{self.path / META_FILE}: not an llmflow dump")
-        ranks = [self._read_json(d / "rank.json") or {} for d in self._rank_dirs()]
-        meta["ranks"] = ranks
-        meta["complete"] = bool(meta.get("complete")) and all(r.get("complete") for r in ranks)
-        meta["truncated"] = any(r.get("truncated") for r in ranks)
-        return meta
-
-    def _rank_dirs(self) -> list[Path]:
-        found = [(int(m.group(1)), d) for d in self.path.iterdir()
-                 if d.is_dir() and (m := _RANK_DIR.match(d.name))]
-        return [d for _, d in sorted(found)]
-
-    def entries(self) -> list[Entry]:
-        if self._entries is None:
-            out: list[Entry] = []
-            for rank_dir in self._rank_dirs():
-                out.extend(self._read_index(rank_dir))
-            out.sort(key=lambda e: (e.rank, e.step, e.order))
-            self._entries = out
-        return self._entries
-
-    def _read_index(self, rank_dir: Path) -> list[Entry]:
-        index = rank_dir / "index.jsonl"
-        if not index.is_file():
-            return []
-        lines = index.read_bytes().split(b"\n")
-        out: list[Entry] = []
-        present: dict[str, bool] = {}
-        for no, raw in enumerate(lines, 1):
-            if not raw.strip():
-                continue
-            try:
-                batch = parse_index_line(_loads(raw))
-            except (ValueError, TypeError, KeyError) as exc:
-                if no >= len(lines) - 1:  # the torn last line of a killed writer
-                    break
-                raise DumpFormatError(f"{index}:{no}: corrupt index line ({exc})") from exc
-            for entry in batch:
-                if entry.has_data:
-                    file_rel = entry.key.rpartition(":")[0]
-                    if file_rel not in present:
-                        present[file_rel] = self._data_path(file_rel, index, no).is_file()
-                    if not present[file_rel]:
-                        continue  # its data file is gone: the entry cannot be loaded, leave it out
-                out.append(entry)
-        _share_repeat_stats(out)
-        return out
-
-    def _data_path(self, file_rel: str, where: Path | str = "", line: int = 0) -> Path:
-        """The data file of a key, refusing anything that is not a safetensors file in the dump."""
-        path = (self.path / file_rel).resolve()
-        root = self.path.resolve()
-        if not file_rel.endswith(".safetensors") or root not in path.parents:
-            raise DumpFormatError(f"{where}:{line}: data file {file_rel!r} is not a safetensors "
-                                  "file inside the dump")
-        return path
-
-    def load(self, entry: Entry) -> torch.Tensor:
-        if not entry.has_data:
-            raise DumpFormatError(f"{self.path}: entry {entry.name} {entry.kind} {entry.index} "
-                                  f"(step {entry.step}) has no tensor data ({self._why(entry)})")
-        file_rel, _, key = entry.key.rpartition(":")
-        handle = self._handles.get(file_rel)
-        if handle is None:
-            from safetensors import SafetensorError, safe_open
-
-            path = self._data_path(file_rel, self.path / f"rank{entry.rank}" / "index.jsonl")
-            try:
-                handle = safe_open(str(path), framework="pt", device="cpu")
-            except (SafetensorError, OSError) as exc:
-                raise DumpFormatError(f"{path}: unreadable safetensors file ({exc})") from exc
-            if len(self._handles) > 64:  # bound the open files on huge dumps
-                self._handles.clear()
-            self._handles[file_rel] = handle
-        try:
-            return handle.get_tensor(key)
-        except Exception as exc:  # safetensors raises its own error types for bad keys
-            raise DumpFormatError(f"{self.path / file_rel}: no tensor {key!r} ({exc})") from exc
-
-    @staticmethod
-    def _why(entry: Entry) -> str:
-        return "statistics-only dump" if entry.dtype is not None else f"a {entry.pytype} value"
-
-    def topology(self) -> dict[str, Any] | None:
-        topo = self._read_json(self.path / TOPOLOGY_FILE)
-        if topo is None:
-            return None
-        if not topo.get("execution"):  # a killed writer never merged order.jsonl: read it here
-            execution: dict[str, dict[str, list[str]]] = {}
-            for rank_dir in self._rank_dirs():
-                rank = rank_dir.name[4:]
-                path = rank_dir / "order.jsonl"
-                for raw in path.read_text().splitlines() if path.is_file() else []:
-                    try:
-                        rec = json.loads(raw)
-                    except ValueError:
-                        break
-                    execution.setdefault(rank, {})[str(rec["step"])] = rec["order"]
-            topo["execution"] = execution
-        return topo
-
-    def env(self) -> dict[str, Any] | None:
-        return self._read_json(self.path / ENV_FILE)
-
-    @staticmethod
-    def _read_json(path: Path) -> Any:
-        if not path.is_file():
-            return None
-        try:
-            return json.loads(path.read_text())
-        except ValueError as exc:
-            raise DumpFormatError(f"{path}: not valid JSON ({exc})") from exc
+        return getattr(llmflow_reader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -94,9 +94,16 @@ class MsitDumpReader(DumpReader):
                 raise DumpFormatError(f"{p}: no msit '{SUB}' folder here (expected msit_dump_*/{SUB})")
         self.tensors_dir, self._only = found
         self._entries: list[Entry] | None = None
+        self._problems: list[str] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_entries": None}
+        return {**self.__dict__, "_entries": None, "_problems": []}
+
+    def problems(self) -> list[str]:
+        """Tensor files that cannot be read (truncated, refused, not a regular file): msit writes
+        no index, so each is found while listing and its entry is left out."""
+        self.entries()
+        return list(self._problems)
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -133,6 +140,7 @@ class MsitDumpReader(DumpReader):
 
     def entries(self) -> list[Entry]:
         if self._entries is None:
+            self._problems = []
             out: list[Entry] = []
             for rank, _, rank_dir in self._ranks():
                 types = self._module_types(rank_dir)
@@ -194,9 +202,8 @@ class MsitDumpReader(DumpReader):
                 e.stats = stats
                 e.dtype, e.shape = e.dtype or dtype, e.shape or shape
             for e in sorted(found.values(), key=lambda e: (e.kind != "input", e.index)):
-                if e.has_data and e.dtype is None:
-                    t = self._probe(e)  # msit writes no index: dtype and shape come from the file
-                    e.dtype, e.shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
+                if e.has_data and e.dtype is None and not self._probe(e):
+                    continue  # msit writes no index: dtype and shape come from the file
                 e.order = len(out)
                 out.append(e)
         return out
@@ -234,13 +241,20 @@ class MsitDumpReader(DumpReader):
             if f.name.endswith(".pth") and not is_dir(f):
                 e = Entry(step=-1, rank=rank, name=strip_root(f.name[:-4]), kind="weight", index="0",
                           level="weight", order=len(out), key=os.path.relpath(f.path, self.tensors_dir))
-                t = self._probe(e)
-                e.dtype, e.shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
-                out.append(e)
+                if self._probe(e):
+                    out.append(e)
         return out
 
-    def _probe(self, entry: Entry) -> torch.Tensor:
-        return torch_load(self._file(entry), mmap=True)
+    def _probe(self, entry: Entry) -> bool:
+        """Fill ``entry``'s dtype and shape from its file (memory-mapped, never unpickled); False,
+        with the reason among ``problems()``, when the file cannot be read."""
+        try:
+            t = torch_load(self._file(entry), mmap=True)
+        except DumpFormatError as exc:
+            self._problems.append(f"{exc}; left out")
+            return False
+        entry.dtype, entry.shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
+        return True
 
     def _file(self, entry: Entry) -> Path:
         path = (self.tensors_dir / entry.key).resolve()

@@ -97,6 +97,13 @@ def parse_name(record: str) -> tuple[str, str, str, str] | None:
     return None
 
 
+def _is_file(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_file()  # (follows symlinks; a FIFO or a device is not a file)
+    except OSError:
+        return False
+
+
 def _base(record: str) -> str:
     """The record name without its call counter: equal for every call of the same thing."""
     return re.sub(
@@ -114,9 +121,10 @@ class MsprobeDumpReader(DumpReader):
         super().__init__(p.parent if p.name == DUMP_FILE else p)
         self._entries: list[Entry] | None = None
         self._meta: dict[str, Any] | None = None
+        self._problems: list[str] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_entries": None, "_meta": None}
+        return {"path": self.path, "_entries": None, "_meta": None, "_problems": []}
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -167,7 +175,7 @@ class MsprobeDumpReader(DumpReader):
 
     def _read(self, folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         path = folder / DUMP_FILE
-        dump = read_json(path)
+        dump = read_json(path, max_depth=64)
         expect(
             isinstance(dump, dict) and isinstance(dump.get("data"), dict),
             path,
@@ -176,7 +184,7 @@ class MsprobeDumpReader(DumpReader):
         construct: dict[str, Any] = {}
         cpath = folder / "construct.json"
         if cpath.is_file():
-            c = read_json(cpath)
+            c = read_json(cpath, max_depth=8)
             expect(isinstance(c, dict), cpath, "construct.json is not a JSON object")
             construct = c
         if self._meta is None:
@@ -188,8 +196,15 @@ class MsprobeDumpReader(DumpReader):
             self.entries()
         return {"format": "msprobe", **(self._meta or {})}
 
+    def problems(self) -> list[str]:
+        """Tensor files dump.json names that are missing or not regular files (those entries
+        are read as statistics only), one line per folder."""
+        self.entries()
+        return list(self._problems)
+
     def entries(self) -> list[Entry]:
         if self._entries is None:
+            self._problems = []
             by_rank: dict[int, list[tuple[int | None, Path]]] = {}
             for step, rank, folder in self._layout():
                 by_rank.setdefault(rank, []).append((step, folder))
@@ -221,6 +236,7 @@ class MsprobeDumpReader(DumpReader):
         seen_weights: set[str] = set()
         for step_no, folder, construct, assigned, n_tokens in parsed:
             files = self._data_files(folder)
+            lost: list[str] = []  # data names dump.json gives whose file cannot be loaded
             counters: dict[tuple[int, str, str], int] = {}
             orders: dict[int, int] = {}
             for token, key, record in assigned:
@@ -236,7 +252,7 @@ class MsprobeDumpReader(DumpReader):
                     n = counters.get((step, module, api), 0)
                     counters[(step, module, api)] = n + 1
                     name, mtype = f"{module}/{api}.{n}", api
-                ctx = (rank, step, name, level, mtype, files, folder, orders)
+                ctx = (rank, step, name, level, mtype, files, folder, orders, lost)
                 self._values(ctx, "input", "", record.get("input_args") or [], out)
                 kwargs = record.get("input_kwargs") or {}
                 if isinstance(kwargs, dict):
@@ -249,20 +265,30 @@ class MsprobeDumpReader(DumpReader):
                         full = f"{name}.{pname}" if name else str(pname)
                         if full not in seen_weights and isinstance(v, dict):
                             seen_weights.add(full)
-                            wctx = (rank, -1, full, "weight", None, files, folder, {-1: len(seen_weights)})
+                            wctx = (rank, -1, full, "weight", None, files, folder, {-1: len(seen_weights)},
+                                    lost)
                             self._values(wctx, "weight", "0", v, out)
+            if lost:
+                missing = [n for n in lost if n not in files]
+                odd = [n for n in lost if n in files]
+                for names, why in ((missing, "missing from"), (odd, "not regular files in")):
+                    if names:
+                        self._problems.append(
+                            f"{folder / DUMP_FILE}: names {len(names)} tensor file(s) {why} "
+                            f"dump_tensor_data (first: {names[0][:120]}); read as statistics only")
             offset += n_tokens
         return out
 
-    def _data_files(self, folder: Path) -> set[str]:
+    def _data_files(self, folder: Path) -> dict[str, bool]:
+        """Name -> is it a regular file (a FIFO or a device is never opened), of dump_tensor_data."""
         d = folder / "dump_tensor_data"
-        return {e.name for e in list_dir(d)} if d.is_dir() else set()
+        return {e.name: _is_file(e) for e in list_dir(d)} if d.is_dir() else {}
 
     def _values(
         self, ctx: tuple, kind: str, index: str, value: Any, out: list[Entry], depth: int = 0
     ) -> None:
         """Entries for one (possibly nested) value of a record."""
-        rank, step, name, level, mtype, files, folder, orders = ctx
+        rank, step, name, level, mtype, files, folder, orders, lost = ctx
         if value is None or depth > 32:
             return
         if isinstance(value, list):
@@ -299,7 +325,9 @@ class MsprobeDumpReader(DumpReader):
             }
             e.stats = stats or None
             data_name = value.get("data_name")
-            e.has_data = isinstance(data_name, str) and data_name in files
+            e.has_data = isinstance(data_name, str) and files.get(data_name, False)
+            if isinstance(data_name, str) and not e.has_data:
+                lost.append(data_name)
             e.key = (
                 os.path.join(os.path.relpath(folder, self.path), "dump_tensor_data", data_name)
                 if e.has_data

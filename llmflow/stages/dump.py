@@ -16,10 +16,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any, ClassVar
 
+from llmflow.dump.config import DumpConfig
 from llmflow.errors import UserError
 from llmflow.stages.base import Stage, StageContext
 
 _NULLABLE_STR = {"type": ["string", "null"], "default": None}
+_RESULT_KEYS = ("output_ids", "text", "bytes", "entries", "steps", "truncated")  # the worker's result.json
 
 
 class DumpStage(Stage):
@@ -47,25 +49,8 @@ class DumpStage(Stage):
             "patch": {**_NULLABLE_STR, "description": "file.py:callable applied to the loaded model."},
             "seed_settings": {"type": ["object", "null"], "default": None,
                               "description": "The seed stage's settings, applied in the worker."},
-            "mode": {"type": "string", "enum": ["module", "api", "all", "none"], "default": "module",
-                     "description": "Capture module inputs/outputs, torch API calls, both, or none "
-                     "(logits only)."},
-            "token_range": {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}},
-                                      {"const": "all"}], "default": "all",
-                            "description": "Steps to dump (0 = prefill) or 'all'."},
-            "module_list": {"type": "array", "items": {"type": "string"}, "default": [],
-                            "description": "Module class names to dump; empty = all; 'auto' = the "
-                            "model's decoder-layer class(es), found from its structure."},
-            "tensor_part": {"type": "integer", "enum": [0, 1, 2], "default": 2,
-                            "description": "0 inputs, 1 outputs, 2 both."},
-            "layer_name": {**_NULLABLE_STR, "description": "Glob over module paths, e.g. model.layers.3*."},
-            "dump_weight": {"type": "boolean", "default": False, "description": "Also dump weights once."},
-            "dump_last_logits": {"type": "boolean", "default": False,
-                                 "description": "Dump only the logits of each step."},
-            "data_mode": {"type": "string", "enum": ["tensor", "statistics"], "default": "tensor",
-                          "description": "Full tensors, or statistics only (min/max/mean/norm/NaN/Inf)."},
-            "max_bytes": {"type": ["integer", "null"], "minimum": 1, "default": None,
-                          "description": "Stop dumping past this many bytes of tensor data."},
+            # the dump settings: declared once, with their defaults, by DumpConfig
+            **DumpConfig.stage_properties(),
             "dump_dir": {**_NULLABLE_STR, "description": "Where to write the dump (default: the "
                          "stage's output folder)."},
         },
@@ -133,12 +118,27 @@ class DumpStage(Stage):
             err.seek(0)
             tail.extend(err.read().splitlines()[-40:])
         (ctx.out_dir / "worker.log").write_text("\n".join(tail) + "\n", encoding="utf-8")
-        result = json.loads(result_file.read_text()) if result_file.is_file() else {}
+        result = _read_result(result_file)
         if rc == 2 and "error" in result:
             raise UserError(f"{ctx.stage_id}: {result['error']}")
         if rc != 0:
             raise RuntimeError(f"dump worker exited with status {rc}:\n" + "\n".join(list(tail)[-20:]))
+        if not all(key in result for key in _RESULT_KEYS):
+            # status 0 without a result: the user's code ended the process (os._exit skips every
+            # handler), which is bad input, not a crash of ours
+            user = f"patch {args['patch']!r}" if args.get("patch") else f"model {args['model']!r}"
+            raise UserError(f"{ctx.stage_id}: the dump worker exited with status 0 before writing its "
+                            f"result: did the {user} call sys.exit or os._exit?")
         return result
+
+
+def _read_result(path: Path) -> dict[str, Any]:
+    """The worker's result.json, or {} when it wrote none (or something that is not one)."""
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return result if isinstance(result, dict) else {}
 
 
 def _check_writable(path: Path, stage_id: str) -> None:

@@ -125,3 +125,69 @@ def test_sigkill_mid_dump_leaves_a_readable_dump(tmp_path):
         if e.has_data:
             assert r.load(e).shape == e.shape
     assert r.topology()["execution"]["0"]
+
+
+EXITING_CODE = textwrap.dedent("""
+    import os
+    import sys
+
+    from llmflow.models import load_model
+
+
+    def exit_politely(model):
+        sys.exit(0)
+
+
+    def exit_hard(model):
+        os._exit(0)
+
+
+    def exit_mid_run(model):  # the patch returns; its hook ends the process during the second step
+        calls = []
+
+        def hook(module, args):
+            calls.append(1)
+            if len(calls) == 2:
+                sys.exit(0)
+        model.register_forward_pre_hook(hook)
+
+
+    def make_then_exit():
+        os._exit(0)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("setting", "message"), [
+    ("patch=user.py:exit_politely", "dump: patch 'user.py:exit_politely' called sys.exit(0) before the dump "
+                                    "finished"),
+    ("patch=user.py:exit_hard", "dump: the dump worker exited with status 0 before writing its result: did "
+                                "the patch 'user.py:exit_hard' call sys.exit or os._exit?"),
+    ("patch=user.py:exit_mid_run",
+     "patch 'user.py:exit_mid_run' called sys.exit(0) before the dump finished"),
+    ("model=user.py:make_then_exit", "did the model 'user.py:make_then_exit' call sys.exit or os._exit?"),
+])
+def test_user_code_that_ends_the_worker_is_named_in_one_line(tmp_path, setting, message):
+    """``llmflow run`` with a patch (or a file.py:callable model) that calls sys.exit(0) or
+    os._exit(0): exit status 2, one line naming it, no traceback, no stage marked done."""
+    (tmp_path / "user.py").write_text(EXITING_CODE)
+    (tmp_path / "wf.yaml").write_text(textwrap.dedent(f"""
+        name: exiting-user-code
+        params:
+          model: {{type: string, default: "{TINY}"}}
+          patch: {{type: string, default: ""}}
+        stages:
+          dump:
+            uses: dump
+            with: {{model: "${{params.model}}", patch: "${{params.patch}}", prompt: hi, max_new_tokens: 3}}
+    """))
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "llmflow.cli", "run", str(tmp_path / "wf.yaml"), "--set", setting,
+           "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert message in out and "Traceback" not in out and "KeyError" not in out
+    assert out.strip().splitlines()[-1].startswith("FAILED")
+    assert not (tmp_path / "run" / "dump").exists()

@@ -13,7 +13,8 @@ import torch
 
 from llmflow.errors import DumpFormatError
 from llmflow.formats.base import Entry
-from llmflow.formats.llmflow_dump import DumpDirWriter, LlmflowDumpReader, index_line, parse_index_line
+from llmflow.formats.llmflow_dump import DumpDirWriter, IndexRow, LlmflowDumpReader, index_line
+from llmflow.formats.llmflow_reader import parse_index_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from dump_helpers import bits_equal, dump  # noqa: E402
@@ -57,7 +58,7 @@ def test_index_line_round_trips_every_field():
                      pytype="float"),
                Entry(2, 3, "odd", "input", "0", "module", 3, has_data=False, pytype="X",
                      extra={1: "int key"})]
-    data = index_line(entries, 3)
+    data = index_line([IndexRow.of(e) for e in entries], 3)
     assert isinstance(data, bytes) and data.endswith(b"\n")
     # rows with NaN/Infinity (which orjson would write as null) and what orjson refuses go to a
     # second line written by the standard library: every line is one JSON object
@@ -131,7 +132,7 @@ def test_planted_pickle_is_never_loaded(tmp_path):
             Entry(0, 0, "escape", "output", "0", "module", 998, dtype="float32", shape=(1,),
                   key="../../outside.safetensors:x")]
     with open(rank / "index.jsonl", "ab") as f:
-        f.write(index_line(evil, 0))
+        f.write(index_line([IndexRow.of(e) for e in evil], 0))
     reader = LlmflowDumpReader(tmp_path / "dump")
     with pytest.raises(DumpFormatError, match="not a safetensors file inside the dump"):
         reader.entries()
@@ -193,14 +194,14 @@ def test_a_failed_writer_reports_once_and_queues_nothing_more(tmp_path, monkeypa
     monkeypatch.setattr(llmflow_dump, "write_safetensors", full_disk)
     w = AsyncWriter(DumpDirWriter(tmp_path / "d", 0), inline=inline)
     t = torch.ones(4)
-    w.submit(_entry(0, 0, "1", t), t.clone(), nbytes=t.nbytes)
+    w.submit(IndexRow.of(_entry(0, 0, "1", t)), t.clone(), nbytes=t.nbytes)
     with pytest.raises(RuntimeError, match="dump writer failed.*No space left"):
         w.end_step(0)
         if not inline:  # the thread fails on its own time: the next call hears of it
             w._thread.join(timeout=10)
-            w.submit(_entry(1, 0, "2", t), t.clone(), nbytes=t.nbytes)
+            w.submit(IndexRow.of(_entry(1, 0, "2", t)), t.clone(), nbytes=t.nbytes)
     for i in range(100):
-        w.submit(_entry(1, i, str(i + 3), t), t.clone(), nbytes=t.nbytes)
+        w.submit(IndexRow.of(_entry(1, i, str(i + 3), t)), t.clone(), nbytes=t.nbytes)
     w.end_step(1)
     w.close()
     assert not w._queue

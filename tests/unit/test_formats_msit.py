@@ -102,10 +102,10 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
     with open(target, "wb") as f:
         pickle.dump(_Evil(str(marker)), f)
     r = open_dump(root)
-    with pytest.raises(DumpFormatError, match=str(target.name)):
-        for e in r.entries():
-            if e.has_data:
-                r.load(e)
+    for e in r.entries():  # the refused file's entry is left out; everything else loads
+        if e.has_data:
+            r.load(e)
+    assert any(str(target) in p and "refused or unreadable" in p for p in r.problems())
     assert not marker.exists()
 
 
@@ -113,8 +113,9 @@ def test_truncated_pth_and_bad_csv_and_tree(tmp_path: Path) -> None:
     root = _dump(tmp_path)
     f = next(root.rglob("input_1.pth"))
     f.write_bytes(f.read_bytes()[:40])
-    with pytest.raises(DumpFormatError, match="input_1.pth"):  # msit has no index: listing reads it
-        open_dump(root).entries()
+    r = open_dump(root)  # msit has no index: listing reads the file, and leaves it out
+    assert "input_1.pth" not in {Path(e.key).name for e in r.entries()} and r.entries()
+    assert [p for p in r.problems() if "input_1.pth" in p] and len(r.problems()) == 1
     f.unlink()
     tree = next(root.rglob("model_tree.json"))
     tree.write_text("{not json")

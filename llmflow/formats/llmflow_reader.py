@@ -1,0 +1,316 @@
+"""Reads llmflow's own dump format (see ``llmflow_dump``) with ``json`` and ``safetensors`` only.
+
+``parse_index_line`` decodes what ``llmflow_dump.index_line`` encodes, checking every field's type;
+``LlmflowDumpReader`` is the format's ``DumpReader``: entries, lazy tensor loads, topology, env,
+and ``problems()`` (see ``llmflow_check``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from llmflow.errors import DumpFormatError
+from llmflow.formats._safe import open_regular, read_json, read_text, regular_file
+from llmflow.formats.base import STAT_KEYS, DumpReader, Entry
+from llmflow.formats.llmflow_check import rank_problems, safetensors_keys
+from llmflow.formats.llmflow_dump import ENV_FILE, FORMAT, META_FILE, TOPOLOGY_FILE
+
+_RANK_DIR = re.compile(r"^rank(\d+)$")
+MAX_META_BYTES = 64 << 20  # llmflow_dump.json, rank.json, env.json, topology.json: small files
+MAX_JSON_DEPTH = 100  # their nesting (a module tree: two levels a module, ~25 deep): deeper is refused
+
+
+def _loads(raw: bytes) -> Any:
+    """One index line: orjson, or the standard library for lines holding NaN or Infinity."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
+def parse_index_line(obj: Any) -> list[Entry]:
+    """The entries of one decoded index line, of either kind (see ``ROW_FIELDS``).
+
+    Every field's type is checked (``TypeError``/``ValueError`` naming it), so a hand-edited or
+    foreign line fails here, where the reader names its file and line, not in the code using it.
+    """
+    if not isinstance(obj, dict):
+        raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
+    if "rows" not in obj:
+        return [_checked(Entry.from_json(obj))]
+    fields, rank, rows = obj["fields"], obj["rank"], obj["rows"]
+    if type(rank) is not int or not isinstance(rows, list) or not isinstance(fields, list) or \
+            not all(type(f) is str for f in fields):
+        raise TypeError("expected 'rank' an integer, 'fields' a list of names and 'rows' a list")
+    out = []
+    for row in rows:
+        if type(row) is not list:
+            raise TypeError(f"a row is a {type(row).__name__}, not a list")
+        d = dict(zip(fields, row, strict=True))
+        st = d.get("stats")
+        if type(st) is list:
+            d["stats"] = dict(zip(STAT_KEYS, st, strict=True))
+        d["rank"] = rank
+        out.append(_checked(Entry.from_json(d)))
+    return out
+
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _checked(e: Entry) -> Entry:
+    """``e`` when every field has its type (see ``Entry``), else a ``TypeError`` naming the field."""
+    if type(e.step) is not int or type(e.order) is not int or type(e.rank) is not int:
+        raise TypeError("step, rank and order must be integers")
+    for name in ("name", "kind", "index", "level", "key"):
+        if type(getattr(e, name)) is not str:
+            raise TypeError(f"{name} must be a string")
+    for name in ("dtype", "module_type", "pytype"):
+        if not isinstance(getattr(e, name), (str, type(None))):
+            raise TypeError(f"{name} must be a string or null")
+    if type(e.has_data) is not bool or not isinstance(e.value, _SCALARS):
+        raise TypeError("has_data must be true or false, value a JSON scalar")
+    if e.shape is not None and not all(type(d) is int and d >= 0 for d in e.shape):
+        raise TypeError("shape must be a list of sizes")
+    if e.stats is not None and not (isinstance(e.stats, dict) and all(
+            isinstance(v, (int, float, type(None))) for v in e.stats.values())):
+        raise TypeError("stats must be numbers")
+    if not isinstance(e.extra, dict) or not all(isinstance(v, _SCALARS) for v in e.extra.values()):
+        raise TypeError("extra must be an object of JSON scalars")
+    return e
+
+
+def _share_repeat_stats(entries: list[Entry]) -> None:
+    """Give each statistics-mode repeat the statistics (and CRC) of the entry it repeats.
+
+    A tensor passed on unchanged (a layer's output is the next layer's input; q/k/v_proj share
+    one input) is captured once per step; its later appearances are rows with the first
+    capture's ``key`` and no statistics of their own, which halves the floats the writer formats
+    on a decoder model. Entries with data share the first capture's bytes the same way.
+    """
+    first: dict[str, Entry] = {}
+    repeats: list[Entry] = []
+    for e in entries:
+        if e.dtype is None or e.has_data or not e.key:
+            continue
+        if e.stats is not None:
+            first[e.key] = e
+        else:
+            repeats.append(e)
+    for e in repeats:
+        src = first.get(e.key)
+        if src is not None:  # (None: its first capture was on a torn last line)
+            e.stats = dict(src.stats)  # type: ignore[arg-type]
+            if "crc32" in src.extra:
+                e.extra["crc32"] = src.extra["crc32"]
+
+
+class LlmflowDumpReader(DumpReader):
+    """Reads an llmflow dump with ``json`` and ``safetensors`` only (never pickle).
+
+    Entries whose data file is missing or unusable (truncated, not a regular file, without the
+    entry's tensor) are left out of ``entries()``; ``problems()`` names each such file, with the
+    rest of what makes the dump less than whole (see ``llmflow_check``).
+    """
+
+    format = "llmflow"
+
+    def __init__(self, path: str | Path):
+        p = Path(path)
+        super().__init__(p.parent if p.name == META_FILE else p)
+        self._entries: list[Entry] | None = None
+        self._index_problems: list[str] = []
+        self._handles: dict[str, Any] = {}
+        meta = self._read_json(self.path / META_FILE)  # a damaged manifest fails here, named
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise DumpFormatError(f"{self.path / META_FILE}: not an llmflow dump manifest "
+                                  f"(expected a JSON object with \"format\": \"{FORMAT}\")")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "_entries": None, "_index_problems": [], "_handles": {}}
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        p = Path(path)
+        meta = p if p.name == META_FILE else p / META_FILE
+        if not meta.exists():
+            return False
+        # the file's name claims the dump unless it names another format: a damaged manifest
+        # (or one that is not a regular file) then gets an error naming it, not "not a dump of
+        # any known format"
+        try:
+            data = read_json(meta, limit=MAX_META_BYTES)
+        except DumpFormatError:
+            return True
+        return not isinstance(data, dict) or data.get("format", FORMAT) == FORMAT
+
+    def meta(self) -> dict[str, Any]:
+        """llmflow_dump.json, with ``complete`` true only when every rank closed cleanly."""
+        meta = self._read_json(self.path / META_FILE) or {}
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise DumpFormatError(f"{self.path / META_FILE}: not an llmflow dump")
+        ranks = [r if isinstance(r := self._read_json(d / "rank.json"), dict) else {}
+                 for d in self._rank_dirs()]
+        meta["ranks"] = ranks
+        meta["complete"] = bool(meta.get("complete")) and all(r.get("complete") for r in ranks)
+        meta["truncated"] = any(r.get("truncated") for r in ranks)
+        return meta
+
+    def problems(self) -> list[str]:
+        """Why this dump is not whole, one line each (empty when it is): see ``llmflow_check``."""
+        self.entries()  # reading the index checks the data files it names
+        out: list[str] = []
+        meta = self._read_json(self.path / META_FILE) or {}
+        rank_dirs = self._rank_dirs()
+        if not rank_dirs:
+            out.append(f"{self.path}: no rank folders: nothing was written")
+        for rank_dir in rank_dirs:
+            try:
+                rank_meta = self._read_json(rank_dir / "rank.json")
+            except DumpFormatError as exc:
+                out.append(str(exc))
+                rank_meta = {"complete": True}  # (reported just now, not twice)
+            out += rank_problems(rank_dir, rank_meta)
+        if not meta.get("complete") and not any("complete: false" in line for line in out):
+            out.append(f"{self.path / META_FILE}: complete: false (the writer never closed this dump)")
+        return out + self._index_problems
+
+    def _rank_dirs(self) -> list[Path]:
+        found = [(int(m.group(1)), d) for d in self.path.iterdir()
+                 if d.is_dir() and (m := _RANK_DIR.match(d.name))]
+        return [d for _, d in sorted(found)]
+
+    def entries(self) -> list[Entry]:
+        if self._entries is None:
+            out: list[Entry] = []
+            problems: list[str] = []
+            for rank_dir in self._rank_dirs():
+                out.extend(self._read_index(rank_dir, problems))
+            out.sort(key=lambda e: (e.rank, e.step, e.order))
+            self._entries, self._index_problems = out, problems
+        return self._entries
+
+    def _read_index(self, rank_dir: Path, problems: list[str]) -> list[Entry]:
+        index = rank_dir / "index.jsonl"
+        if not index.exists():
+            problems.append(f"{index}: missing: this rank indexed nothing")
+            return []
+        if regular_file(index) is None:
+            problems.append(f"{index}: not a regular file: left unread")
+            return []
+        with open_regular(index) as f:
+            lines = f.read().split(b"\n")
+        out: list[Entry] = []
+        files: dict[str, tuple[frozenset[str], str | None]] = {}  # data file -> (keys, why unusable)
+        left_out: dict[str, list[Entry]] = {}
+        for no, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                batch = parse_index_line(_loads(raw))
+            except RecursionError:
+                raise DumpFormatError(f"{index}:{no}: index line nested too deeply to read") from None
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                if no >= len(lines) - 1 and not raw.endswith(b"}"):  # the torn last line of a killed writer
+                    problems.append(f"{index}:{no}: a torn last line (the writer was killed while "
+                                    "writing it): its entries are lost")
+                    break
+                raise DumpFormatError(f"{index}:{no}: corrupt index line ({exc})") from exc
+            for entry in batch:
+                if entry.has_data:
+                    file_rel, _, key = entry.key.rpartition(":")
+                    if file_rel not in files:
+                        files[file_rel] = safetensors_keys(self._data_path(file_rel, index, no))
+                    keys, why = files[file_rel]
+                    if why is not None or key not in keys:
+                        left_out.setdefault(file_rel, []).append(entry)
+                        continue  # it cannot be loaded: left out, and said so in problems()
+                out.append(entry)
+        for file_rel, lost in left_out.items():
+            why = files[file_rel][1] or "does not hold the tensors the index names"
+            steps = sorted({e.step for e in lost})
+            problems.append(f"{self.path / file_rel}: {why}; {len(lost)} entries of step"
+                            f"{'s' if len(steps) > 1 else ''} {_span(steps)} point at it (left out)")
+        _share_repeat_stats(out)
+        return out
+
+    def _data_path(self, file_rel: str, where: Path | str = "", line: int = 0) -> Path:
+        """The data file of a key, refusing anything that is not a safetensors file in the dump."""
+        path = (self.path / file_rel).resolve()
+        root = self.path.resolve()
+        if not file_rel.endswith(".safetensors") or root not in path.parents:
+            raise DumpFormatError(f"{where}:{line}: data file {file_rel!r} is not a safetensors "
+                                  "file inside the dump")
+        return path
+
+    def load(self, entry: Entry) -> torch.Tensor:
+        if not entry.has_data:
+            raise DumpFormatError(f"{self.path}: entry {entry.name} {entry.kind} {entry.index} "
+                                  f"(step {entry.step}) has no tensor data ({self._why(entry)})")
+        file_rel, _, key = entry.key.rpartition(":")
+        handle = self._handles.get(file_rel)
+        if handle is None:
+            from safetensors import SafetensorError, safe_open
+
+            path = self._data_path(file_rel, self.path / f"rank{entry.rank}" / "index.jsonl")
+            if regular_file(path) is None:  # (safe_open would block on a FIFO)
+                raise DumpFormatError(f"{path}: missing or not a regular file")
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as exc:
+                raise DumpFormatError(f"{path}: unreadable safetensors file ({exc})") from exc
+            if len(self._handles) > 64:  # bound the open files on huge dumps
+                self._handles.clear()
+            self._handles[file_rel] = handle
+        try:
+            return handle.get_tensor(key)
+        except Exception as exc:  # safetensors raises its own error types for bad keys
+            raise DumpFormatError(f"{self.path / file_rel}: no tensor {key!r} ({exc})") from exc
+
+    @staticmethod
+    def _why(entry: Entry) -> str:
+        return "statistics-only dump" if entry.dtype is not None else f"a {entry.pytype} value"
+
+    def topology(self) -> dict[str, Any] | None:
+        topo = self._read_json(self.path / TOPOLOGY_FILE)
+        if topo is None:
+            return None
+        if not isinstance(topo, dict):
+            raise DumpFormatError(f"{self.path / TOPOLOGY_FILE}: not a JSON object")
+        if not topo.get("execution"):  # a killed writer never merged order.jsonl: read it here
+            execution: dict[str, dict[str, list[str]]] = {}
+            for rank_dir in self._rank_dirs():
+                rank = rank_dir.name[4:]
+                path = rank_dir / "order.jsonl"
+                text = read_text(path) if regular_file(path) is not None else ""
+                for raw in text.splitlines():
+                    try:
+                        rec = json.loads(raw)
+                        step, order = rec["step"], rec["order"]
+                    except (ValueError, TypeError, KeyError, RecursionError):
+                        break  # (a torn last line)
+                    if isinstance(order, list) and all(type(n) is str for n in order):
+                        execution.setdefault(rank, {})[str(step)] = order
+            topo["execution"] = execution
+        return topo
+
+    def env(self) -> dict[str, Any] | None:
+        return self._read_json(self.path / ENV_FILE)
+
+    @staticmethod
+    def _read_json(path: Path) -> Any:
+        """A JSON file of the dump (None when absent): bounded in size and nesting, never opened
+        when it is not a regular file, every failure a one-line ``DumpFormatError`` naming it."""
+        if not path.exists():
+            return None
+        return read_json(path, limit=MAX_META_BYTES, max_depth=MAX_JSON_DEPTH)
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
