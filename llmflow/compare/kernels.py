@@ -4,7 +4,7 @@ One pass over golden ``a`` and target ``b`` (same number of elements) returns, i
 (``N_VALUES``)::
 
     sum a^2, sum b^2, sum a*b, sum d^2, max|d|, sum|d|, max rel, sum rel, #rel<1e-3, #rel<5e-3,
-    lse(a), lse(b), y = sum w*d, z = sum w*phi(d)
+    lse(a), lse(b), y = sum w*d, z = sum w*phi(d), max a, min a, sum a, max b, min b, sum b
 
 with d = b - a, rel = |d| / |a| where |a| > eps (else 0), lse the log-sum-exp,
 w = softmax(a) = exp(a - max a) / sum exp(a - max a) (the piece's own weights: sum w = 1, so
@@ -17,7 +17,8 @@ divergence from u = sum w*expm1(d) = y + z:
 The second form keeps tiny divergences (fp32 vs fp32 one ulp apart: KL ~1e-13) precise: z is a
 sum of non-negative terms, each known to fp32 precision, and log1p(u) - u (-u^2/2 + ... for
 small u) is evaluated in Python floats; no float64 exp or expm1 per element. One read of the
-data gives every metric, KL included.
+data gives every metric, KL included, and each side's statistics (max, min, mean, norm: the
+columns msit and msprobe show beside the metrics).
 
 Eager torch (``pass1``: any float dtype, float64 throughout, ~30 torch ops a call) is the
 reference, and serves other dtypes, pieces with NaN/Inf, and machines without a C++ compiler.
@@ -64,7 +65,7 @@ import torch
 from llmflow import native
 
 EPS = float(torch.finfo(torch.float32).eps)
-N_VALUES = 14
+N_VALUES = 20
 FUSED_CHUNK = 1 << 16  # elements per kernel row: 256 KiB per side in fp32, read twice from L2
 FUSED_SPAN = 64 * FUSED_CHUNK  # fp32 elements per kernel call (rows in parallel)
 LIBRARY = native.PASS1
@@ -89,6 +90,7 @@ def pass1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         torch.dot(a, a), torch.dot(b, b), torch.dot(a, b), torch.dot(d, d), ad.max(), ad.sum(),
         rel.max(), rel.sum(), (rel < 1e-3).sum().to(torch.float64), (rel < 5e-3).sum().to(torch.float64),
         sa.log() + ma, (b - mb).exp_().sum().log() + mb, torch.dot(ea, d) / sa, torch.dot(ea, phi) / sa,
+        ma, a.min(), a.sum(), mb, b.min(), b.sum(),
     ])
 
 

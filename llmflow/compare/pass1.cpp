@@ -26,7 +26,7 @@ typedef double vd __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 constexpr int W = 16;        // floats a step
 constexpr int BLOCK = 8;     // steps summed in float32 before a float64 sum
-constexpr int N_ROW = 16;    // values a row yields before the rows are merged
+constexpr int N_ROW = 20;    // values a row yields before the rows are merged
 constexpr float EPS = 1.1920928955078125e-07f;
 
 typedef uint16_t vu16 __attribute__((vector_size(32)));
@@ -48,6 +48,7 @@ inline vd half(vf x, int which) {  // 8 floats of x widened (memcpy: no __builti
 }
 inline vd widen_sum(vf x) { return half(x, 0) + half(x, 1); }
 inline vf vmax(vf m, vf x) { return x > m ? x : m; }  // NaN is caught by the sums, not here
+inline vf vmin(vf m, vf x) { return x < m ? x : m; }
 inline vf vabs(vf x) { return x < 0 ? -x : x; }
 
 // exp(x) for x <= 0 (0 below -87): 2^n * p(r), r = x - n ln2, p a degree-6 minimax polynomial
@@ -79,9 +80,10 @@ inline vf phi_series(vf d) {
     return p;
 }
 
-struct Pass1 {  // maxima, exact quadratic sums, counts
-    vd aa{}, bb{}, ab{}, dd{}, sad{}, srel{};
-    vf block_ad{}, block_rel{}, mad{}, mrel{}, ma = splat(-INFINITY), mb = splat(-INFINITY);
+struct Pass1 {  // extrema, exact quadratic sums, counts, each side's plain sum (its mean)
+    vd aa{}, bb{}, ab{}, dd{}, sad{}, srel{}, sa{}, sb{};
+    vf block_ad{}, block_rel{}, block_a{}, block_b{}, mad{}, mrel{};
+    vf ma = splat(-INFINITY), mb = splat(-INFINITY), na = splat(INFINITY), nb = splat(INFINITY);
     vi c1{}, c5{};
 
     template <bool TAIL>
@@ -89,21 +91,25 @@ struct Pass1 {  // maxima, exact quadratic sums, counts
         vf d = y - x, ad = vabs(d), ag = vabs(x);
         vf rel = ag > EPS ? ad / ag : splat(0.0f);
         vi v1 = rel < 1e-3f, v5 = rel < 5e-3f;
-        if (TAIL) {  // lanes past the end: 0 adds nothing; the maxima ignore them
-            const vf zero = splat(0.0f), ninf = splat(-INFINITY);
+        if (TAIL) {  // lanes past the end: 0 adds nothing; the extrema ignore them
+            const vf zero = splat(0.0f), ninf = splat(-INFINITY), pinf = splat(INFINITY);
             ad = valid ? ad : zero; rel = valid ? rel : zero; v1 &= valid; v5 &= valid;
             ma = vmax(ma, valid ? x : ninf); mb = vmax(mb, valid ? y : ninf);
+            na = vmin(na, valid ? x : pinf); nb = vmin(nb, valid ? y : pinf);
             x = valid ? x : zero; y = valid ? y : zero;
         } else {
-            ma = vmax(ma, x); mb = vmax(mb, y);
+            ma = vmax(ma, x); mb = vmax(mb, y); na = vmin(na, x); nb = vmin(nb, y);
         }
         vd xl = half(x, 0), xh = half(x, 1), yl = half(y, 0), yh = half(y, 1);
         vd dl = yl - xl, dh = yh - xh;
         aa += xl * xl + xh * xh; bb += yl * yl + yh * yh; ab += xl * yl + xh * yh; dd += dl * dl + dh * dh;
-        block_ad += ad; block_rel += rel; c1 -= v1; c5 -= v5;
+        block_ad += ad; block_rel += rel; block_a += x; block_b += y; c1 -= v1; c5 -= v5;
         mad = vmax(mad, ad); mrel = vmax(mrel, rel);
     }
-    void flush() { sad += widen_sum(block_ad); srel += widen_sum(block_rel); block_ad = block_rel = vf{}; }
+    void flush() {
+        sad += widen_sum(block_ad); srel += widen_sum(block_rel); sa += widen_sum(block_a); sb += widen_sum(block_b);
+        block_ad = block_rel = block_a = block_b = vf{};
+    }
 };
 
 // The second pass's form, by the row's largest |d| (the first pass's max): every |d| < 1 means
@@ -145,6 +151,7 @@ struct Pass2 {  // the softmax sums, weights exp(a - max a) and exp(b - max b) o
 
 inline double hsum(vd v) { double s = 0; for (int i = 0; i < 8; i++) s += v[i]; return s; }
 inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < W; i++) m = v[i] > m ? v[i] : m; return m; }
+inline float hmin(vf v) { float m = v[0]; for (int i = 1; i < W; i++) m = v[i] < m ? v[i] : m; return m; }
 
 template <class P, class A, class B>
 void sweep(P &p, const A *a, const B *b, int64_t n) {
@@ -188,7 +195,7 @@ void one_row(const A *a, const B *b, int64_t n, double *r) {
     for (int i = 0; i < W; i++) { c1 += s.c1[i]; c5 += s.c5[i]; }
     const double v[N_ROW] = {hsum(s.aa), hsum(s.bb), hsum(s.ab), hsum(s.dd), hmax(s.mad), hsum(s.sad),
                              hmax(s.mrel), hsum(s.srel), double(c1), double(c5), ma, t[0], mb, t[1],
-                             t[2], t[3]};
+                             t[2], t[3], hmin(s.na), hsum(s.sa), hmin(s.nb), hsum(s.sb)};
     std::memcpy(r, v, sizeof v);
 }
 
@@ -206,7 +213,7 @@ void all_rows(const void *a, const void *b, int64_t n, int64_t row, int64_t rows
 }  // namespace
 
 // n elements of a and b (each float32, or bfloat16 where a_bf16 / b_bf16) as rows of `row`
-// elements (the last may be shorter), rows in parallel on `threads` threads, merged here: the 14
+// elements (the last may be shorter), rows in parallel on `threads` threads, merged here: the 20
 // values of kernels.pass1 into out. Returns 0, or -1 when out of memory.
 extern "C" int llmflow_pass1(const void *a, int a_bf16, const void *b, int b_bf16, int64_t n, int64_t row,
                              int threads, double *out) {
@@ -224,17 +231,23 @@ extern "C" int llmflow_pass1(const void *a, int a_bf16, const void *b, int b_bf1
         top_a = r[i * N_ROW + 10] > top_a ? r[i * N_ROW + 10] : top_a;
         top_b = r[i * N_ROW + 12] > top_b ? r[i * N_ROW + 12] : top_b;
     }
-    double o[14] = {0}, sa = 0, sb = 0, y = 0, z = 0;
+    double o[20] = {0}, sa = 0, sb = 0, y = 0, z = 0;
     o[4] = o[6] = -INFINITY;
+    o[15] = o[18] = INFINITY;
     for (int64_t i = 0; i < rows; i++) {
         const double *x = r + i * N_ROW;
         for (int k : {0, 1, 2, 3, 5, 7, 8, 9}) o[k] += x[k];
         o[4] = x[4] > o[4] ? x[4] : o[4];
         o[6] = x[6] > o[6] ? x[6] : o[6];
+        o[15] = x[16] < o[15] ? x[16] : o[15];
+        o[18] = x[18] < o[18] ? x[18] : o[18];
+        o[16] += x[17];
+        o[19] += x[19];
         double wa = std::exp(x[10] - top_a), wb = std::exp(x[12] - top_b);
         sa += wa * x[11]; sb += wb * x[13]; y += wa * x[14]; z += wa * x[15];
     }
     o[10] = std::log(sa) + top_a; o[11] = std::log(sb) + top_b; o[12] = y / sa; o[13] = z / sa;
+    o[14] = top_a; o[17] = top_b;
     std::memcpy(out, o, sizeof o);
     if (r != stack) std::free(r);
     return 0;

@@ -6,13 +6,15 @@ and the compare stage's CSVs (``csv``: level -> path, optional) and writes ``rep
 
 from __future__ import annotations
 
-import csv
 import json
+from itertools import islice
 from pathlib import Path
 from typing import Any, ClassVar
 
+from llmflow.compare.sheets import LABEL_COLUMNS, TEXT_COLUMNS
 from llmflow.errors import UserError
-from llmflow.report.html import MAX_ROWS, rows_of, write_report
+from llmflow.report.html import MAX_ROWS, write_report
+from llmflow.report.tables import read_csv_rows
 from llmflow.stages.base import Stage, StageContext
 
 
@@ -64,17 +66,14 @@ class ReportStage(Stage):
 
 
 def _read_csv(path: Path, max_rows: int, stage_id: str) -> list[dict[str, Any]]:
-    """The first ``max_rows`` rows of a CSV (numbers parsed back), plus a truncation marker row."""
-    rows: list[dict[str, Any]] = []
+    """The first ``max_rows`` rows of a CSV (read back by the one CSV rule, ``read_csv_rows``),
+    plus a truncation marker row."""
     try:
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            for i, row in enumerate(reader):
-                if i >= max_rows:
-                    rows.append({reader.fieldnames[0] if reader.fieldnames else "note":
-                                 f"... more rows in {path.name}"})
-                    break
-                rows.append(row)
+        it = read_csv_rows(path, TEXT_COLUMNS, LABEL_COLUMNS)
+        rows = list(islice(it, max_rows))
+        if next(it, None) is not None:
+            first = next(iter(rows[0])) if rows else "note"
+            rows.append({first: f"... more rows in {path.name}"})
     except OSError as exc:
         raise UserError(f"{stage_id}: csv: cannot read {path}: {exc.strerror or exc}") from exc
-    return rows_of(rows)
+    return rows

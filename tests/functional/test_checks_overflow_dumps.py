@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from llmflow.compare.overflow import scan
+from llmflow.checks.overflow import scan
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 from llmflow.stages.overflow_scan import OverflowScanStage
 

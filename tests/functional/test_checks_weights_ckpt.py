@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llmflow.compare.weights import compare_sources, open_weights, weight_summary
+from llmflow.checks.weights import compare_sources, open_weights, weight_summary
 from llmflow.stages.weight_compare import WeightCompareStage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
