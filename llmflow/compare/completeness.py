@@ -3,11 +3,18 @@
 Counted per golden entry (a row), before any tensor is read:
 
 * paired: matched with a target entry (by name, a mapping or order);
-* unpaired: unmatched although the target dumped that level and kind (say ``module output``),
-  plus golden entries of steps the target has no step for, or no entry of that level in (other
-  token ranges: logits are dumped every step, modules only in the token_range);
+* unpaired: unmatched where the target has rows of that level and kind in that step that found
+  no partner either (the two sides name things differently: each such target row accounts for
+  one golden row), or no entry of that level in that step at all (other token ranges: logits
+  are dumped every step, modules only in the token_range), plus golden entries of steps the
+  target has no step for;
+* golden only: the other unmatched rows, beside target rows that all paired: the target is
+  coarser (an engine's fused op for several torch modules) or dumped less (a module_list);
 * not in the target: a level or kind the target did not dump at all (golden inputs and outputs
-  against target outputs only, as the bisect recipe dumps them): listed, not counted against it.
+  against target outputs only, as the bisect recipe dumps them), or a kind the mapping in use
+  does not map (atb-llama maps outputs: an ATB op's inputs are not its torch module's).
+
+The last two are listed, not counted against the compare.
 
 The compare is *incomplete* (its verdict fail) when nothing paired, when more than half of the
 counted golden rows are unpaired, or when a level both dumps hold paired nothing. ``assess``
@@ -31,43 +38,53 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> dict[str
     pairs = pairing.pairs
     target_buckets = {(lv, t.kind) for p in pairs for t in p.targets for lv in p.levels}
     target_steps = {(lv, p.target_step) for p in pairs if p.targets for lv in p.levels}
+    leftovers = Counter((lv, p.targets[0].kind, p.target_step) for p in pairs if p.golden is None
+                        for lv in p.levels)
+    mapped = {r.kind for r in pairing.mapping.rules} if pairing.mapping else {"any"}
     levels: dict[str, dict[str, int]] = {}
     not_in_target: Counter[str] = Counter()
-    paired = unpaired = 0
+    paired = unpaired = golden_only = 0
     lost = {"name": None, "target": None, "steps": set()}
     for p in pairs:
         if p.golden is None:
             lost["target"] = lost["target"] or p.targets[0].name
             continue
-        eligible = False
+        verdicts = set()
         for lv in p.levels:
-            d = levels.setdefault(lv, {"golden": 0, "paired": 0, "unpaired": 0, "not_in_target": 0})
+            d = levels.setdefault(lv, {"golden": 0, "paired": 0, "unpaired": 0, "golden_only": 0,
+                                       "not_in_target": 0})
             d["golden"] += 1
             if not p.unmatched:
-                d["paired"] += 1
-            elif (lv, p.golden.kind) in target_buckets:
-                d["unpaired"] += 1
-                eligible = True
-                if (lv, p.target_step) not in target_steps:
-                    lost["steps"].add(p.golden_step)  # type: ignore[union-attr]
-            else:
-                d["not_in_target"] += 1
+                how = "paired"
+            elif (lv, p.golden.kind) not in target_buckets or not ({"any", p.golden.kind} & mapped):
+                how = "not_in_target"
                 not_in_target[f"{lv} {p.golden.kind}"] += 1
-        if not p.unmatched:
-            paired += 1
-        elif eligible:
-            unpaired += 1
-            if p.golden_step not in lost["steps"]:  # type: ignore[operator]
+            elif (lv, p.target_step) not in target_steps:
+                how = "unpaired"
+                lost["steps"].add(p.golden_step)  # type: ignore[union-attr]
+            elif leftovers[(lv, p.golden.kind, p.target_step)] > 0:
+                leftovers[(lv, p.golden.kind, p.target_step)] -= 1
+                how = "unpaired"
                 lost["name"] = lost["name"] or p.golden.name
+            else:
+                how = "golden_only"
+            d[how] += 1
+            verdicts.add(how)
+        if "paired" in verdicts:
+            paired += 1
+        elif "unpaired" in verdicts:
+            unpaired += 1
+        elif "golden_only" in verdicts:
+            golden_only += 1
     unpaired += pairing.missing_rows
     considered = paired + unpaired
     empty_levels = [lv for lv, d in levels.items() if d["unpaired"] and not d["paired"]]
     incomplete = paired == 0 or unpaired > UNPAIRED_SHARE * considered or bool(empty_levels)
     out: dict[str, Any] = {
         "state": "incomplete" if incomplete else "complete", "paired": paired, "unpaired": unpaired,
-        "considered": considered, "missing_step_rows": pairing.missing_rows, "levels": levels,
-        "levels_without_pairs": empty_levels, "not_in_target": dict(not_in_target), "causes": [],
-        "headline": None,
+        "considered": considered, "golden_only": golden_only, "missing_step_rows": pairing.missing_rows,
+        "levels": levels, "levels_without_pairs": empty_levels, "not_in_target": dict(not_in_target),
+        "causes": [], "headline": None,
     }
     if not incomplete:
         return out
@@ -98,9 +115,6 @@ def _causes(pairing: Pairing, golden: DumpReader, target: DumpReader, lost: dict
             hint += "; -mf atb-llama for ATB Llama"
         causes.append(f"the dumps name their tensors differently (golden {lost['name']!r}, target "
                       f"{lost['target']!r}): an op-mapping file pairs them ({hint})")
-    elif lost["name"]:
-        causes.append(f"the target dump lacks tensors the golden has (first: {lost['name']!r}): "
-                      "dumped with another module_list, layer_name or mode?")
     for side, reader in (("golden", golden), ("target", target)):
         tensors = [e for e in reader.entries() if e.dtype is not None and e.step >= 0]
         if tensors and not any(e.has_data for e in tensors):

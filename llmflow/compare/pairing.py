@@ -157,7 +157,8 @@ def _candidates(target: DumpReader) -> list[Mapping]:
 def matching_text(matching: dict[str, Any]) -> str:
     """One line: ``mapping atb-llama (chosen automatically: ...); 96 rows by mapping, 2 by order``."""
     if matching.get("method") == "mapping":
-        head = f"mapping {matching['mapping']} ({matching['chosen']}"
+        how = "given (-mf)" if matching.get("chosen") == "given" else "chosen automatically"
+        head = f"mapping {matching['mapping']} ({how}"
         head += f": {matching['why']})" if matching.get("why") else ")"
     else:
         head = "by name"

@@ -162,8 +162,11 @@ def report_lines(summary: dict[str, Any]) -> list[str]:
     coverage = summary.get("coverage") or {}
     skipped = coverage.get("not_in_target") or {}
     if skipped:
-        lines.append("not compared (the target dump has none): "
+        lines.append("not compared (the target dump has none, or the mapping does not map them): "
                      + ", ".join(f"{n} golden {what} rows" for what, n in skipped.items()))
+    if coverage.get("golden_only"):
+        lines.append(f"golden only: {coverage['golden_only']} rows with no target counterpart "
+                     "(a fused engine op, or a narrower target dump)")
     if coverage.get("state") == "incomplete":
         lines.append(str(coverage.get("headline")))
     missing: dict[str, list] = {}

@@ -39,13 +39,13 @@ class CompareStage(Stage):
                            "description": "Verdict limits overriding the defaults: {metric: {warn, fail}} "
                            "or {dtype: {metric: {warn, fail}}}."},
             "target_dtype": {"type": ["string", "null"], "default": None,
-                             "description": "The target model's dtype, whose thresholds judge float "
-                             "rows (null: each tensor's own dtype)."},
+                             "description": "The dtype whose thresholds judge float rows (null: the model "
+                             "dtype the dumps record, else each tensor's own)."},
             "algorithms": {"type": "array", "items": {"type": "string"}, "default": [],
                            "description": "Custom algorithms: file.py:func or llmflow.algorithms names."},
             "mapping": {"type": ["string", "null"], "default": None,
                         "description": "Op-mapping file or llmflow.mappings name (e.g. atb-llama); "
-                        "empty: match by name."},
+                        "empty: by name, or a registered mapping that fits the target dump."},
             "executor": {"type": "string", "enum": ["local", "dask"], "default": "local",
                          "description": ("local: this machine (a process pool where there are many small "
                                          "pairs); dask: an existing dask cluster.")},

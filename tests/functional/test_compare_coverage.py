@@ -88,7 +88,7 @@ def test_target_without_inputs_is_complete(tmp_path: Path, capsys: pytest.Captur
     rc = main(["compare", "-gp", str(tmp_path / "g"), "-mp", str(tmp_path / "t"), "-o", str(tmp_path / "o")])
     out = capsys.readouterr().out
     assert rc == 0 and out.strip().splitlines()[-1].startswith("PASSED"), out
-    assert "not compared (the target dump has none):" in out and "golden module input rows" in out
+    assert "not compared (the target dump has none" in out and "golden module input rows" in out
 
 
 def test_a_dump_with_problems_never_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str],
