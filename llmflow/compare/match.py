@@ -50,7 +50,7 @@ class Pair:
 
     @property
     def unmatched(self) -> bool:
-        return self.match.startswith("unmatched")
+        return self.golden is None or not self.targets
 
     @property
     def nbytes(self) -> int:

@@ -36,6 +36,14 @@ def _reset_dump_path():
     logging.getLogger().handlers.clear()  # main() logs to the stderr pytest captured for this test
 
 
+def validate_summary(summary: dict) -> None:
+    """The compare block of summary.json, as schemas/summary.schema.json describes it."""
+    import jsonschema
+
+    schema = json.loads((REPO / "schemas" / "summary.schema.json").read_text())
+    jsonschema.validate(summary, schema["properties"]["compare"])
+
+
 def hook_dump(dump_path: Path, prompts: tuple[str, ...] = ("hello world",), new_tokens: int = 3,
               **config) -> list[Path]:
     """What a user's script does: register_hook with a DumpConfig, generate, remove."""
@@ -69,6 +77,7 @@ def test_names_that_do_not_pair_fail_as_incomplete(tmp_path: Path) -> None:
     assert summary["state"] == "incomplete" and summary["verdict"] == "fail"
     assert summary["coverage"]["unpaired"] > summary["coverage"]["considered"] / 2
     assert summary["outcome"]["status"] == "fail"
+    validate_summary(summary)
 
 
 def test_other_token_ranges_fail_as_incomplete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,6 +118,7 @@ def test_a_dump_with_problems_never_passes(tmp_path: Path, capsys: pytest.Captur
                                             "rank0/index.jsonl: 3 rows point at a missing data file")
     summary = json.loads((tmp_path / "o" / "compare_summary.json").read_text())
     assert summary["verdict"] == "inconclusive" and summary["problems"]["target"]
+    validate_summary(summary)
 
 
 def test_dump_path_with_two_turns_lists_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
