@@ -47,6 +47,13 @@ import torch
 
 from llmflow.compare import kernels
 from llmflow.compare.codes import Code
+from llmflow.compare.statistics import (
+    SIDE_COLUMNS,
+    STAT_COLUMNS,
+    compare_stats,
+    put_sides,
+    side_stats,
+)
 from llmflow.compare.thresholds import DEFAULT_THRESHOLDS, dtype_class, judge, resolve_thresholds, verdict
 
 __all__ = ["COLUMNS", "METRIC_COLUMNS", "CHUNK", "DEFAULT_THRESHOLDS", "compare_tensors", "compare_stats",
@@ -65,9 +72,6 @@ METRIC_COLUMNS = (
     "one_thousandth_err_ratio", "five_thousandths_err_ratio",
 )
 COUNT_COLUMNS = ("golden_nan", "golden_inf", "target_nan", "target_inf")
-STAT_COLUMNS = tuple(f"{s}_{kind}" for s in ("max", "min", "mean", "norm") for kind in ("diff", "rel_diff"))
-STATS = ("max", "min", "mean", "norm")
-SIDE_COLUMNS = tuple(f"{side}_{s}" for side in ("golden", "target") for s in STATS)
 COLUMNS = (METRIC_COLUMNS + SIDE_COLUMNS + COUNT_COLUMNS
            + ("numel", "shape_mismatch", "dtype_mismatch", "code", "reason"))
 
@@ -86,25 +90,6 @@ def _empty_row(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
     return row
 
 
-def side_stats(x: torch.Tensor) -> dict[str, float]:
-    """max, min, mean and L2 norm of one tensor over its finite elements (NaN when it has none)."""
-    x = x.detach().reshape(-1)
-    if x.is_complex():
-        x = torch.view_as_real(x).reshape(-1)
-    x = x.to(torch.float64)
-    finite = x[torch.isfinite(x)]
-    if finite.numel() == 0:
-        return {s: math.nan for s in STATS}
-    return {"max": float(finite.max()), "min": float(finite.min()), "mean": float(finite.mean()),
-            "norm": float(torch.linalg.vector_norm(finite))}
-
-
-def _put_sides(row: dict[str, Any], golden: dict[str, float], target: dict[str, float]) -> None:
-    for side, stats in (("golden", golden), ("target", target)):
-        for s in STATS:
-            row[f"{side}_{s}"] = stats[s]
-
-
 def _nonfinite(x: torch.Tensor) -> tuple[int, int]:
     return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
 
@@ -121,7 +106,7 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any
         else:
             row["reason"] = f"shape mismatch: golden {list(golden.shape)}, target {list(target.shape)}"
             row["code"] = Code.SHAPE_MISMATCH.value
-            _put_sides(row, side_stats(golden), side_stats(target))
+            put_sides(row, side_stats(golden), side_stats(target))
             return row
     if golden.numel() == 0:
         row["reason"] = "empty tensor on both sides"
@@ -355,35 +340,3 @@ def _log1p_minus_x(u: float) -> float:
     if abs(u) >= 1e-2:
         return math.log1p(u) - u
     return -u * u * sum((-u) ** k / (k + 2) for k in range(9))
-
-
-def compare_stats(golden: dict[str, float] | None, target: dict[str, float] | None) -> dict[str, Any]:
-    """Statistics-only entries: abs and relative differences of max, min, mean and norm, and each
-    side's statistics as they were recorded."""
-    row: dict[str, Any] = {c: math.nan for c in STAT_COLUMNS + SIDE_COLUMNS}
-    row["reason"] = ""
-    row["code"] = Code.OK.value
-    for side, stats in (("golden", golden), ("target", target)):
-        for key in STATS:
-            v = (stats or {}).get(key)
-            if v is not None:
-                row[f"{side}_{key}"] = float(v)
-    if not golden or not target:
-        row["reason"] = "statistics missing on the " + ("golden" if not golden else "target") + " side"
-        row["code"] = Code.STATS_MISSING.value
-        return row
-    for key in STATS:
-        gv, tv = golden.get(key), target.get(key)
-        if gv is None or tv is None:
-            continue
-        gv, tv = float(gv), float(tv)
-        diff = abs(tv - gv)
-        row[f"{key}_diff"] = diff
-        row[f"{key}_rel_diff"] = diff / abs(gv) if abs(gv) > EPS else (0.0 if diff <= EPS else math.inf)
-    for side, stats in (("golden", golden), ("target", target)):
-        row[f"{side}_nan"] = int(stats.get("nan") or 0)
-        row[f"{side}_inf"] = int(stats.get("inf") or 0)
-        if row[f"{side}_nan"] or row[f"{side}_inf"]:
-            row["reason"] = "; ".join(filter(None, [row["reason"], f"{side} has {row[side + '_nan']} NaN, "
-                                                    f"{row[side + '_inf']} Inf"]))
-    return row

@@ -21,7 +21,8 @@ import torch
 from llmflow.compare.algorithms import load_algorithms, run_algorithm
 from llmflow.compare.codes import Code
 from llmflow.compare.match import Pair
-from llmflow.compare.metrics import STATS, compare_stats, compare_tensors, judge
+from llmflow.compare.metrics import compare_tensors, judge
+from llmflow.compare.statistics import STATS, compare_stats
 from llmflow.compare.thresholds import coarser, dtype_class
 from llmflow.formats import locator, locator_prefix
 from llmflow.formats.base import DumpReader, Entry

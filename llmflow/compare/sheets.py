@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.compare.codes import Code
-from llmflow.compare.metrics import COUNT_COLUMNS, METRIC_COLUMNS, SIDE_COLUMNS, STAT_COLUMNS
+from llmflow.compare.metrics import COUNT_COLUMNS, METRIC_COLUMNS
 from llmflow.compare.rows import ID_COLUMNS, LOGITS_COLUMNS, TAIL_COLUMNS
+from llmflow.compare.statistics import SIDE_COLUMNS, STAT_COLUMNS
 from llmflow.report.tables import read_csv_rows, write_xlsx
 
 # columns read back as text whatever they hold; ``index`` is a label (an integer where it is one)
