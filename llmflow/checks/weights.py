@@ -370,7 +370,7 @@ def _rows(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, g_
         # judged at the precision the target stores: int8/int4 for quantized weights
         bits = DEQUANT_BITS.get(tp.qtype or "")
         j = judge(row, f"int{bits}" if bits else row["target_dtype"], thresholds)
-        row.update(verdict=j.verdict, code=j.code.value, reason=j.reason)
+        row.update(verdict=j.verdict, code=j.code, reason=j.reason)
         yield row
 
 

@@ -60,6 +60,10 @@ VERDICT: dict[Code, str] = {
 }
 VERDICTS = ("pass", "warn", "fail", "unmatched")
 _RANK = {c: i for i, c in enumerate(SEVERITY)}
+# by value: an enum member hashes by its name, and rows hold the values (per-row lookups)
+BY_VALUE: dict[str, Code] = {c.value: c for c in Code}
+VERDICT_OF_VALUE: dict[str, str] = {c.value: v for c, v in VERDICT.items()}
+RANK_OF_VALUE: dict[str, int] = {c.value: i for c, i in _RANK.items()}
 
 
 def worst(codes: list[Code]) -> Code:
@@ -67,6 +71,6 @@ def worst(codes: list[Code]) -> Code:
     return min(codes, key=_RANK.__getitem__) if codes else Code.OK
 
 
-def verdict_of(code: str) -> str:
+def verdict_of(code: str | Code) -> str:
     """pass / warn / fail / unmatched of a code (its value or the enum)."""
-    return VERDICT[Code(code)]
+    return VERDICT[code] if isinstance(code, Code) else VERDICT_OF_VALUE[code]

@@ -74,7 +74,7 @@ def compare_files(golden: str | Path, target: str | Path, *, algorithms: list[st
             row.update(run_algorithm(name, func, gf, tf) if gf.shape == tf.shape else
                        {name: None, f"{name}_message": "skipped: shape mismatch"})
         j = judge(row, target_dtype or row["target_dtype"], thresholds)
-        row.update(verdict=j.verdict, code=j.code.value, reason=j.reason)
+        row.update(verdict=j.verdict, code=j.code, reason=j.reason)
         rows.append(row)
     if not (len(g_all) == 1 and len(t_all) == 1):
         for side, mine, other in (("golden", g_all, t_all), ("target", t_all, g_all)):

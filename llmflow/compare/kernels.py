@@ -27,9 +27,10 @@ reads float32 and bfloat16, either side, as they are; float16 is converted first
 ``FUSED_CHUNK`` elements (256 KiB of fp32 per side, so a row stays in L2) in parallel
 (OpenMP, torch's thread count), merged inside the kernel, one call per span of rows. Per row, a
 first loop reads both sides from memory for the maxima and every sum that needs no maximum; a
-second loop reads the row again from cache for the softmax sums. The element-wise work is fp32
-(exact for bf16/fp16/fp32 data) with no function calls: exp(x <= 0) is a degree-6 polynomial
-scaled by 2^n, phi(d) a series for |d| < 1 and exp(b - max b) * exp(max b - max a) -
+second loop reads the row again from cache for the softmax sums and each side's minimum and
+plain sum (there they ride on the exp's latency; in the first loop they cost ~15%). The
+element-wise work is fp32 (exact for bf16/fp16/fp32 data) with no function calls: exp(x <= 0)
+is a degree-6 polynomial scaled by 2^n, phi(d) a series for |d| < 1 and exp(b - max b) * exp(max b - max a) -
 exp(a - max a) * (1 + d) beyond. The first loop's max |d| picks the second loop's form per row:
 where every |d| < 1 (most rows of a compare), exp(b - max b) comes from exp(a - max a) *
 (1 + d + phi(d)) * exp(max a - max b) instead of a second exp, and below 1/16 the series stops at

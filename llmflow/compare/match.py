@@ -166,7 +166,8 @@ def match_step(golden: Iterable[Entry], target: Iterable[Entry], *, golden_step:
     if order_fallback:
         g_rest = [e for e in g_list if id(e) not in used_g and e.kind == "output" and e.level == "module"]
         t_rest = [e for e in t_list if id(e) not in used_t and e.kind == "output" and e.level == "module"]
-        g_layer, t_layer = layer_positions(g_list), layer_positions(t_list)
+        g_layer, t_layer = ((layer_positions(g_list), layer_positions(t_list)) if g_rest and t_rest
+                            else ({}, {}))
         j = 0
         for g in g_rest:
             for k in range(j, min(j + ORDER_LOOKAHEAD, len(t_rest))):

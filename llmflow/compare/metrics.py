@@ -74,6 +74,7 @@ METRIC_COLUMNS = (
 COUNT_COLUMNS = ("golden_nan", "golden_inf", "target_nan", "target_inf")
 COLUMNS = (METRIC_COLUMNS + SIDE_COLUMNS + COUNT_COLUMNS
            + ("numel", "shape_mismatch", "dtype_mismatch", "code", "reason"))
+_OK = Code.OK.value
 
 
 def known_metrics(algorithms: tuple[str, ...] | list[str] = ()) -> list[str]:
@@ -82,11 +83,14 @@ def known_metrics(algorithms: tuple[str, ...] | list[str] = ()) -> list[str]:
     return [*METRIC_COLUMNS, *STAT_COLUMNS, *algorithms]
 
 
+_NAN_ROW = dict.fromkeys(METRIC_COLUMNS + SIDE_COLUMNS, math.nan)
+_ZERO_COUNTS = dict.fromkeys(COUNT_COLUMNS, 0)
+
+
 def _empty_row(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
-    row: dict[str, Any] = {c: math.nan for c in METRIC_COLUMNS + SIDE_COLUMNS}
-    row.update({c: 0 for c in COUNT_COLUMNS})
+    row: dict[str, Any] = {**_NAN_ROW, **_ZERO_COUNTS}
     row.update(numel=golden.numel(), shape_mismatch=tuple(golden.shape) != tuple(target.shape),
-               dtype_mismatch=golden.dtype != target.dtype, code=Code.OK.value, reason="")
+               dtype_mismatch=golden.dtype != target.dtype, code=_OK, reason="")
     return row
 
 
@@ -233,13 +237,22 @@ def _f32(x: torch.Tensor, slot: int) -> torch.Tensor:
 def _merge(acc: dict[str, Any], vals: list[float], count: int, sides: bool = True) -> None:
     """Add one piece's ``kernels.N_VALUES`` to the running sums (``sides``: its statistics of each
     side too; not for a piece filtered to the elements finite on both)."""
-    if sides:
-        for side, at, sq in (("g", 14, 0), ("t", 17, 1)):
-            acc[f"{side}_max"] = max(acc[f"{side}_max"], vals[at])
-            acc[f"{side}_min"] = min(acc[f"{side}_min"], vals[at + 1])
-            acc[f"{side}_sum"] += vals[at + 2]
-            acc[f"{side}_sq"] += vals[sq]
-            acc[f"{side}_n"] += count
+    if sides:  # (unrolled: this runs for every piece of every pair)
+        g_max, g_min, g_sum, t_max, t_min, t_sum = vals[14:20]
+        if g_max > acc["g_max"]:
+            acc["g_max"] = g_max
+        if g_min < acc["g_min"]:
+            acc["g_min"] = g_min
+        if t_max > acc["t_max"]:
+            acc["t_max"] = t_max
+        if t_min < acc["t_min"]:
+            acc["t_min"] = t_min
+        acc["g_sum"] += g_sum
+        acc["t_sum"] += t_sum
+        acc["g_sq"] += vals[0]
+        acc["t_sq"] += vals[1]
+        acc["g_n"] += count
+        acc["t_n"] += count
     for key, v in zip(("gg", "tt", "gt", "dd"), vals[:4], strict=True):
         acc[key] += v
     acc["max_abs"] = max(acc["max_abs"], vals[4])
@@ -273,12 +286,12 @@ def _logaddexp(x: float, y: float) -> float:
 def _finish(acc: dict[str, float]) -> dict[str, Any]:
     """Turn the float64 sums of ``_reduce`` into the row's metrics."""
     out: dict[str, Any] = {k: int(acc[k]) for k in COUNT_COLUMNS}
-    for side, prefix in (("golden", "g"), ("target", "t")):
-        m = acc[f"{prefix}_n"]
-        if m:
-            out.update({f"{side}_max": acc[f"{prefix}_max"], f"{side}_min": acc[f"{prefix}_min"],
-                        f"{side}_mean": acc[f"{prefix}_sum"] / m,
-                        f"{side}_norm": math.sqrt(acc[f"{prefix}_sq"])})
+    if acc["g_n"]:
+        out.update(golden_max=acc["g_max"], golden_min=acc["g_min"], golden_mean=acc["g_sum"] / acc["g_n"],
+                   golden_norm=math.sqrt(acc["g_sq"]))
+    if acc["t_n"]:
+        out.update(target_max=acc["t_max"], target_min=acc["t_min"], target_mean=acc["t_sum"] / acc["t_n"],
+                   target_norm=math.sqrt(acc["t_sq"]))
     n = acc["valid"]
     if n == 0:
         return out

@@ -80,10 +80,10 @@ inline vf phi_series(vf d) {
     return p;
 }
 
-struct Pass1 {  // extrema, exact quadratic sums, counts, each side's plain sum (its mean)
-    vd aa{}, bb{}, ab{}, dd{}, sad{}, srel{}, sa{}, sb{};
-    vf block_ad{}, block_rel{}, block_a{}, block_b{}, mad{}, mrel{};
-    vf ma = splat(-INFINITY), mb = splat(-INFINITY), na = splat(INFINITY), nb = splat(INFINITY);
+struct Pass1 {  // maxima, exact quadratic sums, counts
+    vd aa{}, bb{}, ab{}, dd{}, sad{}, srel{};
+    vf block_ad{}, block_rel{}, mad{}, mrel{};
+    vf ma = splat(-INFINITY), mb = splat(-INFINITY);
     vi c1{}, c5{};
 
     template <bool TAIL>
@@ -91,24 +91,23 @@ struct Pass1 {  // extrema, exact quadratic sums, counts, each side's plain sum 
         vf d = y - x, ad = vabs(d), ag = vabs(x);
         vf rel = ag > EPS ? ad / ag : splat(0.0f);
         vi v1 = rel < 1e-3f, v5 = rel < 5e-3f;
-        if (TAIL) {  // lanes past the end: 0 adds nothing; the extrema ignore them
-            const vf zero = splat(0.0f), ninf = splat(-INFINITY), pinf = splat(INFINITY);
+        if (TAIL) {  // lanes past the end: 0 adds nothing; the maxima ignore them
+            const vf zero = splat(0.0f), ninf = splat(-INFINITY);
             ad = valid ? ad : zero; rel = valid ? rel : zero; v1 &= valid; v5 &= valid;
             ma = vmax(ma, valid ? x : ninf); mb = vmax(mb, valid ? y : ninf);
-            na = vmin(na, valid ? x : pinf); nb = vmin(nb, valid ? y : pinf);
             x = valid ? x : zero; y = valid ? y : zero;
         } else {
-            ma = vmax(ma, x); mb = vmax(mb, y); na = vmin(na, x); nb = vmin(nb, y);
+            ma = vmax(ma, x); mb = vmax(mb, y);
         }
         vd xl = half(x, 0), xh = half(x, 1), yl = half(y, 0), yh = half(y, 1);
         vd dl = yl - xl, dh = yh - xh;
         aa += xl * xl + xh * xh; bb += yl * yl + yh * yh; ab += xl * yl + xh * yh; dd += dl * dl + dh * dh;
-        block_ad += ad; block_rel += rel; block_a += x; block_b += y; c1 -= v1; c5 -= v5;
+        block_ad += ad; block_rel += rel; c1 -= v1; c5 -= v5;
         mad = vmax(mad, ad); mrel = vmax(mrel, rel);
     }
     void flush() {
-        sad += widen_sum(block_ad); srel += widen_sum(block_rel); sa += widen_sum(block_a); sb += widen_sum(block_b);
-        block_ad = block_rel = block_a = block_b = vf{};
+        sad += widen_sum(block_ad); srel += widen_sum(block_rel);
+        block_ad = block_rel = vf{};
     }
 };
 
@@ -118,10 +117,13 @@ struct Pass1 {  // extrema, exact quadratic sums, counts, each side's plain sum 
 // Chosen per row, not per element: a test per vector of 16 costs more than it saves.
 enum Spread { SMALL, UNDER_ONE, ANY };  // the row's largest |d|: < 1/16, < 1, or more
 
+// Each side's minimum and plain sum (its mean) are taken here, not in the first loop: this loop
+// waits on its exp polynomials and has issue slots to spare; in the first they cost ~15%.
 template <Spread S>
 struct Pass2 {  // the softmax sums, weights exp(a - max a) and exp(b - max b) of this row
-    vf ma, mb, scale_b, scale_ab, block_sa{}, block_sb{}, block_y{}, block_z{};
-    vd sa{}, sb{}, y{}, z{};
+    vf ma, mb, scale_b, scale_ab, block_sa{}, block_sb{}, block_y{}, block_z{}, block_a{}, block_b{};
+    vf na = splat(INFINITY), nb = splat(INFINITY);
+    vd sa{}, sb{}, y{}, z{}, s_a{}, s_b{};
 
     template <bool TAIL>
     void step(vf xa, vf xb, vi valid) {
@@ -138,14 +140,19 @@ struct Pass2 {  // the softmax sums, weights exp(a - max a) and exp(b - max b) o
         }
         vf yd = ea * d;
         if (TAIL) {
-            const vf zero = splat(0.0f);
+            const vf zero = splat(0.0f), pinf = splat(INFINITY);
             ea = valid ? ea : zero; eb = valid ? eb : zero; zz = valid ? zz : zero; yd = valid ? yd : zero;
+            na = vmin(na, valid ? xa : pinf); nb = vmin(nb, valid ? xb : pinf);
+            xa = valid ? xa : zero; xb = valid ? xb : zero;
+        } else {
+            na = vmin(na, xa); nb = vmin(nb, xb);
         }
-        block_sa += ea; block_sb += eb; block_y += yd; block_z += zz;
+        block_sa += ea; block_sb += eb; block_y += yd; block_z += zz; block_a += xa; block_b += xb;
     }
     void flush() {
         sa += widen_sum(block_sa); sb += widen_sum(block_sb); y += widen_sum(block_y); z += widen_sum(block_z);
-        block_sa = block_sb = block_y = block_z = vf{};
+        s_a += widen_sum(block_a); s_b += widen_sum(block_b);
+        block_sa = block_sb = block_y = block_z = block_a = block_b = vf{};
     }
 };
 
@@ -177,6 +184,7 @@ template <class P, class A, class B>
 void second_pass(P p, const A *a, const B *b, int64_t n, double *t) {
     sweep(p, a, b, n);
     t[0] = hsum(p.sa); t[1] = hsum(p.sb); t[2] = hsum(p.y); t[3] = hsum(p.z);
+    t[4] = hmin(p.na); t[5] = hsum(p.s_a); t[6] = hmin(p.nb); t[7] = hsum(p.s_b);
 }
 
 // one row: its N_ROW values (the first loop reads a and b from memory, the second from cache)
@@ -187,7 +195,7 @@ void one_row(const A *a, const B *b, int64_t n, double *r) {
     float ma = hmax(s.ma), mb = hmax(s.mb), spread = hmax(s.mad);
     const vf va = splat(ma), vb = splat(mb);
     const vf scale_b = splat(std::exp(mb - ma)), scale_ab = splat(std::exp(ma - mb));
-    double t[4];
+    double t[8];
     if (spread < 0.0625f) second_pass(Pass2<SMALL>{va, vb, scale_b, scale_ab}, a, b, n, t);
     else if (spread < 1.0f) second_pass(Pass2<UNDER_ONE>{va, vb, scale_b, scale_ab}, a, b, n, t);
     else second_pass(Pass2<ANY>{va, vb, scale_b, scale_ab}, a, b, n, t);
@@ -195,7 +203,7 @@ void one_row(const A *a, const B *b, int64_t n, double *r) {
     for (int i = 0; i < W; i++) { c1 += s.c1[i]; c5 += s.c5[i]; }
     const double v[N_ROW] = {hsum(s.aa), hsum(s.bb), hsum(s.ab), hsum(s.dd), hmax(s.mad), hsum(s.sad),
                              hmax(s.mrel), hsum(s.srel), double(c1), double(c5), ma, t[0], mb, t[1],
-                             t[2], t[3], hmin(s.na), hsum(s.sa), hmin(s.nb), hsum(s.sb)};
+                             t[2], t[3], t[4], t[5], t[6], t[7]};
     std::memcpy(r, v, sizeof v);
 }
 

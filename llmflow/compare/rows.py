@@ -183,7 +183,7 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
                         row.update({name: math.nan, f"{name}_message": "skipped: shape mismatch"})
             del g, t
         j = judge(row, judge_dtype(p, job.target_dtype, job.model_dtype), job.thresholds)
-        row.update(verdict=j.verdict, code=j.code.value, reason=j.reason,
+        row.update(verdict=j.verdict, code=j.code, reason=j.reason,
                    tripped=",".join(f"{m}={lv}" for m, lv in j.tripped.items()))
     except Exception as exc:  # a corrupt tensor file must not stop a 100k-row compare
         row.update(verdict="fail", code=Code.LOAD_ERROR.value, reason=f"error: {type(exc).__name__}: {exc}")

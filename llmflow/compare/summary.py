@@ -12,13 +12,14 @@ import heapq
 import math
 from typing import Any
 
-from llmflow.compare.codes import Code, verdict_of
+from llmflow.compare.codes import VERDICT_OF_VALUE, Code
 
 KEEP = ("step", "target_step", "rank", "order", "name", "target_name", "kind", "index", "verdict", "code",
         "reason",
         "cosine_similarity", "relative_euclidean_distance", "max_absolute_error", "kl_divergence",
         "norm_rel_diff")
 WORST = 10
+_UNMATCHED_GOLDEN, _UNMATCHED_TARGET = Code.UNMATCHED_GOLDEN.value, Code.UNMATCHED_TARGET.value
 
 
 def brief(row: dict[str, Any]) -> dict[str, Any]:
@@ -53,19 +54,19 @@ class SummaryBuilder:
 
     def add(self, levels: tuple[str, ...], row: dict[str, Any]) -> None:
         self._seq += 1
-        code = Code(row["code"])
-        v = verdict_of(code)
+        code = row["code"]
+        v = VERDICT_OF_VALUE[code]  # (a KeyError for a row without a known code: a bug, not data)
         # per row, not per level: a layer row is also a module row
         self.totals[v] += 1
-        self.codes[code.value] = self.codes.get(code.value, 0) + 1
+        self.codes[code] = self.codes.get(code, 0) + 1
         for level in levels:
             s = self._level(level)
             s["rows"] += 1
             s["counts"][v] += 1
-            s["codes"][code.value] = s["codes"].get(code.value, 0) + 1
-            if code == Code.UNMATCHED_GOLDEN:
+            s["codes"][code] = s["codes"].get(code, 0) + 1
+            if code == _UNMATCHED_GOLDEN:
                 s["unmatched_golden"] += 1
-            elif code == Code.UNMATCHED_TARGET:
+            elif code == _UNMATCHED_TARGET:
                 s["unmatched_target"] += 1
             else:
                 how = row.get("match", "")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from llmflow.compare.codes import Code, verdict_of, worst
+from llmflow.compare.codes import RANK_OF_VALUE, VERDICT_OF_VALUE, Code
 from llmflow.errors import UserError
 
 HIGHER_IS_BETTER = {"cosine_similarity", "one_thousandth_err_ratio", "five_thousandths_err_ratio"}
@@ -65,6 +65,7 @@ _ALIASES = {
 }
 
 
+@lru_cache(maxsize=1024)  # called for every row with a handful of names
 def dtype_class(dtype: Any) -> str:
     """The threshold class of a dtype name (``"torch.bfloat16"``, ``"bf16"``, ``"int4"`` ...)."""
     name = str(dtype or "float32").lower().removeprefix("torch.")
@@ -205,24 +206,43 @@ def check_thresholds(thresholds: Any, metrics: Iterable[str] | None = None,
 
 @dataclass
 class Judgement:
-    """What ``judge`` concludes about one row: its code, verdict, reason and the tripped metrics."""
+    """What ``judge`` concludes about one row: its code (a ``Code`` value), verdict, reason and the
+    tripped metrics."""
 
-    code: Code
+    code: str
     verdict: str
     reason: str
     tripped: dict[str, str] = field(default_factory=dict)  # metric -> "warn" | "fail"
 
 
+@lru_cache(maxsize=256)
+def _limits_cached(cls: str, overrides_json: str) -> tuple[tuple[str, float, float, bool], ...]:
+    """``(metric, warn, fail, higher_is_better)`` of one class: what ``judge`` loops over."""
+    return tuple((m, lim["warn"], lim["fail"], lim.get("higher_is_better", m in HIGHER_IS_BETTER))
+                 for m, lim in _resolve_cached(cls, overrides_json).items())
+
+
+def _limits(target_dtype: Any, thresholds: dict | None) -> tuple[tuple[str, float, float, bool], ...]:
+    cls = dtype_class(target_dtype)
+    if not thresholds:
+        return _limits_cached(cls, "{}")
+    resolve_thresholds(target_dtype, thresholds)  # (validates, and is cached)
+    glob = {k: v for k, v in thresholds.items() if k not in DEFAULT_THRESHOLDS and k not in _ALIASES}
+    per = {k: v for k, v in thresholds.items() if k in DEFAULT_THRESHOLDS or k in _ALIASES}
+    return _limits_cached(cls, json.dumps({**glob, **per}, sort_keys=False, default=str))
+
+
 def _as_float(v: Any) -> float | None:
-    if isinstance(v, bool) or v is None:
-        return None
     try:
         return float(v)
     except (TypeError, ValueError):
         return None
 
 
-_EARLY = {Code.LOAD_ERROR, Code.SHAPE_MISMATCH, Code.STATS_MISSING, Code.NO_FINITE, Code.EMPTY_TENSOR}
+_EARLY = frozenset(c.value for c in (Code.LOAD_ERROR, Code.SHAPE_MISMATCH, Code.STATS_MISSING,
+                                     Code.NO_FINITE, Code.EMPTY_TENSOR))
+_OK, _NAN_INF, _NAN_INF_SHARED = Code.OK.value, Code.NAN_INF.value, Code.NAN_INF_SHARED.value
+_FAIL, _WARN = Code.THRESHOLD_FAIL.value, Code.THRESHOLD_WARN.value
 
 
 def judge(row: dict, target_dtype: Any, thresholds: dict | None = None) -> Judgement:
@@ -235,43 +255,48 @@ def judge(row: dict, target_dtype: Any, thresholds: dict | None = None) -> Judge
     metric beyond its limits for ``target_dtype``'s class (``threshold_fail``/``threshold_warn``,
     each named in the reason: ``cosine_similarity 0.9712 < fail 0.98 (bfloat16)``). A NaN metric
     with a limit fails, except cosine similarity, which is undefined for an all-zero side
-    (relative_euclidean_distance judges that case).
+    (relative_euclidean_distance judges that case). (Runs for every row: kept to plain strings.)
     """
     base = str(row.get("reason") or "")
-    own = Code(row.get("code") or Code.OK)
+    own = row.get("code") or _OK
     if own in _EARLY:
-        return Judgement(own, verdict_of(own), base)
-    findings = [own] if own != Code.OK else []
+        return Judgement(own, VERDICT_OF_VALUE[own], base)
+    findings = [own] if own != _OK else []
     g_bad = int(row.get("golden_nan") or 0) + int(row.get("golden_inf") or 0)
     t_bad = int(row.get("target_nan") or 0) + int(row.get("target_inf") or 0)
     if t_bad > g_bad:
-        findings.append(Code.NAN_INF)
+        findings.append(_NAN_INF)
     elif t_bad or g_bad:
-        findings.append(Code.NAN_INF_SHARED)
-    cls = dtype_class(target_dtype)
+        findings.append(_NAN_INF_SHARED)
     tripped: dict[str, str] = {}
     notes: list[str] = []
-    for metric, lim in resolve_thresholds(target_dtype, thresholds).items():
-        v = _as_float(row.get(metric))
-        if v is None:
+    for metric, warn, fail, higher in _limits(target_dtype, thresholds):
+        v = row.get(metric)
+        if v is None or type(v) is bool:
             continue
-        higher = lim.get("higher_is_better", metric in HIGHER_IS_BETTER)
-        if math.isnan(v):
+        if type(v) is not float:
+            v = _as_float(v)
+            if v is None:
+                continue
+        if v != v:  # NaN
             if metric != "cosine_similarity":
                 tripped[metric] = "fail"
-                notes.append(f"{metric} is NaN ({cls})")
+                notes.append(f"{metric} is NaN ({dtype_class(target_dtype)})")
             continue
-        for level in ("fail", "warn"):
-            if (v < lim[level]) if higher else (v > lim[level]):
-                tripped[metric] = level
-                notes.append(f"{metric} {v:.6g} {'<' if higher else '>'} {level} {lim[level]:g} ({cls})")
-                break
-    if "fail" in tripped.values():
-        findings.append(Code.THRESHOLD_FAIL)
-    elif tripped:
-        findings.append(Code.THRESHOLD_WARN)
-    code = worst(findings)
-    return Judgement(code, verdict_of(code), "; ".join(filter(None, [base, *notes])), tripped)
+        if (v < fail) if higher else (v > fail):
+            level, lim = "fail", fail
+        elif (v < warn) if higher else (v > warn):
+            level, lim = "warn", warn
+        else:
+            continue
+        tripped[metric] = level
+        cls = dtype_class(target_dtype)
+        notes.append(f"{metric} {v:.6g} {'<' if higher else '>'} {level} {lim:g} ({cls})")
+    if tripped:
+        findings.append(_FAIL if "fail" in tripped.values() else _WARN)
+    code = min(findings, key=RANK_OF_VALUE.__getitem__) if findings else _OK
+    reason = "; ".join(filter(None, [base, *notes])) if notes else base
+    return Judgement(code, VERDICT_OF_VALUE[code], reason, tripped)
 
 
 def verdict(row: dict, target_dtype: Any, thresholds: dict | None = None) -> str:

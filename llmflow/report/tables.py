@@ -200,9 +200,11 @@ class CsvStream:
         self._w = csv.writer(self._f)
         self._w.writerow([_csv_value(c) for c in self.columns])
 
-    def write(self, row: dict[str, Any]) -> None:
-        # numbers, the most cells of a compare row, skip the checks (~2 us a cell, 100k rows)
-        self._w.writerow([v if type(v) in _NUMBERS else _csv_value(v)
+    def write(self, row: dict[str, Any], _n: frozenset = _NUMBERS, _f: tuple = FORMULA_START) -> None:
+        # numbers, the most cells of a compare row, skip the checks; plain text is checked inline
+        # (a function call a cell is most of the cost of a 60-column row)
+        self._w.writerow([v if type(v) in _n else (("'" + v if v.startswith(_f) else v) if type(v) is str
+                                                   else ("" if v is None else _csv_value(v)))
                           for v in map(row.get, self.columns)])
         self.rows += 1
 
