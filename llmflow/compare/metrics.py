@@ -116,10 +116,9 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any
         row["reason"] = "empty tensor on both sides"
         row["code"] = Code.EMPTY_TENSOR.value
         return row
-    if golden.is_floating_point() != target.is_floating_point() and not (
-            golden.is_complex() or target.is_complex()):
-        kinds = ("floating" if golden.is_floating_point() else "integer",
-                 "floating" if target.is_floating_point() else "integer")
+    g_float, t_float = golden.is_floating_point(), target.is_floating_point()
+    if g_float != t_float and not (golden.is_complex() or target.is_complex()):
+        kinds = ("floating" if g_float else "integer", "floating" if t_float else "integer")
         row["code"] = Code.DTYPE_MISMATCH.value
         row["reason"] = "; ".join(filter(None, [row["reason"], f"{kinds[0]} golden, {kinds[1]} target"]))
     if golden.is_complex() or target.is_complex():

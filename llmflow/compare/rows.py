@@ -74,10 +74,11 @@ def base_row(p: Pair, job: Job | None = None) -> dict[str, Any]:
     g, t0 = p.golden, (p.targets[0] if p.targets else None)
     ref = g or t0
     assert ref is not None
+    several = len(p.targets) > 1  # a many-to-one mapping: the sum of these target tensors
     row = {
         "step": p.golden_step, "target_step": p.target_step, "rank": p.rank,
         "name": g.name if g else None,
-        "target_name": "+".join(t.name for t in p.targets) if p.targets else None,
+        "target_name": ("+".join(t.name for t in p.targets) if several else t0.name) if t0 else None,
         "kind": ref.kind, "index": ref.index, "order": ref.order, "match": p.match,
         "module_type": ref.module_type,
         "golden_dtype": g.dtype if g else None,
@@ -87,7 +88,8 @@ def base_row(p: Pair, job: Job | None = None) -> dict[str, Any]:
     if job is not None:
         gp, tp = job.prefixes()
         row["golden_data_path"] = locator(job.golden, g, gp) if g else ""
-        row["target_data_path"] = "+".join(filter(None, (locator(job.target, t, tp) for t in p.targets)))
+        row["target_data_path"] = ("+".join(filter(None, (locator(job.target, t, tp) for t in p.targets)))
+                                   if several else locator(job.target, t0, tp) if t0 else "")
     return row
 
 

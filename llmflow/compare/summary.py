@@ -78,11 +78,11 @@ class SummaryBuilder:
             cos = row.get("cosine_similarity")
             if isinstance(cos, (int, float)) and math.isfinite(cos):
                 heap = self._worst[level]
-                item = (-cos, -self._seq, brief(row))
+                key = (-cos, -self._seq)
                 if len(heap) < WORST:
-                    heapq.heappush(heap, item)
-                elif item > heap[0]:
-                    heapq.heapreplace(heap, item)
+                    heapq.heappush(heap, (*key, brief(row)))
+                elif key > heap[0][:2]:  # (the brief only for a row that gets in: most do not)
+                    heapq.heapreplace(heap, (*key, brief(row)))
         if "logits" in levels and "top1_match" in row:
             step = int(row["step"])
             self._logits_steps[step] = self._logits_steps.get(step, True) and bool(row["top1_match"])
