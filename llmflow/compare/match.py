@@ -18,10 +18,12 @@ and ``save``. A pair belongs to the golden entry's levels (a layer output is als
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from llmflow.compare.mappings import Mapping
 from llmflow.formats.base import Entry
@@ -58,13 +60,11 @@ class Pair:
         total = 0
         for e in ((self.golden,) if self.golden else ()) + self.targets:
             if e.has_data and e.shape is not None:
-                n = 1
-                for s in e.shape:
-                    n *= int(s)
-                total += n * _itemsize(e.dtype)
+                total += math.prod(e.shape) * _itemsize(e.dtype)
         return total
 
 
+@lru_cache(maxsize=256)  # a dump has a handful of dtype names; this runs twice per pair
 def _itemsize(dtype: str | None) -> int:
     name = str(dtype or "").removeprefix("torch.")
     for key, size in (("float64", 8), ("int64", 8), ("complex64", 8), ("float32", 4), ("int32", 4),
