@@ -1,4 +1,4 @@
-"""Show what a dump holds, or one of its tensors (like Polygraphy's ``inspect data``).
+"""Show what a dump holds, or one of its tensors (as Polygraphy's inspect data does).
 
   llmflow inspect DUMP                       steps, ranks and per level: entries, names, kinds
   llmflow inspect DUMP NAME [--step N] [--index I] [--kind input|output] [--rank R] [--full]
