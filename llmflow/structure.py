@@ -13,7 +13,8 @@ satisfies. Both live here so that "layer" has one definition.
 
 Inside a block, ``block_roles`` names the attention, the MLP (or MoE block), the norms and, for an
 MoE block, its router and experts, by class and attribute name: what fault injection and the
-MoE-aware replay need.
+MoE-aware replay need. ``find_cache`` finds the KV cache a call reads, by type: its keyword has
+changed across transformers releases.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from llmflow.errors import UserError
 
@@ -238,3 +241,34 @@ def _moe_parts(module: Any) -> dict[str, list[str]]:
         elif "experts" in a or cls.endswith("experts"):
             parts.setdefault("experts", []).append(attr)
     return parts if "router" in parts and "experts" in parts else {}
+
+
+# -- the KV cache a module reads ---------------------------------------------------------------
+#: the keywords transformers passes the KV cache under, newest first (``cache`` since 5.24)
+CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def is_cache(value: Any) -> bool:
+    """A KV-cache object: a transformers ``Cache``, or anything with ``update`` and
+    ``get_seq_length`` (the interface attention modules call)."""
+    if isinstance(value, (torch.Tensor, tuple, list, dict, str, int, float, bool, type(None))):
+        return False
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
+def find_cache(args: tuple, kwargs: dict) -> tuple[str | int, Any] | None:
+    """Where a call's KV cache is (a keyword or a position) and the cache, or None.
+
+    By type rather than by name: the keyword changed across transformers releases
+    (``layer_past``, ``past_key_value``, ``past_key_values``, ``cache``) and remote-code models
+    pass it positionally."""
+    for key in CACHE_KEYWORDS:
+        if is_cache(kwargs.get(key)):
+            return key, kwargs[key]
+    for key, value in kwargs.items():
+        if is_cache(value):
+            return key, value
+    for i, value in enumerate(args):
+        if is_cache(value):
+            return i, value
+    return None

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from llmflow.structure import block_roles, find_layer_stack
+from llmflow.structure import block_roles, find_cache, find_layer_stack
 
 Patch = Callable[[nn.Module], None]
 
@@ -325,22 +325,12 @@ class _LossyCache:
         return getattr(self._cache, name)
 
 
-def _cache_arg(args: tuple, kwargs: dict) -> tuple[str | int, Any] | None:
-    for key in ("past_key_values", "past_key_value", "layer_past"):
-        if kwargs.get(key) is not None:
-            return key, kwargs[key]
-    for i, a in enumerate(args):
-        if callable(getattr(a, "update", None)) and callable(getattr(a, "get_seq_length", None)):
-            return i, a
-    return None
-
-
 def decode_cache_fp8(layer: int) -> Patch:
     dtype = getattr(torch, "float8_e4m3fn", torch.bfloat16)
 
     def patch(model: nn.Module) -> None:
         def lossy(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            found = _cache_arg(args, kwargs)
+            found = find_cache(args, kwargs)
             if found is None or not _decoding(args, kwargs):
                 return None
             where, cache = found
@@ -356,7 +346,7 @@ def decode_mask_oldest(layer: int, drop: int = 4) -> Patch:
     """The decode kernel masks the ``drop`` oldest cached positions (a wrong window start)."""
     def patch(model: nn.Module) -> None:
         def mask(m_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            found = _cache_arg(args, kwargs)
+            found = find_cache(args, kwargs)
             h = _hidden(args, kwargs)
             if found is None or h is None or not _decoding(args, kwargs):
                 return None

@@ -35,6 +35,7 @@ TOOLS = {
     "stages": "llmflow.cli.stages",
     "schema": "llmflow.cli.schema",
     "compare": "llmflow.cli.compare",
+    "inspect": "llmflow.cli.inspect",
 }
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -1,25 +1,33 @@
 """Compare a golden dump with a target dump (or two tensor files), msit llm compare's flags.
 
   llmflow compare -gp GOLDEN -mp MY [-o OUT] [-cl LEVEL ...] [-st] [-alg FILE.py:FUNC ...]
-                  [-mf MAPPING] [-r RANK] [--workers N] [--prefill-offset N]
+                  [-mf MAPPING] [-r RANK] [--workers N] [--prefill-offset N] [--target-dtype DTYPE]
 
-GOLDEN and MY are dump directories of any format llmflow reads (llmflow, msit, ATB, msprobe):
-the steps are aligned, the tensors matched (by name, through the op-mapping file -mf, or by
-topology order), every pair compared in parallel, and OUT gets compare_<level>.csv, compare.xlsx
-and compare_summary.json. Two tensor files (.safetensors, .npy, .pt/.pth) are compared directly
-and their metrics printed. The last line is PASSED, or FAILED when any row fails (exit 1).
+GOLDEN and MY are dump directories of any format llmflow reads (llmflow, msit, ATB, msprobe), or
+the dump_path a dump was written under when it holds one dump: the steps are aligned, the tensors
+matched (by name, through the op-mapping file -mf or one picked for an ATB dump, or by topology
+order), every pair compared in parallel, and OUT gets compare_<level>.csv, compare.xlsx and
+compare_summary.json, all at once when the compare ends. Rows are judged at the model dtype the
+dumps record (--target-dtype overrides). Two tensor files (.safetensors, .npy, .pt/.pth) are
+compared directly and their metrics printed.
+
+The last line is PASSED; FAILED when rows fail or the compare is incomplete (most golden rows
+found no partner; exit 1); INCONCLUSIVE when a dump reports problems (exit 3).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from llmflow.cli.common import console, verdict_line
-from llmflow.errors import UserError
+from llmflow.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INCONCLUSIVE, EXIT_PASSED, UserError
+
+_EXIT = {"pass": EXIT_PASSED, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
+_FLAGS = {"target_dtype": "--target-dtype", "levels": "-cl/--cmp-level", "thresholds": "--thresholds"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +41,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-alg", "--custom-algorithms", nargs="+", default=[], metavar="FILE.py:FUNC",
                         help="custom algorithms func(golden, target) -> (value, message)")
     parser.add_argument("-mf", "--op-mapping-file", default=None, metavar="MAPPING",
-                        help="op-mapping YAML/JSON file or a mapping name (atb-llama)")
+                        help="op-mapping YAML/JSON file or a mapping name (atb-llama); default: by name, "
+                        "or a registered mapping that fits the target dump")
     parser.add_argument("-r", "--rank", type=int, default=None, help="compare only this rank")
+    parser.add_argument("-l", dest="log_level", default=argparse.SUPPRESS,
+                        choices=("debug", "info", "warning", "error", "fatal", "critical"),
+                        help="msit's short form of --log-level")
     parser.add_argument("--workers", type=int, default=None,
                         help="parallel workers (default: CPU cores): processes for many small pairs, "
                         "threads in this process otherwise")
@@ -43,7 +55,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="target folders holding prefill + first decode (ATB: 1)")
     parser.add_argument("--warmup", type=int, default=0, help="warm-up folders at the start of the target")
     parser.add_argument("--target-dtype", default=None,
-                        help="dtype whose thresholds judge (default: each tensor's own)")
+                        help="dtype whose thresholds judge float rows (default: the model dtype the dumps "
+                        "record, else each tensor's own)")
     parser.add_argument("--thresholds", default=None, metavar="JSON|FILE",
                         help="verdict limits as JSON or a YAML/JSON file: {metric: {warn, fail}}")
     parser.add_argument("--executor", choices=["local", "dask"], default="local")
@@ -51,19 +64,42 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-xlsx", action="store_true", help="write CSV only")
 
 
-def _thresholds(text: str | None) -> dict | None:
+def _thresholds(text: str | None) -> tuple[dict | None, str]:
+    """The --thresholds mapping, from a file or inline JSON/YAML, and how to name it in errors
+    (it is validated with the other options)."""
     if not text:
-        return None
+        return None, "--thresholds"
     import yaml
 
     p = Path(text)
+    where = "--thresholds"
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) if p.is_file() else yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UserError(f"--thresholds: not valid JSON/YAML: {str(exc).splitlines()[0]}") from exc
+        if p.is_file():
+            where = f"--thresholds {p}"
+            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{where}: not valid JSON/YAML: {str(exc).splitlines()[0]}") from exc
     if not isinstance(data, dict):
-        raise UserError(f"--thresholds: expected a mapping, got {data!r}")
-    return data
+        raise UserError(f"{where}: expected a mapping {{metric: {{warn, fail}}}}, got {data!r}")
+    return data, where
+
+
+def _kind(path: str, flag: str) -> str:
+    """"tensor" for a tensor file, "dump" otherwise; a path that is neither a regular file nor a
+    directory (a FIFO, a socket, a device) is refused by name, without opening it."""
+    from llmflow.compare.files import SUFFIXES
+
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except OSError as exc:
+        raise UserError(f"{flag} {p}: no such file or directory") from exc
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        what = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file"
+        raise UserError(f"{flag} {p}: {what}, not a regular file or directory")
+    return "tensor" if stat.S_ISREG(mode) and p.suffix.lower() in SUFFIXES else "dump"
 
 
 def _fmt(v: Any) -> str:
@@ -72,13 +108,13 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-def _files(args: argparse.Namespace) -> int:
+def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
     from rich.table import Table
 
     from llmflow.compare.files import compare_files
 
     rows = compare_files(args.golden_path, args.my_path, algorithms=args.custom_algorithms,
-                         thresholds=_thresholds(args.thresholds), target_dtype=args.target_dtype)
+                         thresholds=thresholds, target_dtype=args.target_dtype)
     table = Table(title=f"{args.golden_path} vs {args.my_path}")
     table.add_column("metric")
     for r in rows:
@@ -89,45 +125,49 @@ def _files(args: argparse.Namespace) -> int:
     console().print(table)
     fails = [r["name"] for r in rows if r.get("verdict") == "fail"]
     verdict_line(not fails, f"{len(fails)} of {len(rows)} tensors fail" if fails else f"{len(rows)} tensors")
-    return 1 if fails else 0
+    return EXIT_FAILED if fails else EXIT_PASSED
 
 
 def execute(args: argparse.Namespace) -> int:
-    from llmflow.compare.align import align_dumps
-    from llmflow.compare.files import is_tensor_file
-    from llmflow.compare.run import CompareOptions, compare_dumps
+    from llmflow.compare.output import StagedDir
+    from llmflow.compare.run import CompareOptions, check_options, compare_dumps
+    from llmflow.compare.summary import report_lines
     from llmflow.formats import open_dump
 
-    if is_tensor_file(args.golden_path) and is_tensor_file(args.my_path):
-        return _files(args)
-    golden, target = open_dump(args.golden_path), open_dump(args.my_path)
-    aligned = align_dumps(golden, target, prefill_offset=args.prefill_offset, warmup=args.warmup,
-                          steps=args.steps)
-    out = Path(args.output or f"llmflow_compare_{time.strftime('%Y%m%d_%H%M%S')}")
-    opts = CompareOptions(pairs=aligned["pairs"], levels=args.cmp_level,
-                          thresholds=_thresholds(args.thresholds), algorithms=list(args.custom_algorithms),
-                          mapping=args.op_mapping_file,
+    kinds = (_kind(args.golden_path, "-gp"), _kind(args.my_path, "-mp"))
+    thresholds, where = _thresholds(args.thresholds)
+    opts = CompareOptions(levels=args.cmp_level, thresholds=thresholds,
+                          algorithms=list(args.custom_algorithms), mapping=args.op_mapping_file,
                           executor=args.executor, scheduler_address=args.scheduler_address,
                           workers=args.workers, rank=args.rank, steps=args.steps, stats_only=args.stats,
-                          target_dtype=args.target_dtype, base_dir=".", xlsx=not args.no_xlsx)
+                          target_dtype=args.target_dtype, base_dir=".", xlsx=not args.no_xlsx,
+                          prefill_offset=args.prefill_offset, warmup=args.warmup)
+    check_options(opts, {**_FLAGS, "thresholds": where})  # bad flags fail here, before any dump is read
+    if kinds == ("tensor", "tensor"):
+        return _files(args, thresholds)
+    if "tensor" in kinds:
+        tensor = args.golden_path if kinds[0] == "tensor" else args.my_path
+        raise UserError(f"{tensor}: a tensor file compares with another tensor file, "
+                        "not with a dump directory")
+    golden, target = open_dump(args.golden_path), open_dump(args.my_path)
     con = console()
-    with con.status("comparing ..."):
-        result = compare_dumps(golden, target, out, opts)
+    for side, reader in (("golden", golden), ("target", target)):
+        con.print(f"{side}: {reader.path} ({reader.format} dump)")
+    out = Path(args.output or f"llmflow_compare_{time.strftime('%Y%m%d_%H%M%S')}")
+    staged = StagedDir(out, "-o")
+    opts.final_dir = str(staged.out)
+    with staged as tmp, con.status("comparing ..."):
+        result = compare_dumps(golden, target, tmp, opts)
     summary = result["summary"]
-    summary["missing_steps"] = aligned["missing"]
-    Path(result["summary_file"]).write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
-    _print_summary(con, summary, result)
-    c = summary["counts"]
-    if c["fail"]:
-        first = next((s["first_fail"] for s in summary["levels"].values() if s.get("first_fail")), None)
-        where = f"; first: {first['name']} (step {first['step']})" if first else ""
-        verdict_line(False, f"{c['fail']} of {summary['pairs']} rows fail{where}")
-        return 1
-    verdict_line(True, f"{summary['pairs']} rows, {c['warn']} warn, {c['unmatched']} unmatched")
-    return 0
+    _print_summary(con, summary, staged.out)
+    for line in report_lines(summary):
+        con.print(line)
+    outcome = summary["outcome"]
+    verdict_line(outcome["status"], outcome["headline"])
+    return _EXIT.get(outcome["status"], EXIT_BAD_INPUT)
 
 
-def _print_summary(con: Any, summary: dict[str, Any], result: dict[str, Any]) -> None:
+def _print_summary(con: Any, summary: dict[str, Any], out: Path) -> None:
     from rich.table import Table
 
     table = Table(title="compare")
@@ -135,22 +175,15 @@ def _print_summary(con: Any, summary: dict[str, Any], result: dict[str, Any]) ->
         table.add_column(col)
     for level, s in summary["levels"].items():
         ff = s.get("first_fail")
+        why = str(ff.get("reason") or ff.get("code")).split("; ")[0] if ff else ""
+        first = f"step {ff['step']} {ff['name']} {ff['kind']} {ff['index']}: {why}" if ff else ""
         table.add_row(level, str(s["rows"]), *(str(s["counts"].get(k, 0)) for k in ("pass", "warn", "fail")),
-                      f"{s['unmatched_golden']} golden / {s['unmatched_target']} target",
-                      f"step {ff['step']} {ff['name']} {ff['kind']} {ff['index']}" if ff else "")
+                      f"{s['unmatched_golden']} golden / {s['unmatched_target']} target", first)
     con.print(table)
     lg = summary.get("logits")
     if lg:
         first = lg["first_token_mismatch_step"]
         tokens = f"first differing token at step {first}" if first is not None else "all greedy tokens agree"
         con.print(f"logits: top-1 agreement {lg['top1_agreement']:.1%}; {tokens}")
-    missing: dict[str, list] = {}
-    for m in summary.get("missing_steps") or []:  # one line per side, not one per step
-        step = m.get("golden_step", m.get("target_step"))
-        missing.setdefault(m.get("side", "?"), []).append(step)
-    for side, steps in missing.items():
-        shown = ", ".join(map(str, steps[:10])) + (f" ... ({len(steps)} in all)" if len(steps) > 10 else "")
-        other = "golden" if side == "target" else "target"
-        con.print(f"{other} steps with no {side} step: {shown}")
     con.print(f"{summary['pairs']} pairs, {summary['bytes'] / 1e9:.3f} GB in {summary['seconds']:.1f}s "
-              f"({summary['gb_per_s'] or 0:.2f} GB/s); tables in {Path(result['summary_file']).parent}")
+              f"({summary['gb_per_s'] or 0:.2f} GB/s); tables in {out}")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from llmflow.compare.algorithms import load_algorithms, run_algorithm
-from llmflow.compare.metrics import compare_tensors, verdict
+from llmflow.compare.metrics import compare_tensors, judge
 from llmflow.errors import UserError
 
 SUFFIXES = (".safetensors", ".npy", ".pt", ".pth", ".bin")
@@ -73,10 +73,11 @@ def compare_files(golden: str | Path, target: str | Path, *, algorithms: list[st
         for name, func in algs.items():
             row.update(run_algorithm(name, func, gf, tf) if gf.shape == tf.shape else
                        {name: None, f"{name}_message": "skipped: shape mismatch"})
-        row["verdict"] = verdict(row, target_dtype or row["target_dtype"], thresholds)
+        j = judge(row, target_dtype or row["target_dtype"], thresholds)
+        row.update(verdict=j.verdict, code=j.code, reason=j.reason)
         rows.append(row)
     if not (len(g_all) == 1 and len(t_all) == 1):
         for side, mine, other in (("golden", g_all, t_all), ("target", t_all, g_all)):
-            rows += [{"name": k, "verdict": "unmatched", "reason": f"unmatched {side}"}
-                     for k in mine if k not in other]
+            rows += [{"name": k, "verdict": "unmatched", "code": f"unmatched_{side}",
+                      "reason": f"unmatched {side}"} for k in mine if k not in other]
     return rows

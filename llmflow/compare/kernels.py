@@ -4,7 +4,7 @@ One pass over golden ``a`` and target ``b`` (same number of elements) returns, i
 (``N_VALUES``)::
 
     sum a^2, sum b^2, sum a*b, sum d^2, max|d|, sum|d|, max rel, sum rel, #rel<1e-3, #rel<5e-3,
-    lse(a), lse(b), y = sum w*d, z = sum w*phi(d)
+    lse(a), lse(b), y = sum w*d, z = sum w*phi(d), max a, min a, sum a, max b, min b, sum b
 
 with d = b - a, rel = |d| / |a| where |a| > eps (else 0), lse the log-sum-exp,
 w = softmax(a) = exp(a - max a) / sum exp(a - max a) (the piece's own weights: sum w = 1, so
@@ -17,7 +17,8 @@ divergence from u = sum w*expm1(d) = y + z:
 The second form keeps tiny divergences (fp32 vs fp32 one ulp apart: KL ~1e-13) precise: z is a
 sum of non-negative terms, each known to fp32 precision, and log1p(u) - u (-u^2/2 + ... for
 small u) is evaluated in Python floats; no float64 exp or expm1 per element. One read of the
-data gives every metric, KL included.
+data gives every metric, KL included, and each side's statistics (max, min, mean, norm: the
+columns msit and msprobe show beside the metrics).
 
 Eager torch (``pass1``: any float dtype, float64 throughout, ~30 torch ops a call) is the
 reference, and serves other dtypes, pieces with NaN/Inf, and machines without a C++ compiler.
@@ -26,9 +27,10 @@ reads float32 and bfloat16, either side, as they are; float16 is converted first
 ``FUSED_CHUNK`` elements (256 KiB of fp32 per side, so a row stays in L2) in parallel
 (OpenMP, torch's thread count), merged inside the kernel, one call per span of rows. Per row, a
 first loop reads both sides from memory for the maxima and every sum that needs no maximum; a
-second loop reads the row again from cache for the softmax sums. The element-wise work is fp32
-(exact for bf16/fp16/fp32 data) with no function calls: exp(x <= 0) is a degree-6 polynomial
-scaled by 2^n, phi(d) a series for |d| < 1 and exp(b - max b) * exp(max b - max a) -
+second loop reads the row again from cache for the softmax sums and each side's minimum and
+plain sum (there they ride on the exp's latency; in the first loop they cost ~15%). The
+element-wise work is fp32 (exact for bf16/fp16/fp32 data) with no function calls: exp(x <= 0)
+is a degree-6 polynomial scaled by 2^n, phi(d) a series for |d| < 1 and exp(b - max b) * exp(max b - max a) -
 exp(a - max a) * (1 + d) beyond. The first loop's max |d| picks the second loop's form per row:
 where every |d| < 1 (most rows of a compare), exp(b - max b) comes from exp(a - max a) *
 (1 + d + phi(d)) * exp(max a - max b) instead of a second exp, and below 1/16 the series stops at
@@ -64,7 +66,7 @@ import torch
 from llmflow import native
 
 EPS = float(torch.finfo(torch.float32).eps)
-N_VALUES = 14
+N_VALUES = 20
 FUSED_CHUNK = 1 << 16  # elements per kernel row: 256 KiB per side in fp32, read twice from L2
 FUSED_SPAN = 64 * FUSED_CHUNK  # fp32 elements per kernel call (rows in parallel)
 LIBRARY = native.PASS1
@@ -89,6 +91,7 @@ def pass1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         torch.dot(a, a), torch.dot(b, b), torch.dot(a, b), torch.dot(d, d), ad.max(), ad.sum(),
         rel.max(), rel.sum(), (rel < 1e-3).sum().to(torch.float64), (rel < 5e-3).sum().to(torch.float64),
         sa.log() + ma, (b - mb).exp_().sum().log() + mb, torch.dot(ea, d) / sa, torch.dot(ea, phi) / sa,
+        ma, a.min(), a.sum(), mb, b.min(), b.sum(),
     ])
 
 

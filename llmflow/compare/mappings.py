@@ -13,6 +13,16 @@ A mapping file (YAML or JSON, shape in ``schemas/mapping.schema.json``) is a lis
 
 ``mapping:`` in a workflow (``-mf`` on the command line) is a path, or the name of an entry point
 in the ``llmflow.mappings`` group (a callable returning a path): ``atb-llama`` ships with llmflow.
+
+Two optional blocks make a mapping usable without ``-mf`` (see ``pairing.py``)::
+
+    detect: {target_format: atb, target_types: [DecoderLayer]}   # when compare may pick it itself
+    vars:                                                        # numbers read from the target dump
+      layer_base: {first_of_type: DecoderLayer, default: 1}       # top-level number of its first layer
+
+A template may subtract or add a var (``model.layers.{n-layer_base}``); ``Mapping.bind(reader)``
+reads each var from the target's topology (ATB: ``model/<pid>/*.json``), else from its entries,
+else takes the default.
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ from llmflow.errors import UserError
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "mappings"
 SCHEMA_FILE = DATA_DIR / "mapping.schema.json"
 _CAPTURE = re.compile(r"\{([A-Za-z_]\w*)\}")
-_TEMPLATE = re.compile(r"\{([A-Za-z_]\w*)\s*(?:(\+|-|\*|//)\s*(\d+))?\}")
+_TEMPLATE = re.compile(r"\{([A-Za-z_]\w*)\s*(?:(\+|-|\*|//)\s*(\d+|[A-Za-z_]\w*))?\}")
+_LEADING_NUMBER = re.compile(r"^(\d+)_")
 
 
 def atb_llama_mapping_path() -> str:
@@ -67,7 +78,8 @@ class Rule:
             return module_type is not None and fnmatch.fnmatchcase(module_type, self.target_type)
         return True
 
-    def golden_name(self, captures: dict[str, str], occurrence: int = 0) -> str | None:
+    def golden_name(self, captures: dict[str, str], occurrence: int = 0,
+                    variables: dict[str, int] | None = None) -> str | None:
         """The golden name for these captures: the last replaced op, or the occurrence-th one."""
         if self.sequence:
             if occurrence >= len(self.golden):
@@ -75,20 +87,69 @@ class Rule:
             template = self.golden[occurrence]
         else:
             template = self.golden[-1]
-        return fill_template(template, captures, self.where)
+        return fill_template(template, captures, self.where, variables)
 
 
 @dataclass
 class Mapping:
-    """A loaded mapping file."""
+    """A loaded mapping file; ``variables`` hold its vars' values once ``bind`` has read them."""
 
     path: str
     name: str
     rules: list[Rule]
+    detect: dict[str, Any] | None = None
+    var_specs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    variables: dict[str, int] = field(default_factory=dict)
+    var_sources: dict[str, str] = field(default_factory=dict)  # var -> where its value came from
+
+    def detects(self, target: Any) -> bool:
+        """Does the target dump look like what this mapping was written for (its ``detect``)?"""
+        if not self.detect:
+            return False
+        fmt = self.detect.get("target_format")
+        if fmt and getattr(target, "format", None) != fmt:
+            return False
+        wanted = self.detect.get("target_types") or []
+        if not wanted:
+            return True
+        have = {e.module_type for e in target.entries() if e.module_type} | _topology_types(target)
+        return all(any(fnmatch.fnmatchcase(t, w) for t in have) for w in wanted)
+
+    def bind(self, target: Any) -> Mapping:
+        """A copy with each var read from ``target`` (a DumpReader): its topology's top-level nodes,
+        else its entries' names, else the var's default."""
+        values, sources = {}, {}
+        for var, spec in self.var_specs.items():
+            found = _first_of_type(target, spec["first_of_type"])
+            if found is None:
+                values[var], sources[var] = int(spec.get("default", 0)), "default"
+            else:
+                values[var], sources[var] = found
+        return Mapping(self.path, self.name, self.rules, self.detect, self.var_specs, values, sources)
 
 
-def fill_template(template: str, captures: dict[str, str], where: str = "") -> str:
-    """``model.layers.{n-1}`` with ``{"n": "3"}`` -> ``model.layers.2`` (integer arithmetic only)."""
+def _topology_types(target: Any) -> set[str]:
+    topo = target.topology() if hasattr(target, "topology") else None
+    return {str(c.get("type")) for c in (topo or {}).get("children") or [] if isinstance(c, dict)}
+
+
+def _first_of_type(target: Any, type_glob: str) -> tuple[int, str] | None:
+    """(number, source) of the first top-level op of this type: ``3`` for ``3_DecoderLayer``."""
+    topo = target.topology() if hasattr(target, "topology") else None
+    for i, child in enumerate((topo or {}).get("children") or []):
+        if isinstance(child, dict) and fnmatch.fnmatchcase(str(child.get("type")), type_glob):
+            m = _LEADING_NUMBER.match(str(child.get("name") or ""))
+            return (int(m.group(1)) if m else i), "topology"
+    numbers = [int(m.group(1)) for e in target.entries()
+               if e.module_type and "." not in e.name and "/" not in e.name
+               and fnmatch.fnmatchcase(e.module_type, type_glob) and (m := _LEADING_NUMBER.match(e.name))]
+    return (min(numbers), "entries") if numbers else None
+
+
+def fill_template(template: str, captures: dict[str, str], where: str = "",
+                  variables: dict[str, int] | None = None) -> str:
+    """``model.layers.{n-1}`` with ``{"n": "3"}`` -> ``model.layers.2`` (integer arithmetic only);
+    the operand may be a mapping var: ``{n-layer_base}``."""
 
     def sub(m: re.Match[str]) -> str:
         var, op, num = m.group(1), m.group(2), m.group(3)
@@ -98,6 +159,11 @@ def fill_template(template: str, captures: dict[str, str], where: str = "") -> s
         value = captures[var]
         if op is None:
             return value
+        if not num.isdigit():
+            if variables is None or num not in variables:
+                raise UserError(f"{where}: golden template {template!r} uses the var {num!r}, "
+                                "which has no value (declare it under vars)")
+            num = str(variables[num])
         try:
             n, k = int(value), int(num)
         except ValueError as exc:
@@ -175,11 +241,14 @@ def load_mapping(ref: str | Path, base_dir: str | Path = ".") -> Mapping:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         raise UserError(f"{path}: {where}: {err.message}")
     default_match = data.get("match", "glob")
-    rules = [_compile(r, i, default_match, path) for i, r in enumerate(data["rules"])]
-    return Mapping(path=str(path), name=data.get("name", path.stem), rules=rules)
+    var_specs = data.get("vars") or {}
+    rules = [_compile(r, i, default_match, path, set(var_specs)) for i, r in enumerate(data["rules"])]
+    defaults = {k: int(v.get("default", 0)) for k, v in var_specs.items()}
+    return Mapping(path=str(path), name=data.get("name", path.stem), rules=rules, detect=data.get("detect"),
+                   var_specs=var_specs, variables=defaults, var_sources=dict.fromkeys(defaults, "default"))
 
 
-def _compile(r: dict[str, Any], i: int, default_match: str, path: Path) -> Rule:
+def _compile(r: dict[str, Any], i: int, default_match: str, path: Path, var_names: set[str]) -> Rule:
     where = f"{path}: rules/{i}"
     targets = r.get("target", "*")
     targets = [targets] if isinstance(targets, str) else list(targets)
@@ -198,6 +267,10 @@ def _compile(r: dict[str, Any], i: int, default_match: str, path: Path) -> Rule:
             if m.group(1) not in captured:
                 raise UserError(f"{where}/golden: {g!r} uses {{{m.group(1)}}}, which the target "
                                 "pattern does not capture")
+            operand = m.group(3)
+            if operand and not operand.isdigit() and operand not in var_names:
+                raise UserError(f"{where}/golden: {g!r} uses the var {operand!r}, which the file's "
+                                f"vars do not declare (declared: {', '.join(sorted(var_names)) or 'none'})")
     return Rule(where=where, patterns=patterns, target_type=r.get("target_type"), golden=golden,
                 sequence="golden_sequence" in r, kind=r.get("kind", "output"),
                 target_index=r.get("target_index"), golden_index=r.get("golden_index"),

@@ -6,7 +6,9 @@ Tried in this order, each on what the previous ones left:
    with many-to-one rules (a sum of target tensors vs one golden tensor); rows ``match: mapping``;
 2. the same name, kind and index on both sides (the same implementation); ``match: name``;
 3. topology order: remaining module OUTPUTS walked in execution order on both sides and paired
-   when shapes agree and module types are compatible; ``match: order``;
+   when shapes agree, module types are compatible and both lie in the same decoder layer (the
+   layer's index, ``model.layers.7``, or its position among the layers, ``9_DecoderLayer`` being
+   the eighth: never a module of one layer against a module of another); ``match: order``;
 4. everything left is reported as ``unmatched golden`` / ``unmatched target`` rows.
 
 Levels (``cmp_level``): ``logits`` (entries named "logits"), ``layer`` (decoder-layer outputs:
@@ -16,16 +18,22 @@ and ``save``. A pair belongs to the golden entry's levels (a layer output is als
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from llmflow.compare.mappings import Mapping
 from llmflow.formats.base import Entry
 
 LEVELS = ("logits", "layer", "module", "api", "save")
 LAYER_RE = re.compile(r"(^|\.)(layers|layer|h|blocks|block|decoder_layers)\.\d+$")
+# the decoder layer a name lies in: a numbered path part (model.layers.7), or an engine's op named
+# like a layer (ATB's 9_DecoderLayer)
+_INDEXED_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|decoder_layers)\.(\d+)(?=$|[./])")
+_NAMED_LAYER = re.compile(r"(?:^|[./])(\d+_[A-Za-z]*(?:Layer|Block)[A-Za-z]*)(?=$|[./])")
 ORDER_LOOKAHEAD = 16  # how far the order fallback looks ahead for a shape match before giving up
 
 
@@ -44,7 +52,7 @@ class Pair:
 
     @property
     def unmatched(self) -> bool:
-        return self.match.startswith("unmatched")
+        return self.golden is None or not self.targets
 
     @property
     def nbytes(self) -> int:
@@ -52,13 +60,11 @@ class Pair:
         total = 0
         for e in ((self.golden,) if self.golden else ()) + self.targets:
             if e.has_data and e.shape is not None:
-                n = 1
-                for s in e.shape:
-                    n *= int(s)
-                total += n * _itemsize(e.dtype)
+                total += math.prod(e.shape) * _itemsize(e.dtype)
         return total
 
 
+@lru_cache(maxsize=256)  # a dump has a handful of dtype names; this runs twice per pair
 def _itemsize(dtype: str | None) -> int:
     name = str(dtype or "").removeprefix("torch.")
     for key, size in (("float64", 8), ("int64", 8), ("complex64", 8), ("float32", 4), ("int32", 4),
@@ -85,6 +91,34 @@ def entry_levels(e: Entry) -> tuple[str, ...]:
 def comparable(e: Entry) -> bool:
     """A tensor entry with data or statistics (non-tensor values like ``use_cache`` are skipped)."""
     return e.dtype is not None and e.step >= 0 and (e.has_data or bool(e.stats))
+
+
+def layer_positions(entries: list[Entry]) -> dict[int, int | None]:
+    """``id(entry)`` -> the decoder layer it lies in (None: outside the layers).
+
+    With numbered layers (``model.layers.7``) the number; with layers named by op (ATB's
+    ``9_DecoderLayer``) their position among the layers in execution order, 0 first: what
+    ``model.layers.N`` counts.
+    """
+    keys: dict[int, tuple[str, int | None] | None] = {}
+    for e in entries:
+        m = _INDEXED_LAYER.search(e.name)
+        if m:
+            keys[id(e)] = ("indexed", int(m.group(1)))
+            continue
+        m = _NAMED_LAYER.search(e.name)
+        keys[id(e)] = ("named", m.group(1)) if m else None  # type: ignore[assignment]
+    order: dict[str, int] = {}
+    out: dict[int, int | None] = {}
+    for e in entries:
+        key = keys[id(e)]
+        if key is None:
+            out[id(e)] = None
+        elif key[0] == "indexed":
+            out[id(e)] = key[1]  # type: ignore[assignment]
+        else:
+            out[id(e)] = order.setdefault(key[1], len(order))  # type: ignore[arg-type]
+    return out
 
 
 def _types_agree(a: str | None, b: str | None) -> bool:
@@ -132,11 +166,14 @@ def match_step(golden: Iterable[Entry], target: Iterable[Entry], *, golden_step:
     if order_fallback:
         g_rest = [e for e in g_list if id(e) not in used_g and e.kind == "output" and e.level == "module"]
         t_rest = [e for e in t_list if id(e) not in used_t and e.kind == "output" and e.level == "module"]
+        g_layer, t_layer = ((layer_positions(g_list), layer_positions(t_list)) if g_rest and t_rest
+                            else ({}, {}))
         j = 0
         for g in g_rest:
             for k in range(j, min(j + ORDER_LOOKAHEAD, len(t_rest))):
                 t = t_rest[k]
-                if t.shape == g.shape and _types_agree(g.module_type, t.module_type):
+                if (t.shape == g.shape and g_layer[id(g)] == t_layer[id(t)]
+                        and _types_agree(g.module_type, t.module_type)):
                     used_g.add(id(g))
                     add(g, (t,), "order")
                     j = k + 1
@@ -181,7 +218,8 @@ def _apply_mapping(mapping: Mapping, t_list: list[Entry], take, add) -> None:
                 parts = groups.setdefault((ri, cap_key, t.kind, t.index), {})
                 parts.setdefault(pi, t)
                 if len(parts) == len(rule.patterns):
-                    _pair_rule(rule, caps, 0, tuple(parts[i] for i in range(len(rule.patterns))), take, add)
+                    _pair_rule(rule, caps, 0, tuple(parts[i] for i in range(len(rule.patterns))), take, add,
+                               mapping.variables)
                 break
             # the i-th occurrence among targets that map to the same golden names (captures the
             # golden side does not use, like ATB's child index, do not separate occurrences)
@@ -189,12 +227,13 @@ def _apply_mapping(mapping: Mapping, t_list: list[Entry], take, add) -> None:
                        t.kind, t.index)
             occ = occurrences[occ_key]
             occurrences[occ_key] += 1
-            _pair_rule(rule, caps, occ, (t,), take, add)
+            _pair_rule(rule, caps, occ, (t,), take, add, mapping.variables)
             break
 
 
-def _pair_rule(rule, caps: dict[str, str], occurrence: int, ts: tuple[Entry, ...], take, add) -> None:
-    name = rule.golden_name(caps, occurrence)
+def _pair_rule(rule, caps: dict[str, str], occurrence: int, ts: tuple[Entry, ...], take, add,
+               variables: dict[str, int]) -> None:
+    name = rule.golden_name(caps, occurrence, variables)
     if name is None:
         return
     t = ts[0]

@@ -27,10 +27,13 @@ rmse                           sqrt(mean d^2)
 one_thousandth_err_ratio       share of elements whose relative error (as above) is < 0.001
 five_thousandths_err_ratio     share of elements whose relative error is < 0.005
 golden_nan, golden_inf, ...    NaN / +-Inf counts per side; metrics use the elements finite on both
+golden_max, ..., target_norm   each side's max, min, mean and L2 norm over its own finite elements
+                               (msit's and msprobe's per-side statistics, from the same read)
 =============================  =================================================================
 
-A pair that cannot be compared (shape mismatch, empty, non-floating garbage) gets a ``reason``
-and NaN metrics instead of raising: one odd tensor never stops a 100k-row compare.
+A pair that cannot be compared (shape mismatch, empty, no finite element) gets a ``code``
+(``llmflow.compare.codes``), a ``reason`` and NaN metrics instead of raising: one odd tensor never
+stops a 100k-row compare. ``thresholds.judge`` turns a row into its final code and verdict.
 """
 
 from __future__ import annotations
@@ -43,10 +46,19 @@ from typing import Any
 import torch
 
 from llmflow.compare import kernels
-from llmflow.compare.thresholds import DEFAULT_THRESHOLDS, dtype_class, resolve_thresholds, verdict
+from llmflow.compare.codes import Code
+from llmflow.compare.statistics import (
+    SIDE_COLUMNS,
+    STAT_COLUMNS,
+    compare_stats,
+    put_sides,
+    side_stats,
+)
+from llmflow.compare.thresholds import DEFAULT_THRESHOLDS, dtype_class, judge, resolve_thresholds, verdict
 
-__all__ = ["COLUMNS", "METRIC_COLUMNS", "CHUNK", "DEFAULT_THRESHOLDS", "compare_tensors",
-           "compare_stats", "dtype_class", "resolve_thresholds", "verdict", "STAT_COLUMNS"]
+__all__ = ["COLUMNS", "METRIC_COLUMNS", "CHUNK", "DEFAULT_THRESHOLDS", "compare_tensors", "compare_stats",
+           "dtype_class", "judge", "resolve_thresholds", "verdict", "STAT_COLUMNS", "SIDE_COLUMNS",
+           "known_metrics", "side_stats"]
 
 EPS = kernels.EPS
 CHUNK = 1 << 16  # elements per eager chunk: 64k float64 values x a few temporaries fit in L2 cache
@@ -60,15 +72,25 @@ METRIC_COLUMNS = (
     "one_thousandth_err_ratio", "five_thousandths_err_ratio",
 )
 COUNT_COLUMNS = ("golden_nan", "golden_inf", "target_nan", "target_inf")
-STAT_COLUMNS = tuple(f"{s}_{kind}" for s in ("max", "min", "mean", "norm") for kind in ("diff", "rel_diff"))
-COLUMNS = METRIC_COLUMNS + COUNT_COLUMNS + ("numel", "shape_mismatch", "dtype_mismatch", "reason")
+COLUMNS = (METRIC_COLUMNS + SIDE_COLUMNS + COUNT_COLUMNS
+           + ("numel", "shape_mismatch", "dtype_mismatch", "code", "reason"))
+_OK = Code.OK.value
+
+
+def known_metrics(algorithms: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """The columns a thresholds mapping may name: the metrics, the statistics-only differences
+    and the custom algorithms' columns."""
+    return [*METRIC_COLUMNS, *STAT_COLUMNS, *algorithms]
+
+
+_NAN_ROW = dict.fromkeys(METRIC_COLUMNS + SIDE_COLUMNS, math.nan)
+_ZERO_COUNTS = dict.fromkeys(COUNT_COLUMNS, 0)
 
 
 def _empty_row(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
-    row: dict[str, Any] = {c: math.nan for c in METRIC_COLUMNS}
-    row.update({c: 0 for c in COUNT_COLUMNS})
+    row: dict[str, Any] = {**_NAN_ROW, **_ZERO_COUNTS}
     row.update(numel=golden.numel(), shape_mismatch=tuple(golden.shape) != tuple(target.shape),
-               dtype_mismatch=golden.dtype != target.dtype, reason="")
+               dtype_mismatch=golden.dtype != target.dtype, code=_OK, reason="")
     return row
 
 
@@ -83,14 +105,22 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any
     if row["shape_mismatch"]:
         if golden.numel() == target.numel() and golden.numel() > 0:
             # same data, different view (e.g. [1, n, h] vs [n, h]): compare flat, but say so
-            row["reason"] = f"shape mismatch: golden {list(golden.shape)}, target {list(target.shape)}"
+            row["reason"] = f"compared flat: golden shape {list(golden.shape)}, target {list(target.shape)}"
             target = target.reshape(golden.shape)
         else:
             row["reason"] = f"shape mismatch: golden {list(golden.shape)}, target {list(target.shape)}"
+            row["code"] = Code.SHAPE_MISMATCH.value
+            put_sides(row, side_stats(golden), side_stats(target))
             return row
     if golden.numel() == 0:
-        row["reason"] = "empty tensor"
+        row["reason"] = "empty tensor on both sides"
+        row["code"] = Code.EMPTY_TENSOR.value
         return row
+    g_float, t_float = golden.is_floating_point(), target.is_floating_point()
+    if g_float != t_float and not (golden.is_complex() or target.is_complex()):
+        kinds = ("floating" if g_float else "integer", "floating" if t_float else "integer")
+        row["code"] = Code.DTYPE_MISMATCH.value
+        row["reason"] = "; ".join(filter(None, [row["reason"], f"{kinds[0]} golden, {kinds[1]} target"]))
     if golden.is_complex() or target.is_complex():
         golden, target = torch.view_as_real(golden), torch.view_as_real(target)
     if golden.dtype == torch.bool:
@@ -109,6 +139,7 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any
             reasons.append(f"{side} has {n_nan} NaN, {n_inf} Inf")
     if acc["valid"] == 0:
         reasons.append("no element finite on both sides")
+        row["code"] = Code.NO_FINITE.value
     row["reason"] = "; ".join(reasons)
     return row
 
@@ -118,7 +149,8 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
     acc: dict[str, Any] = dict(gg=0.0, tt=0.0, gt=0.0, dd=0.0, max_abs=0.0, sum_abs=0.0, max_rel=0.0,
                                sum_rel=0.0, c1=0, c5=0, valid=0, golden_nan=0, golden_inf=0,
                                target_nan=0, target_inf=0, lse_g=-math.inf, lse_t=-math.inf,
-                               kl_w=0.0, kl_y=0.0, kl_z=0.0)
+                               kl_w=0.0, kl_y=0.0, kl_z=0.0, g_max=-math.inf, g_min=math.inf, g_sum=0.0,
+                               g_sq=0.0, g_n=0, t_max=-math.inf, t_min=math.inf, t_sum=0.0, t_sq=0.0, t_n=0)
     n = g.numel()
     if not (g.is_floating_point() or t.is_floating_point()) and torch.equal(g, t):
         # integer data, equal element for element (position ids, cache positions, masks: most
@@ -127,7 +159,11 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
         g64 = g.to(torch.float64)
         lse = float(torch.logsumexp(g64, 0))
         sq = float(torch.dot(g64, g64))
+        hi, lo, total = float(g64.max()), float(g64.min()), float(g64.sum())
         acc.update(gg=sq, tt=sq, gt=sq, c1=n, c5=n, valid=n, lse_g=lse, lse_t=lse, kl_w=1.0)
+        for side in "gt":
+            acc.update({f"{side}_max": hi, f"{side}_min": lo, f"{side}_sum": total, f"{side}_sq": sq,
+                        f"{side}_n": n})
         return acc
     fast = g.dtype in _FUSABLE and t.dtype in _FUSABLE and kernels.fused()
     # (start, stop, fused): kernel spans, or eager chunks; fp16 spans are converted into
@@ -157,18 +193,32 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
                 # finite data beyond the kernel's fp32 range (a difference > 88, exp overflows)
                 vals = kernels.pass1(a, b).tolist()
         if not math.isfinite(vals[0] + vals[1]):
-            # the rare slow path: count NaN/Inf per side, keep the elements finite on both
+            # the rare slow path: count NaN/Inf per side, each side's statistics over its own
+            # finite elements, the metrics over the elements finite on both
             for side, x in (("golden", a), ("target", b)):
                 n_nan, n_inf = _nonfinite(x)
                 acc[f"{side}_nan"] += n_nan
                 acc[f"{side}_inf"] += n_inf
+                _merge_side(acc, side[0], x[torch.isfinite(x)].to(torch.float64))
             keep = torch.isfinite(a) & torch.isfinite(b)
             a, b = a[keep], b[keep]
             if a.numel() == 0:
                 continue
-            vals = kernels.pass1(a, b).tolist()
+            _merge(acc, kernels.pass1(a, b).tolist(), a.numel(), sides=False)
+            continue
         _merge(acc, vals, a.numel())
     return acc
+
+
+def _merge_side(acc: dict[str, Any], side: str, x: torch.Tensor) -> None:
+    """Add one side's finite float64 elements to its statistics (``side``: "g" or "t")."""
+    if x.numel() == 0:
+        return
+    acc[f"{side}_max"] = max(acc[f"{side}_max"], float(x.max()))
+    acc[f"{side}_min"] = min(acc[f"{side}_min"], float(x.min()))
+    acc[f"{side}_sum"] += float(x.sum())
+    acc[f"{side}_sq"] += float(torch.dot(x, x))
+    acc[f"{side}_n"] += x.numel()
 
 
 def _f32(x: torch.Tensor, slot: int) -> torch.Tensor:
@@ -183,8 +233,25 @@ def _f32(x: torch.Tensor, slot: int) -> torch.Tensor:
     return buf[:x.numel()].copy_(x)
 
 
-def _merge(acc: dict[str, Any], vals: list[float], count: int) -> None:
-    """Add one piece's ``kernels.N_VALUES`` to the running sums."""
+def _merge(acc: dict[str, Any], vals: list[float], count: int, sides: bool = True) -> None:
+    """Add one piece's ``kernels.N_VALUES`` to the running sums (``sides``: its statistics of each
+    side too; not for a piece filtered to the elements finite on both)."""
+    if sides:  # (unrolled: this runs for every piece of every pair)
+        g_max, g_min, g_sum, t_max, t_min, t_sum = vals[14:20]
+        if g_max > acc["g_max"]:
+            acc["g_max"] = g_max
+        if g_min < acc["g_min"]:
+            acc["g_min"] = g_min
+        if t_max > acc["t_max"]:
+            acc["t_max"] = t_max
+        if t_min < acc["t_min"]:
+            acc["t_min"] = t_min
+        acc["g_sum"] += g_sum
+        acc["t_sum"] += t_sum
+        acc["g_sq"] += vals[0]
+        acc["t_sq"] += vals[1]
+        acc["g_n"] += count
+        acc["t_n"] += count
     for key, v in zip(("gg", "tt", "gt", "dd"), vals[:4], strict=True):
         acc[key] += v
     acc["max_abs"] = max(acc["max_abs"], vals[4])
@@ -218,6 +285,12 @@ def _logaddexp(x: float, y: float) -> float:
 def _finish(acc: dict[str, float]) -> dict[str, Any]:
     """Turn the float64 sums of ``_reduce`` into the row's metrics."""
     out: dict[str, Any] = {k: int(acc[k]) for k in COUNT_COLUMNS}
+    if acc["g_n"]:
+        out.update(golden_max=acc["g_max"], golden_min=acc["g_min"], golden_mean=acc["g_sum"] / acc["g_n"],
+                   golden_norm=math.sqrt(acc["g_sq"]))
+    if acc["t_n"]:
+        out.update(target_max=acc["t_max"], target_min=acc["t_min"], target_mean=acc["t_sum"] / acc["t_n"],
+                   target_norm=math.sqrt(acc["t_sq"]))
     n = acc["valid"]
     if n == 0:
         return out
@@ -279,27 +352,3 @@ def _log1p_minus_x(u: float) -> float:
     if abs(u) >= 1e-2:
         return math.log1p(u) - u
     return -u * u * sum((-u) ** k / (k + 2) for k in range(9))
-
-
-def compare_stats(golden: dict[str, float] | None, target: dict[str, float] | None) -> dict[str, Any]:
-    """Statistics-only entries: abs and relative differences of max, min, mean and norm."""
-    row: dict[str, Any] = {c: math.nan for c in STAT_COLUMNS}
-    row["reason"] = ""
-    if not golden or not target:
-        row["reason"] = "statistics missing on the " + ("golden" if not golden else "target") + " side"
-        return row
-    for key in ("max", "min", "mean", "norm"):
-        gv, tv = golden.get(key), target.get(key)
-        if gv is None or tv is None:
-            continue
-        gv, tv = float(gv), float(tv)
-        diff = abs(tv - gv)
-        row[f"{key}_diff"] = diff
-        row[f"{key}_rel_diff"] = diff / abs(gv) if abs(gv) > EPS else (0.0 if diff <= EPS else math.inf)
-    for side, stats in (("golden", golden), ("target", target)):
-        row[f"{side}_nan"] = int(stats.get("nan") or 0)
-        row[f"{side}_inf"] = int(stats.get("inf") or 0)
-        if row[f"{side}_nan"] or row[f"{side}_inf"]:
-            row["reason"] = "; ".join(filter(None, [row["reason"], f"{side} has {row[side + '_nan']} NaN, "
-                                                    f"{row[side + '_inf']} Inf"]))
-    return row

@@ -26,7 +26,7 @@ typedef double vd __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 constexpr int W = 16;        // floats a step
 constexpr int BLOCK = 8;     // steps summed in float32 before a float64 sum
-constexpr int N_ROW = 16;    // values a row yields before the rows are merged
+constexpr int N_ROW = 20;    // values a row yields before the rows are merged
 constexpr float EPS = 1.1920928955078125e-07f;
 
 typedef uint16_t vu16 __attribute__((vector_size(32)));
@@ -48,6 +48,7 @@ inline vd half(vf x, int which) {  // 8 floats of x widened (memcpy: no __builti
 }
 inline vd widen_sum(vf x) { return half(x, 0) + half(x, 1); }
 inline vf vmax(vf m, vf x) { return x > m ? x : m; }  // NaN is caught by the sums, not here
+inline vf vmin(vf m, vf x) { return x < m ? x : m; }
 inline vf vabs(vf x) { return x < 0 ? -x : x; }
 
 // exp(x) for x <= 0 (0 below -87): 2^n * p(r), r = x - n ln2, p a degree-6 minimax polynomial
@@ -81,7 +82,8 @@ inline vf phi_series(vf d) {
 
 struct Pass1 {  // maxima, exact quadratic sums, counts
     vd aa{}, bb{}, ab{}, dd{}, sad{}, srel{};
-    vf block_ad{}, block_rel{}, mad{}, mrel{}, ma = splat(-INFINITY), mb = splat(-INFINITY);
+    vf block_ad{}, block_rel{}, mad{}, mrel{};
+    vf ma = splat(-INFINITY), mb = splat(-INFINITY);
     vi c1{}, c5{};
 
     template <bool TAIL>
@@ -103,7 +105,10 @@ struct Pass1 {  // maxima, exact quadratic sums, counts
         block_ad += ad; block_rel += rel; c1 -= v1; c5 -= v5;
         mad = vmax(mad, ad); mrel = vmax(mrel, rel);
     }
-    void flush() { sad += widen_sum(block_ad); srel += widen_sum(block_rel); block_ad = block_rel = vf{}; }
+    void flush() {
+        sad += widen_sum(block_ad); srel += widen_sum(block_rel);
+        block_ad = block_rel = vf{};
+    }
 };
 
 // The second pass's form, by the row's largest |d| (the first pass's max): every |d| < 1 means
@@ -112,10 +117,13 @@ struct Pass1 {  // maxima, exact quadratic sums, counts
 // Chosen per row, not per element: a test per vector of 16 costs more than it saves.
 enum Spread { SMALL, UNDER_ONE, ANY };  // the row's largest |d|: < 1/16, < 1, or more
 
+// Each side's minimum and plain sum (its mean) are taken here, not in the first loop: this loop
+// waits on its exp polynomials and has issue slots to spare; in the first they cost ~15%.
 template <Spread S>
 struct Pass2 {  // the softmax sums, weights exp(a - max a) and exp(b - max b) of this row
-    vf ma, mb, scale_b, scale_ab, block_sa{}, block_sb{}, block_y{}, block_z{};
-    vd sa{}, sb{}, y{}, z{};
+    vf ma, mb, scale_b, scale_ab, block_sa{}, block_sb{}, block_y{}, block_z{}, block_a{}, block_b{};
+    vf na = splat(INFINITY), nb = splat(INFINITY);
+    vd sa{}, sb{}, y{}, z{}, s_a{}, s_b{};
 
     template <bool TAIL>
     void step(vf xa, vf xb, vi valid) {
@@ -132,19 +140,25 @@ struct Pass2 {  // the softmax sums, weights exp(a - max a) and exp(b - max b) o
         }
         vf yd = ea * d;
         if (TAIL) {
-            const vf zero = splat(0.0f);
+            const vf zero = splat(0.0f), pinf = splat(INFINITY);
             ea = valid ? ea : zero; eb = valid ? eb : zero; zz = valid ? zz : zero; yd = valid ? yd : zero;
+            na = vmin(na, valid ? xa : pinf); nb = vmin(nb, valid ? xb : pinf);
+            xa = valid ? xa : zero; xb = valid ? xb : zero;
+        } else {
+            na = vmin(na, xa); nb = vmin(nb, xb);
         }
-        block_sa += ea; block_sb += eb; block_y += yd; block_z += zz;
+        block_sa += ea; block_sb += eb; block_y += yd; block_z += zz; block_a += xa; block_b += xb;
     }
     void flush() {
         sa += widen_sum(block_sa); sb += widen_sum(block_sb); y += widen_sum(block_y); z += widen_sum(block_z);
-        block_sa = block_sb = block_y = block_z = vf{};
+        s_a += widen_sum(block_a); s_b += widen_sum(block_b);
+        block_sa = block_sb = block_y = block_z = block_a = block_b = vf{};
     }
 };
 
 inline double hsum(vd v) { double s = 0; for (int i = 0; i < 8; i++) s += v[i]; return s; }
 inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < W; i++) m = v[i] > m ? v[i] : m; return m; }
+inline float hmin(vf v) { float m = v[0]; for (int i = 1; i < W; i++) m = v[i] < m ? v[i] : m; return m; }
 
 template <class P, class A, class B>
 void sweep(P &p, const A *a, const B *b, int64_t n) {
@@ -170,6 +184,7 @@ template <class P, class A, class B>
 void second_pass(P p, const A *a, const B *b, int64_t n, double *t) {
     sweep(p, a, b, n);
     t[0] = hsum(p.sa); t[1] = hsum(p.sb); t[2] = hsum(p.y); t[3] = hsum(p.z);
+    t[4] = hmin(p.na); t[5] = hsum(p.s_a); t[6] = hmin(p.nb); t[7] = hsum(p.s_b);
 }
 
 // one row: its N_ROW values (the first loop reads a and b from memory, the second from cache)
@@ -180,7 +195,7 @@ void one_row(const A *a, const B *b, int64_t n, double *r) {
     float ma = hmax(s.ma), mb = hmax(s.mb), spread = hmax(s.mad);
     const vf va = splat(ma), vb = splat(mb);
     const vf scale_b = splat(std::exp(mb - ma)), scale_ab = splat(std::exp(ma - mb));
-    double t[4];
+    double t[8];
     if (spread < 0.0625f) second_pass(Pass2<SMALL>{va, vb, scale_b, scale_ab}, a, b, n, t);
     else if (spread < 1.0f) second_pass(Pass2<UNDER_ONE>{va, vb, scale_b, scale_ab}, a, b, n, t);
     else second_pass(Pass2<ANY>{va, vb, scale_b, scale_ab}, a, b, n, t);
@@ -188,7 +203,7 @@ void one_row(const A *a, const B *b, int64_t n, double *r) {
     for (int i = 0; i < W; i++) { c1 += s.c1[i]; c5 += s.c5[i]; }
     const double v[N_ROW] = {hsum(s.aa), hsum(s.bb), hsum(s.ab), hsum(s.dd), hmax(s.mad), hsum(s.sad),
                              hmax(s.mrel), hsum(s.srel), double(c1), double(c5), ma, t[0], mb, t[1],
-                             t[2], t[3]};
+                             t[2], t[3], t[4], t[5], t[6], t[7]};
     std::memcpy(r, v, sizeof v);
 }
 
@@ -206,7 +221,7 @@ void all_rows(const void *a, const void *b, int64_t n, int64_t row, int64_t rows
 }  // namespace
 
 // n elements of a and b (each float32, or bfloat16 where a_bf16 / b_bf16) as rows of `row`
-// elements (the last may be shorter), rows in parallel on `threads` threads, merged here: the 14
+// elements (the last may be shorter), rows in parallel on `threads` threads, merged here: the 20
 // values of kernels.pass1 into out. Returns 0, or -1 when out of memory.
 extern "C" int llmflow_pass1(const void *a, int a_bf16, const void *b, int b_bf16, int64_t n, int64_t row,
                              int threads, double *out) {
@@ -224,17 +239,23 @@ extern "C" int llmflow_pass1(const void *a, int a_bf16, const void *b, int b_bf1
         top_a = r[i * N_ROW + 10] > top_a ? r[i * N_ROW + 10] : top_a;
         top_b = r[i * N_ROW + 12] > top_b ? r[i * N_ROW + 12] : top_b;
     }
-    double o[14] = {0}, sa = 0, sb = 0, y = 0, z = 0;
+    double o[20] = {0}, sa = 0, sb = 0, y = 0, z = 0;
     o[4] = o[6] = -INFINITY;
+    o[15] = o[18] = INFINITY;
     for (int64_t i = 0; i < rows; i++) {
         const double *x = r + i * N_ROW;
         for (int k : {0, 1, 2, 3, 5, 7, 8, 9}) o[k] += x[k];
         o[4] = x[4] > o[4] ? x[4] : o[4];
         o[6] = x[6] > o[6] ? x[6] : o[6];
+        o[15] = x[16] < o[15] ? x[16] : o[15];
+        o[18] = x[18] < o[18] ? x[18] : o[18];
+        o[16] += x[17];
+        o[19] += x[19];
         double wa = std::exp(x[10] - top_a), wb = std::exp(x[12] - top_b);
         sa += wa * x[11]; sb += wb * x[13]; y += wa * x[14]; z += wa * x[15];
     }
     o[10] = std::log(sa) + top_a; o[11] = std::log(sb) + top_b; o[12] = y / sa; o[13] = z / sa;
+    o[14] = top_a; o[17] = top_b;
     std::memcpy(out, o, sizeof o);
     if (r != stack) std::free(r);
     return 0;

@@ -4,6 +4,10 @@ Runs in worker processes (or dask workers): a ``Job`` carries the two readers (p
 re-open their files lazily in each process) and the options, ``run_chunk`` turns a list of pairs
 into small row dicts. Tensors are loaded one pair at a time and dropped right after, so a worker's
 memory is a few tensors whatever the dump size.
+
+Every row says where its tensors lie (``golden_data_path``/``target_data_path``: a locator that
+``llmflow inspect`` opens), each side's statistics, the metrics, a problem ``code``
+(``llmflow.compare.codes``) with its verdict, and a reason naming what tripped.
 """
 
 from __future__ import annotations
@@ -15,15 +19,18 @@ from typing import Any
 import torch
 
 from llmflow.compare.algorithms import load_algorithms, run_algorithm
+from llmflow.compare.codes import Code
 from llmflow.compare.match import Pair
-from llmflow.compare.metrics import compare_stats, compare_tensors, verdict
-from llmflow.compare.thresholds import dtype_class
+from llmflow.compare.metrics import compare_tensors, judge
+from llmflow.compare.statistics import STATS, compare_stats
+from llmflow.compare.thresholds import coarser, dtype_class
+from llmflow.formats import locator, locator_prefix
 from llmflow.formats.base import DumpReader, Entry
 
 ID_COLUMNS = ["step", "target_step", "rank", "name", "target_name", "kind", "index", "order", "match",
               "module_type", "golden_dtype", "target_dtype", "golden_shape", "target_shape"]
 LOGITS_COLUMNS = ["golden_top1", "target_top1", "top1_match", "top5_overlap"]
-TAIL_COLUMNS = ["verdict", "reason"]
+TAIL_COLUMNS = ["verdict", "code", "reason", "tripped", "golden_data_path", "target_data_path"]
 
 
 @dataclass
@@ -36,8 +43,10 @@ class Job:
     base_dir: str = "."
     stats_only: bool = False
     thresholds: dict | None = None
-    target_dtype: str | None = None
+    target_dtype: str | None = None  # given: judges every float row
+    model_dtype: str | None = None  # recorded in the dumps: judges rows at it or coarser
     _algs: dict | None = field(default=None, repr=False)
+    _prefixes: tuple[str, str] | None = field(default=None, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -49,35 +58,53 @@ class Job:
             self._algs = load_algorithms(self.algorithms, self.base_dir)
         return self._algs
 
+    def prefixes(self) -> tuple[str, str]:
+        """``locator_prefix`` of the golden and the target reader (computed once)."""
+        if self._prefixes is None:
+            self._prefixes = (locator_prefix(self.golden), locator_prefix(self.target))
+        return self._prefixes
+
 
 def _shape(e: Entry | None) -> list[int] | None:
     return list(e.shape) if e is not None and e.shape is not None else None
 
 
-def base_row(p: Pair) -> dict[str, Any]:
-    """The identifying columns of a pair's row."""
+def base_row(p: Pair, job: Job | None = None) -> dict[str, Any]:
+    """The identifying columns of a pair's row (and, with ``job``, where its tensors lie)."""
     g, t0 = p.golden, (p.targets[0] if p.targets else None)
     ref = g or t0
     assert ref is not None
-    return {
+    several = len(p.targets) > 1  # a many-to-one mapping: the sum of these target tensors
+    row = {
         "step": p.golden_step, "target_step": p.target_step, "rank": p.rank,
         "name": g.name if g else None,
-        "target_name": "+".join(t.name for t in p.targets) if p.targets else None,
+        "target_name": ("+".join(t.name for t in p.targets) if several else t0.name) if t0 else None,
         "kind": ref.kind, "index": ref.index, "order": ref.order, "match": p.match,
         "module_type": ref.module_type,
         "golden_dtype": g.dtype if g else None,
         "target_dtype": t0.dtype if t0 else None,
         "golden_shape": _shape(g), "target_shape": _shape(t0),
     }
+    if job is not None:
+        gp, tp = job.prefixes()
+        row["golden_data_path"] = locator(job.golden, g, gp) if g else ""
+        row["target_data_path"] = ("+".join(filter(None, (locator(job.target, t, tp) for t in p.targets)))
+                                   if several else locator(job.target, t0, tp) if t0 else "")
+    return row
 
 
-def judge_dtype(p: Pair, target_dtype: str | None) -> str:
-    """The dtype whose thresholds judge a pair: integer data stays exact, else the declared
-    target dtype (a bf16 model's logits are often upcast to fp32), else the entry's."""
+def judge_dtype(p: Pair, target_dtype: str | None, model_dtype: str | None = None) -> str:
+    """The dtype whose thresholds judge a pair: integer data stays exact; else the given
+    ``target_dtype``; else the model's dtype recorded in the dumps (a bf16 model's logits reach the
+    dump upcast to fp32, and are judged at bf16), or the tensor's own where that is coarser
+    (an fp8 output of a bf16 model); else the tensor's own dtype."""
     t_dtype = p.targets[0].dtype if p.targets else None
     if dtype_class(t_dtype) == "integer" or dtype_class(p.golden.dtype if p.golden else None) == "integer":
         return "integer"
-    return target_dtype or t_dtype or "float32"
+    if target_dtype:
+        return target_dtype
+    own = t_dtype or "float32"
+    return coarser(model_dtype, own) if model_dtype else own
 
 
 def _stats_of(reader: DumpReader, e: Entry) -> dict[str, float] | None:
@@ -100,20 +127,33 @@ def _sum_stats(stats: list[dict[str, float] | None]) -> dict[str, float] | None:
     return None  # statistics of a sum cannot be derived from the parts' statistics
 
 
+def _recorded_stats(row: dict[str, Any], side: str, e: Entry | None) -> None:
+    """An unmatched row's statistics: what its entry recorded (no tensor is read for it)."""
+    for s in STATS:
+        v = (e.stats or {}).get(s) if e is not None else None
+        row[f"{side}_{s}"] = float(v) if v is not None else None
+
+
 def _logits_columns(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
     """Greedy-token agreement of two logits tensors ``[batch, vocab]`` (first row)."""
     g1, t1 = g.reshape(-1, g.shape[-1])[0].float(), t.reshape(-1, t.shape[-1])[0].float()
     k = min(5, g1.numel())
     gt, tt = torch.topk(g1, k).indices.tolist(), torch.topk(t1, k).indices.tolist()
-    return {"golden_top1": gt[0], "target_top1": tt[0], "top1_match": gt[0] == tt[0],
+    # top-1 as greedy generate picks it (argmax of the float logits: the first of tied maxima);
+    # topk may order a tie of two bf16 logits the other way and date a divergence a step early
+    g_top, t_top = int(torch.argmax(g1)), int(torch.argmax(t1))
+    return {"golden_top1": g_top, "target_top1": t_top, "top1_match": g_top == t_top,
             "top5_overlap": len(set(gt) & set(tt)) / k}
 
 
 def compute_row(job: Job, p: Pair) -> dict[str, Any]:
-    """The full row of one pair; never raises (errors become the row's reason and a fail)."""
-    row = base_row(p)
+    """The full row of one pair; never raises (an unreadable tensor is a ``load_error`` row)."""
+    row = base_row(p, job)
     if p.unmatched:
-        row.update(verdict="unmatched", reason=p.match)
+        code = Code.UNMATCHED_GOLDEN if p.golden is not None else Code.UNMATCHED_TARGET
+        _recorded_stats(row, "golden", p.golden)
+        _recorded_stats(row, "target", p.targets[0] if len(p.targets) == 1 else None)
+        row.update(verdict="unmatched", code=code.value, reason=p.match)
         return row
     assert p.golden is not None
     try:
@@ -144,9 +184,11 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
                     else:
                         row.update({name: math.nan, f"{name}_message": "skipped: shape mismatch"})
             del g, t
-        row["verdict"] = verdict(row, judge_dtype(p, job.target_dtype), job.thresholds)
+        j = judge(row, judge_dtype(p, job.target_dtype, job.model_dtype), job.thresholds)
+        row.update(verdict=j.verdict, code=j.code, reason=j.reason,
+                   tripped=",".join(f"{m}={lv}" for m, lv in j.tripped.items()))
     except Exception as exc:  # a corrupt tensor file must not stop a 100k-row compare
-        row.update(verdict="fail", reason=f"error: {type(exc).__name__}: {exc}")
+        row.update(verdict="fail", code=Code.LOAD_ERROR.value, reason=f"error: {type(exc).__name__}: {exc}")
     return row
 
 

@@ -1,42 +1,48 @@
 """``compare_dumps``: the one library call behind the ``compare`` stage and ``llmflow compare``.
 
-Open both dumps, pair their steps (``align``), pair the tensors of each step (``match``), compute
-every pair in parallel (``engine``), stream one CSV per level, then derive the XLSX (a sheet per
-level) from the CSVs and write ``compare_summary.json``. Memory stays flat: rows go straight to
-disk, only the summary accumulates.
+Check the options, open both dumps, pair their steps and tensors and say how (``pairing``), judge
+whether enough paired (``completeness``), decide the dtype that judges (the model's, recorded in
+the dumps), compute every pair in parallel (``engine``), stream one CSV per level, derive the XLSX
+(a sheet per level) from the CSVs and write ``compare_summary.json``: this module is its only
+writer. Memory stays flat: rows go straight to disk, only the summary accumulates.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llmflow.compare.algorithms import algorithm_name, load_algorithms
-from llmflow.compare.align import align_dumps
+from llmflow.compare.completeness import assess
 from llmflow.compare.engine import execute
-from llmflow.compare.mappings import load_mapping
-from llmflow.compare.match import LEVELS, Pair, match_step
-from llmflow.compare.metrics import COUNT_COLUMNS, METRIC_COLUMNS, STAT_COLUMNS
-from llmflow.compare.rows import ID_COLUMNS, LOGITS_COLUMNS, TAIL_COLUMNS, Job
-from llmflow.compare.summary import SummaryBuilder
+from llmflow.compare.match import LEVELS
+from llmflow.compare.metrics import known_metrics
+from llmflow.compare.pairing import plan_pairs
+from llmflow.compare.rows import Job
+from llmflow.compare.sheets import level_columns, write_sheets
+from llmflow.compare.summary import SummaryBuilder, finish, report_lines
+from llmflow.compare.thresholds import check_dtype_name, check_thresholds, coarser
 from llmflow.errors import UserError
 from llmflow.formats import DumpReader, open_dump
 from llmflow.plugins import is_file_ref
-from llmflow.report.tables import CsvStream, read_csv_rows, write_xlsx
+from llmflow.report.tables import CsvStream
 
-TEXT_COLUMNS = ("name", "target_name", "kind", "index", "match", "module_type", "golden_dtype",
-                "target_dtype", "golden_shape", "target_shape", "verdict", "reason")
 SUMMARY_FILE = "compare_summary.json"
 
 
 @dataclass
 class CompareOptions:
-    """Everything ``compare_dumps`` can be told (the compare stage's parameters)."""
+    """Everything ``compare_dumps`` can be told (the compare stage's parameters, the CLI's flags).
+
+    pairs: step pairs from the align stage (None: align here with prefill_offset and warmup).
+    target_dtype: the dtype whose thresholds judge every float row (None: the model dtype recorded
+      in the dumps, else each tensor's own).
+    final_dir: where the caller moves ``out_dir`` afterwards: the summary's paths name it.
+    """
 
     pairs: list[dict[str, int]] | None = None
     levels: list[str] | None = None
@@ -53,6 +59,26 @@ class CompareOptions:
     base_dir: str = "."
     xlsx: bool = True
     client: Any = None  # an existing dask.distributed Client (tests, notebooks)
+    prefill_offset: int = 0
+    warmup: int = 0
+    final_dir: str | None = None
+
+
+def check_options(opts: CompareOptions, flags: dict[str, str] | None = None) -> list[str]:
+    """Refuse bad options before any work (UserError naming the field); the algorithms' column
+    names. ``flags`` renames fields in messages (``{"target_dtype": "--target-dtype"}``)."""
+    flags = flags or {}
+    for lv in opts.levels or ():
+        if lv not in LEVELS:
+            raise UserError(f"{flags.get('levels', 'compare: levels')}: unknown level {lv!r} "
+                            f"(known: {', '.join(LEVELS)})")
+    if opts.target_dtype:
+        where = flags.get("target_dtype", "compare: target_dtype")
+        opts.target_dtype = check_dtype_name(opts.target_dtype, where)
+    load_algorithms(opts.algorithms, opts.base_dir)  # bad refs fail here
+    names = [algorithm_name(a) for a in opts.algorithms]
+    check_thresholds(opts.thresholds, known_metrics(names), flags.get("thresholds", "thresholds"))
+    return names
 
 
 def _absolute_ref(ref: str, base_dir: str | Path) -> str:
@@ -67,49 +93,30 @@ def _reader(x: str | Path | DumpReader) -> DumpReader:
     return x if isinstance(x, DumpReader) else open_dump(x)
 
 
-def build_pairs(golden: DumpReader, target: DumpReader, opts: CompareOptions,
-                mapping: Any = None) -> tuple[list[Pair], list[dict[str, Any]]]:
-    """Every tensor pair to compute (in step, rank, execution order) and the missing steps."""
-    missing: list[dict[str, Any]] = []
-    if opts.pairs is None:
-        aligned = align_dumps(golden, target, steps=opts.steps)
-        step_pairs, missing = aligned["pairs"], aligned["missing"]
-    else:
-        wanted = set(opts.steps) if opts.steps is not None else None
-        step_pairs = [p for p in opts.pairs if wanted is None or p["golden_step"] in wanted]
-    g_idx: dict[tuple[int, int], list] = defaultdict(list)
-    t_idx: dict[tuple[int, int], list] = defaultdict(list)
-    for e in golden.entries():
-        g_idx[(e.rank, e.step)].append(e)
-    for e in target.entries():
-        t_idx[(e.rank, e.step)].append(e)
-    ranks = sorted({r for r, _ in g_idx} | {r for r, _ in t_idx})
-    if opts.rank is not None:
-        if opts.rank not in ranks:
-            raise UserError(f"compare: rank {opts.rank} is in neither dump (ranks: {ranks})")
-        ranks = [opts.rank]
-    pairs: list[Pair] = []
-    for sp in step_pairs:
-        gs, ts = int(sp["golden_step"]), int(sp["target_step"])
-        for r in ranks:
-            pairs.extend(match_step(g_idx.get((r, gs), ()), t_idx.get((r, ts), ()), golden_step=gs,
-                                    target_step=ts, rank=r, mapping=mapping, levels=opts.levels))
-    return pairs, missing
+def recorded_dtype(reader: DumpReader) -> str | None:
+    """The model dtype a dump recorded (llmflow's env.json: ``torch_settings.model_dtype``), if any."""
+    env = reader.env() or {}
+    for where in (env.get("torch_settings") or {}, env):
+        value = where.get("model_dtype") if isinstance(where, dict) else None
+        if isinstance(value, str) and value:
+            return value.removeprefix("torch.")
+    return None
 
 
-def level_columns(level: str, stats: bool, tensors: bool, alg_names: Iterable[str]) -> list[str]:
-    """The fixed header of one level's CSV (fixed so rows can be streamed)."""
-    cols = list(ID_COLUMNS)
-    if tensors:
-        cols += list(METRIC_COLUMNS)
-    if stats:
-        cols += list(STAT_COLUMNS)
-    cols += list(COUNT_COLUMNS) + ["numel", "shape_mismatch", "dtype_mismatch"]
-    if level == "logits":
-        cols += LOGITS_COLUMNS
-    for name in alg_names:
-        cols += [name, f"{name}_message"]
-    return cols + TAIL_COLUMNS
+def judging(golden: DumpReader, target: DumpReader, opts: CompareOptions) -> dict[str, Any]:
+    """The dtype that judges the float rows and why: given, recorded in the dumps, or each tensor's."""
+    if opts.target_dtype:
+        return {"dtype": opts.target_dtype, "given": opts.target_dtype, "recorded": None,
+                "source": "given (--target-dtype / target_dtype)"}
+    g, t = recorded_dtype(golden), recorded_dtype(target)
+    model = coarser(g, t)
+    if model is None:
+        return {"dtype": None, "given": None, "recorded": None,
+                "source": "neither dump records its model's dtype"}
+    sides = " and ".join(f"{side} {d}" for side, d in (("golden", g), ("target", t)) if d)
+    return {"dtype": model, "given": None, "recorded": model,
+            "source": f"the model dtype the dumps record ({sides}); "
+                      "a coarser tensor dtype judges its own rows"}
 
 
 def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpReader, out_dir: str | Path,
@@ -119,28 +126,28 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     """Compare two dumps into ``out_dir``; returns ``{"csv": {level: path}, "xlsx", "summary_file",
     "summary"}``. ``progress(description, total)`` returns a task with ``advance``/``update``."""
     opts = opts or CompareOptions()
-    for lv in opts.levels or ():
-        if lv not in LEVELS:
-            raise UserError(f"compare: levels: unknown level {lv!r} (known: {', '.join(LEVELS)})")
+    alg_names = check_options(opts)
     out = Path(out_dir)
     g_reader, t_reader = _reader(golden), _reader(target)
-    mapping = load_mapping(opts.mapping, opts.base_dir) if opts.mapping else None
-    load_algorithms(opts.algorithms, opts.base_dir)  # fail fast on bad refs, before any work
-    alg_names = [algorithm_name(a) for a in opts.algorithms]
+    problems = {side: list(r.problems()) for side, r in (("golden", g_reader), ("target", t_reader))}
     t0 = time.perf_counter()
-    pairs, missing = build_pairs(g_reader, t_reader, opts, mapping)
+    pairing = plan_pairs(g_reader, t_reader, step_pairs=opts.pairs, steps=opts.steps,
+                         prefill_offset=opts.prefill_offset, warmup=opts.warmup, rank=opts.rank,
+                         levels=opts.levels, mapping=opts.mapping, base_dir=opts.base_dir)
+    pairs = pairing.pairs
     if not pairs:  # a compare of nothing must not read as a pass
         raise UserError(f"compare: nothing to compare: {g_reader.path} has steps {_span(g_reader.steps())}, "
                         f"{t_reader.path} has steps {_span(t_reader.steps())} and none pair up "
                         "(check steps, prefill_offset, and that both dumps hold tensors)")
+    coverage = assess(pairing, g_reader, t_reader)
+    judge_by = judging(g_reader, t_reader, opts)
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare leaves no empty folder
     # file refs made absolute: worker processes (or dask workers) may run in another directory
     algs = [_absolute_ref(a, opts.base_dir) for a in opts.algorithms]
     job = Job(g_reader, t_reader, algs, str(opts.base_dir), opts.stats_only, opts.thresholds,
-              opts.target_dtype)
+              judge_by["given"], judge_by["recorded"])
     any_stats = opts.stats_only or any(
         not e.has_data for p in pairs if not p.unmatched for e in (p.golden, *p.targets) if e is not None)
-    any_tensors = not opts.stats_only
     streams: dict[str, CsvStream] = {}
     summary = SummaryBuilder()
     task = progress("compare", len(pairs)) if progress else None
@@ -161,7 +168,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
                                       on_chunk=on_chunk):
             for level in levels:
                 if level not in streams:
-                    cols = level_columns(level, any_stats, any_tensors, alg_names)
+                    cols = level_columns(level, any_stats, not opts.stats_only, alg_names)
                     streams[level] = CsvStream(out / f"compare_{level}.csv", cols)
                 streams[level].write(row)
             summary.add(levels, row)
@@ -171,24 +178,31 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     seconds = time.perf_counter() - t0
     order = [lv for lv in LEVELS if lv in streams]
     csvs = {lv: str(streams[lv].path) for lv in order}
-    xlsx_path = None
-    if opts.xlsx:
-        xlsx_path = out / "compare.xlsx"
-        text = TEXT_COLUMNS + tuple(f"{a}_message" for a in alg_names)
-        write_xlsx({lv: read_csv_rows(csvs[lv], text) for lv in order} or {"empty": []}, xlsx_path,
-                   columns={lv: streams[lv].columns for lv in order})
-    result = summary.result(
+    xlsx_path = out / "compare.xlsx" if opts.xlsx else None
+    if xlsx_path is not None:
+        write_sheets({lv: csvs[lv] for lv in order}, {lv: streams[lv].columns for lv in order}, xlsx_path,
+                     alg_names)
+    final = Path(opts.final_dir) if opts.final_dir else out
+
+    def named(p: str | Path) -> str:  # a path inside out_dir, as it will be found afterwards
+        return str(final / Path(p).relative_to(out))
+
+    result = finish(summary.result(
         golden_dump=str(g_reader.path), target_dump=str(t_reader.path),
-        mapping=mapping.name if mapping else None, algorithms=alg_names, missing_steps=missing,
-        pairs=len(pairs), bytes=done["bytes"], seconds=round(seconds, 3),
+        golden_format=g_reader.format, target_format=t_reader.format,
+        mapping=pairing.mapping.name if pairing.mapping else None, matching=pairing.matching,
+        judged_as=judge_by, coverage=coverage, problems=problems, algorithms=alg_names,
+        missing_steps=pairing.missing, pairs=len(pairs), bytes=done["bytes"], seconds=round(seconds, 3),
         gb_per_s=round(done["bytes"] / seconds / 1e9, 3) if seconds > 0 else None,
-        csv=csvs, xlsx=str(xlsx_path) if xlsx_path else None)
+        csv={lv: named(p) for lv, p in csvs.items()}, xlsx=named(xlsx_path) if xlsx_path else None))
     summary_file = out / SUMMARY_FILE
     summary_file.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
     if log is not None:
         c = result["counts"]
         log(f"compare: {len(pairs)} pairs in {seconds:.1f}s: {c['pass']} pass, {c['warn']} warn, "
             f"{c['fail']} fail, {c['unmatched']} unmatched")
+        for line in report_lines(result):
+            log(f"compare: {line}")
     return {"csv": csvs, "xlsx": str(xlsx_path) if xlsx_path else None, "summary_file": str(summary_file),
             "summary": result}
 

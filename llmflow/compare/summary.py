@@ -1,8 +1,9 @@
 """The ``compare`` block of summary.json, built row by row while the rows stream past.
 
-Per level: row counts per verdict, how rows were matched, unmatched counts, the first failing
-(and first warning) row in execution order and the ten worst rows by cosine similarity. For the
-logits level also the greedy-token agreement and the first step whose top-1 token differs.
+Per level: row counts per verdict and per problem code, how rows were matched, unmatched counts,
+the first failing (and first warning) row in execution order and the ten worst rows by cosine
+similarity. For the logits level also the greedy-token agreement and the first step whose top-1
+token differs. Every count comes from the rows' ``code`` (``llmflow.compare.codes``).
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ import heapq
 import math
 from typing import Any
 
-KEEP = ("step", "target_step", "rank", "name", "target_name", "kind", "index", "verdict", "reason",
+from llmflow.compare.codes import VERDICT_OF_VALUE, Code
+
+KEEP = ("step", "target_step", "rank", "order", "name", "target_name", "kind", "index", "verdict", "code",
+        "reason",
         "cosine_similarity", "relative_euclidean_distance", "max_absolute_error", "kl_divergence",
         "norm_rel_diff")
 WORST = 10
+_UNMATCHED_GOLDEN, _UNMATCHED_TARGET = Code.UNMATCHED_GOLDEN.value, Code.UNMATCHED_TARGET.value
 
 
 def brief(row: dict[str, Any]) -> dict[str, Any]:
@@ -37,30 +42,34 @@ class SummaryBuilder:
         self._logits_steps: dict[int, bool] = {}
         self._kl: list[float] = []
         self.totals = {"pass": 0, "warn": 0, "fail": 0, "unmatched": 0}
+        self.codes: dict[str, int] = {}
 
     def _level(self, level: str) -> dict[str, Any]:
         if level not in self.levels:
             self.levels[level] = {"rows": 0, "counts": {"pass": 0, "warn": 0, "fail": 0, "unmatched": 0},
-                                  "match": {}, "unmatched_golden": 0, "unmatched_target": 0,
+                                  "codes": {}, "match": {}, "unmatched_golden": 0, "unmatched_target": 0,
                                   "first_fail": None, "first_warn": None}
             self._worst[level] = []
         return self.levels[level]
 
     def add(self, levels: tuple[str, ...], row: dict[str, Any]) -> None:
         self._seq += 1
-        v = row.get("verdict", "")
+        code = row["code"]
+        v = VERDICT_OF_VALUE[code]  # (a KeyError for a row without a known code: a bug, not data)
         # per row, not per level: a layer row is also a module row
-        self.totals[v] = self.totals.get(v, 0) + 1
+        self.totals[v] += 1
+        self.codes[code] = self.codes.get(code, 0) + 1
         for level in levels:
             s = self._level(level)
             s["rows"] += 1
-            s["counts"][v] = s["counts"].get(v, 0) + 1
-            how = row.get("match", "")
-            if how == "unmatched golden":
+            s["counts"][v] += 1
+            s["codes"][code] = s["codes"].get(code, 0) + 1
+            if code == _UNMATCHED_GOLDEN:
                 s["unmatched_golden"] += 1
-            elif how == "unmatched target":
+            elif code == _UNMATCHED_TARGET:
                 s["unmatched_target"] += 1
             else:
+                how = row.get("match", "")
                 s["match"][how] = s["match"].get(how, 0) + 1
             if v == "fail" and s["first_fail"] is None:
                 s["first_fail"] = brief(row)
@@ -69,11 +78,11 @@ class SummaryBuilder:
             cos = row.get("cosine_similarity")
             if isinstance(cos, (int, float)) and math.isfinite(cos):
                 heap = self._worst[level]
-                item = (-cos, -self._seq, brief(row))
+                key = (-cos, -self._seq)
                 if len(heap) < WORST:
-                    heapq.heappush(heap, item)
-                elif item > heap[0]:
-                    heapq.heapreplace(heap, item)
+                    heapq.heappush(heap, (*key, brief(row)))
+                elif key > heap[0][:2]:  # (the brief only for a row that gets in: most do not)
+                    heapq.heapreplace(heap, (*key, brief(row)))
         if "logits" in levels and "top1_match" in row:
             step = int(row["step"])
             self._logits_steps[step] = self._logits_steps.get(step, True) and bool(row["top1_match"])
@@ -91,7 +100,8 @@ class SummaryBuilder:
         verdict = "fail" if totals["fail"] else "warn" if totals["warn"] else "pass"
         rank = {lv: i for i, lv in enumerate(("logits", "layer", "module", "api", "save"))}
         levels = dict(sorted(self.levels.items(), key=lambda kv: rank.get(kv[0], len(rank))))
-        out: dict[str, Any] = {"verdict": verdict, "counts": totals, "levels": levels}
+        out: dict[str, Any] = {"verdict": verdict, "counts": totals, "codes": dict(self.codes),
+                               "levels": levels}
         if self._logits_steps:
             steps = sorted(self._logits_steps)
             mismatched = [s for s in steps if not self._logits_steps[s]]
@@ -103,3 +113,69 @@ class SummaryBuilder:
             }
         out.update(extra)
         return out
+
+
+def finish(result: dict[str, Any]) -> dict[str, Any]:
+    """Add the compare's conclusion to a summary holding ``counts``, ``coverage`` and ``problems``:
+    ``state`` (complete / incomplete), ``verdict`` and ``outcome`` ({status, headline}).
+
+    Rows that fail make it fail; a compare whose rows mostly found no partner fails too (it did
+    not compare); a dump whose reader reports problems can never pass (inconclusive).
+    """
+    counts, pairs = result["counts"], result.get("pairs", 0)
+    coverage = result.get("coverage") or {}
+    problems = {side: p for side, p in (result.get("problems") or {}).items() if p}
+    incomplete = coverage.get("state") == "incomplete"
+    if counts["fail"]:
+        fails = [s["first_fail"] for s in result["levels"].values() if s.get("first_fail")]
+        first = min(fails, key=lambda r: (r["step"], r["rank"], r.get("order") or 0), default=None)
+        where = f"; first: {first['name']} (step {first['step']}, {first.get('code')})" if first else ""
+        status, headline = "fail", f"{counts['fail']} of {pairs} rows fail{where}"
+        if incomplete:
+            headline += "; and the compare is incomplete"
+    elif incomplete:
+        status, headline = "fail", str(coverage["headline"])
+    elif problems:
+        side, items = next(iter(problems.items()))
+        more = sum(map(len, problems.values())) - 1
+        status = "inconclusive"
+        headline = f"the {side} dump cannot be trusted: {items[0]}" + (f" (+{more} more)" if more else "")
+    else:
+        status = "pass"
+        headline = f"{pairs} rows, {counts['warn']} warn, {counts['unmatched']} unmatched"
+    result["state"] = coverage.get("state", "complete")
+    result["verdict"] = status if status != "pass" else ("warn" if counts["warn"] else "pass")
+    result["outcome"] = {"status": status, "headline": headline}
+    return result
+
+
+def report_lines(summary: dict[str, Any]) -> list[str]:
+    """What a person reads about a compare besides its table: how rows were matched, the dtype
+    that judged, the dumps' problems, what did not pair, the steps without a partner."""
+    from llmflow.compare.pairing import matching_text
+
+    lines = [f"matching: {matching_text(summary.get('matching') or {})}"]
+    judged = summary.get("judged_as") or {}
+    dtype = judged.get("dtype") or "each tensor's own dtype"
+    lines.append(f"judged at {dtype}: {judged.get('source', '')}")
+    for side, items in (summary.get("problems") or {}).items():
+        lines += [f"{side} dump problem: {p}" for p in items]
+    coverage = summary.get("coverage") or {}
+    skipped = coverage.get("not_in_target") or {}
+    if skipped:
+        lines.append("not compared (the target dump has none, or the mapping does not map them): "
+                     + ", ".join(f"{n} golden {what} rows" for what, n in skipped.items()))
+    if coverage.get("golden_only"):
+        lines.append(f"golden only: {coverage['golden_only']} rows with no target counterpart "
+                     "(a fused engine op, or a narrower target dump)")
+    if coverage.get("state") == "incomplete":
+        lines.append(str(coverage.get("headline")))
+    missing: dict[str, list] = {}
+    for m in summary.get("missing_steps") or []:  # one line per side, not one per step
+        step = m.get("golden_step", m.get("target_step"))
+        missing.setdefault(m.get("side", "?"), []).append(step)
+    for side, steps in missing.items():
+        shown = ", ".join(map(str, steps[:10])) + (f" ... ({len(steps)} in all)" if len(steps) > 10 else "")
+        other = "golden" if side == "target" else "target"
+        lines.append(f"{other} steps with no {side} step: {shown}")
+    return lines

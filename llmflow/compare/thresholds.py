@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from llmflow.compare.codes import RANK_OF_VALUE, VERDICT_OF_VALUE, Code
 from llmflow.errors import UserError
 
 HIGHER_IS_BETTER = {"cosine_similarity", "one_thousandth_err_ratio", "five_thousandths_err_ratio"}
@@ -62,6 +65,7 @@ _ALIASES = {
 }
 
 
+@lru_cache(maxsize=1024)  # called for every row with a handful of names
 def dtype_class(dtype: Any) -> str:
     """The threshold class of a dtype name (``"torch.bfloat16"``, ``"bf16"``, ``"int4"`` ...)."""
     name = str(dtype or "float32").lower().removeprefix("torch.")
@@ -76,22 +80,33 @@ def dtype_class(dtype: Any) -> str:
     return "float32"
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
 def _limit(metric: str, value: Any, where: str) -> dict[str, Any]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    """One metric's limits ``{warn, fail[, higher_is_better]}``; UserError naming the field."""
+    if _number(value):
         return {"warn": float(value), "fail": float(value)}
-    if not isinstance(value, dict) or not set(value) <= {"warn", "fail", "higher_is_better"} or not (
-            {"warn", "fail"} & set(value)):
+    if not isinstance(value, dict) or not ({"warn", "fail"} & set(value)):
         raise UserError(f"{where}.{metric}: expected a number or {{warn: x, fail: y}}, got {value!r}")
+    extra = set(value) - {"warn", "fail", "higher_is_better"}
+    if extra:
+        raise UserError(f"{where}.{metric}: unknown field {sorted(map(str, extra))[0]!r} "
+                        "(fields: warn, fail, higher_is_better)")
     out: dict[str, Any] = {}
     for k in ("warn", "fail"):
         if k in value:
-            if not isinstance(value[k], (int, float)) or isinstance(value[k], bool):
+            if not _number(value[k]):
                 raise UserError(f"{where}.{metric}.{k}: expected a number, got {value[k]!r}")
             out[k] = float(value[k])
     out.setdefault("warn", out.get("fail"))
     out.setdefault("fail", out["warn"])
     if "higher_is_better" in value:
-        out["higher_is_better"] = bool(value["higher_is_better"])
+        if not isinstance(value["higher_is_better"], bool):
+            raise UserError(f"{where}.{metric}.higher_is_better: expected true or false, "
+                            f"got {value['higher_is_better']!r}")
+        out["higher_is_better"] = value["higher_is_better"]
     return out
 
 
@@ -127,48 +142,163 @@ def resolve_thresholds(target_dtype: Any, thresholds: dict | None = None) -> dic
     return _resolve_cached(cls, json.dumps({**glob, **per}, sort_keys=False, default=str))
 
 
+# -- the dtype that judges ------------------------------------------------------------------------
+
+#: Names ``--target-dtype`` (and the compare stage's ``target_dtype``) accept: a concrete format.
+#: ``float8`` alone is refused: e4m3 and e5m2 keep 3 and 2 mantissa bits.
+DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz",
+               "float8_e5m2", "float8_e5m2fnuz", "int8", "int4", "fp64", "double", "fp32", "float",
+               "tf32", "fp16", "half", "bf16", "w8a8", "w8a16", "w4a16")
+# fewer significant bits, lower rank: a pair is judged at the coarser of the model's and its own
+_PRECISION = {"float64": 6, "float32": 5, "float16": 4, "bfloat16": 3, "float8": 2, "int8": 1, "int4": 0}
+
+
+def check_dtype_name(name: Any, where: str = "--target-dtype") -> str:
+    """``name`` normalised (``torch.bfloat16`` -> ``bfloat16``), or a UserError listing the names."""
+    text = str(name).strip().lower().removeprefix("torch.")
+    if text not in DTYPE_NAMES:
+        hint = " (float8 is ambiguous: float8_e4m3fn or float8_e5m2)" if text in ("float8", "fp8") else ""
+        raise UserError(f"{where}: unknown dtype {name!r}{hint}; known: {', '.join(DTYPE_NAMES)}")
+    return text
+
+
+def coarser(a: str | None, b: str | None) -> str | None:
+    """The less precise of two floating dtype names (None when both are None)."""
+    if a is None or b is None:
+        return a or b
+    return a if _PRECISION.get(dtype_class(a), 5) <= _PRECISION.get(dtype_class(b), 5) else b
+
+
+# -- validation of the thresholds mapping, before any work ---------------------------------------
+
+def check_thresholds(thresholds: Any, metrics: Iterable[str] | None = None,
+                     where: str = "thresholds") -> None:
+    """Refuse a malformed thresholds mapping, naming the metric and field (UserError).
+
+    ``metrics``: the metric columns a compare writes (custom algorithms included); a key that is
+    neither one of them nor a dtype class is refused. None: any metric name is accepted.
+    """
+    if thresholds is None:
+        return
+    if not isinstance(thresholds, dict):
+        raise UserError(f"{where}: expected a mapping of metric -> limits, got {thresholds!r}")
+    known = set(metrics) if metrics is not None else None
+
+    def one(metric: str, value: Any, at: str) -> None:
+        if known is not None and metric not in known:
+            raise UserError(f"{at}.{metric}: not a metric of this compare (metrics: "
+                            f"{', '.join(sorted(known))}; limits go under a metric, e.g. "
+                            "{cosine_similarity: {warn: 0.999, fail: 0.99}})")
+        _limit(metric, value, at)
+
+    for key, value in thresholds.items():
+        key = str(key)
+        if key in DEFAULT_THRESHOLDS or key in _ALIASES:
+            if not isinstance(value, dict):
+                raise UserError(f"{where}.{key}: expected a mapping of metric -> limits, got {value!r}")
+            for metric, lim in value.items():
+                one(str(metric), lim, f"{where}.{key}")
+        else:
+            one(key, value, where)
+
+
+# -- the verdict of one row -------------------------------------------------------------------------
+
+@dataclass
+class Judgement:
+    """What ``judge`` concludes about one row: its code (a ``Code`` value), verdict, reason and the
+    tripped metrics."""
+
+    code: str
+    verdict: str
+    reason: str
+    tripped: dict[str, str] = field(default_factory=dict)  # metric -> "warn" | "fail"
+
+
+@lru_cache(maxsize=256)
+def _limits_cached(cls: str, overrides_json: str) -> tuple[tuple[str, float, float, bool], ...]:
+    """``(metric, warn, fail, higher_is_better)`` of one class: what ``judge`` loops over."""
+    return tuple((m, lim["warn"], lim["fail"], lim.get("higher_is_better", m in HIGHER_IS_BETTER))
+                 for m, lim in _resolve_cached(cls, overrides_json).items())
+
+
+def _limits(target_dtype: Any, thresholds: dict | None) -> tuple[tuple[str, float, float, bool], ...]:
+    cls = dtype_class(target_dtype)
+    if not thresholds:
+        return _limits_cached(cls, "{}")
+    resolve_thresholds(target_dtype, thresholds)  # (validates, and is cached)
+    glob = {k: v for k, v in thresholds.items() if k not in DEFAULT_THRESHOLDS and k not in _ALIASES}
+    per = {k: v for k, v in thresholds.items() if k in DEFAULT_THRESHOLDS or k in _ALIASES}
+    return _limits_cached(cls, json.dumps({**glob, **per}, sort_keys=False, default=str))
+
+
 def _as_float(v: Any) -> float | None:
-    if isinstance(v, bool) or v is None:
-        return None
     try:
         return float(v)
     except (TypeError, ValueError):
         return None
 
 
-def verdict(row: dict, target_dtype: Any, thresholds: dict | None = None) -> str:
-    """``"pass"``, ``"warn"`` or ``"fail"`` for one compared row.
+_EARLY = frozenset(c.value for c in (Code.LOAD_ERROR, Code.SHAPE_MISMATCH, Code.STATS_MISSING,
+                                     Code.NO_FINITE, Code.EMPTY_TENSOR))
+_OK, _NAN_INF, _NAN_INF_SHARED = Code.OK.value, Code.NAN_INF.value, Code.NAN_INF_SHARED.value
+_FAIL, _WARN = Code.THRESHOLD_FAIL.value, Code.THRESHOLD_WARN.value
 
-    Fail: shape mismatch that could not be compared, NaN/Inf the golden side does not have, no
-    comparable element, or a metric beyond its fail limit. Warn: NaN/Inf on both sides alike, or a
-    metric beyond its warn limit. A NaN metric with a limit fails, except cosine similarity, which
-    is undefined for an all-zero side (relative_euclidean_distance judges that case).
+
+def judge(row: dict, target_dtype: Any, thresholds: dict | None = None) -> Judgement:
+    """The code, verdict and reason of one compared row.
+
+    The row's own ``code`` (set by ``compare_tensors``/``compare_stats``: a shape mismatch, no
+    finite element, an empty tensor, missing statistics) decides alone where nothing could be
+    measured. Otherwise the findings are: NaN/Inf the golden does not have (``nan_inf``) or
+    shares (``nan_inf_shared``), integer against floating data (``dtype_mismatch``), and every
+    metric beyond its limits for ``target_dtype``'s class (``threshold_fail``/``threshold_warn``,
+    each named in the reason: ``cosine_similarity 0.9712 < fail 0.98 (bfloat16)``). A NaN metric
+    with a limit fails, except cosine similarity, which is undefined for an all-zero side
+    (relative_euclidean_distance judges that case). (Runs for every row: kept to plain strings.)
     """
-    reason = str(row.get("reason") or "")
-    if reason.startswith("shape mismatch") and _as_float(row.get("cosine_similarity")) is None:
-        return "fail"
-    if "no element finite" in reason or "empty tensor" in reason:
-        return "fail"
-    if reason.startswith("statistics missing"):
-        return "fail"
+    base = str(row.get("reason") or "")
+    own = row.get("code") or _OK
+    if own in _EARLY:
+        return Judgement(own, VERDICT_OF_VALUE[own], base)
+    findings = [own] if own != _OK else []
     g_bad = int(row.get("golden_nan") or 0) + int(row.get("golden_inf") or 0)
     t_bad = int(row.get("target_nan") or 0) + int(row.get("target_inf") or 0)
     if t_bad > g_bad:
-        return "fail"
-    result = "warn" if t_bad or g_bad else "pass"
-    for metric, lim in resolve_thresholds(target_dtype, thresholds).items():
-        if metric not in row:
+        findings.append(_NAN_INF)
+    elif t_bad or g_bad:
+        findings.append(_NAN_INF_SHARED)
+    tripped: dict[str, str] = {}
+    notes: list[str] = []
+    for metric, warn, fail, higher in _limits(target_dtype, thresholds):
+        v = row.get(metric)
+        if v is None or type(v) is bool:
             continue
-        v = _as_float(row[metric])
-        if v is None:
-            continue
-        higher = lim.get("higher_is_better", metric in HIGHER_IS_BETTER)
-        if math.isnan(v):
-            if metric == "cosine_similarity":
+        if type(v) is not float:
+            v = _as_float(v)
+            if v is None:
                 continue
-            return "fail"
-        if (v < lim["fail"]) if higher else (v > lim["fail"]):
-            return "fail"
-        if (v < lim["warn"]) if higher else (v > lim["warn"]):
-            result = "warn"
-    return result
+        if v != v:  # NaN
+            if metric != "cosine_similarity":
+                tripped[metric] = "fail"
+                notes.append(f"{metric} is NaN ({dtype_class(target_dtype)})")
+            continue
+        if (v < fail) if higher else (v > fail):
+            level, lim = "fail", fail
+        elif (v < warn) if higher else (v > warn):
+            level, lim = "warn", warn
+        else:
+            continue
+        tripped[metric] = level
+        cls = dtype_class(target_dtype)
+        notes.append(f"{metric} {v:.6g} {'<' if higher else '>'} {level} {lim:g} ({cls})")
+    if tripped:
+        findings.append(_FAIL if "fail" in tripped.values() else _WARN)
+    code = min(findings, key=RANK_OF_VALUE.__getitem__) if findings else _OK
+    reason = "; ".join(filter(None, [base, *notes])) if notes else base
+    return Judgement(code, VERDICT_OF_VALUE[code], reason, tripped)
+
+
+def verdict(row: dict, target_dtype: Any, thresholds: dict | None = None) -> str:
+    """``"pass"``, ``"warn"`` or ``"fail"`` for one compared row (``judge``'s verdict)."""
+    return judge(row, target_dtype, thresholds).verdict

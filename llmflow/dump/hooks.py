@@ -34,6 +34,7 @@ from llmflow.dump.capture import DumpSession, inline_writer
 from llmflow.dump.config import DumpConfig
 from llmflow.errors import UserError
 from llmflow.models import logits_of
+from llmflow.structure import find_cache
 
 log = logging.getLogger("llmflow.dump")
 DEFAULT_TAG = "llmflow_dump"
@@ -181,8 +182,9 @@ class DumpHandle:
 
     def _new_sequence(self, args: tuple, kwargs: dict) -> bool:
         """Does this root call start a new sequence (a new prompt) rather than continue one?"""
-        cache = kwargs.get("past_key_values")
-        if cache is not None and hasattr(cache, "get_seq_length"):
+        found = find_cache((), kwargs)
+        cache = found[1] if found else None
+        if cache is not None:
             return int(cache.get_seq_length()) == 0
         ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from llmflow.formats.base import DumpReader, Entry
+from llmflow.structure import is_cache
 
 SIMPLE_TYPES = ("NoneType", "bool", "int", "float", "str")
 
@@ -49,14 +50,6 @@ class Call:
     @property
     def replayable(self) -> bool:
         return self.reason is None and bool(self.outputs)
-
-
-def is_cache(value: Any) -> bool:
-    """A KV-cache object: a transformers ``Cache``, or anything with ``update`` and
-    ``get_seq_length`` (the interface attention modules call)."""
-    if isinstance(value, (torch.Tensor, tuple, list, dict, str, int, float, bool, type(None))):
-        return False
-    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
 def is_cache_type(pytype: str | None) -> bool:

@@ -1,7 +1,9 @@
-"""CSV and XLSX tables of compare rows: streamed, formula-safe, coloured by verdict.
+"""CSV and XLSX tables of compare rows: streamed, formula-safe, the cells that tripped coloured.
 
 A 7B model's compare is ~100k rows, so the CSV is written row by row from any iterable and the
 XLSX uses openpyxl's write-only mode (rows go straight to the zip stream; memory stays flat).
+``read_csv_rows`` is the one way a CSV written here is read back (the XLSX, the HTML report), with
+one rule for what is a number.
 
 Names in a dump come from someone else's model code and end up in cells a person opens in Excel:
 ``safe_cell`` makes sure no text cell can start a formula (``=``, ``+``, ``-``, ``@``, and the tab /
@@ -13,17 +15,21 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
-from itertools import chain
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CsvStream", "columns_of", "read_csv_rows", "safe_cell", "write_csv", "write_xlsx"]
+__all__ = ["CsvStream", "columns_of", "parse_cell", "read_csv_rows", "safe_cell", "write_csv", "write_xlsx"]
 
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n", "\uff1d", "\uff0b", "\uff0d", "\uff20")
 FILLS = {"fail": "FFC7CE", "warn": "FFEB9C"}  # Excel's own "bad" red and "neutral" yellow
 NUMBER_FORMAT = "0.000000"  # metrics; large/small magnitudes get the scientific format below
 SCI_FORMAT = "0.000E+00"
+WIDTH_SAMPLE = 1000  # rows read ahead to size the columns (the rest stream past)
+MAX_WIDTH = 60
+Marks = Callable[[dict[str, Any]], dict[str, str]]  # row -> {column: "fail" | "warn"}
 
 
 def safe_cell(value: Any) -> Any:
@@ -52,6 +58,8 @@ _NUMBERS = frozenset((int, float, bool))
 
 
 def _csv_value(value: Any) -> Any:
+    if type(value) is list and all(type(x) is int for x in value):
+        return "[" + ",".join(map(str, value)) + "]"  # a shape: what json.dumps writes, 5x faster
     v = safe_cell(value)
     return "" if v is None else v
 
@@ -95,15 +103,32 @@ def _xlsx_value(value: Any) -> Any:
     return v
 
 
+def verdict_marks(row: dict[str, Any]) -> dict[str, str]:
+    """The default cell marks: the ``verdict`` cell of a fail or warn row."""
+    v = row.get("verdict")
+    return {"verdict": v} if v in FILLS else {}
+
+
+def _shown_width(value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, float):
+        return 10
+    return len(str(value))
+
+
 def write_xlsx(sheets: dict[str, Sequence[dict[str, Any]] | Iterable[dict[str, Any]]], path: str | Path,
-               columns: dict[str, Sequence[str]] | None = None) -> None:
-    """One sheet per key (sheet names made Excel-safe): bold frozen header, autofilter, floats
-    formatted, rows whose ``verdict`` is fail red and warn yellow. Rows are streamed."""
+               columns: dict[str, Sequence[str]] | None = None, marks: Marks | None = None) -> None:
+    """One sheet per key (sheet names made Excel-safe): bold frozen header, autofilter, columns
+    sized to their content (the first ``WIDTH_SAMPLE`` rows), numbers stored as numbers, text
+    formula-safe. ``marks(row)`` names the cells to colour (fail red, warn yellow), by default the
+    verdict cell. Rows are streamed."""
     from openpyxl import Workbook
     from openpyxl.cell import WriteOnlyCell
     from openpyxl.styles import Font, PatternFill
     from openpyxl.utils import get_column_letter
 
+    marks = marks or verdict_marks
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     wb = Workbook(write_only=True)
@@ -116,9 +141,12 @@ def write_xlsx(sheets: dict[str, Sequence[dict[str, Any]] | Iterable[dict[str, A
             if not isinstance(rows, Sequence):
                 rows = list(rows)
             cols = columns_of(rows)  # type: ignore[arg-type]
+        it = iter(rows)
+        head = list(islice(it, WIDTH_SAMPLE))
         ws = wb.create_sheet(_sheet_title(name, used))
         for i, c in enumerate(cols, start=1):
-            ws.column_dimensions[get_column_letter(i)].width = min(max(len(str(c)) + 2, 10), 60)
+            width = max([len(str(c)) + 3] + [_shown_width(_xlsx_value(r.get(c))) + 1 for r in head])
+            ws.column_dimensions[get_column_letter(i)].width = min(width, MAX_WIDTH)
         ws.freeze_panes = "A2"
         header = []
         for c in cols:
@@ -127,11 +155,12 @@ def write_xlsx(sheets: dict[str, Sequence[dict[str, Any]] | Iterable[dict[str, A
             header.append(cell)
         ws.append(header)
         n = 0
-        for row in rows:
-            fill = fills.get(str(row.get("verdict", "")))
+        for row in chain(head, it):
+            marked = marks(row)
             out = []
             for c in cols:
                 v = _xlsx_value(row.get(c))
+                fill = fills.get(marked.get(c, ""))
                 if isinstance(v, float) or fill is not None:
                     cell = WriteOnlyCell(ws, value=v)
                     if isinstance(v, float):
@@ -173,9 +202,11 @@ class CsvStream:
         self._w = csv.writer(self._f)
         self._w.writerow([_csv_value(c) for c in self.columns])
 
-    def write(self, row: dict[str, Any]) -> None:
-        # numbers, the most cells of a compare row, skip the checks (~2 us a cell, 100k rows)
-        self._w.writerow([v if type(v) in _NUMBERS else _csv_value(v)
+    def write(self, row: dict[str, Any], _n: frozenset = _NUMBERS, _f: tuple = FORMULA_START) -> None:
+        # numbers, the most cells of a compare row, skip the checks; plain text is checked inline
+        # (a function call a cell is most of the cost of a 60-column row)
+        self._w.writerow([v if type(v) in _n else (("'" + v if v.startswith(_f) else v) if type(v) is str
+                                                   else ("" if v is None else _csv_value(v)))
                           for v in map(row.get, self.columns)])
         self.rows += 1
 
@@ -189,25 +220,44 @@ class CsvStream:
         self.close()
 
 
-def read_csv_rows(path: str | Path, text_columns: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
-    """Rows of a CSV written here, numbers turned back into numbers (except ``text_columns``),
-    empty cells into None. Streams: for turning a big CSV into an XLSX sheet."""
-    text = set(text_columns)
-    with Path(path).open(newline="", encoding="utf-8") as f:
-        for raw in csv.DictReader(f):
-            yield {k: (v if k in text else _number(v)) for k, v in raw.items()}
+_INT = re.compile(r"^[+-]?\d+$")
 
 
-def _number(v: str | None) -> Any:
-    if v is None or v == "":
+def parse_cell(text: str | None, kind: str = "auto") -> Any:
+    """One CSV cell read back: THE rule for every table llmflow reads.
+
+    Empty -> None. ``kind`` "text": the text as it is (names, dtypes, shapes, reasons: a module
+    named ``1`` stays ``"1"``). "label": an integer where the text is one, else the text (an
+    ``index`` is ``0`` or ``"1.0"`` or ``"kw:mask"``). "auto": ``True``/``False`` -> bool, an
+    integer -> int, a float (``nan``, ``inf`` included) -> float, anything else the text.
+    """
+    if text is None or text == "":
         return None
-    if v in ("True", "False"):
-        return v == "True"
+    if not isinstance(text, str):  # already read back (a row from read_csv_rows)
+        return text
+    if kind == "text":
+        return text
+    if _INT.match(text):
+        return int(text)
+    if kind == "label":
+        return text
+    if text in ("True", "False"):
+        return text == "True"
     try:
-        return int(v)
+        return float(text)
     except ValueError:
-        pass
-    try:
-        return float(v)
-    except ValueError:
-        return v
+        return text
+
+
+def read_csv_rows(path: str | Path, text_columns: Iterable[str] = (),
+                  label_columns: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
+    """Rows of a CSV written here, each cell through ``parse_cell`` (``text_columns`` as text,
+    ``label_columns`` as labels, the rest "auto"). Streams: for turning a big CSV into an XLSX
+    sheet or an HTML table."""
+    text, label = set(text_columns), set(label_columns)
+    with Path(path).open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        kinds = {k: "text" if k in text else "label" if k in label else "auto"
+                 for k in reader.fieldnames or ()}
+        for raw in reader:
+            yield {k: parse_cell(v, kinds.get(k, "auto")) for k, v in raw.items() if k is not None}

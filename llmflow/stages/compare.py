@@ -2,13 +2,13 @@
 
 A thin adapter over ``llmflow.compare.run.compare_dumps`` (the same call ``llmflow compare``
 makes). Outputs one CSV per level, one XLSX with a sheet per level, and ``compare_summary.json``,
-whose content also goes into summary.json under ``compare``.
+whose content also goes into summary.json under ``compare``. Its outcome: fail when rows fail or
+too little paired, inconclusive when a dump reports problems, pass otherwise.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, ClassVar
 
 from llmflow.compare.match import LEVELS
@@ -23,7 +23,7 @@ class CompareStage(Stage):
     """Compare two dumps tensor by tensor: msit's metrics, pass/warn/fail per row, CSV and XLSX."""
 
     type: ClassVar[str] = "compare"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
@@ -39,13 +39,13 @@ class CompareStage(Stage):
                            "description": "Verdict limits overriding the defaults: {metric: {warn, fail}} "
                            "or {dtype: {metric: {warn, fail}}}."},
             "target_dtype": {"type": ["string", "null"], "default": None,
-                             "description": "The target model's dtype, whose thresholds judge float "
-                             "rows (null: each tensor's own dtype)."},
+                             "description": "The dtype whose thresholds judge float rows (null: the model "
+                             "dtype the dumps record, else each tensor's own)."},
             "algorithms": {"type": "array", "items": {"type": "string"}, "default": [],
                            "description": "Custom algorithms: file.py:func or llmflow.algorithms names."},
             "mapping": {"type": ["string", "null"], "default": None,
                         "description": "Op-mapping file or llmflow.mappings name (e.g. atb-llama); "
-                        "empty: match by name."},
+                        "empty: by name, or a registered mapping that fits the target dump."},
             "executor": {"type": "string", "enum": ["local", "dask"], "default": "local",
                          "description": ("local: this machine (a process pool where there are many small "
                                          "pairs); dask: an existing dask cluster.")},
@@ -80,16 +80,12 @@ class CompareStage(Stage):
             pairs=pairs, levels=p["levels"], thresholds=p["thresholds"], algorithms=list(p["algorithms"]),
             mapping=p["mapping"] or None, executor=p["executor"], scheduler_address=p["scheduler_address"],
             workers=p["workers"], rank=p["rank"], steps=p["steps"], stats_only=bool(p["stats_only"]),
-            target_dtype=p["target_dtype"] or None, base_dir=str(ctx.workflow_dir), xlsx=bool(p["xlsx"]))
+            target_dtype=p["target_dtype"] or None, base_dir=str(ctx.workflow_dir), xlsx=bool(p["xlsx"]),
+            final_dir=str(ctx.final_dir))  # the summary's paths name the final stage directory
         result = compare_dumps(golden, target, ctx.out_dir, opts,
                                progress=lambda desc, total: ctx.task(f"{ctx.stage_id}: {desc}", total),
                                log=lambda msg: ctx.log(f"{ctx.stage_id}: {msg}"))
         summary = result["summary"]
-        # paths in the summary name the final stage directory, like the runner does for outputs
-        tmp, final = str(ctx.out_dir), str(ctx.final_dir)
-        summary["csv"] = {lv: p.replace(tmp, final, 1) for lv, p in summary["csv"].items()}
-        if summary.get("xlsx"):
-            summary["xlsx"] = summary["xlsx"].replace(tmp, final, 1)
-        Path(result["summary_file"]).write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
         ctx.summary["compare"] = summary
+        ctx.set_outcome(summary["outcome"]["status"], f"compare: {summary['outcome']['headline']}")
         return {"csv": result["csv"], "xlsx": result["xlsx"], "summary_file": result["summary_file"]}

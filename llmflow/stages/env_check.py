@@ -1,6 +1,6 @@
 """The ``env-check`` stage: diff the environments of two dumps (or of a dump and this process).
 
-A thin adapter over ``llmflow.compare.env_diff``. ``live`` on either side captures this process's
+A thin adapter over ``llmflow.checks.env_diff``. ``live`` on either side captures this process's
 environment with ``llmflow.dump.env.collect_env`` (the very function dumps record env.json with,
 so both sides have the same fields). Writes ``env_diff.json`` and puts the counts and the
 differences, numerics-relevant first, in summary.json (key ``env_diff``).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from llmflow.compare.env_diff import diff_envs, env_summary, load_env
+from llmflow.checks.env_diff import diff_envs, env_summary, load_env
 from llmflow.stages.base import Stage, StageContext
 
 

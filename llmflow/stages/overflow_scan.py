@@ -1,9 +1,10 @@
 """The ``overflow-scan`` stage: find the first Inf/NaN (or near-max value) in one dump.
 
-A thin adapter over ``llmflow.compare.overflow``: scans the dump in execution order per step and
+A thin adapter over ``llmflow.checks.overflow``: scans the dump in execution order per step and
 rank, names the origin (the first module or API whose inputs are finite and outputs are not),
 traces a NaN back to its first producer, writes ``overflow.json`` and ``overflow.csv`` and puts the
-origin and counts in summary.json (key ``overflow``). Needs no golden.
+origin and counts in summary.json (key ``overflow``). Needs no golden. Its outcome: fail when any
+entry holds Inf or NaN, pass otherwise (near-max values are named in the headline, not a fault).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from llmflow.compare.overflow import CSV_COLUMNS, DEFAULT_NEAR_MAX_FRACTION, overflow_summary, scan
+from llmflow.checks.overflow import CSV_COLUMNS, DEFAULT_NEAR_MAX_FRACTION, overflow_summary, scan
 from llmflow.formats import open_dump
 from llmflow.stages.base import Stage, StageContext
 
@@ -22,7 +23,7 @@ class OverflowScanStage(Stage):
     """Scan one dump for Inf, NaN and near-max values; name where they first appear."""
 
     type: ClassVar[str] = "overflow-scan"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
@@ -54,7 +55,13 @@ class OverflowScanStage(Stage):
         write_csv(result["rows"], csv_path, columns=list(CSV_COLUMNS))
         ctx.summary["overflow"] = overflow_summary(result)
         first = result["first_origin"]
-        ctx.log(f"{ctx.stage_id}: {result['anomalies']} flagged entries; " + (
-            f"first {first['kind']} at {first['name']} (step {first['step']}, rank {first['rank']})"
-            if first else "no Inf, NaN or near-max value"))
+        where = (f"first {first['kind']} at {first['name']} (step {first['step']}, rank {first['rank']})"
+                 if first else "no Inf, NaN or near-max value")
+        ctx.log(f"{ctx.stage_id}: {result['anomalies']} flagged entries; {where}")
+        c = result["counts"]
+        if c["nan"] or c["inf"]:
+            ctx.set_outcome("fail", f"overflow: {c['nan']} entries with NaN, {c['inf']} with Inf; {where}")
+        else:
+            near = f"; {c['near-max']} near the dtype's largest value" if c["near-max"] else ""
+            ctx.set_outcome("pass", f"overflow: no Inf or NaN in {c['entries_scanned']} entries{near}")
         return {"report_file": str(report), "csv": str(csv_path)}

@@ -9,17 +9,18 @@ so the run directory can be moved or zipped whole and the links still work.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from llmflow.compare.env_diff import load_env
+from llmflow.checks.env_diff import load_env
+from llmflow.compare.sheets import LABEL_COLUMNS, TEXT_COLUMNS
 from llmflow.errors import UserError
 from llmflow.report.html import MAX_ROWS, write_report
 from llmflow.report.html_compare import LevelRows, summarize_level
+from llmflow.report.tables import read_csv_rows
 from llmflow.stages.base import Stage, StageContext
 
 _PATH = {"type": ["string", "null"], "default": None}
@@ -91,11 +92,11 @@ def _href(path: Path, page_dir: Path) -> str:
     return Path(rel).as_posix()
 
 
-def _csv_rows(path: Path, stage_id: str) -> Iterator[dict[str, str]]:
-    """The CSV's rows, streamed (a 7B compare has ~100k rows a level)."""
+def _csv_rows(path: Path, stage_id: str) -> Iterator[dict[str, Any]]:
+    """The CSV's rows, streamed (a 7B compare has ~100k rows a level) and read back by the one
+    CSV rule, ``read_csv_rows``."""
     try:
-        with open(path, newline="", encoding="utf-8") as f:
-            yield from csv.DictReader(f)
+        yield from read_csv_rows(path, TEXT_COLUMNS, LABEL_COLUMNS)
     except OSError as exc:
         raise UserError(f"{stage_id}: csv: cannot read {path}: {exc.strerror or exc}") from exc
 

@@ -1,17 +1,18 @@
 """The ``weight-compare`` stage: compare two checkpoints (or a dump's weights) tensor by tensor.
 
-A thin adapter over ``llmflow.compare.weights``: opens both sides (a float checkpoint, a
+A thin adapter over ``llmflow.checks.weights``: opens both sides (a float checkpoint, a
 msModelSlim-quantized one dequantized on the fly, or a dump taken with ``dump_weight``), compares
 every tensor, writes ``weights.csv`` and ``weights.xlsx`` worst first and puts the counts and the
 worst tensor in summary.json (key ``weight_compare``). Missing keys, shape mismatches and
-unsupported schemes are rows with a reason, never dropped.
+unsupported schemes are rows with a reason, never dropped. Its outcome: fail when any tensor
+fails (a metric beyond its limit, missing, mismatched, unsupported), pass otherwise.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from llmflow.compare.weights import compare_sources, open_weights, weight_summary
+from llmflow.checks.weights import compare_sources, open_weights, weight_summary
 from llmflow.stages.base import Stage, StageContext
 
 COLUMNS = ["name", "status", "verdict", "quant_type", "scheme", "golden_dtype", "target_dtype",
@@ -24,7 +25,7 @@ class WeightCompareStage(Stage):
     """Compare weights: float vs quantized checkpoint, checkpoint vs checkpoint, or dump vs checkpoint."""
 
     type: ClassVar[str] = "weight-compare"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
@@ -64,4 +65,10 @@ class WeightCompareStage(Stage):
         worst = summary["worst"]
         ctx.log(f"{ctx.stage_id}: {summary['counts']}" + (
             f"; worst {worst['name']} ({worst['verdict']})" if worst else ""))
+        failed = [r for r in rows if r.get("verdict") == "fail"]
+        if failed:
+            ctx.set_outcome("fail", f"weights: {len(failed)} of {len(rows)} tensors fail; first: "
+                                    f"{failed[0]['name']} ({failed[0].get('reason') or failed[0]['status']})")
+        else:
+            ctx.set_outcome("pass", f"weights: {len(rows)} tensors, none fails")
         return {"csv": str(csv_path), "xlsx": str(xlsx_path)}

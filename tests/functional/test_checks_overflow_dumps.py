@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from llmflow.compare.overflow import scan
+from llmflow.checks.overflow import scan
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 from llmflow.stages.overflow_scan import OverflowScanStage
 
@@ -74,6 +74,16 @@ def test_stage_writes_report_csv_and_summary(tmp_path):
     s = c.summary["overflow"]
     assert s["first_origin"]["name"] == OVERFLOW_MODULE and s["first_origin"]["kind"] == "inf"
     assert s["anomalies"] == len(rows) and s["counts"]["steps"] == [1]
+    assert c.outcome is not None and c.outcome.status == "fail"
+    assert c.outcome.headline.startswith("overflow: ") and OVERFLOW_MODULE in c.outcome.headline
+
+
+def test_stage_passes_a_clean_dump(tmp_path):
+    dump = real_dump(tmp_path, dtype="float32", patch=overflow_up_proj)
+    c = ctx(tmp_path, {"dump": str(dump)}, "overflow")
+    OverflowScanStage().run(c)
+    assert c.outcome is not None and c.outcome.status == "pass"
+    assert c.outcome.headline.startswith("overflow: no Inf or NaN in ")
 
 
 def test_overflow_hunt_workflow(tmp_path):

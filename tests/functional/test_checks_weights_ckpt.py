@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llmflow.compare.weights import compare_sources, open_weights, weight_summary
+from llmflow.checks.weights import compare_sources, open_weights, weight_summary
 from llmflow.stages.weight_compare import WeightCompareStage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
@@ -135,6 +135,19 @@ def test_stage_writes_csv_xlsx_and_summary(pair, tmp_path):
     summary = c.summary["weight_compare"]
     assert summary["worst"]["name"] == WRONG and summary["counts"]["fail"] >= 1
     assert {p["name"] for p in summary["problems"]} >= {"lm_head.weight", "model.embed_tokens.weight"}
+    assert c.outcome is not None and c.outcome.status == "fail" and f"first: {WRONG}" in c.outcome.headline
+    # the reason names the metric that tripped
+    assert "relative_euclidean_distance" in rows[0]["reason"] and rows[0]["code"] == "threshold_fail"
+
+
+def test_stage_passes_equal_checkpoints(tmp_path):
+    tensors = {f"layer.{i}.weight": torch.randn(8, 8) for i in range(3)}
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    save_file(tensors, str(tmp_path / "b.safetensors"))
+    c = ctx(tmp_path, {"golden": str(tmp_path / "a.safetensors"), "target": str(tmp_path / "b.safetensors")},
+            "weights")
+    WeightCompareStage().run(c)
+    assert c.outcome is not None and c.outcome.status == "pass" and "3 tensors" in c.outcome.headline
 
 
 def test_explicit_quant_config_and_name_map(pair, tmp_path):

@@ -1,4 +1,5 @@
-"""The align and compare stages and ``llmflow compare`` (file vs file, dir vs dir)."""
+"""The align and compare stages and ``llmflow compare`` (file vs file, dir vs dir), and its hardening:
+output written all at once, bad -o, bad thresholds, FIFOs, msit's -l."""
 
 from __future__ import annotations
 
@@ -182,3 +183,122 @@ def test_cli_names_a_damaged_manifest(tmp_path: Path, capsys: pytest.CaptureFixt
     rc = main(["compare", "-gp", str(g), "-mp", str(bad), "-o", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert rc == 2 and f"{bad / 'llmflow_dump.json'}:" in err and "Traceback" not in err
+
+
+SLOW_ALG = "import time\n\ndef slow(golden, target):\n    time.sleep(0.3)\n    return 0.0, ''\n"
+
+
+def test_a_killed_compare_leaves_the_old_output_whole(tmp_path: Path) -> None:
+    """kill -9 halfway through a second compare into the same -o: the first compare's CSVs, xlsx
+    and summary are all still there, unchanged; nothing new sits beside them."""
+    g, t = as_dump(tmp_path, "g", steps=(0, 1, 2)), as_dump(tmp_path, "t", steps=(0, 1, 2), noise=1e-3)
+    out = tmp_path / "out"
+    assert main(["compare", "-gp", str(g), "-mp", str(t), "-o", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"compare_summary.json", "compare.xlsx", "compare_module.csv"} <= set(before)
+    (tmp_path / "slow.py").write_text(SLOW_ALG)
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "llmflow.cli", "compare", "-gp", str(g), "-mp", str(t),
+                             "-o", str(out), "-alg", "slow.py:slow", "--workers", "1"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not list(tmp_path.glob(".out.tmp-*/compare_*.csv")) and time.time() < deadline:
+            time.sleep(0.05)
+        assert list(tmp_path.glob(".out.tmp-*/compare_*.csv")), "the second compare never started writing"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_failing_compare_leaves_no_partial_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from llmflow.compare import run
+
+    g, t = as_dump(tmp_path, "g"), as_dump(tmp_path, "t")
+
+    def broken(*_a, **_k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(run, "write_sheets", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        main(["compare", "-gp", str(g), "-mp", str(t), "-o", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("where", ["file", "under_file", "unwritable"])
+def test_a_bad_output_directory_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            where: str) -> None:
+    g = as_dump(tmp_path, "g", steps=[0])
+    (tmp_path / "afile").write_text("x")
+    out = {"file": tmp_path / "afile", "under_file": tmp_path / "afile" / "sub",
+           "unwritable": Path("/proc/llmflow-compare-out")}[where]
+    rc = main(["compare", "-gp", str(g), "-mp", str(g), "-o", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"error: -o {out}:"), err
+    assert {"file": "exists and is not a directory", "under_file": "is a file, not a directory",
+            "unwritable": "cannot write in /proc"}[where] in err[0]
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ('{"warn": "abc"}', "--thresholds.warn: not a metric of this compare"),
+    ('{"cosine_similarity": {"warn": "abc"}}',
+     "--thresholds.cosine_similarity.warn: expected a number, got 'abc'"),
+    ('{"bf16": {"rmse": {"fail": null}}}', "--thresholds.bf16.rmse.fail: expected a number, got None"),
+    ('{"rmse": {"warn": 1, "tolerance": 2}}', "--thresholds.rmse: unknown field 'tolerance'"),
+    ("[1, 2]", "--thresholds: expected a mapping"),
+])
+def test_bad_thresholds_are_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    value: str, message: str) -> None:
+    g = as_dump(tmp_path, "g", steps=[0])
+    rc = main(["compare", "-gp", str(g), "-mp", str(g), "-o", str(tmp_path / "o"), "--thresholds", value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_thresholds_file_with_a_bad_value_names_the_file(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    g = as_dump(tmp_path, "g", steps=[0])
+    f = tmp_path / "limits.yaml"
+    f.write_text("relative_euclidean_distance:\n  warn: 0.01\n  fail: lots\n")
+    args = ["compare", "-gp", str(g), "-mp", str(g), "-o", str(tmp_path / "o"), "--thresholds", str(f)]
+    rc = main(args)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and f"--thresholds {f}.relative_euclidean_distance.fail: expected a number, got 'lots'" \
+        in err
+    f.write_text("relative_euclidean_distance: {warn: 0.01, fail: 0.5}\n")  # a good file works
+    assert main(args) == 0
+
+
+def test_a_fifo_named_like_a_tensor_file_is_refused_by_name(tmp_path: Path) -> None:
+    """Whichever side it is on, the FIFO is named and never opened (reading one would block)."""
+    import os
+    import subprocess
+
+    x = torch.randn(4, 4)
+    torch.save(x, tmp_path / "g.pth")
+    os.mkfifo(tmp_path / "fifo.pth")
+    for args in (["-gp", "g.pth", "-mp", "fifo.pth"], ["-gp", "fifo.pth", "-mp", "g.pth"]):
+        done = subprocess.run([sys.executable, "-m", "llmflow.cli", "compare", *args], cwd=tmp_path,
+                              timeout=60, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        flag = args[args.index("fifo.pth") - 1]
+        assert done.returncode == 2 and done.stderr.strip() == (
+            f"error: {flag} fifo.pth: a FIFO, not a regular file or directory"), done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_msit_short_log_level_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    g = as_dump(tmp_path, "g", steps=[0])
+    assert main(["compare", "-gp", str(g), "-mp", str(g), "-o", str(tmp_path / "o"), "-l", "debug"]) == 0
+    import logging
+
+    assert logging.getLogger().level == logging.DEBUG
+    logging.getLogger().handlers.clear()

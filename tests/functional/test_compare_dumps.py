@@ -50,12 +50,25 @@ def test_bf16_target_passes_and_a_fault_is_the_first_failing_layer(tmp_path: Pat
     assert (
         summary["verdict"] == "fail" and summary["levels"]["layer"]["first_fail"]["name"] == "model.layers.2"
     )
-    # the xlsx has one sheet per level, fail rows red
+    # the xlsx has one sheet per level; in a failing row the metric that tripped and the verdict
+    # are red, the rest is not coloured; numbers are numbers
     wb = openpyxl.load_workbook(res["xlsx"])
     assert wb.sheetnames == ["logits", "layer", "module"]
     ws = wb["layer"]
-    fails = [r for r in ws.iter_rows(min_row=2) if r[-2].value == "fail"]
-    assert fails and all(c.fill.start_color.rgb.endswith("FFC7CE") for c in fails[0])
+    header = [c.value for c in ws[1]]
+    col = {name: i for i, name in enumerate(header)}
+    fails = [r for r in ws.iter_rows(min_row=2) if r[col["verdict"]].value == "fail"]
+    assert fails
+    red = {header[i] for i, c in enumerate(fails[0])
+           if c.fill.fill_type and c.fill.start_color.rgb.endswith("FFC7CE")}
+    tripped = {item.partition("=")[0] for item in fails[0][col["tripped"]].value.split(",")}
+    # a scaled layer keeps its direction (cosine 1): the distance trips
+    assert red == tripped | {"verdict"} and "relative_euclidean_distance" in tripped
+    assert fails[0][col["code"]].value == "threshold_fail"
+    reason = fails[0][col["reason"]].value
+    assert reason.startswith("relative_euclidean_distance 0.") and "> fail 0.2 (bfloat16)" in reason
+    for name in ("index", "step", "order", "numel"):
+        assert isinstance(fails[0][col[name]].value, int), name
 
 
 def test_pool_and_dask_give_the_same_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

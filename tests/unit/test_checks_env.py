@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmflow.compare.env_diff import classify, diff_envs, env_summary, flatten, load_env
+from llmflow.checks.env_diff import classify, diff_envs, env_summary, flatten, load_env
 from llmflow.errors import UserError
 
 

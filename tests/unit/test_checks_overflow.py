@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmflow.compare.overflow import dtype_max, is_collective, overflow_summary, scan
+from llmflow.checks.overflow import dtype_max, is_collective, overflow_summary, scan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from checks_helpers import FakeDump  # noqa: E402

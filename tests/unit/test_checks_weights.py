@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llmflow.compare.weights import (
+from llmflow.checks.weights import (
     Checkpoint,
     QuantConfig,
     dequantize,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from llmflow.compare.mappings import fill_template, glob_to_regex, load_mapping, resolve_mapping
-from llmflow.compare.match import entry_levels, match_step
+from llmflow.compare.match import entry_levels, layer_positions, match_step
 from llmflow.errors import UserError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
@@ -143,6 +143,58 @@ def test_order_fallback_pairs_module_outputs_by_shape() -> None:
     assert [p.match for p in pairs] == ["order", "order", "unmatched target"]
 
 
+def test_order_fallback_never_pairs_across_layers() -> None:
+    """ATB layer n's Mlp cannot pair (another shape); the next layer's Mlp, within the look-ahead,
+    has the golden's shape: it must not stand in for it (it is the next layer's)."""
+    golden = [entry(f"model.layers.{i}.mlp", module_type="LlamaMLP", order=i, shape=(4,)) for i in range(3)]
+    target = [entry("1_DecoderLayer.3_Mlp", module_type="Mlp", order=0, shape=(1, 4)),
+              entry("2_DecoderLayer.3_Mlp", module_type="Mlp", order=1, shape=(4,)),
+              entry("3_DecoderLayer.3_Mlp", module_type="Mlp", order=2, shape=(4,))]
+    pairs = match_step(golden, target, golden_step=0, target_step=0, rank=0)
+    assert pairs_by_name(pairs) == {"model.layers.1.mlp": "2_DecoderLayer.3_Mlp",
+                                    "model.layers.2.mlp": "3_DecoderLayer.3_Mlp"}
+    assert {(p.match, (p.golden or p.targets[0]).name) for p in pairs if p.unmatched} == {
+        ("unmatched golden", "model.layers.0.mlp"), ("unmatched target", "1_DecoderLayer.3_Mlp")}
+
+
+def test_layer_positions_by_index_or_by_position() -> None:
+    hf = hf_entries(3)
+    pos = layer_positions(hf)
+    assert [pos[id(e)] for e in hf if e.name.endswith(".mlp")] == [0, 1, 2]
+    assert pos[id(hf[0])] is None and pos[id(hf[-1])] is None  # embedding, lm_head
+    # ATB numbers its top-level ops, the embedding first: the layers' positions count from 0
+    atb = atb_entries(3)
+    pos = layer_positions(atb)
+    assert [pos[id(e)] for e in atb if e.name.endswith("_Mlp")] == [0, 1, 2]
+    assert pos[id(atb[0])] is None
+
+
+def test_mapping_vars_are_read_from_the_target() -> None:
+    """A model with an op before its first decoder layer numbers its layers from 2: layer_base
+    comes from the target's names (or its topology), not from the file's default."""
+    names = [("0_WordEmbedding", "WordEmbedding"), ("1_PositionEmbedding", "PositionEmbedding")]
+    names += [(f"{i + 2}_DecoderLayer", "DecoderLayer") for i in range(2)]
+    target = [entry(n, module_type=t, order=i) for i, (n, t) in enumerate(names)]
+
+    class Reader:
+        format = "atb"
+
+        def entries(self):
+            return target
+
+        def topology(self):
+            return None
+
+    mapping = load_mapping("atb-llama")
+    assert mapping.variables == {"layer_base": 1} and mapping.detects(Reader())
+    bound = mapping.bind(Reader())
+    assert bound.variables == {"layer_base": 2} and bound.var_sources == {"layer_base": "entries"}
+    pairs = match_step(hf_entries(), target, golden_step=0, target_step=0, rank=0, mapping=bound,
+                       order_fallback=False)
+    got = pairs_by_name(pairs)
+    assert got["model.layers.0"] == "2_DecoderLayer" and got["model.layers.1"] == "3_DecoderLayer"
+
+
 def test_levels_and_filter() -> None:
     assert entry_levels(entry("transformer.h.3")) == ("layer", "module")
     assert entry_levels(entry("model.layers.3", kind="input")) == ("module",)
@@ -183,6 +235,9 @@ def test_mapping_errors_name_file_and_path(tmp_path: Path) -> None:
     j = tmp_path / "ok.json"
     j.write_text(json.dumps({"rules": [{"target_type": "RmsNorm", "golden": "norm"}]}))
     assert load_mapping(j).rules[0].target_type == "RmsNorm"
+    bad.write_text("rules:\n  - target: '{n}_X'\n    golden: 'layers.{n-base}'\n")
+    with pytest.raises(UserError, match=r"rules/0/golden: .*the var 'base'.*declared: none"):
+        load_mapping(bad)
     with pytest.raises(UserError, match="unknown mapping"):
         resolve_mapping("no-such-mapping")
     with pytest.raises(UserError, match="no such file"):

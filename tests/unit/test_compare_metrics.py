@@ -13,7 +13,7 @@ import torch
 
 from llmflow import native
 from llmflow.compare import metrics
-from llmflow.compare.metrics import COLUMNS, compare_stats, compare_tensors, verdict
+from llmflow.compare.metrics import COLUMNS, compare_stats, compare_tensors, judge, verdict
 from llmflow.compare.thresholds import dtype_class, resolve_thresholds
 from llmflow.errors import UserError
 
@@ -38,6 +38,18 @@ def reference(g: np.ndarray, t: np.ndarray) -> dict[str, float]:
         "one_thousandth_err_ratio": float(np.mean(rel < 1e-3)),
         "five_thousandths_err_ratio": float(np.mean(rel < 5e-3)),
     }
+
+
+def assert_side_stats(row: dict, g: np.ndarray, t: np.ndarray, rtol: float = 1e-6) -> None:
+    """Each side's max, min, mean and norm over its finite elements (the mean to rtol of mean |x|:
+    it may cancel to about zero)."""
+    for side, x in (("golden", g), ("target", t)):
+        x = x.astype(np.float64).ravel()
+        x = x[np.isfinite(x)]
+        assert row[f"{side}_max"] == pytest.approx(x.max(), rel=rtol), side
+        assert row[f"{side}_min"] == pytest.approx(x.min(), rel=rtol), side
+        assert row[f"{side}_norm"] == pytest.approx(np.linalg.norm(x), rel=rtol), side
+        assert abs(row[f"{side}_mean"] - x.mean()) <= rtol * np.abs(x).mean(), side
 
 
 def np_kl(g: np.ndarray, t: np.ndarray) -> float:
@@ -75,6 +87,7 @@ def test_metrics_match_numpy(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
     row = compare_tensors(g, t)
     gn, tn = g.numpy(), t.float().numpy()
     assert_matches(row, reference(gn, tn), rtol=1e-9 if path == "eager" else 1e-6)
+    assert_side_stats(row, gn, tn, rtol=1e-9 if path == "eager" else 1e-6)
     assert row["kl_divergence"] == pytest.approx(np_kl(gn, tn), rel=1e-6)
     assert row["dtype_mismatch"] is (dtype != torch.float32)
     assert row["reason"] == "" and row["numel"] == g.numel()
@@ -170,12 +183,17 @@ def test_nan_and_inf_are_counted_and_left_out() -> None:
 
 def test_shape_mismatch_never_raises() -> None:
     row = compare_tensors(torch.ones(3, 4), torch.ones(5))
-    assert row["shape_mismatch"] and row["reason"].startswith("shape mismatch")
+    assert row["shape_mismatch"] and row["code"] == "shape_mismatch"
+    assert row["reason"].startswith("shape mismatch")
     assert math.isnan(row["cosine_similarity"]) and verdict(row, "float32") == "fail"
-    # same elements, another view: compared flat, flagged
+    # each side's statistics are still there
+    assert (row["golden_norm"], row["target_norm"]) == (pytest.approx(12**0.5), pytest.approx(5**0.5))
+    # same elements, another view: compared flat, flagged, judged by the numbers
     row = compare_tensors(torch.arange(6.0).reshape(1, 2, 3), torch.arange(6.0).reshape(2, 3))
     assert row["shape_mismatch"] and row["cosine_similarity"] == pytest.approx(1.0)
-    assert compare_tensors(torch.ones(0), torch.ones(0))["reason"] == "empty tensor"
+    assert row["code"] == "ok" and "compared flat" in row["reason"] and verdict(row, "float32") == "pass"
+    empty = compare_tensors(torch.ones(0), torch.ones(0))
+    assert empty["code"] == "empty_tensor" and judge(empty, "float32").verdict == "warn"
 
 
 def test_integer_and_bool_tensors() -> None:
@@ -410,6 +428,7 @@ def test_fused_kernel_matches_eager_and_numpy(monkeypatch: pytest.MonkeyPatch, c
         assert fused[k] == pytest.approx(eager[k], rel=1e-6, abs=1e-15), k
     gn, tn = g.double().numpy(), t.double().numpy()
     assert_matches(fused, reference(gn, tn), rtol=1e-6)
+    assert_side_stats(fused, gn, tn)
     if case != "shift_100":  # KL ~1e-12 there: below numpy's own rounding of the log-softmaxes
         assert fused["kl_divergence"] == pytest.approx(np_kl(gn, tn), rel=1e-6)
 
@@ -453,6 +472,9 @@ def test_fused_spans_with_nan_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fused["reason"] == eager["reason"]
     for k in metrics.METRIC_COLUMNS:
         assert fused[k] == pytest.approx(eager[k], rel=1e-6, abs=1e-15), k
+    # each side's statistics over its own finite elements, not over those finite on both
+    assert_side_stats(fused, g.numpy(), t.numpy())
+    assert_side_stats(eager, g.numpy(), t.numpy(), rtol=1e-9)
 
 
 def test_fused_kernel_runs_on_more_threads_than_it_was_built_with(monkeypatch: pytest.MonkeyPatch) -> None:

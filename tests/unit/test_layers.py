@@ -1,14 +1,14 @@
 """The package's layers import only downward (docs/ARCHITECTURE.md): cli over workflow over stages
-over localize over the dump/compare libraries over formats/report/native over models, plugins,
-errors."""
+over localize over the checks (one dump or checkpoint) beside and above the dump/compare libraries
+over formats/report/native over models, plugins, errors."""
 
 import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "llmflow"
-RANK = {"cli": 7, "workflow": 6, "stages": 5, "localize": 4, "dump": 3, "compare": 3, "report": 2,
-        "formats": 2, "native": 2, "data": 1, "models": 1, "structure": 1, "seeding": 1, "plugins": 0,
-        "errors": -1}
+RANK = {"cli": 8, "workflow": 7, "stages": 6, "localize": 5, "checks": 4, "dump": 3, "compare": 3,
+        "report": 2, "formats": 2, "native": 2, "data": 1, "models": 1, "structure": 1, "seeding": 1,
+        "plugins": 0, "errors": -1}
 
 
 def _imports(path: Path) -> set[str]:

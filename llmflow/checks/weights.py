@@ -329,7 +329,7 @@ def _rows(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, g_
           t_plans: dict[str, Plan], name_map: dict[str, str] | None, thresholds: dict | None,
           on_tensor: Callable[[str], None] | None) -> Iterator[dict[str, Any]]:
     """One row per logical tensor, golden order first (shard by shard), then target-only ones."""
-    from llmflow.compare.metrics import compare_tensors, verdict
+    from llmflow.compare.metrics import compare_tensors, judge
 
     t_by_golden = {map_name(k, name_map): p for k, p in t_plans.items()}
     for name in list(g_plans) + [n for n in t_by_golden if n not in g_plans]:
@@ -369,7 +369,8 @@ def _rows(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, g_
         row["status"] = "compared"
         # judged at the precision the target stores: int8/int4 for quantized weights
         bits = DEQUANT_BITS.get(tp.qtype or "")
-        row["verdict"] = verdict(row, f"int{bits}" if bits else row["target_dtype"], thresholds)
+        j = judge(row, f"int{bits}" if bits else row["target_dtype"], thresholds)
+        row.update(verdict=j.verdict, code=j.code, reason=j.reason)
         yield row
 
 

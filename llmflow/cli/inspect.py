@@ -1,0 +1,101 @@
+"""Show what a dump holds, or one of its tensors (as Polygraphy's inspect data does).
+
+  llmflow inspect DUMP                       steps, ranks and per level: entries, names, kinds
+  llmflow inspect DUMP NAME [--step N] [--index I] [--kind input|output] [--rank R] [--full]
+
+NAME is a module path (``model.layers.3.mlp``), ``logits``, an API name, or a locator from a
+compare row (``golden_data_path``/``target_data_path``: ``rank0/data/000003.safetensors:12``, an
+msit ``.pth`` or ATB ``.bin`` path). Several entries matching are listed; one is shown: dtype,
+shape, where it lies, the statistics its dump recorded and those of the loaded tensor, and its
+values (summarised; ``--full`` prints every value).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from llmflow.cli.common import console, verdict_line
+from llmflow.errors import EXIT_PASSED
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dump", help="a dump directory of any format (or the folder holding one)")
+    parser.add_argument("name", nargs="?", default=None,
+                        help="an entry name or a compare row's locator (default: summarise the dump)")
+    parser.add_argument("--step", type=int, default=None, help="only this step")
+    parser.add_argument("--index", default=None, help="only this input/output index (0, 1, 1.0, kw:mask)")
+    parser.add_argument("--kind", choices=("input", "output", "weight"), default=None,
+                        help="only inputs, outputs or weights")
+    parser.add_argument("--rank", type=int, default=None, help="only this rank")
+    parser.add_argument("--full", action="store_true", help="print every value of the tensor")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return "" if v is None else str(v)
+
+
+def execute(args: argparse.Namespace) -> int:
+    from llmflow.formats import open_dump
+    from llmflow.formats.describe import describe, find_entries, summarize
+
+    reader = open_dump(args.dump)
+    con = console()
+    if args.name is None:
+        s = summarize(reader)
+        steps = f"{s['steps'][0]}..{s['steps'][-1]}" if s["steps"] else "none"
+        con.print(f"{s['path']}: {s['format']} dump, {s['entries']} entries, steps {steps}, "
+                  f"ranks {', '.join(map(str, s['ranks'])) or 'none'}")
+        for level, d in s["levels"].items():
+            kinds = ", ".join(f"{n} {k}" for k, n in d["kinds"].items())
+            held = ", ".join(f"{d[k]} {what}" for k, what in (("tensors", "tensors"), ("statistics_only",
+                             "statistics only"), ("values", "other values")) if d[k])
+            con.print(f"  {level}: {d['entries']} entries ({kinds}), {d['names']} names, steps {d['steps']}; "
+                      f"{held}; e.g. {', '.join(d['first_names'])}")
+        for p in s["problems"]:
+            con.print(f"problem: {p}")
+        verdict_line(True, f"{s['entries']} entries in {len(s['levels'])} levels")
+        return EXIT_PASSED
+    found = find_entries(reader, args.name, step=args.step, index=args.index, kind=args.kind, rank=args.rank)
+    same_data = len({(e.key, e.rank) for e in found}) == 1 and found[0].has_data
+    if len(found) > 1 and not same_data:
+        con.print(f"{len(found)} entries match {args.name!r} (--step, --index, --kind pick one):")
+        for e in found:
+            d = describe(reader, e, load=False)
+            con.print(f"  step {e.step} rank {e.rank} {e.kind} {e.index} ({e.level}) {_fmt(e.dtype)} "
+                      f"{_fmt(d['shape'])} {_fmt(d['locator'])}")
+        verdict_line(True, f"{len(found)} entries listed")
+        return EXIT_PASSED
+    d = describe(reader, found[0])
+    _show(con, d, full=args.full)
+    if len(found) > 1:  # one tensor recorded as several entries (an unchanged repeat)
+        con.print("the same tensor is also: " + ", ".join(f"{e.name} {e.kind} {e.index}" for e in found[1:]))
+    verdict_line(True, f"{d['name']} {d['kind']} {d['index']}, step {d['step']}")
+    return EXIT_PASSED
+
+
+def _show(con: Any, d: dict[str, Any], full: bool) -> None:
+    import torch
+
+    con.print(f"{d['name']} {d['kind']} {d['index']} (step {d['step']}, rank {d['rank']}, level {d['level']}"
+              + (f", {d['module_type']}" if d["module_type"] else "") + ")")
+    con.print(f"  dtype {d['dtype']}, shape {d['shape']}")
+    if d["locator"]:
+        con.print(f"  locator {d['locator']}  ({d['file']})")
+    if d["recorded"]:
+        con.print("  recorded: " + ", ".join(f"{k}={_fmt(v)}" for k, v in d["recorded"].items()))
+    if d.get("stats"):
+        con.print("  stats: " + ", ".join(f"{k}={_fmt(v)}" for k, v in d["stats"].items()))
+    if "tensor" in d:
+        t = d["tensor"]
+        opts = {"threshold": 2**63 - 1} if full else {"threshold": 64, "edgeitems": 3}
+        torch.set_printoptions(precision=6, linewidth=110, **opts)
+        try:
+            con.print(str(t), markup=False, highlight=False)
+        finally:
+            torch.set_printoptions(profile="default")
+    elif not d["has_data"]:
+        what = f"a {d['pytype']} value: {d['value']!r}" if d["pytype"] else "statistics only, no tensor data"
+        con.print(f"  {what}")

@@ -1,0 +1,167 @@
+"""Every tensor pair of a compare, and which matching made them (names, a mapping, order).
+
+Steps are aligned first (``align``), then each aligned step's entries are matched (``match``).
+The matching is decided once, before any tensor is read:
+
+* a mapping given (``-mf``/``mapping:``) is used, its vars read from the target dump;
+* else, when names pair at least half of the golden entries of the first aligned step, names
+  (with the order fallback for the rest);
+* else every registered mapping (``llmflow.mappings``) whose ``detect`` block fits the target
+  dump is tried on that step, and the one pairing the most entries is used, "chosen
+  automatically": an ATB dump against a torch one needs no ``-mf atb-llama``.
+
+``Pairing.matching`` says which, for the output and the summary.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from llmflow.compare.align import align_dumps
+from llmflow.compare.mappings import Mapping, load_mapping
+from llmflow.compare.match import Pair, comparable, entry_levels, match_step
+from llmflow.errors import UserError
+from llmflow.formats.base import DumpReader, Entry
+
+log = logging.getLogger("llmflow.compare")
+NAME_SHARE = 0.5  # names that pair at least this share of golden entries need no mapping
+
+
+@dataclass
+class Pairing:
+    """The pairs to compute (step, rank, execution order), the steps without a partner, and how
+    tensors were matched."""
+
+    pairs: list[Pair]
+    missing: list[dict[str, Any]]
+    matching: dict[str, Any]
+    mapping: Mapping | None = None
+    missing_rows: int = 0  # golden entries in steps the target lacks
+
+
+def _index(reader: DumpReader) -> dict[tuple[int, int], list[Entry]]:
+    idx: dict[tuple[int, int], list[Entry]] = defaultdict(list)
+    for e in reader.entries():
+        idx[(e.rank, e.step)].append(e)
+    return idx
+
+
+def plan_pairs(golden: DumpReader, target: DumpReader, *, step_pairs: list[dict[str, int]] | None = None,
+               steps: list[int] | None = None, prefill_offset: int = 0, warmup: int = 0,
+               rank: int | None = None, levels: list[str] | None = None, mapping: str | None = None,
+               base_dir: str = ".") -> Pairing:
+    """Align the steps (unless ``step_pairs`` are given), decide the matching, pair every step."""
+    missing: list[dict[str, Any]] = []
+    if step_pairs is None:
+        aligned = align_dumps(golden, target, prefill_offset=prefill_offset, warmup=warmup, steps=steps)
+        step_pairs, missing = aligned["pairs"], aligned["missing"]
+    else:
+        wanted = set(steps) if steps is not None else None
+        step_pairs = [p for p in step_pairs if wanted is None or p["golden_step"] in wanted]
+        paired = {int(p["golden_step"]) for p in step_pairs}
+        missing = [{"side": "target", "golden_step": s, "target_step": None} for s in golden.steps()
+                   if s not in paired and (wanted is None or s in wanted)]
+    g_idx, t_idx = _index(golden), _index(target)
+    ranks = sorted({r for r, _ in g_idx} | {r for r, _ in t_idx})
+    if rank is not None:
+        if rank not in ranks:
+            raise UserError(f"compare: rank {rank} is in neither dump (ranks: {ranks})")
+        ranks = [rank]
+    chosen, matching = _choose(golden, target, g_idx, t_idx, step_pairs, ranks, levels, mapping, base_dir)
+    pairs: list[Pair] = []
+    for sp in step_pairs:
+        gs, ts = int(sp["golden_step"]), int(sp["target_step"])
+        for r in ranks:
+            pairs.extend(match_step(g_idx.get((r, gs), ()), t_idx.get((r, ts), ()), golden_step=gs,
+                                    target_step=ts, rank=r, mapping=chosen, levels=levels))
+    matching["rows"] = dict(Counter(p.match for p in pairs if not p.unmatched))
+    lacking = {int(m["golden_step"]) for m in missing if m.get("side") == "target"}
+    wanted_levels = set(levels) if levels else None
+    missing_rows = sum(1 for (r, s), es in g_idx.items() if s in lacking and r in ranks for e in es
+                       if comparable(e) and _in_levels(e, wanted_levels))
+    return Pairing(pairs, missing, matching, chosen, missing_rows)
+
+
+def _in_levels(e: Entry, wanted: set[str] | None) -> bool:
+    lv = entry_levels(e)
+    return bool(lv) and (wanted is None or bool(set(lv) & wanted))
+
+
+def _trial(g: list[Entry], t: list[Entry], mapping: Mapping | None, levels: list[str] | None) -> int:
+    """Golden entries of one step that pair by name (and through ``mapping``), no order fallback."""
+    pairs = match_step(g, t, golden_step=0, target_step=0, rank=0, mapping=mapping, levels=levels,
+                       order_fallback=False)
+    return sum(1 for p in pairs if not p.unmatched)
+
+
+def _choose(golden: DumpReader, target: DumpReader, g_idx: dict, t_idx: dict,
+            step_pairs: list[dict[str, int]], ranks: list[int], levels: list[str] | None, ref: str | None,
+            base_dir: str) -> tuple[Mapping | None, dict[str, Any]]:
+    """The mapping to use (None: names) and the ``matching`` block describing the choice."""
+    if ref:
+        m = load_mapping(ref, base_dir).bind(target)
+        return m, {"method": "mapping", "mapping": m.name, "chosen": "given", "vars": m.variables,
+                   "why": _vars_text(m)}
+    trial = next(((g_idx.get((r, int(sp["golden_step"]))), t_idx.get((r, int(sp["target_step"]))))
+                  for sp in step_pairs for r in ranks
+                  if g_idx.get((r, int(sp["golden_step"]))) and t_idx.get((r, int(sp["target_step"])))), None)
+    names = {"method": "name", "mapping": None, "chosen": None}
+    if trial is None:
+        return None, names
+    g, t = trial
+    total = sum(1 for e in g if comparable(e) and _in_levels(e, set(levels) if levels else None))
+    by_name = _trial(g, t, None, levels)
+    if total == 0 or by_name >= NAME_SHARE * total:
+        return None, names
+    best: tuple[int, Mapping] | None = None
+    for m in _candidates(target):
+        n = _trial(g, t, m, levels)
+        if n > by_name and (best is None or n > best[0]):
+            best = (n, m)
+    if best is None:
+        return None, names
+    m = best[1]
+    types = ", ".join((m.detect or {}).get("target_types") or [])
+    why = f"the target is an {(m.detect or {}).get('target_format') or 'fitting'} dump"
+    why += f" with {types} ops" if types else ""
+    why += f"; names paired {by_name} of {total} golden entries, the mapping {best[0]}"
+    if m.variables:
+        why += "; " + _vars_text(m)
+    return m, {"method": "mapping", "mapping": m.name, "chosen": "automatically", "vars": m.variables,
+               "why": why}
+
+
+def _vars_text(m: Mapping) -> str:
+    return ", ".join(f"{k} {v} (from its {m.var_sources.get(k, 'default')})" for k, v in m.variables.items())
+
+
+def _candidates(target: DumpReader) -> list[Mapping]:
+    """Registered mappings whose ``detect`` fits the target, vars bound; a broken one is skipped."""
+    from llmflow.plugins import find_group
+
+    out = []
+    for name in sorted(find_group("llmflow.mappings")):
+        try:
+            m = load_mapping(name)
+        except UserError as exc:
+            log.warning("compare: mapping %s not considered: %s", name, exc)
+            continue
+        if m.detects(target):
+            out.append(m.bind(target))
+    return out
+
+
+def matching_text(matching: dict[str, Any]) -> str:
+    """One line: ``mapping atb-llama (chosen automatically: ...); 96 rows by mapping, 2 by order``."""
+    if matching.get("method") == "mapping":
+        how = "given (-mf)" if matching.get("chosen") == "given" else "chosen automatically"
+        head = f"mapping {matching['mapping']} ({how}"
+        head += f": {matching['why']})" if matching.get("why") else ")"
+    else:
+        head = "by name"
+    rows = matching.get("rows") or {}
+    counts = ", ".join(f"{n} by {how}" for how, n in sorted(rows.items(), key=lambda kv: -kv[1]))
+    return f"{head}; rows paired {counts}" if counts else head

@@ -1,0 +1,72 @@
+"""Statistics of a tensor, and the compare of two statistics-only entries.
+
+Each side's max, min, mean and L2 norm are columns of every compare row (msit and msprobe show
+them beside the metrics): ``compare_tensors`` gets them from the same read as its metrics, the
+rest of this module serves what that read cannot (a pair of different element counts, a dump
+that recorded statistics only: ``compare_stats``, whose differences are judged like metrics).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from llmflow.compare.codes import Code
+from llmflow.compare.kernels import EPS
+
+STATS = ("max", "min", "mean", "norm")
+STAT_COLUMNS = tuple(f"{s}_{kind}" for s in STATS for kind in ("diff", "rel_diff"))
+SIDE_COLUMNS = tuple(f"{side}_{s}" for side in ("golden", "target") for s in STATS)
+
+
+def side_stats(x: torch.Tensor) -> dict[str, float]:
+    """max, min, mean and L2 norm of one tensor over its finite elements (NaN when it has none)."""
+    x = x.detach().reshape(-1)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    x = x.to(torch.float64)
+    finite = x[torch.isfinite(x)]
+    if finite.numel() == 0:
+        return {s: math.nan for s in STATS}
+    return {"max": float(finite.max()), "min": float(finite.min()), "mean": float(finite.mean()),
+            "norm": float(torch.linalg.vector_norm(finite))}
+
+
+def put_sides(row: dict[str, Any], golden: dict[str, float], target: dict[str, float]) -> None:
+    for side, stats in (("golden", golden), ("target", target)):
+        for s in STATS:
+            row[f"{side}_{s}"] = stats[s]
+
+
+def compare_stats(golden: dict[str, float] | None, target: dict[str, float] | None) -> dict[str, Any]:
+    """Statistics-only entries: abs and relative differences of max, min, mean and norm, and each
+    side's statistics as they were recorded."""
+    row: dict[str, Any] = {c: math.nan for c in STAT_COLUMNS + SIDE_COLUMNS}
+    row["reason"] = ""
+    row["code"] = Code.OK.value
+    for side, stats in (("golden", golden), ("target", target)):
+        for key in STATS:
+            v = (stats or {}).get(key)
+            if v is not None:
+                row[f"{side}_{key}"] = float(v)
+    if not golden or not target:
+        row["reason"] = "statistics missing on the " + ("golden" if not golden else "target") + " side"
+        row["code"] = Code.STATS_MISSING.value
+        return row
+    for key in STATS:
+        gv, tv = golden.get(key), target.get(key)
+        if gv is None or tv is None:
+            continue
+        gv, tv = float(gv), float(tv)
+        diff = abs(tv - gv)
+        row[f"{key}_diff"] = diff
+        row[f"{key}_rel_diff"] = diff / abs(gv) if abs(gv) > EPS else (0.0 if diff <= EPS else math.inf)
+    for side, stats in (("golden", golden), ("target", target)):
+        row[f"{side}_nan"] = int(stats.get("nan") or 0)
+        row[f"{side}_inf"] = int(stats.get("inf") or 0)
+        if row[f"{side}_nan"] or row[f"{side}_inf"]:
+            row["reason"] = "; ".join(filter(None, [row["reason"], f"{side} has {row[side + '_nan']} NaN, "
+                                                    f"{row[side + '_inf']} Inf"]))
+    return row

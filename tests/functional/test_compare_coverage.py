@@ -1,0 +1,180 @@
+"""A compare that did not compare must not pass: rows that found no partner, other token ranges,
+dumps whose readers distrust them, and finding the dump under the dump_path a user gave."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmflow.cli import main
+from llmflow.dump import DumpConfig, register_hook
+from llmflow.dump.hooks import _PATH
+from llmflow.formats.llmflow_dump import LlmflowDumpReader
+from llmflow.models import greedy_generate
+from llmflow.stages.base import StageContext
+from llmflow.stages.compare import CompareStage
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from dump_helpers import prompt_ids, tiny  # noqa: E402
+from formats_helpers import capture, write_msit_from_capture  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _reset_dump_path():
+    saved = dict(_PATH)
+    yield
+    _PATH.update(saved)
+    logging.getLogger().handlers.clear()  # main() logs to the stderr pytest captured for this test
+
+
+def validate_summary(summary: dict) -> None:
+    """The compare block of summary.json, as schemas/summary.schema.json describes it."""
+    import jsonschema
+
+    schema = json.loads((REPO / "schemas" / "summary.schema.json").read_text())
+    jsonschema.validate(summary, schema["properties"]["compare"])
+
+
+def hook_dump(dump_path: Path, prompts: tuple[str, ...] = ("hello world",), new_tokens: int = 3,
+              **config) -> list[Path]:
+    """What a user's script does: register_hook with a DumpConfig, generate, remove."""
+    lm = tiny()
+    handle = register_hook(lm.model, DumpConfig(dump_path=str(dump_path), **config))
+    for text in prompts:
+        greedy_generate(lm.model, prompt_ids(text), new_tokens)
+    handle.remove()
+    return handle.dumps
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmflow.cli", "compare", *args], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_names_that_do_not_pair_fail_as_incomplete(tmp_path: Path) -> None:
+    """An msit dump of the model inside a wrapper (PEFT-style ``base_model.model.`` prefix) against
+    the user's dump_path: nothing pairs by name, the compare fails and says why."""
+    hook_dump(tmp_path / "golden", token_range=[0])
+    tokens, types = capture(tiny().model.eval(), steps=1)
+    wrapped = {s: {f"base_model.{n}": c for n, c in mods.items()} for s, mods in tokens.items()}
+    write_msit_from_capture(tmp_path / "target", wrapped, {f"base_model.{n}": t for n, t in types.items()})
+    done = cli("-gp", str(tmp_path / "golden"), "-mp", str(tmp_path / "target"), "-o", str(tmp_path / "out"))
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert lines[-1].startswith("FAILED: incomplete:") and "found no partner" in lines[-1]
+    assert "name their tensors differently" in lines[-1] and "'base_model.model." in lines[-1]
+    assert f"golden: {tmp_path / 'golden' / 'llmflow_dump'} (llmflow dump)" in done.stdout
+    summary = json.loads((tmp_path / "out" / "compare_summary.json").read_text())
+    assert summary["state"] == "incomplete" and summary["verdict"] == "fail"
+    assert summary["coverage"]["unpaired"] > summary["coverage"]["considered"] / 2
+    assert summary["outcome"]["status"] == "fail"
+    validate_summary(summary)
+
+
+def test_other_token_ranges_fail_as_incomplete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hook_dump(tmp_path / "g", token_range="all", new_tokens=4)
+    hook_dump(tmp_path / "t", token_range=[0], new_tokens=4)
+    rc = main(["compare", "-gp", str(tmp_path / "g"), "-mp", str(tmp_path / "t"), "-o", str(tmp_path / "o")])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert rc == 1 and last.startswith("FAILED: incomplete:") and "different token ranges / steps" in last
+    assert "golden steps 1..3 have no target step" in last
+
+
+def test_target_without_inputs_is_complete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The bisect recipe's dumps: golden inputs and outputs, target outputs only. The inputs the
+    target never dumped are listed, not held against the compare."""
+    hook_dump(tmp_path / "g", token_range=[0], module_list=["LlamaDecoderLayer"], tensor_part=2)
+    hook_dump(tmp_path / "t", token_range=[0], module_list=["LlamaDecoderLayer"], tensor_part=1)
+    rc = main(["compare", "-gp", str(tmp_path / "g"), "-mp", str(tmp_path / "t"), "-o", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.strip().splitlines()[-1].startswith("PASSED"), out
+    assert "not compared (the target dump has none" in out and "golden module input rows" in out
+
+
+def test_a_dump_with_problems_never_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    hook_dump(tmp_path / "g", token_range=[0])
+    hook_dump(tmp_path / "t", token_range=[0])
+    rc = main(["compare", "-gp", str(tmp_path / "g"), "-mp", str(tmp_path / "t"), "-o", str(tmp_path / "o")])
+    assert rc == 0 and capsys.readouterr().out.strip().splitlines()[-1].startswith("PASSED")
+    target = tmp_path / "t" / "llmflow_dump"
+    monkeypatch.setattr(LlmflowDumpReader, "problems",
+                        lambda self: ["rank0/index.jsonl: 3 rows point at a missing data file"]
+                        if self.path == target else [])
+    rc = main(["compare", "-gp", str(tmp_path / "g"), "-mp", str(tmp_path / "t"), "-o", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert rc == 3, out
+    assert "target dump problem: rank0/index.jsonl: 3 rows point at a missing data file" in out
+    assert out.strip().splitlines()[-1] == ("INCONCLUSIVE: the target dump cannot be trusted: "
+                                            "rank0/index.jsonl: 3 rows point at a missing data file")
+    summary = json.loads((tmp_path / "o" / "compare_summary.json").read_text())
+    assert summary["verdict"] == "inconclusive" and summary["problems"]["target"]
+    validate_summary(summary)
+
+
+def test_dump_path_with_two_turns_lists_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    turns = hook_dump(tmp_path / "g", prompts=("one", "two"), token_range=[0])
+    assert turns == [tmp_path / "g" / "llmflow_dump", tmp_path / "g" / "llmflow_dump_1"]
+    rc = main(["compare", "-gp", str(tmp_path / "g"), "-mp", str(turns[0]), "-o", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert f"{tmp_path / 'g'}: holds 2 dumps, name one:" in err
+    assert str(turns[0]) in err and str(turns[1]) in err
+    assert not (tmp_path / "o").exists()
+    # naming the turn works
+    assert main(["compare", "-gp", str(turns[1]), "-mp", str(turns[1]), "-o", str(tmp_path / "o")]) == 0
+
+
+def stage_ctx(tmp: Path, params: dict) -> StageContext:
+    out = tmp / "stage"
+    out.mkdir()
+    return StageContext(stage_id="compare", params=params, out_dir=out, final_dir=tmp / "final",
+                        run_dir=tmp, workflow_dir=tmp, inputs={}, log=lambda _m: None)
+
+
+@pytest.mark.parametrize(("target_range", "status"), [([0], "pass"), ("all", "pass")])
+def test_compare_stage_sets_its_outcome(tmp_path: Path, target_range, status: str) -> None:
+    hook_dump(tmp_path / "g", token_range=[0])
+    hook_dump(tmp_path / "t", token_range=target_range)
+    ctx = stage_ctx(tmp_path, {"golden": "g/llmflow_dump", "target": "t/llmflow_dump"})
+    CompareStage().run(ctx)
+    assert ctx.outcome is not None and ctx.outcome.status == status
+    summary = json.loads((ctx.out_dir / "compare_summary.json").read_text())
+    # the summary names the final stage directory (its one writer is compare_dumps)
+    assert summary["csv"]["module"] == str(tmp_path / "final" / "compare_module.csv")
+    assert ctx.summary["compare"] == summary
+
+
+def test_compare_stage_fails_an_incomplete_compare(tmp_path: Path) -> None:
+    hook_dump(tmp_path / "g", token_range="all", new_tokens=4)
+    hook_dump(tmp_path / "t", token_range=[0], new_tokens=4)
+    ctx = stage_ctx(tmp_path, {"golden": "g/llmflow_dump", "target": "t/llmflow_dump"})
+    CompareStage().run(ctx)
+    assert ctx.outcome is not None and ctx.outcome.status == "fail"
+    assert ctx.outcome.headline.startswith("compare: incomplete:")
+
+
+def test_compare_stage_fails_on_failing_rows(tmp_path: Path) -> None:
+    hook_dump(tmp_path / "g", token_range=[0])
+    lm = tiny()
+    with torch.no_grad():
+        saved = lm.model.model.layers[1].mlp.down_proj.weight.clone()
+        lm.model.model.layers[1].mlp.down_proj.weight.mul_(3)
+    try:
+        hook_dump(tmp_path / "t", token_range=[0])
+    finally:
+        with torch.no_grad():
+            lm.model.model.layers[1].mlp.down_proj.weight.copy_(saved)
+    ctx = stage_ctx(tmp_path, {"golden": "g/llmflow_dump", "target": "t/llmflow_dump"})
+    CompareStage().run(ctx)
+    assert ctx.outcome is not None and ctx.outcome.status == "fail"
+    assert "rows fail; first: model.layers.1.mlp" in ctx.outcome.headline
