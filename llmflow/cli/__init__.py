@@ -23,6 +23,7 @@ from llmflow.errors import UserError
 
 TOOLS = {
     "run": "llmflow.cli.run",
+    "workflows": "llmflow.cli.workflows",
     "validate": "llmflow.cli.validate",
     "plan": "llmflow.cli.plan",
     "stages": "llmflow.cli.stages",

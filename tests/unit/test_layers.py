@@ -7,7 +7,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "llmflow"
 RANK = {"cli": 7, "workflow": 6, "stages": 5, "localize": 4, "dump": 3, "compare": 3, "report": 2,
-        "formats": 2, "native": 2, "data": 1, "models": 1, "seeding": 1, "plugins": 0, "errors": -1}
+        "formats": 2, "native": 2, "data": 1, "models": 1, "seeding": 1, "plugins": 0, "resources": 0,
+        "errors": -1}
 
 
 def _imports(path: Path) -> set[str]:
