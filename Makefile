@@ -11,7 +11,7 @@ test: install
 	.venv/bin/python -m pytest -q
 
 lint: install
-	.venv/bin/ruff check llmflow plugins tests benchmarks
+	.venv/bin/ruff check llmflow plugins tests benchmarks scripts
 
 # The lowest supported torch and transformers in .venv-oldest (downloads ~2.5 GB; not run by CI).
 test-oldest:

