@@ -157,8 +157,9 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
 def _plant_demo_bug(module: torch.nn.Module) -> str:
     """Apply plugins/demo_bug.py to the embedded SmolLM2; returns the sentence saying so."""
     from llmflow.plugins import load_file_ref
+    from llmflow.resources import plugins_dir
 
-    path = Path(__file__).resolve().parents[1] / "plugins" / "demo_bug.py"
+    path = plugins_dir() / "demo_bug.py"
     if not path.is_file():
         raise UserError(f"model 'smollm2{PLANTED_BUG}': the demo's bug {path} is missing")
     load_file_ref(f"{path}:apply")(module)
@@ -183,15 +184,24 @@ def _load_hf_dir(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:
 
     hf_logging.disable_progress_bar()  # llmflow shows its own progress; tqdm bars garble it
     try:
-        module = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dt)
+        module = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **_dtype_kwarg(dt))
     except (OSError, ValueError) as exc:
         raise UserError(f"model {str(path)!r}: cannot load a Hugging Face model: "
                         f"{str(exc).splitlines()[0]}") from exc
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, ImportError):  # transformers < 4.56: ImportError
         tokenizer = None  # a model without a tokenizer still runs on input_ids
     return module, tokenizer
+
+
+def _dtype_kwarg(dt: torch.dtype) -> dict[str, torch.dtype]:
+    """``from_pretrained``'s dtype argument: ``dtype`` from transformers 4.56 (where the old name
+    ``torch_dtype`` warns), ``torch_dtype`` before (where ``dtype`` reaches the model's __init__)."""
+    import transformers
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dt}
 
 
 def _smollm2_dir() -> Path:
@@ -213,7 +223,7 @@ def _smollm2_dir() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF,
-                                                 local_files_only=True, dtype=torch.float32)
+                                                 local_files_only=True, **_dtype_kwarg(torch.float32))
     tok = AutoTokenizer.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF, local_files_only=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     # write beside the target, then rename: a concurrent reader sees all of it or nothing

@@ -30,6 +30,7 @@ from llmflow.errors import EXIT_BAD_INPUT, UserError, one_line
 
 TOOLS = {
     "run": "llmflow.cli.run",
+    "workflows": "llmflow.cli.workflows",
     "validate": "llmflow.cli.validate",
     "plan": "llmflow.cli.plan",
     "stages": "llmflow.cli.stages",

@@ -9,7 +9,9 @@ from rich.console import Console
 
 def add_workflow_args(parser: argparse.ArgumentParser, run_dir: bool = True) -> None:
     """WORKFLOW, ``--set NAME=VALUE`` (repeatable) and ``--run-dir DIR``."""
-    parser.add_argument("workflow", help="workflow YAML file")
+    parser.add_argument(
+        "workflow", help="workflow YAML file, or the name of a shipped one (`llmflow workflows` lists them)"
+    )
     parser.add_argument(
         "--set",
         dest="set_params",

@@ -59,10 +59,11 @@ def print_plan(items: list) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
+    from llmflow.resources import resolve_workflow
     from llmflow.workflow import plan_workflow
 
     items = plan_workflow(
-        args.workflow,
+        resolve_workflow(args.workflow),
         set_params=args.set_params,
         run_dir=args.run_dir,
         only=args.only,

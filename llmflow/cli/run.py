@@ -56,12 +56,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
+    from llmflow.resources import resolve_workflow
     from llmflow.workflow import run_workflow
     from llmflow.workflow.progress import PlainReporter, RichReporter, default_reporter
 
     reporter = {"rich": RichReporter, "plain": PlainReporter}.get(args.progress, default_reporter)()
     result = run_workflow(
-        args.workflow,
+        resolve_workflow(args.workflow),
         set_params=args.set_params,
         run_dir=args.run_dir,
         only=args.only,

@@ -35,9 +35,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
+    from llmflow.resources import resolve_workflow
     from llmflow.workflow import validate_workflow
 
-    errors = validate_workflow(args.workflow, set_params=args.set_params, trust_plugins=args.trust_plugins)
+    errors = validate_workflow(resolve_workflow(args.workflow), set_params=args.set_params,
+                               trust_plugins=args.trust_plugins)
     for err in errors:
         print(err)
     if errors:

@@ -79,6 +79,7 @@ class AsyncWriter:
         self._wake = False
         self._produced = 0  # bytes submitted (written by the producer only)
         self._consumed = 0  # bytes processed (written by the writer thread only)
+        self._errors_queued = self._errors_written = 0  # forward failures: handed over, on disk
         self._error: BaseException | None = None
         self._reported = False
         self._batch: dict[str, torch.Tensor] = {}
@@ -129,8 +130,16 @@ class AsyncWriter:
         self._queue.append((_STEP_END, step, (order, error), 0))
         if self._thread is None:  # inline
             self._drain_inline()
-        else:
-            self._notify()
+            return
+        self._notify()
+        if error is not None and self._thread is not threading.current_thread():
+            # the failure reaches rank.json before the exception leaves the forward (a process
+            # that dies of it still tells of it); rare, so waiting for the writer costs nothing
+            self._errors_queued += 1
+            with self._cond:
+                while self._errors_written < self._errors_queued and self._error is None \
+                        and self._thread.is_alive():
+                    self._cond.wait(0.01)
 
     def close(self, complete: bool = True, **meta: Any) -> None:
         """Drain the queue, write the last batch, close the files, mark the dump complete.
@@ -232,6 +241,9 @@ class AsyncWriter:
                 self.disk.append_order(item[1], order)
             if error is not None:  # on disk now: a process killed later still tells of it
                 self.disk.update_rank_meta(errors=[*self.disk.rank_meta.get("errors", ()), error])
+                self._errors_written += 1
+                with self._cond:
+                    self._cond.notify_all()
             return False
         if head is _CLOSE:
             self._flush()

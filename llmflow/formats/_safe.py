@@ -196,7 +196,8 @@ def torch_load(path: Path, mmap: bool = False) -> torch.Tensor:
         if mmap and size > 4:
             with open(path, "rb") as f:
                 zipped = f.read(4) == b"PK\x03\x04"
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+        # str(): torch 2.1 memory-maps only a path given as str
+        obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=zipped)
     except Exception as exc:  # UnpicklingError, RuntimeError (zip/storage), EOFError, ... all one answer
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DumpFormatError(f"{path}: refused or unreadable tensor file (weights_only load: "

@@ -14,5 +14,5 @@ def test_ruff_clean():
     if importlib.util.find_spec("ruff") is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "llmflow", "plugins",
-                           "tests", "benchmarks"], cwd=REPO, capture_output=True, text=True)
+                           "tests", "benchmarks", "scripts"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
