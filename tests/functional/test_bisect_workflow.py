@@ -26,7 +26,8 @@ def test_llama2_bisect_names_an_injected_fault(tmp_path):
             "target_patch=../plugins/example_faults.py:wrong_act_layer_2"]
     run_workflow(REPO / "workflows" / "llama2_bisect.yaml", set_params=sets, run_dir=tmp_path / "run")
     s = _summary(tmp_path / "run")
-    assert s["status"] == "passed", {k: v.get("error") for k, v in s["stages"].items()}
+    assert all(v["status"] == "done" for v in s["stages"].values()), s["stages"]
+    assert s["status"] == "failed" and s["outcome"]["status"] == "fail"  # the fault found
     v = s["verdict"]
     assert v["first_bad_layer"] == "model.layers.2"
     assert v["first_bad_module"] == "model.layers.2.mlp.act_fn"
@@ -58,7 +59,8 @@ def test_badcase_bisect_bisects_the_worst_prompt(tmp_path):
             "prompts=[a short one, a somewhat longer prompt with more words in it]"]
     run_workflow(REPO / "workflows" / "badcase_bisect.yaml", set_params=sets, run_dir=tmp_path / "run")
     s = _summary(tmp_path / "run")
-    assert s["status"] == "passed", {k: v.get("error") for k, v in s["stages"].items()}
+    assert all(v["status"] == "done" for v in s["stages"].values()), s["stages"]
+    assert s["status"] == "failed" and s["outcome"]["status"] == "fail"  # the fault found
     ranking = json.loads((tmp_path / "run" / "badcase" / "ranking.json").read_text())
     worst = ranking[0]["prompt"]
     assert ranking[0]["max_kl"] >= ranking[1]["max_kl"]

@@ -198,7 +198,8 @@ def test_weight_check_workflow(pair, tmp_path):
     run_workflow(repo / "workflows" / "weight_check.yaml", set_params=[f"golden={g}", f"target={t}"],
                  run_dir=tmp_path / "run")
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert s["status"] == "passed", {k: v.get("error") for k, v in s["stages"].items()}
+    assert all(v["status"] == "done" for v in s["stages"].values()), s["stages"]
+    assert s["status"] == "failed" and s["outcome"]["status"] == "fail"  # the fault found
     assert s["weight_compare"]["worst"]["name"] == WRONG
     assert s["weight_compare"]["counts"]["missing_in_target"] == 1
     assert Path(s["stages"]["weights"]["outputs"]["xlsx"]).is_file()

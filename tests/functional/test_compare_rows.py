@@ -19,6 +19,7 @@ import torch
 from llmflow.cli import main
 from llmflow.compare.run import CompareOptions, compare_dumps
 from llmflow.dump import DumpConfig, dump_run
+from llmflow.errors import UserError
 from llmflow.formats import open_dump
 from llmflow.formats.describe import find_entries, tensor_stats
 
@@ -161,12 +162,25 @@ def test_codes_decide_verdicts_and_counts(tmp_path: Path) -> None:
                                       if c in ("nan_inf", "threshold_fail", "shape_mismatch"))
 
 
-def test_an_unreadable_tensor_is_a_load_error_row(tmp_path: Path) -> None:
+def test_a_truncated_data_file_is_named_not_compared(tmp_path: Path) -> None:
     g = write_dump(tmp_path / "g", {0: model_items(seed=0, logits=False)})
     t = write_dump(tmp_path / "t", {0: model_items(seed=0, logits=False)})
     data = next((t / "rank0" / "data").glob("*.safetensors"))
     data.write_bytes(data.read_bytes()[:64])  # truncated after the index was written
-    res = compare_dumps(reader(g), reader(t), tmp_path / "out", CompareOptions(xlsx=False))
+    with pytest.raises(UserError, match=r"the target dump is damaged: .*000000\.safetensors: truncated"):
+        compare_dumps(reader(g), reader(t), tmp_path / "out", CompareOptions(xlsx=False))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unreadable_tensor_is_a_load_error_row(tmp_path: Path) -> None:
+    g = write_dump(tmp_path / "g", {0: model_items(seed=0, logits=False)})
+    t = write_dump(tmp_path / "t", {0: model_items(seed=0, logits=False)})
+    target = reader(t)
+
+    def unreadable(entry):
+        raise OSError(f"I/O error reading {entry.key}")
+    target.load = unreadable  # a disk error while the compare reads (the index and header are fine)
+    res = compare_dumps(reader(g), target, tmp_path / "out", CompareOptions(xlsx=False))
     rows = list(csv.DictReader(open(res["csv"]["module"])))
     assert {r["code"] for r in rows} == {"load_error"} and all(r["verdict"] == "fail" for r in rows)
     assert res["summary"]["codes"] == {"load_error": len(rows)}
