@@ -86,6 +86,8 @@ def execute(args: argparse.Namespace) -> int:
         if res.outcome and res.status in ("done", "cached"):
             note = "  (superseded by a stage that needs it)" if res.id in superseded else ""
             print(one_line(f"{res.id}: {res.outcome['status']}: {res.outcome['headline']}") + note)
+            if res.outcome.get("next") and res.id not in superseded:
+                print(one_line(f"  next: {res.outcome['next']}"))
     print(f"run dir: {result.run_dir}  (summary: {result.run_dir / 'summary.json'})")
     verdict_line(result.verdict, result.reason)
     return result.exit_code

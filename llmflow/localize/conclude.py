@@ -205,8 +205,13 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                   f"stands out when replayed at {steps}: the fault may live in state carried between steps "
                   "(a KV cache written wrong at earlier steps), in a module the replay cannot isolate, or "
                   "be spread over many layers")
-        nxt = (f"replay other steps (bisect replay_step: {max(bad_token - 1, 0)}, or 0), dump both sides "
-               "in module mode at that step and compare them (llmflow compare), or lower ratio_threshold")
+        if all(t.step != bad_token for t in tried):
+            nxt = (f"replay the step whose logits fail: bisect replay_step: {bad_token} (in the recipe: "
+                   f"--set replay_step={bad_token}), or leave replay_step unset to let the bisect choose")
+        else:
+            nxt = (f"replay an earlier step (bisect replay_step: {max(bad_token - 1, 0)}, or 0), dump both "
+                   "sides in module mode at that step and compare them (llmflow compare), or lower "
+                   "ratio_threshold")
     elif chosen.not_replayable:
         reason = (f"{len(chosen.not_replayable)} module(s) could not be replayed at "
                   f"{_step_word(chosen.step)}{_reason_list(chosen)}: the fault may be among them")

@@ -25,10 +25,12 @@ OUTCOMES = ("pass", "inconclusive", "fail")
 
 @dataclass
 class Outcome:
-    """A stage's conclusion: ``status`` in OUTCOMES and a one-line ``headline`` for the last line."""
+    """A stage's conclusion: ``status`` in OUTCOMES, a one-line ``headline`` for the last line and,
+    for an inconclusive one, ``next``: what to run to get the evidence that is missing."""
 
     status: str
     headline: str
+    next: str = ""
 
     def __post_init__(self) -> None:
         if self.status not in OUTCOMES:
@@ -65,10 +67,10 @@ class StageContext:
     progress: Callable[..., ProgressTask] | None = None
     outcome: Outcome | None = None
 
-    def set_outcome(self, status: str, headline: str) -> None:
-        """Say what this stage concluded about the target (see ``OUTCOMES``); stages that only
-        produce data (dumps, reports) set none."""
-        self.outcome = Outcome(status, headline)
+    def set_outcome(self, status: str, headline: str, next_step: str = "") -> None:
+        """Say what this stage concluded about the target (see ``OUTCOMES``) and, when the evidence
+        falls short, what to run next; stages that only produce data (dumps, reports) set none."""
+        self.outcome = Outcome(status, headline, next_step)
 
     def resolve_path(self, value: str | Path) -> Path:
         """A user-given path, relative to the workflow file's directory."""

@@ -102,7 +102,8 @@ class BisectStage(Stage):
         summary["texts"] = {side: verdict["texts"][side]["text"] for side in ("golden", "target")}
         ctx.summary["verdict"] = summary
         ctx.log(f"{ctx.stage_id}: {verdict['diagnosis']}")
-        ctx.set_outcome(result.status, result.headline)
+        ctx.set_outcome(result.status, result.headline,
+                        result.inconclusive.next if result.inconclusive else "")
         return {"verdict_file": str(path)}
 
 

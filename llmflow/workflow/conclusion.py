@@ -41,7 +41,10 @@ def outcome_record(outcome: Any) -> dict[str, str] | None:
     """A stage's ``ctx.outcome`` as stored in its state file and summary.json."""
     if outcome is None:
         return None
-    return {"status": outcome.status, "headline": outcome.headline}
+    record = {"status": outcome.status, "headline": outcome.headline}
+    if outcome.next:
+        record["next"] = outcome.next
+    return record
 
 
 def _valid(record: Any) -> bool:

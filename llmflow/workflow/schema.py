@@ -26,7 +26,7 @@ from llmflow.workflow.marks import MarkMap, ValidationError
 
 NAME_PATTERN = "^[A-Za-z_][A-Za-z0-9_-]*$"
 FILE_REF_PATTERN = r"^.+\.py:[A-Za-z_][A-Za-z0-9_]*$"
-PARAM_TYPES = ["string", "integer", "number", "boolean", "array", "object"]
+PARAM_TYPES = ["string", "integer", "number", "boolean", "array", "object", "null"]
 
 _INTERPOLATION = {
     "type": "string",
@@ -39,7 +39,9 @@ _PARAM = {
     "additionalProperties": False,
     "description": "A workflow parameter, overridable with --set NAME=VALUE.",
     "properties": {
-        "type": {"enum": PARAM_TYPES, "description": "JSON type of the value."},
+        "type": {"anyOf": [{"enum": PARAM_TYPES},
+                           {"type": "array", "items": {"enum": PARAM_TYPES}, "minItems": 1, "uniqueItems": True}],
+                 "description": "JSON type of the value, or a list of them ([integer, \"null\"]: optional)."},
         "default": {"description": "Value used when --set does not give one."},
         "description": {"type": "string", "description": "What the parameter means."},
         "enum": {"type": "array", "minItems": 1, "description": "The allowed values."},

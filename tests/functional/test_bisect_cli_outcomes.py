@@ -1,0 +1,84 @@
+"""`llmflow run` of the bisect recipe as a user runs it (a subprocess, shipped workflow names,
+--set overrides): the exit code and the last line say what was concluded, 1 FAILED naming the
+module, 0 PASSED, 3 INCONCLUSIVE with a `next:` line saying what to run; the demo finds its
+planted bug and the plain bf16 port of the same model passes, on any CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = "tiny-llama:layers=4,hidden=64,seed=0"
+FAULT = "../plugins/example_faults.py:decode_attn_scale_layer_2"  # relative to the workflow file
+
+
+def llmflow_run(run_dir: Path, *sets: str, workflow: str = "llama2_bisect") -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "llmflow.cli", "run", workflow, "--run-dir", str(run_dir),
+            "--progress", "plain"]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=run_dir.parent)
+
+
+def last_line(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def tiny_sets(*extra: str) -> list[str]:
+    return [f"golden_model={TINY}", f"target_model={TINY}", "max_new_tokens=6", *extra]
+
+
+def test_a_decode_fault_fails_naming_its_module(tmp_path):
+    proc = llmflow_run(tmp_path / "run", *tiny_sets(f"target_patch={FAULT}"))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert last_line(proc).startswith("FAILED: model.layers.2.self_attn is the fault")
+    assert "decode step 1" in last_line(proc)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["outcome"]["stages"] == ["bisect"]
+
+
+def test_replaying_a_step_that_holds_no_fault_is_inconclusive_and_says_what_next(tmp_path):
+    run = tmp_path / "run"
+    proc = llmflow_run(run, *tiny_sets(f"target_patch={FAULT}", "replay_step=0"))
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert last_line(proc).startswith("INCONCLUSIVE: the logits fail")
+    nxt = [ln for ln in proc.stdout.splitlines() if ln.startswith("next:")]
+    assert nxt and "--set replay_step=1" in nxt[0]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "inconclusive"
+    assert summary["stages"]["bisect"]["outcome"]["next"].startswith("replay the step whose logits fail")
+    # following the advice: the same run dir, the dumps reused, the fault named
+    again = llmflow_run(run, *tiny_sets(f"target_patch={FAULT}", "replay_step=1"))
+    assert again.returncode == 1 and "model.layers.2.self_attn" in last_line(again)
+    assert "dump-golden: cached" in again.stdout and "dump-npu: cached" in again.stdout
+
+
+def test_a_clean_port_passes(tmp_path):
+    proc = llmflow_run(tmp_path / "run", *tiny_sets())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert last_line(proc).startswith("PASSED")
+
+
+def test_a_bad_set_value_is_exit_2_in_one_line(tmp_path):
+    proc = llmflow_run(tmp_path / "run", *tiny_sets("replay_step=-1"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "replay_step" in proc.stdout + proc.stderr and last_line(proc).startswith("FAILED")
+    assert not (tmp_path / "run" / "bisect").exists()
+
+
+@pytest.mark.slow
+def test_the_demo_finds_its_planted_bug_and_the_plain_port_passes(tmp_path):
+    """The README's main command: layer 17's decode attention carries a planted softmax-scale bug;
+    without it, the same bf16 port passes whether or not this CPU's bf16 makes the texts part."""
+    demo = llmflow_run(tmp_path / "demo")
+    assert demo.returncode == 1, demo.stdout[-3000:] + demo.stderr[-2000:]
+    assert last_line(demo).startswith("FAILED: model.layers.17.self_attn is the fault")
+    assert "decode step" in last_line(demo) and "planted bug" in demo.stdout
+    assert (tmp_path / "demo" / "report" / "report.html").is_file()
+    plain = llmflow_run(tmp_path / "plain", "target_model=smollm2")
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-2000:]
+    assert last_line(plain).startswith("PASSED")
