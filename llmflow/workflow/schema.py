@@ -39,8 +39,8 @@ _PARAM = {
     "additionalProperties": False,
     "description": "A workflow parameter, overridable with --set NAME=VALUE.",
     "properties": {
-        "type": {"anyOf": [{"enum": PARAM_TYPES},
-                           {"type": "array", "items": {"enum": PARAM_TYPES}, "minItems": 1, "uniqueItems": True}],
+        "type": {"anyOf": [{"enum": PARAM_TYPES}, {"type": "array", "items": {"enum": PARAM_TYPES},
+                                                   "minItems": 1, "uniqueItems": True}],
                  "description": "JSON type of the value, or a list of them ([integer, \"null\"]: optional)."},
         "default": {"description": "Value used when --set does not give one."},
         "description": {"type": "string", "description": "What the parameter means."},
