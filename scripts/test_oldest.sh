@@ -26,7 +26,7 @@ print(f"test-oldest: torch {torch.__version__}, transformers {transformers.__ver
 # layer of a recent transformers receives (use_cache, past_key_values); older ones pass others.
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" \
   tests/unit/test_dump_*.py tests/unit/test_compare_*.py tests/unit/test_formats_*.py \
-  tests/unit/test_bisect_*.py tests/unit/test_engine_*.py tests/unit/test_packaging_resources.py \
+  tests/unit/test_localize_*.py tests/unit/test_stages_bisect.py tests/unit/test_workflow_*.py tests/unit/test_packaging_resources.py \
   tests/functional/test_dump_stage.py tests/functional/test_compare_dumps.py \
-  tests/functional/test_bisect_workflow.py tests/functional/test_bisect_faults.py \
+  tests/functional/test_workflow_recipes.py tests/functional/test_localize_faults.py \
   --deselect tests/unit/test_dump_capture.py::test_kwargs_and_non_tensors_are_recorded

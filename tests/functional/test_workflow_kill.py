@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import REPO, ran, write_workflow  # noqa: E402
+from workflow_helpers import REPO, ran, write_workflow  # noqa: E402
 
 WORKFLOW = """
     name: killme

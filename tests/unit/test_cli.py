@@ -15,7 +15,7 @@ from llmflow.cli import TOOLS, main
 from llmflow.workflow.rundir import RunDirLock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import HELPERS, REPO, write_workflow  # noqa: E402
+from workflow_helpers import HELPERS, REPO, write_workflow  # noqa: E402
 
 OK = """
     name: ok

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import assert_bad_input, llmflow, write_workflow  # noqa: E402
+from workflow_helpers import assert_bad_input, llmflow, write_workflow  # noqa: E402
 
 OK = """
     name: ok

@@ -16,7 +16,7 @@ from llmflow.workflow.rundir import RunDirLock
 from llmflow.workflow.state import STATE_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import REPO, events, ran, write_workflow  # noqa: E402
+from workflow_helpers import REPO, events, ran, write_workflow  # noqa: E402
 
 CHAIN = """
     name: chain

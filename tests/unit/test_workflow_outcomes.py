@@ -17,7 +17,7 @@ from llmflow.workflow import run_workflow
 from llmflow.workflow.state import STATE_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import REPO, llmflow, ran, write_workflow  # noqa: E402
+from workflow_helpers import REPO, llmflow, ran, write_workflow  # noqa: E402
 
 TWO_BRANCHES = """
     name: branches

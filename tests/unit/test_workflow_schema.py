@@ -15,7 +15,7 @@ from llmflow.workflow.registry import load_registered
 from llmflow.workflow.schema import generate, structural_schema, workflow_schema
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import REPO  # noqa: E402
+from workflow_helpers import REPO  # noqa: E402
 
 
 def test_schemas_are_valid_draft7():

@@ -10,7 +10,7 @@ import pytest
 from llmflow.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import write_workflow  # noqa: E402
+from workflow_helpers import write_workflow  # noqa: E402
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from llmflow.workflow import plan_workflow, run_workflow
 from llmflow.workflow.state import STATE_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import llmflow, ran, write_workflow  # noqa: E402
+from workflow_helpers import llmflow, ran, write_workflow  # noqa: E402
 
 CHAIN = """
     name: chain

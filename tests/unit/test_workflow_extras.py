@@ -14,7 +14,7 @@ from llmflow.workflow import run_workflow, validate_workflow
 from llmflow.workflow.progress import PlainReporter, RichReporter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import REPO, write_workflow  # noqa: E402
+from workflow_helpers import REPO, write_workflow  # noqa: E402
 
 
 def test_plain_reporter_lines_and_quarter_progress():

@@ -11,7 +11,7 @@ from llmflow.workflow import WorkflowError, dag, load_workflow, validate_workflo
 from llmflow.workflow.interpolate import InterpolationError, Ref, parse, resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import write_workflow  # noqa: E402
+from workflow_helpers import write_workflow  # noqa: E402
 
 
 def test_marks_for_keys_and_values(tmp_path):

@@ -14,7 +14,7 @@ from llmflow.errors import UserError
 from llmflow.seeding import MAX_SEED, apply_settings, determinism_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_helpers import REPO, assert_bad_input, llmflow, write_workflow  # noqa: E402
+from workflow_helpers import REPO, assert_bad_input, llmflow, write_workflow  # noqa: E402
 
 HELLO = str(REPO / "workflows" / "hello.yaml")
 
