@@ -27,12 +27,11 @@ from functools import lru_cache
 
 from llmflow.compare.mappings import Mapping
 from llmflow.formats.base import Entry
+from llmflow.structure import layer_index, layer_of_name
 
 LEVELS = ("logits", "layer", "module", "api", "save")
-LAYER_RE = re.compile(r"(^|\.)(layers|layer|h|blocks|block|decoder_layers)\.\d+$")
-# the decoder layer a name lies in: a numbered path part (model.layers.7), or an engine's op named
-# like a layer (ATB's 9_DecoderLayer)
-_INDEXED_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|decoder_layers)\.(\d+)(?=$|[./])")
+# an engine's op named like a decoder layer (ATB's 9_DecoderLayer): its layer is its position
+# among such ops; numbered layers (model.layers.7) are structure.layer_index's
 _NAMED_LAYER = re.compile(r"(?:^|[./])(\d+_[A-Za-z]*(?:Layer|Block)[A-Za-z]*)(?=$|[./])")
 ORDER_LOOKAHEAD = 16  # how far the order fallback looks ahead for a shape match before giving up
 
@@ -80,7 +79,7 @@ def entry_levels(e: Entry) -> tuple[str, ...]:
     if e.level == "logits" or (e.name == "logits" and e.level != "api"):
         return ("logits",)
     if e.level == "module":
-        if e.kind == "output" and e.index == "0" and LAYER_RE.search(e.name):
+        if e.kind == "output" and e.index == "0" and layer_of_name(e.name) == e.name:
             return ("layer", "module")
         return ("module",)
     if e.level in ("api", "save"):
@@ -102,9 +101,9 @@ def layer_positions(entries: list[Entry]) -> dict[int, int | None]:
     """
     keys: dict[int, tuple[str, int | None] | None] = {}
     for e in entries:
-        m = _INDEXED_LAYER.search(e.name)
-        if m:
-            keys[id(e)] = ("indexed", int(m.group(1)))
+        index = layer_index(e.name)
+        if index is not None:
+            keys[id(e)] = ("indexed", index)
             continue
         m = _NAMED_LAYER.search(e.name)
         keys[id(e)] = ("named", m.group(1)) if m else None  # type: ignore[assignment]

@@ -36,7 +36,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
 
 from llmflow.report import html_verdict as hv
-from llmflow.report.html_compare import LevelRows, layer_heat_map, layer_number, parse_row, summarize_level
+from llmflow.report.html_compare import LevelRows, layer_heat_map, layer_number, summarize_level
 from llmflow.report.html_svg import charts
 
 MAX_ROWS = 5000  # per table: a browser stays responsive, the CSV has the rest
@@ -270,8 +270,3 @@ def write_report(path: str | Path, **kwargs: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_report(**kwargs), encoding="utf-8")
     return path
-
-
-def rows_of(items: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Plain dict copies (CSV readers give dicts of strings; numbers are parsed back)."""
-    return [parse_row(item) for item in items]

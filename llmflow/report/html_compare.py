@@ -13,24 +13,22 @@ which shows at a glance at which token and layer the drift starts and how it spr
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmflow.report.html_svg import heat_map
+from llmflow.structure import layer_index
 
 # the heat map's metric: the first of these the rows hold (column, label, value -> error)
 HEAT_METRICS = (("relative_euclidean_distance", "relative L2 error", lambda v: v),
                 ("cosine_similarity", "1 - cosine similarity", lambda v: 1.0 - v))
-_LAYER_INDEX = re.compile(r"\.(\d+)$")
 
 
 def layer_number(name: Any) -> int | None:
-    """``model.layers.12`` -> 12; None for a name that does not end in a layer number."""
-    m = _LAYER_INDEX.search(str(name or ""))
-    return int(m[1]) if m else None
+    """``model.layers.12`` -> 12 (structure's one rule for a layer); None outside the layers."""
+    return layer_index(str(name)) if name else None
 
 
 def parse_cell(value: Any) -> Any:

@@ -68,7 +68,7 @@ class AlignStage(Stage):
     }
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        p = {"prefill_offset": 0, "warmup": 0, "steps": None, **ctx.params}
+        p = self.params(ctx)
         golden_path, target_path = dump_paths(ctx)
         result = align_dumps(open_dump(golden_path), open_dump(target_path),
                              prefill_offset=int(p["prefill_offset"]), warmup=int(p["warmup"]),

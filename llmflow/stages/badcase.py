@@ -63,8 +63,7 @@ class BadcaseStage(Stage):
     def run(self, ctx: StageContext) -> dict[str, Any]:
         from llmflow.models import load_model
 
-        p = {name: spec.get("default") for name, spec in self.params_schema["properties"].items()}
-        p.update(ctx.params)
+        p = self.params(ctx)
         prompts = load_prompts(p["prompts"], ctx.workflow_dir)
         loaded = {side: load_model(p[f"{side}_model"], device=p[f"{side}_device"], dtype=p[f"{side}_dtype"],
                                    patch=p[f"{side}_patch"] or None, base_dir=ctx.workflow_dir)

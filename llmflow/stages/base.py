@@ -10,6 +10,7 @@ anything it wants in ``<run-dir>/summary.json`` goes into ``ctx.summary``.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,7 +120,23 @@ class Stage(ABC):
     def run(self, ctx: StageContext) -> dict[str, Any]:
         """Do the work, write files under ``ctx.out_dir``, return the outputs (JSON values)."""
 
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        """The stage's parameters with the schema's defaults: the workflow runner has filled them
+        already; a stage run as a library call gets them from the same declaration. A property
+        without a default and not given reads None."""
+        filled = fill_defaults(self.params_schema, ctx.params)
+        return {**{name: None for name in self.params_schema.get("properties", {})}, **filled}
+
     @classmethod
     def doc(cls) -> str:
         """The one-line help: the first line of the class docstring."""
         return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+
+def fill_defaults(schema: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` plus the schema's top-level defaults for the keys it lacks."""
+    out = dict(params)
+    for name, prop in schema.get("properties", {}).items():
+        if name not in out and isinstance(prop, dict) and "default" in prop:
+            out[name] = copy.deepcopy(prop["default"])
+    return out

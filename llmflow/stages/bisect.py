@@ -74,8 +74,7 @@ class BisectStage(Stage):
     outputs: ClassVar[dict[str, str]] = {"verdict_file": "verdict.json: the verdict and all its evidence"}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        p = {name: spec.get("default") for name, spec in self.params_schema["properties"].items()}
-        p.update(ctx.params)
+        p = self.params(ctx)
         gen = {side: _read_json(ctx.resolve_path(p[f"{side}_generation"]), f"{side}_generation")
                for side in ("golden", "target")}
         pairs = None

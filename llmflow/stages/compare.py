@@ -69,9 +69,7 @@ class CompareStage(Stage):
     }
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        p = {"pairs_file": None, "levels": None, "thresholds": None, "target_dtype": None, "algorithms": [],
-             "mapping": None, "executor": "local", "scheduler_address": None, "workers": None,
-             "rank": None, "steps": None, "stats_only": False, "xlsx": True, **ctx.params}
+        p = self.params(ctx)
         golden, target = dump_paths(ctx)
         pairs = None
         if p["pairs_file"]:

@@ -68,8 +68,7 @@ class DumpStage(Stage):
         return set() if device == "cpu" else {f"device:{device}"}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        p = {name: spec.get("default") for name, spec in self.params_schema["properties"].items()}
-        p.update(ctx.params)
+        p = self.params(ctx)
         if p.get("prompt") is None and p.get("input_ids") is None:
             raise UserError(f"{ctx.stage_id}: prompt: give a prompt or input_ids")
         dump_dir = ctx.resolve_path(p["dump_dir"]) if p.get("dump_dir") else ctx.out_dir / "dump"

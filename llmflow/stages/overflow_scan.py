@@ -44,7 +44,7 @@ class OverflowScanStage(Stage):
     def run(self, ctx: StageContext) -> dict[str, Any]:
         from llmflow.report.tables import write_csv
 
-        p = {"near_max_fraction": DEFAULT_NEAR_MAX_FRACTION, "steps": None, "ranks": None, **ctx.params}
+        p = self.params(ctx)
         reader = open_dump(ctx.resolve_path(p["dump"]))
         task = ctx.task(f"{ctx.stage_id}: scanning", total=len(reader.entries()))
         result = scan(reader, near_max_fraction=float(p["near_max_fraction"]), steps=p["steps"],

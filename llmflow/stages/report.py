@@ -52,8 +52,7 @@ class ReportStage(Stage):
     outputs: ClassVar[dict[str, str]] = {"html": "report.html, self-contained (no network)"}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        p = {name: spec.get("default") for name, spec in self.params_schema["properties"].items()}
-        p.update(ctx.params)
+        p = self.params(ctx)
         verdict = None
         if p["verdict_file"]:
             path = ctx.resolve_path(p["verdict_file"])

@@ -43,7 +43,8 @@ class SeedStage(Stage):
     }
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        settings = determinism_settings(ctx.params.get("seed", 1234), ctx.params.get("deterministic", True))
+        p = self.params(ctx)
+        settings = determinism_settings(p["seed"], p["deterministic"])
         path = ctx.out_dir / "seed_settings.json"
         path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
         ctx.summary["seed"] = settings

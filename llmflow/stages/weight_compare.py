@@ -49,7 +49,7 @@ class WeightCompareStage(Stage):
     def run(self, ctx: StageContext) -> dict[str, Any]:
         from llmflow.report.tables import write_csv, write_xlsx
 
-        p = {"quant_config": None, "thresholds": None, "name_map": None, **ctx.params}
+        p = self.params(ctx)
         golden = open_weights(ctx.resolve_path(p["golden"]))
         qc = ctx.resolve_path(p["quant_config"]) if p["quant_config"] else None
         target = open_weights(ctx.resolve_path(p["target"]), quant_config=qc)

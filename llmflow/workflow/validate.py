@@ -10,7 +10,6 @@ is about to run.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import jsonschema
 
 from llmflow.errors import UserError, one_line
 from llmflow.plugins import suggest
-from llmflow.stages.base import Stage
+from llmflow.stages.base import Stage, fill_defaults
 from llmflow.workflow import dag
 from llmflow.workflow.interpolate import InterpolationError, Ref, dig, has_refs, parse, resolve, strings
 from llmflow.workflow.marks import ValidationError, WorkflowError, YamlTooBig, parse_yaml
@@ -289,12 +288,3 @@ def resolve_with(checked: Checked, sid: str, outputs: Mapping[str, dict[str, Any
     if errors:
         raise WorkflowError(errors)
     return fill_defaults(checked.classes[sid].params_schema, resolved)
-
-
-def fill_defaults(schema: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` plus the schema's top-level defaults for the keys it lacks."""
-    out = dict(params)
-    for name, prop in schema.get("properties", {}).items():
-        if name not in out and isinstance(prop, dict) and "default" in prop:
-            out[name] = copy.deepcopy(prop["default"])
-    return out

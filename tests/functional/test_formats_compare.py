@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmflow.compare.run import CompareOptions, compare_dumps
 from llmflow.formats import open_dump
 from llmflow.formats.atb import AtbDumpReader
 from llmflow.formats.msit import MsitDumpReader
@@ -21,8 +22,6 @@ from formats_helpers import (  # noqa: E402
     write_atb_from_capture,
     write_msit_from_capture,
 )
-
-compare_run = pytest.importorskip("llmflow.compare.run", reason="the compare engine is not built yet")
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +47,8 @@ def test_msit_against_atb_compares_clean(tmp_path: Path, captured) -> None:
     tokens, types = captured
     g = write_msit_from_capture(tmp_path / "g", tokens, types)
     t = write_atb_from_capture(tmp_path / "t", tokens)
-    opts = compare_run.CompareOptions(mapping="atb-llama", xlsx=False, workers=1)
-    res = compare_run.compare_dumps(g, t, tmp_path / "out", opts)
+    opts = CompareOptions(mapping="atb-llama", xlsx=False, workers=1)
+    res = compare_dumps(g, t, tmp_path / "out", opts)
     rows = [r for path in res["csv"].values() for r in csv.DictReader(open(path))]
     matched = [r for r in rows if r.get("target_name") and r.get("name")]
     names = {(r["name"], r["target_name"]) for r in matched}
@@ -67,8 +66,8 @@ def test_a_corrupted_target_op_is_caught(tmp_path: Path, captured) -> None:
     bad[1]["model.layers.1.mlp"]["output"] = bad[1]["model.layers.1.mlp"]["output"] * 1.5
     g = write_msit_from_capture(tmp_path / "g", tokens, types)
     t = write_atb_from_capture(tmp_path / "t", bad)
-    opts = compare_run.CompareOptions(mapping="atb-llama", xlsx=False, workers=1)
-    res = compare_run.compare_dumps(g, t, tmp_path / "out", opts)
+    opts = CompareOptions(mapping="atb-llama", xlsx=False, workers=1)
+    res = compare_dumps(g, t, tmp_path / "out", opts)
     rows = [r for path in res["csv"].values() for r in csv.DictReader(open(path))]
     failed = {(r["name"], r["kind"]) for r in rows if r.get("verdict") == "fail"}
     assert ("model.layers.1.mlp", "output") in failed

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmflow.report.html import render_report, rows_of
+from llmflow.report.html import render_report
 from llmflow.report.html_compare import summarize_level
 from llmflow.report.html_verdict import fmt_bytes, fmt_seconds, step_label
 
@@ -201,8 +201,3 @@ def test_cost_in_units_and_phases_as_a_table():
 def test_sections_only_when_data():
     html = render_report(title="t", tables={"rows": [{"a": 1}]})
     assert "Verdict" not in html and "<svg" not in html and "<table" in html and 'class="banner' not in html
-
-
-def test_rows_of_parses_csv_strings():
-    rows = rows_of([{"a": "1", "b": "0.5", "c": "", "d": "x", "e": "-3"}])
-    assert rows == [{"a": 1, "b": 0.5, "c": None, "d": "x", "e": -3}]
