@@ -9,9 +9,13 @@ msit llm compatible (switch with one import line)::
 
 Map of this package:
   config.py    DumpConfig: fields, validation, the filters the hooks ask
-  hooks.py     register_hook / set_dump_path / save; steps, dialogue turns, module stack
+  recorder.py  Recorder: the one capture core (module stack, op naming, the walk over values),
+               sending calls to a sink: the disk dump, memory, or a byte counter
   api.py       API mode (TorchFunctionMode): torch.*, F.*, Tensor methods and operators
-  capture.py   DumpSession: one dump directory; walks values, copies tensors faithfully
+  hooks.py     register_hook / set_dump_path / save; steps and dialogue turns
+  capture.py   DumpSession: the disk sink, one dump directory; index rows
+  copies.py    copies of a tensor as it was at capture (device or host), version counters
+  memory.py    the memory sinks: module calls and op calls kept for replay
   stats.py     statistics computed on the tensor's device
   writer.py    background writer thread: batches tensors into safetensors files
   env.py       env.json; topology.py: topology.json

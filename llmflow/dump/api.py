@@ -2,8 +2,9 @@
 operators) through ``torch.overrides.TorchFunctionMode``; nothing in torch is monkeypatched.
 
 Each captured call is named ``<calling module path>/<api name>.<n>``: the calling module is the
-innermost module whose forward is running (the module hooks keep the stack), ``n`` counts calls of
-that api within that module within the step. Operator dunders are named like the function they
+innermost module whose forward is running (the recorder keeps the stack), ``n`` counts calls of
+that api within that module within the step. The same names serve the disk dump, op replay in
+memory and the API-dump cost estimate, so all three line up. Operator dunders are named like the function they
 compute (``a @ b`` -> ``matmul``, ``a + b`` / ``b + a`` -> ``add``, ``a += b`` -> ``add_``), so
 ``x.add(y)``, ``torch.add(x, y)`` and ``x + y`` line up across two dumps.
 
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
-    from llmflow.dump.hooks import DumpHandle
+    from llmflow.dump.recorder import Recorder
 
 SKIPPED = frozenset("""
     __get__ __set__ __delete__ size dim ndimension numel nelement stride storage_offset is_contiguous
@@ -68,13 +69,14 @@ def api_name(func: Callable[..., Any]) -> str | None:
     return name
 
 
-class ApiCaptureMode(TorchFunctionMode):
-    """Records every computing torch call made while a dumped step runs."""
+class ApiMode(TorchFunctionMode):
+    """Sends every computing torch call made while it is entered to its recorder's sink, named
+    ``<innermost running module>/<api>.<n>``."""
 
-    def __init__(self, handle: DumpHandle):
+    def __init__(self, recorder: Recorder):
         super().__init__()
-        self.handle = handle
-        self._names: dict[Any, str | None] = {}
+        self.recorder = recorder
+        self._names: dict[Any, str | None] = {}  # callable -> recorded name (None: passed through)
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -87,22 +89,22 @@ class ApiCaptureMode(TorchFunctionMode):
                 self._names[func] = name
             except TypeError:  # an unhashable callable: name it every time
                 pass
-        session = self.handle.session
-        if name is None or session is None or not session.active:
+        recorder = self.recorder
+        sink = recorder.sink
+        if name is None or sink is None or not sink.active:
             return func(*args, **kwargs)
-        stack = self.handle.stack
-        module = stack[-1] if stack else ""
-        config = session.config
-        if not config.wants_name(module):
+        stack = recorder.stack
+        module = stack[-1] if stack else recorder.prefix
+        if not sink.wants_op(module):
             return func(*args, **kwargs)
         key = f"{module}/{name}"
-        n = session.api_counts.get(key, 0)
-        session.api_counts[key] = n + 1
+        counts = recorder.op_counts
+        n = counts.get(key, 0)
+        counts[key] = n + 1
         full = f"{key}.{n}"
-        session.exec_order.append(full)
-        if config.tensor_part != 1:
-            session.record_call(full, "input", args, kwargs, "api", name, tensors_only=True)
+        if sink.exec_order is not None:
+            sink.exec_order.append(full)
+        sink.op_inputs(full, name, func, args, kwargs)
         out = func(*args, **kwargs)
-        if config.tensor_part != 0:
-            session.record_output(full, out, "api", name, tensors_only=True)
+        sink.op_output(full, name, func, out)
         return out

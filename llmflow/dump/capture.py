@@ -1,8 +1,9 @@
 """One dump being written: step bookkeeping, what to keep, and faithful copies of tensors.
 
-A ``DumpSession`` is one dump directory (one dialogue turn). The hooks (``hooks.py``) and the API
-mode (``api.py``) call ``record`` with whatever a module or op saw; the session decides whether
-the current step is dumped, walks nested values into index rows (``IndexRow``), copies each
+A ``DumpSession`` is one dump directory (one dialogue turn) and the recorder's disk sink
+(``recorder.py``): the recorder hands it every module and op call it sees; the session decides
+whether the current step is dumped, turns the leaves of the recorder's walk into index rows
+(``IndexRow``: this file alone builds them), copies each
 tensor *at capture time* (so later in-place ops cannot change the dump) and hands it to the
 background writer. Copies to the host are non-blocking on accelerators. In statistics mode, CPU tensors
 (float and integer) get their statistics at capture from a compiled kernel (no copy); other
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 
 from llmflow.dump.config import DumpConfig
+from llmflow.dump.copies import device_copy, host_copy, version_of
+from llmflow.dump.recorder import walk_inputs, walk_output
 from llmflow.dump.stats import KERNEL_DTYPES, CpuStats
 from llmflow.dump.topology import module_tree
 from llmflow.dump.writer import AsyncWriter
@@ -43,9 +46,6 @@ from llmflow.formats.llmflow_dump import (
 log = logging.getLogger("llmflow.dump")
 _SIMPLE = (type(None), bool, int, float, str)
 _STATS_ENTRY_BYTES = 256  # what a statistics-only entry costs on disk, roughly (index line)
-_MAX_DEPTH = 6
-_POSITIONAL = tuple(str(i) for i in range(32))  # index labels of positional values
-_KEYWORD: dict[str, str] = {}  # keyword -> "kw:<keyword>" (a module's keywords repeat every call)
 
 
 def current_rank() -> int:
@@ -111,6 +111,7 @@ class DumpSession:
         disk = DumpDirWriter(self.dump_dir, self.rank,
                              meta={"data_mode": config.data_mode, "config": config.to_json()})
         self.writer = AsyncWriter(disk, crc32=config.crc32, inline=inline)
+        self._op_inputs, self._op_outputs = config.tensor_part != 1, config.tensor_part != 0
         self._add_row = self.writer.add_row  # an index row and nothing more (see ``_tensor``)
         if self.rank == 0 or not (self.dump_dir / TOPOLOGY_FILE).exists():
             disk.write_json(TOPOLOGY_FILE, module_tree(model))
@@ -120,7 +121,6 @@ class DumpSession:
         self.active = False  # is the current step dumped?
         self.order = 0
         self.exec_order: list[str] = []
-        self.api_counts: dict[str, int] = {}
         self.bytes = 0
         self.entries = 0
         self.stopped: str | None = None  # why capture stopped early (max_bytes)
@@ -143,7 +143,6 @@ class DumpSession:
         self.step += 1
         self.order = 0
         self.exec_order = []
-        self.api_counts.clear()
         self._seen.clear()
         self.active = self.stopped is None and self.config.wants_step(self.step)
 
@@ -171,42 +170,29 @@ class DumpSession:
         self.writer.close(complete=complete, rank_meta=stop, steps=self.step + 1,
                           truncated=self.stopped is not None, stop_reason=self.stopped)
 
-    # -- recording ----------------------------------------------------------------------------
-    def record_call(self, name: str, kind: str, args: tuple, kwargs: dict | None, level: str,
-                    module_type: str | None, tensors_only: bool = False) -> None:
-        """Inputs of a call: positional ``"0"``, ``"1"``..., keyword ``"kw:<name>"``."""
-        # (per call of every module: labels come from tables, a plain tensor skips ``_walk``)
-        tensor, walk = self._tensor, self._walk
-        with torch._C.DisableTorchFunction():  # our own ops must not show up in API mode
-            for i, a in enumerate(args):
-                label = _POSITIONAL[i] if i < len(_POSITIONAL) else str(i)
-                if type(a) is torch.Tensor:
-                    tensor(name, kind, label, a, level, module_type)
-                else:
-                    walk(name, kind, label, a, level, module_type, tensors_only, 0)
-            if kwargs:
-                for k, v in kwargs.items():
-                    label = _KEYWORD.get(k) or _KEYWORD.setdefault(k, f"kw:{k}")
-                    if type(v) is torch.Tensor:
-                        tensor(name, kind, label, v, level, module_type)
-                    else:
-                        walk(name, kind, label, v, level, module_type, tensors_only, 0)
+    # -- the recorder's sink (see recorder.py) ------------------------------------------------
+    def module_inputs(self, name: str, mtype: str, module: torch.nn.Module, args: tuple,
+                      kwargs: dict) -> None:
+        walk_inputs(self, name, "input", args, kwargs, "module", mtype)
 
-    def record_output(self, name: str, output: Any, level: str, module_type: str | None,
-                      tensors_only: bool = False) -> None:
-        """Outputs of a call: a tensor is ``"0"``; tuples ``"0"``, ``"1"``...; dicts by key."""
-        with torch._C.DisableTorchFunction():
-            if type(output) is torch.Tensor:
-                self._tensor(name, "output", "0", output, level, module_type)
-            elif isinstance(output, (tuple, list)):
-                for i, v in enumerate(output):
-                    label = _POSITIONAL[i] if i < len(_POSITIONAL) else str(i)
-                    self._walk(name, "output", label, v, level, module_type, tensors_only, 0)
-            elif isinstance(output, dict):
-                for k, v in output.items():
-                    self._walk(name, "output", str(k), v, level, module_type, tensors_only, 0)
-            else:
-                self._walk(name, "output", "0", output, level, module_type, tensors_only, 0)
+    def module_output(self, name: str, mtype: str, module: torch.nn.Module, args: tuple, kwargs: dict,
+                      output: Any) -> None:
+        walk_output(self, name, output, "module", mtype)
+
+    def wants_op(self, module: str) -> bool:
+        return self.config.wants_name(module)
+
+    def op_inputs(self, name: str, api: str, func: Any, args: tuple, kwargs: dict) -> None:
+        if self._op_inputs:
+            walk_inputs(self, name, "input", args, kwargs, "api", api, tensors_only=True)
+
+    def op_output(self, name: str, api: str, func: Any, output: Any) -> None:
+        if self._op_outputs:
+            walk_output(self, name, output, "api", api, tensors_only=True)
+
+    def record_output(self, name: str, output: Any, level: str, module_type: str | None) -> None:
+        """Record ``output`` (a tensor, or nested lists/dicts of them) as ``name``'s output."""
+        walk_output(self, name, output, level, module_type)
 
     def record_logits(self, logits: torch.Tensor) -> None:
         """The last position's logits as float32: ``name="logits"``, level logits, every step."""
@@ -218,33 +204,23 @@ class DumpSession:
             self._tensor("logits", "output", "0", last.to(torch.float32), "logits", None, dedup=False,
                          always_data=True)
 
-    def _walk(self, name: str, kind: str, index: str, value: Any, level: str,
-              module_type: str | None, tensors_only: bool, depth: int) -> None:
-        if type(value) is torch.Tensor:  # the common case first
-            self._tensor(name, kind, index, value, level, module_type)
-        elif isinstance(value, torch.Tensor):  # (Parameter's own isinstance is Python: asked last)
-            if not isinstance(value, torch.nn.Parameter):
-                self._tensor(name, kind, index, value, level, module_type)
-            elif self.stopped is None:
-                # a weight handed to an op: the same every step, so shape and dtype only
-                # (dump_weight writes the bytes once)
-                self._add_row(new_row(IndexRow, (
-                    self.step, name, kind, index, level, self._next_order(), None, tuple(value.shape),
-                    module_type, None, False, None, "Parameter", "",
-                    {"param_dtype": dtype_name(value.dtype)})))
-                self.entries += 1
-        elif isinstance(value, (tuple, list)) and depth < _MAX_DEPTH:
-            for i, v in enumerate(value):
-                self._walk(name, kind, f"{index}.{i}", v, level, module_type, tensors_only, depth + 1)
-        elif isinstance(value, dict) and depth < _MAX_DEPTH:
-            for k, v in value.items():
-                self._walk(name, kind, f"{index}.{k}", v, level, module_type, tensors_only, depth + 1)
-        elif not tensors_only and self.stopped is None:
+    # -- index rows (the walk's leaves) -------------------------------------------------------
+    def other(self, name: str, kind: str, index: str, value: Any, level: str,
+              module_type: str | None) -> None:
+        """A parameter handed to a call (shape and dtype only) or a plain value (its JSON value)."""
+        if self.stopped is not None:
+            return
+        if isinstance(value, torch.nn.Parameter):
+            # the same every step, so shape and dtype only (dump_weight writes the bytes once)
+            self._add_row(new_row(IndexRow, (
+                self.step, name, kind, index, level, self._next_order(), None, tuple(value.shape),
+                module_type, None, False, None, "Parameter", "", {"param_dtype": dtype_name(value.dtype)})))
+        else:
             simple = isinstance(value, _SIMPLE) and (not isinstance(value, str) or len(value) < 256)
             self._add_row(new_row(IndexRow, (
                 self.step, name, kind, index, level, self._next_order(), None, None, module_type, None,
                 False, value if simple else None, type(value).__name__, "", _NO_EXTRA)))
-            self.entries += 1
+        self.entries += 1
 
     def _tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
                 module_type: str | None, dedup: bool = True, step: int | None = None,
@@ -259,7 +235,7 @@ class DumpSession:
             self.order = order + 1
         else:
             order = self.entries
-        version = _version(t)
+        version = version_of(t)
         seen = self._seen.get(id(t)) if dedup else None
         if seen is not None:
             ref, seen_version, seen_dtype, seen_shape, seen_data, seen_key = seen
@@ -313,6 +289,8 @@ class DumpSession:
         payload, event = device_copy(src) if stats_only else host_copy(src)
         self.writer.submit(row, payload, event, nbytes=data_bytes)
 
+    tensor = _tensor  # the walk's tensor leaf
+
     def _next_order(self) -> int:
         self.order += 1
         return self.order - 1
@@ -340,43 +318,3 @@ def _close_unattended(session: DumpSession) -> None:
         session.close()
     except Exception as exc:  # (the writer's error, already a one-line message)
         log.warning("llmflow dump %s: could not be finished: %s", session.dump_dir, exc)
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """The tensor's in-place version counter; None for inference tensors, which have none."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
-def device_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A copy of ``t`` on its own device, plus an event the writer waits on.
-
-    ``clone()`` keeps a dense tensor's strides (a transposed view stays transposed) and makes
-    anything else contiguous: ~0.6 us a call less than asking for contiguous memory, on ~1000
-    calls a step; the writer's consumers (``torch.stack``, ``write_safetensors``) take any strides.
-    """
-    copy = t.clone()
-    if t.is_cpu:  # not t.device.type: that builds a device object per call (~2% of a dump)
-        return copy, None
-    event = getattr(torch, t.device.type).Event()
-    event.record()
-    return copy, event
-
-
-def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A CPU copy of ``t`` as of now, plus an event to wait on before reading it.
-
-    On CPU this is a plain copy. On an accelerator it is a non-blocking copy into pinned memory
-    queued on the current stream, so the forward pass does not wait for it; kernels queued later
-    (in-place ops included) run after the copy, which keeps the dump bit-identical.
-    """
-    if t.is_cpu:
-        return t.clone(), None  # strides as device_copy: write_safetensors makes it contiguous
-    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    buf.copy_(t, non_blocking=True)
-    backend = getattr(torch, t.device.type)
-    event = backend.Event()
-    event.record()
-    return buf, event

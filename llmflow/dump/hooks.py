@@ -8,9 +8,9 @@ two prompts in one process give two dumps. Folders: the k-th turn since the last
 ``<dump_path>/<dump_tag>_<k>`` after that; each holds one ``rank{R}`` folder per rank.
 
 The root module's own inputs and outputs are not dumped, except its logits (level ``logits``).
-The root carries torch forward hooks (one call per step); every other module gets a recording
-``forward`` on its instance instead (see ``DumpHandle._make_forward`` for why), which
-``remove()`` takes off again.
+The root carries torch forward hooks (one call per step: steps, turns, logits); the recorder
+(``recorder.py``) instruments every other module and the ops, with the open ``DumpSession`` as
+its sink; ``remove()`` takes it all off again.
 
 ``remove()`` is optional: a dump nobody closed is finished when its model is garbage-collected
 or when the process exits normally (see ``capture.py``). A forward that raises does not end the
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from llmflow.dump.api import ApiCaptureMode
 from llmflow.dump.capture import DumpSession, inline_writer
 from llmflow.dump.config import DumpConfig
+from llmflow.dump.recorder import Recorder
 from llmflow.errors import UserError
 from llmflow.models import logits_of
 from llmflow.structure import find_cache
@@ -51,96 +51,45 @@ class DumpHandle:
         self.config = config
         self.exact_dir = Path(exact_dir) if exact_dir is not None else None
         self.env_factory = env_factory
-        self.session: DumpSession | None = None
+        self._session: DumpSession | None = None
         self.dumps: list[Path] = []  # every dump directory this handle has written
-        self.stack: list[str] = []  # modules whose forward is running, innermost last
         self._turn = 0
         self._path_serial = _PATH["serial"]
         self._prev_ids: torch.Tensor | None = None
-        self._api = ApiCaptureMode(self) if config.dump_apis else None
-        self._api_entered = False
+        self._ops_entered = False
         self._hooks: list[Any] = []  # torch hook handles (the root module's)
-        self._wrapped: list[_ForwardWrapper] = []  # submodules whose forward records
+        self.recorder: Recorder | None = None  # the sub-modules' (and ops') recorder
         self.on_step: Callable[[int], None] | None = None  # progress callback after each step
         self.in_step = False  # between the root's pre- and post-hook: ``save`` targets this dump
-        self.raised_in: str | None = None  # the innermost module an exception of this step left
         self.inline_writer = inline_writer(model)
         self.enabled = _device_matches(model, config.device_id)
         if self.enabled:
             self._install()
         _HANDLES.add(self)
 
-    # -- installation -------------------------------------------------------------------------
     def _install(self) -> None:
-        m = self.model
+        m, cfg = self.model, self.config
         self._hooks.append(m.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._hooks.append(m.register_forward_hook(self._root_post, with_kwargs=True, always_call=True))
-        cfg = self.config
-        for name, sub in m.named_modules():
-            if sub is m:
-                continue
-            mtype = type(sub).__name__
-            dumped = cfg.dump_modules and cfg.wants_module(name, mtype)
-            if not dumped and self._api is None:
-                continue  # neither dumped nor needed for API naming: no wrapper, no cost
-            # a forward hook already there may change the output after forward returns (a fault
-            # injected by a patch, say): record that module's output from a hook of ours run after
-            # it, so the dump holds what the module call really returned
-            outputs_by_hook = dumped and self.config.tensor_part != 0 and bool(
-                sub._forward_hooks or torch.nn.modules.module._global_forward_hooks)
-            if outputs_by_hook:
-                self._hooks.append(sub.register_forward_hook(self._make_post(name, mtype), always_call=True))
-            self._wrapped.append(_ForwardWrapper(sub, self._make_forward(
-                sub.forward, name, mtype, dumped, record_outputs=not outputs_by_hook)))
-
-    def _make_forward(self, forward: Callable[..., Any], name: str, mtype: str, dumped: bool,
-                      record_outputs: bool = True) -> Callable[..., Any]:
-        """``forward`` wrapped to record its inputs and outputs.
-
-        A wrapper on the instance, not torch's forward hooks: with hooks every module call takes
-        ``Module._call_impl``'s slow path, measured at ~25 us per call here (1.2x a tiny model's
-        decode time before anything is recorded), against ~5 us for one more Python frame. The
-        wrapper sees what ``forward`` itself receives, after any pre-hooks the model has.
-        """
-        want_inputs = dumped and self.config.tensor_part != 1
-        want_outputs = dumped and self.config.tensor_part != 0 and record_outputs
-        stack = self.stack
-
-        def recording_forward(*args: Any, **kwargs: Any) -> Any:
-            s = self.session
-            if s is None or not s.active:
-                if self._api is None:
-                    return forward(*args, **kwargs)
-                s = None
-            stack.append(name)
-            try:
-                if s is not None:
-                    s.exec_order.append(name)
-                    if want_inputs:
-                        s.record_call(name, "input", args, kwargs, "module", mtype)
-                output = forward(*args, **kwargs)
-                if want_outputs and s is not None and s.active:
-                    s.record_output(name, output, "module", mtype)
-                return output
-            except BaseException:  # (no cost until something raises)
-                if self.raised_in is None:
-                    self.raised_in = name
-                raise
-            finally:
-                if stack and stack[-1] == name:
-                    stack.pop()
-        return recording_forward
-
-    def _make_post(self, name: str, mtype: str) -> Callable[..., None]:
-        def post(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            s = self.session
-            if s is not None and s.active:
-                s.record_output(name, output, "module", mtype)
-        return post
+        self.recorder = Recorder(
+            m, lambda name, sub: cfg.dump_modules and cfg.wants_module(name, type(sub).__name__),
+            inputs=cfg.tensor_part != 1, outputs=cfg.tensor_part != 0, ops=cfg.dump_apis)
 
     # -- the root: steps and turns ------------------------------------------------------------
+    @property
+    def session(self) -> DumpSession | None:
+        """The dump being written (the recorder's sink), None between dumps."""
+        return self._session
+
+    @session.setter
+    def session(self, session: DumpSession | None) -> None:
+        self._session = session
+        if self.recorder is not None:
+            self.recorder.sink = session
+
     def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self.stack.clear()
+        assert self.recorder is not None
+        self.recorder.new_step()
         new = self._new_sequence(args, kwargs)
         fresh = self.session is not None and self.session.step < 0  # opened, no step yet
         if self.session is None or self._path_serial != _PATH["serial"] or (new and not fresh):
@@ -148,27 +97,23 @@ class DumpHandle:
         assert self.session is not None
         self.session.begin_step()
         self.in_step = True
-        self.raised_in = None
-        if self._api is not None and self.session.active:
-            self._api.__enter__()
-            self._api_entered = True
+        if self.recorder.ops_mode is not None and self.session.active:
+            self.recorder.ops_mode.__enter__()
+            self._ops_entered = True
 
     def _root_post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self.in_step = False
-        if self._api_entered:
-            self._api.__exit__(None, None, None)  # type: ignore[union-attr]
-            self._api_entered = False
+        self._exit_ops()
         s = self.session
+        raised_in = self.recorder.raised_in if self.recorder is not None else None
         if s is None:
             return
         # torch calls this hook (always_call) with output None from inside its ``except`` when
         # the forward raised: that exception is the one being handled now
         exc = sys.exc_info()[1] if output is None else None
         if exc is not None:
-            s.end_step(error=f"{type(exc).__name__}: {exc}".splitlines()[0], module=self.raised_in)
-            self.raised_in = None
+            s.end_step(error=f"{type(exc).__name__}: {exc}".splitlines()[0], module=raised_in)
             return
-        self.raised_in = None  # (an exception caught inside the model is not the step's)
         if self.config.logits and output is not None:
             try:
                 logits = logits_of(output)
@@ -224,38 +169,16 @@ class DumpHandle:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        for w in reversed(self._wrapped):  # innermost last in, first out: nested wraps unwind
-            w.remove()
-        self._wrapped.clear()
-        if self._api_entered:
-            self._api.__exit__(None, None, None)  # type: ignore[union-attr]
-            self._api_entered = False
+        if self.recorder is not None:
+            self.recorder.remove()
+        self._exit_ops()
         self.close_session()
         _HANDLES.discard(self)
 
-
-class _ForwardWrapper:
-    """Puts a recording ``forward`` on one module instance and takes it off again.
-
-    Only the instance attribute changes (the class and torch stay untouched); ``remove`` puts
-    back exactly what was there before, including a ``forward`` another tool had set on the
-    instance (accelerate's hooks do that).
-    """
-
-    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any]):
-        self.module = module
-        self.had_own = "forward" in module.__dict__
-        self.previous = module.__dict__.get("forward")
-        self.forward = forward
-        module.forward = forward  # type: ignore[method-assign]
-
-    def remove(self) -> None:
-        if self.module.__dict__.get("forward") is not self.forward:
-            return  # someone wrapped over us: leave their wrapper alone
-        if self.had_own:
-            self.module.forward = self.previous  # type: ignore[method-assign]
-        else:
-            del self.module.forward
+    def _exit_ops(self) -> None:
+        if self._ops_entered and self.recorder is not None:
+            self.recorder.ops_mode.__exit__(None, None, None)
+            self._ops_entered = False
 
 
 def _device_matches(model: torch.nn.Module, device_id: int | None) -> bool:

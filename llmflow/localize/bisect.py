@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmflow.dump.memory import Call
 from llmflow.errors import UserError
 from llmflow.formats import open_dump
 from llmflow.formats.base import DumpReader
 from llmflow.localize import cost as cost_mod
 from llmflow.localize import moe
 from llmflow.localize import ops as ops_mod
-from llmflow.localize.calls import Call
 from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude
 from llmflow.localize.golden import (
     dump_has_layer_inputs,

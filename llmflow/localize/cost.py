@@ -2,8 +2,9 @@
 
 The brute-force way is msit's: an API-level dump of every op's inputs and outputs on both sides,
 for every generated token, then compare everything. ``estimate_api_dump_bytes`` measures what
-that would write for one model without writing it: it runs the prefill and one decode step under
-a counting ``TorchFunctionMode`` (the dump's own API naming decides what counts) and extrapolates
+that would write for one model without writing it: it runs the prefill and one decode step with
+the dump's recorder sending its op calls to a byte counter (the dump's own API naming and walk
+decide what counts) and extrapolates
 the decode step over the remaining tokens.
 """
 
@@ -15,10 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
-from llmflow.dump.api import api_name
+from llmflow.dump.recorder import Recorder, walk_inputs, walk_output
 
 
 def dir_bytes(path: str | Path | None) -> int:
@@ -35,13 +34,15 @@ def dir_bytes(path: str | Path | None) -> int:
     return total
 
 
-class _ByteCounter(TorchFunctionMode):
-    """Counts what the dump's API mode writes: tensor inputs and outputs of every recorded op,
-    each tensor once per step (the dump stores a tensor handed to several ops once), weights
-    (``nn.Parameter``) not at all (the dump records their shape only)."""
+class _ByteCounter:
+    """A recorder sink counting what the dump's API mode writes: tensor inputs and outputs of every
+    recorded op, each tensor once per step (the dump stores a tensor handed to several ops once),
+    weights (``nn.Parameter``) not at all (the dump records their shape only)."""
+
+    exec_order = None
 
     def __init__(self) -> None:
-        super().__init__()
+        self.active = False  # inside the model's forward (the dump records nothing between steps)
         self.per_step: list[int] = []
         self.seen: list[torch.Tensor] = []  # kept alive so ids stay unique within a step
         self.ids: set[int] = set()
@@ -51,16 +52,27 @@ class _ByteCounter(TorchFunctionMode):
         self.seen.clear()
         self.ids.clear()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if api_name(func) is not None and self.per_step:
-            for x in tree_flatten((args, kwargs, out))[0]:
-                if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter) and id(x) not in self.ids:
-                    self.ids.add(id(x))
-                    self.seen.append(x)
-                    self.per_step[-1] += x.numel() * x.element_size()
-        return out
+    def module_inputs(self, *_a: Any) -> None: ...
+
+    def module_output(self, *_a: Any) -> None: ...
+
+    def wants_op(self, module: str) -> bool:
+        return True
+
+    def op_inputs(self, name: str, api: str, func: Any, args: tuple, kwargs: dict) -> None:
+        walk_inputs(self, name, "input", args, kwargs, "api", api, tensors_only=True)
+
+    def op_output(self, name: str, api: str, func: Any, output: Any) -> None:
+        walk_output(self, name, output, "api", api, tensors_only=True)
+
+    def tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
+               mtype: str | None) -> None:
+        if id(t) not in self.ids:
+            self.ids.add(id(t))
+            self.seen.append(t)
+            self.per_step[-1] += t.numel() * t.element_size()
+
+    def other(self, *_a: Any) -> None: ...  # parameters and plain values: no tensor bytes
 
 
 @torch.no_grad()
@@ -70,12 +82,24 @@ def estimate_api_dump_bytes(model: nn.Module, input_ids: list[int], new_tokens: 
     from llmflow.models import greedy_generate
 
     counter = _ByteCounter()
-    handle = model.register_forward_pre_hook(lambda *_a: counter.new_step())
+    recorder = Recorder(model, lambda _n, _m: False, ops=True, sink=counter)
+
+    def begin(*_a: Any) -> None:
+        recorder.new_step()
+        counter.new_step()
+        counter.active = True
+
+    def end(*_a: Any) -> None:
+        counter.active = False
+
+    handles = [model.register_forward_pre_hook(begin), model.register_forward_hook(end, always_call=True)]
     try:
-        with counter:
+        with recorder.recording_ops():
             greedy_generate(model, input_ids, min(2, max(1, new_tokens)))
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
+        recorder.remove()
     steps = counter.per_step[:2] or [0]
     decode = steps[1] if len(steps) > 1 else steps[0] / max(len(input_ids), 1)
     total = int(steps[0] + decode * max(new_tokens - 1, 0))

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmflow.dump.memory import Call, CallRecorder, capture_calls
 from llmflow.formats.base import DumpReader
-from llmflow.localize.calls import Call, CallRecorder, calls_from_dump, capture_calls, cast_inputs
+from llmflow.localize.calls import calls_from_dump, cast_inputs
 from llmflow.structure import LayerStack, layer_of
 
 

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmflow.localize.calls import Call, cast_inputs, flatten_outputs
+from llmflow.dump.memory import Call, flatten_outputs
+from llmflow.localize.calls import cast_inputs
 
 
 def router_of(module: nn.Module) -> tuple[str, nn.Module] | None:

@@ -1,10 +1,10 @@
 """Op level: replay the chosen module on both sides with every torch API call captured.
 
 The module named by isolation replay is run on the same golden inputs twice: by the golden model
-(golden device/dtype) and by the target model (target device/dtype, with its patch). A
-``TorchFunctionMode`` records every top-level torch API call inside it, named like the dump's API
-mode (``<module path>/<api>.<n>``), with its inputs and output. The two call sequences are
-aligned (same names first; a different API in the same slot, e.g. ``silu`` -> ``relu``, is
+(golden device/dtype) and by the target model (target device/dtype, with its patch). The
+recorder's memory sink (``OpRecorder``) keeps every top-level torch API call inside it, named as
+the dump's API mode names it (``<module path>/<api>.<n>``), with its inputs and output. The two
+call sequences are aligned (same names first; a different API in the same slot, e.g. ``silu`` -> ``relu``, is
 paired by position) and each target op gets:
 
   raw: its output against the golden op's output (carries the error of earlier ops);
@@ -21,19 +21,15 @@ dump on disk cannot hold.
 from __future__ import annotations
 
 import difflib
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 from statistics import median
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from llmflow.dump.api import api_name
-from llmflow.localize.calls import Call, cast_inputs
+from llmflow.dump.memory import Call, OpCall, OpRecorder
+from llmflow.localize.calls import cast_inputs
 from llmflow.localize.rank import DEFAULT_RATIO_THRESHOLD, first_jump
 from llmflow.localize.replay import own_error
 
@@ -41,78 +37,14 @@ from llmflow.localize.replay import own_error
 DTYPE_FLOOR = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 4e-3, torch.float16: 5e-4}
 
 
-@dataclass
-class OpCall:
-    name: str  # "<module>/<api>.<n>"
-    api: str
-    func: Callable
-    args: tuple
-    kwargs: dict
-    output: torch.Tensor
-
-
-def _snapshot(value: Any) -> Any:
-    flat, spec = tree_flatten(value)
-    return tree_unflatten([x.detach().clone() if isinstance(x, torch.Tensor) else x for x in flat], spec)
-
-
-class _Recorder(TorchFunctionMode):
-    """Records top-level torch calls returning a tensor (attribute reads like ``.shape`` skipped)."""
-
-    def __init__(self, stack: list[str]):
-        super().__init__()
-        self.stack = stack
-        self.calls: list[OpCall] = []
-        self.counts: Counter[tuple[str, str]] = Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        api = api_name(func)  # the dump's API-mode names; None for metadata and layout ops
-        if api is None:
-            return func(*args, **kwargs)
-        snap_args, snap_kwargs = _snapshot(args), _snapshot(kwargs)  # before an in-place op runs
-        out = func(*args, **kwargs)
-        first = out if isinstance(out, torch.Tensor) else next(
-            (x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)), None)
-        if first is not None:
-            module = self.stack[-1]
-            n = self.counts[(module, api)]
-            self.counts[(module, api)] += 1
-            self.calls.append(OpCall(f"{module}/{api}.{n}", api, func, snap_args, snap_kwargs,
-                                     first.detach().clone()))
-        return out
-
-
 @torch.no_grad()
 def capture_ops(module: nn.Module, name: str, call: Call, *, device: torch.device,
                 dtype: torch.dtype) -> list[OpCall]:
     """Run ``module`` (called ``name`` in its model) on ``call``'s inputs cast to ``dtype`` on
     ``device``, recording every torch API call with the innermost running sub-module's path."""
-    stack = [name]
-    handles = []
-
-    def enter(full: str) -> Callable[..., None]:
-        def hook(*_args: Any) -> None:
-            stack.append(full)
-        return hook
-
-    def leave(*_args: Any) -> None:  # returns None: a forward hook's return value replaces the output
-        stack.pop()
-
-    for sub_name, sub in module.named_modules():
-        if sub_name:
-            handles.append(sub.register_forward_pre_hook(enter(f"{name}.{sub_name}")))
-            handles.append(sub.register_forward_hook(leave))
-    recorder = _Recorder(stack)
-    try:
-        args = cast_inputs(call.args, device, dtype, module)
-        kwargs = cast_inputs(call.kwargs, device, dtype, module)
-        with recorder:
-            module(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return recorder.calls
+    args = cast_inputs(call.args, device, dtype, module)
+    kwargs = cast_inputs(call.kwargs, device, dtype, module)
+    return OpRecorder(module, name).run(*args, **kwargs)
 
 
 def _iso(target: OpCall, golden: OpCall) -> float | None:

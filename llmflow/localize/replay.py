@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmflow.dump.memory import CacheSnapshot, Call, flatten_outputs
 from llmflow.localize import moe
-from llmflow.localize.calls import CacheSnapshot, Call, cast_inputs, flatten_outputs, written_kv
+from llmflow.localize.calls import cast_inputs, written_kv
 from llmflow.structure import LayerStack, layer_of
 
 

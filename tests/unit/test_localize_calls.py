@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from llmflow.localize.calls import CacheSnapshot, CallRecorder, build_call, cast_inputs, written_kv
+from llmflow.dump.memory import CacheSnapshot, CallRecorder
+from llmflow.localize.calls import build_call, cast_inputs, written_kv
 from llmflow.models import build_tiny, greedy_generate
 
 

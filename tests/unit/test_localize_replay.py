@@ -7,7 +7,8 @@ import math
 import torch
 from torch import nn
 
-from llmflow.localize.calls import Call, build_call, capture_calls, flatten_outputs
+from llmflow.dump.memory import Call, capture_calls, flatten_outputs
+from llmflow.localize.calls import build_call
 from llmflow.localize.ops import align_ops, capture_ops, compare_ops
 from llmflow.localize.replay import is_branch, own_error, replay_call, replay_modules
 

@@ -17,7 +17,8 @@ SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 # distribution name -> the module it is imported as, where they differ
 IMPORT_NAMES = {"pyyaml": "yaml", "mindstudio-probe": "msprobe", "dask[distributed]": "dask"}
 # declared but imported by a dependency, not by llmflow itself
-INDIRECT = {"gguf": "transformers reads the SmolLM2 GGUF file with it (models.py: gguf_file=)"}
+INDIRECT = {"gguf": "transformers reads the SmolLM2 GGUF file with it (models.py: gguf_file=)",
+            "accelerate": "transformers refuses to load a GGUF file without it"}
 # imported by llmflow but optional, each where it is used behind an ImportError guard
 OPTIONAL = {"torch_npu", "msprobe", "dask"}
 

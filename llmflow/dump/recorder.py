@@ -1,0 +1,263 @@
+"""The recorder: the one place that sees a model's module and op calls, for every consumer.
+
+A ``Recorder`` instruments a model and hands what it sees to a *sink*:
+
+  the disk dump (``DumpSession``, capture.py): index rows and tensor copies, step by step;
+  memory (memory.py): module calls kept for isolation replay and decode-step replay, op calls
+    kept for op replay;
+  a byte counter (localize/cost.py): what an API dump would write, without writing it.
+
+The recorder owns what they share: which modules are instrumented and how, the stack of modules
+whose forward is running (innermost last), the innermost module an exception left, API naming
+(``<module path>/<api>.<n>``, api.py, counted per step) and the walk that labels nested inputs
+and outputs (``"0"``, ``"1.0"``, ``"kw:<name>"``). A sink keeps only its own business: what to
+keep of a call and where to put it.
+
+Modules get a recording ``forward`` on their instance rather than torch forward hooks: with hooks
+every module call takes ``Module._call_impl``'s slow path (~25 us a call, 1.2x a tiny model's
+decode time before anything is recorded) against ~5 us for one more Python frame. The wrapper
+sees what ``forward`` receives, after any pre-hooks the model has. A module that already carries
+forward hooks (a fault injected by a patch may rewrite its output after ``forward`` returns) has
+its output recorded by a hook of ours run after those, so sinks get what the call really returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+Select = Callable[[str, nn.Module], bool]
+
+
+class Sink(Protocol):
+    """Where a recorder sends the calls it sees. ``active`` is read on every call: while it is
+    False nothing is sent. ``exec_order``, when a list, receives every call's name in order."""
+
+    active: bool
+    exec_order: list[str] | None
+
+    def module_inputs(self, name: str, mtype: str, module: nn.Module, args: tuple, kwargs: dict) -> None: ...
+
+    def module_output(self, name: str, mtype: str, module: nn.Module, args: tuple, kwargs: dict,
+                      output: Any) -> None: ...
+
+    def wants_op(self, module: str) -> bool: ...
+
+    def op_inputs(self, name: str, api: str, func: Callable[..., Any], args: tuple, kwargs: dict) -> None: ...
+
+    def op_output(self, name: str, api: str, func: Callable[..., Any], output: Any) -> None: ...
+
+
+class Recorder:
+    """Instruments ``model``'s sub-modules chosen by ``select`` (inputs and/or outputs), and with
+    ``ops`` every module (for naming) plus an API mode to enter around the calls to record.
+
+    Names are module paths in the whole model: ``model`` may be a sub-module found at ``prefix``
+    (a decoder layer), whose own ops are then named ``<prefix>/<api>.<n>``. The root module itself
+    is never wrapped: its caller drives steps. ``sink`` may be swapped at any time (a dump opens a
+    new session per dialogue turn); ``remove()`` takes everything off again.
+    """
+
+    def __init__(self, model: nn.Module, select: Select, *, inputs: bool = True, outputs: bool = True,
+                 ops: bool = False, prefix: str = "", sink: Sink | None = None):
+        self.sink: Sink | None = sink
+        self.prefix = prefix
+        self.stack: list[str] = []  # modules whose forward is running, innermost last
+        self.raised_in: str | None = None  # the innermost module an exception left
+        self.op_counts: dict[str, int] = {}  # "<module>/<api>" -> calls so far this step
+        self.ops_mode: Any = None
+        if ops:
+            from llmflow.dump.api import ApiMode
+
+            self.ops_mode = ApiMode(self)
+        self._hooks: list[Any] = []
+        self._wrapped: list[_ForwardWrapper] = []
+        global_hooks = bool(torch.nn.modules.module._global_forward_hooks)
+        for sub_name, sub in model.named_modules():
+            if sub is model:
+                continue
+            name = f"{prefix}.{sub_name}" if prefix else sub_name
+            chosen = select(name, sub)
+            if not chosen and not ops:
+                continue  # neither recorded nor needed for op naming: no wrapper, no cost
+            mtype = type(sub).__name__
+            by_hook = chosen and outputs and bool(sub._forward_hooks or global_hooks)
+            if by_hook:
+                self._hooks.append(sub.register_forward_hook(self._output_hook(name, mtype), with_kwargs=True,
+                                                             always_call=True))
+            self._wrapped.append(_ForwardWrapper(sub, self._recording_forward(
+                sub, name, mtype, chosen and inputs, chosen and outputs and not by_hook)))
+
+    def new_step(self) -> None:
+        """A new root call: op numbering restarts, no module is running."""
+        self.op_counts.clear()
+        self.stack.clear()
+        self.raised_in = None
+
+    def recording_ops(self) -> Any:
+        """A context in which torch API calls are recorded (nothing when built without ``ops``)."""
+        return self.ops_mode if self.ops_mode is not None else nullcontext()
+
+    def _recording_forward(self, module: nn.Module, name: str, mtype: str, want_inputs: bool,
+                           want_outputs: bool) -> Callable[..., Any]:
+        forward = module.forward
+        stack = self.stack
+        naming = self.ops_mode is not None
+
+        def recording_forward(*args: Any, **kwargs: Any) -> Any:
+            sink = self.sink
+            if sink is None or not sink.active:
+                if not naming:
+                    return forward(*args, **kwargs)
+                sink = None
+            stack.append(name)
+            try:
+                if sink is not None:
+                    if sink.exec_order is not None:
+                        sink.exec_order.append(name)
+                    if want_inputs:
+                        sink.module_inputs(name, mtype, module, args, kwargs)
+                output = forward(*args, **kwargs)
+                if want_outputs and sink is not None and sink.active:
+                    sink.module_output(name, mtype, module, args, kwargs, output)
+                return output
+            except BaseException:  # (no cost until something raises)
+                if self.raised_in is None:
+                    self.raised_in = name
+                raise
+            finally:
+                if stack and stack[-1] == name:
+                    stack.pop()
+        return recording_forward
+
+    def _output_hook(self, name: str, mtype: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            sink = self.sink
+            if sink is not None and sink.active:
+                sink.module_output(name, mtype, module, args, kwargs, output)
+        return hook
+
+    def remove(self) -> None:
+        """Take every wrapper and hook off (nested wraps unwind innermost first); the sink gets
+        nothing more, even through a wrapper another tool's wrapper keeps in the chain."""
+        self.sink = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for w in reversed(self._wrapped):
+            w.remove()
+        self._wrapped.clear()
+
+
+class _ForwardWrapper:
+    """Puts a recording ``forward`` on one module instance and takes it off again.
+
+    Only the instance attribute changes (the class and torch stay untouched); ``remove`` puts
+    back exactly what was there before, including a ``forward`` another tool had set on the
+    instance (accelerate's hooks do that). Recorders may stack on one module (a dump and a
+    replay's capture) and come off in any order.
+    """
+
+    def __init__(self, module: nn.Module, forward: Callable[..., Any]):
+        self.module = module
+        self.had_own = "forward" in module.__dict__
+        self.previous = module.__dict__.get("forward")
+        self.forward = forward
+        module.forward = forward  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("forward") is not self.forward:
+            # someone wrapped over us: leave their wrapper alone, and leave word on our function
+            # so that theirs, when it comes off, puts back what was there before ours
+            self.forward._llmflow_unwrapped = (self.had_own, self.previous)  # type: ignore[attr-defined]
+            return
+        had_own, previous = self.had_own, self.previous
+        while had_own and hasattr(previous, "_llmflow_unwrapped"):  # wrappers removed beneath us
+            had_own, previous = previous._llmflow_unwrapped
+        if had_own:
+            self.module.forward = previous  # type: ignore[method-assign]
+        else:
+            del self.module.forward
+
+
+# -- the walk over a call's values ----------------------------------------------------------------
+class Leaves(Protocol):
+    """What a flattening sink does with each leaf the walk reaches."""
+
+    def tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
+               module_type: str | None) -> None: ...
+
+    def other(self, name: str, kind: str, index: str, value: Any, level: str,
+              module_type: str | None) -> None:
+        """A parameter (``nn.Parameter``), or a value that is not a tensor or container."""
+
+
+MAX_DEPTH = 6  # deeper containers are leaves
+_POSITIONAL = tuple(str(i) for i in range(32))  # index labels of positional values
+_KEYWORD: dict[str, str] = {}  # keyword -> "kw:<keyword>" (a module's keywords repeat every call)
+
+
+def walk_inputs(leaves: Leaves, name: str, kind: str, args: tuple, kwargs: dict | None, level: str,
+                module_type: str | None, tensors_only: bool = False) -> None:
+    """Every leaf of a call's inputs: positional ``"0"``, ``"1.0"``..., keyword ``"kw:<name>"``.
+
+    ``tensors_only`` skips leaves that are neither tensors nor parameters. Runs with torch
+    function modes off, so what sinks compute is not itself recorded.
+    """
+    # (per call of every module: labels come from tables, a plain tensor skips ``_walk``)
+    tensor = leaves.tensor
+    with torch._C.DisableTorchFunction():
+        for i, a in enumerate(args):
+            label = _POSITIONAL[i] if i < len(_POSITIONAL) else str(i)
+            if type(a) is torch.Tensor:
+                tensor(name, kind, label, a, level, module_type)
+            else:
+                _walk(leaves, name, kind, label, a, level, module_type, tensors_only, 0)
+        if kwargs:
+            for k, v in kwargs.items():
+                label = _KEYWORD.get(k) or _KEYWORD.setdefault(k, f"kw:{k}")
+                if type(v) is torch.Tensor:
+                    tensor(name, kind, label, v, level, module_type)
+                else:
+                    _walk(leaves, name, kind, label, v, level, module_type, tensors_only, 0)
+
+
+def walk_output(leaves: Leaves, name: str, output: Any, level: str, module_type: str | None,
+                tensors_only: bool = False) -> None:
+    """Every leaf of a call's output (kind ``output``): a tensor is ``"0"``; tuples ``"0"``,
+    ``"1"``...; dicts by key."""
+    with torch._C.DisableTorchFunction():
+        if type(output) is torch.Tensor:
+            leaves.tensor(name, "output", "0", output, level, module_type)
+        elif isinstance(output, (tuple, list)):
+            for i, v in enumerate(output):
+                label = _POSITIONAL[i] if i < len(_POSITIONAL) else str(i)
+                _walk(leaves, name, "output", label, v, level, module_type, tensors_only, 0)
+        elif isinstance(output, dict):
+            for k, v in output.items():
+                _walk(leaves, name, "output", str(k), v, level, module_type, tensors_only, 0)
+        else:
+            _walk(leaves, name, "output", "0", output, level, module_type, tensors_only, 0)
+
+
+def _walk(leaves: Leaves, name: str, kind: str, index: str, value: Any, level: str,
+          module_type: str | None, tensors_only: bool, depth: int) -> None:
+    if type(value) is torch.Tensor:  # the common case first
+        leaves.tensor(name, kind, index, value, level, module_type)
+    elif isinstance(value, torch.Tensor):  # (Parameter's own isinstance is Python: asked last)
+        if isinstance(value, nn.Parameter):
+            leaves.other(name, kind, index, value, level, module_type)
+        else:
+            leaves.tensor(name, kind, index, value, level, module_type)
+    elif isinstance(value, (tuple, list)) and depth < MAX_DEPTH:
+        for i, v in enumerate(value):
+            _walk(leaves, name, kind, f"{index}.{i}", v, level, module_type, tensors_only, depth + 1)
+    elif isinstance(value, dict) and depth < MAX_DEPTH:
+        for k, v in value.items():
+            _walk(leaves, name, kind, f"{index}.{k}", v, level, module_type, tensors_only, depth + 1)
+    elif not tensors_only:
+        leaves.other(name, kind, index, value, level, module_type)

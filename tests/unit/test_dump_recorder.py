@@ -1,0 +1,98 @@
+"""The recorder is one capture core: a call is named and seen the same way by every sink."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from llmflow import DumpConfig, register_hook
+from llmflow.dump.memory import CallRecorder, capture_calls
+from llmflow.formats.llmflow_dump import LlmflowDumpReader
+from llmflow.localize.cost import estimate_api_dump_bytes
+from llmflow.localize.ops import capture_ops
+from llmflow.models import greedy_generate
+
+
+def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _api_dump(model: torch.nn.Module, path, steps: int) -> LlmflowDumpReader:
+    handle = register_hook(model, DumpConfig(dump_path=str(path), mode="api", token_range="all"))
+    with torch.no_grad():
+        greedy_generate(model, [1, 5, 9, 3], steps)
+    handle.remove()
+    return LlmflowDumpReader(path / "llmflow_dump")
+
+
+def test_op_replay_names_ops_as_the_api_dump_does(tmp_path):
+    model = _tiny_llama()
+    reader = _api_dump(model, tmp_path / "dump", 1)
+    layer = "model.layers.1"
+    in_layer = [e for e in sorted(reader.entries(), key=lambda e: e.order) if e.step == 0
+                and e.level == "api" and (e.name.startswith(layer + "/") or e.name.startswith(layer + "."))]
+    dumped_names = list(dict.fromkeys(e.name for e in in_layer))  # inputs and outputs share a name
+    calls = capture_calls(model, lambda: model(torch.tensor([[1, 5, 9, 3]])),
+                          select=lambda name, _m: name == layer)
+    module = dict(model.named_modules())[layer]
+    ops = capture_ops(module, layer, calls[layer], device=torch.device("cpu"), dtype=torch.float32)
+    replayed = [op.name for op in ops]
+    assert replayed, "the op replay recorded nothing"
+    assert [n for n in dumped_names if n in set(replayed)] == replayed
+    assert set(replayed) <= set(dumped_names)
+
+
+@pytest.mark.parametrize("dump_leaves_first", [True, False])
+def test_recorders_stack_on_one_model_and_come_off_in_any_order(tmp_path, dump_leaves_first):
+    model = _tiny_llama()
+    ids = torch.tensor([[1, 5, 9, 3]])
+    handle = register_hook(model, DumpConfig(dump_path=str(tmp_path / "d"), mode="all"))
+    memory = CallRecorder(model, lambda name, _m: name.endswith("mlp"))
+    with torch.no_grad():
+        model(ids)
+    assert set(memory.calls) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    first, second = (handle.remove, memory.close) if dump_leaves_first else (memory.close, handle.remove)
+    first()
+    memory.calls.clear()
+    with torch.no_grad():
+        model(ids)
+    assert bool(memory.calls) is dump_leaves_first  # the one still on keeps recording
+    second()
+    assert all("forward" not in m.__dict__ for m in model.modules()), "a wrapper was left behind"
+    dumps, calls = list(handle.dumps), dict(memory.calls)
+    with torch.no_grad():
+        model(ids)
+    assert handle.dumps == dumps and memory.calls == calls  # nothing records any more
+
+
+def test_memory_keeps_what_a_module_hook_made_of_the_output():
+    """A fault injected by a forward hook rewrites the output after forward returns: the memory
+    sink, like the dump, keeps what the call really returned."""
+    model = _tiny_llama()
+    mlp = model.model.layers[0].mlp
+    hook = mlp.register_forward_hook(lambda _m, _a, out: out * 3)
+    calls = capture_calls(model, lambda: model(torch.tensor([[1, 5, 9]])),
+                          select=lambda name, _m: name == "model.layers.0.mlp")
+    hook.remove()
+    call = calls["model.layers.0.mlp"]
+    with torch.no_grad():
+        plain = mlp(*call.args, **call.kwargs)
+    torch.testing.assert_close(call.outputs["0"], plain * 3)
+
+
+def test_the_api_dump_estimate_counts_what_the_api_dump_holds(tmp_path):
+    model = _tiny_llama()
+    estimate = estimate_api_dump_bytes(model, [1, 5, 9, 3], 2)
+    reader = _api_dump(model, tmp_path / "dump", 2)
+    held: dict[int, int] = {0: 0, 1: 0}
+    keys: set[tuple[int, str]] = set()
+    for e in reader.entries():
+        if e.level == "api" and e.has_data and (e.step, e.key) not in keys:
+            keys.add((e.step, e.key))
+            held[e.step] += reader.load(e).nbytes
+    assert held[0] > 0 and held[1] > 0
+    assert (estimate["prefill_bytes"], estimate["decode_step_bytes"]) == (held[0], held[1])
