@@ -183,7 +183,14 @@ class _Run:
             self.done_q.put((sid, ctx, None, exc))
 
     def _wait_one(self) -> None:
-        sid, ctx, outputs, exc = self.done_q.get()
+        while True:
+            # a timed wait, so Ctrl-C always gets through: the kernel may hand SIGINT to a stage's
+            # thread, and Python then runs its handler only when the main thread next wakes up
+            try:
+                sid, ctx, outputs, exc = self.done_q.get(timeout=0.2)
+                break
+            except queue.Empty:
+                continue
         prep, tmp, t0 = self.running.pop(sid)
         self.results[sid].duration_s = round(time.monotonic() - t0, 3)
         if exc is None:

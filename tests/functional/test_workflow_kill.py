@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -94,3 +95,38 @@ def test_sigint_exits_130_and_records_interruption(tmp_path):
     plan = llmflow("plan", str(wf), "--run-dir", str(rd), "--json", cwd=tmp_path)
     items = {i["stage"]: i["reason"] for i in json.loads(plan.communicate(timeout=60)[0])}
     assert items == {"first": "cached", "slow": "previous run failed"}  # and the lock was released
+
+
+def test_ctrl_c_that_lands_on_a_stage_thread_still_stops_the_run(tmp_path):
+    """The kernel may hand a terminal's SIGINT to any thread of the process; Python runs the
+    handler in the main thread only, so the runner must not sleep through it until the stage ends."""
+    marker = tmp_path / "slow-started"
+    wf = write_workflow(tmp_path, WORKFLOW % marker)
+    script = tmp_path / "user_run.py"
+    script.write_text(textwrap.dedent(f"""
+        import signal, sys, threading, time
+        from pathlib import Path
+        from llmflow.workflow.runner import run_workflow
+
+        def interrupt_the_stage_thread():
+            while not Path({str(marker)!r}).exists():
+                time.sleep(0.02)
+            stage = next(t for t in threading.enumerate() if t.name == "stage-slow")
+            signal.pthread_kill(stage.ident, signal.SIGINT)
+
+        threading.Thread(target=interrupt_the_stage_thread, daemon=True).start()
+        t0 = time.monotonic()
+        try:
+            run_workflow({str(wf)!r}, run_dir={str(tmp_path / "run")!r})
+        except KeyboardInterrupt:
+            print(f"interrupted after {{time.monotonic() - t0:.1f}} s")
+            sys.exit(130)
+        print("never interrupted")
+    """), encoding="utf-8")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=50)
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    seconds = float(proc.stdout.split("interrupted after ")[1].split()[0])
+    assert seconds < 20  # the stage sleeps 60 s; the run stops within a fraction of a second
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stages"]["slow"]["error"] == "interrupted"
