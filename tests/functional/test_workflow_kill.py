@@ -29,6 +29,12 @@ WORKFLOW = """
 """
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """A job started in the background of a non-interactive shell inherits SIGINT ignored, and
+    Python then leaves it ignored: give the child the default a terminal gives."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def llmflow(*args: str, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
@@ -38,6 +44,7 @@ def llmflow(*args: str, cwd: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
     )
 
 
@@ -124,7 +131,8 @@ def test_ctrl_c_that_lands_on_a_stage_thread_still_stops_the_run(tmp_path):
         print("never interrupted")
     """), encoding="utf-8")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=50)
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=50,
+                          preexec_fn=_ctrl_c_as_in_a_terminal)
     assert proc.returncode == 130, proc.stdout + proc.stderr
     seconds = float(proc.stdout.split("interrupted after ")[1].split()[0])
     assert seconds < 20  # the stage sleeps 60 s; the run stops within a fraction of a second
