@@ -16,8 +16,10 @@ import multiprocessing
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from llmflow import interrupts
 from llmflow.compare import kernels
 from llmflow.compare.match import Pair
 from llmflow.compare.rows import Job, run_chunk
@@ -129,7 +131,7 @@ def _pool(job: Job, chunks: list[list[Pair]], n: int) -> Iterator[list[Result]]:
             nxt = next(it, None)
             if nxt is not None:
                 pending.append(pool.submit(_worker_chunk, nxt))
-            yield fut.result()
+            yield interrupts.wait(fut.result, FutureTimeout)  # Ctrl-C gets through (interrupts.py)
 
 
 def _dask(job: Job, chunks: list[list[Pair]], address: str | None, client: Any) -> Iterator[list[Result]]:

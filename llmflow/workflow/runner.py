@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmflow import interrupts
 from llmflow.errors import UserError, one_line
 from llmflow.stages.base import Stage, StageContext
 from llmflow.workflow import rundir
@@ -183,14 +184,8 @@ class _Run:
             self.done_q.put((sid, ctx, None, exc))
 
     def _wait_one(self) -> None:
-        while True:
-            # a timed wait, so Ctrl-C always gets through: the kernel may hand SIGINT to a stage's
-            # thread, and Python then runs its handler only when the main thread next wakes up
-            try:
-                sid, ctx, outputs, exc = self.done_q.get(timeout=0.2)
-                break
-            except queue.Empty:
-                continue
+        # (a stage runs in a thread of its own: the wait must let Ctrl-C through, see interrupts.py)
+        sid, ctx, outputs, exc = interrupts.wait(lambda t: self.done_q.get(timeout=t), queue.Empty)
         prep, tmp, t0 = self.running.pop(sid)
         self.results[sid].duration_s = round(time.monotonic() - t0, 3)
         if exc is None:
