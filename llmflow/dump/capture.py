@@ -28,7 +28,7 @@ import torch
 
 from llmflow.dump.config import DumpConfig
 from llmflow.dump.copies import device_copy, host_copy, version_of
-from llmflow.dump.recorder import walk_inputs, walk_output
+from llmflow.dump.recorder import Sink, walk_inputs, walk_output
 from llmflow.dump.stats import KERNEL_DTYPES, CpuStats
 from llmflow.dump.topology import module_tree
 from llmflow.dump.writer import AsyncWriter
@@ -97,7 +97,7 @@ if ROW_FIELDS != _ROW_ORDER:
 _NO_EXTRA: dict[str, Any] = {}  # shared by the rows nothing writes into (only crc32 rows get their own)
 
 
-class DumpSession:
+class DumpSession(Sink):
     """Writes one dump directory; the hooks drive it step by step."""
 
     def __init__(self, dump_dir: str | Path, config: DumpConfig, model: torch.nn.Module,

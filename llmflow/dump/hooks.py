@@ -105,14 +105,13 @@ class DumpHandle:
         self.in_step = False
         self._exit_ops()
         s = self.session
-        raised_in = self.recorder.raised_in if self.recorder is not None else None
         if s is None:
             return
         # torch calls this hook (always_call) with output None from inside its ``except`` when
         # the forward raised: that exception is the one being handled now
         exc = sys.exc_info()[1] if output is None else None
         if exc is not None:
-            s.end_step(error=f"{type(exc).__name__}: {exc}".splitlines()[0], module=raised_in)
+            s.end_step(error=f"{type(exc).__name__}: {exc}".splitlines()[0], module=self.recorder.raised_in)
             return
         if self.config.logits and output is not None:
             try:
@@ -176,8 +175,8 @@ class DumpHandle:
         _HANDLES.discard(self)
 
     def _exit_ops(self) -> None:
-        if self._ops_entered and self.recorder is not None:
-            self.recorder.ops_mode.__exit__(None, None, None)
+        if self._ops_entered:  # (entered only through the recorder)
+            self.recorder.ops_mode.__exit__(None, None, None)  # type: ignore[union-attr]
             self._ops_entered = False
 
 

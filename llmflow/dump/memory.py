@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from llmflow.dump.recorder import Recorder, Select
+from llmflow.dump.recorder import Recorder, Select, Sink
 from llmflow.structure import is_cache
 
 
@@ -169,14 +169,12 @@ def _opaque_reason(args: Any, kwargs: dict[str, Any]) -> str | None:
     return None
 
 
-class CallRecorder:
+class CallRecorder(Sink):
     """Records the first call of every selected module of a model, in memory, while ``active``.
 
     The in-memory twin of a golden module dump at one step. ``model`` may be a sub-module (a
     decoder layer) whose path in the whole model is ``prefix``. A sink of its own ``Recorder``.
     """
-
-    exec_order = None  # (call order is not kept)
 
     def __init__(self, model: nn.Module, select: Select, prefix: str = ""):
         self.calls: dict[str, Call] = {}
@@ -235,13 +233,10 @@ def _snapshot(value: Any) -> Any:
     return tree_unflatten([x.detach().clone() if isinstance(x, torch.Tensor) else x for x in flat], spec)
 
 
-class OpRecorder:
+class OpRecorder(Sink):
     """Records every torch API call returning a tensor while one module runs, named like the
     dump's API mode (``<module path>/<api>.<n>``), inputs copied before the op runs (an in-place
     op would change them)."""
-
-    active = True
-    exec_order = None
 
     def __init__(self, module: nn.Module, name: str):
         self.calls: list[OpCall] = []
@@ -257,13 +252,6 @@ class OpRecorder:
         finally:
             self._recorder.remove()
         return self.calls
-
-    def module_inputs(self, *_a: Any) -> None: ...
-
-    def module_output(self, *_a: Any) -> None: ...
-
-    def wants_op(self, module: str) -> bool:
-        return True
 
     def op_inputs(self, name: str, api: str, func: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         self._inputs = (_snapshot(args), _snapshot(kwargs))

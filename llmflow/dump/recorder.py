@@ -33,23 +33,30 @@ from torch import nn
 Select = Callable[[str, nn.Module], bool]
 
 
-class Sink(Protocol):
-    """Where a recorder sends the calls it sees. ``active`` is read on every call: while it is
-    False nothing is sent. ``exec_order``, when a list, receives every call's name in order."""
+class Sink:
+    """Where a recorder sends the calls it sees; this base keeps nothing, a sink overrides what it
+    keeps. ``active`` is read on every call: while it is False nothing is sent. ``exec_order``,
+    when a list, receives every call's name in order."""
 
-    active: bool
-    exec_order: list[str] | None
+    active: bool = True
+    exec_order: list[str] | None = None
 
-    def module_inputs(self, name: str, mtype: str, module: nn.Module, args: tuple, kwargs: dict) -> None: ...
+    def module_inputs(self, name: str, mtype: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A selected module was called (before its forward runs)."""
 
     def module_output(self, name: str, mtype: str, module: nn.Module, args: tuple, kwargs: dict,
-                      output: Any) -> None: ...
+                      output: Any) -> None:
+        """A selected module returned ``output`` (after any forward hooks of its own)."""
 
-    def wants_op(self, module: str) -> bool: ...
+    def wants_op(self, module: str) -> bool:
+        """Are the ops called directly inside ``module`` recorded?"""
+        return True
 
-    def op_inputs(self, name: str, api: str, func: Callable[..., Any], args: tuple, kwargs: dict) -> None: ...
+    def op_inputs(self, name: str, api: str, func: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """A torch API call is about to run."""
 
-    def op_output(self, name: str, api: str, func: Callable[..., Any], output: Any) -> None: ...
+    def op_output(self, name: str, api: str, func: Callable[..., Any], output: Any) -> None:
+        """The torch API call returned ``output``."""
 
 
 class Recorder:

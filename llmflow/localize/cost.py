@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmflow.dump.recorder import Recorder, walk_inputs, walk_output
+from llmflow.dump.recorder import Recorder, Sink, walk_inputs, walk_output
 
 
 def dir_bytes(path: str | Path | None) -> int:
@@ -34,12 +34,10 @@ def dir_bytes(path: str | Path | None) -> int:
     return total
 
 
-class _ByteCounter:
+class _ByteCounter(Sink):
     """A recorder sink counting what the dump's API mode writes: tensor inputs and outputs of every
     recorded op, each tensor once per step (the dump stores a tensor handed to several ops once),
     weights (``nn.Parameter``) not at all (the dump records their shape only)."""
-
-    exec_order = None
 
     def __init__(self) -> None:
         self.active = False  # inside the model's forward (the dump records nothing between steps)
@@ -51,13 +49,6 @@ class _ByteCounter:
         self.per_step.append(0)
         self.seen.clear()
         self.ids.clear()
-
-    def module_inputs(self, *_a: Any) -> None: ...
-
-    def module_output(self, *_a: Any) -> None: ...
-
-    def wants_op(self, module: str) -> bool:
-        return True
 
     def op_inputs(self, name: str, api: str, func: Any, args: tuple, kwargs: dict) -> None:
         walk_inputs(self, name, "input", args, kwargs, "api", api, tensors_only=True)
