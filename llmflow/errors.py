@@ -38,5 +38,10 @@ class UserError(Exception):
     """
 
 
+class ComputeError(RuntimeError):
+    """Work that could not be done for a reason outside the user's input (a compare whose dask
+    workers kept dying): the CLI prints its one line without a traceback and exits 1."""
+
+
 class DumpFormatError(UserError):
     """A dump file or index that cannot be read: truncated, lying header, unknown dtype, unsafe."""

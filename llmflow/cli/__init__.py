@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from llmflow import __version__
-from llmflow.errors import EXIT_BAD_INPUT, UserError, one_line
+from llmflow.errors import EXIT_BAD_INPUT, EXIT_FAILED, ComputeError, UserError, one_line
 
 TOOLS = {
     "run": "llmflow.cli.run",
@@ -123,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print("FAILED: interrupted", flush=True)
         return 130
+    except ComputeError as exc:
+        if level == "debug":
+            traceback.print_exc()
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        print(f"FAILED: {one_line(exc)}", flush=True)
+        return EXIT_FAILED
     except UserError as exc:
         if level == "debug":
             traceback.print_exc()

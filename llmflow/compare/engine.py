@@ -23,7 +23,7 @@ from llmflow import interrupts
 from llmflow.compare import kernels
 from llmflow.compare.match import Pair
 from llmflow.compare.rows import Job, run_chunk
-from llmflow.errors import UserError
+from llmflow.errors import ComputeError, UserError
 
 CHUNK_PAIRS = 64
 CHUNK_BYTES = 64 << 20
@@ -135,8 +135,16 @@ def _pool(job: Job, chunks: list[list[Pair]], n: int) -> Iterator[list[Result]]:
 
 
 def _dask(job: Job, chunks: list[list[Pair]], address: str | None, client: Any) -> Iterator[list[Result]]:
+    """Each chunk a dask task; the rows come back in the pairs' order.
+
+    A worker that dies (killed, out of memory, its machine gone) loses its tasks; the scheduler
+    gives them to another worker, up to ``distributed.scheduler.allowed-failures`` times (3 by
+    default). A chunk that outlives that raises ``ComputeError`` naming its pairs: a compare never
+    ends with a silent gap in its rows. An exception raised inside a task (a transient read
+    error on a network filesystem) is retried once on whichever worker takes it.
+    """
     try:
-        from dask.distributed import Client
+        from dask.distributed import Client, KilledWorker
     except ImportError as exc:
         raise UserError("compare: executor 'dask' needs dask.distributed "
                         "(pip install 'llmflow[dask]')") from exc
@@ -150,9 +158,17 @@ def _dask(job: Job, chunks: list[list[Pair]], address: str | None, client: Any) 
             raise UserError(f"compare: cannot reach the dask scheduler at {address}: {exc}") from exc
     try:
         job_f = client.scatter(job, broadcast=True)
-        futures = [client.submit(run_chunk, job_f, chunk, pure=False) for chunk in chunks]
-        for fut in futures:
-            yield fut.result()
+        futures = [client.submit(run_chunk, job_f, chunk, pure=False, retries=1) for chunk in chunks]
+        for i, fut in enumerate(futures):
+            try:
+                yield fut.result()
+            except KilledWorker as exc:
+                first = next((e for e in (chunks[i][0].golden, *chunks[i][0].targets) if e), None)
+                raise ComputeError(
+                    f"compare: the dask workers running chunk {i + 1} of {len(chunks)} ({len(chunks[i])} "
+                    f"pairs from step {chunks[i][0].golden_step} {first.name if first else '?'}) died "
+                    f"each time it ran ({exc}); "
+                    f"the rows from there on are missing") from None
             fut.release()
     finally:
         if own:
