@@ -23,6 +23,13 @@ Two optional blocks make a mapping usable without ``-mf`` (see ``pairing.py``)::
 A template may subtract or add a var (``model.layers.{n-layer_base}``); ``Mapping.bind(reader)``
 reads each var from the target's topology (ATB: ``model/<pid>/*.json``), else from its entries,
 else takes the default.
+
+A tensor-parallel target's shards join by their shapes (``shards.py``); ``shards`` overrides that
+for the names it matches, e.g. a row-parallel linear's partial products dumped before its
+all-reduce::
+
+    rules: []
+    shards: [{target: "model.layers.*.mlp.down_proj/linear.*", merge: sum}]
 """
 
 from __future__ import annotations
@@ -47,6 +54,19 @@ _LEADING_NUMBER = re.compile(r"^(\d+)_")
 def atb_llama_mapping_path() -> str:
     """The ``atb-llama`` entry point: ATB (Ascend Transformer Boost) Llama <-> Hugging Face Llama."""
     return str(DATA_DIR / "atb_llama.yaml")
+
+
+CONCAT, SUM, REPLICATED = "concat", "sum", "replicated"  # how a tensor-parallel target's shards join
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """A ``shards`` entry: the ranks' tensors whose target name matches ``pattern`` join by
+    ``merge`` (``sum``, ``replicated`` or ``concat:DIM``), whatever their shapes say
+    (``llmflow/compare/shards.py``)."""
+
+    pattern: re.Pattern[str]
+    merge: str
 
 
 @dataclass
@@ -101,6 +121,7 @@ class Mapping:
     var_specs: dict[str, dict[str, Any]] = field(default_factory=dict)
     variables: dict[str, int] = field(default_factory=dict)
     var_sources: dict[str, str] = field(default_factory=dict)  # var -> where its value came from
+    shards: list[ShardRule] = field(default_factory=list)
 
     def detects(self, target: Any) -> bool:
         """Does the target dump look like what this mapping was written for (its ``detect``)?"""
@@ -125,7 +146,8 @@ class Mapping:
                 values[var], sources[var] = int(spec.get("default", 0)), "default"
             else:
                 values[var], sources[var] = found
-        return Mapping(self.path, self.name, self.rules, self.detect, self.var_specs, values, sources)
+        return Mapping(self.path, self.name, self.rules, self.detect, self.var_specs, values, sources,
+                       self.shards)
 
 
 def _topology_types(target: Any) -> set[str]:
@@ -244,8 +266,11 @@ def load_mapping(ref: str | Path, base_dir: str | Path = ".") -> Mapping:
     var_specs = data.get("vars") or {}
     rules = [_compile(r, i, default_match, path, set(var_specs)) for i, r in enumerate(data["rules"])]
     defaults = {k: int(v.get("default", 0)) for k, v in var_specs.items()}
+    shards = [ShardRule(re.compile(glob_to_regex(sr["target"])), sr["merge"])
+              for sr in data.get("shards") or ()]
     return Mapping(path=str(path), name=data.get("name", path.stem), rules=rules, detect=data.get("detect"),
-                   var_specs=var_specs, variables=defaults, var_sources=dict.fromkeys(defaults, "default"))
+                   var_specs=var_specs, variables=defaults, var_sources=dict.fromkeys(defaults, "default"),
+                   shards=shards)
 
 
 def _compile(r: dict[str, Any], i: int, default_match: str, path: Path, var_names: set[str]) -> Rule:

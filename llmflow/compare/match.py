@@ -48,6 +48,9 @@ class Pair:
     target_step: int
     rank: int
     rule: str = field(default="")
+    # how several target entries join: "" the sum of a many-to-one mapping; for the ranks of a
+    # tensor-parallel target "concat:D", "sum" or "replicated" (``shards.py``)
+    merge: str = field(default="")
 
     @property
     def unmatched(self) -> bool:

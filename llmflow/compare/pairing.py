@@ -23,6 +23,7 @@ from typing import Any
 from llmflow.compare.align import align_dumps
 from llmflow.compare.mappings import Mapping, load_mapping
 from llmflow.compare.match import Pair, comparable, entry_levels, match_step
+from llmflow.compare.shards import join_ranks
 from llmflow.errors import UserError
 from llmflow.formats.base import DumpReader, Entry
 
@@ -65,19 +66,34 @@ def plan_pairs(golden: DumpReader, target: DumpReader, *, step_pairs: list[dict[
         missing = [{"side": "target", "golden_step": s, "target_step": None} for s in golden.steps()
                    if s not in paired and (wanted is None or s in wanted)]
     g_idx, t_idx = _index(golden), _index(target)
-    ranks = sorted({r for r, _ in g_idx} | {r for r, _ in t_idx})
+    g_ranks, t_ranks = sorted({r for r, _ in g_idx}), sorted({r for r, _ in t_idx})
+    ranks = sorted(set(g_ranks) | set(t_ranks))
+    # a tensor-parallel target against a one-device golden: the golden's rank pairs with the
+    # target's first, and the other ranks' shards join those pairs (shards.py)
+    sharded = rank is None and len(g_ranks) == 1 and len(t_ranks) > 1
+    if sharded:
+        g_idx = {(t_ranks[0], s): es for (_, s), es in g_idx.items()}
+        ranks = [t_ranks[0]]
     if rank is not None:
         if rank not in ranks:
             raise UserError(f"compare: rank {rank} is in neither dump (ranks: {ranks})")
         ranks = [rank]
     chosen, matching = _choose(golden, target, g_idx, t_idx, step_pairs, ranks, levels, mapping, base_dir)
     pairs: list[Pair] = []
+    joins: Counter[str] = Counter()
     for sp in step_pairs:
         gs, ts = int(sp["golden_step"]), int(sp["target_step"])
         for r in ranks:
-            pairs.extend(match_step(g_idx.get((r, gs), ()), t_idx.get((r, ts), ()), golden_step=gs,
-                                    target_step=ts, rank=r, mapping=chosen, levels=levels))
+            step = match_step(g_idx.get((r, gs), ()), t_idx.get((r, ts), ()), golden_step=gs,
+                              target_step=ts, rank=r, mapping=chosen, levels=levels)
+            if sharded:
+                others = {o: t_idx.get((o, ts), ()) for o in t_ranks[1:]}
+                step, counts = join_ranks(step, others, chosen.shards if chosen else (), levels)
+                joins.update(counts)
+            pairs.extend(step)
     matching["rows"] = dict(Counter(p.match for p in pairs if not p.unmatched))
+    if sharded:
+        matching["tensor_parallel"] = {"ranks": len(t_ranks), "joined": dict(joins)}
     lacking = {int(m["golden_step"]) for m in missing if m.get("side") == "target"}
     wanted_levels = set(levels) if levels else None
     missing_rows = sum(1 for (r, s), es in g_idx.items() if s in lacking and r in ranks for e in es
@@ -164,4 +180,9 @@ def matching_text(matching: dict[str, Any]) -> str:
         head = "by name"
     rows = matching.get("rows") or {}
     counts = ", ".join(f"{n} by {how}" for how, n in sorted(rows.items(), key=lambda kv: -kv[1]))
-    return f"{head}; rows paired {counts}" if counts else head
+    text = f"{head}; rows paired {counts}" if counts else head
+    tp = matching.get("tensor_parallel")
+    if tp:
+        joined = ", ".join(f"{n} {how}" for how, n in sorted(tp["joined"].items(), key=lambda kv: -kv[1]))
+        text += f"; the target's {tp['ranks']} tensor-parallel ranks joined: {joined or 'none'}"
+    return text

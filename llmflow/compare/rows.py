@@ -20,8 +20,10 @@ import torch
 
 from llmflow.compare.algorithms import load_algorithms, run_algorithm
 from llmflow.compare.codes import Code
+from llmflow.compare.mappings import REPLICATED, SUM
 from llmflow.compare.match import Pair
 from llmflow.compare.metrics import compare_tensors, judge
+from llmflow.compare.shards import join_tensors, joined_shape, joined_stats, shard_errors, standout
 from llmflow.compare.statistics import STATS, compare_stats
 from llmflow.compare.thresholds import coarser, dtype_class
 from llmflow.formats import locator, locator_prefix
@@ -75,17 +77,21 @@ def base_row(p: Pair, job: Job | None = None) -> dict[str, Any]:
     g, t0 = p.golden, (p.targets[0] if p.targets else None)
     ref = g or t0
     assert ref is not None
-    several = len(p.targets) > 1  # a many-to-one mapping: the sum of these target tensors
+    several = len(p.targets) > 1  # a many-to-one mapping (their sum), or a sharded target's ranks
     row = {
         "step": p.golden_step, "target_step": p.target_step, "rank": p.rank,
         "name": g.name if g else None,
-        "target_name": ("+".join(t.name for t in p.targets) if several else t0.name) if t0 else None,
+        "target_name": ("+".join(t.name for t in p.targets) if several and not p.merge else t0.name)
+        if t0 else None,
         "kind": ref.kind, "index": ref.index, "order": ref.order, "match": p.match,
         "module_type": ref.module_type,
         "golden_dtype": g.dtype if g else None,
         "target_dtype": t0.dtype if t0 else None,
         "golden_shape": _shape(g), "target_shape": _shape(t0),
     }
+    if p.merge:
+        row["target_shape"] = joined_shape(p.merge, [t.shape or () for t in p.targets])
+        row["shards"] = f"{len(p.targets)} ranks, {p.merge}"
     if job is not None:
         gp, tp = job.prefixes()
         row["golden_data_path"] = locator(job.golden, g, gp) if g else ""
@@ -159,13 +165,17 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
     assert p.golden is not None
     try:
         use_stats = job.stats_only or not p.golden.has_data or not all(t.has_data for t in p.targets)
+        standout = None
         if use_stats:
             g_stats = _stats_of(job.golden, p.golden)
-            t_stats = _sum_stats([_stats_of(job.target, t) for t in p.targets])
-            row.update(compare_stats(g_stats, t_stats))
+            t_stats = [_stats_of(job.target, t) for t in p.targets]
+            row.update(compare_stats(g_stats, joined_stats(p.merge, t_stats, p.targets) if p.merge
+                                     else _sum_stats(t_stats)))
         else:
             g = job.golden.load(p.golden)
-            if len(p.targets) == 1:
+            if p.merge:
+                t, standout = _joined_target(job, p, g, row)
+            elif len(p.targets) == 1:
                 t = job.target.load(p.targets[0])
             else:
                 t = job.target.load(p.targets[0]).float()
@@ -189,11 +199,34 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
         j = judge(row, dtype, job.thresholds)
         row.update(verdict=j.verdict, code=j.code, reason=j.reason,
                    tripped=",".join(f"{m}={lv}" for m, lv in j.tripped.items()))
+        if standout is not None and j.verdict != "pass":
+            r, err, median = standout
+            row["reason"] = f"rank {r}'s shard stands out (relative distance {err:.3g}, the other " \
+                            f"ranks' {median:.3g}); {row['reason']}"
         if dtype == "integer" and j.code == Code.THRESHOLD_FAIL.value and _routing_indices(p):
             _as_routing(row)
     except Exception as exc:  # a corrupt tensor file must not stop a 100k-row compare
         row.update(verdict="fail", code=Code.LOAD_ERROR.value, reason=f"error: {type(exc).__name__}: {exc}")
     return row
+
+
+def _joined_target(job: Job, p: Pair, g: torch.Tensor, row: dict[str, Any]
+                   ) -> tuple[torch.Tensor, tuple[int, float, float] | None]:
+    """A sharded target's tensor as the golden holds it (``shards.py``), and the rank whose own
+    shard error stands out. ``row["shards"]`` says how the ranks joined and which rank was worst."""
+    ranks = [t.rank for t in p.targets]
+    shards = [job.target.load(t) for t in p.targets]
+    if p.merge == REPLICATED and all(torch.equal(shards[0], s) for s in shards[1:]):
+        return shards[0], None  # the usual case: one compare of the copy every rank holds
+    errors = shard_errors(g, p.merge, shards) if p.merge != SUM else []
+    found = standout(errors, ranks) if errors else None
+    if found is not None:
+        row["shards"] += f"; rank {found[0]} stands out (relative distance {found[1]:.3g})"
+    if p.merge == REPLICATED:  # the ranks' copies differ: the worst one is the row
+        worst = max(range(len(errors)), key=lambda i: (errors[i] != errors[i], errors[i]))
+        row["shards"] += f"; the ranks' copies differ, the worst is rank {ranks[worst]}'s"
+        return shards[worst], found
+    return join_tensors(p.merge, shards), found
 
 
 def _routing_indices(p: Pair) -> bool:

@@ -150,6 +150,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
               judge_by["given"], judge_by["recorded"])
     any_stats = opts.stats_only or any(
         not e.has_data for p in pairs if not p.unmatched for e in (p.golden, *p.targets) if e is not None)
+    sharded = "tensor_parallel" in pairing.matching
     streams: dict[str, CsvStream] = {}
     summary = SummaryBuilder()
     task = progress("compare", len(pairs)) if progress else None
@@ -170,7 +171,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
                                       on_chunk=on_chunk):
             for level in levels:
                 if level not in streams:
-                    cols = level_columns(level, any_stats, not opts.stats_only, alg_names)
+                    cols = level_columns(level, any_stats, not opts.stats_only, alg_names, sharded)
                     streams[level] = CsvStream(out / f"compare_{level}.csv", cols)
                 streams[level].write(row)
             summary.add(levels, row)

@@ -37,8 +37,9 @@ _CODE_CELLS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def level_columns(level: str, stats: bool, tensors: bool, alg_names: Iterable[str]) -> list[str]:
-    """The fixed header of one level's CSV."""
+def level_columns(level: str, stats: bool, tensors: bool, alg_names: Iterable[str],
+                  shards: bool = False) -> list[str]:
+    """The fixed header of one level's CSV (``shards``: a tensor-parallel target's ranks joined)."""
     cols = list(ID_COLUMNS) + list(SIDE_COLUMNS)
     if tensors:
         cols += list(METRIC_COLUMNS)
@@ -49,6 +50,8 @@ def level_columns(level: str, stats: bool, tensors: bool, alg_names: Iterable[st
         cols += LOGITS_COLUMNS
     for name in alg_names:
         cols += [name, f"{name}_message"]
+    if shards:
+        cols.append("shards")
     return cols + TAIL_COLUMNS
 
 

@@ -59,6 +59,27 @@ def current_rank() -> int:
     return 0
 
 
+def world_size() -> int:
+    """torch.distributed's world size when initialised, else $WORLD_SIZE, else 1."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    size = os.environ.get("WORLD_SIZE", "")
+    return int(size) if size.isdigit() else 1
+
+
+class _NoRepeats(dict):
+    """The repeat table of a distributed run, which remembers nothing: every capture is copied.
+
+    A repeat is recognised as the same tensor object with the same version counter, but
+    collectives (``all_reduce``, ``broadcast``, ``reduce_scatter``) rewrite a tensor in place
+    without bumping its version: a row-parallel linear's output, captured before its all-reduce
+    and again after it, would be indexed as unchanged and keep its partial sum."""
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        return None
+
+
 def inline_writer(model: torch.nn.Module) -> bool:
     """Should the dump's writing run in the forward thread (at step ends) rather than a thread?
 
@@ -110,6 +131,8 @@ class DumpSession(Sink):
         self._cpu_stats = CpuStats.create() if self.statistics and not config.crc32 else None
         disk = DumpDirWriter(self.dump_dir, self.rank,
                              meta={"data_mode": config.data_mode, "config": config.to_json()})
+        if world_size() > 1:  # the compare joins a tensor-parallel target's ranks (compare/shards.py)
+            disk.update_rank_meta(world_size=world_size())
         self.writer = AsyncWriter(disk, crc32=config.crc32, inline=inline)
         self._op_inputs, self._op_outputs = config.tensor_part != 1, config.tensor_part != 0
         self._add_row = self.writer.add_row  # an index row and nothing more (see ``_tensor``)
@@ -128,7 +151,8 @@ class DumpSession(Sink):
         self.in_step = False  # between begin_step and end_step
         # id(tensor) -> (weakref, version, dtype, shape, has_data, key) of the tensors captured
         # this step
-        self._seen: dict[int, tuple[Any, int | None, str, tuple[int, ...], bool, str]] = {}
+        self._seen: dict[int, tuple[Any, int | None, str, tuple[int, ...], bool, str]] = \
+            _NoRepeats() if world_size() > 1 else {}
         # finishes the dump when the model is garbage-collected or the interpreter exits (the
         # session holds no reference to the model, so this does not keep it alive)
         self._finalizer = weakref.finalize(model, _close_unattended, self)
