@@ -109,18 +109,24 @@ def test_plan_consumes_companions_and_flags_unsupported(tmp_path):
     save_file({"a.weight": torch.zeros(2, 2, dtype=torch.int8), "a.weight_scale": torch.ones(2, 1),
                "a.input_scale": torch.ones(1), "a.deq_scale": torch.ones(2),
                "b.weight": torch.zeros(2, 2, dtype=torch.int8), "b.weight_scale": torch.ones(1),
-               "n.weight": torch.ones(2), "i.weight": torch.zeros(2, dtype=torch.int8)},
+               "n.weight": torch.ones(2), "i.weight": torch.zeros(2, dtype=torch.int8),
+               "b.index": torch.zeros(3, dtype=torch.int8), "b.info": torch.zeros(3, dtype=torch.int8),
+               "c.weight": torch.zeros(2, 2, dtype=torch.int8), "c.weight_scale": torch.ones(2, 1),
+               "c.weight_scale_second": torch.ones(2, 1)},
               str(write_sharded(folder, {"x": torch.ones(1)}, shards=1) / "extra.safetensors"))
     (folder / "model.safetensors.index.json").unlink()
     (folder / "quant_model_description.json").write_text(json.dumps(
-        {"a.weight": "W8A8", "b.weight": "W8A8SC", "n.weight": "FLOAT"}))
+        {"a.weight": "W8A8", "b.weight": "W8A8SC", "b.index": "W8A8SC", "b.info": "W8A8SC",
+         "c.weight": "W4A8_DYNAMIC", "n.weight": "FLOAT"}))
     src = open_weights(folder)
     plans, companions = plan_source(src)
-    assert companions == 4
+    assert companions == 4 + 2 + 2  # a's three, b's scale, b's index and info, c's two scales
     assert plans["a.weight"].qtype == "W8A8" and plans["a.weight"].problem is None
-    assert plans["b.weight"].problem == "unsupported quantization scheme W8A8SC"
+    assert plans["b.weight"].problem is not None and plans["b.weight"].problem.startswith(
+        "sparse-compressed W8A8SC: msModelSlim's compressed layout cannot be decoded")
+    assert plans["c.weight"].problem == "unsupported quantization scheme W4A8_DYNAMIC"
     assert plans["n.weight"].qtype is None and plans["i.weight"].qtype is None  # compared as stored
-    assert set(plans) == {"a.weight", "b.weight", "n.weight", "i.weight", "x"}
+    assert set(plans) == {"a.weight", "b.weight", "c.weight", "n.weight", "i.weight", "x"}
 
 
 def test_map_name_uses_the_longest_prefix():
