@@ -40,7 +40,9 @@ Siblings: a tensor in a decoder layer is also judged against the same role in th
 (``model.layers.*.mlp.up_proj.weight``). Honest rounding errs alike in every layer; a tensor whose
 relative distance is ``sibling_ratio`` (the bisect's ratio) times the median of its siblings fails
 (``sibling_outlier``), even when its own precision's limits would only warn: a whole layer's scale
-off by 25% (relative distance 0.25) sits under int8's fail limit, and 38x its siblings.
+off by 25% (relative distance 0.25) sits under int8's fail limit, and 38x its siblings. Int4
+rounding alone is a relative distance of ~0.1, so there the same fault is told by the second
+measure, ``scale_error``: the worst output channel's gain error, which rounding hardly moves.
 """
 
 from __future__ import annotations
@@ -469,6 +471,7 @@ def _rows(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, g_
         row.update(compare_tensors(g, t))
         row["numel"] = g.numel()
         row["l2_distance"] = float(torch.linalg.vector_norm(g - t))
+        row["scale_error"] = scale_error(g, t)
         del g, t
         row["status"] = "compared"
         # judged at the precision the target stores: int8/int4 for quantized weights
@@ -482,49 +485,87 @@ def _rows(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, g_
         yield row
 
 
+def scale_error(golden: torch.Tensor, target: torch.Tensor) -> float | None:
+    """The worst output channel's gain error ``|<t, g> / <g, g> - 1|``: what a wrong scale does.
+
+    Rounding errs in every direction and hardly moves a channel's projection on its golden (an
+    int4 channel of 64 inputs: about 0.01), while a scale off by 25% moves it by 0.25; so this
+    separates a mis-scaled channel or tensor from honest rounding where the total error cannot
+    (int4 rounding alone is a relative distance of about 0.1). None for a scalar or all-zero golden."""
+    if golden.dim() == 0 or golden.numel() == 0:
+        return None
+    g, t = golden.reshape(golden.shape[0], -1), target.reshape(golden.shape[0], -1)
+    energy = (g * g).sum(dim=1)
+    live = energy > 0
+    if not bool(live.any()):
+        return None
+    gain = (t * g).sum(dim=1)[live] / energy[live]
+    worst = float((gain - 1).abs().max())
+    return worst if math.isfinite(worst) else math.inf
+
+
 def _status(problem: str) -> str:
     if problem.startswith("missing in "):
         return problem.replace(" ", "_")
     return "compressed" if "sparse-compressed" in problem else "unsupported"
 
 
-#: Below this relative distance siblings count as exact: an error must exceed ratio x this to
-#: stand out (float32 carries ~1e-7; identical tensors give 0, and 3x 0 is no standard).
+#: Below this error siblings count as exact: an error must exceed ratio x this to stand out
+#: (float32 carries ~1e-7; identical tensors give 0, and 3x 0 is no standard).
 SIBLING_FLOOR = 1e-6
+#: The errors a tensor is measured against its siblings by: the total error, and the worst
+#: channel's gain error (``scale_error``), which a wrong scale moves far more than rounding does.
+SIBLING_MEASURES = ("relative_euclidean_distance", "scale_error")
 
 
 def judge_siblings(rows: list[dict[str, Any]], ratio: float = DEFAULT_RATIO_THRESHOLD) -> None:
     """Judge each compared tensor of a decoder layer against its siblings, in place.
 
     Siblings are the same role in the other layers (``module_type``: ``model.layers.*.mlp.up_proj
-    .weight``). Each row gets ``sibling_median`` (the median relative distance of the *other*
-    siblings: leave-one-out, as the bisect's ranking, so with two layers the faulty one is
-    measured against the healthy one) and ``sibling_score`` (its own over that). A score of
-    ``ratio`` or more fails the row (``sibling_outlier``), its reason saying by how much."""
+    .weight``). For each of ``SIBLING_MEASURES`` the typical error is the median of the *other*
+    siblings (leave-one-out, as the bisect's ranking, so with two layers the faulty one is measured
+    against the healthy one); ``sibling_score`` is the larger of the tensor's two ratios to it and
+    ``sibling_median`` the typical error of that measure. A score of ``ratio`` or more fails the
+    row (``sibling_outlier``), its reason saying which error, by how much and against what."""
     from statistics import median
 
     roles: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        if r["status"] == "compared" and layer_of(r["name"]) is not None and math.isfinite(badness(r)):
+        if r["status"] == "compared" and layer_of(r["name"]) is not None:
             roles.setdefault(module_type(r["name"]), []).append(r)
     for role, members in roles.items():
-        errors = [badness(r) for r in members]
         for i, r in enumerate(members):
-            others = errors[:i] + errors[i + 1:]
-            if not others:
+            best: tuple[float, str, float, float, int] | None = None
+            for measure in SIBLING_MEASURES:
+                mine = _finite(r.get(measure))
+                others = [v for j, m in enumerate(members) if j != i
+                          and (v := _finite(m.get(measure))) is not None]
+                if mine is None or not others:
+                    continue
+                typical = median(others)
+                score = mine / max(typical, SIBLING_FLOOR)
+                if best is None or score > best[0]:
+                    best = (score, measure, mine, typical, len(others))
+            if best is None:
                 continue
-            typical = median(others)
-            score = errors[i] / max(typical, SIBLING_FLOOR)
+            score, measure, mine, typical, n = best
             r["sibling_median"], r["sibling_score"] = typical, score
             if score < ratio:
                 continue
-            why = (f"relative_euclidean_distance {errors[i]:.3g} is {score:.1f}x the median {typical:.3g} "
-                   f"of {role} in the other {len(others)} layer{'s' if len(others) > 1 else ''} "
-                   f"(sibling limit {ratio:g}x)")
+            why = (f"{measure} {mine:.3g} is {score:.1f}x the median {typical:.3g} of {role} in the "
+                   f"other {n} layer{'s' if n > 1 else ''} (sibling limit {ratio:g}x)")
             if r["verdict"] == "fail":
                 r["reason"] = f"{r['reason']}; {why}"
             else:
                 r.update(verdict="fail", code=SIBLING_OUTLIER, reason=why)
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
 
 
 def badness(row: dict[str, Any]) -> float:

@@ -21,8 +21,8 @@ from llmflow.structure import DEFAULT_RATIO_THRESHOLD
 COLUMNS = ["name", "status", "verdict", "quant_type", "scheme", "golden_dtype", "target_dtype",
            "golden_shape", "target_shape", "numel", "cosine_similarity", "relative_euclidean_distance",
            "l2_distance", "max_absolute_error", "mean_absolute_error", "max_relative_error",
-           "mean_relative_error", "rmse", "kl_divergence", "sibling_median", "sibling_score", "code",
-           "target_name", "reason"]
+           "mean_relative_error", "rmse", "kl_divergence", "scale_error", "sibling_median", "sibling_score",
+           "code", "target_name", "reason"]
 
 
 class WeightCompareStage(Stage):
