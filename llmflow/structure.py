@@ -83,6 +83,11 @@ def layer_index(name: str, stack: LayerStack | None = None) -> int | None:
     return int(layer.rsplit(".", 1)[-1]) if layer else None
 
 
+#: A module (or a weight) stands out from its siblings, the same role in the other layers, when its
+#: error is this many times theirs: the bisect's ranking and the weight check's sibling rule.
+DEFAULT_RATIO_THRESHOLD = 3.0
+
+
 def module_type(name: str, stack: LayerStack | None = None) -> str:
     """The name with its layer index replaced by ``*``: the key modules are compared within.
 

@@ -6,23 +6,43 @@ exactly the shards a ``*.safetensors.index.json`` names), or a dump directory wi
 Tensors are read one at a time through ``safe_open`` (memory-mapped), so memory stays bounded by
 the largest tensor pair, whatever the checkpoint size.
 
-Quantized weights (msModelSlim conventions, documented here because msModelSlim's vary by version):
+Quantized weights (msModelSlim's conventions, as its 26.1 writes them; checked against its output):
 
 * ``quant_model_description*.json`` (auto-detected next to the weights) maps tensor names to a
-  type; ``model_quant_type`` is the default. Weight types dequantized: W8A8, W8A8S, W8A8_DYNAMIC,
-  W8A16 (int8) and W4A16 (int4). FLOAT tensors are compared as they are. Any other type (W8A8SC
-  compressed, W4A8 two-level scales, C8 ...) is reported as ``unsupported``, never skipped.
+  type; ``model_quant_type`` is the default. The ``ascendV1`` save type writes
+  ``quant_model_description.json`` with ``"version": "1.0.0"`` (and ``"group_size"`` for per-group
+  schemes); ``safe_tensor`` writes ``quant_model_description_<type>.json`` without a version.
+  Weight types dequantized: W8A16, W8A8, W8A8_DYNAMIC, W8A8_MIX, W8A8S (int8) and W4A16 (int4).
+  FLOAT tensors are compared as they are. The sparse-compressed types (W8A8SC, W16A16SC: the
+  weight squeezed to a byte stream with ``.index``/``.info`` tensors) are reported as such, one row
+  per weight, their ``.index``/``.info`` consumed; any other type (W4A8 two-level scales ...) is
+  reported as ``unsupported``, never skipped.
 * ``X.weight`` (integer) with ``X.weight_scale`` and optional ``X.weight_offset`` (zero when absent)
-  dequantizes to ``(weight - offset) * scale``. The scale's shape picks the scheme: one element
-  per-tensor; ``[out]`` or ``[out, 1]`` per-channel; ``[out, n_groups]`` (or ``[n_groups, out]``)
-  per-group along the input dimension, group size ``in / n_groups`` (checked against the config's
-  ``group_size`` when it gives one). An integer weight with a scale but no description entry is
-  treated as int8 (int4 if the description's default type says W4).
-* int4 is either one value per int8 (msModelSlim's default) or packed two per byte, low nibble
-  first, signed two's complement: packed when the description says ``"int4_packed": true`` or when
-  the stored last dimension is half the float twin's.
+  dequantizes to ``(weight - offset) * scale`` (asymmetric schemes store a non-zero offset). The
+  scale's shape picks the scheme: one element per-tensor; ``[out]`` or ``[out, 1]`` per-channel;
+  ``[out, n_groups]`` (or ``[n_groups, out]``) per-group along the input dimension, group size
+  ``in / n_groups`` (checked against the description's ``group_size`` when it gives one). W8A8S
+  stores no ``weight_scale``: its scale is ``deq_scale / input_scale``. An integer weight with a
+  scale but no description entry is treated as int8 (int4 if the description's default says W4).
+* W8A8 also stores ``deq_scale`` (``input_scale * weight_scale``: the scale the int8 matmul
+  applies, float32 bits held in an int64 unless the model is bf16), ``input_scale``,
+  ``input_offset`` and ``quant_bias``; where ``deq_scale`` disagrees with ``input_scale *
+  weight_scale`` the device computes with another weight than the one dequantized here, and the
+  tensor fails (``scale_mismatch``).
+* int4 is stored one value per int8 (``safe_tensor``) or two per byte, low nibble first, signed
+  (``ascendV1``, ``"int4_packed": true``, or a stored dimension half the float twin's). ``ascendV1``
+  packs a per-channel weight (scale ``[out, 1]``) along the input dimension (``[out, in/2]``) and a
+  per-group one along the output dimension (``[out/2, in]``: rows 2j and 2j+1 share byte row j).
 * Companion tensors (``weight_scale``, ``weight_offset``, ``deq_scale``, ``quant_bias``,
-  ``input_scale``, ``input_offset``) are consumed, and counted in the summary.
+  ``input_scale``, ``input_offset`` and the W4A8 ones) are consumed, and counted in the summary.
+
+Siblings: a tensor in a decoder layer is also judged against the same role in the other layers
+(``model.layers.*.mlp.up_proj.weight``). Honest rounding errs alike in every layer; a tensor whose
+relative distance is ``sibling_ratio`` (the bisect's ratio) times the median of its siblings fails
+(``sibling_outlier``), even when its own precision's limits would only warn: a whole layer's scale
+off by 25% (relative distance 0.25) sits under int8's fail limit, and 38x its siblings. Int4
+rounding alone is a relative distance of ~0.1, so there the same fault is told by the second
+measure, ``scale_error``: the worst output channel's gain error, which rounding hardly moves.
 """
 
 from __future__ import annotations
@@ -37,9 +57,19 @@ from typing import Any
 import torch
 
 from llmflow.errors import UserError
+from llmflow.structure import DEFAULT_RATIO_THRESHOLD, layer_of, module_type
 
-COMPANIONS = ("weight_scale", "weight_offset", "deq_scale", "quant_bias", "input_scale", "input_offset")
-DEQUANT_BITS = {"W8A8": 8, "W8A8S": 8, "W8A8_DYNAMIC": 8, "W8A16": 8, "W4A16": 4}
+COMPANIONS = ("weight_scale", "weight_offset", "deq_scale", "quant_bias", "input_scale", "input_offset",
+              "weight_scale_second", "weight_offset_second", "scale_bias")
+DEQUANT_BITS = {"W8A8": 8, "W8A8S": 8, "W8A8_DYNAMIC": 8, "W8A8_MIX": 8, "W8A16": 8, "W4A16": 4}
+#: msModelSlim's sparse-compressed types: the weight is a compressed byte stream with an ``.index``
+#: and an ``.info`` tensor beside it, decodable only by its compression tool.
+COMPRESSED = ("W8A8SC", "W16A16SC")
+COMPRESSED_COMPANIONS = ("index", "info")
+#: Row codes of the weight check beyond the compare's (``llmflow.compare.codes``).
+SIBLING_OUTLIER, SCALE_MISMATCH = "sibling_outlier", "scale_mismatch"
+#: deq_scale and input_scale * weight_scale agree to float32 rounding in an honest checkpoint.
+DEQ_SCALE_RTOL = 1e-4
 
 
 @dataclass
@@ -51,6 +81,7 @@ class QuantConfig:
     group_size: int | None = None
     int4_packed: bool | None = None
     path: Path | None = None
+    version: str | None = None  # "1.0.0": the ascendV1 save type (int4 packed two per byte)
 
     def type_of(self, name: str) -> str | None:
         return self.types.get(name, self.default)
@@ -73,9 +104,11 @@ class QuantConfig:
         packed = data.get("int4_packed")
         types = {k: str(v).upper() for k, v in data.items() if isinstance(v, str) and "." in k}
         default = data.get("model_quant_type")
+        version = data.get("version")
         return cls(types, str(default).upper() if default else None,
                    int(group) if isinstance(group, int) and group > 0 else None,
-                   packed if isinstance(packed, bool) else None, path)
+                   packed if isinstance(packed, bool) else None, path,
+                   str(version) if isinstance(version, str) and version else None)
 
 
 def find_quant_config(path: Path) -> Path | None:
@@ -210,13 +243,43 @@ def open_weights(path: str | Path, quant_config: str | Path | None = None) -> Ch
     return Checkpoint(p, QuantConfig.load(qpath) if qpath else None)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Two signed 4-bit values per byte, low nibble first -> int8, last dimension doubled."""
+def unpack_int4(packed: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Two signed 4-bit values per byte, low nibble first -> int8, dimension ``dim`` doubled
+    (index 2j from byte j's low nibble, 2j + 1 from its high one)."""
+    if dim not in (-1, packed.dim() - 1):
+        return unpack_int4(packed.transpose(dim, -1)).transpose(dim, -1).contiguous()
     b = packed.contiguous().view(torch.uint8).to(torch.int16)
     lo, hi = b & 0xF, (b >> 4) & 0xF
     both = torch.stack([lo, hi], dim=-1)
     both = torch.where(both >= 8, both - 16, both).to(torch.int8)
     return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def int4_packed_dim(stored: tuple[int, ...], scale: tuple[int, ...], quant: QuantConfig | None,
+                    twin: tuple[int, ...] | None) -> int | None:
+    """The dimension along which an int4 weight holds two values per byte, None when unpacked.
+
+    ascendV1 (a description with a ``version``) packs along the input dimension when the scale
+    has one column (per-channel, per-tensor) and along the output dimension otherwise
+    (per-group); ``"int4_packed": true`` means the last dimension; without either, the float twin's
+    shape tells (a stored dimension half the twin's)."""
+    if quant is not None and quant.int4_packed is not None:
+        return len(stored) - 1 if quant.int4_packed else None
+    if quant is not None and quant.version:
+        return len(stored) - 1 if not scale or scale[-1] == 1 else 0
+    if twin is None or len(twin) != len(stored):
+        return None
+    halved = [d for d in range(len(stored)) if stored[d] * 2 == twin[d]
+              and all(stored[e] == twin[e] for e in range(len(stored)) if e != d)]
+    return halved[-1] if halved else None
+
+
+def deq_scale_as_float(deq_scale: torch.Tensor) -> torch.Tensor:
+    """msModelSlim's ``deq_scale`` as float32: an int64 holds a float32's bits (fp16 models), a
+    floating tensor is the value itself (bf16 models)."""
+    if deq_scale.dtype.is_floating_point:
+        return deq_scale.to(torch.float32)
+    return deq_scale.to(torch.int64).to(torch.int32).view(torch.float32)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, *,
@@ -269,15 +332,20 @@ def plan_source(src: Checkpoint | DumpWeights) -> tuple[dict[str, Plan], int]:
     plans: dict[str, Plan] = {}
     companions = 0
     for key in keys:
-        if key.rsplit(".", 1)[-1] in COMPANIONS:
+        suffix = key.rsplit(".", 1)[-1]
+        qtype = quant.type_of(key) if quant else None
+        if suffix in COMPANIONS or (suffix in COMPRESSED_COMPANIONS and qtype in COMPRESSED):
             companions += 1
             continue
-        qtype = quant.type_of(key) if quant else None
         base = key[: -len("weight")] if key.endswith("weight") else None
-        has_scale = base is not None and f"{base}weight_scale" in present
+        has_scale = base is not None and (f"{base}weight_scale" in present or (
+            qtype == "W8A8S" and f"{base}deq_scale" in present and f"{base}input_scale" in present))
         _, dtype = src.meta(key)
         is_int = dtype in ("int8", "uint8", "int16", "int32")
-        if qtype not in (None, "FLOAT") and qtype not in DEQUANT_BITS and (is_int or has_scale):
+        if qtype in COMPRESSED:
+            plans[key] = Plan(key, qtype, f"sparse-compressed {qtype}: msModelSlim's compressed layout "
+                                          "cannot be decoded; compare the checkpoint it was compressed from")
+        elif qtype not in (None, "FLOAT") and qtype not in DEQUANT_BITS and (is_int or has_scale):
             plans[key] = Plan(key, qtype, f"unsupported quantization scheme {qtype}")
         elif is_int and has_scale:
             plans[key] = Plan(key, qtype if qtype in DEQUANT_BITS else
@@ -287,6 +355,14 @@ def plan_source(src: Checkpoint | DumpWeights) -> tuple[dict[str, Plan], int]:
     return plans, companions
 
 
+def _weight_scale(src: Checkpoint | DumpWeights, base: str) -> torch.Tensor:
+    """``X.weight_scale``, or for W8A8S (which stores none) ``deq_scale / input_scale`` per channel."""
+    if base + "weight_scale" in src:
+        return src.get(base + "weight_scale")
+    deq = deq_scale_as_float(src.get(base + "deq_scale"))
+    return (deq / src.get(base + "input_scale").to(torch.float32)).reshape(-1, 1)
+
+
 def materialize(src: Checkpoint | DumpWeights, plan: Plan,
                 twin_shape: tuple[int, ...] | None) -> tuple[torch.Tensor, str]:
     """The float tensor of a plan and its scheme ("float" for plain tensors)."""
@@ -294,17 +370,40 @@ def materialize(src: Checkpoint | DumpWeights, plan: Plan,
     if plan.qtype is None or plan.qtype not in DEQUANT_BITS:
         return t, "float"
     base = plan.key[: -len("weight")]
-    scale = src.get(base + "weight_scale")
+    scale = _weight_scale(src, base)
     offset = src.get(base + "weight_offset") if base + "weight_offset" in src else None
     quant = src.quant
-    packed = False
+    packing = ""
     if DEQUANT_BITS[plan.qtype] == 4:
-        packed = quant.int4_packed if quant and quant.int4_packed is not None else (
-            twin_shape is not None and len(twin_shape) == t.dim() and t.shape[-1] * 2 == twin_shape[-1])
-        if packed:
-            t = unpack_int4(t)
+        dim = int4_packed_dim(tuple(t.shape), tuple(scale.shape), quant, twin_shape)
+        if dim is not None:
+            t = unpack_int4(t, dim)
+            packing = " int4-packed" + (" along the output dim" if dim == 0 and t.dim() > 1 else "")
     deq, scheme = dequantize(t, scale, offset, group_size=quant.group_size if quant else None)
-    return deq, f"{plan.qtype} {scheme}" + (" int4-packed" if packed else "")
+    return deq, f"{plan.qtype} {scheme}{packing}"
+
+
+def deq_scale_mismatch(src: Checkpoint | DumpWeights, plan: Plan) -> str | None:
+    """Why a W8A8 tensor's ``deq_scale`` disagrees with ``input_scale * weight_scale``, or None.
+
+    The int8 matmul applies ``deq_scale``; ``weight_scale`` is what dequantizes the weight here. A
+    checkpoint where they differ computes on the device with another weight than the one checked."""
+    base = plan.key[: -len("weight")]
+    if plan.qtype is None or not all(base + c in src for c in ("weight_scale", "deq_scale", "input_scale")):
+        return None
+    applied = deq_scale_as_float(src.get(base + "deq_scale")).flatten()
+    implied = (src.get(base + "input_scale").to(torch.float32).flatten()
+               * src.get(base + "weight_scale").to(torch.float32).flatten())
+    if applied.numel() != implied.numel():
+        return None
+    rel = (applied - implied).abs() / implied.abs().clamp_min(1e-30)
+    bad = rel > DEQ_SCALE_RTOL
+    if not bool(bad.any()):
+        return None
+    ratio = (applied / implied.clamp_min(1e-30))[bad]
+    worst = float(ratio[(ratio.log().abs()).argmax()])
+    return (f"deq_scale disagrees with input_scale x weight_scale in {int(bad.sum())} of {bad.numel()} "
+            f"channels (deq_scale {worst:.4g}x): the device computes with another weight than this one")
 
 
 def map_name(name: str, name_map: dict[str, str] | None) -> str:
@@ -317,11 +416,18 @@ def map_name(name: str, name_map: dict[str, str] | None) -> str:
 
 def compare_sources(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, *,
                     name_map: dict[str, str] | None = None, thresholds: dict | None = None,
-                    on_tensor: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], int]:
-    """Every logical tensor compared (``rank_rows`` order) and the number of companion tensors."""
+                    on_tensor: Callable[[str], None] | None = None,
+                    sibling_ratio: float | None = DEFAULT_RATIO_THRESHOLD,
+                    ) -> tuple[list[dict[str, Any]], int]:
+    """Every logical tensor compared (``rank_rows`` order) and the number of companion tensors.
+
+    ``sibling_ratio``: a tensor whose error is this many times its siblings' median fails
+    (``judge_siblings``); None or 0 judges each tensor alone."""
     g_plans, g_comp = plan_source(golden)
     t_plans, t_comp = plan_source(target)
     rows = list(_rows(golden, target, g_plans, t_plans, name_map, thresholds, on_tensor))
+    if sibling_ratio:
+        judge_siblings(rows, sibling_ratio)
     return rank_rows(rows), g_comp + t_comp
 
 
@@ -365,19 +471,101 @@ def _rows(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, g_
         row.update(compare_tensors(g, t))
         row["numel"] = g.numel()
         row["l2_distance"] = float(torch.linalg.vector_norm(g - t))
+        row["scale_error"] = scale_error(g, t)
         del g, t
         row["status"] = "compared"
         # judged at the precision the target stores: int8/int4 for quantized weights
         bits = DEQUANT_BITS.get(tp.qtype or "")
         j = judge(row, f"int{bits}" if bits else row["target_dtype"], thresholds)
         row.update(verdict=j.verdict, code=j.code, reason=j.reason)
+        mismatch = deq_scale_mismatch(target, tp)
+        if mismatch:
+            row.update(verdict="fail", code=SCALE_MISMATCH,
+                       reason=mismatch + (f"; {j.reason}" if j.verdict != "pass" else ""))
         yield row
+
+
+def scale_error(golden: torch.Tensor, target: torch.Tensor) -> float | None:
+    """The worst output channel's gain error ``|<t, g> / <g, g> - 1|``: what a wrong scale does.
+
+    Rounding errs in every direction and hardly moves a channel's projection on its golden (an
+    int4 channel of 64 inputs: about 0.01), while a scale off by 25% moves it by 0.25; so this
+    separates a mis-scaled channel or tensor from honest rounding where the total error cannot
+    (int4 rounding alone is a relative distance of about 0.1). None for a scalar or all-zero golden."""
+    if golden.dim() == 0 or golden.numel() == 0:
+        return None
+    g, t = golden.reshape(golden.shape[0], -1), target.reshape(golden.shape[0], -1)
+    energy = (g * g).sum(dim=1)
+    live = energy > 0
+    if not bool(live.any()):
+        return None
+    gain = (t * g).sum(dim=1)[live] / energy[live]
+    worst = float((gain - 1).abs().max())
+    return worst if math.isfinite(worst) else math.inf
 
 
 def _status(problem: str) -> str:
     if problem.startswith("missing in "):
         return problem.replace(" ", "_")
-    return "unsupported"
+    return "compressed" if "sparse-compressed" in problem else "unsupported"
+
+
+#: Below this error siblings count as exact: an error must exceed ratio x this to stand out
+#: (float32 carries ~1e-7; identical tensors give 0, and 3x 0 is no standard).
+SIBLING_FLOOR = 1e-6
+#: The errors a tensor is measured against its siblings by: the total error, and the worst
+#: channel's gain error (``scale_error``), which a wrong scale moves far more than rounding does.
+SIBLING_MEASURES = ("relative_euclidean_distance", "scale_error")
+
+
+def judge_siblings(rows: list[dict[str, Any]], ratio: float = DEFAULT_RATIO_THRESHOLD) -> None:
+    """Judge each compared tensor of a decoder layer against its siblings, in place.
+
+    Siblings are the same role in the other layers (``module_type``: ``model.layers.*.mlp.up_proj
+    .weight``). For each of ``SIBLING_MEASURES`` the typical error is the median of the *other*
+    siblings (leave-one-out, as the bisect's ranking, so with two layers the faulty one is measured
+    against the healthy one); ``sibling_score`` is the larger of the tensor's two ratios to it and
+    ``sibling_median`` the typical error of that measure. A score of ``ratio`` or more fails the
+    row (``sibling_outlier``), its reason saying which error, by how much and against what."""
+    from statistics import median
+
+    roles: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["status"] == "compared" and layer_of(r["name"]) is not None:
+            roles.setdefault(module_type(r["name"]), []).append(r)
+    for role, members in roles.items():
+        for i, r in enumerate(members):
+            best: tuple[float, str, float, float, int] | None = None
+            for measure in SIBLING_MEASURES:
+                mine = _finite(r.get(measure))
+                others = [v for j, m in enumerate(members) if j != i
+                          and (v := _finite(m.get(measure))) is not None]
+                if mine is None or not others:
+                    continue
+                typical = median(others)
+                score = mine / max(typical, SIBLING_FLOOR)
+                if best is None or score > best[0]:
+                    best = (score, measure, mine, typical, len(others))
+            if best is None:
+                continue
+            score, measure, mine, typical, n = best
+            r["sibling_median"], r["sibling_score"] = typical, score
+            if score < ratio:
+                continue
+            why = (f"{measure} {mine:.3g} is {score:.1f}x the median {typical:.3g} of {role} in the "
+                   f"other {n} layer{'s' if n > 1 else ''} (sibling limit {ratio:g}x)")
+            if r["verdict"] == "fail":
+                r["reason"] = f"{r['reason']}; {why}"
+            else:
+                r.update(verdict="fail", code=SIBLING_OUTLIER, reason=why)
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
 
 
 def badness(row: dict[str, Any]) -> float:
@@ -412,7 +600,7 @@ def weight_summary(rows: list[dict[str, Any]], companions: int) -> dict[str, Any
             counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
     worst = next((r for r in rows if r["status"] == "compared"), None)
     keep = ("name", "verdict", "cosine_similarity", "relative_euclidean_distance", "max_absolute_error",
-            "quant_type", "scheme")
+            "quant_type", "scheme", "sibling_score", "reason")
     return {"counts": counts, "worst": {k: worst.get(k) for k in keep} if worst else None,
             "problems": [{"name": r["name"], "status": r["status"], "reason": r["reason"]}
                          for r in rows if r["status"] != "compared"][:50]}

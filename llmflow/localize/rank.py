@@ -18,13 +18,11 @@ from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
-from llmflow.structure import LayerStack, layer_index, layer_of, module_type
+from llmflow.structure import DEFAULT_RATIO_THRESHOLD, LayerStack, layer_index, layer_of, module_type
 
 __all__ = ["DEFAULT_RATIO_THRESHOLD", "first_jump", "is_descendant", "layer_curve", "layer_index",
            "layer_of", "module_type", "pick_candidate", "rank_modules"]
 
-#: A module is *anomalous* when its own error is this many times its type's typical error.
-DEFAULT_RATIO_THRESHOLD = 3.0
 #: A module with no peers (a type seen once: the final norm, lm_head, the rotary embedding) is
 #: compared with the median of all modules; rounding differs more between kinds of module than
 #: within one (a bf16 rotary embedding sat at 1.7-3.6x the median in clean SmolLM2 runs), so it

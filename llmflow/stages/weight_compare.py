@@ -2,10 +2,12 @@
 
 A thin adapter over ``llmflow.checks.weights``: opens both sides (a float checkpoint, a
 msModelSlim-quantized one dequantized on the fly, or a dump taken with ``dump_weight``), compares
-every tensor, writes ``weights.csv`` and ``weights.xlsx`` worst first and puts the counts and the
-worst tensor in summary.json (key ``weight_compare``). Missing keys, shape mismatches and
-unsupported schemes are rows with a reason, never dropped. Its outcome: fail when any tensor
-fails (a metric beyond its limit, missing, mismatched, unsupported), pass otherwise.
+every tensor, each also against its siblings (the same role in the other layers), writes
+``weights.csv`` and ``weights.xlsx`` worst first and puts the counts and the worst tensor in
+summary.json (key ``weight_compare``). Missing keys, shape mismatches, unsupported and
+sparse-compressed schemes are rows with a reason, never dropped. Its outcome: fail when any tensor
+fails (a metric beyond its limit, far beyond its siblings, missing, mismatched, unsupported), pass
+otherwise.
 """
 
 from __future__ import annotations
@@ -14,18 +16,20 @@ from typing import Any, ClassVar
 
 from llmflow.checks.weights import compare_sources, open_weights, weight_summary
 from llmflow.stages.base import Stage, StageContext
+from llmflow.structure import DEFAULT_RATIO_THRESHOLD
 
 COLUMNS = ["name", "status", "verdict", "quant_type", "scheme", "golden_dtype", "target_dtype",
            "golden_shape", "target_shape", "numel", "cosine_similarity", "relative_euclidean_distance",
            "l2_distance", "max_absolute_error", "mean_absolute_error", "max_relative_error",
-           "mean_relative_error", "rmse", "kl_divergence", "target_name", "reason"]
+           "mean_relative_error", "rmse", "kl_divergence", "scale_error", "sibling_median", "sibling_score",
+           "code", "target_name", "reason"]
 
 
 class WeightCompareStage(Stage):
     """Compare weights: float vs quantized checkpoint, checkpoint vs checkpoint, or dump vs checkpoint."""
 
     type: ClassVar[str] = "weight-compare"
-    version: ClassVar[str] = "2"
+    version: ClassVar[str] = "3"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
@@ -41,6 +45,10 @@ class WeightCompareStage(Stage):
                            "description": "Verdict thresholds overriding the defaults (see compare)."},
             "name_map": {"type": ["object", "null"], "additionalProperties": {"type": "string"},
                          "default": None, "description": "Target name prefix -> golden name prefix."},
+            "sibling_ratio": {"type": ["number", "null"], "minimum": 0, "default": DEFAULT_RATIO_THRESHOLD,
+                              "description": "A tensor whose relative distance is this many times the "
+                              "median of the same role in the other layers fails (the bisect's ratio); "
+                              "0 or null: each tensor judged alone."},
         },
     }
     outputs: ClassVar[dict[str, str]] = {"csv": "weights.csv: one row per tensor, worst first",
@@ -55,7 +63,8 @@ class WeightCompareStage(Stage):
         target = open_weights(ctx.resolve_path(p["target"]), quant_config=qc)
         task = ctx.task(f"{ctx.stage_id}: tensors", total=len(golden.keys()))
         rows, companions = compare_sources(golden, target, name_map=p["name_map"], thresholds=p["thresholds"],
-                                           on_tensor=lambda _name: task.advance())
+                                           on_tensor=lambda _name: task.advance(),
+                                           sibling_ratio=p["sibling_ratio"])
         columns = COLUMNS + list(dict.fromkeys(k for r in rows for k in r if k not in COLUMNS))
         csv_path, xlsx_path = ctx.out_dir / "weights.csv", ctx.out_dir / "weights.xlsx"
         write_csv(rows, csv_path, columns=columns)

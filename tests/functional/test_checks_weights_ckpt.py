@@ -107,16 +107,17 @@ def test_wrong_scale_ranks_first_and_every_problem_is_named(pair):
     assert by["model.layers.1.extra.weight"]["status"] == "missing_in_golden"
     assert by["model.embed_tokens.weight"]["status"] == "shape_mismatch"
     assert "golden [10, 8], target [12, 8]" in by["model.embed_tokens.weight"]["reason"]
-    assert by["model.layers.1.self_attn.k_proj.weight"]["reason"] == "unsupported quantization scheme W8A8SC"
-    assert by["model.layers.1.self_attn.k_proj.index"]["status"] == "missing_in_golden"
-    # q_proj's 5 companions, 2 down_projs' scale + offset, 2 int4 scales, k_proj's scale
-    assert companions == 5 + 4 + 2 + 1
+    assert by["model.layers.1.self_attn.k_proj.weight"]["status"] == "compressed"
+    assert by["model.layers.1.self_attn.k_proj.weight"]["reason"].startswith("sparse-compressed W8A8SC")
+    assert "model.layers.1.self_attn.k_proj.index" not in by  # the compressed weight's own index
+    # q_proj's 5 companions, 2 down_projs' scale + offset, 2 int4 scales, k_proj's scale and index
+    assert companions == 5 + 4 + 2 + 2
     assert [r["status"] for r in rows[:6]] == ["compared"] * 6
     s = weight_summary(rows, companions)
     assert s["worst"]["name"] == WRONG
     assert s["counts"]["compared"] == 6 and s["counts"]["missing_in_target"] == 1
-    assert s["counts"]["missing_in_golden"] == 2 and s["counts"]["shape_mismatch"] == 1
-    assert s["counts"]["unsupported"] == 1 and s["counts"]["companion_tensors"] == 12
+    assert s["counts"]["missing_in_golden"] == 1 and s["counts"]["shape_mismatch"] == 1
+    assert s["counts"]["compressed"] == 1 and s["counts"]["companion_tensors"] == 13
 
 
 def test_stage_writes_csv_xlsx_and_summary(pair, tmp_path):
@@ -125,7 +126,7 @@ def test_stage_writes_csv_xlsx_and_summary(pair, tmp_path):
     out = WeightCompareStage().run(c)
     with open(out["csv"], newline="") as f:
         rows = list(csv.DictReader(f))
-    assert rows[0]["name"] == WRONG and len(rows) == 11
+    assert rows[0]["name"] == WRONG and len(rows) == 10
     assert Path(out["xlsx"]).stat().st_size > 0
     from openpyxl import load_workbook
 
@@ -159,7 +160,7 @@ def test_explicit_quant_config_and_name_map(pair, tmp_path):
     WeightCompareStage().run(c)
     problems = {p["name"]: p["status"] for p in c.summary["weight_compare"]["problems"]}
     assert problems["model.layers.9.extra.weight"] == "missing_in_golden"
-    assert problems["model.layers.1.self_attn.k_proj.weight"] == "unsupported"
+    assert problems["model.layers.1.self_attn.k_proj.weight"] == "compressed"
 
 
 def test_float_checkpoint_against_float_checkpoint(tmp_path):

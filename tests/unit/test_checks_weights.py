@@ -13,8 +13,12 @@ from safetensors.torch import save_file
 from llmflow.checks.weights import (
     Checkpoint,
     QuantConfig,
+    compare_sources,
+    deq_scale_as_float,
     dequantize,
     find_quant_config,
+    int4_packed_dim,
+    judge_siblings,
     map_name,
     open_weights,
     plan_source,
@@ -109,18 +113,24 @@ def test_plan_consumes_companions_and_flags_unsupported(tmp_path):
     save_file({"a.weight": torch.zeros(2, 2, dtype=torch.int8), "a.weight_scale": torch.ones(2, 1),
                "a.input_scale": torch.ones(1), "a.deq_scale": torch.ones(2),
                "b.weight": torch.zeros(2, 2, dtype=torch.int8), "b.weight_scale": torch.ones(1),
-               "n.weight": torch.ones(2), "i.weight": torch.zeros(2, dtype=torch.int8)},
+               "n.weight": torch.ones(2), "i.weight": torch.zeros(2, dtype=torch.int8),
+               "b.index": torch.zeros(3, dtype=torch.int8), "b.info": torch.zeros(3, dtype=torch.int8),
+               "c.weight": torch.zeros(2, 2, dtype=torch.int8), "c.weight_scale": torch.ones(2, 1),
+               "c.weight_scale_second": torch.ones(2, 1)},
               str(write_sharded(folder, {"x": torch.ones(1)}, shards=1) / "extra.safetensors"))
     (folder / "model.safetensors.index.json").unlink()
     (folder / "quant_model_description.json").write_text(json.dumps(
-        {"a.weight": "W8A8", "b.weight": "W8A8SC", "n.weight": "FLOAT"}))
+        {"a.weight": "W8A8", "b.weight": "W8A8SC", "b.index": "W8A8SC", "b.info": "W8A8SC",
+         "c.weight": "W4A8_DYNAMIC", "n.weight": "FLOAT"}))
     src = open_weights(folder)
     plans, companions = plan_source(src)
-    assert companions == 4
+    assert companions == 4 + 2 + 2  # a's three, b's scale, b's index and info, c's two scales
     assert plans["a.weight"].qtype == "W8A8" and plans["a.weight"].problem is None
-    assert plans["b.weight"].problem == "unsupported quantization scheme W8A8SC"
+    assert plans["b.weight"].problem is not None and plans["b.weight"].problem.startswith(
+        "sparse-compressed W8A8SC: msModelSlim's compressed layout cannot be decoded")
+    assert plans["c.weight"].problem == "unsupported quantization scheme W4A8_DYNAMIC"
     assert plans["n.weight"].qtype is None and plans["i.weight"].qtype is None  # compared as stored
-    assert set(plans) == {"a.weight", "b.weight", "n.weight", "i.weight", "x"}
+    assert set(plans) == {"a.weight", "b.weight", "c.weight", "n.weight", "i.weight", "x"}
 
 
 def test_map_name_uses_the_longest_prefix():
@@ -128,3 +138,50 @@ def test_map_name_uses_the_longest_prefix():
     assert map_name("transformer.h.0.w", m) == "model.layers.0.w"
     assert map_name("transformer.wte", m) == "model.wte"
     assert map_name("lm_head.weight", m) == "lm_head.weight" and map_name("x", None) == "x"
+
+
+def test_unpack_int4_along_the_output_dim_and_the_packing_rules():
+    q = torch.randint(-8, 8, (6, 4), generator=torch.Generator().manual_seed(2)).to(torch.int8)
+    by_rows = pack_int4(q.t().contiguous()).t().contiguous()  # [3, 4]: rows 2j, 2j+1 share byte row j
+    assert torch.equal(unpack_int4(by_rows, dim=0), q)
+    v1 = QuantConfig(version="1.0.0")
+    assert int4_packed_dim((6, 2), (6, 1), v1, None) == 1  # per-channel: along the input dim
+    assert int4_packed_dim((3, 4), (6, 2), v1, None) == 0  # per-group: along the output dim
+    assert int4_packed_dim((6, 4), (6, 1), QuantConfig(), (6, 4)) is None  # safe_tensor: unpacked
+    assert int4_packed_dim((3, 4), (6, 2), None, (6, 4)) == 0  # no description: the twin's shape tells
+
+
+def test_w8a8s_scale_comes_from_deq_scale_bits(tmp_path):
+    w = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    q, s, _ = quant_per_channel(w)
+    input_scale = torch.tensor([0.02])
+    deq_bits = (s.flatten() * input_scale).view(torch.int32).to(torch.int64)  # as msModelSlim stores it
+    assert torch.equal(deq_scale_as_float(deq_bits), s.flatten() * input_scale)
+    folder = tmp_path / "q"
+    folder.mkdir()
+    save_file({"l.weight": q, "l.deq_scale": deq_bits, "l.input_scale": input_scale,
+               "l.input_offset": torch.zeros(1), "l.quant_bias": torch.zeros(4, dtype=torch.int32)},
+              str(folder / "m.safetensors"))
+    (folder / "quant_model_description_w8a8s.json").write_text(json.dumps({"model_quant_type": "W8A8S"}))
+    save_file({"l.weight": w}, str(tmp_path / "g.safetensors"))
+    rows, companions = compare_sources(open_weights(tmp_path / "g.safetensors"), open_weights(folder))
+    assert companions == 4 and len(rows) == 1 and rows[0]["scheme"] == "W8A8S per-channel"
+    assert rows[0]["verdict"] == "pass" and rows[0]["relative_euclidean_distance"] < 0.01
+
+
+def test_siblings_fail_the_tensor_that_stands_out():
+    def row(layer: int, dist: float, gain: float) -> dict:
+        return {"name": f"model.layers.{layer}.mlp.up_proj.weight", "status": "compared", "verdict": "pass",
+                "code": "ok", "reason": "", "relative_euclidean_distance": dist, "scale_error": gain}
+
+    rows = [row(0, 0.10, 0.03), row(1, 0.28, 0.29), row(2, 0.11, 0.02), row(3, 0.12, 0.03),
+            {"name": "lm_head.weight", "status": "compared", "verdict": "pass",
+             "relative_euclidean_distance": 9}]
+    judge_siblings(rows, 3.0)
+    assert [r["verdict"] for r in rows] == ["pass", "fail", "pass", "pass", "pass"]  # lm_head has no siblings
+    assert rows[1]["code"] == "sibling_outlier" and rows[1]["sibling_score"] == pytest.approx(0.29 / 0.03)
+    assert rows[1]["reason"].startswith("scale_error 0.29 is 9.7x the median 0.03 of "
+                                        "model.layers.*.mlp.up_proj.weight in the other 3 layers")
+    exact = [row(i, 0.0, 0.0) for i in range(3)] + [row(3, 2e-6, 2e-6)]  # exact siblings: a floor
+    judge_siblings(exact, 3.0)
+    assert all(r["verdict"] == "pass" for r in exact)
