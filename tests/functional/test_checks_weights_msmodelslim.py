@@ -96,11 +96,17 @@ def _quantize(scheme: str, save_type: str, out: Path) -> Path:
     kwargs, calibrates = SCHEMES[scheme]
     cfg = QuantConfig(disable_names=[], dev_type="cpu", **{"mm_tensor": False, **kwargs})
     prompts = [[torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(i))] for i in range(3)]
-    calibrator = Calibrator(load_model(TINY3).model, cfg, calib_data=prompts if calibrates else None,
-                            disable_level="L0")
-    calibrator.run()
     out.mkdir()
-    calibrator.save(str(out), save_type=[save_type])
+    cwd = os.getcwd()
+    os.chdir(out)  # the calibrator leaves a features.npy in the working directory
+    try:
+        calibrator = Calibrator(load_model(TINY3).model, cfg, calib_data=prompts if calibrates else None,
+                                disable_level="L0")
+        calibrator.run()
+        calibrator.save(str(out), save_type=[save_type])
+    finally:
+        os.chdir(cwd)
+    (out / "features.npy").unlink(missing_ok=True)
     return out
 
 
