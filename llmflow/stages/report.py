@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmflow.checks.env_diff import load_env
-from llmflow.compare.sheets import LABEL_COLUMNS, TEXT_COLUMNS
 from llmflow.errors import UserError
 from llmflow.report.html import MAX_ROWS, summarize_levels, write_report
 from llmflow.report.tables import read_csv_rows
@@ -95,6 +94,8 @@ def _href(path: Path, page_dir: Path) -> str:
 def _csv_rows(path: Path, stage_id: str) -> Iterator[dict[str, Any]]:
     """The CSV's rows, streamed (a 7B compare has ~100k rows a level) and read back by the one
     CSV rule, ``read_csv_rows``."""
+    from llmflow.compare.sheets import LABEL_COLUMNS, TEXT_COLUMNS  # (schema: no torch)
+
     try:
         yield from read_csv_rows(path, TEXT_COLUMNS, LABEL_COLUMNS)
     except OSError as exc:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from llmflow.checks.weights import compare_sources, open_weights, weight_summary
 from llmflow.stages.base import Stage, StageContext
 
 COLUMNS = ["name", "status", "verdict", "quant_type", "scheme", "golden_dtype", "target_dtype",
@@ -47,6 +46,7 @@ class WeightCompareStage(Stage):
                                          "xlsx": "weights.xlsx: the same, coloured by verdict"}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
+        from llmflow.checks.weights import compare_sources, open_weights, weight_summary  # (schema: no torch)
         from llmflow.report.tables import write_csv, write_xlsx
 
         p = self.params(ctx)
