@@ -35,8 +35,9 @@ def test_workflow_commands_never_import_torch(args):
 
 
 def test_the_dump_api_still_imports_from_the_top():
-    done = subprocess.run([sys.executable, "-c", "import sys, llmflow.dump as d; assert 'torch' not in "
-                           "sys.modules; from llmflow import DumpConfig, register_hook; "
-                           "print(d.DumpConfig is DumpConfig, callable(register_hook), 'torch' in sys.modules)"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    script = ("import sys, llmflow.dump as d; assert 'torch' not in sys.modules; "
+              "from llmflow import DumpConfig, register_hook; "
+              "print(d.DumpConfig is DumpConfig, callable(register_hook), 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.stdout.split() == ["True", "True", "True"], done.stderr
