@@ -137,6 +137,9 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
                          prefill_offset=opts.prefill_offset, warmup=opts.warmup, rank=opts.rank,
                          levels=opts.levels, mapping=opts.mapping, base_dir=opts.base_dir)
     pairs = pairing.pairs
+    empty = _levels_without_rows(opts.levels, pairs, g_reader, t_reader)
+    if not pairs and empty:  # what was asked for is not in the dumps: say that, not "check steps"
+        raise UserError(f"compare: {'; '.join(empty.values())}")
     if not pairs:  # a compare of nothing must not read as a pass
         damage = next((f"; the {side} dump is damaged: {found[0]}" for side, found in problems.items()
                        if found), "")
@@ -199,7 +202,8 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
         golden_dump=str(g_reader.path), target_dump=str(t_reader.path),
         golden_format=g_reader.format, target_format=t_reader.format,
         mapping=pairing.mapping.name if pairing.mapping else None, matching=pairing.matching,
-        judged_as=judge_by, divergence=parted, coverage=coverage, problems=problems, algorithms=alg_names,
+        judged_as=judge_by, divergence=parted, levels_without_rows=empty, coverage=coverage,
+        problems=problems, algorithms=alg_names,
         missing_steps=pairing.missing, pairs=len(pairs), bytes=done["bytes"], seconds=round(seconds, 3),
         gb_per_s=round(done["bytes"] / seconds / 1e9, 3) if seconds > 0 else None,
         csv={lv: named(p) for lv, p in csvs.items()}, xlsx=named(xlsx_path) if xlsx_path else None))
@@ -213,6 +217,26 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
             log(f"compare: {line}")
     return {"csv": csvs, "xlsx": str(xlsx_path) if xlsx_path else None, "summary_file": str(summary_file),
             "summary": result}
+
+
+def _levels_without_rows(levels: list[str] | None, pairs: list, golden: DumpReader,
+                         target: DumpReader) -> dict[str, str]:
+    """Asked-for levels no pair belongs to: level -> why, in words (the dump that has none)."""
+    from llmflow.compare.match import entry_levels
+
+    asked = [lv for lv in levels or () if not any(lv in p.levels for p in pairs)]
+    if not asked:
+        return {}
+    held = {side: {lv for e in r.entries() for lv in entry_levels(e)}
+            for side, r in (("golden", golden), ("target", target))}
+    out = {}
+    for lv in asked:
+        lacking = [side for side in ("golden", "target") if lv not in held[side]]
+        which = " and ".join(f"the {side} dump" for side in lacking) or "no pair of the two dumps"
+        has = sorted(held[lacking[0]] if lacking else set(), key=LEVELS.index)
+        verb = "have" if len(lacking) == 2 else "has"
+        out[lv] = f"level {lv}: {which} {verb} no {lv} rows" + (f" (only {', '.join(has)})" if has else "")
+    return out
 
 
 def _span(steps: list[int]) -> str:

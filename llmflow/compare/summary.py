@@ -169,6 +169,7 @@ def report_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"diverged: the texts part at token {token}; rows of later steps "
                      f"({per_level or 'none'}) ran on different inputs: marked diverged, never chosen "
                      "as first or worst")
+    lines += list((summary.get("levels_without_rows") or {}).values())
     judged = summary.get("judged_as") or {}
     dtype = judged.get("dtype") or "each tensor's own dtype"
     lines.append(f"judged at {dtype}: {judged.get('source', '')}")
