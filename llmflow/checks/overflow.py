@@ -23,11 +23,10 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from llmflow.formats.base import DumpReader, Entry
+if TYPE_CHECKING:  # torch is imported where a tensor is read: the stage's schema must not need it
+    from llmflow.formats.base import DumpReader, Entry
 
 DEFAULT_NEAR_MAX_FRACTION = 0.5
 SEVERITY = {"near-max": 1, "inf": 2, "nan": 3}
@@ -42,6 +41,8 @@ def dtype_max(dtype: str | None) -> float | None:
     """The largest finite value of a floating dtype name (``"float16"``, ``"torch.bfloat16"``)."""
     if not dtype:
         return None
+    import torch
+
     dt = getattr(torch, dtype.removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
         return None
@@ -80,6 +81,8 @@ def judge(entry: Entry, reader: DumpReader, fraction: float) -> Flagged | None:
                   and math.isfinite(float(v))]
         max_abs = max(finite, default=0.0)
     elif entry.has_data:
+        import torch
+
         t = reader.load(entry)
         if t.numel() == 0:
             return Flagged(entry, None, 0.0, 0.0, 0.0, limit)

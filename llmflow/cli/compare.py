@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import stat
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,18 @@ from llmflow.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INCONCLUSIVE, EXIT_
 
 _EXIT = {"pass": EXIT_PASSED, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
 _FLAGS = {"target_dtype": "--target-dtype", "levels": "-cl/--cmp-level", "thresholds": "--thresholds"}
+
+
+class _WeightsElsewhere(argparse.Action):
+    """msit's ``-w``: weights are compared by the ``weight_check`` workflow; say so in one line and
+    stop (exit 2) before argparse asks for anything else."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"error: {option_string}: weights are compared by the weight_check workflow: llmflow run "
+              "weight_check --set golden=GOLDEN_WEIGHTS --set target=MY_WEIGHTS", file=sys.stderr)
+        print("FAILED: -w: run the weight_check workflow", flush=True)
+        parser.exit(EXIT_BAD_INPUT)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-l", dest="log_level", default=argparse.SUPPRESS,
                         choices=("debug", "info", "warning", "error", "fatal", "critical"),
                         help="msit's short form of --log-level")
+    parser.add_argument("-w", "--weight", nargs="?", action=_WeightsElsewhere, metavar="WEIGHTS",
+                        help="msit's weight compare: llmflow runs it as the weight_check workflow")
     parser.add_argument("--workers", type=int, default=None,
                         help="parallel workers (default: CPU cores): processes for many small pairs, "
                         "threads in this process otherwise")

@@ -89,5 +89,8 @@ def execute(args: argparse.Namespace) -> int:
             if res.outcome.get("next") and res.id not in superseded:
                 print(one_line(f"  next: {res.outcome['next']}"))
     print(f"run dir: {result.run_dir}  (summary: {result.run_dir / 'summary.json'})")
+    for res in result.stages.values():  # the page to open next, just above the verdict
+        if res.type == "report" and res.status in ("done", "cached") and res.outputs.get("html"):
+            print(f"report: {res.outputs['html']}")
     verdict_line(result.verdict, result.reason)
     return result.exit_code

@@ -25,11 +25,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from llmflow.compare.levels import LEVELS  # noqa: F401  (re-exported)
 from llmflow.compare.mappings import Mapping
 from llmflow.formats.base import Entry
 from llmflow.structure import layer_index, layer_of_name
 
-LEVELS = ("logits", "layer", "module", "api", "save")
 # an engine's op named like a decoder layer (ATB's 9_DecoderLayer): its layer is its position
 # among such ops; numbered layers (model.layers.7) are structure.layer_index's
 _NAMED_LAYER = re.compile(r"(?:^|[./])(\d+_[A-Za-z]*(?:Layer|Block)[A-Za-z]*)(?=$|[./])")

@@ -1,7 +1,8 @@
 """``compare_dumps``: the one library call behind the ``compare`` stage and ``llmflow compare``.
 
 Check the options, open both dumps, pair their steps and tensors and say how (``pairing``), judge
-whether enough paired (``completeness``), decide the dtype that judges (the model's, recorded in
+whether enough paired (``completeness``), find where the texts part (``divergence``: rows of later
+steps are marked diverged), decide the dtype that judges (the model's, recorded in
 the dumps), compute every pair in parallel (``engine``), stream one CSV per level, derive the XLSX
 (a sheet per level) from the CSVs and write ``compare_summary.json``: this module is its only
 writer. Memory stays flat: rows go straight to disk, only the summary accumulates.
@@ -18,6 +19,7 @@ from typing import Any
 
 from llmflow.compare.algorithms import algorithm_name, load_algorithms
 from llmflow.compare.completeness import assess
+from llmflow.compare.divergence import divergence, is_diverged
 from llmflow.compare.engine import execute
 from llmflow.compare.match import LEVELS
 from llmflow.compare.metrics import known_metrics
@@ -135,6 +137,9 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
                          prefill_offset=opts.prefill_offset, warmup=opts.warmup, rank=opts.rank,
                          levels=opts.levels, mapping=opts.mapping, base_dir=opts.base_dir)
     pairs = pairing.pairs
+    empty = _levels_without_rows(opts.levels, pairs, g_reader, t_reader)
+    if not pairs and empty:  # what was asked for is not in the dumps: say that, not "check steps"
+        raise UserError(f"compare: {'; '.join(empty.values())}")
     if not pairs:  # a compare of nothing must not read as a pass
         damage = next((f"; the {side} dump is damaged: {found[0]}" for side, found in problems.items()
                        if found), "")
@@ -143,6 +148,8 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
                         f"(check steps, prefill_offset, and that both dumps hold tensors){damage}")
     coverage = assess(pairing, g_reader, t_reader)
     judge_by = judging(g_reader, t_reader, opts)
+    parted = divergence(g_reader.path, t_reader.path)  # where the texts part, when the dumps say
+    token = parted["first_differing_token"] if parted else None
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare leaves no empty folder
     # file refs made absolute: worker processes (or dask workers) may run in another directory
     algs = [_absolute_ref(a, opts.base_dir) for a in opts.algorithms]
@@ -169,6 +176,8 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
         for levels, row, _ in execute(job, pairs, executor=opts.executor, workers=opts.workers,
                                       scheduler_address=opts.scheduler_address, client=opts.client,
                                       on_chunk=on_chunk):
+            if parted is not None:
+                row["diverged"] = is_diverged(row.get("step"), token)
             for level in levels:
                 if level not in streams:
                     cols = level_columns(level, any_stats, not opts.stats_only, alg_names, sharded)
@@ -194,7 +203,8 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
         golden_dump=str(g_reader.path), target_dump=str(t_reader.path),
         golden_format=g_reader.format, target_format=t_reader.format,
         mapping=pairing.mapping.name if pairing.mapping else None, matching=pairing.matching,
-        judged_as=judge_by, coverage=coverage, problems=problems, algorithms=alg_names,
+        judged_as=judge_by, divergence=parted, levels_without_rows=empty, coverage=coverage,
+        problems=problems, algorithms=alg_names,
         missing_steps=pairing.missing, pairs=len(pairs), bytes=done["bytes"], seconds=round(seconds, 3),
         gb_per_s=round(done["bytes"] / seconds / 1e9, 3) if seconds > 0 else None,
         csv={lv: named(p) for lv, p in csvs.items()}, xlsx=named(xlsx_path) if xlsx_path else None))
@@ -208,6 +218,26 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
             log(f"compare: {line}")
     return {"csv": csvs, "xlsx": str(xlsx_path) if xlsx_path else None, "summary_file": str(summary_file),
             "summary": result}
+
+
+def _levels_without_rows(levels: list[str] | None, pairs: list, golden: DumpReader,
+                         target: DumpReader) -> dict[str, str]:
+    """Asked-for levels no pair belongs to: level -> why, in words (the dump that has none)."""
+    from llmflow.compare.match import entry_levels
+
+    asked = [lv for lv in levels or () if not any(lv in p.levels for p in pairs)]
+    if not asked:
+        return {}
+    held = {side: {lv for e in r.entries() for lv in entry_levels(e)}
+            for side, r in (("golden", golden), ("target", target))}
+    out = {}
+    for lv in asked:
+        lacking = [side for side in ("golden", "target") if lv not in held[side]]
+        which = " and ".join(f"the {side} dump" for side in lacking) or "no pair of the two dumps"
+        has = sorted(held[lacking[0]] if lacking else set(), key=LEVELS.index)
+        verb = "have" if len(lacking) == 2 else "has"
+        out[lv] = f"level {lv}: {which} {verb} no {lv} rows" + (f" (only {', '.join(has)})" if has else "")
+    return out
 
 
 def _span(steps: list[int]) -> str:

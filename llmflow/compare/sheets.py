@@ -52,7 +52,9 @@ def level_columns(level: str, stats: bool, tensors: bool, alg_names: Iterable[st
         cols += [name, f"{name}_message"]
     if shards:
         cols.append("shards")
-    return cols + TAIL_COLUMNS
+    tail = list(TAIL_COLUMNS)
+    tail.insert(tail.index("verdict") + 1, "diverged")  # true: a step after the texts part
+    return cols + tail
 
 
 def cell_marks(row: dict[str, Any]) -> dict[str, str]:

@@ -2,8 +2,10 @@
 
 Per level: row counts per verdict and per problem code, how rows were matched, unmatched counts,
 the first failing (and first warning) row in execution order and the ten worst rows by cosine
-similarity. For the logits level also the greedy-token agreement and the first step whose top-1
-token differs. Every count comes from the rows' ``code`` (``llmflow.compare.codes``).
+similarity. Rows marked ``diverged`` (a step after the first differing token: the two sides ran on
+different inputs, ``llmflow.compare.divergence``) are counted, never chosen as first or worst.
+For the logits level also the greedy-token agreement and the first step whose top-1 token differs.
+Every count comes from the rows' ``code`` (``llmflow.compare.codes``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from llmflow.compare.codes import VERDICT_OF_VALUE, Code
 KEEP = ("step", "target_step", "rank", "order", "name", "target_name", "kind", "index", "verdict", "code",
         "reason",
         "cosine_similarity", "relative_euclidean_distance", "max_absolute_error", "kl_divergence",
-        "norm_rel_diff")
+        "norm_rel_diff", "diverged")
 WORST = 10
 _UNMATCHED_GOLDEN, _UNMATCHED_TARGET = Code.UNMATCHED_GOLDEN.value, Code.UNMATCHED_TARGET.value
 
@@ -48,7 +50,7 @@ class SummaryBuilder:
         if level not in self.levels:
             self.levels[level] = {"rows": 0, "counts": {"pass": 0, "warn": 0, "fail": 0, "unmatched": 0},
                                   "codes": {}, "match": {}, "unmatched_golden": 0, "unmatched_target": 0,
-                                  "first_fail": None, "first_warn": None}
+                                  "diverged": 0, "first_fail": None, "first_warn": None}
             self._worst[level] = []
         return self.levels[level]
 
@@ -71,6 +73,9 @@ class SummaryBuilder:
             else:
                 how = row.get("match", "")
                 s["match"][how] = s["match"].get(how, 0) + 1
+            if row.get("diverged"):  # inputs differ: its error is not the kernels' alone
+                s["diverged"] += 1
+                continue
             if v == "fail" and s["first_fail"] is None:
                 s["first_fail"] = brief(row)
             if v == "warn" and s["first_warn"] is None:
@@ -129,7 +134,9 @@ def finish(result: dict[str, Any]) -> dict[str, Any]:
     if counts["fail"]:
         fails = [s["first_fail"] for s in result["levels"].values() if s.get("first_fail")]
         first = min(fails, key=lambda r: (r["step"], r["rank"], r.get("order") or 0), default=None)
-        where = f"; first: {first['name']} (step {first['step']}, {first.get('code')})" if first else ""
+        token = (result.get("divergence") or {}).get("first_differing_token")
+        where = f"; first: {first['name']} (step {first['step']}, {first.get('code')})" if first else \
+            f"; all after the texts part at token {token}" if token is not None else ""
         status, headline = "fail", f"{counts['fail']} of {pairs} rows fail{where}"
         if incomplete:
             headline += "; and the compare is incomplete"
@@ -155,6 +162,14 @@ def report_lines(summary: dict[str, Any]) -> list[str]:
     from llmflow.compare.pairing import matching_text
 
     lines = [f"matching: {matching_text(summary.get('matching') or {})}"]
+    token = (summary.get("divergence") or {}).get("first_differing_token")
+    if token is not None:
+        per_level = ", ".join(f"{s['diverged']} {lv}" for lv, s in (summary.get("levels") or {}).items()
+                              if s.get("diverged"))
+        lines.append(f"diverged: the texts part at token {token}; rows of later steps "
+                     f"({per_level or 'none'}) ran on different inputs: marked diverged, never chosen "
+                     "as first or worst")
+    lines += list((summary.get("levels_without_rows") or {}).values())
     judged = summary.get("judged_as") or {}
     dtype = judged.get("dtype") or "each tensor's own dtype"
     lines.append(f"judged at {dtype}: {judged.get('source', '')}")

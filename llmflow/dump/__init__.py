@@ -26,8 +26,19 @@ The on-disk format itself lives in llmflow/formats/llmflow_dump.py.
 
 from __future__ import annotations
 
-from llmflow.dump.config import DumpConfig
-from llmflow.dump.hooks import DumpHandle, register_hook, save, set_dump_path
-from llmflow.dump.run import dump_run
+import importlib
+from typing import Any
+
+# name -> module that defines it, imported on first use: the dump stage's schema (DumpConfig's
+# fields) is read by `llmflow validate` and `plan`, which must not pay for importing torch
+_LAZY = {"DumpConfig": "llmflow.dump.config", "DumpHandle": "llmflow.dump.hooks",
+         "register_hook": "llmflow.dump.hooks", "save": "llmflow.dump.hooks",
+         "set_dump_path": "llmflow.dump.hooks", "dump_run": "llmflow.dump.run"}
 
 __all__ = ["DumpConfig", "DumpHandle", "dump_run", "register_hook", "save", "set_dump_path"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'llmflow.dump' has no attribute {name!r}")

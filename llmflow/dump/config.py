@@ -17,8 +17,6 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
-
 from llmflow.errors import UserError
 
 MODES = ("module", "api")
@@ -83,7 +81,7 @@ class DumpConfig:
             raise UserError(f"DumpConfig.module_list: expected a list of module classes or class "
                             f"names, got {type(self.module_list).__name__}")
         for m in self.module_list:
-            if not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, torch.nn.Module))):
+            if not (isinstance(m, str) or (isinstance(m, type) and _is_module_class(m))):
                 raise UserError(f"DumpConfig.module_list: {m!r} is neither a torch.nn.Module class "
                                 "nor a class name")
         if self.tensor_part not in (0, 1, 2) or isinstance(self.tensor_part, bool):
@@ -191,3 +189,12 @@ def _check_mode(value: Any) -> list[str]:
         raise UserError(f"DumpConfig.mode: expected 'module', 'api', ['module', 'api'], 'all' or 'none', "
                         f"got {value!r}")
     return [m for m in MODES if m in items]
+
+
+def _is_module_class(cls: type) -> bool:
+    """A torch.nn.Module subclass. torch is imported here, not at the top: a class object given
+    means torch is loaded already, and ``llmflow validate``/``plan`` read DumpConfig's fields
+    without paying for torch's import."""
+    import torch
+
+    return issubclass(cls, torch.nn.Module)

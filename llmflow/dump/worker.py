@@ -14,6 +14,7 @@ settings, loads the model, encodes the prompt, dumps a greedy generation and wri
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,14 @@ from typing import Any
 from llmflow.errors import UserError
 
 PROGRESS_PREFIX = "LLMFLOW_STEP "
+PHASE_PREFIX = "LLMFLOW_PHASE "  # a progress line of a slow phase (model conversion, model load)
+
+
+class _PhaseLines(logging.Handler):
+    """``llmflow.models``' progress lines, sent to the stage on stdout (its console shows them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"{PHASE_PREFIX}{record.getMessage()}", flush=True)
 
 
 def run(args: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +42,10 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         settings = apply_settings(settings)
     from llmflow.dump.run import dump_run
     from llmflow.models import encode_prompt, load_model
+    from llmflow.models import log as models_log
 
+    models_log.addHandler(_PhaseLines())
+    models_log.setLevel(logging.INFO)
     loaded = load_model(args["model"], device=args.get("device", "cpu"), dtype=args.get("dtype", "float32"),
                         patch=args.get("patch"), base_dir=args.get("base_dir", "."))
     prompt = args.get("prompt")

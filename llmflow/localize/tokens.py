@@ -18,15 +18,8 @@ from typing import Any
 
 import torch
 
+from llmflow.compare.divergence import first_mismatch  # noqa: F401  (re-exported: the bisect reads it here)
 from llmflow.formats.base import DumpReader, Entry
-
-
-def first_mismatch(golden_ids: list[int], target_ids: list[int]) -> int | None:
-    """The first step whose token differs (a shorter sequence differs where it ends)."""
-    for i, (g, t) in enumerate(zip(golden_ids, target_ids, strict=False)):
-        if g != t:
-            return i
-    return min(len(golden_ids), len(target_ids)) if len(golden_ids) != len(target_ids) else None
 
 
 def logits_entries(reader: DumpReader, rank: int = 0) -> dict[int, Entry]:

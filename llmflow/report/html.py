@@ -41,7 +41,7 @@ from llmflow.report.html_svg import charts
 
 MAX_ROWS = 5000  # per table: a browser stays responsive, the CSV has the rest
 # columns a reader looks at first (the rest follow in the CSV's order)
-COMPARE_LEAD = ("step", "name", "kind", "index", "verdict", "reason", "cosine_similarity",
+COMPARE_LEAD = ("step", "name", "kind", "index", "verdict", "reason", "diverged", "cosine_similarity",
                 "relative_euclidean_distance", "max_absolute_error", "max_relative_error", "kl_divergence",
                 "top1_match", "match")
 CANDIDATE_LEAD = ("rank", "name", "score", "error", "typical", "anomalous", "compare rows")
@@ -199,11 +199,24 @@ def _compare_sections(levels: Mapping[str, LevelRows], max_rows: int,
                        lead=COMPARE_LEAD, drop_echoes=True),
             "reasons": lv.reason_rows(),
             "reason_line": "; ".join(f"{n} {why}" for why, n in lv.why_counts()),
-            "not_table": table_view(lv.not_compared, table_id=f"{tid}-not", max_rows=max_rows,
-                                    total=lv.n_not_compared, lead=COMPARE_LEAD, drop_echoes=True)
-            if lv.not_compared else None,
+            "n_diverged": lv.n_diverged, "elsewhere": lv.elsewhere,
         })
     return out
+
+
+def summarize_levels(compare: Mapping[str, LevelRows | Iterable[Mapping[str, Any]]], max_rows: int,
+                     hrefs: Mapping[str, str] | None = None) -> dict[str, LevelRows]:
+    """Each level's rows summarised, in order; the module level leaves out the decoder-layer
+    outputs the layer level already shows (a layer output is a row of both)."""
+    levels: dict[str, LevelRows] = {}
+    for lv, rows in compare.items():
+        if isinstance(rows, LevelRows):
+            levels[lv] = rows
+            continue
+        elsewhere = levels["layer"].names if lv == "module" and "layer" in levels else ()
+        levels[lv] = summarize_level(lv, rows, max_rows=max_rows, href=(hrefs or {}).get(lv),
+                                     shown_elsewhere=elsewhere)
+    return levels
 
 
 def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
@@ -219,8 +232,7 @@ def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
     "env": {"golden": env.json dict, "target": ...}}. ``tables``: any other row tables by heading.
     """
     v = dict(verdict or {})
-    levels = {lv: rows if isinstance(rows, LevelRows) else summarize_level(lv, rows, max_rows=max_rows)
-              for lv, rows in (compare or {}).items()}
+    levels = summarize_levels(compare or {}, max_rows)
     run = run or {}
     envs = dict(run.get("env") or {})
     params = run.get("params") or {}

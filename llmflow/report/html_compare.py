@@ -2,9 +2,11 @@
 
 In a bisect the golden side dumps module inputs (kept for replay) and the target only outputs, so
 most rows of a module-level compare are ``unmatched golden`` by design. The page shows the rows
-that WERE compared as a table and the others in one collapsed line, counted per reason and match
-kind. Rows are streamed once (a 7B compare has ~100k rows a level): only the first ``max_rows`` of
-each kind are kept and parsed; the rest are counted.
+that WERE compared as a table, most severe first (fail, warn, pass; lowest cosine first; rows
+after the texts part, ``diverged``, last), and the others in one line counted per reason, never
+listed row by row. A decoder layer's output is a row of both the layer and the module level: the
+module table leaves out the names the layer table shows. Rows are streamed once (a 7B compare has
+~100k rows a level): only the ``max_rows`` most severe are kept and parsed; the rest are counted.
 
 The ``layer`` level also yields the heat map: decoder-layer output error per (step, layer index),
 which shows at a glance at which token and layer the drift starts and how it spreads.
@@ -12,13 +14,15 @@ which shows at a glance at which token and layer the drift starts and how it spr
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmflow.report.html_svg import heat_map
+from llmflow.report.tables import parse_cell
 from llmflow.structure import layer_index
 
 # the heat map's metric: the first of these the rows hold (column, label, value -> error)
@@ -29,19 +33,6 @@ HEAT_METRICS = (("relative_euclidean_distance", "relative L2 error", lambda v: v
 def layer_number(name: Any) -> int | None:
     """``model.layers.12`` -> 12 (structure's one rule for a layer); None outside the layers."""
     return layer_index(str(name)) if name else None
-
-
-def parse_cell(value: Any) -> Any:
-    """A CSV string back to a number, None for empty; other values as they are."""
-    if not isinstance(value, str):
-        return value
-    if value == "":
-        return None
-    try:
-        num = float(value)
-    except ValueError:
-        return value
-    return int(num) if value.strip().lstrip("-").isdigit() else num
 
 
 def parse_row(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -63,16 +54,35 @@ def is_compared(row: Mapping[str, Any]) -> bool:
     return row.get("verdict") != "unmatched" and not str(row.get("match") or "").startswith("unmatched")
 
 
+def is_diverged(row: Mapping[str, Any]) -> bool:
+    """Whether the compare marked the row diverged (a bool, or the CSV's text of one)."""
+    return str(row.get("diverged")).lower() in ("true", "1")
+
+
+_VERDICT_RANK = {"fail": 0, "warn": 1}
+
+
+def severity(row: Mapping[str, Any]) -> tuple[int, int, float]:
+    """Sort key, most severe first: rows before the texts part, then fail, warn, pass, then the
+    lowest cosine similarity (a row without one after those with one)."""
+    cos = parse_cell(row.get("cosine_similarity"))
+    cos = float(cos) if isinstance(cos, (int, float)) and math.isfinite(cos) else 2.0
+    return (int(is_diverged(row)), _VERDICT_RANK.get(str(row.get("verdict") or ""), 2), cos)
+
+
 @dataclass
 class LevelRows:
     """One compare level, summarised for the page."""
 
     level: str
     href: str | None = None  # the level's CSV, relative to the page
-    compared: list[dict[str, Any]] = field(default_factory=list)  # the first max_rows, parsed
-    not_compared: list[dict[str, Any]] = field(default_factory=list)
+    compared: list[dict[str, Any]] = field(default_factory=list)  # the max_rows most severe, parsed, in order
     n_compared: int = 0
     n_not_compared: int = 0
+    n_diverged: int = 0  # compared rows of steps after the texts part
+    first_diverged_step: int | None = None
+    names: set[str] = field(default_factory=set)  # every compared row's name
+    elsewhere: int = 0  # compared rows left out because another level's table shows them
     verdicts: Counter = field(default_factory=Counter)  # of the compared rows
     matches: Counter = field(default_factory=Counter)  # match kind of the compared rows
     reasons: Counter = field(default_factory=Counter)  # (why, match, kind) of the others
@@ -95,24 +105,39 @@ class LevelRows:
 
 
 def summarize_level(level: str, rows: Iterable[Mapping[str, Any]], *, max_rows: int,
-                    href: str | None = None) -> LevelRows:
-    """Stream ``rows`` (CSV dicts of strings, or parsed dicts) into a ``LevelRows``."""
+                    href: str | None = None, shown_elsewhere: Collection[str] = ()) -> LevelRows:
+    """Stream ``rows`` (CSV dicts of strings, or parsed dicts) into a ``LevelRows``. Compared rows
+    whose name is in ``shown_elsewhere`` (the layer table's names, for the module level) are
+    counted but not kept."""
     out = LevelRows(level=level, href=href)
-    for row in rows:
-        if is_compared(row):
-            out.n_compared += 1
-            out.verdicts[str(row.get("verdict") or "")] += 1
-            out.matches[str(row.get("match") or "")] += 1
-            if len(out.compared) < max_rows:
-                out.compared.append(parse_row(row))
-            if level == "layer":
-                _grid_cell(out.grid, row)
-        else:
+    kept: list[tuple[tuple[float, ...], dict[str, Any]]] = []  # a max-heap by severity (negated keys)
+    for seq, row in enumerate(rows):
+        if not is_compared(row):
             out.n_not_compared += 1
             match, kind = str(row.get("match") or ""), str(row.get("kind") or "")
             out.reasons[(why_not_compared(match, kind, str(row.get("reason") or "")), match, kind)] += 1
-            if len(out.not_compared) < max_rows:
-                out.not_compared.append(parse_row(row))
+            continue
+        name = str(row.get("name"))
+        if name in shown_elsewhere:
+            out.elsewhere += 1
+            continue
+        out.n_compared += 1
+        out.names.add(name)
+        out.verdicts[str(row.get("verdict") or "")] += 1
+        out.matches[str(row.get("match") or "")] += 1
+        if is_diverged(row):
+            out.n_diverged += 1
+            step = parse_cell(row.get("step"))
+            if isinstance(step, int) and (out.first_diverged_step is None or step < out.first_diverged_step):
+                out.first_diverged_step = step
+        key = tuple(-x for x in (*severity(row), seq))
+        if len(kept) < max_rows:
+            heapq.heappush(kept, (key, row))
+        elif key > kept[0][0]:
+            heapq.heapreplace(kept, (key, row))
+        if level == "layer":
+            _grid_cell(out.grid, row)
+    out.compared = [parse_row(r) for _, r in sorted(kept, key=lambda kr: kr[0], reverse=True)]
     return out
 
 
@@ -120,7 +145,7 @@ def _grid_cell(grid: dict[tuple[int, int], dict[str, Any]], row: Mapping[str, An
     step, layer = parse_cell(row.get("step")), layer_number(row.get("name"))
     if not isinstance(step, int) or layer is None:
         return
-    cell = {"verdict": row.get("verdict")}
+    cell = {"verdict": row.get("verdict"), "diverged": is_diverged(row)}
     for col, _label, _f in HEAT_METRICS:
         v = parse_cell(row.get(col))
         cell[col] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
@@ -150,9 +175,14 @@ def layer_heat_map(layer_rows: LevelRows | None, verdict: Mapping[str, Any] | No
     if not values:
         return None
     verdicts = {k: str(c.get("verdict") or "") for k, c in layer_rows.grid.items()}
-    fails = sorted(k for k, verdict_ in verdicts.items() if verdict_ == "fail")
     tokens = ((v.get("texts") or {}).get("golden") or {}).get("tokens") or []
     bad_token, mismatch = v.get("first_bad_token"), v.get("first_mismatch_token")
+    if not isinstance(mismatch, int) and layer_rows.first_diverged_step is not None:
+        mismatch = layer_rows.first_diverged_step - 1  # the compare's own record of the texts part
+    # cells after the texts part ran on different inputs: never the first failing cell
+    fails = sorted(k for k, verdict_ in verdicts.items() if verdict_ == "fail"
+                   and not (isinstance(mismatch, int) and k[0] > mismatch)
+                   and not layer_rows.grid[k].get("diverged"))
     chart = heat_map(values, row_labels={s: _token_label(s, tokens) for s, _ in values}, metric=metric,
                      verdicts=verdicts, mark_row=bad_token if isinstance(bad_token, int) else None,
                      mark_col=layer_number(v.get("first_bad_layer")), first_fail=fails[0] if fails else None,

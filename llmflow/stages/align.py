@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from llmflow.compare.align import align_dumps
 from llmflow.errors import UserError
-from llmflow.formats import open_dump
 from llmflow.stages.base import Stage, StageContext
 
 _PATH = {"type": "string", "minLength": 1}
@@ -68,6 +66,9 @@ class AlignStage(Stage):
     }
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
+        from llmflow.compare.align import align_dumps  # (schema: no torch)
+        from llmflow.formats import open_dump
+
         p = self.params(ctx)
         golden_path, target_path = dump_paths(ctx)
         result = align_dumps(open_dump(golden_path), open_dump(target_path),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from llmflow.localize.badcase import load_prompts, run_badcase
 from llmflow.stages.base import Stage, StageContext
 
 _SIDE = {"model": ("string", None, "smollm2, tiny-llama[:k=v], a local HF directory or file.py:callable."),
@@ -61,6 +60,7 @@ class BadcaseStage(Stage):
                 if params.get(k, "cpu") != "cpu"}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
+        from llmflow.localize.badcase import load_prompts, run_badcase  # (schema: no torch)
         from llmflow.models import load_model
 
         p = self.params(ctx)

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmflow.errors import UserError
-from llmflow.localize.bisect import BisectInputs, run_bisect
 from llmflow.localize.rank import DEFAULT_RATIO_THRESHOLD
 from llmflow.stages.base import Stage, StageContext
 
@@ -74,6 +73,8 @@ class BisectStage(Stage):
     outputs: ClassVar[dict[str, str]] = {"verdict_file": "verdict.json: the verdict and all its evidence"}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
+        from llmflow.localize.bisect import BisectInputs, run_bisect  # (schema: no torch)
+
         p = self.params(ctx)
         gen = {side: _read_json(ctx.resolve_path(p[f"{side}_generation"]), f"{side}_generation")
                for side in ("golden", "target")}

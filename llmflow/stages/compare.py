@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from llmflow.compare.match import LEVELS
-from llmflow.compare.run import CompareOptions, compare_dumps
+from llmflow.compare.levels import LEVELS
 from llmflow.stages.align import DUMP_PARAMS, DUMP_REQUIRED, dump_paths
 from llmflow.stages.base import Stage, StageContext
 
@@ -69,6 +68,8 @@ class CompareStage(Stage):
     }
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
+        from llmflow.compare.run import CompareOptions, compare_dumps  # (schema: no torch)
+
         p = self.params(ctx)
         golden, target = dump_paths(ctx)
         pairs = None

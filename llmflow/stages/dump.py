@@ -92,7 +92,7 @@ class DumpStage(Stage):
         }
 
     def _run_worker(self, ctx: StageContext, args: dict[str, Any]) -> dict[str, Any]:
-        from llmflow.dump.worker import PROGRESS_PREFIX
+        from llmflow.dump.worker import PHASE_PREFIX, PROGRESS_PREFIX
 
         args_file = ctx.out_dir / "worker_args.json"
         result_file = ctx.out_dir / "worker_result.json"
@@ -111,6 +111,8 @@ class DumpStage(Stage):
             for line in proc.stdout:
                 if line.startswith(PROGRESS_PREFIX):
                     task.update(completed=int(line[len(PROGRESS_PREFIX):]) + 1)
+                elif line.startswith(PHASE_PREFIX):
+                    ctx.log(f"{ctx.stage_id}: {line[len(PHASE_PREFIX):].rstrip()}")
                 else:
                     tail.append(line.rstrip())
             rc = proc.wait()

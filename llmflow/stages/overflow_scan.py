@@ -13,7 +13,6 @@ import json
 from typing import Any, ClassVar
 
 from llmflow.checks.overflow import CSV_COLUMNS, DEFAULT_NEAR_MAX_FRACTION, overflow_summary, scan
-from llmflow.formats import open_dump
 from llmflow.stages.base import Stage, StageContext
 
 _INTS = {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}, "default": None}
@@ -42,6 +41,7 @@ class OverflowScanStage(Stage):
                                          "csv": "overflow.csv: every flagged entry in execution order"}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
+        from llmflow.formats import open_dump  # (schema: no torch)
         from llmflow.report.tables import write_csv
 
         p = self.params(ctx)

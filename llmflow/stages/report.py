@@ -16,10 +16,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmflow.checks.env_diff import load_env
-from llmflow.compare.sheets import LABEL_COLUMNS, TEXT_COLUMNS
 from llmflow.errors import UserError
-from llmflow.report.html import MAX_ROWS, write_report
-from llmflow.report.html_compare import LevelRows, summarize_level
+from llmflow.report.html import MAX_ROWS, summarize_levels, write_report
 from llmflow.report.tables import read_csv_rows
 from llmflow.stages.base import Stage, StageContext
 
@@ -63,16 +61,18 @@ class ReportStage(Stage):
         csvs = p["csv"] or {}
         if isinstance(csvs, str):
             csvs = {Path(csvs).stem: csvs}
-        levels: dict[str, LevelRows] = {}
         files: list[tuple[str, str]] = []
         task = ctx.task(f"{ctx.stage_id}: tables", total=len(csvs))
-        for level, csv_path in csvs.items():
-            path = ctx.resolve_path(csv_path)
-            href = _href(path, ctx.final_dir)
-            levels[level] = summarize_level(level, _csv_rows(path, ctx.stage_id), max_rows=p["max_rows"],
-                                            href=href)
-            files.append((path.name, href))
+        paths = {level: ctx.resolve_path(csv_path) for level, csv_path in csvs.items()}
+        hrefs = {level: _href(path, ctx.final_dir) for level, path in paths.items()}
+        files += [(path.name, hrefs[level]) for level, path in paths.items()]
+
+        def rows_of(path: Path) -> Iterator[dict[str, Any]]:
+            yield from _csv_rows(path, ctx.stage_id)
             task.advance()
+
+        levels = summarize_levels({level: rows_of(path) for level, path in paths.items()}, p["max_rows"],
+                                  hrefs)
         if p["xlsx"]:
             xlsx = ctx.resolve_path(p["xlsx"])
             files.append((xlsx.name, _href(xlsx, ctx.final_dir)))
@@ -94,6 +94,8 @@ def _href(path: Path, page_dir: Path) -> str:
 def _csv_rows(path: Path, stage_id: str) -> Iterator[dict[str, Any]]:
     """The CSV's rows, streamed (a 7B compare has ~100k rows a level) and read back by the one
     CSV rule, ``read_csv_rows``."""
+    from llmflow.compare.sheets import LABEL_COLUMNS, TEXT_COLUMNS  # (schema: no torch)
+
     try:
         yield from read_csv_rows(path, TEXT_COLUMNS, LABEL_COLUMNS)
     except OSError as exc:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from llmflow.checks.weights import compare_sources, open_weights, weight_summary
 from llmflow.stages.base import Stage, StageContext
 from llmflow.structure import DEFAULT_RATIO_THRESHOLD
 
@@ -55,6 +54,7 @@ class WeightCompareStage(Stage):
                                          "xlsx": "weights.xlsx: the same, coloured by verdict"}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
+        from llmflow.checks.weights import compare_sources, open_weights, weight_summary  # (schema: no torch)
         from llmflow.report.tables import write_csv, write_xlsx
 
         p = self.params(ctx)

@@ -55,6 +55,10 @@ def test_report_of_a_bisect_run_over_every_step(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stages"]["report"]["status"] == "done", summary["stages"]["report"]
     page = tmp_path / "run" / "report" / "report.html"
+    # the console says what is slow while it happens, and ends with the page to open
+    lines = res.stdout.strip().splitlines()
+    assert lines[-2] == f"report: {page}", lines[-4:]
+    assert any(f"dump-npu: model {model}: loading on cpu as bfloat16" in line for line in lines), res.stdout
     dom = _dom(page)
 
     (banner,) = find(dom, "div", "banner")

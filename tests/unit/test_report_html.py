@@ -103,8 +103,11 @@ def test_one_logits_table_and_the_compare_logits_point_to_it():
 
 def test_compared_rows_in_the_table_the_others_in_one_collapsed_line():
     dom = parse_dom(_page())
-    table_rows = [r for r in find(dom, "tr") if r.within("table", id="t-cmp-module")][1:]
-    assert len(table_rows) == 8 * 12 and all("input" not in r.text.split() for r in table_rows)
+    # the module level's compared rows are the decoder-layer outputs: shown once, in the layer table
+    assert not find(dom, "table", id="t-cmp-module")
+    (head,) = [p for p in find(dom, "p") if p.within("section", id="compare-module")
+               and "layer table" in p.text]
+    assert "The 96 decoder-layer output rows of this level are in the layer table" in head.text
     (details,) = [d for d in find(dom, "details") if d.within("section", id="compare-module")]
     (summary,) = [s for s in find(dom, "summary") if s.parent is details]
     why = "golden inputs kept for replay (the target dumps outputs only)"
@@ -112,19 +115,44 @@ def test_compared_rows_in_the_table_the_others_in_one_collapsed_line():
     rows = [[c.text for c in children(dom, tr)] for tr in find(dom, "tr")
             if tr.within("table", **{"class": "reasons"}) and tr.within("section", id="compare-module")]
     assert rows == [["why", "match", "kind", "rows"], [why, "unmatched golden", "input", "96"]]
-    # the rows themselves are there too, inside the collapsed line
-    assert len([r for r in find(dom, "tr") if r.within("table", id="t-cmp-module-not")]) == 1 + 96
+    # counted, never listed row by row
+    assert not find(dom, "table", id="t-cmp-module-not")
     # nothing left out where everything was compared
     assert not [d for d in find(dom, "details") if d.within("section", id="compare-layer")]
 
 
+def test_tables_open_most_severe_first_with_the_reason_and_diverged_rows_last():
+    rows = synthetic_layer_rows(n_steps=6, n_layers=4, bad_step=1, bad_layer=2)
+    for r in rows:  # the texts part at token 2: steps 3.. ran on different inputs
+        r["diverged"] = "True" if int(r["step"]) > 2 else "False"
+        r["reason"] = "relative_euclidean_distance above the fail limit" if r["verdict"] == "fail" else ""
+    dom = parse_dom(render_report(title="t", compare={"layer": rows}))
+    table_rows = [r for r in find(dom, "tr") if r.within("table", id="t-cmp-layer")]
+    header = [c.text for c in children(dom, table_rows[0])]
+    assert header[:7] == ["step", "name", "kind", "index", "verdict", "reason", "diverged"]
+    cells = [[c.text for c in children(dom, r)] for r in table_rows[1:]]
+    steps = [int(c[0]) for c in cells]
+    verdicts = [c[4] for c in cells]
+    before = [i for i, c in enumerate(cells) if c[6] == "false"]
+    assert before == list(range(len(before))) and {steps[i] for i in before} == {0, 1, 2}
+    # before the texts part: the fails first, the worst (lowest cosine: step 2, layer 3) on top
+    assert verdicts[:4] == ["fail"] * 4 and (steps[0], cells[0][1]) == (2, "model.layers.3")
+    assert "above the fail limit" in cells[0][5]
+    assert all(verdicts[i] == "pass" for i in before[4:])
+    assert "the 12 rows after the texts part (diverged: their inputs differ) last" in \
+        " ".join(p.text for p in find(dom, "p") if p.within("section", id="compare-layer"))
+
+
 def test_compare_counts_every_row_but_keeps_max_rows():
-    rows = synthetic_layer_rows(n_steps=4, n_layers=5, level="module")
+    rows = synthetic_layer_rows(n_steps=4, n_layers=5, bad_layer=3, level="module")
     lv = summarize_level("module", rows, max_rows=3)
     assert (lv.n_compared, lv.n_not_compared) == (20, 20)
-    assert len(lv.compared) == 3 and len(lv.not_compared) == 3
+    assert len(lv.compared) == 3
     assert lv.why_counts() == [("golden inputs kept for replay (the target dumps outputs only)", 20)]
-    assert lv.compared[0]["cosine_similarity"] == pytest.approx(1 - 2e-3 ** 2) and lv.compared[0]["step"] == 0
+    # the three most severe: failing rows, lowest cosine similarity first
+    assert [r["verdict"] for r in lv.compared] == ["fail"] * 3
+    assert [(r["step"], r["name"]) for r in lv.compared] == [(3, "model.layers.4"), (3, "model.layers.3"),
+                                                             (2, "model.layers.4")]
     html = render_report(title="t", compare={"module": rows}, max_rows=3)
     assert "showing the first 3 of 20 rows" in html
 
@@ -162,6 +190,21 @@ def test_heat_map_cells_and_marks():
     # the texts differ at token 3: from step 4 on the sides run on different input tokens
     (split,) = find(dom, "line", "split")
     assert split.attrs["y1"] == by_pos[(4, 0)].attrs["y"]
+
+
+def test_first_failing_cell_is_never_after_the_texts_part():
+    # the texts part at token 3 (the verdict); every cell that fails is at step 5 or later
+    v = synthetic_verdict()
+    assert v["first_mismatch_token"] == 3
+    dom = parse_dom(_page(verdict=v, compare={"layer": synthetic_layer_rows(bad_step=5)}))
+    assert any("(fail)" in c.text for c in find(dom, "rect", "cell"))
+    assert not find(dom, "rect", "outline")
+    # without a verdict, the compare's own diverged marks place the texts part
+    rows = synthetic_layer_rows(bad_step=5)
+    for r in rows:
+        r["diverged"] = str(int(r["step"]) > 3)
+    dom = parse_dom(render_report(title="t", compare={"layer": rows}))
+    assert not find(dom, "rect", "outline") and find(dom, "line", "split")
 
 
 def test_no_heat_map_for_a_single_step():
