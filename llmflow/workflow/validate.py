@@ -21,6 +21,7 @@ import yaml
 
 from llmflow.errors import UserError, one_line
 from llmflow.plugins import suggest
+from llmflow.redaction import Redactor, secret_env_values
 from llmflow.stages.base import Stage, fill_defaults
 from llmflow.workflow import dag
 from llmflow.workflow.interpolate import InterpolationError, Ref, dig, has_refs, parse, resolve, strings
@@ -43,6 +44,8 @@ class Checked:
     classes: dict[str, type[Stage]] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     errors: list[ValidationError] = field(default_factory=list)
+    #: redacts what the run writes: the values of ``${env.X}`` references with a secret name X
+    redact: Redactor = field(default_factory=Redactor)
 
     @property
     def needs(self) -> dict[str, list[str]]:
@@ -266,7 +269,22 @@ def check(
     _check_stages(wf, checked, trust_plugins)
     _check_refs(wf, checked)
     _check_with(wf, checked)
+    checked.redact = Redactor(secret_env_values(_env_refs(wf), os.environ))
     return checked
+
+
+def _env_refs(wf: Workflow) -> list[tuple[str, str | None]]:
+    """(name, default) of every ``${env.NAME}`` in the stages' parameters."""
+    found = []
+    for st in wf.stages.values():
+        for _, text in strings(st.with_):
+            if has_refs(text):
+                try:
+                    found += [(p.name, p.default) for p in parse(text)
+                              if isinstance(p, Ref) and p.kind == "env"]
+                except InterpolationError:
+                    continue  # (reported by _check_refs)
+    return found
 
 
 def resolve_with(checked: Checked, sid: str, outputs: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
