@@ -1,6 +1,6 @@
 """The package's layers import only downward (docs/ARCHITECTURE.md): cli over workflow over stages
 over localize over the checks (one dump or checkpoint) beside and above the dump/compare libraries
-over formats/report/native over models, plugins, errors."""
+over formats/report/native over models, plugins, errors and redaction."""
 
 import ast
 from pathlib import Path
