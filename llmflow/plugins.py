@@ -16,7 +16,10 @@ or the current directory): stages in ``uses:``, algorithms in ``algorithms:``/``
 patches in ``patch:``, models in ``model:``.
 
 Plugins are *found* first (entry-point metadata only, no import), then *imported* on use; an
-import error names the plugin, its group and the distribution that declared it. The same name
+import error names the plugin, its group and the distribution that declared it. A plugin that
+fails to import stops only what needs it: ``load_group`` (every dump format, tried in turn by
+format detection) leaves it out with one warning naming it, and asking for it by name
+(``load_plugin``, ``open_dump(format=...)``) gives its import error. The same name
 declared twice (an editable install beside a stale egg-info, two packages) is an error that names
 both sources.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import sys
 from dataclasses import dataclass
 from functools import cache
@@ -33,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.errors import UserError
+
+log = logging.getLogger("llmflow.plugins")
 
 GROUPS = ("llmflow.stages", "llmflow.algorithms", "llmflow.formats", "llmflow.mappings")
 
@@ -52,7 +58,7 @@ class PluginRef:
             obj = importlib.import_module(module_name)
             for part in attr.split(".") if attr else []:
                 obj = getattr(obj, part)
-        except Exception as exc:  # any import-time failure is the plugin's, named as such
+        except (Exception, SystemExit) as exc:  # any import-time failure is the plugin's, named as such
             raise UserError(
                 f"plugin {self.name!r} ({self.group}, from {self.source}) failed to import "
                 f"{self.target}: {type(exc).__name__}: {exc}"
@@ -88,9 +94,28 @@ def find_group(group: str) -> dict[str, PluginRef]:
     return found
 
 
+#: (group, name) -> the import error of a plugin ``load_group`` left out (each warned about once)
+_BROKEN: dict[tuple[str, str], str] = {}
+
+
 def load_group(group: str) -> dict[str, Any]:
-    """Name -> imported object for every plugin of a group."""
-    return {name: ref.load() for name, ref in find_group(group).items()}
+    """Name -> imported object for every plugin of a group that imports. One that fails is left
+    out with a warning naming it (once a process): a broken third-party format must not stop a
+    compare of two dumps that other readers read. ``broken_plugins`` says which were left out."""
+    loaded: dict[str, Any] = {}
+    for name, ref in find_group(group).items():
+        try:
+            loaded[name] = ref.load()
+        except UserError as exc:
+            if (group, name) not in _BROKEN:
+                log.warning("%s; left out (only what needs this plugin fails)", exc)
+            _BROKEN[(group, name)] = str(exc)
+    return loaded
+
+
+def broken_plugins(group: str) -> dict[str, str]:
+    """Name -> import error of the plugins of ``group`` that ``load_group`` left out so far."""
+    return {name: why for (g, name), why in _BROKEN.items() if g == group}
 
 
 def load_plugin(group: str, name: str) -> Any:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.errors import UserError
+from llmflow.redaction import REDACTED, Redactor, is_secret_name
 
 SECTIONS = ("versions", "env_vars", "torch_settings", "model_config", "generation", "seed", "tokenizer")
 
@@ -63,7 +64,19 @@ _PATHLIKE = re.compile(r"^(/|[A-Za-z]:\\|~/|\./|\.\./)")
 
 def load_env(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     """An environment dict from a dict, an ``env.json`` file, or a dump directory of any format
-    whose reader records one (llmflow dumps do)."""
+    whose reader records one (llmflow dumps do). Redacted as a dump's env.json is written
+    (``llmflow.redaction``), whoever wrote the file: a diff or a report never shows a secret."""
+    return _redacted(_read_env(source))
+
+
+def _redacted(env: dict[str, Any]) -> dict[str, Any]:
+    env = Redactor()(env)  # URL credentials anywhere
+    if isinstance(env.get("env_vars"), dict):
+        env["env_vars"] = {k: REDACTED if is_secret_name(k) else v for k, v in env["env_vars"].items()}
+    return env
+
+
+def _read_env(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     if isinstance(source, dict):
         return source
     path = Path(source)

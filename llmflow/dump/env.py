@@ -5,9 +5,9 @@ Flat-ish on purpose: ``{"versions", "env_vars", "torch_settings", "model_config"
 ``to_dict()``).
 
 env.json travels with the dump to other people and machines, so the value of any recorded
-variable whose name says it holds a secret (TOKEN, SECRET, PASSWORD, KEY, CREDENTIAL, in any
-case) is written as ``<redacted>``; its name stays, so env-check still sees that it differs in
-presence.
+variable whose name says it holds a secret (``llmflow.redaction``: TOKEN, PASSWORD, KEY, PIN,
+AUTH, ... as a part of the name) is written as ``<redacted>``, and so are credentials inside a
+URL in any value; the name stays, so env-check still sees that it differs in presence.
 """
 
 from __future__ import annotations
@@ -15,24 +15,23 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import re
 import sys
 from typing import Any
 
 import torch
 
+from llmflow.redaction import redact_env
+
 ENV_PREFIXES = ("ATB_", "HCCL_", "LCCL_", "ASCEND_", "CUDA_", "CUBLAS_", "TORCH_")
 ENV_NAMES = ("NVIDIA_TF32_OVERRIDE", "PYTHONHASHSEED", "OMP_NUM_THREADS")
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL", re.IGNORECASE)
-REDACTED = "<redacted>"
 
 
 def recorded_env_vars(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment variables env.json records (``ENV_PREFIXES``, ``ENV_NAMES``), sorted, with
     the values of secret-looking names redacted."""
     environ = os.environ if environ is None else environ
-    return {k: REDACTED if SECRET_NAME.search(k) else v for k, v in sorted(environ.items())
-            if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    return redact_env({k: v for k, v in sorted(environ.items())
+                       if k.startswith(ENV_PREFIXES) or k in ENV_NAMES})
 
 
 @functools.cache  # installed versions do not change under a running process; reading the

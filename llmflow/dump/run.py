@@ -13,13 +13,15 @@ from llmflow.dump.config import DumpConfig
 from llmflow.dump.env import collect_env
 from llmflow.dump.hooks import DumpHandle
 from llmflow.models import LoadedModel, greedy_generate
+from llmflow.redaction import Redactor
 
 
 def dump_run(loaded: LoadedModel, input_ids: list[int], max_new_tokens: int, config: DumpConfig, *,
              seed: dict[str, Any] | None = None, generation: dict[str, Any] | None = None,
-             on_step: Callable[[int], None] | None = None) -> list[int]:
+             on_step: Callable[[int], None] | None = None, redact: Redactor | None = None) -> list[int]:
     """Greedy-generate ``max_new_tokens`` after ``input_ids`` while dumping into
-    ``config.dump_path`` (the dump directory itself). Returns the new token ids.
+    ``config.dump_path`` (the dump directory itself). Returns the new token ids. env.json is
+    written through ``redact`` (secret values the caller knows of; URL credentials always).
 
     The dump is marked complete only if generation finishes; an exception leaves it readable but
     ``complete: false``.
@@ -28,7 +30,8 @@ def dump_run(loaded: LoadedModel, input_ids: list[int], max_new_tokens: int, con
            **(generation or {})}
 
     def env() -> dict[str, Any]:
-        return collect_env(loaded.model, generation=gen, tokenizer=loaded.tokenizer, seed=seed)
+        return (redact or Redactor())(collect_env(loaded.model, generation=gen, tokenizer=loaded.tokenizer,
+                                                  seed=seed))
 
     handle = DumpHandle(loaded.model, config, exact_dir=config.dump_path, env_factory=env)
     handle.on_step = on_step

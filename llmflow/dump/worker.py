@@ -1,4 +1,4 @@
-"""The dump stage's subprocess: ``python -m llmflow.dump.worker <args.json> <result.json>``.
+"""The dump stage's subprocess: ``python -m llmflow.dump.worker <args.json|-> <result.json>``.
 
 Running each dump in a fresh process means a golden and a target dump share no state (seeded
 generators, determinism flags, monkeypatches, device memory). The worker applies the seed
@@ -9,6 +9,9 @@ settings, loads the model, encodes the prompt, dumps a greedy generation and wri
   from the user's model or patch is one); written whole or not at all;
 * ``<dump_dir>/../generation.json``: prompt, input_ids, output_ids, text;
 * progress lines ``LLMFLOW_STEP <n>`` on stdout, one per generated step.
+
+The arguments come on stdin (``-``), not in a file: they hold the real values of secret
+parameters, and ``redact`` lists those values, kept out of everything the worker writes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.errors import UserError
+from llmflow.redaction import Redactor
 
 PROGRESS_PREFIX = "LLMFLOW_STEP "
 PHASE_PREFIX = "LLMFLOW_PHASE "  # a progress line of a slow phase (model conversion, model load)
@@ -34,7 +38,8 @@ class _PhaseLines(logging.Handler):
 
 
 def run(args: dict[str, Any]) -> dict[str, Any]:
-    """Do one dump as described by ``args`` (the stage's params plus dump_dir, base_dir...)."""
+    """Do one dump as described by ``args`` (the stage's params plus dump_dir, base_dir, redact)."""
+    redact = Redactor(args.get("redact") or ())
     settings = args.get("seed_settings")
     if settings:
         from llmflow.seeding import apply_settings
@@ -80,13 +85,13 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
                   "model": args["model"], "device": args.get("device", "cpu"),
                   "dtype": args.get("dtype", "float32"), "patch": args.get("patch")}
     output_ids = dump_run(loaded, input_ids, max_new, config, seed=settings or {},
-                          generation=generation, on_step=progress)
+                          generation=generation, on_step=progress, redact=redact)
     tok = loaded.tokenizer
     text = tok.decode(output_ids, skip_special_tokens=True) if tok is not None else ""
     gen_record = {"prompt": prompt, "input_ids": input_ids, "output_ids": output_ids, "text": text}
-    Path(args["generation_file"]).write_text(json.dumps(gen_record, indent=1), encoding="utf-8")
+    Path(args["generation_file"]).write_text(json.dumps(redact(gen_record), indent=1), encoding="utf-8")
     ranks = [json.loads(p.read_text()) for p in Path(args["dump_dir"]).glob("rank*/rank.json")]
-    return {"output_ids": output_ids, "text": text, "bytes": _dir_bytes(Path(args["dump_dir"])),
+    return {"output_ids": output_ids, "text": redact(text), "bytes": _dir_bytes(Path(args["dump_dir"])),
             "entries": sum(r.get("entries", 0) for r in ranks), "steps": len(output_ids),
             "prompt_tokens": len(input_ids), "truncated": any(r.get("truncated") for r in ranks)}
 
@@ -97,16 +102,17 @@ def _dir_bytes(path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args_file, result_file = Path(argv[0]), Path(argv[1])
-    args = json.loads(args_file.read_text(encoding="utf-8"))
+    result_file = Path(argv[1])
+    args = json.loads(sys.stdin.read() if argv[0] == "-" else Path(argv[0]).read_text(encoding="utf-8"))
+    redact = Redactor(args.get("redact") or ())
     try:
         result = run(args)
     except UserError as exc:
-        _write_result(result_file, {"error": str(exc)})
+        _write_result(result_file, {"error": redact(str(exc))})
         return 2
     except SystemExit as exc:  # user code (the model's file.py:callable, a patch) ended the run
-        _write_result(result_file, {"error": f"{_user_code(args)} called sys.exit({exc.code!r}) "
-                                             "before the dump finished"})
+        _write_result(result_file, {"error": redact(f"{_user_code(args)} called sys.exit({exc.code!r}) "
+                                                    "before the dump finished")})
         return 2
     _write_result(result_file, result)
     return 0

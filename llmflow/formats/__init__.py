@@ -15,6 +15,7 @@ from pathlib import Path
 
 from llmflow.errors import UserError
 from llmflow.formats.base import DumpReader, Entry
+from llmflow.plugins import broken_plugins
 
 __all__ = ["DumpReader", "Entry", "locator", "locator_prefix", "open_dump", "reader_types"]
 
@@ -23,7 +24,8 @@ def reader_types() -> dict[str, type[DumpReader]]:
     """Format name -> reader class; llmflow's own format is detected first.
 
     Detection tries readers in this order, and the native format is the most
-    specific (it has a manifest), so it goes first; the rest keep plugin order.
+    specific (it has a manifest), so it goes first; the rest keep plugin order. A format plugin
+    that fails to import is left out with a warning (``llmflow.plugins.load_group``).
     """
     from llmflow.plugins import load_group
 
@@ -46,6 +48,9 @@ def open_dump(path: str | Path, format: str | None = None) -> DumpReader:
     types = reader_types()
     if format:
         if format not in types:
+            broken = broken_plugins("llmflow.formats")
+            if format in broken:
+                raise UserError(f"{p}: {broken[format]}")
             raise UserError(f"{p}: unknown dump format {format!r} (known: {', '.join(types)})")
         return types[format](p)
     cls = _detected(p, types)
@@ -62,7 +67,10 @@ def open_dump(path: str | Path, format: str | None = None) -> DumpReader:
     if found:
         names = ", ".join(f"{d} ({c.format})" for d, c in found)
         raise UserError(f"{p}: holds {len(found)} dumps, name one: {names}")
-    raise UserError(f"{p}: not a dump of any known format ({', '.join(types)}), nor a folder holding one")
+    broken = "".join(f"; format plugin {name!r} failed to import"
+                     for name in broken_plugins("llmflow.formats"))
+    raise UserError(f"{p}: not a dump of any known format ({', '.join(types)}), nor a folder holding one"
+                    f"{broken}")
 
 
 def locator_prefix(reader: DumpReader) -> str:

@@ -193,6 +193,7 @@ class LlmflowDumpReader(DumpReader):
             for rank_dir in self._rank_dirs():
                 out.extend(self._read_index(rank_dir, problems))
             out.sort(key=lambda e: (e.rank, e.step, e.order))
+            problems += duplicate_rows(out)
             self._entries, self._index_problems = out, problems
         return self._entries
 
@@ -310,6 +311,35 @@ class LlmflowDumpReader(DumpReader):
         if not path.exists():
             return None
         return read_json(path, limit=MAX_META_BYTES, max_depth=MAX_JSON_DEPTH)
+
+
+MAX_DUPLICATES_NAMED = 5  # problem lines naming a duplicated tensor; the rest are counted
+
+
+def duplicate_rows(entries: list[Entry]) -> list[str]:
+    """One problem line per tensor indexed twice: two rows with the same rank, step and
+    ``order`` (``entries`` sorted by those).
+
+    ``order`` numbers a step's rows one by one, so it is what tells two captures apart: a module
+    called twice in a step gives two rows of the same name, kind and index at different orders, and
+    a repeat of an unchanged tensor shares the first capture's ``key`` under its own order and name;
+    neither is a duplicate. Two rows at one order are two claims about one capture (an index line
+    written twice, index files merged); which copy is right cannot be told, whichever comes first,
+    so the dump is not whole."""
+    out: list[str] = []
+    count = 0
+    for prev, e in zip(entries, entries[1:], strict=False):
+        if (prev.rank, prev.step, prev.order) != (e.rank, e.step, e.order):
+            continue
+        count += 1
+        if count <= MAX_DUPLICATES_NAMED:
+            same = "" if (prev.name, prev.kind, prev.index) == (e.name, e.kind, e.index) else \
+                f" (also claimed by {e.name} {e.kind} {e.index})"
+            out.append(f"rank{e.rank}/index.jsonl: {prev.name} {prev.kind} {prev.index} of step {e.step} "
+                       f"(order {e.order}) is indexed twice{same}: which row is right cannot be told")
+    if count > MAX_DUPLICATES_NAMED:
+        out.append(f"rank index files: {count - MAX_DUPLICATES_NAMED} more rows indexed twice")
+    return out
 
 
 def _span(steps: list[int]) -> str:

@@ -72,7 +72,7 @@ class BadcaseStage(Stage):
         rows = run_badcase(loaded["golden"], loaded["target"], prompts, max_new_tokens=p["max_new_tokens"],
                            batch_size=p["batch_size"], chat_template=p["chat_template"], advance=task.advance)
         path = ctx.out_dir / "ranking.json"
-        path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+        path.write_text(json.dumps(ctx.redact(rows), indent=1), encoding="utf-8")
         keep = ("rank", "prompt", "first_mismatch_token", "max_kl", "max_kl_step")
         ctx.summary["badcase"] = {"prompts": len(rows), "worst_prompt": rows[0]["prompt"],
                                   "ranking": [{k: r[k] for k in keep} for r in rows[:10]]}

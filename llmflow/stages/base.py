@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from llmflow.redaction import Redactor
+
 #: What a stage can conclude about the target, least severe first: "pass" (it matches),
 #: "inconclusive" (the evidence does not cover the question), "fail" (a fault found, rows failed).
 #: The run's exit code comes from the outcomes of the stages no later outcome-setting stage
@@ -67,6 +69,9 @@ class StageContext:
     log: Callable[[str], None] = print
     progress: Callable[..., ProgressTask] | None = None
     outcome: Outcome | None = None
+    #: apply to what the stage writes for people to read (``llmflow.redaction``): it knows the
+    #: secret values among ``params`` (from ``${env.X}`` with a secret name X)
+    redact: Redactor = field(default_factory=Redactor)
 
     def set_outcome(self, status: str, headline: str, next_step: str = "") -> None:
         """Say what this stage concluded about the target (see ``OUTCOMES``) and, when the evidence

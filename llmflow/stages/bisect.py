@@ -97,7 +97,7 @@ class BisectStage(Stage):
         result = run_bisect(inputs, log=ctx.log, progress=progress)
         verdict = result.to_json()
         path = ctx.out_dir / "verdict.json"
-        path.write_text(json.dumps(verdict, indent=1), encoding="utf-8")
+        path.write_text(json.dumps(ctx.redact(verdict), indent=1), encoding="utf-8")
         summary = {k: verdict.get(k) for k in SUMMARY_KEYS}
         summary["texts"] = {side: verdict["texts"][side]["text"] for side in ("golden", "target")}
         ctx.summary["verdict"] = summary

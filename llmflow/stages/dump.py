@@ -1,8 +1,9 @@
 """The ``dump`` stage: run a model on one prompt and dump it, in a subprocess of its own.
 
-A thin adapter over ``llmflow.dump.worker`` (which calls ``llmflow.dump.run.dump_run``): it writes
-the worker's arguments, streams its per-step progress into ``ctx.task``, and turns a user error in
-the worker (exit status 2, ``{"error": ...}``) back into a one-line ``UserError``.
+A thin adapter over ``llmflow.dump.worker`` (which calls ``llmflow.dump.run.dump_run``): it hands
+the worker its arguments on stdin (with the secret values to keep out of its files), streams its
+per-step progress into ``ctx.task``, and turns a user error in the worker (exit status 2,
+``{"error": ...}``) back into a one-line ``UserError``.
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ class DumpStage(Stage):
     def _run_worker(self, ctx: StageContext, args: dict[str, Any]) -> dict[str, Any]:
         from llmflow.dump.worker import PHASE_PREFIX, PROGRESS_PREFIX
 
-        args_file = ctx.out_dir / "worker_args.json"
         result_file = ctx.out_dir / "worker_result.json"
-        args_file.write_text(json.dumps(args, indent=1), encoding="utf-8")
+        # on stdin, not in a file of the stage: the arguments hold secret parameters' real values
+        args_text = json.dumps({**args, "redact": list(ctx.redact.values)})
         env = dict(os.environ)
         settings = args.get("seed_settings") or {}
         env.update({k: str(v) for k, v in (settings.get("env") or {}).items()})
@@ -104,10 +105,15 @@ class DumpStage(Stage):
         tail: deque[str] = deque(maxlen=40)
         # stderr goes to a file (no pipe to fill up); stdout carries the progress lines
         with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "llmflow.dump.worker", str(args_file),
-                                     str(result_file)], stdout=subprocess.PIPE, stderr=err, text=True,
+            proc = subprocess.Popen([sys.executable, "-m", "llmflow.dump.worker", "-", str(result_file)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                                     env=env, cwd=str(ctx.out_dir))
-            assert proc.stdout is not None
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                with proc.stdin:
+                    proc.stdin.write(args_text)
+            except BrokenPipeError:  # the worker died before reading them: its status says why
+                pass
             for line in proc.stdout:
                 if line.startswith(PROGRESS_PREFIX):
                     task.update(completed=int(line[len(PROGRESS_PREFIX):]) + 1)
@@ -118,6 +124,7 @@ class DumpStage(Stage):
             rc = proc.wait()
             err.seek(0)
             tail.extend(err.read().splitlines()[-40:])
+        tail = deque(ctx.redact(list(tail)))  # (a traceback may quote a parameter)
         (ctx.out_dir / "worker.log").write_text("\n".join(tail) + "\n", encoding="utf-8")
         result = _read_result(result_file)
         if rc == 2 and "error" in result:

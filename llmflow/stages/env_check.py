@@ -48,9 +48,9 @@ class EnvCheckStage(Stage):
         items = diff_envs(envs["golden"], envs["target"])
         summary = env_summary(items)
         path = ctx.out_dir / "env_diff.json"
-        path.write_text(json.dumps({**summary, "items": items, "truncated": False,
-                                    "golden": ctx.params["golden"], "target": ctx.params["target"]},
-                                   indent=1, default=str), encoding="utf-8")
+        report = {**summary, "items": items, "truncated": False, "golden": ctx.params["golden"],
+                  "target": ctx.params["target"]}
+        path.write_text(json.dumps(ctx.redact(report), indent=1, default=str), encoding="utf-8")
         ctx.summary["env_diff"] = summary
         ctx.log(f"{ctx.stage_id}: {summary['differences']} differences, "
                 f"{summary['numerics_relevant']} numerics-relevant")

@@ -70,7 +70,8 @@ class _Run:
         self.running: dict[str, tuple[_Prepared, Path, float]] = {}
         self.done_q: queue.Queue = queue.Queue()
         self.failed_before = previous_failures(run_dir)
-        self.summary = SummaryWriter(run_dir / rundir.SUMMARY_FILE, self.wf, checked.params, self.results)
+        self.summary = SummaryWriter(run_dir / rundir.SUMMARY_FILE, self.wf, checked.params, self.results,
+                                     checked.redact)
         self.conclusion: Conclusion | None = None
 
     # -- the loop -------------------------------------------------------------------------------
@@ -166,6 +167,7 @@ class _Run:
             progress=lambda description="", total=None, _sid=sid: self.reporter.task(
                 _sid, _unprefixed(_sid, description), total
             ),
+            redact=self.checked.redact,
         )
         res = self.results[sid]
         res.status, res.started = "running", now_iso()
@@ -225,7 +227,10 @@ class _Run:
             "finished": now_iso(),
             "duration_s": res.duration_s,
         }
-        rundir.atomic_write_json(tmp / st.STATE_FILE, st.state_record(self.run_dir, tmp, **state))
+        # stored redacted (secret values, URL credentials); the fingerprint, a hash of the real
+        # parameters, still changes with them. This run's later stages get the real outputs.
+        record = self.checked.redact(st.state_record(self.run_dir, tmp, **state))
+        rundir.atomic_write_json(tmp / st.STATE_FILE, record)
         rundir.install(tmp, final)
         rundir.remove_failed(self.run_dir, sid)
         self.states[sid] = state

@@ -5,6 +5,7 @@ conclusion.py; null while running and when no stage set one), started, updated, 
 its own ``outcome``); plus each stage's ``ctx.summary`` merged in, in execution order
 (``verdict``, ``compare``, ...).
 A stage may not overwrite those reserved keys. The shape is ``schemas/summary.schema.json``.
+Written through the run's ``Redactor``: no secret value, no credential inside a URL.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from llmflow.redaction import Redactor
 from llmflow.workflow.conclusion import Conclusion
 from llmflow.workflow.model import Workflow
 from llmflow.workflow.result import StageResult, now_iso
@@ -29,8 +31,10 @@ log = logging.getLogger("llmflow.workflow")
 class SummaryWriter:
     """Builds summary.json from the live ``StageResult``s (kept in execution order)."""
 
-    def __init__(self, path: Path, wf: Workflow, params: dict[str, Any], results: dict[str, StageResult]):
+    def __init__(self, path: Path, wf: Workflow, params: dict[str, Any], results: dict[str, StageResult],
+                 redact: Redactor | None = None):
         self.path = path
+        self.redact = redact or Redactor()
         self.head = {
             "workflow": wf.name,
             "workflow_file": str(wf.path),
@@ -62,6 +66,7 @@ class SummaryWriter:
                             log.warning("stage %s: summary key %r is reserved; ignored", sid, key)
                         continue
                     data[key] = value
+            data = self.redact(data)  # (URL credentials, secret values in outputs and errors)
             atomic_write_json(self.path, data)
             self.data = data
             return data

@@ -11,14 +11,17 @@ is about to run.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
+import yaml
 
 from llmflow.errors import UserError, one_line
 from llmflow.plugins import suggest
+from llmflow.redaction import Redactor, secret_env_values
 from llmflow.stages.base import Stage, fill_defaults
 from llmflow.workflow import dag
 from llmflow.workflow.interpolate import InterpolationError, Ref, dig, has_refs, parse, resolve, strings
@@ -29,6 +32,7 @@ from llmflow.workflow.schema import schema_errors
 from llmflow.workflow.static_stage import StaticReadError
 
 SetParams = Mapping[str, Any] | Iterable[str] | None
+_DOUBLE_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)  # one YAML double-quoted scalar
 
 
 @dataclass
@@ -40,6 +44,8 @@ class Checked:
     classes: dict[str, type[Stage]] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     errors: list[ValidationError] = field(default_factory=list)
+    #: redacts what the run writes: the values of ``${env.X}`` references with a secret name X
+    redact: Redactor = field(default_factory=Redactor)
 
     @property
     def needs(self) -> dict[str, list[str]]:
@@ -74,6 +80,26 @@ def parse_set_value(name: str, raw: str) -> Any:
     return raw if errors else data
 
 
+def parse_set_text(raw: str) -> str:
+    """A ``--set`` value of a string param: the text as typed, every line and space kept
+    (``--set prompt=$'line one\nline two'`` is two lines; ``yes``, ``a: b`` and ``x # y`` are
+    text, not YAML). Only a value wrapped in one pair of quotes is read as a YAML quoted scalar,
+    quotes taken off: ``"a\nb"`` has its escapes, ``'it''s'`` its doubled quote, and a line
+    break typed inside the quotes stays a line break (YAML would fold it into a space)."""
+    if len(raw) < 2 or raw[0] != raw[-1] or raw[0] not in "'\"":
+        return raw
+    if raw[0] == "'":  # single quotes have no escapes: the text between them, '' read as '
+        inner = raw[1:-1]
+        return raw if "'" in inner.replace("''", "") else inner.replace("''", "'")  # ('a' or 'b')
+    if not _DOUBLE_QUOTED.fullmatch(raw):
+        return raw  # "a" or "b": not one quoted scalar
+    try:  # YAML for the escapes; typed line breaks made escapes first, so they stay
+        data = yaml.safe_load(raw.replace("\r", "\\r").replace("\n", "\\n"))
+    except yaml.YAMLError:
+        return raw  # an unknown escape ("\q"): the text as typed
+    return data if isinstance(data, str) else raw
+
+
 def _param_schema(spec: dict[str, Any]) -> dict[str, Any]:
     return {k: spec[k] for k in ("type", "enum", "minimum", "maximum") if k in spec}
 
@@ -94,16 +120,14 @@ def _check_params(wf: Workflow, set_params: SetParams, checked: Checked) -> None
             )
             continue
         value: Any = raw
-        if isinstance(raw, str):
+        if isinstance(raw, str) and wf.params[name]["type"] == "string":
+            value = parse_set_text(raw)
+        elif isinstance(raw, str):
             try:
                 value = parse_set_value(name, raw)
             except YamlTooBig as exc:
-                if wf.params[name]["type"] != "string":
-                    checked.errors.append(ValidationError(f"--set {name}: {exc.error.message}"))
-                    continue
-                value = raw  # any text is a string
-            if wf.params[name]["type"] == "string" and not isinstance(value, str):
-                value = raw  # `--set prompt=yes` means the text "yes"
+                checked.errors.append(ValidationError(f"--set {name}: {exc.error.message}"))
+                continue
         try:
             jsonschema.validate(value, _param_schema(wf.params[name]))
         except jsonschema.ValidationError as exc:
@@ -245,7 +269,22 @@ def check(
     _check_stages(wf, checked, trust_plugins)
     _check_refs(wf, checked)
     _check_with(wf, checked)
+    checked.redact = Redactor(secret_env_values(_env_refs(wf), os.environ))
     return checked
+
+
+def _env_refs(wf: Workflow) -> list[tuple[str, str | None]]:
+    """(name, default) of every ``${env.NAME}`` in the stages' parameters."""
+    found = []
+    for st in wf.stages.values():
+        for _, text in strings(st.with_):
+            if has_refs(text):
+                try:
+                    found += [(p.name, p.default) for p in parse(text)
+                              if isinstance(p, Ref) and p.kind == "env"]
+                except InterpolationError:
+                    continue  # (reported by _check_refs)
+    return found
 
 
 def resolve_with(checked: Checked, sid: str, outputs: Mapping[str, dict[str, Any]]) -> dict[str, Any]:

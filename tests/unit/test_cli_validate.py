@@ -258,3 +258,17 @@ def test_set_values_are_typed_and_checked(validate):
     assert lines[0] == "--set sed: unknown param 'sed' (did you mean 'seed'?)"
     rc, lines = validate(wf, "--set", "seed")
     assert rc == 2 and "expected NAME=VALUE" in lines[0]
+
+
+@pytest.mark.parametrize(("typed", "text"), [
+    ("line one\nline two", "line one\nline two"),  # a line break typed in bash ($'...')
+    ('"line one\\nline two"', "line one\nline two"),  # a YAML escape inside double quotes
+    ('"line one\nline two"', "line one\nline two"),  # a typed line break inside quotes: not folded
+    ("'it''s'", "it's"), ("'a\nb'", "a\nb"),
+    ("yes", "yes"), ("a: b", "a: b"), ("x # y", "x # y"), ("  padded  ", "  padded  "),
+    ('"a" or "b"', '"a" or "b"'), ("'a' or 'b'", "'a' or 'b'"), ('"\\q"', '"\\q"'), ('""', ""),
+])
+def test_a_string_param_takes_the_text_as_typed(typed, text):
+    from llmflow.workflow.validate import parse_set_text
+
+    assert parse_set_text(typed) == text

@@ -1,6 +1,6 @@
 """The package's layers import only downward (docs/ARCHITECTURE.md): cli over workflow over stages
 over localize over the checks (one dump or checkpoint) beside and above the dump/compare libraries
-over formats/report/native over models, plugins, errors."""
+over formats/report/native over models, plugins, errors and redaction."""
 
 import ast
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "llmflow"
 RANK = {"cli": 8, "workflow": 7, "stages": 6, "localize": 5, "checks": 4, "dump": 3, "compare": 3,
         "report": 2, "formats": 2, "native": 2, "data": 1, "models": 1, "structure": 1, "seeding": 1,
-        "plugins": 0, "resources": 0, "errors": -1}
+        "plugins": 0, "resources": 0, "errors": -1, "redaction": -1}
 
 
 def _imports(path: Path) -> set[str]:
