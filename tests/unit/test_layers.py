@@ -6,9 +6,9 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "llmflow"
-RANK = {"cli": 8, "workflow": 7, "stages": 6, "localize": 5, "checks": 4, "dump": 3, "compare": 3,
+RANK = {"__main__": 9, "cli": 8, "workflow": 7, "stages": 6, "localize": 5, "checks": 4, "dump": 3, "compare": 3,
         "report": 2, "formats": 2, "native": 2, "data": 1, "models": 1, "structure": 1, "seeding": 1,
-        "plugins": 0, "resources": 0, "errors": -1, "redaction": -1}
+        "plugins": 0, "resources": 0, "interrupts": 0, "errors": -1, "redaction": -1}
 
 
 def _imports(path: Path) -> set[str]:
@@ -21,6 +21,13 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("llmflow.")}
     return found
+
+
+def test_every_module_and_folder_has_a_layer():
+    """A new top-level module or folder must be placed in RANK: unranked, it would be unchecked."""
+    names = {p.stem for p in PKG.glob("*.py")} | {p.name for p in PKG.iterdir()
+                                                  if p.is_dir() and (p / "__init__.py").exists()}
+    assert sorted(names - set(RANK) - {"__init__"}) == []
 
 
 def test_imports_only_go_down():
