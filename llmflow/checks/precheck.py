@@ -213,6 +213,9 @@ def judge_output(target: torch.Tensor, bench: torch.Tensor, ref: torch.Tensor, *
     dtype = target.dtype
     u = unit_roundoff(dtype)
     ref64 = ref.to(torch.float64)
+    if ref64.numel() and not bool(torch.isfinite(ref64).any()):
+        return Judged("not checked", math.nan, {}, ["no finite value in the op's own result (its inputs "
+                                                    "are already NaN/Inf)"])
     t_row, b_row = compare_tensors(ref64, target), compare_tensors(ref64, bench)
     reasons: list[str] = []
     t_bad = t_row["target_nan"] + t_row["target_inf"] - t_row["golden_nan"] - t_row["golden_inf"]
@@ -270,8 +273,9 @@ def perturbation(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]
         signs = torch.randint(0, 2, t.shape, generator=gen, dtype=torch.int8).to(torch.float64) * 2 - 1
         x = t.to(torch.float64)
         out = x * (1 + unit_roundoff(t.dtype) * signs)
-        moved["in"] += float(((out - x) ** 2).sum())
-        moved["norm"] += float((x ** 2).sum())
+        finite = torch.isfinite(x)  # (an Inf of a mask stays as it is)
+        moved["in"] += float(((out - x)[finite] ** 2).sum())
+        moved["norm"] += float((x[finite] ** 2).sum())
         return out
 
     p_args, p_kwargs = as_float64(_map_tensors((args, kwargs), perturb))
@@ -342,6 +346,9 @@ def check_call(call: OpCall, options: PrecheckOptions) -> tuple[dict[str, Any], 
     if worst is None:
         row["reason"] = "the replay gives none of the recorded outputs"
         return row, fn
+    if worst.status == "not checked":
+        row["reason"] = "; ".join(reasons)
+        return row, fn
     row.update(worst.numbers, status=worst.status, ratio=worst.ratio, reason="; ".join(reasons) or None)
     if options.perturb and first_out is not None and first_out.is_floating_point():
         factor = perturbation(fn, call.args, call.kwargs, ref)
@@ -351,7 +358,8 @@ def check_call(call: OpCall, options: PrecheckOptions) -> tuple[dict[str, Any], 
 
 
 def _rank(j: Judged) -> tuple[int, float]:
-    return ({"pass": 0, "warn": 1, "fail": 2}[j.status], j.ratio if not math.isnan(j.ratio) else math.inf)
+    return ({"not checked": -1, "pass": 0, "warn": 1, "fail": 2}[j.status],
+            j.ratio if not math.isnan(j.ratio) else math.inf)
 
 
 def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
