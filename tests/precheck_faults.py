@@ -52,7 +52,8 @@ def lossy_silu(model: nn.Module) -> None:
     model.model.layers[FAULT_LAYER].mlp.act_fn = _LossySiLU()
 
 
-def _naive_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None, **_: Any) -> torch.Tensor:
+def _naive_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None,
+                   **_: Any) -> torch.Tensor:
     e = torch.exp(x.to(torch.float16))  # no max-subtraction, in fp16
     return (e / e.sum(dim=dim, keepdim=True)).to(dtype or x.dtype)
 
@@ -104,7 +105,7 @@ norm_kernel = kernel("my_rms_norm", my_rms_norm_reference)
 
 
 def custom_norm(model: nn.Module) -> None:
-    for name, module in model.named_modules():
+    for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
             module.forward = (lambda m, e: lambda x: norm_kernel(x, m.weight, e))(module, eps)

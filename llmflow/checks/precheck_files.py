@@ -59,7 +59,7 @@ def run_precheck(dump: str | Path, out_dir: Path, options: PrecheckOptions, *, r
 
     result = precheck(reader, options, on_call=on_call)
     columns = [*COLUMNS, "repro"] if repro else list(COLUMNS)
-    files = {"csv": out_dir / "precheck.csv", "xlsx": out_dir / "precheck.xlsx", "json": out_dir / "precheck.json"}
+    files = {kind: out_dir / f"precheck.{kind}" for kind in ("csv", "xlsx", "json")}
     write_csv(result["rows"], files["csv"], columns=columns)
     counts = [{"api": api, **{k: c.get(k, 0) for k in ("pass", "warn", "fail", "not checked")}}
               for api, c in result["counts"].items()]

@@ -151,7 +151,8 @@ def main():
         for key, t in on_device.items():
             if key in reference:
                 print(f"output {{key}}: {{a.device}} error {{rel_error(reference[key], t.cpu()):.4g}}")
-    print(("REPRODUCED" if worst > a.ratio else "NOT REPRODUCED") + f": ratio {{worst:.3g}} (limit {{a.ratio}})")
+    verdict = "REPRODUCED" if worst > a.ratio else "NOT REPRODUCED"
+    print(f"{{verdict}}: ratio {{worst:.3g}} (limit {{a.ratio}})")
     return 1 if worst > a.ratio else 0
 
 

@@ -28,11 +28,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from llmflow.checks.precheck import DEFAULT_FAIL_RATIO, DEFAULT_MIN_CHECKED, DEFAULT_PERTURB_RATIO
 
     parser.add_argument("dump", help="an llmflow API dump with tensors (or the folder holding one)")
-    parser.add_argument("-o", "--output", default="precheck_out", help="output folder (default: precheck_out)")
+    parser.add_argument("-o", "--output", default="precheck_out",
+                        help="output folder (default: precheck_out)")
     parser.add_argument("--repro", action="store_true", help="a repro folder with a standalone script per "
                         "failing call")
-    parser.add_argument("--perturb", action="store_true", help="also flag ill-conditioned calls by perturbing "
-                        "their inputs at the dtype's rounding scale")
+    parser.add_argument("--perturb", action="store_true", help="also flag ill-conditioned calls by "
+                        "perturbing their inputs at the dtype's rounding scale")
     parser.add_argument("--reference", action="append", default=[], metavar="NAME=FILE.py:FUNC",
                         help="the CPU reference of API NAME (a custom kernel), repeatable")
     parser.add_argument("--fail-ratio", type=float, default=DEFAULT_FAIL_RATIO,
@@ -42,7 +43,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"flag a call whose output moves this many times its inputs (default "
                         f"{DEFAULT_PERTURB_RATIO:g})")
     parser.add_argument("--min-checked", type=float, default=DEFAULT_MIN_CHECKED,
-                        help=f"inconclusive below this share of calls checked (default {DEFAULT_MIN_CHECKED:g})")
+                        help=f"inconclusive below this share of calls checked (default "
+                        f"{DEFAULT_MIN_CHECKED:g})")
 
 
 def parse_references(items: list[str]) -> dict[str, str]:
@@ -65,8 +67,8 @@ def execute(args: argparse.Namespace) -> int:
 
     if not Path(args.dump).exists():
         raise UserError(f"{args.dump}: no such dump")
-    options = PrecheckOptions(fail_ratio=args.fail_ratio, perturb=args.perturb, perturb_ratio=args.perturb_ratio,
-                              min_checked=args.min_checked,
+    options = PrecheckOptions(fail_ratio=args.fail_ratio, perturb=args.perturb,
+                              perturb_ratio=args.perturb_ratio, min_checked=args.min_checked,
                               references=load_references(parse_references(args.reference)))
     con = console()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -76,8 +78,8 @@ def execute(args: argparse.Namespace) -> int:
             return _Task(bar, task_id)
         result = run_precheck(args.dump, Path(args.output), options, repro=args.repro, progress=progress)
     t = result["totals"]
-    con.print(f"{t['calls']} calls: {t['checked']} checked ({t['pass']} pass, {t['warn']} warn, {t['fail']} fail), "
-              f"{t['not checked']} not checked")
+    con.print(f"{t['calls']} calls: {t['checked']} checked ({t['pass']} pass, {t['warn']} warn, "
+              f"{t['fail']} fail), {t['not checked']} not checked")
     for row in [r for r in result["rows"] if r["status"] == "fail"][:10]:
         con.print(f"  fail {row['name']} (step {row['step']}): ratio {row['ratio']:.3g}; {row['reason']}")
     first = result["first_fail"]

@@ -53,7 +53,8 @@ class PrecheckStage(Stage):
 
         p = self.params(ctx)
         options = PrecheckOptions(fail_ratio=float(p["fail_ratio"]), perturb=bool(p["perturb"]),
-                                  perturb_ratio=float(p["perturb_ratio"]), min_checked=float(p["min_checked"]),
+                                  perturb_ratio=float(p["perturb_ratio"]),
+                                  min_checked=float(p["min_checked"]),
                                   references=load_references(p["references"], ctx.workflow_dir))
         result = run_precheck(ctx.resolve_path(p["dump"]), ctx.out_dir, options, repro=bool(p["repro"]),
                               progress=lambda description, total: ctx.task(f"{ctx.stage_id}: {description}",
