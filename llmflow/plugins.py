@@ -9,11 +9,13 @@ group                  what the entry point names                               
 ``llmflow.algorithms`` ``func(golden, target) -> (value, message)``                compare (extra columns)
 ``llmflow.formats``    a ``llmflow.formats.base.DumpReader`` subclass              every dump consumer
 ``llmflow.mappings``   a callable returning the path of an op-mapping YAML/JSON     compare (``mapping:``)
+``llmflow.references`` ``func(*op_args, **op_kwargs) -> output``: an op's CPU      precheck (APIs the CPU
+                       reference, named by the API it replays (``npu_rms_norm``)   lacks: checks/references)
 =====================  ==========================================================  ==========================
 
 Local one-off plugins are referenced as ``path/to/file.py:name`` (relative to the workflow file
 or the current directory): stages in ``uses:``, algorithms in ``algorithms:``/``-alg``, model
-patches in ``patch:``, models in ``model:``.
+patches in ``patch:``, models in ``model:``, op references in ``--reference NAME=file.py:func``.
 
 Plugins are *found* first (entry-point metadata only, no import), then *imported* on use; an
 import error names the plugin, its group and the distribution that declared it. A plugin that
@@ -40,7 +42,7 @@ from llmflow.errors import UserError
 
 log = logging.getLogger("llmflow.plugins")
 
-GROUPS = ("llmflow.stages", "llmflow.algorithms", "llmflow.formats", "llmflow.mappings")
+GROUPS = ("llmflow.stages", "llmflow.algorithms", "llmflow.formats", "llmflow.mappings", "llmflow.references")
 
 
 @dataclass(frozen=True)

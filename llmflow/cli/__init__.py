@@ -37,6 +37,7 @@ TOOLS = {
     "schema": "llmflow.cli.schema",
     "compare": "llmflow.cli.compare",
     "inspect": "llmflow.cli.inspect",
+    "precheck": "llmflow.cli.precheck",
 }
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -13,10 +13,11 @@ property reads via ``__get__``...), host conversions (``item``, ``tolist``), and
 ops (``view``, ``reshape``, ``transpose``, ``__getitem__``, ``contiguous``...), and allocations of
 uninitialised memory (``empty``, ``empty_like``...: their contents are whatever was there until an
 op writes them, so two runs' "outputs" would be compared as garbage). Layout ops move no
-arithmetic, so they cannot introduce a numerical error; skipping them keeps API mode cheap. Only
-tensor arguments of an API call are recorded (scalars such as ``dim=-1`` are not), and
-parameters passed to an op (``F.linear``'s weight) are recorded by dtype and shape only: they do
-not change between steps, ``dump_weight`` writes them once.
+arithmetic, so they cannot introduce a numerical error; skipping them keeps API mode cheap. Every
+argument of an API call is recorded: tensors, and scalars (``dim=-1``, an eps, a dtype) as index
+rows without data, so a call can be replayed from the dump (``llmflow.checks.precheck``).
+Parameters passed to an op (``F.linear``'s weight) are recorded by dtype, shape and parameter
+name only: they do not change between steps, ``dump_weight`` writes them once.
 
 While an op runs inside ``__torch_function__`` the mode is popped, so torch functions that call
 other torch functions are captured once, at the outermost call, and our own copies never recurse.

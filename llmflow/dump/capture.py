@@ -45,6 +45,8 @@ from llmflow.formats.llmflow_dump import (
 
 log = logging.getLogger("llmflow.dump")
 _SIMPLE = (type(None), bool, int, float, str)
+# torch values recorded by name ("torch.float32", "cpu"): ``dump.arguments.decode_value`` reads them back
+_NAMED_VALUES = (torch.dtype, torch.device, torch.memory_format, torch.layout)
 _STATS_ENTRY_BYTES = 256  # what a statistics-only entry costs on disk, roughly (index line)
 
 
@@ -156,6 +158,9 @@ class DumpSession(Sink):
         # finishes the dump when the model is garbage-collected or the interpreter exits (the
         # session holds no reference to the model, so this does not keep it alive)
         self._finalizer = weakref.finalize(model, _close_unattended, self)
+        # id -> full name of the model's parameters: an op's Parameter argument is recorded by
+        # name, so a precheck can load it from the weights a dump_weight dump writes once
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
         if config.dump_weight:
             self._write_weights(model)
 
@@ -208,7 +213,8 @@ class DumpSession(Sink):
 
     def op_inputs(self, name: str, api: str, func: Any, args: tuple, kwargs: dict) -> None:
         if self._op_inputs:
-            walk_inputs(self, name, "input", args, kwargs, "api", api, tensors_only=True)
+            # scalars too (dim=-1, an eps, a dtype): replaying the call from the dump needs them
+            walk_inputs(self, name, "input", args, kwargs, "api", api)
 
     def op_output(self, name: str, api: str, func: Any, output: Any) -> None:
         if self._op_outputs:
@@ -231,19 +237,27 @@ class DumpSession(Sink):
     # -- index rows (the walk's leaves) -------------------------------------------------------
     def other(self, name: str, kind: str, index: str, value: Any, level: str,
               module_type: str | None) -> None:
-        """A parameter handed to a call (shape and dtype only) or a plain value (its JSON value)."""
+        """A parameter handed to a call (shape, dtype and name only) or a plain value (its JSON
+        value; a torch dtype, device or memory format as its name, ``"torch.float32"``)."""
         if self.stopped is not None:
             return
         if isinstance(value, torch.nn.Parameter):
             # the same every step, so shape and dtype only (dump_weight writes the bytes once)
+            extra = {"param_dtype": dtype_name(value.dtype)}
+            param = self._param_names.get(id(value))
+            if param is not None:
+                extra["param"] = param
             self._add_row(new_row(IndexRow, (
                 self.step, name, kind, index, level, self._next_order(), None, tuple(value.shape),
-                module_type, None, False, None, "Parameter", "", {"param_dtype": dtype_name(value.dtype)})))
+                module_type, None, False, None, "Parameter", "", extra)))
         else:
+            pytype = type(value).__name__
+            if isinstance(value, _NAMED_VALUES):
+                value = str(value)
             simple = isinstance(value, _SIMPLE) and (not isinstance(value, str) or len(value) < 256)
             self._add_row(new_row(IndexRow, (
                 self.step, name, kind, index, level, self._next_order(), None, None, module_type, None,
-                False, value if simple else None, type(value).__name__, "", _NO_EXTRA)))
+                False, value if simple else None, pytype, "", _NO_EXTRA)))
         self.entries += 1
 
     def _tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,

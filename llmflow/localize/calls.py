@@ -23,15 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmflow.dump.arguments import Unrebuildable, decode_value, is_cache_type, rebuild_arguments
 from llmflow.dump.memory import CacheSnapshot, Call, layer_kv
 from llmflow.formats.base import DumpReader, Entry
-
-SIMPLE_TYPES = ("NoneType", "bool", "int", "float", "str")
-
-
-def is_cache_type(pytype: str | None) -> bool:
-    """Does a dump's recorded type name denote a KV cache (``DynamicCache``, ``StaticCache`` ...)?"""
-    return bool(pytype) and pytype.endswith("Cache")  # type: ignore[union-attr]
 
 
 def cast_inputs(value: Any, device: torch.device, dtype: torch.dtype, module: nn.Module | None = None,
@@ -85,23 +79,6 @@ def written_kv(before: CacheSnapshot | Any, after: CacheSnapshot | Any, idx: int
 
 
 # -- calls from a dump ----------------------------------------------------------------------------
-def _set_path(root: dict[str, Any], parts: list[str], value: Any) -> None:
-    node = root
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-    node[parts[-1]] = value
-
-
-def _freeze(node: Any) -> Any:
-    """Nested dicts keyed "0", "1", ... -> tuples (the structure the module was called with);
-    dicts with other keys stay dicts."""
-    if isinstance(node, dict):
-        if all(k.isdigit() for k in node):
-            return tuple(_freeze(node[k]) for k in sorted(node, key=int))
-        return {k: _freeze(v) for k, v in node.items()}
-    return node
-
-
 def build_call(name: str, inputs: Iterable[tuple[str, Any]], outputs: Iterable[tuple[str, Any]],
                *, step: int = 0, module_type: str | None = None) -> Call:
     """A Call from ``(index, value)`` pairs as the dump writes them.
@@ -112,28 +89,24 @@ def build_call(name: str, inputs: Iterable[tuple[str, Any]], outputs: Iterable[t
     are not in the dump and the call is not replayable from it.
     """
     call = Call(name, module_type)
-    pos: dict[str, Any] = {}
-    kw: dict[str, Any] = {}
+    leaves: list[tuple[str, Any]] = []
     for index, value in inputs:
         if isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], torch.Tensor):
             json_value, pytype = value
-            if pytype in SIMPLE_TYPES or pytype is None:
-                value = json_value
-            elif is_cache_type(pytype) and step == 0:
+            if is_cache_type(pytype) and step == 0:
                 value = None  # the prefill step starts with an empty cache
             elif is_cache_type(pytype):
                 call.reason = (f"input {index} is a KV cache ({pytype}) whose contents a dump does not "
                                "hold; a decode step is replayed from a golden re-run")
                 value = None
             else:
-                call.reason = f"input {index} is an opaque {pytype}"
-                value = None
-        if index.startswith("kw:"):
-            _set_path(kw, index[3:].split("."), value)
-        else:
-            _set_path(pos, index.split("."), value)
-    call.args = list(_freeze(pos)) if pos else []
-    call.kwargs = {k: _freeze(v) for k, v in kw.items()}
+                try:
+                    value = decode_value(json_value, pytype)
+                except Unrebuildable:
+                    call.reason = f"input {index} is an opaque {pytype}"
+                    value = None
+        leaves.append((index, value))
+    call.args, call.kwargs = rebuild_arguments(leaves)
     call.outputs = {i: v for i, v in outputs if isinstance(v, torch.Tensor)}
     if not call.outputs and call.reason is None:
         call.reason = "no output tensor recorded"

@@ -1,0 +1,409 @@
+"""Precheck one API dump without a golden: replay every recorded op on the CPU and judge its output.
+
+Each API call of the dump (``<module>/<api>.<n>``, inputs, scalars and outputs recorded by the
+recorder's API mode) is rebuilt (``llmflow.dump.arguments``) and run twice on the CPU:
+
+  reference: floating inputs (and floating dtype arguments) in float64: the op's exact result;
+  benchmark: the inputs as recorded, in the dump's own dtype: what a correct implementation of
+             that dtype achieves on these very inputs.
+
+The target's recorded output is judged by its error against the reference *relative to* the
+benchmark's error (msprobe's api_accuracy_checker compares an NPU with a GPU the same way; here the
+CPU plays the GPU, so no second device is needed). Per output kind:
+
+  integer / bool / index outputs  bit-exact against the benchmark;
+  floating outputs                ``ratio`` = rel-L2 error / max(benchmark rel-L2 error, u), where
+                                  u is the dtype's unit roundoff; fail above ``fail_ratio`` (4),
+                                  warn above 2; also fail when the largest absolute error is more
+                                  than ``4 * fail_ratio`` times the benchmark's (one bad element);
+  small values (msprobe's rule)   elements with |ref| < small (1e-3 half types, 1e-6 fp32) are
+                                  judged by absolute error > atol (1e-5 / 1e-9): the share of such
+                                  errors must not exceed twice the benchmark's (+0.1%);
+  thousandth ratio (msprobe)      for fp16/fp32/fp64 outputs: the share of elements with relative
+                                  error < 0.001 must reach 0.999 when the benchmark's does;
+  NaN/Inf                         a non-finite target element where reference and benchmark are
+                                  finite fails.
+
+Not checked, with the reason: random calls (dropout in training, sampling), calls whose inputs
+were not captured (statistics-only, outputs-only dumps, a parameter argument without
+``dump_weight``), inputs a dump cannot hold, and APIs with no CPU implementation or registered
+reference (``llmflow.checks.references``). The dump is streamed: one call's tensors at a time.
+
+``--perturb`` (``perturb=True``): each floating call is rerun in float64 on its inputs perturbed
+by their dtype's unit roundoff (x * (1 + u * r), r = +-1 seeded); a call whose output moves more than
+``perturb_ratio`` times as much as its inputs (relative L2) is flagged: ill-conditioned on these
+inputs, a golden-free warning beside the verdict (msprobe's free_benchmark idea).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from llmflow.checks.references import is_random, resolve, unit_roundoff
+from llmflow.compare.metrics import compare_tensors
+from llmflow.dump.arguments import Unrebuildable, decode_value, rebuild_arguments
+from llmflow.dump.memory import flatten_outputs
+from llmflow.formats.base import DumpReader, Entry
+
+DEFAULT_FAIL_RATIO = 4.0
+DEFAULT_WARN_RATIO = 2.0
+DEFAULT_PERTURB_RATIO = 50.0
+DEFAULT_MIN_CHECKED = 0.5  # below this share of calls checked, the precheck is inconclusive
+SMALL_VALUE = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-6, torch.float64: 1e-12}
+SMALL_VALUE_ATOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-9, torch.float64: 1e-15}
+COLUMNS = ("rank", "step", "order", "name", "module", "api", "status", "ratio", "error", "benchmark_error",
+           "max_abs_error", "benchmark_max_abs_error", "small_value_err_ratio", "one_thousandth_err_ratio",
+           "dtype", "shape", "implementation", "perturb_ratio", "perturb_flag", "reason")
+
+
+@dataclass
+class OpCall:
+    """One API call read back from a dump: its arguments rebuilt, its recorded outputs."""
+
+    name: str
+    api: str
+    rank: int
+    step: int
+    order: int
+    args: list[Any] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    reason: str | None = None  # why it cannot be checked
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit("/", 1)[0]
+
+
+# -- reading calls from a dump ----------------------------------------------------------------------
+def _api_of(name: str) -> str:
+    """``model.layers.0.mlp/silu.0`` -> ``silu``."""
+    return name.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+
+
+def iter_calls(reader: DumpReader) -> Iterator[OpCall]:
+    """The dump's API calls in model order (rank, step, order), one at a time, tensors loaded
+    for that call only. A ``Parameter`` argument is loaded from the dump's weights by name."""
+    weights: dict[str, Entry] = {}
+    group: list[Entry] = []
+    for e in reader.entries():
+        if e.kind == "weight":
+            weights[e.name] = e
+        elif e.level == "api" and e.step >= 0:
+            if group and (e.name != group[0].name or e.step != group[0].step or e.rank != group[0].rank
+                          or (e.kind == "input" and group[-1].kind == "output")):
+                yield _call(reader, group, weights)
+                group = []
+            group.append(e)
+    if group:
+        yield _call(reader, group, weights)
+
+
+def _call(reader: DumpReader, entries: list[Entry], weights: dict[str, Entry]) -> OpCall:
+    first = entries[0]
+    call = OpCall(first.name, _api_of(first.name), first.rank, first.step, first.order)
+    inputs = [e for e in entries if e.kind == "input"]
+    outputs = [e for e in entries if e.kind == "output"]
+    if not inputs:
+        call.reason = "inputs not captured (dumped with tensor_part 1?)"
+    elif not outputs:
+        call.reason = "output not captured (dumped with tensor_part 0?)"
+    leaves: list[tuple[str, Any]] = []
+    for e in inputs:
+        value: Any = None
+        if e.is_tensor and e.has_data:
+            value = reader.load(e)
+        elif e.is_tensor:
+            call.reason = call.reason or (f"input {e.index} recorded as statistics only (dump with "
+                                          "data_mode tensor)")
+        elif e.pytype == "Parameter":
+            param = e.extra.get("param")
+            weight = weights.get(param) if isinstance(param, str) else None
+            if weight is None or not weight.has_data:
+                call.reason = call.reason or (f"parameter input {e.index} ({param or 'unnamed'}) not in the "
+                                              "dump (dump with dump_weight)")
+            else:
+                value = reader.load(weight)
+        else:
+            try:
+                value = decode_value(e.value, e.pytype)
+            except Unrebuildable as exc:
+                call.reason = call.reason or f"input {e.index} is {exc}, which a dump cannot hold"
+        leaves.append((e.index, value))
+    if call.reason is None:
+        call.args, call.kwargs = rebuild_arguments(leaves)
+        for e in outputs:
+            if e.is_tensor and e.has_data:
+                call.outputs[e.index] = reader.load(e)
+        if not call.outputs:
+            call.reason = "no output tensor recorded"
+    return call
+
+
+# -- running a call -------------------------------------------------------------------------------
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def as_float64(value: Any) -> Any:
+    """Arguments for the reference run: floating tensors and floating dtype arguments in float64
+    (``x.to(torch.bfloat16)`` becomes the identity: the reference never rounds)."""
+    if isinstance(value, torch.dtype):
+        return torch.float64 if value.is_floating_point else value
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float64) if value.is_floating_point() else value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(as_float64(v) for v in value)
+    if isinstance(value, dict):
+        return {k: as_float64(v) for k, v in value.items()}
+    return value
+
+
+def run_call(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The op's outputs by the dump's output index, on private copies of its inputs (an in-place
+    op must not change the next run's inputs)."""
+    args_c, kwargs_c = _map_tensors((args, kwargs), lambda t: t.clone())
+    with torch.no_grad():
+        return flatten_outputs(fn(*args_c, **kwargs_c))
+
+
+# -- judging --------------------------------------------------------------------------------------
+@dataclass
+class Judged:
+    """One output's numbers and verdict."""
+
+    status: str  # pass, warn, fail
+    ratio: float
+    numbers: dict[str, Any]
+    reasons: list[str]
+
+
+def _small_value_share(ref: torch.Tensor, out: torch.Tensor, small: float, atol: float) -> float:
+    mask = ref.abs() < small
+    n = int(mask.sum())
+    if n == 0:
+        return 0.0
+    err = (out.to(torch.float64) - ref).abs()[mask]
+    return float((err > atol).sum()) / n
+
+
+def judge_output(target: torch.Tensor, bench: torch.Tensor, ref: torch.Tensor, *,
+                 fail_ratio: float = DEFAULT_FAIL_RATIO, warn_ratio: float = DEFAULT_WARN_RATIO) -> Judged:
+    """The target's output against the reference, relative to the benchmark (module docstring)."""
+    if tuple(target.shape) != tuple(ref.shape):
+        return Judged("fail", math.inf, {}, [f"shape {list(target.shape)}, the op gives {list(ref.shape)}"])
+    if not target.is_floating_point():
+        same = bench.dtype == target.dtype and torch.equal(bench, target)
+        return Judged("pass" if same else "fail", 0.0 if same else math.inf, {},
+                      [] if same else [f"{int((bench != target).sum())} elements differ (bit-exact rule)"])
+    dtype = target.dtype
+    u = unit_roundoff(dtype)
+    ref64 = ref.to(torch.float64)
+    if ref64.numel() and not bool(torch.isfinite(ref64).any()):
+        return Judged("not checked", math.nan, {}, ["no finite value in the op's own result (its inputs "
+                                                    "are already NaN/Inf)"])
+    t_row, b_row = compare_tensors(ref64, target), compare_tensors(ref64, bench)
+    reasons: list[str] = []
+    t_bad = t_row["target_nan"] + t_row["target_inf"] - t_row["golden_nan"] - t_row["golden_inf"]
+    b_bad = b_row["target_nan"] + b_row["target_inf"] - b_row["golden_nan"] - b_row["golden_inf"]
+    if t_bad > max(b_bad, 0):
+        reasons.append(f"{t_bad} NaN/Inf elements where the op gives finite values")
+    err, b_err = t_row["relative_euclidean_distance"], b_row["relative_euclidean_distance"]
+    if ref64.numel() == 0 or not bool(ref64.any()):  # an all-zero result: absolute error only
+        err, b_err = t_row["max_absolute_error"], b_row["max_absolute_error"]
+    ratio = _ratio(err, b_err, u)
+    max_err, b_max = t_row["max_absolute_error"], b_row["max_absolute_error"]
+    scale = float(ref64[torch.isfinite(ref64)].abs().max()) if torch.isfinite(ref64).any() else 0.0
+    max_ratio = _ratio(max_err, b_max, u * scale)
+    small, atol = SMALL_VALUE.get(dtype, 1e-6), SMALL_VALUE_ATOL.get(dtype, 1e-9)
+    finite = torch.isfinite(ref64) & torch.isfinite(target) & torch.isfinite(bench)
+    t_small = _small_value_share(ref64[finite], target[finite], small, atol)
+    b_small = _small_value_share(ref64[finite], bench[finite], small, atol)
+    thousandth, b_thousandth = t_row["one_thousandth_err_ratio"], b_row["one_thousandth_err_ratio"]
+    if ratio > fail_ratio:
+        reasons.append(f"error {err:.3g} is {ratio:.3g}x the benchmark's {b_err:.3g}")
+    if max_ratio > 4 * fail_ratio:
+        reasons.append(f"largest absolute error {max_err:.3g} is {max_ratio:.3g}x the benchmark's "
+                       f"{b_max:.3g}")
+    if t_small > 2 * b_small + 1e-3:
+        reasons.append(f"{t_small:.3%} of the small values (|x| < {small:g}) miss by more than {atol:g} "
+                       f"(benchmark {b_small:.3%})")
+    if u < 1e-3 and thousandth < 0.999 <= b_thousandth:
+        reasons.append(f"thousandth ratio {thousandth:.4f} < 0.999 (benchmark {b_thousandth:.4f})")
+    status = "fail" if reasons else "warn" if ratio > warn_ratio else "pass"
+    numbers = {"error": err, "benchmark_error": b_err, "max_abs_error": max_err,
+               "benchmark_max_abs_error": b_max, "small_value_err_ratio": t_small,
+               "one_thousandth_err_ratio": thousandth}
+    return Judged(status, ratio, numbers, reasons)
+
+
+def _ratio(err: float, bench_err: float, floor: float) -> float:
+    if math.isnan(err):
+        return math.inf
+    denominator = max(bench_err if math.isfinite(bench_err) else 0.0, floor)
+    if denominator == 0:
+        return 0.0 if err == 0 else math.inf
+    return err / denominator
+
+
+def perturbation(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any],
+                 reference: dict[str, torch.Tensor], seed: int = 0) -> float | None:
+    """How much more the op's float64 output moves than its floating inputs when each of those is
+    perturbed by its own dtype's unit roundoff (relative L2 both); None when nothing floats."""
+    gen = torch.Generator().manual_seed(seed)
+    moved = {"in": 0.0, "norm": 0.0}
+
+    def perturb(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.numel() == 0:
+            return t
+        signs = torch.randint(0, 2, t.shape, generator=gen, dtype=torch.int8).to(torch.float64) * 2 - 1
+        x = t.to(torch.float64)
+        out = x * (1 + unit_roundoff(t.dtype) * signs)
+        finite = torch.isfinite(x)  # (an Inf of a mask stays as it is)
+        moved["in"] += float(((out - x)[finite] ** 2).sum())
+        moved["norm"] += float((x[finite] ** 2).sum())
+        return out
+
+    p_args, p_kwargs = as_float64(_map_tensors((args, kwargs), perturb))
+    if moved["norm"] == 0:
+        return None
+    try:
+        out = run_call(fn, p_args, p_kwargs)
+    except Exception:  # (the unperturbed run worked; a perturbed one that raises is not a number)
+        return None
+    in_change = math.sqrt(moved["in"] / moved["norm"])
+    changes = []
+    for index, ref in reference.items():
+        if index in out and ref.is_floating_point() and out[index].shape == ref.shape:
+            d = out[index].to(torch.float64) - ref.to(torch.float64)
+            finite = torch.isfinite(d) & torch.isfinite(ref)
+            norm = float(ref.to(torch.float64)[finite].norm())
+            if norm > 0:
+                changes.append(float(d[finite].norm()) / norm)
+    return max(changes) / in_change if changes and in_change > 0 else None
+
+
+# -- the precheck -----------------------------------------------------------------------------------
+@dataclass
+class PrecheckOptions:
+    fail_ratio: float = DEFAULT_FAIL_RATIO
+    warn_ratio: float = DEFAULT_WARN_RATIO
+    min_checked: float = DEFAULT_MIN_CHECKED
+    perturb: bool = False
+    perturb_ratio: float = DEFAULT_PERTURB_RATIO
+    references: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+
+def check_call(call: OpCall, options: PrecheckOptions) -> tuple[dict[str, Any], Callable[..., Any] | None]:
+    """One call's row (status pass/warn/fail/not checked) and the function that replayed it."""
+    row: dict[str, Any] = {"rank": call.rank, "step": call.step, "order": call.order, "name": call.name,
+                           "module": call.module, "api": call.api, "status": "not checked", "ratio": None,
+                           "reason": call.reason}
+    first_out = next(iter(call.outputs.values()), None)
+    if first_out is not None:
+        row["dtype"] = str(first_out.dtype).removeprefix("torch.")
+        row["shape"] = list(first_out.shape)
+    if call.reason is not None:
+        return row, None
+    if is_random(call.api, call.args, call.kwargs):
+        row["reason"] = "random call: its output is drawn, not computed"
+        return row, None
+    fn, where = resolve(call.api, call.args, options.references)
+    row["implementation"] = where if fn is not None else None
+    if fn is None:
+        row["reason"] = where
+        return row, None
+    try:
+        bench = run_call(fn, call.args, call.kwargs)
+        ref = run_call(fn, as_float64(call.args), as_float64(call.kwargs))
+    except Exception as exc:  # an op the CPU refuses for these arguments is listed, not fatal
+        row["reason"] = f"replay failed on the CPU: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return row, fn
+    worst: Judged | None = None
+    reasons: list[str] = []
+    for index, target in call.outputs.items():
+        if index not in ref or index not in bench:
+            continue
+        judged = judge_output(target, bench[index], ref[index], fail_ratio=options.fail_ratio,
+                              warn_ratio=options.warn_ratio)
+        reasons += [f"output {index}: {r}" for r in judged.reasons]
+        if worst is None or _rank(judged) > _rank(worst):
+            worst = judged
+    if worst is None:
+        row["reason"] = "the replay gives none of the recorded outputs"
+        return row, fn
+    if worst.status == "not checked":
+        row["reason"] = "; ".join(reasons)
+        return row, fn
+    row.update(worst.numbers, status=worst.status, ratio=worst.ratio, reason="; ".join(reasons) or None)
+    if options.perturb and first_out is not None and first_out.is_floating_point():
+        factor = perturbation(fn, call.args, call.kwargs, ref)
+        row["perturb_ratio"] = factor
+        row["perturb_flag"] = factor is not None and factor > options.perturb_ratio
+    return row, fn
+
+
+def _rank(j: Judged) -> tuple[int, float]:
+    return ({"not checked": -1, "pass": 0, "warn": 1, "fail": 2}[j.status],
+            j.ratio if not math.isnan(j.ratio) else math.inf)
+
+
+def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
+             on_call: Callable[[OpCall, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Check every API call of ``reader``'s dump. ``on_call(call, row)`` sees each call as it is
+    judged (tensors still loaded: the repro writer uses it). Returns ``{"rows" (ranked, worst
+    first), "first_fail" (model order), "counts" (per api), "totals", "perturbed" (flagged rows),
+    "status" (pass/fail/inconclusive), "headline"}``."""
+    options = options or PrecheckOptions()
+    rows: list[dict[str, Any]] = []
+    counts: dict[str, Counter[str]] = defaultdict(Counter)
+    first_fail: dict[str, Any] | None = None
+    for call in iter_calls(reader):
+        row, _fn = check_call(call, options)
+        if on_call is not None:
+            on_call(call, row)
+        counts[call.api][row["status"]] += 1
+        if row["status"] == "fail" and first_fail is None:
+            first_fail = row
+        rows.append(row)
+    totals = Counter(r["status"] for r in rows)
+    checked = len(rows) - totals["not checked"]
+    rows.sort(key=lambda r: (r["status"] == "not checked", -(r["ratio"] if r["ratio"] is not None
+                                                              and not math.isnan(r["ratio"]) else 0.0)))
+    perturbed = [r for r in rows if r.get("perturb_flag")]
+    if not rows:
+        status, headline = "inconclusive", "precheck: the dump holds no API calls (dump with mode api)"
+    elif totals["fail"]:
+        status = "fail"
+        headline = (f"precheck: {totals['fail']} of {checked} checked calls fail; first "
+                    f"{first_fail['name']} (step {first_fail['step']}): {first_fail['reason']}")  # type: ignore[index]
+    elif checked < options.min_checked * len(rows):
+        why = Counter(str(r["reason"]).split(" (")[0] for r in rows
+                      if r["status"] == "not checked").most_common(1)
+        status = "inconclusive"
+        headline = (f"precheck: only {checked} of {len(rows)} calls could be checked; most often: "
+                    f"{why[0][0] if why else '?'}")
+    else:
+        status = "pass"
+        headline = f"precheck: {checked} of {len(rows)} calls checked, none fails ({totals['warn']} warn)"
+    if perturbed and status != "fail":
+        headline += (f"; perturbation flags {len(perturbed)} ill-conditioned calls, first "
+                     f"{perturbed[0]['name']}")
+    return {"rows": rows, "first_fail": first_fail, "counts": {k: dict(v) for k, v in sorted(counts.items())},
+            "totals": {"calls": len(rows), "checked": checked, **{k: totals[k] for k in
+                                                                  ("pass", "warn", "fail", "not checked")}},
+            "perturbed": [r["name"] for r in perturbed], "status": status, "headline": headline}

@@ -1,0 +1,87 @@
+"""What a precheck writes, shared by ``llmflow precheck`` and the ``precheck`` stage.
+
+``run_precheck(dump, out_dir, options)`` checks the dump (``precheck.precheck``) and writes into
+``out_dir``:
+
+  precheck.csv   every call, worst first (ratio = error / benchmark error), formula-safe
+  precheck.xlsx  the same, failing and warning cells marked, plus a sheet of counts per API
+  precheck.json  status, headline, first failing call in model order, counts per API, totals,
+                 the calls perturbation flags, and the repro folders
+  repro/NNN_<call>/  with ``repro=True``: one folder per failing call (``repro.write_repro``)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from llmflow.checks.precheck import COLUMNS, OpCall, PrecheckOptions, precheck
+from llmflow.checks.references import resolve
+from llmflow.checks.repro import folder_name, write_repro
+from llmflow.formats import open_dump
+from llmflow.formats.base import DumpReader
+
+MAX_REPROS = 50  # repro folders written at most (the worst calls are first in the table anyway)
+
+
+def count_calls(reader: DumpReader) -> int:
+    """How many API calls the dump holds (the progress bar's total)."""
+    return len({(e.rank, e.step, e.name) for e in reader.entries() if e.level == "api" and e.step >= 0})
+
+
+def run_precheck(dump: str | Path, out_dir: Path, options: PrecheckOptions, *, repro: bool = False,
+                 progress: Callable[[str, float | None], Any] | None = None) -> dict[str, Any]:
+    """Precheck ``dump`` and write the files above; returns the result with ``files`` added.
+    ``progress(description, total)`` returns a task with ``advance()``."""
+    from llmflow.report.tables import write_csv, write_xlsx
+
+    reader = open_dump(dump)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    task = progress("precheck", count_calls(reader)) if progress else None
+    repros: list[dict[str, Any]] = []
+
+    def on_call(call: OpCall, row: dict[str, Any]) -> None:
+        if task is not None:
+            task.advance()
+        if repro and row["status"] == "fail" and len(repros) < MAX_REPROS:
+            fn, implementation = resolve(call.api, call.args, options.references)
+            if fn is None:
+                return
+            if implementation != "reference":
+                implementation = row.get("implementation") or implementation
+            folder = out_dir / "repro" / folder_name(len(repros), call.name)
+            script = write_repro(call, fn, implementation, folder, options.fail_ratio)
+            row["repro"] = str(script.relative_to(out_dir))
+            repros.append({"name": call.name, "script": row["repro"]})
+
+    result = precheck(reader, options, on_call=on_call)
+    columns = [*COLUMNS, "repro"] if repro else list(COLUMNS)
+    files = {kind: out_dir / f"precheck.{kind}" for kind in ("csv", "xlsx", "json")}
+    write_csv(result["rows"], files["csv"], columns=columns)
+    counts = [{"api": api, **{k: c.get(k, 0) for k in ("pass", "warn", "fail", "not checked")}}
+              for api, c in result["counts"].items()]
+    write_xlsx({"calls": result["rows"], "per api": counts}, files["xlsx"],
+               columns={"calls": columns, "per api": ["api", "pass", "warn", "fail", "not checked"]},
+               marks=lambda r: {"status": r["status"]} if r.get("status") in ("fail", "warn") else {})
+    summary = {k: result[k] for k in ("status", "headline", "first_fail", "counts", "totals", "perturbed")}
+    summary["dump"] = str(reader.path)
+    summary["problems"] = reader.problems()
+    summary["repros"] = repros
+    files["json"].write_text(json.dumps(_finite(summary), indent=1, default=str), encoding="utf-8")
+    result["files"] = {k: str(v) for k, v in files.items()}
+    result["repros"] = repros
+    return result
+
+
+def _finite(value: Any) -> Any:
+    """JSON without NaN/Infinity (strict parsers refuse them): those numbers become strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,225 @@
+"""Which function replays a dumped op on the CPU: the references registry.
+
+A dump names an op by its API (``softmax``, ``linear``, ``npu_rms_norm``); the precheck runs that
+API again on the CPU, once in float64 (the reference) and once in the dump's dtype (the benchmark).
+``resolve`` finds the function, first match wins:
+
+  1. a reference given for this run (``llmflow precheck --reference NAME=file.py:func``);
+  2. a reference an installed package declares in the entry-point group ``llmflow.references``
+     (``llmflow.plugins``): ``my_fused_op = "my_port.refs:my_fused_op"``;
+  3. the built-in references below, for the torch_npu fused kernels a CPU has not;
+  4. torch itself: ``torch.nn.functional.<api>``, ``torch.<api>``, then the ``Tensor`` method
+     (functional first: ``F.embedding(input, weight)`` and ``torch.embedding(weight, input)`` take
+     their arguments in different orders, and the model code calls the functional).
+
+A reference takes the op's arguments exactly as the op does and returns its output (a tensor, or
+a tuple whose leading elements are compared with the op's leading outputs). It must compute in
+the dtype of the tensors it is given (float64 for the reference run) and should follow the
+documented semantics, not one kernel's internals. Registering one for a custom kernel::
+
+    # my_port/refs.py                               # pyproject.toml
+    def my_fused_op(x, weight, eps=1e-6):            # [project.entry-points."llmflow.references"]
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+                                                     # my_fused_op = "my_port.refs:my_fused_op"
+
+The built-in torch_npu references follow the torch_npu API documentation for the basic cases
+(no dropout, no sparse modes, no quantisation); a call outside them raises and is listed as not
+checked, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from llmflow import plugins
+from llmflow.errors import UserError
+
+GROUP = "llmflow.references"
+
+#: APIs whose result is drawn at random: replaying them says nothing about the target's kernel
+RANDOM_APIS = frozenset("""
+    dropout dropout_ dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout native_dropout
+    multinomial rand rand_like randn randn_like randint randint_like randperm bernoulli bernoulli_
+    normal normal_ uniform_ exponential_ geometric_ cauchy_ log_normal_ random_ poisson rrelu
+    gumbel_softmax npu_dropout npu_dropout_with_add_softmax
+""".split())
+
+
+def is_random(api: str, args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """Is this call random? A dropout in eval mode (``training=False``) or with ``p=0`` is the
+    identity, so it is not."""
+    if api not in RANDOM_APIS:
+        return False
+    if "dropout" in api:
+        training = kwargs.get("training", args[2] if len(args) > 2 else True)
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        return bool(training) and p != 0
+    return True
+
+
+# -- built-in references of torch_npu fused kernels ---------------------------------------------
+def _widened(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision inputs computed in float32, as the kernels do internally (float64 stays)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor,
+                 epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch_npu.npu_rms_norm``: (x * rsqrt(mean(x^2 over gamma's dims) + eps) * gamma, rstd)."""
+    xf = _widened(x)
+    dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
+    rstd = torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + epsilon)
+    return (xf * rstd * _widened(gamma)).to(x.dtype), rstd
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,
+                   rotary_mode: str = "half") -> torch.Tensor:
+    """``torch_npu.npu_rotary_mul``: x * cos + rotate_half(x) * sin (``rotary_mode="half"``)."""
+    if rotary_mode != "half":
+        raise NotImplementedError(f"npu_rotary_mul reference: rotary_mode {rotary_mode!r} (only 'half')")
+    xf = _widened(x)
+    return (xf * _widened(r1) + _rotate_half(xf) * _widened(r2)).to(x.dtype)
+
+
+def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch_npu.npu_swiglu``: split ``x`` in two halves along ``dim``: silu(a) * b."""
+    a, b = _widened(x).chunk(2, dim=dim)
+    return (F.silu(a) * b).to(x.dtype)
+
+
+def _to_bnsd(t: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
+    """A query/key/value in ``layout`` (BSH, BSND, BNSD, SBH) as [batch, heads, seq, head_dim]."""
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if layout == "BSH":
+        b, s, h = t.shape
+        return t.reshape(b, s, heads, h // heads).transpose(1, 2)
+    if layout == "SBH":
+        s, b, h = t.shape
+        return t.reshape(s, b, heads, h // heads).permute(1, 2, 0, 3)
+    raise NotImplementedError(f"attention reference: input_layout {layout!r} (BSH, BSND, BNSD, SBH)")
+
+
+def _from_bnsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    b, n, s, d = t.shape
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if layout == "BSH":
+        return t.transpose(1, 2).reshape(b, s, n * d)
+    return t.permute(2, 0, 1, 3).reshape(s, b, n * d)  # SBH
+
+
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads: int, kv_heads: int,
+               layout: str, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale, masked where ``mask`` is true) v, grouped-query heads repeated."""
+    q = _to_bnsd(_widened(query), layout, heads)
+    k = _to_bnsd(_widened(key), layout, kv_heads)
+    v = _to_bnsd(_widened(value), layout, kv_heads)
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        m = mask.bool()
+        while m.dim() < scores.dim():
+            m = m.unsqueeze(0)
+        scores = scores.masked_fill(m[..., -scores.shape[-2]:, -scores.shape[-1]:], float("-inf"))
+    return _from_bnsd(torch.matmul(torch.softmax(scores, dim=-1), v), layout).to(query.dtype)
+
+
+def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int,
+                         input_layout: str, pse: torch.Tensor | None = None, padding_mask: Any = None,
+                         atten_mask: torch.Tensor | None = None, scale: float = 1.0,
+                         keep_prob: float = 1.0, actual_seq_qlen: Any = None, sparse_mode: int = 0,
+                         **_ignored: Any) -> tuple[torch.Tensor]:
+    """``torch_npu.npu_fusion_attention``, basic case: ``atten_mask`` true where masked out, no
+    dropout (keep_prob 1), no positional bias, sparse_mode 0 or 1 (full mask). Its first output,
+    the attention, is compared (the softmax statistics it also returns are layout-specific)."""
+    if keep_prob != 1.0 or pse is not None or sparse_mode not in (0, 1) or actual_seq_qlen is not None:
+        raise NotImplementedError("npu_fusion_attention reference: only keep_prob=1, no pse, sparse_mode "
+                                  "0/1 and no variable-length sequences")
+    kv_heads = head_num
+    if input_layout in ("BSH", "SBH"):
+        kv_heads = head_num * key.shape[-1] // query.shape[-1]
+    elif input_layout in ("BSND", "BNSD"):
+        kv_heads = key.shape[2 if input_layout == "BSND" else 1]
+    return (_attention(query, key, value, head_num, kv_heads, input_layout, atten_mask, scale),)
+
+
+def npu_incre_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                              padding_mask: Any = None, atten_mask: torch.Tensor | None = None,
+                              pse_shift: Any = None, actual_seq_lengths: Any = None, num_heads: int = 1,
+                              scale_value: float = 1.0, input_layout: str = "BSH",
+                              num_key_value_heads: int = 0, **_ignored: Any) -> torch.Tensor:
+    """``torch_npu.npu_incre_flash_attention`` (decode attention), basic case: a contiguous
+    ``key``/``value`` (no block table, no quantisation), ``atten_mask`` true where masked out."""
+    if pse_shift is not None or actual_seq_lengths is not None or any(
+            _ignored.get(k) is not None for k in ("block_table", "antiquant_scale", "dequant_scale1")):
+        raise NotImplementedError("npu_incre_flash_attention reference: only contiguous key/value, no "
+                                  "pse_shift, actual_seq_lengths or quantisation")
+    kv_heads = num_key_value_heads or num_heads
+    return _attention(query, key, value, num_heads, kv_heads, input_layout, atten_mask, scale_value)
+
+
+BUILTIN: dict[str, Callable[..., Any]] = {
+    "npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul, "npu_swiglu": npu_swiglu,
+    "npu_fusion_attention": npu_fusion_attention, "npu_incre_flash_attention": npu_incre_flash_attention,
+}
+
+
+# -- the registry ---------------------------------------------------------------------------------
+def load_references(given: dict[str, str] | None = None,
+                    base_dir: str | Path = ".") -> dict[str, Callable[..., Any]]:
+    """API name -> reference for this run: ``given`` (name -> ``file.py:func``) over the installed
+    ``llmflow.references`` entry points over the built-ins. A reference that is not callable is a
+    ``UserError`` naming it."""
+    found: dict[str, Callable[..., Any]] = dict(BUILTIN)
+    for name, ref in plugins.find_group(GROUP).items():
+        found[name] = ref.load()
+    for name, ref in (given or {}).items():
+        if not plugins.is_file_ref(ref):
+            raise UserError(f"--reference {name}={ref}: expected NAME=path/to/file.py:function")
+        found[name] = plugins.load_file_ref(ref, base_dir)
+    for name, fn in found.items():
+        if not callable(fn):
+            raise UserError(f"reference {name!r}: {type(fn).__name__} is not callable")
+    return found
+
+
+def resolve(api: str, args: list[Any],
+            references: dict[str, Callable[..., Any]]) -> tuple[Callable[..., Any] | None, str]:
+    """The function that replays ``api`` and where it came from (``"reference"``, ``"torch"``), or
+    (None, why) when there is none. In-place APIs (``add_``) resolve like any other: their inputs
+    are copied before every run."""
+    if api in references:
+        return references[api], "reference"
+    for owner, label in ((F, "torch.nn.functional"), (torch, "torch")):
+        fn = getattr(owner, api, None)
+        if callable(fn) and not isinstance(fn, type) and not isinstance(fn, torch.dtype):
+            return fn, f"{label}.{api}"
+    if args and isinstance(args[0], torch.Tensor):
+        method = getattr(torch.Tensor, api, None)
+        if callable(method):
+            return method, f"Tensor.{api}"
+    return None, (f"no CPU implementation of {api!r} in torch and no reference registered "
+                  f"(entry-point group {GROUP} or --reference {api}=file.py:func)")
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon of a floating dtype: the relative error of one correct rounding."""
+    return float(torch.finfo(dtype).eps) / 2 if dtype.is_floating_point else 0.0
+

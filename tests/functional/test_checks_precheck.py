@@ -1,0 +1,132 @@
+"""`llmflow precheck` and `llmflow run api_precheck` as a user runs them, on tiny Llama and Qwen2
+models: a clean bf16 target has no failing call; one wrong fused kernel (a lossy silu, an fp16
+softmax without max-subtraction) is named with its module and its repro script reproduces the
+error in a fresh interpreter; a registered reference for a custom op is used; perturbation flags
+an overflow-prone softmax and not the clean model; bad input exits 2, too little evidence 3."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+FAULTS = TESTS / "precheck_faults.py"
+SMALL = "layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64"
+LLAMA, QWEN2 = f"tiny-llama:{SMALL}", f"tiny-qwen2:{SMALL}"
+
+
+def llmflow(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmflow.cli", *args], capture_output=True, text=True,
+                          timeout=600, cwd=cwd)
+
+
+def run_workflow(tmp: Path, model: str, *sets: str, dtype: str = "bfloat16") -> subprocess.CompletedProcess:
+    args = ["run", "api_precheck", "--run-dir", str(tmp / "run"), "--progress", "plain",
+            "--set", f"model={model}", "--set", f"dtype={dtype}"]
+    for s in sets:
+        args += ["--set", s]
+    return llmflow(*args, cwd=tmp)
+
+
+def last_line(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def report(out: Path) -> dict:
+    return json.loads((out / "precheck.json").read_text())
+
+
+@pytest.mark.parametrize("model", [LLAMA, QWEN2])
+def test_clean_bf16_target_passes(tmp_path, model):
+    proc = run_workflow(tmp_path, model, "perturb=true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert last_line(proc).startswith("PASSED")
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())["precheck"]
+    assert s["status"] == "pass" and s["totals"]["fail"] == 0 and s["first_fail"] is None
+    assert s["totals"]["checked"] > 0.9 * s["totals"]["calls"]  # linears too: the weights are dumped
+    assert s["perturbed"] == []  # the clean model has no ill-conditioned call
+
+
+@pytest.mark.parametrize("model", [LLAMA, QWEN2])
+def test_lossy_silu_is_named_and_its_repro_reproduces(tmp_path, model):
+    proc = run_workflow(tmp_path, model, f"patch={FAULTS}:lossy_silu")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "model.layers.1.mlp.act_fn/silu.0" in last_line(proc)
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())["precheck"]
+    assert s["totals"]["fail"] == 1  # exactly that call: silu of layer 0 and everything else pass
+    assert (s["first_fail"]["name"], s["first_fail"]["module"]) == \
+        ("model.layers.1.mlp.act_fn/silu.0", "model.layers.1.mlp.act_fn")
+    script = tmp_path / "run" / "precheck" / s["repros"][0]["script"]
+    fresh = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    assert fresh.returncode == 1, fresh.stdout + fresh.stderr
+    assert "REPRODUCED" in fresh.stdout and "llmflow" not in script.read_text()
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory) -> dict[str, Path]:
+    """fp16 Llama API dumps: the overflow-prone softmax through the naive kernel and through
+    torch's, a custom norm kernel, and a statistics-only dump."""
+    sys.path.insert(0, str(TESTS))
+    import precheck_faults as pf
+    from checks_helpers import real_dump
+
+    tmp = tmp_path_factory.mktemp("precheck")
+    out = {}
+    for name, patch in (("naive", pf.naive_softmax), ("shifted", pf.shifted_softmax),
+                        ("norm", pf.custom_norm)):
+        out[name] = real_dump(tmp, dtype="float16", patch=patch, mode="api", new_tokens=1,
+                              dump_weight=True, name=name)
+    out["stats"] = real_dump(tmp, dtype="bfloat16", mode="api", new_tokens=1, data_mode="statistics",
+                             name="stats")
+    return out
+
+
+def test_fp16_softmax_without_max_subtraction_fails_and_reproduces(tmp_path, dumps):
+    proc = llmflow("precheck", str(dumps["naive"]), "-o", str(tmp_path / "out"), "--repro", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert last_line(proc).startswith("FAILED: 1 of ")
+    r = report(tmp_path / "out")
+    assert r["first_fail"]["name"] == "model.layers.1.self_attn/softmax.0"
+    assert r["first_fail"]["module"] == "model.layers.1.self_attn" and "NaN/Inf" in r["first_fail"]["reason"]
+    script = tmp_path / "out" / r["repros"][0]["script"]
+    fresh = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path)
+    assert fresh.returncode == 1 and "REPRODUCED" in fresh.stdout, fresh.stdout + fresh.stderr
+
+
+def test_perturbation_flags_the_overflow_prone_softmax(tmp_path, dumps):
+    proc = llmflow("precheck", str(dumps["shifted"]), "-o", str(tmp_path / "out"), "--perturb", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]  # the kernel is correct
+    assert report(tmp_path / "out")["perturbed"] == ["model.layers.1.self_attn/softmax.0"]
+    assert "perturbation flags 1 ill-conditioned calls" in last_line(proc)
+
+
+def test_a_registered_reference_checks_a_custom_op(tmp_path, dumps):
+    bare = llmflow("precheck", str(dumps["norm"]), "-o", str(tmp_path / "bare"), cwd=tmp_path)
+    assert report(tmp_path / "bare")["counts"]["my_rms_norm"] == {"not checked": 5}, bare.stdout[-2000:]
+    proc = llmflow("precheck", str(dumps["norm"]), "-o", str(tmp_path / "out"), "--reference",
+                   f"my_rms_norm={FAULTS}:my_rms_norm_reference", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert report(tmp_path / "out")["counts"]["my_rms_norm"] == {"pass": 5}
+    csv_text = (tmp_path / "out" / "precheck.csv").read_text()
+    assert "my_rms_norm.0" in csv_text and ",reference," in csv_text
+
+
+def test_statistics_only_dump_is_inconclusive(tmp_path, dumps):
+    proc = llmflow("precheck", str(dumps["stats"]), "-o", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert last_line(proc).startswith("INCONCLUSIVE: only 0 of ") and "statistics only" in last_line(proc)
+
+
+@pytest.mark.parametrize("args", [["/nonexistent/dump"], ["{dump}", "--reference", "no_equals_sign"],
+                                  ["{dump}", "--reference", "x=missing.py:f"]])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, dumps, args):
+    args = [a.format(dump=dumps["stats"]) for a in args]
+    proc = llmflow("precheck", *args, cwd=tmp_path)
+    assert proc.returncode == 2 and last_line(proc).startswith("FAILED: ")
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

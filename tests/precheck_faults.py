@@ -1,0 +1,111 @@
+"""Model patches for the precheck tests: ported kernels with one wrong op, as ``file.py:callable``.
+
+A real port's fused kernel is one torch call (``torch.ops.npu.npu_rms_norm``) that API mode
+records once, under its API name. ``kernel(name, impl)`` makes a Python function behave the same
+way: it hands itself to the active torch function modes, so the dump records one call named
+``name`` whose output is whatever ``impl`` computed.
+
+* ``lossy_silu``: layer 1's MLP activation is a silu kernel whose sigmoid keeps 3 mantissa bits.
+* ``shifted_softmax``: layer 1's attention runs eager and adds 1000 to its softmax input (the
+  same result in exact arithmetic; overflow-prone, ill-conditioned inputs), torch's softmax.
+* ``naive_softmax``: the same, through an fp16 softmax kernel without max-subtraction (exp
+  overflows above ~11).
+* ``custom_norm``: every RMSNorm is a custom kernel ``my_rms_norm`` (correct), which torch does
+  not know: the precheck needs ``my_rms_norm_reference`` registered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
+
+FAULT_LAYER = 1
+
+
+def kernel(name: str, impl: Any) -> Any:
+    def op(*args: Any, **kwargs: Any) -> Any:
+        tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+        if has_torch_function(tensors):
+            return handle_torch_function(op, tensors, *args, **kwargs)
+        return impl(*args, **kwargs)
+    op.__name__ = op.__qualname__ = name
+    return op
+
+
+def _lossy_silu(x: torch.Tensor) -> torch.Tensor:
+    sig = torch.sigmoid(x.float()).to(torch.float8_e4m3fn).float()
+    return (x.float() * sig).to(x.dtype)
+
+
+silu_kernel = kernel("silu", _lossy_silu)
+
+
+class _LossySiLU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_kernel(x)
+
+
+def lossy_silu(model: nn.Module) -> None:
+    model.model.layers[FAULT_LAYER].mlp.act_fn = _LossySiLU()
+
+
+def _naive_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None,
+                   **_: Any) -> torch.Tensor:
+    e = torch.exp(x.to(torch.float16))  # no max-subtraction, in fp16
+    return (e / e.sum(dim=dim, keepdim=True)).to(dtype or x.dtype)
+
+
+softmax_kernel = kernel("softmax", _naive_softmax)
+
+
+class _ShiftedSoftmax(TorchFunctionMode):
+    """Softmax inputs shifted by +1000 (the result is the same in exact arithmetic: overflow-prone
+    inputs a kernel must subtract the max from), optionally through the naive kernel."""
+
+    def __init__(self, naive: bool):
+        super().__init__()
+        self.naive = naive
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") != "softmax":
+            return func(*args, **kwargs)
+        shifted = (args[0] + 1000.0, *args[1:])
+        return softmax_kernel(*shifted, **kwargs) if self.naive else func(*shifted, **kwargs)
+
+
+def _shift_softmax(model: nn.Module, naive: bool) -> None:
+    model.config._attn_implementation = "eager"
+    attn = model.model.layers[FAULT_LAYER].self_attn
+    forward = attn.forward
+
+    def shifted(*args: Any, **kwargs: Any) -> Any:
+        with _ShiftedSoftmax(naive):
+            return forward(*args, **kwargs)
+    attn.forward = shifted
+
+
+def shifted_softmax(model: nn.Module) -> None:
+    _shift_softmax(model, naive=False)
+
+
+def naive_softmax(model: nn.Module) -> None:
+    _shift_softmax(model, naive=True)
+
+
+def my_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+norm_kernel = kernel("my_rms_norm", my_rms_norm_reference)
+
+
+def custom_norm(model: nn.Module) -> None:
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+            module.forward = (lambda m, e: lambda x: norm_kernel(x, m.weight, e))(module, eps)
