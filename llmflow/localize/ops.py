@@ -145,10 +145,28 @@ def _op_signature(call: OpCall) -> tuple[str, tuple[int, ...]]:
     return call.api, tuple(call.output.shape)
 
 
+def _swapped_in_place(golden: list[OpCall], target: list[OpCall]) -> bool:
+    """Do these golden ops pair with target ops of the same shapes in the same slots: every op
+    of the same length run (``silu`` -> ``relu``), or, with ops inserted around it, all but one
+    with the same API and the one swapped?"""
+    if len(golden) == len(target):
+        return all(g.output.shape == t.output.shape for g, t in zip(golden, target, strict=True))
+    swapped, j = 0, 0
+    for g in golden:
+        while j < len(target) and target[j].output.shape != g.output.shape:
+            j += 1
+        if j == len(target):
+            return False
+        swapped += target[j].api != g.api
+        j += 1
+    return swapped <= 1
+
+
 def comparability(golden: list[OpCall], target: list[OpCall], *, context: int = 4) -> dict[str, Any]:
     """Whether the target computes the module with the golden's ops (see the module docstring).
 
-    Returns ``{"comparable": bool, "reason", "first_difference", "golden_ops_paired",
+    The target may insert ops anywhere and swap one op for another of the same output shape in
+    its slot (``_swapped_in_place``). Returns ``{"comparable": bool, "reason", "first_difference", "golden_ops_paired",
     "target_ops_paired", "golden_ops_around", "target_ops_around"}``: where not comparable,
     ``first_difference`` is the golden op (name, api, shape) the target has no counterpart for,
     ``*_ops_paired`` how many ops of each side come before it (they pair), and the
@@ -159,9 +177,8 @@ def comparability(golden: list[OpCall], target: list[OpCall], *, context: int = 
     for tag, i1, i2, j1, j2 in sm.get_opcodes():
         if tag in ("equal", "insert"):
             continue  # the same op and shape, or ops only the target runs (a hook, a cast)
-        if tag == "replace" and i2 - i1 == j2 - j1 and all(
-                g.output.shape == t.output.shape for g, t in zip(golden[i1:i2], target[j1:j2], strict=True)):
-            continue  # one op swapped for another in the same slot, same shapes: paired by position
+        if tag == "replace" and _swapped_in_place(golden[i1:i2], target[j1:j2]):
+            continue
         g = golden[i1]
         first = {"name": g.name, "api": g.api, "shape": _shape(g.output)}
         around = [{"name": c.name, "api": c.api, "shape": _shape(c.output)}
