@@ -95,7 +95,8 @@ def test_an_overflow_is_the_fault_and_the_curve_shows_it_at_the_top():
     s.ranked = rank_modules(s.replayed)
     s.candidate = pick_candidate(s.ranked)
     s.op_level = {"comparable": False, "reason": "the target computes this module with other ops",
-                  "target_ops_around": [{"name": "model.layers.3.self_attn/exp.0", "api": "exp", "shape": [1]}]}
+                  "target_ops_around": [{"name": "model.layers.3.self_attn/exp.0", "api": "exp",
+                                         "shape": [1]}]}
     s.overflow_op = {"name": "model.layers.3.self_attn/exp.0", "api": "exp", "dtype": "float16", "nan": 0,
                      "inf": 7, "numel": 64, "input_max_abs": 21.5}
     s.first_op = "model.layers.3.self_attn/exp.0"
@@ -104,7 +105,8 @@ def test_an_overflow_is_the_fault_and_the_curve_shows_it_at_the_top():
     assert "overflows" in v.headline and "op level not comparable" in v.headline
     assert "40 of its 256" in v.diagnosis and "exp in float16" in v.diagnosis
     assert v.candidates[0]["overflow"] and "overflow" in v.candidates[0]["reason"]
-    assert v.overflow["modules"] == ["model.layers.3.self_attn"] and v.overflow["layers"] == ["model.layers.3"]
+    assert v.overflow["modules"] == ["model.layers.3.self_attn"]
+    assert v.overflow["layers"] == ["model.layers.3"]
     iso = v.curves["relative L2 error"]["isolated (worst module, replay)"]
     assert iso["3"] == float("inf") and max(x for k, x in iso.items() if k != "3") < 0.01
     assert v.to_json()["curves"]["relative L2 error"]["isolated (worst module, replay)"]["3"] == "inf"

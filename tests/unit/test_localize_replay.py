@@ -140,7 +140,8 @@ def test_a_reimplemented_module_is_not_comparable_and_its_ops_are_listed():
          _op("a/scaled_dot_product_attention.0", (1, 4, 5, 16)), _op("a.o_proj/linear.0", (1, 5, 64))]
     t = [_op("a.q_proj/linear.0", (1, 5, 64)), _op("a/mul.0", (1, 4, 5, 8)), _op("a/cat.0", (1, 4, 5, 16)),
          _op("a/repeat_interleave.0", (1, 4, 5, 16)), _op("a/matmul.0", (1, 4, 5, 5)),
-         _op("a/softmax.0", (1, 4, 5, 5)), _op("a/matmul.1", (1, 4, 5, 16)), _op("a.o_proj/linear.0", (1, 5, 64))]
+         _op("a/softmax.0", (1, 4, 5, 5)), _op("a/matmul.1", (1, 4, 5, 16)),
+         _op("a.o_proj/linear.0", (1, 5, 64))]
     level = comparability(g, t)
     assert not level["comparable"] and "other ops than the golden" in level["reason"]
     assert level["first_difference"] == {"name": "a/mul.0", "api": "mul", "shape": [1, 4, 5, 16]}
