@@ -168,9 +168,9 @@ def comparability(golden: list[OpCall], target: list[OpCall], *, context: int = 
     The target may insert ops anywhere and swap one op for another of the same output shape in
     its slot (``_swapped_in_place``). Returns ``{"comparable": bool, "reason", "first_difference",
     "golden_ops_paired", "target_ops_paired", "golden_ops_around", "target_ops_around"}``: where
-    not comparable, ``first_difference`` is the golden op (name, api, shape) the target has no counterpart for,
-    ``*_ops_paired`` how many ops of each side come before it (they pair), and the
-    ``*_ops_around`` lists hold up to ``context`` ops either side of that point on each side
+    not comparable, ``first_difference`` is the golden op (name, api, shape) the target has no
+    counterpart for, ``*_ops_paired`` how many ops of each side come before it (they pair), and
+    the ``*_ops_around`` lists hold up to ``context`` ops either side of that point on each side
     (name, api, output shape)."""
     sm = difflib.SequenceMatcher(a=[_op_signature(c) for c in golden], b=[_op_signature(c) for c in target],
                                  autojunk=False)
