@@ -145,15 +145,23 @@ def _op_signature(call: OpCall) -> tuple[str, tuple[int, ...]]:
     return call.api, tuple(call.output.shape)
 
 
+def _fits(golden: OpCall, target: OpCall) -> bool:
+    """Can these two ops stand in the same slot: the same output shape, or the same API giving
+    the same number of elements in another layout (an attention kernel that folds GQA groups
+    into the query length when it is given a mask)?"""
+    return golden.output.shape == target.output.shape or (
+        golden.api == target.api and golden.output.numel() == target.output.numel())
+
+
 def _swapped_in_place(golden: list[OpCall], target: list[OpCall]) -> bool:
-    """Do these golden ops pair with target ops of the same shapes in the same slots: every op
-    of the same length run (``silu`` -> ``relu``), or, with ops inserted around it, all but one
-    with the same API and the one swapped?"""
+    """Do these golden ops pair with target ops that fit their slots (``_fits``): every op of a
+    same-length run (``silu`` -> ``relu``), or, with ops inserted around them, all but one with
+    the same API and the one swapped?"""
     if len(golden) == len(target):
-        return all(g.output.shape == t.output.shape for g, t in zip(golden, target, strict=True))
+        return all(_fits(g, t) for g, t in zip(golden, target, strict=True))
     swapped, j = 0, 0
     for g in golden:
-        while j < len(target) and target[j].output.shape != g.output.shape:
+        while j < len(target) and not _fits(g, target[j]):
             j += 1
         if j == len(target):
             return False
