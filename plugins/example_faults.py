@@ -19,6 +19,11 @@ wrong_rope             the attention's rotary sin negated (a fused-attention bug
 scale_expert           MoE: one expert's (expert 1) output weights scaled by 1.5
 scale_experts          MoE: every expert's output weights scaled by 1.1
 wrong_router           MoE: the router's weights for expert 0 scaled by 4 (a wrong gate weight)
+hand_attention         the attention re-implemented with other ops, same math (no fault: the op
+                       level is not comparable with the golden's)
+hand_attention_mask    the same, its causal mask off by one (each query sees the next position)
+hand_attention_overflow the same, its softmax without the max-subtraction (Inf/NaN in float16
+                       wherever scores exceed ~11; see ``sharpen_attention`` for such scores)
 =====================  =========================================================================
 
 Decode only (the attention kernel that runs on one new token against the KV cache; the prefill
