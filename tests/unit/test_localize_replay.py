@@ -128,8 +128,8 @@ def _op(name: str, shape: tuple[int, ...], *inputs: torch.Tensor, output: torch.
 def test_ops_that_line_up_are_comparable_with_inserted_and_swapped_ops():
     from llmflow.localize.ops import comparability
     g = [_op("m.q/linear.0", (1, 4, 8)), _op("m/silu.0", (1, 4, 8)), _op("m/mul.0", (1, 4, 8))]
-    t = [_op("m.q/linear.0", (1, 4, 8)), _op("m.q/randn.0", (1, 4, 8)), _op("m/relu.0", (1, 4, 8)),
-         _op("m/mul.0", (1, 4, 8))]
+    t = [_op("m.q/linear.0", (1, 4, 8)), _op("m/relu.0", (1, 4, 8)), _op("m/mul.0", (1, 4, 8)),
+         _op("m/randn.0", (1, 4, 8)), _op("m/add.0", (1, 4, 8))]
     level = comparability(g, t)
     assert level["comparable"] and level["reason"] is None and level["first_difference"] is None
 
