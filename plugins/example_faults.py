@@ -19,6 +19,11 @@ wrong_rope             the attention's rotary sin negated (a fused-attention bug
 scale_expert           MoE: one expert's (expert 1) output weights scaled by 1.5
 scale_experts          MoE: every expert's output weights scaled by 1.1
 wrong_router           MoE: the router's weights for expert 0 scaled by 4 (a wrong gate weight)
+hand_attention         the attention re-implemented with other ops, same math (no fault: the op
+                       level is not comparable with the golden's)
+hand_attention_mask    the same, its causal mask off by one (each query sees the next position)
+hand_attention_overflow the same, its softmax without the max-subtraction (Inf/NaN in float16
+                       wherever scores exceed ~11; see ``sharpen_attention`` for such scores)
 =====================  =========================================================================
 
 Decode only (the attention kernel that runs on one new token against the KV cache; the prefill
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -366,13 +372,94 @@ def decode_mask_oldest(layer: int, drop: int = 4) -> Patch:
     return patch
 
 
+# -- a re-implemented attention ---------------------------------------------------------------
+def _hand_attention_forward(mode: str) -> Callable[..., Any]:
+    """A hand-written attention forward for the Llama-style attention modules (Llama, Qwen2,
+    Mistral, ...: ``q_proj``/``k_proj``/``v_proj``/``o_proj``, ``head_dim``, ``scaling``,
+    ``layer_idx``), computed with other ops than transformers' own, as a port's fused kernel is:
+    its own rotary embedding (halves instead of ``rotate_half``), its own GQA (``repeat_interleave``),
+    its own causal mask from the cache length (the model's mask is not read), matmul and softmax.
+
+    ``mode``: ``"exact"`` the same math; ``"naive_softmax"`` a softmax without the max-subtraction
+    (``exp(s) / sum(exp(s))`` in the model's dtype: in float16 any score above ~11 overflows to
+    Inf and the row becomes NaN); ``"mask_off_by_one"`` each query also sees the next position."""
+    def forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any = None,
+                attention_mask: Any = None, past_key_values: Any = None, **kwargs: Any) -> Any:
+        cache = past_key_values if past_key_values is not None else kwargs.get("past_key_value")
+        b, n, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, n, -1, self.head_dim).permute(0, 2, 1, 3)
+        k = self.k_proj(hidden_states).view(b, n, -1, self.head_dim).permute(0, 2, 1, 3)
+        v = self.v_proj(hidden_states).view(b, n, -1, self.head_dim).permute(0, 2, 1, 3)
+        cos, sin = position_embeddings
+        half = self.head_dim // 2
+        c, s = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x[..., :half], x[..., half:]
+            return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        q, k = rotate(q), rotate(k)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+        total = k.shape[-2]
+        rows = torch.arange(total - n, total, device=q.device).unsqueeze(-1)
+        cols = torch.arange(total, device=q.device)
+        future = cols > rows + (1 if mode == "mask_off_by_one" else 0)
+        scores = scores.masked_fill(future, float("-inf"))
+        if mode == "naive_softmax":
+            e = torch.exp(scores)
+            weights = e / e.sum(dim=-1, keepdim=True)
+        else:
+            weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(weights, v).permute(0, 2, 1, 3).reshape(b, n, -1)
+        return self.o_proj(out), weights
+    return forward
+
+
+def hand_attention(layer: int | None, mode: str = "exact") -> Patch:
+    """Replace the attention of decoder layer ``layer`` (None: of every layer) by the hand-written
+    one (``_hand_attention_forward``)."""
+    def patch(model: nn.Module) -> None:
+        stack = find_layer_stack(model)
+        n = len(stack.layers) if stack else 0
+        for index in range(n) if layer is None else [layer]:
+            attention = part(model, index, "attention")
+            attention.forward = types.MethodType(_hand_attention_forward(mode), attention)
+    return patch
+
+
+def hand_attention_overflow(layer: int | None) -> Patch:
+    return hand_attention(layer, "naive_softmax")
+
+
+def hand_attention_mask(layer: int | None) -> Patch:
+    return hand_attention(layer, "mask_off_by_one")
+
+
+def sharpen_attention(layer: int, factor: float = 14.0) -> Patch:
+    """Scale layer ``layer``'s query and key projections by ``factor`` each: its attention scores
+    grow by ``factor**2`` (a tiny model's scores of ~0.1 become the 17-24 a trained LLM reaches).
+    A property of the model, for the golden and the target alike, not a fault."""
+    def patch(model: nn.Module) -> None:
+        projections = _projections(part(model, layer, "attention"))[:2]  # q, k (Llama order)
+        with torch.no_grad():
+            for _name, proj in projections:
+                proj.weight.mul_(factor)
+                if getattr(proj, "bias", None) is not None:
+                    proj.bias.mul_(factor)
+    return patch
+
+
 FAULTS: dict[str, Callable[..., Patch]] = {
     "scale_down_proj": scale_down_proj, "wrong_eps": wrong_eps, "wrong_act": wrong_act,
     "noisy_q_proj": noisy_q_proj, "scale_attn_out": scale_attn_out, "wrong_rope": wrong_rope,
     "scale_expert": scale_expert, "scale_experts": scale_experts, "wrong_router": wrong_router,
     "decode_attn_scale": decode_attn_scale, "decode_softmax_scale": decode_softmax_scale,
     "decode_rope_shift": decode_rope_shift, "decode_cache_fp8": decode_cache_fp8,
-    "decode_mask_oldest": decode_mask_oldest,
+    "decode_mask_oldest": decode_mask_oldest, "hand_attention": hand_attention,
+    "hand_attention_overflow": hand_attention_overflow, "hand_attention_mask": hand_attention_mask,
 }
 
 #: the module each fault breaks on Llama-named models, relative to its decoder layer

@@ -258,9 +258,10 @@ def synthetic_layer_rows(n_steps: int = 8, n_layers: int = 12, *, bad_step: int 
 
 def make_dumps(tmp: Path, model: str, *, patch: str | None = None, prompt: str = "Tell me a story.",
                max_new_tokens: int = 6, golden_dir: Path | None = None, golden_all: bool = False,
-               target_device: str = "cpu", target_model: str | None = None) -> dict:
+               target_device: str = "cpu", target_model: str | None = None,
+               target_dtype: str = "bfloat16") -> dict:
     """Golden (fp32, inputs+outputs of the decoder layers at every step, or of every module at
-    the prefill with ``golden_all``) and target (bf16, decoder-layer outputs at every step) dumps
+    the prefill with ``golden_all``) and target (``target_dtype``, decoder-layer outputs at every step) dumps
     written with ``dump_run`` directly, as the recipe's two dump stages write them (the decoder
     layers found from the model's structure, as the recipe's ``layer_class: auto``).
 
@@ -285,14 +286,14 @@ def make_dumps(tmp: Path, model: str, *, patch: str | None = None, prompt: str =
         g_ids_file.write_text(json.dumps(g_ids))
     g_ids = json.loads(g_ids_file.read_text())
     target_model = target_model or model
-    target = load_model(target_model, device=target_device, dtype="bfloat16", patch=patch, base_dir=repo)
+    target = load_model(target_model, device=target_device, dtype=target_dtype, patch=patch, base_dir=repo)
     t_dir = tmp / "target"
     t_ids = dump_run(target, ids, max_new_tokens, DumpConfig(dump_path=str(t_dir), token_range="all",
                                                               tensor_part=1, module_list=layer_cls))
     return {"golden_dump": g_dir, "target_dump": t_dir, "golden_ids": g_ids, "target_ids": t_ids,
             "prompt_ids": ids,
             "golden_spec": {"model": model, "device": "cpu", "dtype": "float32"},
-            "target_spec": {"model": target_model, "device": target_device, "dtype": "bfloat16",
+            "target_spec": {"model": target_model, "device": target_device, "dtype": target_dtype,
                             "patch": patch, "base_dir": str(repo)}}
 
 

@@ -53,7 +53,9 @@ class BisectInputs:
     side's model (a dump stage's ``model_spec``: model, device, dtype, patch, base_dir).
 
     ``replay_step`` None picks the step (see the module docstring); ``layers`` names the
-    decoder-layer list when structure discovery cannot find it."""
+    decoder-layer list when structure discovery cannot find it; ``overflow_scan`` is an
+    overflow-scan of the target dump (``llmflow.checks.overflow.scan``'s result), cited beside
+    an overflow the replay finds and where the replay finds none."""
 
     golden_dump: str | Path
     target_dump: str | Path
@@ -70,6 +72,7 @@ class BisectInputs:
     estimate_cost: bool = True
     top_k: int = 15
     layers: str | None = None
+    overflow_scan: dict[str, Any] | None = None
 
 
 Progress = Callable[[str, float | None], Any]
@@ -211,9 +214,26 @@ class _Bisect:
             chosen.expert = moe.worst_expert(chosen.experts, self.inp.ratio_threshold)
         g_ops = ops_mod.capture_ops(g_mod, name, call, device=gld.device, dtype=gld.dtype)
         t_ops = ops_mod.capture_ops(t_mod, name, call, device=tgt.device, dtype=tgt.dtype)
-        chosen.op_rows, chosen.first_op = ops_mod.compare_ops(g_ops, t_ops, target_dtype=tgt.dtype,
-                                                              ratio=self.inp.ratio_threshold)
-        self.log(f"bisect: {len(t_ops)} target ops in {name}; first bad op {chosen.first_op}")
+        chosen.op_level = ops_mod.comparability(g_ops, t_ops)
+        if chosen.op_level["comparable"]:
+            chosen.op_rows, chosen.first_op = ops_mod.compare_ops(g_ops, t_ops, target_dtype=tgt.dtype,
+                                                                  ratio=self.inp.ratio_threshold)
+        else:  # the ops before the first difference pair; after it, the target's are listed only
+            n_g, n_t = chosen.op_level["golden_ops_paired"], chosen.op_level["target_ops_paired"]
+            chosen.op_rows, chosen.first_op = ops_mod.compare_ops(
+                g_ops[:n_g], t_ops[:n_t], target_dtype=tgt.dtype, ratio=self.inp.ratio_threshold,
+                own_error_only=True)
+            chosen.op_rows += [{"name": t.name, "golden_api": None, "target_api": t.api, "raw": None,
+                                "iso": None, "status": "not comparable", "iso_typical": None,
+                                "iso_score": None} for t in t_ops[n_t:]]
+        if cand.get("overflow"):
+            origin = ops_mod.first_overflow_op(t_ops)
+            if origin is not None:
+                chosen.overflow_op = ops_mod.overflow_detail(origin)
+                chosen.first_op = origin.name
+        self.log(f"bisect: {len(t_ops)} target ops in {name}"
+                 + ("" if chosen.op_level["comparable"] else " (not comparable with the golden's)")
+                 + f"; first bad op {chosen.first_op}")
         self.phase("op: replay with API capture")
 
     # -- 5. cost ---------------------------------------------------------------------------------

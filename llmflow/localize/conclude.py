@@ -42,6 +42,8 @@ class StepReplay:
     first_op: str | None = None
     experts: list[dict[str, Any]] = field(default_factory=list)
     expert: int | None = None
+    op_level: dict[str, Any] | None = None  # ops.comparability of the chosen module's two op sequences
+    overflow_op: dict[str, Any] | None = None  # ops.overflow_detail of the op where an overflow starts
 
     @property
     def replayed(self) -> list[dict[str, Any]]:
@@ -128,7 +130,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         diagnosis += f" {note}"
     top = [r for r in chosen.ranked if r.get("score") is not None][: inp.top_k]
     keep = ("rank", "name", "module_type", "layer", "error", "typical", "score", "z", "anomalous",
-            "raw_rel_l2", "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2")
+            "raw_rel_l2", "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
+            "overflow", "nonfinite")
     for r in top:
         r["raw_rel_l2"] = chosen.raw.get(r["name"], {}).get("rel_l2")
     unrep = [{"name": r["name"], "replayable": False, "reason": r.get("reason"),
@@ -149,7 +152,40 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         curves=_curves(chosen.raw, chosen.replayed, stack),
         candidates=[{k: r.get(k) for k in keep} for r in top] + unrep[:50],
         ops=chosen.op_rows, experts=chosen.experts, routing=routing, token_rows=rows,
-        problems=problems, notes=[note] if note else [])
+        problems=problems, notes=[note] if note else [],
+        overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level)
+
+
+def _overflow_scan_origin(inp: Any) -> dict[str, Any] | None:
+    """The target dump's overflow-scan origin of a non-finite value (None: no scan, or none found)."""
+    scan = getattr(inp, "overflow_scan", None) or {}
+    origin = scan.get("first_origin")
+    return origin if origin and origin.get("kind") in ("nan", "inf") else None
+
+
+def _scan_sentence(origin: dict[str, Any]) -> str:
+    return (f"the overflow scan of the target dump finds the first {origin['kind']} in {origin['name']} "
+            f"at step {origin['step']}")
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".") or a.startswith(b + "/")
+
+
+def overflow_evidence(inp: Any, chosen: StepReplay, module: str | None) -> dict[str, Any]:
+    """The verdict's ``overflow`` block: the modules whose replay overflows (execution order),
+    their layers, the op where the blamed one starts, and the overflow scan's origin with whether
+    it agrees (same module, an ancestor or a descendant)."""
+    rows = [r for r in chosen.ranked if r.get("overflow")]
+    origin = _overflow_scan_origin(inp)
+    return {
+        "modules": [r["name"] for r in rows],
+        "layers": list(dict.fromkeys(r["layer"] for r in rows if r.get("layer"))),
+        "nonfinite": {r["name"]: r.get("nonfinite") for r in rows},
+        "op": chosen.overflow_op,
+        "scan_origin": origin,
+        "scan_agrees": (_related(origin["name"], module) if origin and module else None),
+    }
 
 
 def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | None, expert: int | None,
@@ -164,15 +200,38 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         if cand["name"].endswith(KV_CACHE):
             what += " (the keys and values it writes to the KV cache)"
         op = f"; first bad op {chosen.first_op}" if chosen.first_op else ""
-        headline = (f"{what} is the fault: {cand['score']:.0f}x the own error of the same module in the "
-                    f"other layers, at {where}{op}")
-        diagnosis = (f"{what} is the fault: replayed alone on the golden inputs at {where} it adds "
-                     f"{cand['error']:.3g} relative error, {cand['score']:.0f}x the {cand['typical']:.2g} "
-                     f"the same module adds in the other layers")
-        if expert is not None:
-            diagnosis += f"; of its experts, expert {expert} stands out"
-        diagnosis += (f"; inside it, {chosen.first_op} is the first op that goes wrong." if chosen.first_op
-                      else ".")
+        level = chosen.op_level or {}
+        if level.get("comparable") is False:
+            op += "; op level not comparable (the target runs other ops than the golden)"
+        if cand.get("overflow"):
+            o = chosen.overflow_op
+            how = (f" ({o['api']} in {o['dtype']}: {o['inf']} Inf, {o['nan']} NaN from inputs up to "
+                   f"{o['input_max_abs']:.3g})") if o else ""
+            headline = (f"{what} overflows: replayed alone on finite golden inputs at {where} it gives "
+                        f"Inf/NaN where the golden is finite{op}")
+            diagnosis = (f"{what} is the fault, an overflow: replayed alone on the golden inputs at {where}, "
+                         f"{cand['nonfinite']} of its {cand.get('numel')} output values are Inf/NaN where "
+                         "the golden's are finite")
+            diagnosis += (f"; inside it, {chosen.first_op} is the first op whose output overflows{how}."
+                          if chosen.first_op else ".")
+            origin = _overflow_scan_origin(inp)
+            if origin:
+                agrees = _related(origin["name"], module)
+                diagnosis += (f" Consistent with this, {_scan_sentence(origin)}." if agrees else
+                              f" Note: {_scan_sentence(origin)}, elsewhere.")
+        else:
+            headline = (f"{what} is the fault: {cand['score']:.0f}x the own error of the same module in "
+                        f"the other layers, at {where}{op}")
+            diagnosis = (f"{what} is the fault: replayed alone on the golden inputs at {where} it adds "
+                         f"{cand['error']:.3g} relative error, {cand['score']:.0f}x the "
+                         f"{cand['typical']:.2g} the same module adds in the other layers")
+            if expert is not None:
+                diagnosis += f"; of its experts, expert {expert} stands out"
+            diagnosis += (f"; inside it, {chosen.first_op} is the first op that goes wrong."
+                          if chosen.first_op else ".")
+        if level.get("comparable") is False:
+            ops = ", ".join(o["name"].rsplit("/", 1)[-1] for o in level["target_ops_around"])
+            diagnosis += f" The op level is not comparable: {level['reason']} (target ops there: {ops})."
         if chosen.step > 0:
             diagnosis += (f" Step {chosen.step} was replayed ({chosen.why}) with the golden KV cache, so the "
                           "fault lives on the decode path.")
@@ -220,6 +279,11 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         reason = (f"the texts part at step {mismatch}, but step {chosen.step} was replayed (replay_step): "
                   "the evidence does not cover the step where the divergence starts")
         nxt = f"bisect with replay_step: {mismatch}, or leave replay_step unset to let the bisect choose"
+    origin = _overflow_scan_origin(inp)
+    if reason and origin:
+        reason += (f"; {_scan_sentence(origin)}, but replayed on the golden inputs no module overflows: "
+                   "the overflow needs values only the target's own run produces (upstream drift, its own "
+                   "KV cache)")
     if reason:
         diagnosis = nothing + ". Inconclusive: " + reason + "."
         return "inconclusive", reason, diagnosis, Inconclusive(reason, nxt or "")

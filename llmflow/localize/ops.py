@@ -16,11 +16,22 @@ The first bad op is the first (in target order) whose own error stands out from 
 typical op error; failing that, the first raw-error jump; failing that, the first op the target
 runs that the golden does not. Captures live in memory: replay needs the op callables, which a
 dump on disk cannot hold.
+
+That pairing holds only where the target computes the module with the golden's ops, give or take
+inserted ones (a hook, a cast, injected noise) and one op swapped for another of the same output
+shape (``silu`` -> ``relu``). A re-implemented module (a fused or hand-written attention, with its
+own rotary embedding and cache handling) runs other ops, in other counts and shapes: pairing them
+by name would compare unrelated tensors. ``comparability`` aligns the two sequences by (API,
+output shape) and finds the first golden op the target has no counterpart for; from there on
+the op level is *not comparable*: the verdict says so and lists the target's ops around that
+point instead of naming an op. An overflow needs no pairing: ``first_overflow_op`` is the first
+target op whose output holds NaN or +Inf while its inputs hold none.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 from statistics import median
 from typing import Any
 
@@ -85,8 +96,11 @@ def align_ops(golden: list[OpCall], target: list[OpCall]) -> list[tuple[OpCall |
 
 
 def compare_ops(golden: list[OpCall], target: list[OpCall], *, target_dtype: torch.dtype,
-                ratio: float = DEFAULT_RATIO_THRESHOLD) -> tuple[list[dict[str, Any]], str | None]:
-    """One row per aligned op and the name of the first bad op (None when nothing stands out)."""
+                ratio: float = DEFAULT_RATIO_THRESHOLD,
+                own_error_only: bool = False) -> tuple[list[dict[str, Any]], str | None]:
+    """One row per aligned op and the name of the first bad op (None when nothing stands out).
+    ``own_error_only``: name an op only for its own error (no raw-error jump, no first odd op),
+    for a stretch of ops that is followed by ops that cannot be paired."""
     rows: list[dict[str, Any]] = []
     last_golden: dict[tuple[int, ...], torch.Tensor] = {}
     for g, t in align_ops(golden, target):
@@ -114,8 +128,110 @@ def compare_ops(golden: list[OpCall], target: list[OpCall], *, target_dtype: tor
     for r in rows:
         if r["iso_score"] is not None and r["iso_score"] >= ratio:
             return rows, r["name"]
+    if own_error_only:
+        return rows, None
     jump = first_jump([r["raw"] for r in rows if r["status"] != "only in golden"], ratio=ratio, floor=floor)
     if jump is not None:
         return rows, [r for r in rows if r["status"] != "only in golden"][jump]["name"]
     odd = next((r for r in rows if r["status"] != "matched"), None)
     return rows, odd["name"] if odd else None
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _op_signature(call: OpCall) -> tuple[str, tuple[int, ...]]:
+    return call.api, tuple(call.output.shape)
+
+
+def _fits(golden: OpCall, target: OpCall) -> bool:
+    """Can these two ops stand in the same slot: the same output shape, or the same API giving
+    the same number of elements in another layout (an attention kernel that folds GQA groups
+    into the query length when it is given a mask)?"""
+    return golden.output.shape == target.output.shape or (
+        golden.api == target.api and golden.output.numel() == target.output.numel())
+
+
+def _swapped_in_place(golden: list[OpCall], target: list[OpCall]) -> bool:
+    """Do these golden ops pair with target ops that fit their slots (``_fits``): every op of a
+    same-length run (``silu`` -> ``relu``), or, with ops inserted between them, each with the
+    same API?"""
+    if len(golden) == len(target):
+        return all(_fits(g, t) for g, t in zip(golden, target, strict=True))
+    swapped, j = 0, 0
+    for g in golden:
+        while j < len(target) and not _fits(g, target[j]):
+            j += 1
+        if j == len(target):
+            return False
+        swapped += target[j].api != g.api
+        j += 1
+    return swapped == 0
+
+
+def comparability(golden: list[OpCall], target: list[OpCall], *, context: int = 4) -> dict[str, Any]:
+    """Whether the target computes the module with the golden's ops (see the module docstring).
+
+    The target may insert ops anywhere, swap an op for another of the same output shape in its
+    slot (``_swapped_in_place``) and do a run of golden ops with one op giving their result.
+    Returns ``{"comparable": bool, "reason", "first_difference",
+    "golden_ops_paired", "target_ops_paired", "golden_ops_around", "target_ops_around"}``: where
+    not comparable, ``first_difference`` is the golden op (name, api, shape) the target has no
+    counterpart for, ``*_ops_paired`` how many ops of each side come before it (they pair), and
+    the ``*_ops_around`` lists hold up to ``context`` ops either side of that point on each side
+    (name, api, output shape)."""
+    sm = difflib.SequenceMatcher(a=[_op_signature(c) for c in golden], b=[_op_signature(c) for c in target],
+                                 autojunk=False)
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag in ("equal", "insert"):
+            continue  # the same op and shape, or ops only the target runs (a hook, a cast)
+        if tag == "replace" and _swapped_in_place(golden[i1:i2], target[j1:j2]):
+            continue
+        if tag == "replace" and j2 - j1 == 1 and _fits(golden[i2 - 1], target[j1]):
+            continue  # golden ops done by one target op giving their result (GELU's formula -> relu)
+        g = golden[i1]
+        first = {"name": g.name, "api": g.api, "shape": _shape(g.output)}
+        around = [{"name": c.name, "api": c.api, "shape": _shape(c.output)}
+                  for c in target[max(j1 - context, 0):j2 + context]]
+        theirs = ", ".join(f"{c['api']} {c['shape']}" for c in around[:2 * context])
+        reason = (f"the target computes this module with other ops than the golden: the golden's "
+                  f"{g.name} ({g.api} -> {first['shape']}) has no counterpart in the target, which runs "
+                  f"{theirs or 'nothing'} there; ops after that point cannot be paired, so no op is named")
+        return {"comparable": False, "reason": reason, "first_difference": first,
+                "golden_ops_paired": i1, "target_ops_paired": j1,
+                "golden_ops_around": [{"name": c.name, "api": c.api, "shape": _shape(c.output)}
+                                      for c in golden[max(i1 - context, 0):i2 + context]][:2 * context + 1],
+                "target_ops_around": around[:2 * context + 1]}
+    return {"comparable": True, "reason": None, "first_difference": None, "golden_ops_paired": len(golden),
+            "target_ops_paired": len(target), "golden_ops_around": [], "target_ops_around": []}
+
+
+def _holds_overflow(value: Any) -> bool:
+    """Does any floating tensor in ``value`` hold NaN or +Inf? (-Inf is how masks are written.)"""
+    for x in tree_flatten(value)[0]:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
+            if bool(torch.isnan(x).any()) or bool(torch.isposinf(x).any()):
+                return True
+    return False
+
+
+def first_overflow_op(ops: list[OpCall]) -> OpCall | None:
+    """The first op whose output holds NaN or +Inf while its tensor inputs hold none: where an
+    overflow starts (``exp`` of a large score, a product past the dtype's range)."""
+    for call in ops:
+        if _holds_overflow(call.output) and not _holds_overflow((call.args, call.kwargs)):
+            return call
+    return None
+
+
+def overflow_detail(call: OpCall) -> dict[str, Any]:
+    """What ``first_overflow_op`` found, for the verdict: name, api, counts and the input's range."""
+    out = call.output.detach().float()
+    inputs = [x for x in tree_flatten((call.args, call.kwargs))[0]
+              if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()]
+    finite_max = max((float(x.detach().float().masked_fill(~torch.isfinite(x), 0).abs().max())
+                      for x in inputs), default=math.nan)
+    return {"name": call.name, "api": call.api, "dtype": str(call.output.dtype).removeprefix("torch."),
+            "nan": int(torch.isnan(out).sum()), "inf": int(torch.isinf(out).sum()), "numel": out.numel(),
+            "input_max_abs": finite_max}

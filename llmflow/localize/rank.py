@@ -7,6 +7,11 @@ matmul), so an absolute threshold cannot tell a fault from noise. What stands ou
 whose own error is far above the *same module in the other layers*: ``mlp.down_proj`` of layer 22
 against ``mlp.down_proj`` of layers 0..29. That ratio is the score.
 
+An *overflow* is another matter: a module whose replay on finite golden inputs gives Inf or NaN
+where the golden output is finite (``row["nonfinite"] > 0``, see ``replay.own_error``) is wrong
+whatever its peers do (a port's softmax without the max-subtraction overflows in every layer whose
+scores are large enough). Such rows rank first, in execution order, with an infinite score.
+
 Everything here works on plain rows (dicts) so it can be unit-tested on synthetic tables.
 """
 
@@ -20,8 +25,8 @@ from typing import Any
 
 from llmflow.structure import DEFAULT_RATIO_THRESHOLD, LayerStack, layer_index, layer_of, module_type
 
-__all__ = ["DEFAULT_RATIO_THRESHOLD", "first_jump", "is_descendant", "layer_curve", "layer_index",
-           "layer_of", "module_type", "pick_candidate", "rank_modules"]
+__all__ = ["DEFAULT_RATIO_THRESHOLD", "first_jump", "is_descendant", "is_overflow", "layer_curve",
+           "layer_index", "layer_of", "module_type", "overflow_reason", "pick_candidate", "rank_modules"]
 
 #: A module with no peers (a type seen once: the final norm, lm_head, the rotary embedding) is
 #: compared with the median of all modules; rounding differs more between kinds of module than
@@ -47,6 +52,19 @@ def _finite(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def is_overflow(row: dict[str, Any]) -> bool:
+    """Did this module's replay give Inf/NaN where the golden output is finite?"""
+    return bool(row.get("nonfinite"))
+
+
+def overflow_reason(row: dict[str, Any]) -> str:
+    """The sentence a ranked overflow row carries in ``reason``."""
+    n, total = int(row["nonfinite"]), row.get("numel")
+    of = f" of {total}" if total else ""
+    return (f"overflow: replayed on finite golden inputs, {n}{of} output values are Inf/NaN where the "
+            "golden's are finite")
+
+
 def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
                  ratio_threshold: float = DEFAULT_RATIO_THRESHOLD,
                  stack: LayerStack | None = None) -> list[dict[str, Any]]:
@@ -65,9 +83,13 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
       ``z``: robust z-score of log(error) within the type (median/MAD), None when undefined;
       ``anomalous``: ``score >= ratio_threshold`` (times SINGLETON_MARGIN for a type seen once; for
       an output of fewer than SMALL_OUTPUT elements, also an error of SMALL_OUTPUT_MIN_ERROR).
-    Rows without a finite error (not replayable) are kept at the end with ``score`` None.
+    Overflow rows (``is_overflow``) come first, in the order given (execution order): ``error`` and
+    ``score`` +inf, ``anomalous``, ``overflow`` True and ``reason`` saying so; ``typical`` is their
+    type's median finite error. Rows without a finite error (not replayable) are kept at the end
+    with ``score`` None.
     """
     rows = [dict(r) for r in rows]
+    overflows = {id(r): i for i, r in enumerate(r for r in rows if is_overflow(r))}
     by_type: dict[str, list[int]] = defaultdict(list)
     errors: list[float] = []
     norms: dict[str, list[float]] = defaultdict(list)
@@ -104,11 +126,16 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
             margin = 1.0 if others else SINGLETON_MARGIN
             r["anomalous"] = not small and r["score"] >= ratio_threshold * margin
     for r in rows:
+        if id(r) in overflows:
+            peers = [rows[i]["error"] for i in by_type.get(r["module_type"], [])]
+            r.update(error=math.inf, typical=median(peers) if peers else global_typical, score=math.inf,
+                     z=None, anomalous=True, overflow=True, reason=overflow_reason(r))
         r.setdefault("typical", None)
         r.setdefault("score", None)
         r.setdefault("z", None)
         r.setdefault("anomalous", False)
-    rows.sort(key=lambda r: (r["score"] is None, -(r["score"] or 0.0), r["name"]))
+    rows.sort(key=lambda r: (id(r) not in overflows, overflows.get(id(r), 0), r["score"] is None,
+                             -(r["score"] or 0.0), r["name"]))
     for rank, r in enumerate(rows, 1):
         r["rank"] = rank
     return rows
@@ -119,14 +146,16 @@ def pick_candidate(ranked: list[dict[str, Any]]) -> dict[str, Any] | None:
 
     A fault in ``q_proj`` also makes the ``self_attn`` container anomalous; whichever scores
     higher, the leaf is the better answer. So among the anomalous descendants of the top module
-    (if any), take the best-scoring one, and repeat. Returns None for an empty ranking.
+    (if any), take the best-scoring one, and repeat. Below an overflowing module only overflowing
+    descendants count (the first in execution order). Returns None for an empty ranking.
     """
     scored = [r for r in ranked if r.get("score") is not None]
     if not scored:
         return None
     best = scored[0]
     while True:
-        deeper = [r for r in scored if r.get("anomalous") and is_descendant(r["name"], best["name"])]
+        deeper = [r for r in scored if r.get("anomalous") and is_descendant(r["name"], best["name"])
+                  and (is_overflow(r) or not is_overflow(best))]
         if not deeper:
             return best
         best = max(deeper, key=lambda r: r["score"])

@@ -39,13 +39,21 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
 
     rel_l2: ||t - g|| / ||g||, the ranking key (scale-free, robust to a few outliers);
     max_abs: max |t - g|; max_rel: max |t - g| / max |g|; cos_dist: 1 - cosine similarity;
-    l2, norm: ||t - g|| and ||g|| themselves (ranking floors tiny norms with them); numel.
+    l2, norm: ||t - g|| and ||g|| themselves (ranking floors tiny norms with them); numel;
+    nonfinite: how many of the target's values are Inf/NaN where the golden's are finite (an
+    overflow). Where there are any, every error metric is +inf: the output is infinitely wrong,
+    never "no error" (a NaN would compare as neither large nor small).
     """
     g = golden.detach().to("cpu", torch.float64).reshape(-1)
     t = target.detach().to("cpu", torch.float64).reshape(-1)
     if g.shape != t.shape:
         return {"rel_l2": math.inf, "max_abs": math.inf, "max_rel": math.inf, "cos_dist": math.inf,
-                "l2": math.inf, "norm": float(g.norm()), "numel": g.numel()}
+                "l2": math.inf, "norm": float(g.norm()), "numel": g.numel(), "nonfinite": 0}
+    nonfinite = int((~torch.isfinite(t) & torch.isfinite(g)).sum())
+    if nonfinite:
+        finite = g[torch.isfinite(g)]
+        return {"rel_l2": math.inf, "max_abs": math.inf, "max_rel": math.inf, "cos_dist": math.inf,
+                "l2": math.inf, "norm": float(finite.norm()), "numel": g.numel(), "nonfinite": nonfinite}
     d = t - g
     gn = float(g.norm())
     tiny = 1e-30
@@ -53,7 +61,8 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     return {"rel_l2": float(d.norm()) / max(gn, tiny),
             "max_abs": float(d.abs().max()) if d.numel() else 0.0,
             "max_rel": float(d.abs().max()) / max(float(g.abs().max()), tiny) if d.numel() else 0.0,
-            "cos_dist": max(0.0, 1.0 - cos), "l2": float(d.norm()), "norm": gn, "numel": g.numel()}
+            "cos_dist": max(0.0, 1.0 - cos), "l2": float(d.norm()), "norm": gn, "numel": g.numel(),
+            "nonfinite": 0}
 
 
 @torch.no_grad()

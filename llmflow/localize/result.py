@@ -67,6 +67,12 @@ class BisectResult:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     cost: dict[str, Any] = field(default_factory=dict)
+    #: modules whose replay on finite golden inputs gives Inf/NaN, the op where the blamed one
+    #: starts, the overflow scan's origin (``conclude.overflow_evidence``)
+    overflow: dict[str, Any] = field(default_factory=dict)
+    #: whether the blamed module's ops pair with the golden's (``ops.comparability``); None when
+    #: the op level was not run
+    op_level: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """verdict.json's content: every field, floats JSON cannot hold written as strings."""

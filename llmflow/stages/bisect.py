@@ -22,14 +22,14 @@ _SPEC = {"type": "object", "required": ["model"],
                         "base_dir": {"type": ["string", "null"]}}}
 SUMMARY_KEYS = ("status", "headline", "first_mismatch_token", "first_bad_token", "first_bad_layer",
                 "first_bad_module", "first_bad_op", "first_bad_expert", "diagnosis", "inconclusive",
-                "replay", "routing", "token_detail", "evidence", "cost")
+                "replay", "routing", "token_detail", "evidence", "cost", "overflow", "op_level")
 
 
 class BisectStage(Stage):
     """Narrow a divergence down to the first bad token, layer, module and op (isolation replay)."""
 
     type: ClassVar[str] = "bisect"
-    version: ClassVar[str] = "2"
+    version: ClassVar[str] = "3"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
@@ -54,6 +54,10 @@ class BisectStage(Stage):
                             "description": "The step to replay (0 = prefill, t > 0 a decode step, replayed "
                             "with the golden KV cache); null: the first step whose logits fail, else the "
                             "first differing token, else the prefill."},
+            "overflow_report": {"type": ["string", "null"], "default": None,
+                                "description": "An overflow-scan stage's report_file on the target dump: "
+                                "its origin is cited beside an overflow the replay finds, and where the "
+                                "replay finds none (null: no scan)."},
             "layers": {"type": ["string", "null"], "default": None,
                        "description": "The module path of the decoder-layer list (e.g. transformer.h) "
                        "when it cannot be found from the model's structure; null: found."},
@@ -81,6 +85,12 @@ class BisectStage(Stage):
         pairs = None
         if p.get("pairs_file"):
             pairs = _read_json(ctx.resolve_path(p["pairs_file"]), "pairs_file")
+        scan = None
+        if p.get("overflow_report"):
+            scan = _read_json(ctx.resolve_path(p["overflow_report"]), "overflow_report")
+            if not isinstance(scan, dict) or "first_origin" not in scan:
+                raise UserError(f"bisect: overflow_report: {p['overflow_report']} is not an overflow-scan "
+                                "report (no first_origin)")
         inputs = BisectInputs(
             golden_dump=ctx.resolve_path(p["golden_dump"]), target_dump=ctx.resolve_path(p["target_dump"]),
             golden_spec=p["golden_model_spec"], target_spec=p["target_model_spec"],
@@ -89,7 +99,7 @@ class BisectStage(Stage):
             prompt_ids=list(gen["golden"].get("input_ids") or []), pairs=pairs,
             replay_step=p["replay_step"], ratio_threshold=p["ratio_threshold"],
             thresholds=p["thresholds"], op_level=p["op_level"], estimate_cost=p["estimate_cost"],
-            layers=p["layers"] or None)
+            layers=p["layers"] or None, overflow_scan=scan)
 
         def progress(description: str, total: float | None) -> Any:
             return ctx.task(f"{ctx.stage_id}: {description}", total)

@@ -97,3 +97,30 @@ def test_first_jump():
     assert first_jump([None, 0.001, float("nan"), 0.01]) == 3
     assert first_jump([0.5, 0.5], floor=0.01) == 0  # the first op itself is far above noise
     assert first_jump([1e-9, 1e-6], floor=1e-3) is None  # jumps inside the noise floor don't count
+
+
+def test_an_overflow_ranks_first_whatever_its_peers_do():
+    rows = _table(6, (2, "mlp.down_proj", 50.0))  # a plain fault elsewhere scores high
+    for r in rows:
+        if r["name"] in ("model.layers.4.self_attn", "model.layers.5.self_attn"):
+            r.update(rel_l2=float("inf"), nonfinite=120, numel=512)
+    ranked = rank_modules(rows)
+    assert [r["name"] for r in ranked[:2]] == ["model.layers.4.self_attn", "model.layers.5.self_attn"]
+    top = ranked[0]
+    assert top["overflow"] and top["anomalous"] and top["score"] == float("inf")
+    assert "overflow" in top["reason"] and "120 of 512" in top["reason"]
+    assert 0 < top["typical"] < 0.1  # the type's finite errors, for reference
+    assert ranked[2]["name"] == "model.layers.2.mlp.down_proj" and not ranked[2].get("overflow")
+    assert pick_candidate(ranked)["name"] == "model.layers.4.self_attn"
+
+
+def test_below_an_overflow_only_an_overflowing_descendant_is_picked():
+    rows = _table(6, (4, "self_attn.o_proj", 20.0))  # anomalous, but finite: not where the Inf came from
+    for r in rows:
+        if r["name"] == "model.layers.4.self_attn":
+            r.update(rel_l2=float("inf"), nonfinite=3, numel=64)
+    assert pick_candidate(rank_modules(rows))["name"] == "model.layers.4.self_attn"
+    for r in rows:
+        if r["name"] == "model.layers.4.self_attn.q_proj":
+            r.update(rel_l2=float("inf"), nonfinite=3, numel=64)
+    assert pick_candidate(rank_modules(rows))["name"] == "model.layers.4.self_attn.q_proj"

@@ -107,3 +107,56 @@ def test_align_ops_pairs_a_different_api_and_marks_extra_ops():
     pairs = [(a and a.name, b and b.name) for a, b in align_ops(g, t)]
     assert pairs == [("m/linear.0", "m/linear.0"), ("m/silu.0", "m/relu.0"), ("m/mul.0", "m/mul.0"),
                      (None, "m/mul.1")]
+
+
+def test_own_error_of_an_overflow_is_infinite_and_counted():
+    golden = torch.tensor([1.0, -2.0, 3.0, float("-inf")])
+    err = own_error(golden, torch.tensor([1.0, float("nan"), float("inf"), float("-inf")]))
+    assert err["nonfinite"] == 2 and err["rel_l2"] == math.inf and err["cos_dist"] == math.inf
+    assert err["norm"] == math.sqrt(14)  # of the golden's finite values
+    same = own_error(golden[:3], golden[:3])
+    assert same["nonfinite"] == 0 and same["rel_l2"] == 0.0
+
+
+def _op(name: str, shape: tuple[int, ...], *inputs: torch.Tensor, output: torch.Tensor | None = None):
+    from llmflow.dump.memory import OpCall
+    api = name.split("/")[1].split(".")[0]
+    return OpCall(name, api, getattr(torch, api, None), inputs, {},
+                  output if output is not None else torch.zeros(shape))
+
+
+def test_ops_that_line_up_are_comparable_with_inserted_and_swapped_ops():
+    from llmflow.localize.ops import comparability
+    g = [_op("m.q/linear.0", (1, 4, 8)), _op("m/silu.0", (1, 4, 8)), _op("m/mul.0", (1, 4, 8))]
+    t = [_op("m.q/linear.0", (1, 4, 8)), _op("m/relu.0", (1, 4, 8)), _op("m/mul.0", (1, 4, 8)),
+         _op("m/randn.0", (1, 4, 8)), _op("m/add.0", (1, 4, 8))]
+    level = comparability(g, t)
+    assert level["comparable"] and level["reason"] is None and level["first_difference"] is None
+
+
+def test_a_reimplemented_module_is_not_comparable_and_its_ops_are_listed():
+    from llmflow.localize.ops import comparability
+    g = [_op("a.q_proj/linear.0", (1, 5, 64)), _op("a/mul.0", (1, 4, 5, 16)), _op("a/cat.0", (1, 4, 5, 16)),
+         _op("a/scaled_dot_product_attention.0", (1, 4, 5, 16)), _op("a.o_proj/linear.0", (1, 5, 64))]
+    t = [_op("a.q_proj/linear.0", (1, 5, 64)), _op("a/mul.0", (1, 4, 5, 8)), _op("a/cat.0", (1, 4, 5, 16)),
+         _op("a/repeat_interleave.0", (1, 4, 5, 16)), _op("a/matmul.0", (1, 4, 5, 5)),
+         _op("a/softmax.0", (1, 4, 5, 5)), _op("a/matmul.1", (1, 4, 5, 16)),
+         _op("a.o_proj/linear.0", (1, 5, 64))]
+    level = comparability(g, t)
+    assert not level["comparable"] and "other ops than the golden" in level["reason"]
+    assert level["first_difference"] == {"name": "a/mul.0", "api": "mul", "shape": [1, 4, 5, 16]}
+    assert (level["golden_ops_paired"], level["target_ops_paired"]) == (1, 1)
+    around = [o["name"] for o in level["target_ops_around"]]
+    assert around[0] == "a.q_proj/linear.0" and "a/repeat_interleave.0" in around
+
+
+def test_first_overflow_op_skips_masks_and_ops_fed_an_inf():
+    from llmflow.localize.ops import first_overflow_op
+    scores = torch.tensor([[20.0, 3.0], [24.0, 1.0]], dtype=torch.float16)
+    masked = scores.masked_fill(torch.tensor([[False, True], [False, False]]), float("-inf"))
+    e = torch.exp(masked)
+    ops = [_op("a/masked_fill.0", (), scores, output=masked), _op("a/exp.0", (), masked, output=e),
+           _op("a/div.0", (), e, output=e / e.sum(-1, keepdim=True))]
+    assert torch.isinf(e).any()
+    assert first_overflow_op(ops).name == "a/exp.0"
+    assert first_overflow_op(ops[:1]) is None
