@@ -112,26 +112,34 @@ def fused() -> Callable | None:
     return _fused or None
 
 
-def compiled() -> bool:
+def compiled(target: native.Target | None = None) -> bool:
     """True when this machine has the compiled kernel (loading it takes milliseconds)."""
-    return LIBRARY.compiled()
+    return LIBRARY.compiled(target)
 
 
-def library_dir() -> Path:
-    """Where the kernel built from this source, for this CPU, is cached."""
-    return LIBRARY.library_dir()
+def library_dir(target: native.Target | None = None) -> Path:
+    """Where the kernel built from this source for ``target`` (by default the best this CPU
+    runs) is cached."""
+    return LIBRARY.library_dir(target)
 
 
-def build(force: bool = False) -> Path:
+def build(force: bool = False, target: native.Target | None = None) -> Path:
     """Compile ``pass1.cpp`` now (see ``llmflow.native.NativeLibrary.build``)."""
-    return LIBRARY.build(force)
+    return LIBRARY.build(force, target)
 
 
-def _load_or_build() -> Callable | None:
+def for_target(target: native.Target) -> Callable | None:
+    """The kernel built for one target (built on first need, checked against eager torch as
+    ``fused`` is), or None: for measuring and testing each build side by side."""
+    return _load_or_build(target)
+
+
+def _load_or_build(target: native.Target | None = None) -> Callable | None:
     """The compiled kernel (built on first need) once it agrees with eager torch, else None."""
     fn = LIBRARY.function("llmflow_pass1", [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p],
-                          ctypes.c_int, lambda f: _agrees(_wrap(f)))  # (the check: ~10 ms of float64)
+                          ctypes.c_int, lambda f: _agrees(_wrap(f)),  # (the check: ~10 ms of float64)
+                          target)
     return _wrap(fn) if fn is not None else None
 
 
