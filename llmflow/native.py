@@ -4,21 +4,30 @@ llmflow's hot loops that torch serves badly are a few hundred lines of plain C++
 vector extensions, no intrinsics, no Python headers): the compare's one-pass metrics
 (``compare/pass1.cpp``) and the statistics of a dumped tensor (``dump/stats.cpp``). Each source
 is one ``NativeLibrary``. ``function()`` returns one of its ctypes functions, building the
-library first when this machine has none (under a second with ``c++ -O3 -march=native``) and
-checking it against the caller's eager torch reference once per build; None sends the caller to
-that reference.
+library first when this machine has none (a second or two with ``c++ -O3``) and checking it
+against the caller's eager torch reference once per build; None sends the caller to that
+reference.
+
+Each source is built per instruction set (``TARGETS``: on x86-64 the microarchitecture levels
+x86-64-v4 (AVX-512), -v3 (AVX2, FMA) and -v2 (SSE4.2), on aarch64 armv8-a (NEON), everywhere the
+compiler's baseline), never with ``-march=native``, and the best build this CPU runs is chosen
+from its feature flags (``/proc/cpuinfo``; where there is none, the baseline build). A build
+that does not compile, or fails its check, is passed over for the next.
+``LLMFLOW_KERNEL_TARGET=x86-64-v3`` (a target's name) keeps that build only: for measuring the
+builds side by side, or for a CPU whose flags mislead.
 
 Why ctypes and a compiler at run time rather than a wheel or a torch extension: the package stays
-pure Python (one wheel for every platform), ``-march=native`` uses the host's full vector ISA,
-ctypes releases the GIL during the call, and a missing compiler costs speed, never correctness.
+pure Python (one wheel for every platform), each CPU gets the vector ISA it has, ctypes releases
+the GIL during the call, and a missing compiler costs speed, never correctness.
 
-The build goes into ``<llmflow cache>/kernels/<machine>-<hash>/`` where the hash covers the
-source, the flags and the CPU's feature flags: ``-march=native`` code is never run on another CPU
-that shares the cache (a cluster's home directory). ``build.txt`` records the command that
-worked; a failed build is written to ``build-failed.txt`` so later processes go to the eager
-path at once instead of running the compiler again; ``build(force=True)`` tries again: the
-install step runs ``python -m llmflow.native``, which builds every library in ``LIBRARIES``.
-``LLMFLOW_FUSED=0`` turns every kernel off. ``CXX`` picks the compiler.
+A build goes into ``<llmflow cache>/kernels/<machine>-<target>-<hash>/`` where the hash covers
+what the build depends on: the source, the flags and the compiler (its resolved path, size and
+time). No build depends on the CPU it was made on, so a cache shared by a cluster's machines
+(a home directory) serves each of them the build its CPU runs. ``build.txt`` records the command
+that worked; a failed build is written to ``build-failed.txt`` so later processes pass over it at
+once instead of running the compiler again; ``build(force=True)`` tries again: the install step
+runs ``python -m llmflow.native``, which builds every library in ``LIBRARIES`` for the best
+target. ``LLMFLOW_FUSED=0`` turns every kernel off. ``CXX`` picks the compiler.
 """
 
 from __future__ import annotations

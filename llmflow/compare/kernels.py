@@ -46,9 +46,13 @@ of up to ~1e-7 times z (~d^2/2): the divergence of small differences stays preci
 relative, but the KL of a shift of ~0.5 nat or more is known to ~1e-8-1e-7 absolute (one
 element, whose KL is 0 by definition, reads up to ~1e-7; eager torch's float64 gives 0).
 
-The kernel is compiled (``c++ -O3 -march=native -fopenmp``, under a second) once per machine by
-``llmflow.native`` (cache, flag fallbacks, a failed build remembered), loaded through ctypes (the
-GIL is released while it runs) and checked against eager torch once per build. Where no compiler
+The kernel is compiled (``c++ -O3 -march=<target> -fopenmp``, a second or two) once per machine
+and instruction set by ``llmflow.native`` (cache, fallbacks, a failed build remembered; the best
+build the CPU runs is chosen), loaded through ctypes (the GIL is released while it runs) and
+checked against eager torch once per build. Its sums have 16 lanes whatever the register width
+(512, 256 or 128 bits), so builds for CPUs with FMA give the same bits (x86-64-v3 and -v4 do);
+a build for a CPU without FMA (x86-64-v2) rounds products separately and differs in the last
+bits. Where no compiler
 works compares run on eager torch; ``python -m llmflow.native`` (the install step)
 builds every llmflow kernel, and tries again after a failure. ``LLMFLOW_FUSED=0`` turns the
 compiled kernels off.
