@@ -24,8 +24,9 @@ times ``compare_tensors`` alone on in-memory fp32 and bf16 pairs, with each buil
 and each thread count, in turns (every build and thread count once a turn, ``repeat`` turns):
 64 pairs of 2^18 elements (1 MiB per side in fp32) and one pair of 2^24, GB/s of both sides,
 median and range over the turns, and each build's median ratio to the first build's GB/s in the
-same turn; then microseconds per pair of 576 and 4096 elements through the best build and eager
-torch.
+same turn (with one thread also GB per second of the thread's CPU time, "1 cpu": on a machine
+shared with other work the steadier figure); then microseconds per pair of 576 and 4096 elements
+through the best build and eager torch.
 
     .venv/bin/python benchmarks/bench_compare.py --smollm2 [--tokens 20]
 
@@ -285,18 +286,22 @@ def kernel_bench(workers: list[int], targets: list, repeat: int) -> dict:
                     torch.set_num_threads(threads)
                     for name, kernel in builds.items():
                         kernels._fused = kernel if kernel is not None else False
-                        t0 = time.perf_counter()
+                        t0, cpu0 = time.perf_counter(), time.thread_time()
                         for a, b in pairs:
                             compare_tensors(a, b)
                         gb_per_s = nbytes / (time.perf_counter() - t0) / 1e9
                         turns.setdefault((case, threads, name), []).append(gb_per_s)
+                        if threads == 1:  # the kernel runs in this thread: its CPU time, which
+                            # the neighbours of a shared machine move far less than the wall time
+                            cpu = nbytes / (time.thread_time() - cpu0) / 1e9
+                            turns.setdefault((case, "1 cpu", name), []).append(cpu)
     finally:
         kernels._fused = compiled
     first = next(iter(builds))
     for (case, threads, name), values in turns.items():
         values = values[1:]
         ratios = [v / f for v, f in zip(values, turns[(case, threads, first)][1:], strict=True)]
-        out.setdefault(name, {}).setdefault(case, {})[str(threads)] = {
+        out.setdefault(name, {}).setdefault(case, {})[str(threads)] = {  # "1 cpu": GB per CPU second
             "gb_per_s": round(statistics.median(values), 2),
             "range": [round(min(values), 2), round(max(values), 2)],
             f"vs_{first}": round(statistics.median(ratios), 2),
