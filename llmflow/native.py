@@ -102,9 +102,10 @@ def supported_targets() -> tuple[Target, ...]:
 class NativeLibrary:
     """One C++ source built into one shared library per target, in the llmflow cache."""
 
-    def __init__(self, source: Path, what: str):
+    def __init__(self, source: Path, what: str, flags: tuple[str, ...] = ()):
         self.source = source
         self.what = what  # for messages: "compare kernel"
+        self.flags = flags  # for every target, after the target's own
         self.name = source.stem + ".so"
         self.target: Target | None = None  # the build ``function`` returned last
 
@@ -113,7 +114,7 @@ class NativeLibrary:
         from llmflow.models import cache_dir
 
         target = target or self._best()
-        key = _build_key(self.source, target, _compiler_identity())
+        key = _build_key(self.source, target, self.flags, _compiler_identity())
         return cache_dir() / "kernels" / f"{machine()}-{target.name}-{key}"
 
     def compiled(self, target: Target | None = None) -> bool:
@@ -154,7 +155,8 @@ class NativeLibrary:
             os.close(fd)
             try:
                 for openmp in OPENMP_CHOICES:
-                    cmd = [cxx, *_BASE_FLAGS, *target.flags, *openmp, str(self.source), "-o", tmp]
+                    flags = [*_BASE_FLAGS, *target.flags, *self.flags, *openmp]
+                    cmd = [cxx, *flags, str(self.source), "-o", tmp]
                     try:
                         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
                     except (OSError, subprocess.SubprocessError) as exc:  # CXX names no program ...
@@ -209,12 +211,12 @@ class NativeLibrary:
 
 
 @functools.cache
-def _build_key(source: Path, target: Target, compiler: str) -> str:
+def _build_key(source: Path, target: Target, flags: tuple[str, ...], compiler: str) -> str:
     """A hash of what the build depends on: the source, the flags, the compiler (its resolved
     path, size and time: an upgrade or another CXX is another build). Not the CPU: no build
     uses -march=native, and each CPU picks among the targets by its own features."""
     h = hashlib.sha256(source.read_bytes())
-    h.update(repr((_BASE_FLAGS, OPENMP_CHOICES, target.flags)).encode())
+    h.update(repr((_BASE_FLAGS, OPENMP_CHOICES, target.flags, flags)).encode())
     h.update(compiler.encode())
     return h.hexdigest()[:16]
 
@@ -249,7 +251,10 @@ def _compiler() -> str | None:
 _PACKAGE = Path(__file__).parent
 # every kernel llmflow has, in one place
 PASS1 = NativeLibrary(_PACKAGE / "compare" / "pass1.cpp", "compare kernel")
-STATS = NativeLibrary(_PACKAGE / "dump" / "stats.cpp", "dump statistics kernel")
+# The statistics kernel's float32 sums of squares are chains of a += v * v, which GCC fuses into
+# FMAs or not by the CPU it tunes for (not on AMD Zen): products rounded apart, the statistics a
+# dump writes have the same bits whatever the CPU and the target
+STATS = NativeLibrary(_PACKAGE / "dump" / "stats.cpp", "dump statistics kernel", flags=("-ffp-contract=off",))
 LIBRARIES = (PASS1, STATS)
 
 

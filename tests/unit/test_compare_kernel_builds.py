@@ -141,3 +141,24 @@ def test_the_aarch64_build_passes_the_self_check_under_qemu(tmp_path: Path) -> N
     for b in (a + 1e-3 * torch.randn(1001, generator=gen),
               (a + 0.3 * torch.randn(1001, generator=gen)).bfloat16()):
         torch.testing.assert_close(emulated(a, b), kernels.pass1(a, b), rtol=1e-5, atol=1e-9)
+
+
+def test_every_build_of_the_statistics_kernel_gives_the_same_bits() -> None:
+    """A dump's statistics do not depend on the CPU class: products are rounded apart (no FMA)
+    in every build, so each build this CPU runs passes the check and gives the same bits."""
+    import ctypes
+
+    from llmflow.dump import stats
+
+    _compiler_or_skip()
+    argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    builds = [stats.CpuStats(native.STATS.function("llmflow_stats", argtypes, None,
+                                                    lambda f: stats._agrees(stats.CpuStats(f)), target))
+              for target in native.supported_targets()]
+    gen = torch.Generator().manual_seed(8)
+    cases = [(torch.randn(n, generator=gen) * 3).to(dtype)
+             for n in (5, 100, 8192 + 3) for dtype in stats.KERNEL_DTYPES if dtype.is_floating_point]
+    for t in cases:
+        code = stats.KERNEL_DTYPES[t.dtype]
+        results = {tuple(build(t, code)) for build in builds}
+        assert len(results) == 1, (t.dtype, t.numel(), results)
