@@ -201,7 +201,7 @@ class NativeLibrary:
                 reasons.append(f"the {candidate.name} build disagrees with eager torch")
             except Exception as exc:  # no compiler, an odd platform ...: eager torch works everywhere
                 reasons.append(f"{candidate.name} unavailable ({exc})")
-        _log.warning("%s: %s; using eager torch (slower)", self.what,
+        _log.warning("%s unavailable (%s); using eager torch (slower)", self.what,
                      "; ".join(reasons) or "no build target runs on this CPU")
         return None
 
