@@ -1,25 +1,32 @@
 """Compare throughput: llmflow's compare vs reading the files raw (cat) vs msprobe's compare.
 
-    .venv/bin/python benchmarks/bench_compare.py --sizes-gb 1 8 [--repeat 3] [--workers 2] [--json out.json]
+    .venv/bin/python benchmarks/bench_compare.py --sizes-gb 1 8 [--repeat 3] [--workers 1 2 4 8]
+        [--targets x86-64-v4 x86-64-v3 ...] [--json out.json]
 
 For each size S it writes a synthetic golden and target dump of S/2 GB each with llmflow's own
 writer (fp32 activations, 4 MiB tensors, 64 per step folder) under /tmp, then measures, ``repeat``
 times in turn (so that both see the same moments of a noisy machine; each ratio is of one turn,
 and the median ratio is reported with all of them)
   * raw:     ``cat`` of every data file to /dev/null (warm page cache, the ceiling),
-  * llmflow: ``compare_dumps`` with ``workers`` processes (CSV, no XLSX), GB/s of tensor data,
-             and the peak anonymous memory of the compare's process tree (sampled every 5 ms),
+  * llmflow: ``compare_dumps`` (CSV, no XLSX) with each build of the compare kernel this CPU runs
+             (``--targets``, default all: x86-64-v4, -v3, -v2, baseline) and each worker count
+             (``--workers``, default 1 2 4 8), GB/s of tensor data, and the peak anonymous memory
+             of the compare's process tree (sampled every 5 ms),
   * msprobe: msprobe's ``pt_compare`` on the same tensors written in msprobe's layout
              (dump.json + one .pt per tensor), when mindstudio-probe imports (PYTHONPATH may
              point at a ``pip install --target`` directory); skipped otherwise. Only for the
              smallest size: msprobe keeps every row in memory.
 Everything is deleted afterwards unless --keep.
 
-    .venv/bin/python benchmarks/bench_compare.py --kernel [--workers 2]
+    .venv/bin/python benchmarks/bench_compare.py --kernel [--workers 1 2 4 8] [--targets ...] [--repeat 5]
 
-times ``compare_tensors`` alone on in-memory fp32 and bf16 pairs (``workers`` torch threads):
-64 pairs of 2^18 elements (1 MiB per side in fp32) and one pair of 2^24, GB/s of both sides; and
-microseconds per pair of 576 and 4096 elements through the compiled kernel and eager torch.
+times ``compare_tensors`` alone on in-memory fp32 and bf16 pairs, with each build of the kernel
+and each thread count, in turns (every build and thread count once a turn, ``repeat`` turns):
+64 pairs of 2^18 elements (1 MiB per side in fp32) and one pair of 2^24, GB/s of both sides,
+median and range over the turns, and each build's median ratio to the first build's GB/s in the
+same turn (with one thread also GB per second of the thread's CPU time, "1 cpu": on a machine
+shared with other work the steadier figure); then microseconds per pair of 576 and 4096 elements
+through the best build and eager torch.
 
     .venv/bin/python benchmarks/bench_compare.py --smollm2 [--tokens 20]
 
@@ -34,7 +41,9 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -145,6 +154,7 @@ class AnonPeak:
 
 
 def llmflow_compare(g: Path, t: Path, out: Path, workers: int) -> dict:
+    torch.set_num_threads(workers)  # in-process compares run the kernel on torch's threads
     base = AnonPeak._anon(os.getpid())
     with AnonPeak() as peak:
         t0 = time.perf_counter()
@@ -246,29 +256,57 @@ def msprobe_compare(g: Path, t: Path, tmp: Path) -> dict:
     }
 
 
-def kernel_bench(threads: int) -> dict:
+def kernel_bench(workers: list[int], targets: list, repeat: int) -> dict:
     """GB/s (both sides) of compare_tensors on in-memory pairs: the arithmetic without the I/O,
-    and the time per pair of small tensors (a decode step's hidden state), compiled vs eager."""
+    per build of the kernel and per thread count; and the time per pair of small tensors (a
+    decode step's hidden state), best build vs eager."""
+    from llmflow import native
     from llmflow.compare import kernels
     from llmflow.compare.metrics import compare_tensors
 
-    torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(1 << 24, generator=gen)
     t = g * (1 + 1e-3 * torch.randn(g.shape, generator=gen))
-    out: dict = {"threads": threads, "compiled": kernels.fused() is not None}
+    builds = {target.name: kernels.for_target(target) for target in targets}
+    out: dict = {"cpu": cpu_model(), "targets": list(builds), "best": native.supported_targets()[0].name,
+                 "repeat": repeat, "threads": workers}
+    cases = []
     for dtype in (torch.float32, torch.bfloat16):
         gd, td = g.to(dtype), t.to(dtype)
         pieces = [(gd[i:i + (1 << 18)], td[i:i + (1 << 18)]) for i in range(0, 64 << 18, 1 << 18)]
-        for name, pairs in (("1MiB", pieces), ("64MiB", [(gd, td)])):
-            nbytes = sum(a.nbytes + b.nbytes for a, b in pairs)
-            best = float("inf")
-            for _ in range(6):  # the first run loads the kernel
-                t0 = time.perf_counter()
-                for a, b in pairs:
-                    compare_tensors(a, b)
-                best = min(best, time.perf_counter() - t0)
-            out[f"{str(dtype).removeprefix('torch.')}_{name}_gb_per_s"] = round(nbytes / best / 1e9, 2)
+        cases += [(f"{str(dtype).removeprefix('torch.')}_{name}", pairs)
+                  for name, pairs in (("1MiB", pieces), ("64MiB", [(gd, td)]))]
+    turns: dict = {}  # (case, threads, target) -> GB/s of each turn
+    compiled = kernels.fused()
+    try:
+        for _ in range(repeat + 1):  # the first turn warms up (loads, page faults) and is dropped
+            for case, pairs in cases:
+                nbytes = sum(a.nbytes + b.nbytes for a, b in pairs)
+                for threads in workers:
+                    torch.set_num_threads(threads)
+                    for name, kernel in builds.items():
+                        kernels._fused = kernel if kernel is not None else False
+                        t0, cpu0 = time.perf_counter(), time.thread_time()
+                        for a, b in pairs:
+                            compare_tensors(a, b)
+                        gb_per_s = nbytes / (time.perf_counter() - t0) / 1e9
+                        turns.setdefault((case, threads, name), []).append(gb_per_s)
+                        if threads == 1:  # the kernel runs in this thread: its CPU time, which
+                            # the neighbours of a shared machine move far less than the wall time
+                            cpu = nbytes / (time.thread_time() - cpu0) / 1e9
+                            turns.setdefault((case, "1 cpu", name), []).append(cpu)
+    finally:
+        kernels._fused = compiled
+    first = next(iter(builds))
+    for (case, threads, name), values in turns.items():
+        values = values[1:]
+        ratios = [v / f for v, f in zip(values, turns[(case, threads, first)][1:], strict=True)]
+        out.setdefault(name, {}).setdefault(case, {})[str(threads)] = {  # "1 cpu": GB per CPU second
+            "gb_per_s": round(statistics.median(values), 2),
+            "range": [round(min(values), 2), round(max(values), 2)],
+            f"vs_{first}": round(statistics.median(ratios), 2),
+        }
+    torch.set_num_threads(max(workers))
     for numel in (576, 4096):  # SmolLM2's and a 7B model's hidden size
         a, b = g[:numel], t[:numel]
         for path in ("compiled", "eager"):
@@ -281,6 +319,35 @@ def kernel_bench(threads: int) -> dict:
                     best = min(best, (time.perf_counter() - t0) / 200)
             out[f"fp32_{numel}_{path}_us_per_pair"] = round(best * 1e6, 1)
     return out
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@contextlib.contextmanager
+def kernel_build(target) -> Iterator[None]:
+    """Within: compares (in this process and in the worker processes it starts) use the kernel
+    built for ``target``."""
+    from llmflow.compare import kernels
+
+    compiled, env = kernels.fused(), os.environ.get("LLMFLOW_KERNEL_TARGET")
+    kernels._fused = kernels.for_target(target) or False
+    os.environ["LLMFLOW_KERNEL_TARGET"] = target.name
+    try:
+        yield
+    finally:
+        kernels._fused = compiled
+        if env is None:
+            os.environ.pop("LLMFLOW_KERNEL_TARGET", None)
+        else:
+            os.environ["LLMFLOW_KERNEL_TARGET"] = env
 
 
 @contextlib.contextmanager
@@ -326,11 +393,16 @@ def smollm2_bench(tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from llmflow import native
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--sizes-gb", type=float, nargs="+", default=[1.0, 8.0], help="total dump sizes (both sides)"
     )
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="worker counts (processes or kernel threads), each measured")
+    ap.add_argument("--targets", nargs="+", default=None,
+                    help="builds of the compare kernel to measure (default: every one this CPU runs)")
     ap.add_argument("--repeat", type=int, default=3, help="raw and llmflow measured in turn, this many times")
     ap.add_argument("--no-msprobe", action="store_true")
     ap.add_argument("--json", default=None, help="write the figures here")
@@ -339,13 +411,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smollm2", action="store_true", help="compare real SmolLM2 dumps, compiled vs eager")
     ap.add_argument("--tokens", type=int, default=20, help="new tokens of the --smollm2 dumps")
     args = ap.parse_args(argv)
+    runs = native.supported_targets()
+    unknown = set(args.targets or ()) - {t.name for t in runs}
+    if unknown:
+        ap.error(f"--targets: this CPU runs {[t.name for t in runs]}, not {sorted(unknown)}")
+    targets = [t for t in runs if args.targets is None or t.name in args.targets]
     if args.kernel:
-        print(json.dumps(kernel_bench(args.workers)), flush=True)
+        print(json.dumps(kernel_bench(args.workers, targets, args.repeat)), flush=True)
         return 0
     if args.smollm2:
         print(json.dumps(smollm2_bench(args.tokens)), flush=True)
         return 0
-    report: dict = {"workers": args.workers, "cpus": os.cpu_count(), "sizes": []}
+    report: dict = {"workers": args.workers, "cpus": os.cpu_count(), "cpu": cpu_model(),
+                    "targets": [t.name for t in targets], "sizes": []}
     for size in args.sizes_gb:
         tmp = Path(tempfile.mkdtemp(prefix="llmflow-bench-compare-", dir="/tmp"))
         try:
@@ -356,29 +434,38 @@ def main(argv: list[str] | None = None) -> int:
             # measured (4 GB on 2 cores: llmflow 2.9 GB/s without, 5.1 with)
             os.sync()
             raw_read(data_files(g, t))  # warm the page cache once, like a second run would see
-            turns = []
+            turns: dict = {}  # (target, workers) -> [(llmflow / raw, raw, llmflow)] in turn order
             for i in range(args.repeat):
                 raw_s, raw_b = raw_read(data_files(g, t))
                 raw = {"seconds": round(raw_s, 2), "bytes": raw_b, "gb_per_s": round(raw_b / raw_s / 1e9, 3)}
-                ours = llmflow_compare(g, t, tmp / f"out{i}", args.workers)
-                turns.append((ours["gb_per_s"] / raw["gb_per_s"], raw, ours))
-            median, raw, ours = sorted(turns, key=lambda x: x[0])[len(turns) // 2]
-            row = {
-                "size_gb": size,
-                "tensors_per_side": n,
-                "raw": raw,
-                "llmflow": ours,
-                "llmflow_vs_raw": round(median, 3),
-                "llmflow_vs_raw_turns": [round(r, 3) for r, _, _ in turns],  # in the order measured
-            }
+                for target in targets:
+                    with kernel_build(target):
+                        for workers in args.workers:
+                            ours = llmflow_compare(g, t, tmp / f"out{i}-{target.name}-{workers}", workers)
+                            shutil.rmtree(tmp / f"out{i}-{target.name}-{workers}", ignore_errors=True)
+                            turns.setdefault((target.name, workers), []).append(
+                                (ours["gb_per_s"] / raw["gb_per_s"], raw, ours))
+            row: dict = {"size_gb": size, "tensors_per_side": n, "llmflow": []}
+            for (target_name, workers), measured in turns.items():
+                median, raw, ours = sorted(measured, key=lambda x: x[0])[len(measured) // 2]
+                speeds = [m[2]["gb_per_s"] for m in measured]
+                row["llmflow"].append({
+                    "target": target_name, "workers": workers, "raw": raw, "llmflow": ours,
+                    "gb_per_s_range": [min(speeds), max(speeds)],
+                    "peak_anon_mib_over_start": max(m[2]["peak_anon_mib_over_start"] for m in measured),
+                    "llmflow_vs_raw": round(median, 3),
+                    "llmflow_vs_raw_turns": [round(r, 3) for r, _, _ in measured],  # in the order measured
+                })
+                print(json.dumps(row["llmflow"][-1]), flush=True)
             if not args.no_msprobe and size == min(args.sizes_gb):
                 row["msprobe"] = msprobe_compare(g, t, tmp)
-                if "gb_per_s" in row["msprobe"]:
-                    row["llmflow_vs_msprobe"] = round(
-                        row["llmflow"]["gb_per_s"] / row["msprobe"]["gb_per_s"], 1
-                    )
+                theirs = row["msprobe"].get("gb_per_s")
+                if theirs:
+                    row["llmflow_vs_msprobe"] = {
+                        f"{r['target']} {r['workers']}": round(r["llmflow"]["gb_per_s"] / theirs, 1)
+                        for r in row["llmflow"]}
+                print(json.dumps({k: row.get(k) for k in ("msprobe", "llmflow_vs_msprobe")}), flush=True)
             report["sizes"].append(row)
-            print(json.dumps(row), flush=True)
         finally:
             if not args.keep:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -4,21 +4,30 @@ llmflow's hot loops that torch serves badly are a few hundred lines of plain C++
 vector extensions, no intrinsics, no Python headers): the compare's one-pass metrics
 (``compare/pass1.cpp``) and the statistics of a dumped tensor (``dump/stats.cpp``). Each source
 is one ``NativeLibrary``. ``function()`` returns one of its ctypes functions, building the
-library first when this machine has none (under a second with ``c++ -O3 -march=native``) and
-checking it against the caller's eager torch reference once per build; None sends the caller to
-that reference.
+library first when this machine has none (a second or two with ``c++ -O3``) and checking it
+against the caller's eager torch reference once per build; None sends the caller to that
+reference.
+
+Each source is built per instruction set (``TARGETS``: on x86-64 the microarchitecture levels
+x86-64-v4 (AVX-512), -v3 (AVX2, FMA) and -v2 (SSE4.2), on aarch64 armv8-a (NEON), everywhere the
+compiler's baseline), never with ``-march=native``, and the best build this CPU runs is chosen
+from its feature flags (``/proc/cpuinfo``; where there is none, the baseline build). A build
+that does not compile, or fails its check, is passed over for the next.
+``LLMFLOW_KERNEL_TARGET=x86-64-v3`` (a target's name) keeps that build only: for measuring the
+builds side by side, or for a CPU whose flags mislead.
 
 Why ctypes and a compiler at run time rather than a wheel or a torch extension: the package stays
-pure Python (one wheel for every platform), ``-march=native`` uses the host's full vector ISA,
-ctypes releases the GIL during the call, and a missing compiler costs speed, never correctness.
+pure Python (one wheel for every platform), each CPU gets the vector ISA it has, ctypes releases
+the GIL during the call, and a missing compiler costs speed, never correctness.
 
-The build goes into ``<llmflow cache>/kernels/<machine>-<hash>/`` where the hash covers the
-source, the flags and the CPU's feature flags: ``-march=native`` code is never run on another CPU
-that shares the cache (a cluster's home directory). ``build.txt`` records the command that
-worked; a failed build is written to ``build-failed.txt`` so later processes go to the eager
-path at once instead of running the compiler again; ``build(force=True)`` tries again: the
-install step runs ``python -m llmflow.native``, which builds every library in ``LIBRARIES``.
-``LLMFLOW_FUSED=0`` turns every kernel off. ``CXX`` picks the compiler.
+A build goes into ``<llmflow cache>/kernels/<machine>-<target>-<hash>/`` where the hash covers
+what the build depends on: the source, the flags and the compiler (its resolved path, size and
+time). No build depends on the CPU it was made on, so a cache shared by a cluster's machines
+(a home directory) serves each of them the build its CPU runs. ``build.txt`` records the command
+that worked; a failed build is written to ``build-failed.txt`` so later processes pass over it at
+once instead of running the compiler again; ``build(force=True)`` tries again: the install step
+runs ``python -m llmflow.native``, which builds every library in ``LIBRARIES`` for the best
+target. ``LLMFLOW_FUSED=0`` turns every kernel off. ``CXX`` picks the compiler.
 """
 
 from __future__ import annotations
@@ -33,15 +42,41 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 _BASE_FLAGS = ("-O3", "-std=gnu++17", "-fPIC", "-shared")
-# tried in order: the host's full vector ISA with OpenMP; without OpenMP (Apple clang has none:
-# one thread); the compiler's baseline ISA
-FLAG_CHOICES: tuple[tuple[str, ...], ...] = (("-march=native", "-fopenmp"), ("-march=native",), ())
+# tried in order for each target: with OpenMP; without (Apple clang has none: one thread)
+OPENMP_CHOICES: tuple[tuple[str, ...], ...] = (("-fopenmp",), ())
 _FAILED = "build-failed.txt"
 _log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One instruction set a library is built for: the compiler flags, and the CPU features
+    (as /proc/cpuinfo names them) a CPU needs to run the build."""
+
+    name: str
+    flags: tuple[str, ...]
+    needs: frozenset[str] = frozenset()
+
+
+_X86_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
+_X86_V3 = _X86_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+BASELINE = Target("baseline", ())  # the compiler's default ISA: runs wherever the compiler's output runs
+# per machine (platform.machine(), lower case), best first: the x86-64 microarchitecture levels
+# (v4: AVX-512, v3: AVX2 and FMA, v2: SSE4.2); on aarch64 NEON is part of the base ISA
+TARGETS: dict[str, tuple[Target, ...]] = {
+    "x86_64": (Target("x86-64-v4", ("-march=x86-64-v4",), _X86_V4),
+               Target("x86-64-v3", ("-march=x86-64-v3",), _X86_V3),
+               Target("x86-64-v2", ("-march=x86-64-v2",), _X86_V2),
+               BASELINE),
+    "aarch64": (Target("armv8-a", ("-march=armv8-a",)), BASELINE),
+}
+_MACHINE_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
 
 
 def disabled() -> bool:
@@ -49,31 +84,62 @@ def disabled() -> bool:
     return os.environ.get("LLMFLOW_FUSED", "1").lower() in ("0", "false", "no", "off")
 
 
-class NativeLibrary:
-    """One C++ source built into one shared library, for this CPU, in the llmflow cache."""
+def machine() -> str:
+    """This machine's architecture, as ``TARGETS`` names it."""
+    name = platform.machine().lower()
+    return _MACHINE_ALIASES.get(name, name)
 
-    def __init__(self, source: Path, what: str):
+
+def supported_targets() -> tuple[Target, ...]:
+    """The targets this CPU runs, best first (``LLMFLOW_KERNEL_TARGET=name`` keeps that one only,
+    or none where this CPU lacks it)."""
+    features = cpu_features()
+    found = tuple(t for t in TARGETS.get(machine(), (BASELINE,)) if t.needs <= features)
+    wanted = os.environ.get("LLMFLOW_KERNEL_TARGET")
+    return tuple(t for t in found if t.name == wanted) if wanted else found
+
+
+class NativeLibrary:
+    """One C++ source built into one shared library per target, in the llmflow cache."""
+
+    def __init__(self, source: Path, what: str, flags: tuple[str, ...] = ()):
         self.source = source
         self.what = what  # for messages: "compare kernel"
+        self.flags = flags  # for every target, after the target's own
         self.name = source.stem + ".so"
+        self.target: Target | None = None  # the build ``function`` returned last
 
-    def library_dir(self) -> Path:
-        """Where this source's build for this CPU (and these flags) lives."""
+    def library_dir(self, target: Target | None = None) -> Path:
+        """Where this source's build for ``target`` (by default the best this CPU runs) lives."""
         from llmflow.models import cache_dir
 
-        return cache_dir() / "kernels" / f"{platform.machine()}-{_build_key(self.source, FLAG_CHOICES)}"
+        target = target or self._best()
+        key = _build_key(self.source, target, self.flags, _compiler_identity())
+        return cache_dir() / "kernels" / f"{machine()}-{target.name}-{key}"
 
-    def compiled(self) -> bool:
-        """Is the library built here (loading it then takes milliseconds)?"""
-        return not disabled() and (self.library_dir() / self.name).is_file()
+    def compiled(self, target: Target | None = None) -> bool:
+        """Is the library built here for ``target`` (loading it then takes milliseconds)?"""
+        return not disabled() and (self.library_dir(target) / self.name).is_file()
 
-    def build(self, force: bool = False) -> Path:
-        """Compile the source into the cache (atomically: a concurrent build is as good as ours).
+    def build(self, force: bool = False, target: Target | None = None) -> Path:
+        """Compile the source for ``target`` into the cache (atomically: a concurrent build is as
+        good as ours); by default for the best target this CPU runs that compiles.
 
-        Raises ``RuntimeError`` with the compiler's message when no flag choice compiles; the
-        failure is remembered (``build-failed.txt``), so later calls raise at once until ``force``.
+        Raises ``RuntimeError`` with the compiler's message when it does not compile; the failure
+        is remembered (``build-failed.txt``), so later calls raise at once until ``force``.
         """
-        final = self.library_dir()
+        if target is not None:
+            return self._build(target, force)
+        errors = []
+        for candidate in supported_targets():
+            try:
+                return self._build(candidate, force)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        raise RuntimeError(" | ".join(errors) or f"{self.what}: no build target runs on this CPU")
+
+    def _build(self, target: Target, force: bool) -> Path:
+        final = self.library_dir(target)
         lib, failed = final / self.name, final / _FAILED
         if lib.is_file():
             return lib
@@ -88,8 +154,9 @@ class NativeLibrary:
             fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=final)
             os.close(fd)
             try:
-                for flags in FLAG_CHOICES:
-                    cmd = [cxx, *_BASE_FLAGS, *flags, str(self.source), "-o", tmp]
+                for openmp in OPENMP_CHOICES:
+                    flags = [*_BASE_FLAGS, *target.flags, *self.flags, *openmp]
+                    cmd = [cxx, *flags, str(self.source), "-o", tmp]
                     try:
                         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
                     except (OSError, subprocess.SubprocessError) as exc:  # CXX names no program ...
@@ -103,48 +170,77 @@ class NativeLibrary:
                     errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
             finally:
                 Path(tmp).unlink(missing_ok=True)
-        message = f"{self.what}: cannot compile {self.source}: " + " | ".join(errors)
+        message = f"{self.what}: cannot compile {self.source} for {target.name}: " + " | ".join(errors)
         failed.write_text(message + "\n", encoding="utf-8")
         raise RuntimeError(message)
 
     def function(self, symbol: str, argtypes: list[Any], restype: Any,
-                 agrees: Callable[[Any], bool]) -> Any | None:
-        """The ctypes function ``symbol``, built first if need be, once ``agrees(function)`` (the
-        caller's check against its eager torch reference) has passed for this build; else None,
-        with one warning naming why (no compiler, a failed check): the caller's eager path.
+                 agrees: Callable[[Any], bool], target: Target | None = None) -> Any | None:
+        """The ctypes function ``symbol`` of the best build this CPU runs (or of ``target``),
+        built first if need be, once ``agrees(function)`` (the caller's check against its eager
+        torch reference) has passed for that build. A target that does not compile or disagrees
+        is passed over for the next; None, with one warning naming why (no compiler, a failed
+        check), sends the caller to its eager path. ``self.target`` names the build returned.
 
         The check runs once per build, not per process (a ``verified`` file beside the library):
         the same library computes the same thing in every process.
         """
-        try:
-            fn = getattr(ctypes.CDLL(str(self.build())), symbol)
-            fn.argtypes, fn.restype = argtypes, restype
-            verified = self.library_dir() / "verified"
-            if verified.is_file() or agrees(fn):
-                verified.touch()
-                return fn
-            _log.warning("%s disagrees with eager torch; using eager torch", self.what)
-        except Exception as exc:  # no compiler, an odd platform ...: eager torch works everywhere
-            _log.warning("%s unavailable (%s); using eager torch (slower)", self.what, exc)
+        reasons = []
+        for candidate in (target,) if target else supported_targets():
+            try:
+                fn = getattr(ctypes.CDLL(str(self._build(candidate, force=False))), symbol)
+                fn.argtypes, fn.restype = argtypes, restype
+                verified = self.library_dir(candidate) / "verified"
+                if verified.is_file() or agrees(fn):
+                    verified.touch()
+                    if reasons:
+                        _log.warning("%s: %s; using the %s build", self.what, "; ".join(reasons),
+                                     candidate.name)
+                    self.target = candidate
+                    return fn
+                reasons.append(f"the {candidate.name} build disagrees with eager torch")
+            except Exception as exc:  # no compiler, an odd platform ...: eager torch works everywhere
+                reasons.append(f"{candidate.name} unavailable ({exc})")
+        _log.warning("%s unavailable (%s); using eager torch (slower)", self.what,
+                     "; ".join(reasons) or "no build target runs on this CPU")
         return None
+
+    def _best(self) -> Target:
+        supported = supported_targets()
+        return supported[0] if supported else BASELINE
 
 
 @functools.cache
-def _build_key(source: Path, flag_choices: tuple[tuple[str, ...], ...]) -> str:
+def _build_key(source: Path, target: Target, flags: tuple[str, ...], compiler: str) -> str:
+    """A hash of what the build depends on: the source, the flags, the compiler (its resolved
+    path, size and time: an upgrade or another CXX is another build). Not the CPU: no build
+    uses -march=native, and each CPU picks among the targets by its own features."""
     h = hashlib.sha256(source.read_bytes())
-    h.update(repr((_BASE_FLAGS, flag_choices)).encode())
-    h.update(_cpu_features().encode())
+    h.update(repr((_BASE_FLAGS, OPENMP_CHOICES, target.flags, flags)).encode())
+    h.update(compiler.encode())
     return h.hexdigest()[:16]
 
 
-def _cpu_features() -> str:
+def _compiler_identity() -> str:
+    cxx = _compiler()
+    path = shutil.which(cxx) if cxx else None
+    if path is None:
+        return f"no compiler: {cxx}"
+    real = os.path.realpath(path)
+    stat = os.stat(real)
+    return f"{real} {stat.st_size} {stat.st_mtime_ns}"
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """This CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere: the baseline build runs)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return line
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor()
+    return frozenset()
 
 
 def _compiler() -> str | None:
@@ -155,7 +251,10 @@ def _compiler() -> str | None:
 _PACKAGE = Path(__file__).parent
 # every kernel llmflow has, in one place
 PASS1 = NativeLibrary(_PACKAGE / "compare" / "pass1.cpp", "compare kernel")
-STATS = NativeLibrary(_PACKAGE / "dump" / "stats.cpp", "dump statistics kernel")
+# The statistics kernel's float32 sums of squares are chains of a += v * v, which GCC fuses into
+# FMAs or not by the CPU it tunes for (not on AMD Zen): products rounded apart, the statistics a
+# dump writes have the same bits whatever the CPU and the target
+STATS = NativeLibrary(_PACKAGE / "dump" / "stats.cpp", "dump statistics kernel", flags=("-ffp-contract=off",))
 LIBRARIES = (PASS1, STATS)
 
 

@@ -46,9 +46,13 @@ of up to ~1e-7 times z (~d^2/2): the divergence of small differences stays preci
 relative, but the KL of a shift of ~0.5 nat or more is known to ~1e-8-1e-7 absolute (one
 element, whose KL is 0 by definition, reads up to ~1e-7; eager torch's float64 gives 0).
 
-The kernel is compiled (``c++ -O3 -march=native -fopenmp``, under a second) once per machine by
-``llmflow.native`` (cache, flag fallbacks, a failed build remembered), loaded through ctypes (the
-GIL is released while it runs) and checked against eager torch once per build. Where no compiler
+The kernel is compiled (``c++ -O3 -march=<target> -fopenmp``, a second or two) once per machine
+and instruction set by ``llmflow.native`` (cache, fallbacks, a failed build remembered; the best
+build the CPU runs is chosen), loaded through ctypes (the GIL is released while it runs) and
+checked against eager torch once per build. Its sums have 16 lanes whatever the register width
+(512, 256 or 128 bits), so builds for CPUs with FMA give the same bits (x86-64-v3 and -v4 do);
+a build for a CPU without FMA (x86-64-v2) rounds products separately and differs in the last
+bits. Where no compiler
 works compares run on eager torch; ``python -m llmflow.native`` (the install step)
 builds every llmflow kernel, and tries again after a failure. ``LLMFLOW_FUSED=0`` turns the
 compiled kernels off.
@@ -112,26 +116,34 @@ def fused() -> Callable | None:
     return _fused or None
 
 
-def compiled() -> bool:
+def compiled(target: native.Target | None = None) -> bool:
     """True when this machine has the compiled kernel (loading it takes milliseconds)."""
-    return LIBRARY.compiled()
+    return LIBRARY.compiled(target)
 
 
-def library_dir() -> Path:
-    """Where the kernel built from this source, for this CPU, is cached."""
-    return LIBRARY.library_dir()
+def library_dir(target: native.Target | None = None) -> Path:
+    """Where the kernel built from this source for ``target`` (by default the best this CPU
+    runs) is cached."""
+    return LIBRARY.library_dir(target)
 
 
-def build(force: bool = False) -> Path:
+def build(force: bool = False, target: native.Target | None = None) -> Path:
     """Compile ``pass1.cpp`` now (see ``llmflow.native.NativeLibrary.build``)."""
-    return LIBRARY.build(force)
+    return LIBRARY.build(force, target)
 
 
-def _load_or_build() -> Callable | None:
+def for_target(target: native.Target) -> Callable | None:
+    """The kernel built for one target (built on first need, checked against eager torch as
+    ``fused`` is), or None: for measuring and testing each build side by side."""
+    return _load_or_build(target)
+
+
+def _load_or_build(target: native.Target | None = None) -> Callable | None:
     """The compiled kernel (built on first need) once it agrees with eager torch, else None."""
     fn = LIBRARY.function("llmflow_pass1", [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p],
-                          ctypes.c_int, lambda f: _agrees(_wrap(f)))  # (the check: ~10 ms of float64)
+                          ctypes.c_int, lambda f: _agrees(_wrap(f)),  # (the check: ~10 ms of float64)
+                          target)
     return _wrap(fn) if fn is not None else None
 
 

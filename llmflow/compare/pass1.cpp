@@ -1,10 +1,11 @@
 // The compiled pass of compare_tensors: one read of a golden row `a` and a target row `b` (float32
 // or bfloat16) gives every sum the metrics need. kernels.py holds the math (the N_VALUES it returns, in order)
-// and the eager float64 reference this must agree with; it builds this file once per machine
-// (g++ -O3 -march=native -fopenmp) and calls llmflow_pass1 through ctypes.
+// and the eager float64 reference this must agree with; llmflow.native builds this file once per
+// machine for each instruction set (g++ -O3 -march=x86-64-v4|v3|v2|armv8-a -fopenmp) and the best
+// build the CPU runs is called through ctypes (llmflow_pass1).
 //
-// Written with GCC/Clang vector extensions, not intrinsics: 16 floats a step on any ISA the
-// compiler targets, no libm calls in the loops (a call makes the compiler spill every
+// Written with GCC/Clang vector extensions, not intrinsics: 16 lanes a step on any ISA the
+// compiler targets, in registers of its width (see NB), no libm calls in the loops (a call makes the compiler spill every
 // accumulator). Element-wise work is float32, exact for float32/bfloat16/float16 data. Products
 // for the quadratic sums (cosine depends on them to the last bit) are formed in float64 (exact)
 // and summed in float64. The other sums (|d|, rel, the softmax weights, y and z) are summed in
@@ -17,34 +18,110 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <utility>
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef double vd __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-constexpr int W = 16;        // floats a step
-constexpr int BLOCK = 8;     // steps summed in float32 before a float64 sum
-constexpr int N_ROW = 20;    // values a row yields before the rows are merged
+// The build target's register width: the widest vectors the compiler may use (x86-64-v4: 512
+// bits; x86-64-v3: 256; x86-64-v2, aarch64's NEON and any other target: 128). Every vector type
+// here is one register: GCC splits a wider one into scalar pieces (5x slower).
+#if defined(__AVX512F__)
+constexpr int NB = 64;
+#elif defined(__AVX2__)
+constexpr int NB = 32;
+#else
+constexpr int NB = 16;
+#endif
+
+// The sums have W = 16 lanes whatever the register width, so that every build adds the same
+// terms in the same order and gives the same bits (where both targets have FMA: a target without
+// it rounds the products the others fuse). A row is swept SWEEPS times, each sweep taking one
+// register's worth of the 16 lanes of every step. Float64 lane j sums float lanes j and j + 8
+// (widen_sum), so sweep s takes float lanes s*H .. s*H+H-1 and 8+s*H .. 8+s*H+H-1, H being the
+// float64 lanes a register holds: its float64 sums are then whole registers too.
+constexpr int W = 16;           // lanes of the sums: elements a step
+constexpr int NF = NB / 4;      // float lanes a register
+constexpr int H = NF / 2;       // float64 lanes a register
+constexpr int SWEEPS = W / NF;  // sweeps of a row
+constexpr int BLOCK = 8;        // steps summed in float32 before a float64 sum
+constexpr int N_ROW = 20;       // values a row yields before the rows are merged
 constexpr float EPS = 1.1920928955078125e-07f;
 
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-typedef uint32_t vu32 __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(NB)));
+typedef float vfh __attribute__((vector_size(NB / 2)));  // half a register: H floats
+typedef double vd __attribute__((vector_size(NB)));
+typedef int32_t vi __attribute__((vector_size(NB)));
+typedef uint16_t vu16 __attribute__((vector_size(NB / 2)));
+typedef uint32_t vu32 __attribute__((vector_size(NB)));
+typedef uint16_t vu16h __attribute__((vector_size(NB / 4)));
+typedef uint32_t vu32h __attribute__((vector_size(NB / 2)));
 inline vf splat(float v) { return vf{} + v; }
 struct bf16 { uint16_t bits; };  // bfloat16: the top half of a float32, widened exactly by a shift
 
-inline vf load(const float *p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline vf load(const bf16 *p) {
-    vu16 h;
+// the lane of the W-lane step that register lane j of sweep s holds
+constexpr int step_lane(int s, int j) { return j < H ? s * H + j : 8 + s * H + (j - H); }
+
+// Sweep s's lanes of the W elements at p: two runs of H elements, 8 apart, joined in registers
+// (__builtin_shufflevector, GCC 12+ and Clang; older GCC joins them through memory, slower:
+// a store of each half then a load of the whole stalls store forwarding).
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define LLMFLOW_SHUFFLE 1
+#endif
+#endif
+
+inline vfh load_half(const float *p) { vfh v; std::memcpy(&v, p, sizeof v); return v; }
+// Conversions between vectors of two sizes are written lane by lane: GCC 12 turns those into one
+// instruction (vpmovzxwd, vcvtps2pd) where __builtin_convertvector takes the vector apart.
+template <int... I>
+inline vfh load_half(const bf16 *p, std::integer_sequence<int, I...>) {
+    vu16h h;
     std::memcpy(&h, p, sizeof h);
-    vu32 w = __builtin_convertvector(h, vu32) << 16;
-    return (vf)w;
+    return (vfh)(vu32h{uint32_t(h[I])...} << 16);
 }
-inline vd half(vf x, int which) {  // 8 floats of x widened (memcpy: no __builtin_shufflevector in GCC 11)
-    vf8 h;
-    std::memcpy(&h, reinterpret_cast<const char *>(&x) + which * sizeof h, sizeof h);
-    return __builtin_convertvector(h, vd);
+inline vfh load_half(const bf16 *p) { return load_half(p, std::make_integer_sequence<int, H>{}); }
+template <int... I>
+inline vd widen(vfh h, std::integer_sequence<int, I...>) { return vd{double(h[I])...}; }
+#ifdef LLMFLOW_SHUFFLE
+template <int... I>
+inline vf join(vfh lo, vfh hi, std::integer_sequence<int, I...>) { return __builtin_shufflevector(lo, hi, I...); }
+template <int... I>
+inline vfh pick(vf x, std::integer_sequence<int, I...>) { return __builtin_shufflevector(x, x, I...); }
+template <int OFFSET, int... I>
+inline vfh pick_from(vf x, std::integer_sequence<int, I...>) { return pick(x, std::integer_sequence<int, (OFFSET + I)...>{}); }
+inline vf join(vfh lo, vfh hi) { return join(lo, hi, std::make_integer_sequence<int, NF>{}); }
+inline vfh lower(vf x) { return pick_from<0>(x, std::make_integer_sequence<int, H>{}); }
+inline vfh upper(vf x) { return pick_from<H>(x, std::make_integer_sequence<int, H>{}); }
+#else
+inline vf join(vfh lo, vfh hi) {
+    vf v;
+    std::memcpy(&v, &lo, sizeof lo);
+    std::memcpy(reinterpret_cast<char *>(&v) + sizeof lo, &hi, sizeof hi);
+    return v;
+}
+inline vfh lower(vf x) { vfh h; std::memcpy(&h, &x, sizeof h); return h; }
+inline vfh upper(vf x) { vfh h; std::memcpy(&h, reinterpret_cast<const char *>(&x) + sizeof h, sizeof h); return h; }
+#endif
+
+template <class T>
+inline vf load(const T *p, int s) {
+    if constexpr (H == 8) {  // one run: the whole step
+        if constexpr (sizeof(T) == 4) {
+            vf v;
+            std::memcpy(&v, p, sizeof v);
+            return v;
+        } else {
+            vu16 h;
+            std::memcpy(&h, p, sizeof h);
+            return (vf)(__builtin_convertvector(h, vu32) << 16);
+        }
+    } else {
+        return join(load_half(p + s * H), load_half(p + 8 + s * H));
+    }
+}
+
+inline vd half(vf x, int which) {  // H floats of x widened
+    return widen(which ? upper(x) : lower(x), std::make_integer_sequence<int, H>{});
 }
 inline vd widen_sum(vf x) { return half(x, 0) + half(x, 1); }
 inline vf vmax(vf m, vf x) { return x > m ? x : m; }  // NaN is caught by the sums, not here
@@ -156,54 +233,89 @@ struct Pass2 {  // the softmax sums, weights exp(a - max a) and exp(b - max b) o
     }
 };
 
-inline double hsum(vd v) { double s = 0; for (int i = 0; i < 8; i++) s += v[i]; return s; }
-inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < W; i++) m = v[i] > m ? v[i] : m; return m; }
-inline float hmin(vf v) { float m = v[0]; for (int i = 1; i < W; i++) m = v[i] < m ? v[i] : m; return m; }
+// The reductions of a sum's W lanes in lane order, over the SWEEPS registers that hold them
+// (lane order matters: it decides the float64 rounding, and which zero a max of -0 and 0 keeps).
+template <class P>
+double hsum(const P *p, vd P::*sum) {  // the W / 2 float64 lanes, sweep s holding s*H .. s*H+H-1
+    double t = 0;
+    for (int s = 0; s < SWEEPS; s++)
+        for (int j = 0; j < H; j++) t += (p[s].*sum)[j];
+    return t;
+}
+template <class P, class V>
+auto lane(const P *p, V P::*v, int l) {  // lane l of the W lanes (the inverse of step_lane)
+    int q = l % 8;
+    return (p[q / H].*v)[l < 8 ? q % H : H + q % H];
+}
+template <class P>
+float hmax(const P *p, vf P::*v) {
+    float m = lane(p, v, 0);
+    for (int l = 1; l < W; l++) m = lane(p, v, l) > m ? lane(p, v, l) : m;
+    return m;
+}
+template <class P>
+float hmin(const P *p, vf P::*v) {
+    float m = lane(p, v, 0);
+    for (int l = 1; l < W; l++) m = lane(p, v, l) < m ? lane(p, v, l) : m;
+    return m;
+}
+template <class P>
+int64_t count(const P *p, vi P::*c) {
+    int64_t t = 0;
+    for (int s = 0; s < SWEEPS; s++)
+        for (int j = 0; j < NF; j++) t += (p[s].*c)[j];
+    return t;
+}
 
+// sweep s of a row: its lanes of every step
 template <class P, class A, class B>
-void sweep(P &p, const A *a, const B *b, int64_t n) {
+void sweep(P &p, const A *a, const B *b, int64_t n, int s) {
     int64_t full = n - n % W;
     for (int64_t i0 = 0; i0 < full; i0 += BLOCK * W) {
         int64_t end = i0 + BLOCK * W < full ? i0 + BLOCK * W : full;
-        for (int64_t i = i0; i < end; i += W) p.template step<false>(load(a + i), load(b + i), vi{});
+        for (int64_t i = i0; i < end; i += W) p.template step<false>(load(a + i, s), load(b + i, s), vi{});
         p.flush();
     }
     if (full < n) {  // the last n % W elements, from a zero-padded copy (no read past the end)
         A ta[W] = {};
         B tb[W] = {};
         vi valid{};
-        for (int i = 0; i < W; i++) valid[i] = i < n - full ? -1 : 0;
+        for (int j = 0; j < NF; j++) valid[j] = step_lane(s, j) < n - full ? -1 : 0;
         std::memcpy(ta, a + full, (n - full) * sizeof(A));
         std::memcpy(tb, b + full, (n - full) * sizeof(B));
-        p.template step<true>(load(ta), load(tb), valid);
+        p.template step<true>(load(ta, s), load(tb, s), valid);
         p.flush();
     }
 }
 
 template <class P, class A, class B>
-void second_pass(P p, const A *a, const B *b, int64_t n, double *t) {
-    sweep(p, a, b, n);
-    t[0] = hsum(p.sa); t[1] = hsum(p.sb); t[2] = hsum(p.y); t[3] = hsum(p.z);
-    t[4] = hmin(p.na); t[5] = hsum(p.s_a); t[6] = hmin(p.nb); t[7] = hsum(p.s_b);
+void second_pass(const P &start, const A *a, const B *b, int64_t n, double *t) {
+    P p[SWEEPS];
+    for (int s = 0; s < SWEEPS; s++) {
+        p[s] = start;
+        sweep(p[s], a, b, n, s);
+    }
+    t[0] = hsum(p, &P::sa); t[1] = hsum(p, &P::sb); t[2] = hsum(p, &P::y); t[3] = hsum(p, &P::z);
+    t[4] = hmin(p, &P::na); t[5] = hsum(p, &P::s_a); t[6] = hmin(p, &P::nb); t[7] = hsum(p, &P::s_b);
 }
 
 // one row: its N_ROW values (the first loop reads a and b from memory, the second from cache)
 template <class A, class B>
 void one_row(const A *a, const B *b, int64_t n, double *r) {
-    Pass1 s;
-    sweep(s, a, b, n);
-    float ma = hmax(s.ma), mb = hmax(s.mb), spread = hmax(s.mad);
+    Pass1 p[SWEEPS];
+    for (int s = 0; s < SWEEPS; s++) sweep(p[s], a, b, n, s);
+    float ma = hmax(p, &Pass1::ma), mb = hmax(p, &Pass1::mb), spread = hmax(p, &Pass1::mad);
     const vf va = splat(ma), vb = splat(mb);
     const vf scale_b = splat(std::exp(mb - ma)), scale_ab = splat(std::exp(ma - mb));
     double t[8];
     if (spread < 0.0625f) second_pass(Pass2<SMALL>{va, vb, scale_b, scale_ab}, a, b, n, t);
     else if (spread < 1.0f) second_pass(Pass2<UNDER_ONE>{va, vb, scale_b, scale_ab}, a, b, n, t);
     else second_pass(Pass2<ANY>{va, vb, scale_b, scale_ab}, a, b, n, t);
-    int64_t c1 = 0, c5 = 0;
-    for (int i = 0; i < W; i++) { c1 += s.c1[i]; c5 += s.c5[i]; }
-    const double v[N_ROW] = {hsum(s.aa), hsum(s.bb), hsum(s.ab), hsum(s.dd), hmax(s.mad), hsum(s.sad),
-                             hmax(s.mrel), hsum(s.srel), double(c1), double(c5), ma, t[0], mb, t[1],
-                             t[2], t[3], t[4], t[5], t[6], t[7]};
+    const double v[N_ROW] = {hsum(p, &Pass1::aa), hsum(p, &Pass1::bb), hsum(p, &Pass1::ab),
+                             hsum(p, &Pass1::dd), hmax(p, &Pass1::mad), hsum(p, &Pass1::sad),
+                             hmax(p, &Pass1::mrel), hsum(p, &Pass1::srel), double(count(p, &Pass1::c1)),
+                             double(count(p, &Pass1::c5)), ma, t[0], mb, t[1], t[2], t[3], t[4], t[5],
+                             t[6], t[7]};
     std::memcpy(r, v, sizeof v);
 }
 
