@@ -1,8 +1,9 @@
 """The ``report`` stage: one self-contained HTML file from a verdict, compare tables and the run.
 
 A thin adapter over ``llmflow.report.html``: reads the bisect stage's ``verdict_file``, streams
-the compare stage's CSVs (``csv``: level -> path), reads each dump's ``env.json`` (``golden_dump``,
-``target_dump``) and the run's parameters (``<run-dir>/summary.json``), and writes ``report.html``.
+the compare stage's CSVs (``csv``: level -> path), reads each dump's ``env.json`` and
+``topology.json`` (``golden_dump``, ``target_dump``) and the run's parameters
+(``<run-dir>/summary.json``), and writes ``report.html``.
 Every input is optional. Links to the CSV/XLSX files are relative to the stage's final directory,
 so the run directory can be moved or zipped whole and the links still work.
 """
@@ -79,7 +80,8 @@ class ReportStage(Stage):
         run = {"env": {side: _env(ctx, p[f"{side}_dump"]) for side in ("golden", "target")
                        if p[f"{side}_dump"]}, **_run_record(ctx.run_dir)}
         out = write_report(ctx.out_dir / "report.html", title=p["title"], verdict=verdict, compare=levels,
-                           files=files, run=run, meta={"run": str(ctx.run_dir)}, max_rows=p["max_rows"])
+                           files=files, run=run, meta={"run": str(ctx.run_dir)}, max_rows=p["max_rows"],
+                           topology=_topology(ctx, [p["target_dump"], p["golden_dump"]]))
         ctx.summary["report"] = {"html": str(out)}
         ctx.log(f"{ctx.stage_id}: wrote {out.name} ({out.stat().st_size / 1e3:.0f} kB)")
         return {"html": str(out)}
@@ -109,6 +111,26 @@ def _env(ctx: StageContext, source: str) -> dict[str, Any] | None:
     except (UserError, OSError, ValueError) as exc:
         ctx.log(f"{ctx.stage_id}: no environment shown: {exc}")
         return None
+
+
+def _topology(ctx: StageContext, dumps: list[str | None]) -> dict[str, Any] | None:
+    """The module tree from the first of ``dumps`` that recorded one (``topology.json`` beside
+    its env.json); None when neither did (other formats)."""
+    for source in dumps:
+        if not source:
+            continue
+        path = ctx.resolve_path(source)
+        path = path / "topology.json" if path.is_dir() else path.with_name("topology.json")
+        try:
+            tree = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            ctx.log(f"{ctx.stage_id}: no module tree shown: {path}: {exc}")
+            continue
+        if isinstance(tree, dict):
+            return tree
+    return None
 
 
 def _run_record(run_dir: Path) -> dict[str, Any]:
