@@ -15,6 +15,8 @@ Sections, each shown only when its data is there:
   heat map     layer-output error per step and layer (compare rows of level "layer", 2+ steps)
   tree         the model's module tree at the replayed step (topology.json): own and raw error per
                module, the layers one collapsed row each, the chosen module open and highlighted
+  op panel     the first bad op's tensors (or the closest the dumps hold): error per head or channel,
+               its histogram, the worst elements, both sides' statistics, ``llmflow inspect`` commands
   candidates   the ranked modules, each linked to its compare rows; ops inside the chosen one;
                modules that could not be replayed and why; MoE routing differences
   logits       one table of the logits per step
@@ -227,14 +229,16 @@ def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
                   files: Sequence[tuple[str, str]] = (), run: Mapping[str, Any] | None = None,
                   tables: Mapping[str, list[Mapping[str, Any]]] | None = None,
                   meta: Mapping[str, Any] | None = None, max_rows: int = MAX_ROWS,
-                  topology: Mapping[str, Any] | None = None) -> str:
+                  topology: Mapping[str, Any] | None = None,
+                  op_panel: Mapping[str, Any] | None = None) -> str:
     """The whole HTML document as a string.
 
     ``verdict``: the bisect stage's verdict dict. ``compare``: level -> the compare stage's rows
     (or a ``LevelRows`` already summarised, with the CSV's relative link). ``files``: (label, href)
     links to files next to the page (CSV, XLSX). ``run``: {"params": the run's parameters,
     "env": {"golden": env.json dict, "target": ...}}. ``tables``: any other row tables by heading.
-    ``topology``: a dump's topology.json (the module tree).
+    ``topology``: a dump's topology.json (the module tree). ``op_panel``: ``html_op.op_panel``'s
+    dict for the first bad op (or the closest tensor the dumps hold).
     """
     v = dict(verdict or {})
     levels = summarize_levels(compare or {}, max_rows)
@@ -258,6 +262,7 @@ def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
         "curve_step": replay["step_label"] if replay else None,
         "heat": layer_heat_map(levels.get("layer"), v),
         "tree": _tree(topology, v if verdict else None, levels),
+        "op_panel": op_panel,
         "candidates": table_view(_with_row_links(list(v.get("candidates") or []), levels),
                                  table_id="t-candidates", highlight=v.get("first_bad_module"),
                                  max_rows=max_rows, lead=CANDIDATE_LEAD) if v.get("candidates") else None,
