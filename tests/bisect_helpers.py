@@ -232,6 +232,30 @@ def synthetic_verdict(n_layers: int = 12, bad_layer: int = 7, *, state: str = "f
     return v
 
 
+def synthetic_topology(n_layers: int = 12) -> dict:
+    """A Llama-shaped topology.json: embeddings, ``n_layers`` decoder layers (attention with four
+    projections, MLP with three and its activation, two norms), the final norm and the LM head."""
+    def node(name: str, type_: str, *children: dict) -> dict:
+        return {"name": name, "type": type_, "params": {}, "children": list(children)}
+
+    def layer(i: int) -> dict:
+        p = f"model.layers.{i}"
+        return node(p, "LlamaDecoderLayer",
+                    node(f"{p}.self_attn", "LlamaAttention",
+                         *(node(f"{p}.self_attn.{x}_proj", "Linear") for x in "qkvo")),
+                    node(f"{p}.mlp", "LlamaMLP", *(node(f"{p}.mlp.{x}", "Linear")
+                                                  for x in ("gate_proj", "up_proj", "down_proj")),
+                         node(f"{p}.mlp.act_fn", "SiLU")),
+                    node(f"{p}.input_layernorm", "LlamaRMSNorm"),
+                    node(f"{p}.post_attention_layernorm", "LlamaRMSNorm"))
+
+    return node("", "LlamaForCausalLM",
+                node("model", "LlamaModel", node("model.embed_tokens", "Embedding"),
+                     node("model.layers", "ModuleList", *(layer(i) for i in range(n_layers))),
+                     node("model.norm", "LlamaRMSNorm")),
+                node("lm_head", "Linear"))
+
+
 def synthetic_layer_rows(n_steps: int = 8, n_layers: int = 12, *, bad_step: int = 1, bad_layer: int = 7,
                          level: str = "layer") -> list[dict]:
     """Compare rows as the compare stage's CSV holds them (all strings): decoder-layer outputs

@@ -36,7 +36,7 @@ def run_precheck(dump: str | Path, out_dir: Path, options: PrecheckOptions, *, r
                  progress: Callable[[str, float | None], Any] | None = None) -> dict[str, Any]:
     """Precheck ``dump`` and write the files above; returns the result with ``files`` added.
     ``progress(description, total)`` returns a task with ``advance()``."""
-    from llmflow.report.tables import write_csv, write_xlsx
+    from llmflow.report.tables import equals_rule, write_csv, write_xlsx
 
     reader = open_dump(dump)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -65,7 +65,7 @@ def run_precheck(dump: str | Path, out_dir: Path, options: PrecheckOptions, *, r
               for api, c in result["counts"].items()]
     write_xlsx({"calls": result["rows"], "per api": counts}, files["xlsx"],
                columns={"calls": columns, "per api": ["api", "pass", "warn", "fail", "not checked"]},
-               marks=lambda r: {"status": r["status"]} if r.get("status") in ("fail", "warn") else {})
+               rules=[equals_rule("status", level, level) for level in ("fail", "warn")])
     summary = {k: result[k] for k in ("status", "headline", "first_fail", "counts", "totals", "perturbed")}
     summary["dump"] = str(reader.path)
     summary["problems"] = reader.problems()

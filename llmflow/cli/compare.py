@@ -18,6 +18,7 @@ found no partner; exit 1); INCONCLUSIVE when a dump reports problems (exit 3).
 from __future__ import annotations
 
 import argparse
+import logging
 import stat
 import sys
 import time
@@ -27,6 +28,7 @@ from typing import Any
 from llmflow.cli.common import console, verdict_line
 from llmflow.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INCONCLUSIVE, EXIT_PASSED, UserError
 
+log = logging.getLogger("llmflow.compare")  # -l/--log-level: debug adds each phase's timing
 _EXIT = {"pass": EXIT_PASSED, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
 _FLAGS = {"target_dtype": "--target-dtype", "levels": "-cl/--cmp-level", "thresholds": "--thresholds"}
 
@@ -123,6 +125,12 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+# the compact table of a tensor-file compare: one row per tensor
+FILE_COLUMNS = (("name", "name"), ("shape", "golden_shape"), ("dtype", "dtypes"),
+                ("cosine", "cosine_similarity"), ("max abs err", "max_absolute_error"),
+                ("verdict", "verdict"), ("why", "reason"))
+
+
 def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
     from rich.table import Table
 
@@ -130,14 +138,27 @@ def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
 
     rows = compare_files(args.golden_path, args.my_path, algorithms=args.custom_algorithms,
                          thresholds=thresholds, target_dtype=args.target_dtype)
-    table = Table(title=f"{args.golden_path} vs {args.my_path}")
-    table.add_column("metric")
-    for r in rows:
-        table.add_column(str(r["name"]))
-    keys = list(dict.fromkeys(k for r in rows for k in r if k != "name"))
-    for k in keys:
-        table.add_row(k, *(_fmt(r.get(k)) for r in rows))
-    console().print(table)
+    con = console()
+    if len(rows) == 1:  # one tensor: every metric, one per line
+        table = Table(title=f"{args.golden_path} vs {args.my_path}")
+        table.add_column("metric")
+        table.add_column(str(rows[0]["name"]))
+        for k, v in rows[0].items():
+            if k != "name":
+                table.add_row(k, _fmt(v))
+    else:
+        table = Table(title=f"{args.golden_path} vs {args.my_path}: {len(rows)} tensors paired by name")
+        for label, _ in FILE_COLUMNS:
+            table.add_column(label, justify="right" if label in ("cosine", "max abs err") else "left")
+        for r in rows:
+            shape = r.get("golden_shape") if r.get("golden_shape") == r.get("target_shape") else \
+                f"{r.get('golden_shape')} vs {r.get('target_shape')}" if "golden_shape" in r else ""
+            dtypes = r.get("golden_dtype") if r.get("golden_dtype") == r.get("target_dtype") else \
+                f"{r.get('golden_dtype')} vs {r.get('target_dtype')}" if "golden_dtype" in r else ""
+            cells = {**r, "golden_shape": "x".join(map(str, shape)) if isinstance(shape, list) else shape,
+                     "dtypes": dtypes, "reason": r.get("reason") if r.get("verdict") != "pass" else ""}
+            table.add_row(*(_fmt(cells.get(key)) for _, key in FILE_COLUMNS))
+    con.print(table)
     fails = [r["name"] for r in rows if r.get("verdict") == "fail"]
     verdict_line(not fails, f"{len(fails)} of {len(rows)} tensors fail" if fails else f"{len(rows)} tensors")
     return EXIT_FAILED if fails else EXIT_PASSED
@@ -164,15 +185,34 @@ def execute(args: argparse.Namespace) -> int:
         tensor = args.golden_path if kinds[0] == "tensor" else args.my_path
         raise UserError(f"{tensor}: a tensor file compares with another tensor file, "
                         "not with a dump directory")
-    golden, target = open_dump(args.golden_path), open_dump(args.my_path)
     con = console()
-    for side, reader in (("golden", golden), ("target", target)):
-        con.print(f"{side}: {reader.path} ({reader.format} dump)")
+    quiet = log.getEffectiveLevel() > logging.INFO  # -l warning/error: the tables and the verdict only
     out = Path(args.output or f"llmflow_compare_{time.strftime('%Y%m%d_%H%M%S')}")
-    staged = StagedDir(out, "-o")
-    opts.final_dir = str(staged.out)
-    with staged as tmp, con.status("comparing ..."):
-        result = compare_dumps(golden, target, tmp, opts)
+    with _progress(con, quiet) as bar:
+        # the bar is up from the start: reading the indexes of a big dump takes seconds
+        reading = bar.add_task("reading indexes", total=2)
+        readers = []
+        for side, path in (("golden", args.golden_path), ("target", args.my_path)):
+            t0 = time.perf_counter()
+            reader = open_dump(path)
+            n = len(reader.entries())
+            readers.append(reader)
+            bar.advance(reading)
+            log.debug("%s: %d entries indexed in %.2f s", side, n, time.perf_counter() - t0)
+            if not quiet:
+                con.print(f"{side}: {reader.path} ({reader.format} dump)")
+        pairing = bar.add_task("pairing", total=None)
+        started = time.perf_counter()
+
+        def progress(description: str, total: float | None) -> _Task:
+            bar.update(pairing, total=1, completed=1)  # the compare asks for its bar once paired
+            log.debug("paired: %s pairs in %.2f s", total, time.perf_counter() - started)
+            return _Task(bar, bar.add_task(description, total=total))
+
+        staged = StagedDir(out, "-o")
+        opts.final_dir = str(staged.out)
+        with staged as tmp:
+            result = compare_dumps(readers[0], readers[1], tmp, opts, progress=progress, log=log.debug)
     summary = result["summary"]
     _print_summary(con, summary, staged.out)
     for line in report_lines(summary):
@@ -180,6 +220,35 @@ def execute(args: argparse.Namespace) -> int:
     outcome = summary["outcome"]
     verdict_line(outcome["status"], outcome["headline"])
     return _EXIT.get(outcome["status"], EXIT_BAD_INPUT)
+
+
+class _Task:
+    """One bar of a rich Progress, as ``compare_dumps``'s ``progress`` callback returns it."""
+
+    def __init__(self, bar: Any, task_id: Any):
+        self.bar, self.id = bar, task_id
+
+    def advance(self, n: float = 1) -> None:
+        self.bar.advance(self.id, n)
+
+    def update(self, **kwargs: Any) -> None:
+        self.bar.update(self.id, **kwargs)
+
+
+def _progress(con: Any, quiet: bool) -> Any:
+    """The compare's progress bars (reading indexes, pairing, comparing), drawn on a terminal
+    only and cleared when done; none with ``-l warning`` or above."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=con, transient=True, disable=quiet)
 
 
 def _print_summary(con: Any, summary: dict[str, Any], out: Path) -> None:

@@ -1,8 +1,11 @@
-"""Compare two single tensor files (``llmflow compare -gp a.npy -mp b.npy``).
+"""Compare two tensor files (``llmflow compare -gp a.safetensors -mp b.safetensors``).
 
-Supported: ``.safetensors`` (one tensor, or several compared by key), ``.npy`` (never pickled
-objects) and ``.pt``/``.pth``/``.bin`` read with ``torch.load(weights_only=True)`` (a tensor, or a
-dict of tensors compared by key). Nothing is unpickled beyond what ``weights_only`` allows.
+Supported: ``.safetensors`` (one tensor, or several), ``.npy`` and ``.npz`` (never pickled
+objects) and ``.pt``/``.pth``/``.bin`` read with ``torch.load(weights_only=True)`` (a tensor, or
+dicts, lists and tuples of tensors, nested: each tensor named by its path, ``layers.0.weight``).
+Files of several tensors pair them by name (each side's extra names listed as unmatched); two
+files of one tensor each pair those whatever their names. Nothing is unpickled beyond what
+``weights_only`` allows.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from llmflow.compare.algorithms import load_algorithms, run_algorithm
 from llmflow.compare.metrics import compare_tensors, judge
 from llmflow.errors import UserError
 
-SUFFIXES = (".safetensors", ".npy", ".pt", ".pth", ".bin")
+SUFFIXES = (".safetensors", ".npy", ".npz", ".pt", ".pth", ".bin")
 
 
 def is_tensor_file(path: str | Path) -> bool:
@@ -37,18 +40,45 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
             import numpy as np
 
             return {"": torch.from_numpy(np.load(p, allow_pickle=False))}
+        if suffix == ".npz":
+            import numpy as np
+
+            with np.load(p, allow_pickle=False) as archive:
+                return {str(k): torch.from_numpy(archive[k]) for k in archive.files}
         if suffix in (".pt", ".pth", ".bin"):
             obj = torch.load(p, map_location="cpu", weights_only=True)
             if isinstance(obj, torch.Tensor):
                 return {"": obj}
-            if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-                return {str(k): v for k, v in obj.items()}
-            raise UserError(f"{p}: expected a tensor or a dict of tensors, got {type(obj).__name__}")
+            found: dict[str, torch.Tensor] = {}
+            other = _flatten(obj, "", found)
+            if found and other is None:
+                return found
+            what = other or type(obj).__name__
+            raise UserError(f"{p}: expected a tensor or dicts/lists of tensors, found {what}")
     except UserError:
         raise
     except Exception as exc:  # numpy/safetensors/torch each raise their own error types
         raise UserError(f"{p}: cannot read tensor file: {type(exc).__name__}: {exc}") from exc
     raise UserError(f"{p}: unsupported tensor file (expected one of {', '.join(SUFFIXES)})")
+
+
+def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> str | None:
+    """Tensors of nested dicts/lists/tuples into ``out`` by dotted path; the first thing that is
+    none of those (described), or None."""
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+        return None
+    if isinstance(obj, dict):
+        items: Any = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return f"{type(obj).__name__} at {prefix or 'the top level'}"
+    for k, v in items:
+        bad = _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+        if bad:
+            return bad
+    return None
 
 
 def compare_files(golden: str | Path, target: str | Path, *, algorithms: list[str] | None = None,

@@ -191,9 +191,6 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     order = [lv for lv in LEVELS if lv in streams]
     csvs = {lv: str(streams[lv].path) for lv in order}
     xlsx_path = out / "compare.xlsx" if opts.xlsx else None
-    if xlsx_path is not None:
-        write_sheets({lv: csvs[lv] for lv in order}, {lv: streams[lv].columns for lv in order}, xlsx_path,
-                     alg_names)
     final = Path(opts.final_dir) if opts.final_dir else out
 
     def named(p: str | Path) -> str:  # a path inside out_dir, as it will be found afterwards
@@ -208,6 +205,9 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
         missing_steps=pairing.missing, pairs=len(pairs), bytes=done["bytes"], seconds=round(seconds, 3),
         gb_per_s=round(done["bytes"] / seconds / 1e9, 3) if seconds > 0 else None,
         csv={lv: named(p) for lv, p in csvs.items()}, xlsx=named(xlsx_path) if xlsx_path else None))
+    if xlsx_path is not None:  # (after the summary: its first sheet is the summary)
+        write_sheets({lv: csvs[lv] for lv in order}, {lv: streams[lv].columns for lv in order}, xlsx_path,
+                     alg_names, summary=result)
     summary_file = out / SUMMARY_FILE
     summary_file.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
     if log is not None:

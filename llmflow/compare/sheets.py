@@ -1,13 +1,15 @@
 """The columns of a compare's tables, and its XLSX derived from the CSVs.
 
-One CSV per level, with a fixed header (so rows can be streamed); the XLSX has a sheet per level
-in which the cells that tripped are coloured, not whole rows: the metric beyond its limit (from
-the row's ``tripped`` column), the shapes of a shape mismatch, the NaN/Inf counts, and the verdict.
+One CSV per level, with a fixed header (so rows can be streamed). The XLSX opens on a "summary"
+sheet (the verdict and headline, per level the counts and the first failing row before the texts
+part), then has a sheet per level in which conditional-format rules colour the cells that tripped,
+not whole rows: the metric beyond its limit (from the row's ``tripped`` column), the shapes of a
+shape mismatch, the NaN/Inf counts, and the verdict.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from llmflow.compare.codes import Code
 from llmflow.compare.metrics import COUNT_COLUMNS, METRIC_COLUMNS
 from llmflow.compare.rows import ID_COLUMNS, LOGITS_COLUMNS, TAIL_COLUMNS
 from llmflow.compare.statistics import SIDE_COLUMNS, STAT_COLUMNS
-from llmflow.report.tables import read_csv_rows, write_xlsx
+from llmflow.report.tables import VERDICT_RULES, Rule, excel_text, read_csv_rows, write_xlsx
 
 # columns read back as text whatever they hold; ``index`` is a label (an integer where it is one)
 TEXT_COLUMNS = ("name", "target_name", "kind", "match", "module_type", "golden_dtype", "target_dtype",
@@ -57,27 +59,73 @@ def level_columns(level: str, stats: bool, tensors: bool, alg_names: Iterable[st
     return cols + tail
 
 
-def cell_marks(row: dict[str, Any]) -> dict[str, str]:
-    """The cells of one compare row to colour: ``{column: "fail" | "warn"}``."""
-    marks: dict[str, str] = {}
-    verdict = row.get("verdict")
-    if verdict in ("fail", "warn"):
-        marks["verdict"] = verdict
-    for item in str(row.get("tripped") or "").split(","):
-        metric, _, level = item.partition("=")
-        if level in ("fail", "warn"):
-            marks[metric] = level
-    cells, level = _CODE_CELLS.get(str(row.get("code") or ""), ((), ""))
-    for c in cells:
-        if c.endswith(("_nan", "_inf")) and not row.get(c):
-            continue  # only the counts that are not zero
-        marks[c] = level
-    return marks
+def cell_rules(columns: Iterable[str]) -> list[Rule]:
+    """The conditional formats of a level's sheet: the verdict of a fail/warn row, each metric
+    that its row's ``tripped`` lists (``metric=fail,...``), and the cells a problem code points at
+    (NaN/Inf counts only where not zero)."""
+    rules = list(VERDICT_RULES)
+    for metric in (c for c in columns if c in METRIC_COLUMNS or c in STAT_COLUMNS):
+        for level in ("fail", "warn"):
+            # commas on both sides: "max_relative_error" never matches inside another name
+            item = excel_text(f",{metric}={level},")
+            rules.append(Rule((metric,), level, f'ISNUMBER(SEARCH({item},","&{{tripped}}&","))'))
+    for code, (cells, level) in _CODE_CELLS.items():
+        counts = tuple(c for c in cells if c.endswith(("_nan", "_inf")))
+        plain = tuple(c for c in cells if c not in counts)
+        if plain:
+            rules.append(Rule(plain, level, "{code}=" + excel_text(code)))
+        if counts:
+            rules.append(Rule(counts, level, "AND({code}=" + excel_text(code) + ",{self}<>0)"))
+    return rules
+
+
+SUMMARY_COLUMNS = ("level", "verdict", "rows", "pass", "warn", "fail", "unmatched", "diverged",
+                   "first_fail_step", "first_fail_name", "first_fail_kind", "first_fail_index",
+                   "first_fail_code", "first_fail_reason", "first_warn_step", "first_warn_name")
+SUMMARY_RULES = (*VERDICT_RULES, Rule(("fail",), "fail", "{self}>0"), Rule(("warn",), "warn", "{self}>0"))
+
+
+def summary_sheet(summary: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[str, Any]]]:
+    """The summary sheet from compare_summary.json's dict: one row per level (counts by verdict,
+    rows after the texts part, the first failing and first warning row that is not among them)
+    and the lines above it (verdict, headline, state, dumps, where the texts part)."""
+    outcome = summary.get("outcome") or {}
+    parted = summary.get("divergence") or {}
+    lines: list[tuple[str, Any]] = [
+        ("verdict", outcome.get("status") or summary.get("verdict")), ("headline", outcome.get("headline")),
+        ("state", summary.get("state")),
+        ("golden dump", summary.get("golden_dump")), ("target dump", summary.get("target_dump")),
+    ]
+    if parted.get("first_differing_token") is not None:
+        lines.append(("texts part at token", parted["first_differing_token"]))
+        lines.append(("first failing row", "the first one before the texts part (later rows: diverged)"))
+    rows = []
+    for level, s in (summary.get("levels") or {}).items():
+        counts = s.get("counts") or {}
+        first, warn = s.get("first_fail") or {}, s.get("first_warn") or {}
+        rows.append({"level": level, "verdict": "fail" if counts.get("fail") else "warn" if counts.get("warn")
+                     else "pass", "rows": s.get("rows"),
+                     **{k: counts.get(k, 0) for k in ("pass", "warn", "fail", "unmatched")},
+                     "diverged": s.get("diverged", 0),
+                     **{f"first_fail_{k}": first.get(k)
+                        for k in ("step", "name", "kind", "index", "code", "reason")},
+                     "first_warn_step": warn.get("step"), "first_warn_name": warn.get("name")})
+    return rows, [(label, value) for label, value in lines if value is not None]
 
 
 def write_sheets(csvs: dict[str, str], columns: dict[str, list[str]], path: str | Path,
-                 alg_names: Iterable[str] = ()) -> None:
-    """compare.xlsx from the level CSVs (read back once, streamed)."""
+                 alg_names: Iterable[str] = (), summary: Mapping[str, Any] | None = None) -> None:
+    """compare.xlsx from the level CSVs (read back once, streamed), opening on the summary sheet
+    when ``summary`` (compare_summary.json's dict) is given."""
     text = TEXT_COLUMNS + tuple(f"{a}_message" for a in alg_names)
-    sheets = {lv: read_csv_rows(p, text, LABEL_COLUMNS) for lv, p in csvs.items()}
-    write_xlsx(sheets or {"empty": []}, path, columns=columns, marks=cell_marks)
+    sheets: dict[str, Any] = {}
+    all_columns: dict[str, list[str]] = dict(columns)
+    notes: dict[str, list[tuple[str, Any]]] = {}
+    if summary is not None:
+        sheets["summary"], notes["summary"] = summary_sheet(summary)
+        all_columns["summary"] = list(SUMMARY_COLUMNS)
+    sheets.update({lv: read_csv_rows(p, text, LABEL_COLUMNS) for lv, p in csvs.items()})
+    every = {c for cols in all_columns.values() for c in cols}
+    rules = [*SUMMARY_RULES[2:], *cell_rules(every)] if summary is not None else cell_rules(every)
+    write_xlsx(sheets or {"empty": []}, path, columns=all_columns, rules=rules, notes=notes,
+               freeze_after={"summary": "level"})

@@ -13,6 +13,10 @@ Sections, each shown only when its data is there:
   texts        golden and target generations token by token, the first difference marked
   curves       per-layer errors at the replayed step, raw (dumps) against isolated (replay)
   heat map     layer-output error per step and layer (compare rows of level "layer", 2+ steps)
+  tree         the model's module tree at the replayed step (topology.json): own and raw error per
+               module, the layers one collapsed row each, the chosen module open and highlighted
+  op panel     the first bad op's tensors (or the closest the dumps hold): error per head or channel,
+               its histogram, the worst elements, both sides' statistics, ``llmflow inspect`` commands
   candidates   the ranked modules, each linked to its compare rows; ops inside the chosen one;
                modules that could not be replayed and why; MoE routing differences
   logits       one table of the logits per step
@@ -38,6 +42,7 @@ from markupsafe import Markup
 from llmflow.report import html_verdict as hv
 from llmflow.report.html_compare import LevelRows, layer_heat_map, layer_number, summarize_level
 from llmflow.report.html_svg import charts
+from llmflow.report.html_tree import module_tree
 
 MAX_ROWS = 5000  # per table: a browser stays responsive, the CSV has the rest
 # columns a reader looks at first (the rest follow in the CSV's order)
@@ -223,13 +228,17 @@ def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
                   compare: Mapping[str, LevelRows | Iterable[Mapping[str, Any]]] | None = None,
                   files: Sequence[tuple[str, str]] = (), run: Mapping[str, Any] | None = None,
                   tables: Mapping[str, list[Mapping[str, Any]]] | None = None,
-                  meta: Mapping[str, Any] | None = None, max_rows: int = MAX_ROWS) -> str:
+                  meta: Mapping[str, Any] | None = None, max_rows: int = MAX_ROWS,
+                  topology: Mapping[str, Any] | None = None,
+                  op_panel: Mapping[str, Any] | None = None) -> str:
     """The whole HTML document as a string.
 
     ``verdict``: the bisect stage's verdict dict. ``compare``: level -> the compare stage's rows
     (or a ``LevelRows`` already summarised, with the CSV's relative link). ``files``: (label, href)
     links to files next to the page (CSV, XLSX). ``run``: {"params": the run's parameters,
     "env": {"golden": env.json dict, "target": ...}}. ``tables``: any other row tables by heading.
+    ``topology``: a dump's topology.json (the module tree). ``op_panel``: ``html_op.op_panel``'s
+    dict for the first bad op (or the closest tensor the dumps hold).
     """
     v = dict(verdict or {})
     levels = summarize_levels(compare or {}, max_rows)
@@ -252,6 +261,8 @@ def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
         "charts": charts(v.get("curves") or {}, mark_x=layer_number(layer) if layer else None),
         "curve_step": replay["step_label"] if replay else None,
         "heat": layer_heat_map(levels.get("layer"), v),
+        "tree": _tree(topology, v if verdict else None, levels),
+        "op_panel": op_panel,
         "candidates": table_view(_with_row_links(list(v.get("candidates") or []), levels),
                                  table_id="t-candidates", highlight=v.get("first_bad_module"),
                                  max_rows=max_rows, lead=CANDIDATE_LEAD) if v.get("candidates") else None,
@@ -269,6 +280,23 @@ def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
                   for i, (name, rows) in enumerate((tables or {}).items())],
     }
     return _env().get_template("report.html.j2").render(ctx)
+
+
+def _tree(topology: Mapping[str, Any] | None, v: Mapping[str, Any] | None,
+          levels: Mapping[str, LevelRows]) -> dict[str, Any] | None:
+    """The module tree with each module's raw error at the replayed step (its compare rows)."""
+    step = ((v or {}).get("replay") or {}).get("step")
+    raw: dict[str, float] = {}
+    verdicts: dict[str, str] = {}
+    for lv in levels.values():
+        for (name, at), (err, verdict) in lv.outputs.items():
+            if at == step:
+                raw.setdefault(name, err)
+                verdicts.setdefault(name, verdict)
+    tree = module_tree(topology, v, raw, verdicts)
+    if tree is not None:
+        tree["step_label"] = hv.step_label(step) if step is not None else None
+    return tree
 
 
 @cache

@@ -87,6 +87,9 @@ class LevelRows:
     matches: Counter = field(default_factory=Counter)  # match kind of the compared rows
     reasons: Counter = field(default_factory=Counter)  # (why, match, kind) of the others
     grid: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # layer level only
+    # (name, step) -> (relative L2 error, verdict) of each compared module output: the module
+    # tree's raw errors and a module's error per step
+    outputs: dict[tuple[str, int], tuple[float, str]] = field(default_factory=dict)
 
     def shown_names(self) -> Counter:
         """Compared rows in the page per tensor name (what a candidate's link can show)."""
@@ -118,6 +121,7 @@ def summarize_level(level: str, rows: Iterable[Mapping[str, Any]], *, max_rows: 
             out.reasons[(why_not_compared(match, kind, str(row.get("reason") or "")), match, kind)] += 1
             continue
         name = str(row.get("name"))
+        _output_error(out.outputs, name, row)
         if name in shown_elsewhere:
             out.elsewhere += 1
             continue
@@ -139,6 +143,15 @@ def summarize_level(level: str, rows: Iterable[Mapping[str, Any]], *, max_rows: 
             _grid_cell(out.grid, row)
     out.compared = [parse_row(r) for _, r in sorted(kept, key=lambda kr: kr[0], reverse=True)]
     return out
+
+
+def _output_error(outputs: dict[tuple[str, int], tuple[float, str]], name: str,
+                  row: Mapping[str, Any]) -> None:
+    if str(row.get("kind") or "output") != "output" or str(row.get("index") or "0") != "0":
+        return
+    step, err = parse_cell(row.get("step")), parse_cell(row.get("relative_euclidean_distance"))
+    if isinstance(step, int) and isinstance(err, (int, float)) and not isinstance(err, bool):
+        outputs.setdefault((name, step), (float(err), str(row.get("verdict") or "")))
 
 
 def _grid_cell(grid: dict[tuple[int, int], dict[str, Any]], row: Mapping[str, Any]) -> None:

@@ -8,6 +8,10 @@ one rule for what is a number.
 Names in a dump come from someone else's model code and end up in cells a person opens in Excel:
 ``safe_cell`` makes sure no text cell can start a formula (``=``, ``+``, ``-``, ``@``, and the tab /
 carriage return tricks) by prefixing ``'``. Numbers stay numbers.
+
+Colours are conditional-format rules (``Rule``), not fills: the workbook's own formulas, built here
+from column names and constants, never from a cell's text, so a user who sorts, filters or edits a
+sheet keeps the colours on the right cells.
 """
 
 from __future__ import annotations
@@ -16,20 +20,22 @@ import csv
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CsvStream", "columns_of", "parse_cell", "read_csv_rows", "safe_cell", "write_csv", "write_xlsx"]
+__all__ = ["CsvStream", "Rule", "columns_of", "parse_cell", "read_csv_rows", "safe_cell", "write_csv",
+           "write_xlsx"]
 
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n", "\uff1d", "\uff0b", "\uff0d", "\uff20")
 FILLS = {"fail": "FFC7CE", "warn": "FFEB9C"}  # Excel's own "bad" red and "neutral" yellow
 NUMBER_FORMAT = "0.000000"  # metrics; large/small magnitudes get the scientific format below
 SCI_FORMAT = "0.000E+00"
 WIDTH_SAMPLE = 1000  # rows read ahead to size the columns (the rest stream past)
-MAX_WIDTH = 60
-Marks = Callable[[dict[str, Any]], dict[str, str]]  # row -> {column: "fail" | "warn"}
+MIN_WIDTH, MAX_WIDTH = 6, 60  # autofit bounds, in characters
+FREEZE_AFTER = "name"  # by default the panes freeze right of this column (and below the header)
 
 
 def safe_cell(value: Any) -> Any:
@@ -103,10 +109,33 @@ def _xlsx_value(value: Any) -> Any:
     return v
 
 
-def verdict_marks(row: dict[str, Any]) -> dict[str, str]:
-    """The default cell marks: the ``verdict`` cell of a fail or warn row."""
-    v = row.get("verdict")
-    return {"verdict": v} if v in FILLS else {}
+@dataclass(frozen=True)
+class Rule:
+    """A conditional format: the cells of ``columns`` coloured ``level`` (fail red, warn yellow)
+    in the rows where ``condition`` holds.
+
+    ``condition`` is an Excel formula for one row: ``{self}`` stands for the cell being coloured,
+    ``{NAME}`` for column NAME's cell in the same row. It is built from column names and
+    constants only (``excel_text`` quotes a constant); a rule naming a column the sheet lacks is
+    left out.
+    """
+
+    columns: tuple[str, ...]
+    level: str
+    condition: str
+
+
+def excel_text(text: str) -> str:
+    """``text`` as an Excel string literal (quotes doubled; braces doubled for ``Rule``'s format)."""
+    return '"' + text.replace('"', '""').replace("{", "{{").replace("}", "}}") + '"'
+
+
+def equals_rule(column: str, value: str, level: str) -> Rule:
+    """Colour ``column``'s cell where it holds ``value``."""
+    return Rule((column,), level, "{self}=" + excel_text(value))
+
+
+VERDICT_RULES = (equals_rule("verdict", "fail", "fail"), equals_rule("verdict", "warn", "warn"))
 
 
 def _shown_width(value: Any) -> int:
@@ -117,22 +146,23 @@ def _shown_width(value: Any) -> int:
     return len(str(value))
 
 
-def write_xlsx(sheets: dict[str, Sequence[dict[str, Any]] | Iterable[dict[str, Any]]], path: str | Path,
-               columns: dict[str, Sequence[str]] | None = None, marks: Marks | None = None) -> None:
-    """One sheet per key (sheet names made Excel-safe): bold frozen header, autofilter, columns
-    sized to their content (the first ``WIDTH_SAMPLE`` rows), numbers stored as numbers, text
-    formula-safe. ``marks(row)`` names the cells to colour (fail red, warn yellow), by default the
-    verdict cell. Rows are streamed."""
+def write_xlsx(sheets: Mapping[str, Sequence[dict[str, Any]] | Iterable[dict[str, Any]]], path: str | Path,
+               columns: Mapping[str, Sequence[str]] | None = None, rules: Sequence[Rule] = VERDICT_RULES,
+               notes: Mapping[str, Sequence[tuple[str, Any]]] | None = None,
+               freeze_after: Mapping[str, str] | None = None) -> None:
+    """One sheet per key, in order (sheet names made Excel-safe): bold header, autofilter, columns
+    autofit to their content (the first ``WIDTH_SAMPLE`` rows, within ``MIN_WIDTH``..``MAX_WIDTH``),
+    panes frozen below the header and right of the name columns (``freeze_after[sheet]``, else
+    ``FREEZE_AFTER`` where the sheet has it), numbers stored as numbers, text formula-safe.
+    ``rules``: the conditional formats of every sheet (by default the verdict cell of a fail or warn
+    row). ``notes[sheet]``: (label, value) lines above that sheet's table. Rows are streamed."""
     from openpyxl import Workbook
     from openpyxl.cell import WriteOnlyCell
-    from openpyxl.styles import Font, PatternFill
-    from openpyxl.utils import get_column_letter
+    from openpyxl.styles import Font
 
-    marks = marks or verdict_marks
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     wb = Workbook(write_only=True)
-    fills = {k: PatternFill("solid", start_color=c, end_color=c) for k, c in FILLS.items()}
     bold = Font(bold=True)
     used: set[str] = set()
     for name, rows in (sheets or {"empty": []}).items():
@@ -144,10 +174,18 @@ def write_xlsx(sheets: dict[str, Sequence[dict[str, Any]] | Iterable[dict[str, A
         it = iter(rows)
         head = list(islice(it, WIDTH_SAMPLE))
         ws = wb.create_sheet(_sheet_title(name, used))
-        for i, c in enumerate(cols, start=1):
-            width = max([len(str(c)) + 3] + [_shown_width(_xlsx_value(r.get(c))) + 1 for r in head])
-            ws.column_dimensions[get_column_letter(i)].width = min(width, MAX_WIDTH)
-        ws.freeze_panes = "A2"
+        lines = list((notes or {}).get(name) or [])
+        top = len(lines) + 1 + bool(lines)  # the header's row
+        # (write-only: widths and panes go out with the first row, so they are set before it)
+        _autofit(ws, cols, head, lines)
+        after = (freeze_after or {}).get(name, FREEZE_AFTER)
+        ws.freeze_panes = _cell_ref(cols.index(after) + 1 if after in cols else 0, top + 1)
+        for label, value in lines:
+            cell = WriteOnlyCell(ws, value=_xlsx_value(label))
+            cell.font = bold
+            ws.append([cell, _xlsx_value(value)])
+        if lines:
+            ws.append([])
         header = []
         for c in cols:
             cell = WriteOnlyCell(ws, value=_xlsx_value(c))
@@ -156,26 +194,65 @@ def write_xlsx(sheets: dict[str, Sequence[dict[str, Any]] | Iterable[dict[str, A
         ws.append(header)
         n = 0
         for row in chain(head, it):
-            marked = marks(row)
             out = []
             for c in cols:
                 v = _xlsx_value(row.get(c))
-                fill = fills.get(marked.get(c, ""))
-                if isinstance(v, float) or fill is not None:
+                if isinstance(v, float):
                     cell = WriteOnlyCell(ws, value=v)
-                    if isinstance(v, float):
-                        sci = v != 0 and not 1e-4 <= abs(v) < 1e6
-                        cell.number_format = SCI_FORMAT if sci else NUMBER_FORMAT
-                    if fill is not None:
-                        cell.fill = fill
+                    sci = v != 0 and not 1e-4 <= abs(v) < 1e6
+                    cell.number_format = SCI_FORMAT if sci else NUMBER_FORMAT
                     out.append(cell)
                 else:
                     out.append(v)
             ws.append(out)
             n += 1
         if cols:
-            ws.auto_filter.ref = f"A1:{get_column_letter(len(cols))}{n + 1}"
+            ws.auto_filter.ref = f"{_cell_ref(0, top)}:{_cell_ref(len(cols) - 1, top + max(n, 1))}"
+            _add_rules(ws, cols, rules, top + 1, top + max(n, 1))
     wb.save(path)
+
+
+def _cell_ref(col: int, row: int, *, fixed_col: bool = False) -> str:
+    """``(0, 2)`` -> "A2" (``col`` counted from 0); ``fixed_col``: "$A2"."""
+    from openpyxl.utils import get_column_letter
+
+    return ("$" if fixed_col else "") + get_column_letter(col + 1) + str(row)
+
+
+def _autofit(ws: Any, cols: Sequence[str], head: Sequence[dict[str, Any]],
+             lines: Sequence[tuple[str, Any]]) -> None:
+    """Each column as wide as its widest header or cell in ``head`` (the notes' labels count in
+    the first column, their values in the second), within ``MIN_WIDTH``..``MAX_WIDTH``."""
+    from openpyxl.utils import get_column_letter
+
+    widths = [max([len(str(c)) + 3] + [_shown_width(_xlsx_value(r.get(c))) + 1 for r in head]) for c in cols]
+    for i, part in enumerate(zip(*lines, strict=True)):
+        if i < len(widths):
+            widths[i] = max([widths[i]] + [_shown_width(_xlsx_value(v)) + 1 for v in part])
+    for i, width in enumerate(widths):
+        ws.column_dimensions[get_column_letter(i + 1)].width = min(max(width, MIN_WIDTH), MAX_WIDTH)
+
+
+def _add_rules(ws: Any, cols: Sequence[str], rules: Sequence[Rule], first: int, last: int) -> None:
+    """The sheet's conditional formats over its data rows ``first``..``last``."""
+    from openpyxl.formatting.rule import FormulaRule
+    from openpyxl.styles import PatternFill
+
+    where = {c: i for i, c in enumerate(cols)}
+    for rule in rules:
+        if rule.level not in FILLS:
+            raise ValueError(f"rule level {rule.level!r}: one of {sorted(FILLS)}")
+        targets = [where[c] for c in rule.columns if c in where]
+        refs = {c: _cell_ref(i, first, fixed_col=True) for c, i in where.items()}
+        try:
+            formulas = [rule.condition.format(self=_cell_ref(i, first), **refs) for i in targets]
+        except KeyError:
+            continue  # the rule reads a column this sheet does not have
+        colour = FILLS[rule.level]
+        fill = PatternFill(start_color=colour, end_color=colour, fill_type="solid")
+        for i, formula in zip(targets, formulas, strict=True):
+            ws.conditional_formatting.add(f"{_cell_ref(i, first)}:{_cell_ref(i, last)}",
+                                          FormulaRule(formula=[formula], fill=fill))
 
 
 def _sheet_title(name: str, used: set[str]) -> str:

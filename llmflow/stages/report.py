@@ -1,8 +1,9 @@
 """The ``report`` stage: one self-contained HTML file from a verdict, compare tables and the run.
 
 A thin adapter over ``llmflow.report.html``: reads the bisect stage's ``verdict_file``, streams
-the compare stage's CSVs (``csv``: level -> path), reads each dump's ``env.json`` (``golden_dump``,
-``target_dump``) and the run's parameters (``<run-dir>/summary.json``), and writes ``report.html``.
+the compare stage's CSVs (``csv``: level -> path), reads each dump's ``env.json`` and
+``topology.json`` (``golden_dump``, ``target_dump``) and the run's parameters
+(``<run-dir>/summary.json``), and writes ``report.html``.
 Every input is optional. Links to the CSV/XLSX files are relative to the stage's final directory,
 so the run directory can be moved or zipped whole and the links still work.
 """
@@ -67,8 +68,12 @@ class ReportStage(Stage):
         hrefs = {level: _href(path, ctx.final_dir) for level, path in paths.items()}
         files += [(path.name, hrefs[level]) for level, path in paths.items()]
 
+        tap = _RowTap(verdict)
+
         def rows_of(path: Path) -> Iterator[dict[str, Any]]:
-            yield from _csv_rows(path, ctx.stage_id)
+            for row in _csv_rows(path, ctx.stage_id):
+                tap.see(row)
+                yield row
             task.advance()
 
         levels = summarize_levels({level: rows_of(path) for level, path in paths.items()}, p["max_rows"],
@@ -78,8 +83,11 @@ class ReportStage(Stage):
             files.append((xlsx.name, _href(xlsx, ctx.final_dir)))
         run = {"env": {side: _env(ctx, p[f"{side}_dump"]) for side in ("golden", "target")
                        if p[f"{side}_dump"]}, **_run_record(ctx.run_dir)}
+        panel = _op_panel(ctx, tap, p["golden_dump"], p["target_dump"], run["env"]) \
+            if p["golden_dump"] and p["target_dump"] else None
         out = write_report(ctx.out_dir / "report.html", title=p["title"], verdict=verdict, compare=levels,
-                           files=files, run=run, meta={"run": str(ctx.run_dir)}, max_rows=p["max_rows"])
+                           files=files, run=run, meta={"run": str(ctx.run_dir)}, max_rows=p["max_rows"],
+                           topology=_topology(ctx, [p["target_dump"], p["golden_dump"]]), op_panel=panel)
         ctx.summary["report"] = {"html": str(out)}
         ctx.log(f"{ctx.stage_id}: wrote {out.name} ({out.stat().st_size / 1e3:.0f} kB)")
         return {"html": str(out)}
@@ -109,6 +117,106 @@ def _env(ctx: StageContext, source: str) -> dict[str, Any] | None:
     except (UserError, OSError, ValueError) as exc:
         ctx.log(f"{ctx.stage_id}: no environment shown: {exc}")
         return None
+
+
+class _RowTap:
+    """Keeps, while the compare rows stream past, the rows the op panel may show: every step of
+    the first bad op, module and layer (the finest the dumps hold is shown), and the first
+    failing row before the texts part (shown when the dumps hold none of those)."""
+
+    def __init__(self, verdict: dict[str, Any] | None):
+        v = verdict or {}
+        finest_first = (v.get("first_bad_op"), v.get("first_bad_module"), v.get("first_bad_layer"))
+        self.wanted = [str(n) for n in finest_first if n]
+        self.rows: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in self.wanted}
+        self.first_fail: dict[str, Any] | None = None
+        replay = v.get("replay") if isinstance(v.get("replay"), dict) else {}
+        self.step = replay.get("step")  # the replayed step: the one the panel shows when it can
+
+    def see(self, row: dict[str, Any]) -> None:
+        if not row.get("golden_data_path") or not row.get("target_data_path"):
+            return
+        if str(row.get("kind") or "output") != "output" or row.get("index") not in (0, None):
+            return
+        name = str(row.get("name"))
+        if name in self.rows and isinstance(row.get("step"), int):
+            self.rows[name].setdefault(row["step"], row)
+        if self.first_fail is None and row.get("verdict") == "fail" and not row.get("diverged"):
+            self.first_fail = row
+
+    def pick(self, step: Any) -> tuple[dict[str, Any], int] | None:
+        """The row to show, and which of wanted it is (len(wanted): the first failing row)."""
+        for i, name in enumerate(self.wanted):
+            by_step = self.rows[name]
+            if by_step:
+                return by_step.get(step) or by_step[min(by_step)], i
+        return (self.first_fail, len(self.wanted)) if self.first_fail else None
+
+
+_WHAT = ("the first bad op's output", "the chosen module's output (the dumps hold no tensors of its ops)",
+         "the first bad layer's output (the dumps hold no tensors of the chosen module or its ops)",
+         "the first failing compare row before the texts part")
+
+
+def _op_panel(ctx: StageContext, tap: _RowTap, golden_dump: str, target_dump: str,
+              envs: dict[str, Any]) -> dict[str, Any] | None:
+    """The op panel from the two tensors of the row ``tap`` picked, loaded through the dump
+    readers by the row's locators; None (and a log line) when there is no row or a side cannot
+    be read."""
+    from llmflow.formats import open_dump
+    from llmflow.formats.describe import find_entries
+    from llmflow.report.html_op import inspect_command, op_panel
+
+    picked = tap.pick(tap.step)
+    if picked is None:
+        return None
+    row, which = picked
+    dumps = {"golden": ctx.resolve_path(golden_dump), "target": ctx.resolve_path(target_dump)}
+    tensors = {}
+    try:
+        for side, dump in dumps.items():
+            reader = open_dump(dump)
+            entry = find_entries(reader, str(row[f"{side}_data_path"]), step=None)[0]
+            tensors[side] = reader.load(entry)
+    except Exception as exc:  # a damaged or moved dump: the page goes on without the panel
+        ctx.log(f"{ctx.stage_id}: no op panel: {row.get('name')} step {row.get('step')}: {exc}")
+        return None
+    config = ((envs.get("target") or envs.get("golden") or {}).get("model_config") or {})
+    heads = config.get("num_attention_heads")
+    name = str(row.get("name"))
+    by_step = {s: float(r["relative_euclidean_distance"]) for s, r in tap.rows.get(name, {}).items()
+               if isinstance(r.get("relative_euclidean_distance"), (int, float))}
+    parted = [s for s, r in tap.rows.get(name, {}).items() if r.get("diverged")]
+    return op_panel(tensors["golden"], tensors["target"], name=name, step=row.get("step"), what=_WHAT[which],
+                    commands=[inspect_command(str(dumps[side]), str(row[f"{side}_data_path"]))
+                              for side in ("golden", "target")],
+                    heads=heads if isinstance(heads, int) else None,
+                    golden_dtype=str(row.get("golden_dtype") or ""),
+                    target_dtype=str(row.get("target_dtype") or ""),
+                    per_step=by_step if len(by_step) > 1 else None,
+                    per_step_label=f"raw error of {name}'s output per step "
+                                   "(compare rows; grey: after the texts part)",
+                    diverged_after=min(parted) - 1 if parted else None)
+
+
+def _topology(ctx: StageContext, dumps: list[str | None]) -> dict[str, Any] | None:
+    """The module tree from the first of ``dumps`` that recorded one (``topology.json`` beside
+    its env.json); None when neither did (other formats)."""
+    for source in dumps:
+        if not source:
+            continue
+        path = ctx.resolve_path(source)
+        path = path / "topology.json" if path.is_dir() else path.with_name("topology.json")
+        try:
+            tree = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            ctx.log(f"{ctx.stage_id}: no module tree shown: {path}: {exc}")
+            continue
+        if isinstance(tree, dict):
+            return tree
+    return None
 
 
 def _run_record(run_dir: Path) -> dict[str, Any]:

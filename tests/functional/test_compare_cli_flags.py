@@ -1,5 +1,6 @@
 """msit's flags of ``llmflow compare``, run the user's way (a subprocess): ``-w`` points to the
-weight_check workflow, a level the dumps have no rows of says so."""
+weight_check workflow, a level the dumps have no rows of says so, ``-l`` sets the log level, two
+multi-tensor files pair by name into a compact table, the progress bar is up from the start."""
 
 from __future__ import annotations
 
@@ -8,15 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from compare_helpers import as_dump  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def llmflow(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def llmflow(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "llmflow", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"})
+                          timeout=120, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1", **env})
 
 
 def test_w_points_to_the_weight_check_workflow(tmp_path):
@@ -41,3 +48,69 @@ def test_a_level_without_rows_says_so(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "level api: the golden dump and the target dump have no api rows (only logits, layer, module)" \
         in done.stdout.splitlines()
+
+
+def test_l_sets_the_log_level(tmp_path):
+    g, t = as_dump(tmp_path, "g", steps=[0]), as_dump(tmp_path, "t", steps=[0])
+    debug = llmflow("compare", "-gp", str(g), "-mp", str(t), "-o", "a", "-l", "debug", cwd=tmp_path)
+    assert debug.returncode == 0, debug.stdout + debug.stderr
+    assert "DEBUG llmflow.compare: golden: " in debug.stderr and "entries indexed in" in debug.stderr
+    assert "DEBUG llmflow.compare: paired: " in debug.stderr
+    info = llmflow("compare", "-gp", str(g), "-mp", str(t), "-o", "b", cwd=tmp_path)
+    assert info.returncode == 0 and "DEBUG" not in info.stderr and f"golden: {g}" in info.stdout
+    quiet = llmflow("compare", "-gp", str(g), "-mp", str(t), "-o", "c", "-l", "error", cwd=tmp_path)
+    assert quiet.returncode == 0 and "golden: " not in quiet.stdout and quiet.stderr == ""
+    assert quiet.stdout.strip().splitlines()[-1].startswith("PASSED")
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt", "npz"])
+def test_two_multi_tensor_files_pair_by_name_in_a_compact_table(tmp_path, fmt):
+    gen = torch.Generator().manual_seed(0)
+    golden = {f"layers.{i}.{w}": torch.randn(8, 4, generator=gen) for i in range(20) for w in ("q", "k")}
+    golden["only_golden"] = torch.ones(2)
+    target = {k: v.clone() for k, v in reversed(golden.items()) if k != "only_golden"}  # another order
+    target["layers.7.k"] = -target["layers.7.k"]
+    if fmt == "safetensors":
+        save_file(golden, str(tmp_path / "g.safetensors"))
+        save_file(target, str(tmp_path / "t.safetensors"))
+    elif fmt == "pt":  # nested: named by path
+        torch.save({"layers": [{w: golden[f"layers.{i}.{w}"] for w in "qk"} for i in range(20)],
+                    "only_golden": golden["only_golden"]}, tmp_path / "g.pt")
+        torch.save({"layers": [{w: target[f"layers.{i}.{w}"] for w in "qk"} for i in range(20)]},
+                   tmp_path / "t.pt")
+    else:
+        np.savez(tmp_path / "g.npz", **{k: v.numpy() for k, v in golden.items()})
+        np.savez(tmp_path / "t.npz", **{k: v.numpy() for k, v in target.items()})
+    done = llmflow("compare", "-gp", f"g.{fmt}", "-mp", f"t.{fmt}", cwd=tmp_path, COLUMNS="160")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "FAILED: 1 of 41 tensors fail"
+    assert "41 tensors paired by name" in done.stdout
+    header = next(line for line in lines if "max abs err" in line)
+    assert [c.strip() for c in header.strip("┃│ ").split("┃")][:6] == ["name", "shape", "dtype", "cosine",
+                                                                    "max abs err", "verdict"]
+    rows = {line.split("│")[1].strip(): line for line in lines if line.startswith("│")}
+    rows.pop("", None)  # (a long reason wraps onto a line of its own)
+    assert len(rows) == 41 and all(len(line) <= 160 for line in lines)  # one row per tensor
+    assert "fail" in rows["layers.7.k"] and "-1" in rows["layers.7.k"] and "8x4" in rows["layers.7.k"]
+    assert "pass" in rows["layers.3.q"] and "unmatched" in rows["only_golden"]
+
+
+def test_a_file_of_another_kind_is_one_line(tmp_path):
+    torch.save({"a": torch.ones(2), "b": 3}, tmp_path / "g.pt")
+    torch.save({"a": torch.ones(2)}, tmp_path / "t.pt")
+    done = llmflow("compare", "-gp", "g.pt", "-mp", "t.pt", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "error: g.pt: expected a tensor or dicts/lists of tensors, found int at b"
+
+
+def test_the_progress_bar_is_up_from_the_start(tmp_path):
+    g, t = as_dump(tmp_path, "g", steps=[0, 1]), as_dump(tmp_path, "t", steps=[0, 1])
+    done = llmflow("compare", "-gp", str(g), "-mp", str(t), "-o", "out", cwd=tmp_path,
+                   TTY_INTERACTIVE="1", TTY_COMPATIBLE="1", COLUMNS="120")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    # reading the indexes, pairing and comparing each have a bar, in that order
+    assert 0 <= out.index("reading indexes") < out.index("pairing") < out.index("compare ")
+    assert "2/2" in out  # the indexes bar counts the two dumps
+    assert out.strip().splitlines()[-1].startswith("PASSED")

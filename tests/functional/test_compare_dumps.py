@@ -17,6 +17,7 @@ from llmflow.compare.run import CompareOptions, compare_dumps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from compare_helpers import as_dump, model_items, reader, write_dump  # noqa: E402
+from xlsx_rules import coloured_cells  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "plugins" / "example_algorithm.py")
@@ -50,17 +51,18 @@ def test_bf16_target_passes_and_a_fault_is_the_first_failing_layer(tmp_path: Pat
     assert (
         summary["verdict"] == "fail" and summary["levels"]["layer"]["first_fail"]["name"] == "model.layers.2"
     )
-    # the xlsx has one sheet per level; in a failing row the metric that tripped and the verdict
-    # are red, the rest is not coloured; numbers are numbers
+    # the xlsx opens on the summary, then one sheet per level; in a failing row the rules colour
+    # the metric that tripped and the verdict red, the rest not; numbers are numbers
     wb = openpyxl.load_workbook(res["xlsx"])
-    assert wb.sheetnames == ["logits", "layer", "module"]
+    assert wb.sheetnames == ["summary", "logits", "layer", "module"]
     ws = wb["layer"]
     header = [c.value for c in ws[1]]
     col = {name: i for i, name in enumerate(header)}
+    assert ws.freeze_panes == f"{openpyxl.utils.get_column_letter(col['name'] + 2)}2"
     fails = [r for r in ws.iter_rows(min_row=2) if r[col["verdict"]].value == "fail"]
     assert fails
-    red = {header[i] for i, c in enumerate(fails[0])
-           if c.fill.fill_type and c.fill.start_color.rgb.endswith("FFC7CE")}
+    coloured = coloured_cells(ws)
+    red = {header[i] for i, c in enumerate(fails[0]) if coloured.get(c.coordinate) == "fail"}
     tripped = {item.partition("=")[0] for item in fails[0][col["tripped"]].value.split(",")}
     # a scaled layer keeps its direction (cosine 1): the distance trips
     assert red == tripped | {"verdict"} and "relative_euclidean_distance" in tripped
@@ -69,6 +71,23 @@ def test_bf16_target_passes_and_a_fault_is_the_first_failing_layer(tmp_path: Pat
     assert reason.startswith("relative_euclidean_distance 0.") and "> fail 0.2 (bfloat16)" in reason
     for name in ("index", "step", "order", "numel"):
         assert isinstance(fails[0][col[name]].value, int), name
+    # the summary sheet: the verdict, the headline, per level its counts and first failing row
+    ws = wb["summary"]
+    values = list(ws.iter_rows(values_only=True))
+    head = values.index(tuple(c.value for c in ws[len(values) - 3]))  # the header: 3 levels below it
+    notes = {r[0]: r[1] for r in values[:head - 1]}
+    assert values[head - 1] == (None,) * len(values[0])  # a blank line between notes and table
+    assert notes["verdict"] == "fail" and notes["headline"] == summary["outcome"]["headline"]
+    table = values[head:]
+    levels = {r[0]: dict(zip(table[0], r, strict=True)) for r in table[1:]}
+    assert list(levels) == ["logits", "layer", "module"]
+    layer = levels["layer"]
+    counts = summary["levels"]["layer"]["counts"]
+    assert (layer["pass"], layer["fail"], layer["verdict"]) == (counts["pass"], counts["fail"], "fail")
+    assert (layer["first_fail_name"], layer["first_fail_step"]) == ("model.layers.2", 0)
+    head += 1  # (counted from 1)
+    fail_col = openpyxl.utils.get_column_letter(table[0].index("fail") + 1)
+    assert coloured_cells(ws)[f"{fail_col}{head + 2}"] == "fail" and ws.freeze_panes == f"B{head + 1}"
 
 
 def test_pool_and_dask_give_the_same_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,16 +1,20 @@
 """The report of a real bisect run, the user's way: ``llmflow run`` in a subprocess on a workflow
 that extends the bisect recipe to dump decoder-layer outputs at every step, then the page in a
 headless browser: no script errors, the banner, the heat map over every step and layer, the run's
-versions, one logits table, the collapsed unmatched line, file links that resolve, row links."""
+versions, one logits table, the collapsed unmatched line, file links that resolve, row links; and
+for a decode-attention fault the first failing row and cell before the texts part, the module
+tree with the chosen attention outlined, the op panel."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import openpyxl
 import pytest
 import torch
 
@@ -89,3 +93,70 @@ def test_report_of_a_bisect_run_over_every_step(tmp_path):
     rows = [r for r in find(dom, "tr") if r.within("table", id=table_id) and "data-name" in r.attrs]
     shown = {r.attrs["data-name"] for r in rows if "display: none" not in r.attrs.get("style", "")}
     assert shown == {"model.layers.2"} and len(rows) > TOKENS
+
+
+@pytest.mark.slow  # ~30 s: two dump subprocesses, compare, bisect, report
+def test_the_report_leads_to_a_decode_attention_fault(tmp_path):
+    """A decode-only attention bug (its output scaled by 3) in layer 2 of a tiny Llama:
+    the first failing row and heat-map cell are before the texts part, at layer 2; the module tree
+    has the attention open and outlined; the op panel renders and its inspect commands run."""
+    wf = tmp_path / "every_step.yaml"
+    wf.write_text(WORKFLOW)
+    model = f"tiny-llama:layers={LAYERS},seed=1"
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "llmflow.cli", "run", str(wf), "--set", f"golden_model={model}",
+           "--set", f"target_model={model}", "--set", "max_new_tokens=6", "--set",
+           f"target_patch={REPO / 'plugins' / 'example_faults.py'}:decode_attn_scale_layer_2",
+           "--run-dir", str(run)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NO_COLOR": "1"})
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    verdict = json.loads((run / "bisect" / "verdict.json").read_text())
+    assert verdict["first_bad_module"] == "model.layers.2.self_attn", verdict["headline"]
+    summary = json.loads((run / "compare" / "compare_summary.json").read_text())
+    parted = (summary["divergence"] or {}).get("first_differing_token")
+    parted = parted if parted is not None else 10**9  # texts that never part: no row is diverged
+    first = summary["levels"]["layer"]["first_fail"]
+    assert first["name"] == "model.layers.2" and first["step"] <= parted and not first["diverged"]
+    dom = _dom(run / "report" / "report.html")
+
+    # the heat map's first failing cell: the same row, before the texts part
+    (outline,) = find(dom, "rect", "outline")
+    assert outline.text == f"first failing cell: step {first['step']}, layer 2"
+    # the layer table opens on a failing row before the texts part
+    rows = [r for r in find(dom, "tr") if r.within("table", id="t-cmp-layer") and "data-name" in r.attrs]
+    assert "fail" in rows[0].classes
+    header = [th.text for th in find(dom, "th") if th.within("table", id="t-cmp-layer")]
+    cells = [td for td in find(dom, "td") if td.parent is rows[0]]
+    assert int(cells[header.index("step")].text) <= parted
+    assert cells[header.index("diverged")].text == "false"
+    # the module tree: the attention of layer 2 outlined, every fold around it open
+    (chosen,) = find(dom, "li", id="tree-module-chosen")
+    assert chosen.attrs["data-name"] == "model.layers.2.self_attn" and "chosen" in chosen.classes
+    node = chosen.parent
+    while node is not None:
+        assert node.tag != "details" or "open" in node.attrs
+        node = node.parent
+    folds = {d.parent.attrs.get("data-name"): "open" in d.attrs for d in find(dom, "details")}
+    closed = [name for name, is_open in folds.items() if not is_open
+              and name in {f"model.layers.{i}" for i in range(LAYERS)}]
+    assert sorted(closed) == [f"model.layers.{i}" for i in range(LAYERS) if i != 2]
+    # the op panel: charts, the worst elements, both sides, commands that run
+    (panel,) = find(dom, "section", id="op-panel")
+    assert [e for e in find(dom, "rect", "bar") if e.within("section", id="op-panel")]
+    assert len([r for r in find(dom, "tr") if r.within("table", **{"class": "worst"})]) > 5
+    buttons = [b for b in find(dom, "button", "copy") if b.within("section", id="op-panel")]
+    assert len(buttons) == 2
+    for button in buttons:
+        argv = shlex.split(button.attrs["data-copy"])
+        assert argv[:2] == ["llmflow", "inspect"]
+        shown = subprocess.run([sys.executable, "-m", "llmflow", *argv[1:]], capture_output=True, text=True,
+                               timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"})
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.strip().splitlines()[-1].startswith("PASSED")
+    # the xlsx opens on the summary sheet with the same first failing row
+    ws = openpyxl.load_workbook(run / "compare" / "compare.xlsx")["summary"]
+    values = list(ws.iter_rows(values_only=True))
+    head = next(i for i, r in enumerate(values) if r and r[0] == "level")
+    layer = dict(zip(values[head], next(r for r in values[head + 1:] if r[0] == "layer"), strict=True))
+    assert (layer["first_fail_name"], layer["first_fail_step"]) == ("model.layers.2", first["step"])

@@ -5,12 +5,26 @@ from __future__ import annotations
 
 import csv
 import math
+import sys
 from pathlib import Path
 
 import openpyxl
 import pytest
 
-from llmflow.report.tables import parse_cell, read_csv_rows, safe_cell, write_csv, write_xlsx
+from llmflow.report.tables import (
+    MAX_WIDTH,
+    MIN_WIDTH,
+    Rule,
+    equals_rule,
+    parse_cell,
+    read_csv_rows,
+    safe_cell,
+    write_csv,
+    write_xlsx,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from xlsx_rules import coloured_cells  # noqa: E402
 
 EVIL = ["=cmd|' /C calc'!A0", "+1+1", "-2+3", "@SUM(A1)", "\t=1", "＝1"]
 
@@ -64,34 +78,59 @@ def test_xlsx_sheets_colours_and_safety(tmp_path: Path) -> None:
     wb = openpyxl.load_workbook(p)
     assert wb.sheetnames == ["module", "layer", "bad_name__x_"]
     ws = wb["module"]
-    assert ws.freeze_panes == "A2"
+    assert ws.freeze_panes == "B2"  # below the header, right of the name column
     assert ws.auto_filter.ref == "A1:D4"
     assert [c.value for c in ws[1]] == ["name", "cosine_similarity", "verdict", "kl"]
     assert ws["A2"].value == "'=HYPERLINK(\"http://x\")" and ws["A2"].data_type == "s"
     assert ws["B2"].value == 0.5 and ws["B2"].number_format != "General"
-    # by default the verdict cell is coloured, not the row
-    assert ws["C2"].fill.start_color.rgb.endswith("FFC7CE")  # fail: red
-    assert ws["C3"].fill.start_color.rgb.endswith("FFEB9C")  # warn: yellow
-    assert ws["A2"].fill.fill_type is None and ws["B2"].fill.fill_type is None
-    assert ws["C4"].fill.fill_type is None
+    # by default a rule colours the verdict cell, not the row; no cell holds a fill of its own
+    assert coloured_cells(ws) == {"C2": "fail", "C3": "warn"}
     assert ws["D4"].value == "nan"
     for row in ws.iter_rows():
         for c in row:
-            assert c.data_type != "f"
+            assert c.data_type != "f" and c.fill.fill_type is None
     # columns sized to their content: the long name's column is wider than the verdict's
     assert ws.column_dimensions["A"].width > ws.column_dimensions["C"].width >= len("verdict")
 
 
-def test_xlsx_marks_colour_the_named_cells(tmp_path: Path) -> None:
-    rows = [{"name": "a", "cosine_similarity": 0.5, "rmse": 0.1, "verdict": "fail"},
-            {"name": "b", "cosine_similarity": 0.99, "rmse": 0.3, "verdict": "warn"}]
+def test_xlsx_rules_colour_the_named_cells_and_follow_a_sort(tmp_path: Path) -> None:
+    rows = [{"name": "a", "cosine_similarity": 0.5, "rmse": 0.1, "verdict": "fail",
+             "why": "cosine_similarity"},
+            {"name": "b", "cosine_similarity": 0.99, "rmse": 0.3, "verdict": "warn", "why": "rmse"}]
     p = tmp_path / "m.xlsx"
-    write_xlsx({"s": rows}, p, marks=lambda r: {"cosine_similarity": "fail"} if r["name"] == "a"
-               else {"rmse": "warn"})
+    rules = [Rule(("cosine_similarity", "rmse"), "fail", '{why}="cosine_similarity"'),
+             Rule(("rmse",), "warn", '{why}="rmse"'), Rule(("absent",), "fail", "{self}>0"),
+             Rule(("rmse",), "fail", "{nowhere}>0")]
+    write_xlsx({"s": rows}, p, rules=rules)
     ws = openpyxl.load_workbook(p)["s"]
-    assert ws["B2"].fill.start_color.rgb.endswith("FFC7CE") and ws["C2"].fill.fill_type is None
-    assert ws["C3"].fill.start_color.rgb.endswith("FFEB9C") and ws["B3"].fill.fill_type is None
-    assert ws["D2"].fill.fill_type is None  # only what marks names
+    assert coloured_cells(ws) == {"B2": "fail", "C2": "fail", "C3": "warn"}  # rules on absent columns: none
+    # the rule is the workbook's: rows in another order keep their colours on the same values
+    write_xlsx({"s": rows[::-1]}, p, rules=rules)
+    assert coloured_cells(openpyxl.load_workbook(p)["s"]) == {"B3": "fail", "C3": "fail", "C2": "warn"}
+
+
+def test_xlsx_cells_never_formulas_even_where_rules_are(tmp_path: Path) -> None:
+    # a user string that looks like the rule's own formula stays text
+    rows = [{"name": n, "verdict": "fail", "code": n} for n in ("=1+1", "+A1", "-2", "@SUM(A1)", '="fail"')]
+    p = tmp_path / "f.xlsx"
+    write_xlsx({"s": rows}, p,
+               rules=[equals_rule("verdict", "fail", "fail"), equals_rule("code", "=1+1", "warn")],
+               notes={"s": [("headline", "=cmd|' /C calc'!A0"), ("verdict", "fail")]})
+    ws = openpyxl.load_workbook(p)["s"]
+    cells = [c for row in ws.iter_rows() for c in row if c.value is not None]
+    assert all(c.data_type != "f" for c in cells)
+    # two notes, a blank line, the header
+    assert ws["B1"].value == "'=cmd|' /C calc'!A0" and ws["A4"].value == "name"
+    assert ws.freeze_panes == "B5" and ws.auto_filter.ref == "A4:C9"
+    assert coloured_cells(ws) == {f"B{r}": "fail" for r in range(5, 10)}  # the code "=1+1" is text "'=1+1"
+
+
+def test_xlsx_autofit_is_bounded(tmp_path: Path) -> None:
+    rows = [{"name": "x" * 500, "v": 1, "verdict": "pass"}]
+    p = tmp_path / "w.xlsx"
+    write_xlsx({"s": rows}, p)
+    ws = openpyxl.load_workbook(p)["s"]
+    assert ws.column_dimensions["A"].width == MAX_WIDTH and ws.column_dimensions["B"].width == MIN_WIDTH
 
 
 @pytest.mark.parametrize(("text", "kind", "value"), [

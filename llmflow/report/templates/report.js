@@ -51,6 +51,14 @@
     var sel=box.querySelector('select');
     if(sel){sel.addEventListener('change',function(){applyFilter(box);});}
     applyFilter(box);});
+  each(document.querySelectorAll('button.copy'),function(b){
+    b.addEventListener('click',function(){
+      var text=b.getAttribute('data-copy');
+      function done(){b.textContent='copied';}
+      if(navigator.clipboard&&window.isSecureContext){navigator.clipboard.writeText(text).then(done,function(){});}
+      else{var r=document.createRange(); r.selectNodeContents(b.previousElementSibling);
+           var s=window.getSelection(); s.removeAllRanges(); s.addRange(r);
+           try{document.execCommand('copy'); done();}catch(e){}}});});
   window.addEventListener('hashchange',function(){showRows(location.hash);});
   showRows(location.hash);
   root.setAttribute('data-ready','1');
