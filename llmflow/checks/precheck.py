@@ -45,16 +45,17 @@ from typing import Any
 
 import torch
 
+from llmflow.checks.precheck_options import (
+    DEFAULT_FAIL_RATIO,
+    DEFAULT_WARN_RATIO,
+    PrecheckOptions,
+)
 from llmflow.checks.references import is_random, resolve, unit_roundoff
 from llmflow.compare.metrics import compare_tensors
 from llmflow.dump.arguments import Unrebuildable, decode_value, rebuild_arguments
 from llmflow.dump.memory import flatten_outputs
 from llmflow.formats.base import DumpReader, Entry
 
-DEFAULT_FAIL_RATIO = 4.0
-DEFAULT_WARN_RATIO = 2.0
-DEFAULT_PERTURB_RATIO = 50.0
-DEFAULT_MIN_CHECKED = 0.5  # below this share of calls checked, the precheck is inconclusive
 SMALL_VALUE = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-6, torch.float64: 1e-12}
 SMALL_VALUE_ATOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-9, torch.float64: 1e-15}
 COLUMNS = ("rank", "step", "order", "name", "module", "api", "status", "ratio", "error", "benchmark_error",
@@ -298,16 +299,6 @@ def perturbation(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]
 
 
 # -- the precheck -----------------------------------------------------------------------------------
-@dataclass
-class PrecheckOptions:
-    fail_ratio: float = DEFAULT_FAIL_RATIO
-    warn_ratio: float = DEFAULT_WARN_RATIO
-    min_checked: float = DEFAULT_MIN_CHECKED
-    perturb: bool = False
-    perturb_ratio: float = DEFAULT_PERTURB_RATIO
-    references: dict[str, Callable[..., Any]] = field(default_factory=dict)
-
-
 def check_call(call: OpCall, options: PrecheckOptions) -> tuple[dict[str, Any], Callable[..., Any] | None]:
     """One call's row (status pass/warn/fail/not checked) and the function that replayed it."""
     row: dict[str, Any] = {"rank": call.rank, "step": call.step, "order": call.order, "name": call.name,

@@ -25,7 +25,7 @@ EXIT = {"pass": 0, "fail": 1, "inconclusive": 3}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from llmflow.checks.precheck import DEFAULT_FAIL_RATIO, DEFAULT_MIN_CHECKED, DEFAULT_PERTURB_RATIO
+    from llmflow.checks.precheck_options import DEFAULT_FAIL_RATIO, DEFAULT_MIN_CHECKED, DEFAULT_PERTURB_RATIO
 
     parser.add_argument("dump", help="an llmflow API dump with tensors (or the folder holding one)")
     parser.add_argument("-o", "--output", default="precheck_out",
@@ -61,8 +61,8 @@ def parse_references(items: list[str]) -> dict[str, str]:
 def execute(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from llmflow.checks.precheck import PrecheckOptions
     from llmflow.checks.precheck_files import run_precheck
+    from llmflow.checks.precheck_options import PrecheckOptions
     from llmflow.checks.references import load_references
 
     if not Path(args.dump).exists():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from llmflow.checks.precheck import (
+from llmflow.checks.precheck_options import (
     DEFAULT_FAIL_RATIO,
     DEFAULT_MIN_CHECKED,
     DEFAULT_PERTURB_RATIO,
