@@ -257,11 +257,11 @@ def synthetic_topology(n_layers: int = 12) -> dict:
 
 
 def synthetic_layer_rows(n_steps: int = 8, n_layers: int = 12, *, bad_step: int = 1, bad_layer: int = 7,
-                         level: str = "layer") -> list[dict]:
+                         level: str = "layer", mlp: bool = False) -> list[dict]:
     """Compare rows as the compare stage's CSV holds them (all strings): decoder-layer outputs
     at every step, the error jumping at (bad_step, bad_layer) and carried to every later layer
     and step. ``level="module"`` adds the golden's layer inputs, unmatched (kept for replay), as
-    in a bisect's module-level compare."""
+    in a bisect's module-level compare, and with ``mlp`` each layer's MLP output."""
     rows = []
     for step in range(n_steps):
         for layer in range(n_layers):
@@ -273,6 +273,12 @@ def synthetic_layer_rows(n_steps: int = 8, n_layers: int = 12, *, bad_step: int 
             rows.append({**base, "cosine_similarity": repr(1 - err * err),
                          "relative_euclidean_distance": repr(err), "max_absolute_error": repr(err * 3),
                          "verdict": "fail" if err > 0.05 else "pass", "reason": ""})
+            if level == "module" and mlp:
+                names = {"name": f"model.layers.{layer}.mlp", "target_name": f"model.layers.{layer}.mlp",
+                         "module_type": "LlamaMLP"}
+                rows.append({**base, **names, "cosine_similarity": repr(1 - err * err),
+                             "relative_euclidean_distance": repr(err), "max_absolute_error": repr(err * 3),
+                             "verdict": "fail" if err > 0.05 else "pass", "reason": ""})
             if level == "module":
                 rows.append({**base, "target_name": "", "kind": "input", "match": "unmatched golden",
                              "cosine_similarity": "", "relative_euclidean_distance": "",

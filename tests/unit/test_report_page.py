@@ -28,7 +28,7 @@ BANNER_RGB = {"fail": (0xcf, 0x22, 0x2e), "pass": (0x1a, 0x7f, 0x37), "inconclus
 
 def _report(tmp_path: Path, state: str = "fault") -> Path:
     env = {"versions": {"torch": "2.5.1"}, "generation": {"prompt": "Say <hi>", "device": "cpu"}}
-    compare = {"layer": synthetic_layer_rows(), "module": synthetic_layer_rows(level="module")}
+    compare = {"layer": synthetic_layer_rows(), "module": synthetic_layer_rows(level="module", mlp=True)}
     return write_report(tmp_path / f"{state}.html", title="bisect <demo>",
                         verdict=synthetic_verdict(state=state), compare=compare, meta={"run": "runs/x"},
                         run={"params": {"seed": 1}, "env": {"golden": env, "target": env}})
@@ -56,7 +56,9 @@ def test_every_state_loads_and_shows_its_banner(tmp_path, state, status):
     (details,) = [d for d in find(dom, "details") if d.within("section", id="compare-module")]
     assert "open" not in details.attrs  # collapsed until asked
     count = [s for s in find(dom, "span", "count") if s.parent.attrs.get("data-table") == "t-cmp-module"]
-    assert count[0].text == "96 rows"  # the compared rows only
+    assert count[0].text == "96 rows"  # the MLP outputs: the layer outputs are in the layer table
+    assert details.attrs.get("class") == "notcompared"
+    assert details.text.startswith("96 rows not compared: 96 ")  # the golden inputs, in one line
 
 
 def test_a_candidates_link_shows_that_modules_rows(tmp_path):
@@ -72,12 +74,11 @@ def test_a_candidates_link_shows_that_modules_rows(tmp_path):
     assert count[0].text == "8 rows"
 
 
-def test_a_link_into_the_not_compared_rows_opens_them(tmp_path):
-    dom = _dom(_report(tmp_path), fragment="rows=t-cmp-module-not&name=model.layers.3")
-    (details,) = [d for d in find(dom, "details") if d.within("section", id="compare-module")]
-    assert "open" in details.attrs
-    rows = [r for r in find(dom, "tr") if r.within("table", id="t-cmp-module-not") and "data-name" in r.attrs]
-    assert sum("display: none" not in r.attrs.get("style", "") for r in rows) == 8
+def test_a_link_into_the_module_table_shows_that_modules_rows(tmp_path):
+    dom = _dom(_report(tmp_path), fragment="rows=t-cmp-module&name=model.layers.3.mlp")
+    rows = [r for r in find(dom, "tr") if r.within("table", id="t-cmp-module") and "data-name" in r.attrs]
+    shown = [r.attrs["data-name"] for r in rows if "display: none" not in r.attrs.get("style", "")]
+    assert shown == ["model.layers.3.mlp"] * 8 and len(rows) == 96
 
 
 def test_tables_sort_and_filter(tmp_path):
