@@ -130,7 +130,7 @@ def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     from llmflow.compare.output import StagedDir
-    from llmflow.compare.run import CompareOptions, check_options, compare_dumps
+    from llmflow.compare.run import CompareOptions, check_options, compare_dumps, output_names
     from llmflow.compare.summary import report_lines
     from llmflow.formats import open_dump
 
@@ -149,12 +149,12 @@ def execute(args: argparse.Namespace) -> int:
         tensor = args.golden_path if kinds[0] == "tensor" else args.my_path
         raise UserError(f"{tensor}: a tensor file compares with another tensor file, "
                         "not with a dump directory")
+    out = Path(args.output or f"llmflow_compare_{time.strftime('%Y%m%d_%H%M%S')}")
+    staged = StagedDir(out, "-o", names=output_names(), inputs={"-gp": args.golden_path, "-mp": args.my_path})
     golden, target = open_dump(args.golden_path), open_dump(args.my_path)
     con = console()
     for side, reader in (("golden", golden), ("target", target)):
         con.print(f"{side}: {reader.path} ({reader.format} dump)")
-    out = Path(args.output or f"llmflow_compare_{time.strftime('%Y%m%d_%H%M%S')}")
-    staged = StagedDir(out, "-o")
     opts.final_dir = str(staged.out)
     with staged as tmp, con.status("comparing ..."):
         result = compare_dumps(golden, target, tmp, opts)

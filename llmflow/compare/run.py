@@ -32,6 +32,12 @@ from llmflow.plugins import is_file_ref
 from llmflow.report.tables import CsvStream
 
 SUMMARY_FILE = "compare_summary.json"
+XLSX_FILE = "compare.xlsx"
+
+
+def output_names() -> list[str]:
+    """Every file name ``compare_dumps`` may write in its ``out_dir``."""
+    return [*(f"compare_{level}.csv" for level in LEVELS), XLSX_FILE, SUMMARY_FILE]
 
 
 @dataclass
@@ -180,7 +186,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     seconds = time.perf_counter() - t0
     order = [lv for lv in LEVELS if lv in streams]
     csvs = {lv: str(streams[lv].path) for lv in order}
-    xlsx_path = out / "compare.xlsx" if opts.xlsx else None
+    xlsx_path = out / XLSX_FILE if opts.xlsx else None
     if xlsx_path is not None:
         write_sheets({lv: csvs[lv] for lv in order}, {lv: streams[lv].columns for lv in order}, xlsx_path,
                      alg_names)

@@ -84,6 +84,9 @@ def _dir_bytes(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from llmflow import interrupts
+
+    interrupts.die_with_parent()  # a worker holding a device's memory must not outlive llmflow
     argv = sys.argv[1:] if argv is None else argv
     args_file, result_file = Path(argv[0]), Path(argv[1])
     args = json.loads(args_file.read_text(encoding="utf-8"))

@@ -16,6 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, ClassVar
 
+from llmflow import interrupts
 from llmflow.dump.config import DumpConfig
 from llmflow.errors import UserError
 from llmflow.stages.base import Stage, StageContext
@@ -100,6 +101,7 @@ class DumpStage(Stage):
         env = dict(os.environ)
         settings = args.get("seed_settings") or {}
         env.update({k: str(v) for k, v in (settings.get("env") or {}).items()})
+        env.update(interrupts.child_env())  # the worker dies with this process, even by kill -9
         task = ctx.task(f"{ctx.stage_id}: dump {args['model']}", total=args["max_new_tokens"])
         tail: deque[str] = deque(maxlen=40)
         # stderr goes to a file (no pipe to fill up); stdout carries the progress lines
@@ -107,13 +109,17 @@ class DumpStage(Stage):
             proc = subprocess.Popen([sys.executable, "-m", "llmflow.dump.worker", str(args_file),
                                      str(result_file)], stdout=subprocess.PIPE, stderr=err, text=True,
                                     env=env, cwd=str(ctx.out_dir))
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.startswith(PROGRESS_PREFIX):
-                    task.update(completed=int(line[len(PROGRESS_PREFIX):]) + 1)
-                else:
-                    tail.append(line.rstrip())
-            rc = proc.wait()
+            interrupts.started(proc)  # an interrupted run stops it (interrupts.stop_children)
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    if line.startswith(PROGRESS_PREFIX):
+                        task.update(completed=int(line[len(PROGRESS_PREFIX):]) + 1)
+                    else:
+                        tail.append(line.rstrip())
+                rc = proc.wait()
+            finally:
+                interrupts.finished(proc)
             err.seek(0)
             tail.extend(err.read().splitlines()[-40:])
         (ctx.out_dir / "worker.log").write_text("\n".join(tail) + "\n", encoding="utf-8")

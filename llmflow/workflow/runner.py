@@ -305,7 +305,8 @@ def run_workflow(
         reporter.start({sid: checked.workflow.stages[sid].uses for sid in checked.order})
         try:
             run.execute()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (interrupts.Terminated)
+            interrupts.stop_children()  # a dump worker must not outlive the run
             run.interrupt()
             raise
         finally:

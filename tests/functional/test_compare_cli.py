@@ -208,13 +208,16 @@ def test_a_killed_compare_leaves_the_old_output_whole(tmp_path: Path) -> None:
                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while not list(tmp_path.glob(".out.tmp-*/compare_*.csv")) and time.time() < deadline:
+        while not list(out.glob(".llmflow-staging-*/compare_*.csv")) and time.time() < deadline:
             time.sleep(0.05)
-        assert list(tmp_path.glob(".out.tmp-*/compare_*.csv")), "the second compare never started writing"
+        assert list(out.glob(".llmflow-staging-*/compare_*.csv")), "the second compare never started writing"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    # the killed compare's staging folder is its own: the next compare into out removes it
+    assert main(["compare", "-gp", str(g), "-mp", str(t), "-o", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(before)
 
 
 def test_a_failing_compare_leaves_no_partial_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
