@@ -278,12 +278,14 @@ def run_workflow(
     dry_run: bool = False,
     workers: int = 1,
     reporter: Reporter | None = None,
+    adopt_run_dir: bool = False,
 ) -> RunResult:
     """Run (or with ``dry_run`` only plan) a workflow; see ``llmflow run --help`` for the options.
 
     Raises UserError (WorkflowError) for a workflow that does not validate, an unknown stage in
     ``only``/``from_stage``, a run dir that cannot be one (a file, unwritable, a link inside
-    where llmflow writes) or one held by another run. Stage failures do not raise: they are in
+    where llmflow writes, a folder of someone else's files unless ``adopt_run_dir``) or one held
+    by another run. Stage failures do not raise: they are in
     the result (``result.exit_code`` is 1, or 2 when a stage raised a UserError); so is what the
     stages concluded (``result.conclusion``: exit code 1 fail, 3 inconclusive, 0 pass).
     """
@@ -296,7 +298,7 @@ def run_workflow(
             rundir.check_run_dir(rdir, checked.order)
         plan = compute_plan(checked, sel, rdir)
         return RunResult(checked.workflow.name, rdir, "planned", {}, {}, plan)
-    rundir.open_run_dir(rdir, checked.order)
+    rundir.open_run_dir(rdir, checked.order, adopt=adopt_run_dir)
     with rundir.RunDirLock(rdir):
         removed = rundir.clean_tmp(rdir)
         if removed:
