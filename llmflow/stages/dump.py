@@ -7,8 +7,11 @@ the worker (exit status 2, ``{"error": ...}``) back into a one-line ``UserError`
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,6 +25,8 @@ from llmflow.errors import UserError
 from llmflow.stages.base import Stage, StageContext
 
 _NULLABLE_STR = {"type": ["string", "null"], "default": None}
+# the worker's own OSError for a write that found no room (disk full, quota, file size limit)
+_NO_ROOM = re.compile(rf"\[Errno ({errno.ENOSPC}|{errno.EDQUOT}|{errno.EFBIG})\] (.*)")
 _RESULT_KEYS = ("output_ids", "text", "bytes", "entries", "steps", "truncated")  # the worker's result.json
 
 
@@ -122,10 +127,14 @@ class DumpStage(Stage):
                 interrupts.finished(proc)
             err.seek(0)
             tail.extend(err.read().splitlines()[-40:])
-        (ctx.out_dir / "worker.log").write_text("\n".join(tail) + "\n", encoding="utf-8")
+        with contextlib.suppress(OSError):  # a full disk is said below, from the worker's own words
+            (ctx.out_dir / "worker.log").write_text("\n".join(tail) + "\n", encoding="utf-8")
         result = _read_result(result_file)
         if rc == 2 and "error" in result:
             raise UserError(f"{ctx.stage_id}: {result['error']}")
+        no_room = next((m for m in map(_NO_ROOM.search, reversed(tail)) if m), None)
+        if rc != 0 and no_room:
+            raise OSError(int(no_room[1]), f"the dump worker could not write: {no_room[2].strip()}")
         if rc != 0:
             raise RuntimeError(f"dump worker exited with status {rc}:\n" + "\n".join(list(tail)[-20:]))
         if not all(key in result for key in _RESULT_KEYS):

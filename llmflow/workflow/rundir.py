@@ -252,6 +252,11 @@ def remove_failed(run_dir: Path, stage_id: str) -> None:
         shutil.rmtree(failed, ignore_errors=True)
 
 
+def remove_tmp(tmp: Path) -> None:
+    """Remove a stage's tmp dir (one of llmflow's own, under ``.tmp``)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def discard(tmp: Path, run_dir: Path, stage_id: str) -> None:
     """Keep a failed stage's partial output at ``.failed/<stage>`` (for inspection), replacing an
     older one; dropped instead when a link sits where it would go."""

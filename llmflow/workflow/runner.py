@@ -10,6 +10,7 @@ run's conclusion (conclusion.py). See rundir.py and state.py for the on-disk lay
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import queue
@@ -118,7 +119,12 @@ class _Run:
             prep = self.prepared[sid]
             if len(self.running) >= self.workers or prep.resources & held:
                 continue
-            self._start(sid, prep)
+            try:
+                self._start(sid, prep)
+            except OSError as exc:  # no room for its temporary folder: the stage's failure
+                self._fail(sid, exc)
+                progressed = True
+                continue
             held |= prep.resources
             progressed = True
         return progressed
@@ -194,7 +200,10 @@ class _Run:
                 return
             except Exception as err:  # bad outputs: the stage's fault
                 exc = err
-        rundir.discard(tmp, self.run_dir, sid)
+        if _disk_full(exc):  # its partial output would keep the disk full: dropped, not kept
+            rundir.remove_tmp(tmp)
+        else:
+            rundir.discard(tmp, self.run_dir, sid)
         self._fail(sid, exc)
 
     def _complete(self, sid: str, prep: _Prepared, tmp: Path, ctx: StageContext, outputs: Any) -> None:
@@ -241,6 +250,9 @@ class _Run:
         log.debug("stage %s failed:\n%s", sid, res.traceback)
         if isinstance(exc, KeyboardInterrupt):
             res.error = "interrupted"
+        elif _disk_full(exc):  # not a bug of the stage: no traceback, what to do instead
+            res.error = f"{exc}; the disk holding {self.run_dir} is full (its partial output was removed)"
+            res.traceback = None
         elif isinstance(exc, SystemExit):  # the stage's own failure, said in one line
             res.error = f"the stage called sys.exit({exc.code!r}) instead of returning its outputs or raising"
             res.traceback = None
@@ -260,6 +272,17 @@ class _Run:
         for sid in list(self.running):
             self._fail(sid, KeyboardInterrupt())
         self.summary.write("failed")
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is a write that found no room: ENOSPC, a quota, or a
+    file size limit (EFBIG)."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _unprefixed(sid: str, message: object) -> str:
