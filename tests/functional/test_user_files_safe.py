@@ -329,10 +329,11 @@ def test_a_signal_mid_dump_stops_the_worker_too_and_a_rerun_dumps_the_same(tmp_p
 
 @pytest.fixture
 def tiny_disk(tmp_path: Path):
-    """A 256 KiB tmpfs (root only); yields it and a function that gives it room (64 MiB)."""
+    """A 96 KiB tmpfs (root only; the 0.2 MB dump below does not fit); yields it and a function
+    that gives it room (64 MiB)."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True,
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)], capture_output=True,
                           text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs to fill (needs root): {done.stderr.strip()}")
@@ -367,3 +368,39 @@ def test_a_run_on_a_full_disk_fails_cleanly_and_a_rerun_with_room_completes(tmp_
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert json.loads((rd / "summary.json").read_text())["status"] == "passed"
     assert LlmflowDumpReader(rd / "dump" / "dump").meta()["complete"]
+
+
+# -- other paths a user gives ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["-o", "adir"], "-o adir: is a directory"),
+    (["--check", "-o", "adir"], "-o adir: is a directory"),
+    (["-o", "afile/x.json"], "-o afile/x.json: afile is a file, not a directory"),
+    (["-o", "/proc/llmflow.json"], "-o /proc/llmflow.json: cannot write it"),
+    (["-o", "/dev/null"], "-o /dev/null: not a regular file"),
+])
+def test_schema_output_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys, args, says):
+    from llmflow.cli import main
+    from llmflow.workflow import schema
+
+    monkeypatch.setattr(schema, "generate", lambda: "{}\n")  # the schema itself is not under test
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("the user's")
+    before = hashes(tmp_path)
+    assert main(["schema", *args]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == f"error: {says}" or err.startswith(f"error: {says}"), err
+    assert len(err.strip().splitlines()) == 1 and out.strip().splitlines()[-1].startswith(f"FAILED: {says}")
+    assert hashes(tmp_path) == before
+
+
+def test_schema_output_is_replaced_whole(tmp_path, monkeypatch, capsys):
+    from llmflow.cli import main
+    from llmflow.workflow import schema
+
+    monkeypatch.setattr(schema, "generate", lambda: '{"title": "new"}\n')
+    (tmp_path / "s.json").write_text("old")
+    assert main(["schema", "-o", str(tmp_path / "s.json")]) == 0
+    assert (tmp_path / "s.json").read_text() == '{"title": "new"}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
