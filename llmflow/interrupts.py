@@ -127,7 +127,7 @@ def die_with_parent(parent_pid: int | None = None) -> None:
     (PR_SET_PDEATHSIG); elsewhere nothing. ``parent_pid`` (default: $LLMFLOW_PARENT_PID) closes the
     race where the parent died before this call: then this process exits now."""
     if parent_pid is None:
-        text = os.environ.get(PARENT_PID_ENV, "")
+        text = os.environ.pop(PARENT_PID_ENV, "")  # not inherited by this process's own children
         parent_pid = int(text) if text.isdigit() else None
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):

@@ -107,7 +107,7 @@ def _is_ours(path: Path, written: Mapping[str, dict[str, int]]) -> bool:
 def _flocked(path: Path, blocking: bool = True) -> Iterator[bool]:
     """An exclusive flock on the folder ``path`` for the block; yields False when another process
     holds it and ``blocking`` is off."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # OUT may be a link to a folder
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))

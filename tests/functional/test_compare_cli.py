@@ -305,3 +305,15 @@ def test_msit_short_log_level_flag(tmp_path: Path, capsys: pytest.CaptureFixture
 
     assert logging.getLogger().level == logging.DEBUG
     logging.getLogger().handlers.clear()
+
+
+def test_an_output_folder_reached_through_a_link_is_written_through_it(tmp_path: Path) -> None:
+    g, t = as_dump(tmp_path, "g", steps=[0]), as_dump(tmp_path, "t", steps=[0])
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / "notes.txt").write_text("mine")
+    (tmp_path / "out").symlink_to(tmp_path / "scratch", target_is_directory=True)
+    for _ in range(2):  # the second run replaces the first one's files
+        assert main(["compare", "-gp", str(g), "-mp", str(t), "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out").is_symlink() and (tmp_path / "scratch" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "scratch" / "compare_summary.json").is_file()
+    assert not list((tmp_path / "scratch").glob(".llmflow-staging-*"))
