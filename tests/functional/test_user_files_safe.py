@@ -404,3 +404,56 @@ def test_schema_output_is_replaced_whole(tmp_path, monkeypatch, capsys):
     assert main(["schema", "-o", str(tmp_path / "s.json")]) == 0
     assert (tmp_path / "s.json").read_text() == '{"title": "new"}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+POOLED_COMPARE = """
+import sys
+from llmflow.compare import engine
+from llmflow.cli import main
+
+if __name__ == "__main__":
+    engine.POOL_START_SECONDS, engine.CHUNK_PAIRS = 0, 2  # a pool of processes even for a small compare
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signalled_compare_takes_its_pool_workers_along(tmp_path, dumps, sig):
+    g, t = dumps
+    (tmp_path / "slow.py").write_text(SLOW_ALG)
+    (tmp_path / "pooled.py").write_text(POOLED_COMPARE)
+    out = tmp_path / "out"
+    args = ["compare", "-gp", str(g), "-mp", str(t), "-o", str(out), "-alg", "slow.py:slow", "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, "pooled.py", *args], cwd=tmp_path, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    _wait_for(lambda: len(_children(proc.pid)) >= 2 and list(out.glob(".llmflow-staging-*/compare_*.csv")),
+              "the pool never started", proc)
+    workers = _children(proc.pid)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == (143 if sig == signal.SIGTERM else -signal.SIGKILL), (stdout, stderr)
+    deadline = time.monotonic() + 10
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, workers)), "a compare worker outlived llmflow"
+    if sig == signal.SIGTERM:
+        assert "Traceback" not in stderr and not out.exists()  # its own folder, empty: removed
