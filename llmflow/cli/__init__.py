@@ -11,6 +11,7 @@ Every command ends with one last line, PASSED (...), FAILED: ... or INCONCLUSIVE
   2    FAILED: bad input (a ``UserError`` anywhere): one line naming the file, field or path
   3    INCONCLUSIVE: the evidence does not cover the question
   130  interrupted (Ctrl-C)
+  143  terminated (SIGTERM, as sent by timeout, Slurm or Kubernetes; cleaned up as for Ctrl-C)
 ``llmflow run --help`` says how a run's stage conclusions add up to its exit code. A
 ``UserError`` prints one line, no traceback (``--log-level debug`` shows it).
 """
@@ -25,7 +26,7 @@ import traceback
 from types import ModuleType
 from typing import Any
 
-from llmflow import __version__
+from llmflow import __version__, interrupts
 from llmflow.errors import EXIT_BAD_INPUT, EXIT_FAILED, ComputeError, UserError, one_line
 
 TOOLS = {
@@ -118,10 +119,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(tool.execute(args))
-    except KeyboardInterrupt:
+        with interrupts.sigterm_as_interrupt():
+            return int(tool.execute(args))
+    except KeyboardInterrupt as exc:
+        interrupts.stop_children()
         if level == "debug":
             traceback.print_exc()
+        if isinstance(exc, interrupts.Terminated):
+            print("FAILED: terminated (SIGTERM)", flush=True)
+            return interrupts.EXIT_TERMINATED
         print("FAILED: interrupted", flush=True)
         return 130
     except ComputeError as exc:

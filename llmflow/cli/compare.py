@@ -166,7 +166,7 @@ def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     from llmflow.compare.output import StagedDir
-    from llmflow.compare.run import CompareOptions, check_options, compare_dumps
+    from llmflow.compare.run import CompareOptions, check_options, compare_dumps, output_names
     from llmflow.compare.summary import report_lines
     from llmflow.formats import open_dump
 
@@ -188,6 +188,8 @@ def execute(args: argparse.Namespace) -> int:
     con = console()
     quiet = log.getEffectiveLevel() > logging.INFO  # -l warning/error: the tables and the verdict only
     out = Path(args.output or f"llmflow_compare_{time.strftime('%Y%m%d_%H%M%S')}")
+    # -o checked before any work: not an input, not inside one, no file of the user's in the way
+    staged = StagedDir(out, "-o", names=output_names(), inputs={"-gp": args.golden_path, "-mp": args.my_path})
     with _progress(con, quiet) as bar:
         # the bar is up from the start: reading the indexes of a big dump takes seconds
         reading = bar.add_task("reading indexes", total=2)
@@ -209,7 +211,6 @@ def execute(args: argparse.Namespace) -> int:
             log.debug("paired: %s pairs in %.2f s", total, time.perf_counter() - started)
             return _Task(bar, bar.add_task(description, total=total))
 
-        staged = StagedDir(out, "-o")
         opts.final_dir = str(staged.out)
         with staged as tmp:
             result = compare_dumps(readers[0], readers[1], tmp, opts, progress=progress, log=log.debug)

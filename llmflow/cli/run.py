@@ -7,8 +7,11 @@ A cached stage re-runs when its parameters, the code files it names (uses: file.
 or model file.py:name) or the files it left in its directory changed. Running a workflow runs the
 plugin files it names.
 
-The run dir (default runs/<workflow name>) may be copied (cp -a, rsync -a: mtimes kept) or
-moved: its state files store paths relative to it, so it reads its own files. llmflow never
+The run dir (default runs/<workflow name>) is a folder llmflow marks as its own (.llmflow-run-dir);
+an existing folder holding other files is refused (exit 2) unless it is empty, an llmflow run dir
+already, or --adopt-run-dir is given. Inside it llmflow touches only what it wrote. It may be
+copied (cp -a, rsync -a: mtimes kept) or moved: its state files store paths relative to it, so
+it reads its own files. llmflow never
 follows a symbolic link inside it where it writes, deletes or locks (.lock, .tmp, .failed,
 summary.json, a stage's dir): it refuses with exit 2 naming the link.
 
@@ -41,6 +44,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_selection_args(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     parser.add_argument(
+        "--adopt-run-dir",
+        action="store_true",
+        help="use an existing --run-dir that holds other files and is not an llmflow run dir "
+        "(llmflow adds its own entries beside them and never touches the others)",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=1,
@@ -71,6 +80,7 @@ def execute(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         workers=args.workers,
         reporter=reporter,
+        adopt_run_dir=args.adopt_run_dir,
     )
     if args.dry_run:
         print_plan(result.plan)

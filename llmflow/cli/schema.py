@@ -7,7 +7,11 @@ is out of date). The committed copy is schemas/workflow.schema.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 from pathlib import Path
+
+from llmflow.errors import UserError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -15,23 +19,58 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true", help="compare with FILE (-o) instead of writing")
 
 
+def _check_target(path: Path) -> None:
+    """UserError unless ``path`` can be a schema file: missing, or a regular file."""
+    if path.is_dir():
+        raise UserError(f"-o {path}: is a directory; give a file name (e.g. {path / 'workflow.schema.json'})")
+    if path.exists() and not path.is_file():
+        raise UserError(f"-o {path}: not a regular file")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise UserError(f"-o {path}: {parent} is a file, not a directory")
+
+
+def _write(path: Path, text: str) -> None:
+    """Write beside, then rename over: an interrupted write leaves the old file whole."""
+    _check_target(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise UserError(f"-o {path}: cannot write it ({exc.strerror or exc})") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
 def execute(args: argparse.Namespace) -> int:
-    from llmflow.errors import UserError
     from llmflow.workflow.schema import generate
 
+    if args.check and not args.output:
+        raise UserError("--check needs -o FILE")
+    if args.output:
+        _check_target(Path(args.output))  # a bad -o fails before the schema is built
     text = generate()
     if args.check:
-        if not args.output:
-            raise UserError("--check needs -o FILE")
-        current = Path(args.output).read_text(encoding="utf-8") if Path(args.output).is_file() else ""
+        path = Path(args.output)
+        try:
+            current = path.read_text(encoding="utf-8") if path.is_file() else ""
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"-o {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
         if current != text:
             print(f"FAILED: {args.output} is out of date; run: llmflow schema -o {args.output}")
             return 1
         print(f"PASSED ({args.output} is up to date)")
         return 0
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text, encoding="utf-8")
+        _write(Path(args.output), text)
         print(f"wrote {args.output}")
     else:
         print(text, end="")

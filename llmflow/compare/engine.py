@@ -61,9 +61,11 @@ def chunk_pairs(pairs: list[Pair], max_pairs: int | None = None,
     return chunks
 
 
-def _init_worker(job: Job) -> None:
+def _init_worker(job: Job, parent_pid: int) -> None:
     global _JOB
     import torch
+
+    interrupts.die_with_parent(parent_pid)  # a compare killed with kill -9 takes its workers along
 
     torch.set_num_threads(1)  # parallelism comes from the processes; threads would oversubscribe
     _JOB = job
@@ -118,7 +120,7 @@ def _pool(job: Job, chunks: list[list[Pair]], n: int) -> Iterator[list[Result]]:
     # spawn, not fork: a forked child of a process that already ran OpenMP regions can hang
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
-                             initargs=(job,)) as pool:
+                             initargs=(job, os.getpid())) as pool:
         # bounded look-ahead: submit a few chunks per worker, not all at once (memory of results)
         pending = []
         it = iter(chunks)
@@ -126,12 +128,26 @@ def _pool(job: Job, chunks: list[list[Pair]], n: int) -> Iterator[list[Result]]:
             pending.append(pool.submit(_worker_chunk, chunk))
             if len(pending) >= 4 * n:
                 break
-        while pending:
-            fut = pending.pop(0)
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append(pool.submit(_worker_chunk, nxt))
-            yield interrupts.wait(fut.result, FutureTimeout)  # Ctrl-C gets through (interrupts.py)
+        try:
+            while pending:
+                fut = pending.pop(0)
+                nxt = next(it, None)
+                if nxt is not None:
+                    pending.append(pool.submit(_worker_chunk, nxt))
+                yield interrupts.wait(fut.result, FutureTimeout)  # Ctrl-C gets through (interrupts.py)
+        except BaseException:  # interrupted (or a chunk failed): the workers stop now, not after their chunks
+            _stop_workers(pool)
+            raise
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    # the executor has no public way to end busy workers before Python 3.14's terminate_workers()
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        proc.terminate()
+    for proc in processes:
+        proc.join(timeout=5)
 
 
 def _dask(job: Job, chunks: list[list[Pair]], address: str | None, client: Any) -> Iterator[list[Result]]:

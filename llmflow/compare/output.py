@@ -1,27 +1,54 @@
-"""The output directory of ``llmflow compare``, written all at once or not at all.
+"""The output folder of ``llmflow compare -o OUT``: llmflow's own files in it, never anything else.
 
-A compare writes into a hidden temporary directory beside ``-o OUT`` and moves it into place at
-the end, as the workflow stages do: a run killed halfway leaves ``OUT`` as it was (an earlier
-compare's CSVs, XLSX and summary together, never new CSVs beside an old summary), and a refused
-compare leaves nothing. A bad ``-o`` (a file, a path under a file, a folder it cannot write in)
-is a one-line error before any work.
+OUT may hold the user's files (msit made ``-o ./`` a habit). llmflow creates OUT when it is
+missing and never removes or renames it; inside, it writes only its own files and keeps a list of
+them, ``OUT/.llmflow-outputs.json`` (name, size and mtime of each), so a rerun replaces exactly
+its earlier outputs, removes those it no longer writes and leaves everything else alone. A file at
+one of its names that the list does not vouch for (the user's, or one of llmflow's edited since)
+is refused before any work, as is an OUT that is, contains or lies inside one of the inputs.
+
+Writing is all or nothing:
+
+1. the command writes into a staging folder of llmflow's own inside OUT,
+   ``.llmflow-staging-<random>/``, which its process keeps locked (``flock``) while it lives;
+2. when the command is done, the new list is written into the staging folder: the commit point;
+3. with SIGINT and SIGTERM held off, each new file is renamed over its old self in the order it
+   was written (the summary comes last), earlier outputs no longer written are removed, the new
+   list replaces the old one and the staging folder goes.
+
+An error, Ctrl-C or SIGTERM before 2 removes the staging folder and leaves OUT as it was. A process
+killed outright (``kill -9``) leaves its staging folder: the next command writing to OUT removes
+it when it holds no list (OUT is still the previous set) and otherwise finishes its commit first
+(a kill in the middle of 3, a few renames long, is the only moment OUT holds a mix).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
+import secrets
 import shutil
+import stat
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
+from llmflow import interrupts
 from llmflow.errors import UserError
 
+OUTPUTS_LIST = ".llmflow-outputs.json"
+STAGING_PREFIX = ".llmflow-staging-"
+_FORMAT = "llmflow-outputs"
 
-def _check(out: Path, flag: str) -> Path:
-    """The existing ancestor ``out`` will be created in; UserError naming what is in the way."""
+
+def _existing_ancestor(out: Path, flag: str) -> Path:
+    """The existing folder ``out`` will be created in; UserError naming what is in the way."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{flag} {out}: exists and is not a directory")
-    parent = out.parent
+    parent = out
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
@@ -29,35 +56,191 @@ def _check(out: Path, flag: str) -> Path:
     return parent
 
 
-class StagedDir:
-    """``with StagedDir(out) as tmp:`` write into ``tmp``; on success ``tmp`` replaces ``out``."""
+def _refuse_overlap(out: Path, flag: str, inputs: Mapping[str, str | Path]) -> None:
+    """UserError when ``out`` is, contains or lies inside one of ``inputs`` ({flag: path})."""
+    real_out = Path(os.path.realpath(out))
+    for in_flag, path in inputs.items():
+        real = Path(os.path.realpath(path))
+        if real == real_out:
+            where = f"is the {in_flag} input"
+        elif real_out.is_relative_to(real):
+            where = f"lies inside the {in_flag} input {path}"
+        elif real.is_relative_to(real_out):
+            where = f"contains the {in_flag} input {path}"
+        else:
+            continue
+        raise UserError(f"{flag} {out}: {where}; write the tables to a folder of their own "
+                        f"(e.g. {flag} compare_out)")
 
-    def __init__(self, out: str | Path, flag: str = "-o"):
-        self.out = Path(out).absolute()
+
+def _fingerprint(st: os.stat_result) -> dict[str, int]:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _read_list(path: Path, flag: str) -> dict[str, dict[str, int]]:
+    """{name: fingerprint} of the outputs list at ``path``; {} when there is none."""
+    if not os.path.lexists(path):
+        return {}
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise ValueError("not a regular file")
+        data = json.loads(path.read_text(encoding="utf-8"))
+        files = data.get("files") if isinstance(data, dict) and data.get("format") == _FORMAT else None
+        if not isinstance(files, dict):
+            raise ValueError("not llmflow's list of its outputs")
+        return {str(k): dict(v) for k, v in files.items()}
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"{flag} {path}: {exc}; llmflow keeps the list of its outputs there (move it away)") \
+            from None
+
+
+def _is_ours(path: Path, written: Mapping[str, dict[str, int]]) -> bool:
+    """Whether ``path`` is the regular file llmflow's list says it wrote, unchanged since."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and written.get(path.name) == _fingerprint(st)
+
+
+@contextlib.contextmanager
+def _flocked(path: Path, blocking: bool = True) -> Iterator[bool]:
+    """An exclusive flock on the folder ``path`` for the block; yields False when another process
+    holds it and ``blocking`` is off."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # OUT may be a link to a folder
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _finish_commit(out: Path, staging: Path, flag: str) -> None:
+    """Step 3 of the module docstring for a staging folder that holds its list (idempotent: a
+    commit cut short is finished by running it again)."""
+    previous = _read_list(out / OUTPUTS_LIST, flag)
+    new = _read_list(staging / OUTPUTS_LIST, flag)
+    for name in sorted(new, key=lambda n: (new[n]["mtime_ns"], n)):
+        if os.path.lexists(staging / name):
+            os.replace(staging / name, out / name)
+    for name in previous:
+        if name not in new and _is_ours(out / name, previous):
+            os.unlink(out / name)
+    os.replace(staging / OUTPUTS_LIST, out / OUTPUTS_LIST)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _staging_dirs(out: Path) -> list[Path]:
+    with os.scandir(out) as entries:
+        return [Path(e.path) for e in entries
+                if e.name.startswith(STAGING_PREFIX) and e.is_dir(follow_symlinks=False)]
+
+
+def recover(out: Path, flag: str = "-o") -> None:
+    """Deal with the staging folders of processes that died: finish a committed one, remove the
+    others. A staging folder still locked belongs to a live process and is left to it."""
+    for staging in _staging_dirs(out):
+        with _flocked(staging, blocking=False) as mine:
+            if not mine:
+                continue
+            if os.path.lexists(staging / OUTPUTS_LIST):
+                with _flocked(out):
+                    _finish_commit(out, staging, flag)
+            else:
+                shutil.rmtree(staging, ignore_errors=True)
+
+
+class StagedDir:
+    """``with StagedDir(out, names=..., inputs=...) as tmp:`` write into ``tmp``; when the block
+    ends without an error, the files in ``tmp`` replace llmflow's earlier outputs in ``out``.
+
+    ``names``: every file name the command may write (checked for files that are not llmflow's
+    before any work); ``inputs``: {flag: path} of what the command reads, which ``out`` must
+    neither be, contain nor lie inside. Bad ``out``: a one-line UserError naming ``flag``.
+    """
+
+    def __init__(self, out: str | Path, flag: str = "-o", names: Iterable[str] = (),
+                 inputs: Mapping[str, str | Path] | None = None):
+        self.out = Path(os.path.abspath(out))  # abspath folds "..": -o .. names a real folder
         self.flag = flag
-        _check(self.out, flag)
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
+        self.names = list(names)
+        self._ancestor = _existing_ancestor(self.out, flag)
+        _refuse_overlap(self.out, flag, inputs or {})
+        self.tmp: Path | None = None
+        self._created: list[Path] = []  # folders this command created, deepest last
+        self._lock_fd: int | None = None
+
+    def _where(self, exc: OSError) -> UserError:
+        return UserError(f"{self.flag} {self.out}: cannot write in {self._ancestor} ({exc.strerror or exc})")
 
     def __enter__(self) -> Path:
+        missing = []
+        parent = self.out
+        while parent != self._ancestor:
+            missing.append(parent)
+            parent = parent.parent
         try:
-            self.out.parent.mkdir(parents=True, exist_ok=True)
-            if self.tmp.exists():
-                shutil.rmtree(self.tmp)
+            for folder in reversed(missing):
+                folder.mkdir()
+                self._created.append(folder)
+            recover(self.out, self.flag)
+            self._refuse_foreign(self.names)
+            self.tmp = self.out / f"{STAGING_PREFIX}{secrets.token_hex(4)}"
             self.tmp.mkdir()
+            self._lock_fd = os.open(self.tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # alive: recover() in another process leaves it
         except OSError as exc:
-            raise UserError(f"{self.flag} {self.out}: cannot write in {self.out.parent} "
-                            f"({exc.strerror or exc})") from exc
+            self._abandon()
+            raise self._where(exc) from None
+        except BaseException:
+            self._abandon()
+            raise
         return self.tmp
+
+    def _refuse_foreign(self, names: Iterable[str]) -> None:
+        written = _read_list(self.out / OUTPUTS_LIST, self.flag)
+        for name in names:
+            path = self.out / name
+            if os.path.lexists(path) and not _is_ours(path, written):
+                raise UserError(f"{self.flag} {self.out}: {name} is not a file llmflow wrote there (or it "
+                                f"changed since); move it away or choose another {self.flag}")
+
+    def _abandon(self) -> None:
+        """Remove the staging folder, and the folders this command created if they are empty."""
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        for folder in reversed(self._created):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty: something else may have been put there meanwhile
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if kind is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            self._abandon()
             return
-        old = None
-        if self.out.exists():
-            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-            os.replace(self.out, old)  # a directory cannot be replaced in one rename: two, then delete
-        os.replace(self.tmp, self.out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        assert self.tmp is not None
+        try:
+            with interrupts.signals_held(), _flocked(self.out):
+                staged = {e.name: _fingerprint(e.stat(follow_symlinks=False)) for e in os.scandir(self.tmp)
+                          if e.is_file(follow_symlinks=False)}
+                self._refuse_foreign(staged)
+                listing: dict[str, Any] = {"format": _FORMAT, "version": 1, "files": staged}
+                part = self.tmp / f"{OUTPUTS_LIST}.part"  # the list appears whole or not at all
+                part.write_text(json.dumps(listing, indent=1), encoding="utf-8")
+                os.replace(part, self.tmp / OUTPUTS_LIST)
+                _finish_commit(self.out, self.tmp, self.flag)
+        except BaseException:
+            if not os.path.lexists(self.tmp / OUTPUTS_LIST):  # not committed: drop it whole
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None

@@ -34,6 +34,12 @@ from llmflow.plugins import is_file_ref
 from llmflow.report.tables import CsvStream
 
 SUMMARY_FILE = "compare_summary.json"
+XLSX_FILE = "compare.xlsx"
+
+
+def output_names() -> list[str]:
+    """Every file name ``compare_dumps`` may write in its ``out_dir``."""
+    return [*(f"compare_{level}.csv" for level in LEVELS), XLSX_FILE, SUMMARY_FILE]
 
 
 @dataclass
@@ -190,7 +196,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     seconds = time.perf_counter() - t0
     order = [lv for lv in LEVELS if lv in streams]
     csvs = {lv: str(streams[lv].path) for lv in order}
-    xlsx_path = out / "compare.xlsx" if opts.xlsx else None
+    xlsx_path = out / XLSX_FILE if opts.xlsx else None
     final = Path(opts.final_dir) if opts.final_dir else out
 
     def named(p: str | Path) -> str:  # a path inside out_dir, as it will be found afterwards

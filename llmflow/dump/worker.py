@@ -101,6 +101,9 @@ def _dir_bytes(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from llmflow import interrupts
+
+    interrupts.die_with_parent()  # a worker holding a device's memory must not outlive llmflow
     argv = sys.argv[1:] if argv is None else argv
     result_file = Path(argv[1])
     args = json.loads(sys.stdin.read() if argv[0] == "-" else Path(argv[0]).read_text(encoding="utf-8"))

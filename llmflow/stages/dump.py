@@ -8,8 +8,11 @@ per-step progress into ``ctx.task``, and turns a user error in the worker (exit 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -17,11 +20,14 @@ from collections import deque
 from pathlib import Path
 from typing import Any, ClassVar
 
+from llmflow import interrupts
 from llmflow.dump.config import DumpConfig
 from llmflow.errors import UserError
 from llmflow.stages.base import Stage, StageContext
 
 _NULLABLE_STR = {"type": ["string", "null"], "default": None}
+# the worker's own OSError for a write that found no room (disk full, quota, file size limit)
+_NO_ROOM = re.compile(rf"\[Errno ({errno.ENOSPC}|{errno.EDQUOT}|{errno.EFBIG})\] (.*)")
 _RESULT_KEYS = ("output_ids", "text", "bytes", "entries", "steps", "truncated")  # the worker's result.json
 
 
@@ -101,6 +107,7 @@ class DumpStage(Stage):
         env = dict(os.environ)
         settings = args.get("seed_settings") or {}
         env.update({k: str(v) for k, v in (settings.get("env") or {}).items()})
+        env.update(interrupts.child_env())  # the worker dies with this process, even by kill -9
         task = ctx.task(f"{ctx.stage_id}: dump {args['model']}", total=args["max_new_tokens"])
         tail: deque[str] = deque(maxlen=40)
         # stderr goes to a file (no pipe to fill up); stdout carries the progress lines
@@ -108,27 +115,35 @@ class DumpStage(Stage):
             proc = subprocess.Popen([sys.executable, "-m", "llmflow.dump.worker", "-", str(result_file)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                                     env=env, cwd=str(ctx.out_dir))
-            assert proc.stdin is not None and proc.stdout is not None
+            interrupts.started(proc)  # an interrupted run stops it (interrupts.stop_children)
             try:
-                with proc.stdin:
-                    proc.stdin.write(args_text)
-            except BrokenPipeError:  # the worker died before reading them: its status says why
-                pass
-            for line in proc.stdout:
-                if line.startswith(PROGRESS_PREFIX):
-                    task.update(completed=int(line[len(PROGRESS_PREFIX):]) + 1)
-                elif line.startswith(PHASE_PREFIX):
-                    ctx.log(f"{ctx.stage_id}: {line[len(PHASE_PREFIX):].rstrip()}")
-                else:
-                    tail.append(line.rstrip())
-            rc = proc.wait()
+                assert proc.stdin is not None and proc.stdout is not None
+                try:
+                    with proc.stdin:
+                        proc.stdin.write(args_text)
+                except BrokenPipeError:  # the worker died before reading them: its status says why
+                    pass
+                for line in proc.stdout:
+                    if line.startswith(PROGRESS_PREFIX):
+                        task.update(completed=int(line[len(PROGRESS_PREFIX):]) + 1)
+                    elif line.startswith(PHASE_PREFIX):
+                        ctx.log(f"{ctx.stage_id}: {line[len(PHASE_PREFIX):].rstrip()}")
+                    else:
+                        tail.append(line.rstrip())
+                rc = proc.wait()
+            finally:
+                interrupts.finished(proc)
             err.seek(0)
             tail.extend(err.read().splitlines()[-40:])
         tail = deque(ctx.redact(list(tail)))  # (a traceback may quote a parameter)
-        (ctx.out_dir / "worker.log").write_text("\n".join(tail) + "\n", encoding="utf-8")
+        with contextlib.suppress(OSError):  # a full disk is said below, from the worker's own words
+            (ctx.out_dir / "worker.log").write_text("\n".join(tail) + "\n", encoding="utf-8")
         result = _read_result(result_file)
         if rc == 2 and "error" in result:
             raise UserError(f"{ctx.stage_id}: {result['error']}")
+        no_room = next((m for m in map(_NO_ROOM.search, reversed(tail)) if m), None)
+        if rc != 0 and no_room:
+            raise OSError(int(no_room[1]), f"the dump worker could not write: {no_room[2].strip()}")
         if rc != 0:
             raise RuntimeError(f"dump worker exited with status {rc}:\n" + "\n".join(list(tail)[-20:]))
         if not all(key in result for key in _RESULT_KEYS):

@@ -1,6 +1,7 @@
 """The run directory on disk: created, locked, cleaned and filled without following a symlink.
 
 <run-dir>/
+  .llmflow-run-dir            the mark of a folder llmflow made (or was told to use) a run dir
   .lock                       flock'ed for the whole run; holds the owner's pid
   .tmp/<stage>-<random>/      a running stage's output; renamed into place when run() returns
   .failed/<stage>/            a failed stage's partial output, kept for inspection
@@ -12,6 +13,13 @@ A symlink at one of these places would aim llmflow's deletes and writes at someo
 so each place is checked with ``lstat`` and the lock is opened with ``O_NOFOLLOW``: a link is
 refused with a ``UserError`` naming it, never followed. The run directory itself may be a link
 (``runs -> /scratch/runs``): where it lives is the user's choice.
+
+llmflow never takes over a folder that holds someone else's files: an existing folder without the
+mark is refused unless it is empty, was a run dir of an earlier llmflow (it has llmflow's
+summary.json or a stage's state file) or the user says so (``--adopt-run-dir``: llmflow's entries
+then go beside the user's, and none of its names may be taken). Inside a marked run dir llmflow
+touches only its own entries: a folder at a stage's name without the stage's state file is
+refused, not replaced.
 
 Files llmflow writes get the permissions the user's umask allows, like any file the user creates.
 """
@@ -36,6 +44,9 @@ LOCK_FILE = ".lock"
 TMP_DIR = ".tmp"
 FAILED_DIR = ".failed"
 SUMMARY_FILE = "summary.json"
+STATE_FILE = ".llmflow-stage.json"  # in each completed stage's folder (state.py)
+RUN_DIR_MARK = ".llmflow-run-dir"
+_MARK = {"format": "llmflow-run-dir", "version": 1}
 
 
 def _umask() -> int:
@@ -61,16 +72,55 @@ def refuse_link(path: Path) -> None:
         )
 
 
-def open_run_dir(run_dir: Path, stage_ids: Iterable[str]) -> None:
-    """Create ``run_dir`` if needed; refuse one that cannot be a run dir or holds links where
-    llmflow writes. Every problem is a one-line ``UserError`` naming the path."""
+def open_run_dir(run_dir: Path, stage_ids: Iterable[str], adopt: bool = False) -> None:
+    """Create ``run_dir`` if needed and mark it; refuse one that cannot be a run dir, is someone
+    else's folder (unless ``adopt``), or holds links or foreign entries where llmflow writes.
+    Every problem is a one-line ``UserError`` naming the path."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run dir {run_dir}: not a directory")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"run dir {run_dir}: cannot create it ({exc.strerror or exc})") from None
+    stage_ids = list(stage_ids)
     check_run_dir(run_dir, stage_ids)
+    _claim(run_dir, stage_ids, adopt)
+    for sid in stage_ids:
+        stage_dir = run_dir / sid
+        if os.path.lexists(stage_dir) and not os.path.isfile(stage_dir / STATE_FILE):
+            raise UserError(f"run dir {run_dir}: {sid} is not a stage folder llmflow wrote (no {STATE_FILE} "
+                            f"in it); move it away, llmflow keeps stage {sid}'s output there")
+
+
+def _made_by_llmflow(run_dir: Path) -> bool:
+    """A run dir of an llmflow from before the mark: its summary.json, or a stage's state file."""
+    summary = read_json(run_dir / SUMMARY_FILE) if os.path.isfile(run_dir / SUMMARY_FILE) else None
+    if isinstance(summary, dict) and {"workflow", "status", "stages"} <= set(summary):
+        return True
+    with os.scandir(run_dir) as entries:
+        return any(e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, STATE_FILE))
+                   for e in entries)
+
+
+def _claim(run_dir: Path, stage_ids: list[str], adopt: bool) -> None:
+    """Mark ``run_dir`` as llmflow's (see the module docstring for which folders it may take)."""
+    mark = run_dir / RUN_DIR_MARK
+    refuse_link(mark)
+    if os.path.isfile(mark):
+        return
+    if os.listdir(run_dir) and not _made_by_llmflow(run_dir):
+        if not adopt:
+            raise UserError(f"run dir {run_dir}: exists, holds files and is not an llmflow run dir (no "
+                            f"{RUN_DIR_MARK}); give a new or empty folder, or --adopt-run-dir to add "
+                            "llmflow's files beside the ones there")
+        for name in (LOCK_FILE, TMP_DIR, FAILED_DIR, SUMMARY_FILE, *stage_ids):
+            if os.path.lexists(run_dir / name):
+                raise UserError(f"run dir {run_dir}: {name} is in the way (llmflow keeps its own {name} "
+                                "there); move it away")
+    try:
+        atomic_write_json(mark, _MARK)
+    except OSError as exc:
+        raise UserError(f"run dir {run_dir}: cannot write {RUN_DIR_MARK} ({exc.strerror or exc})") from None
 
 
 def check_run_dir(run_dir: Path, stage_ids: Iterable[str]) -> None:
@@ -200,6 +250,11 @@ def remove_failed(run_dir: Path, stage_id: str) -> None:
     failed = run_dir / FAILED_DIR / stage_id
     if not os.path.islink(run_dir / FAILED_DIR) and not os.path.islink(failed):
         shutil.rmtree(failed, ignore_errors=True)
+
+
+def remove_tmp(tmp: Path) -> None:
+    """Remove a stage's tmp dir (one of llmflow's own, under ``.tmp``)."""
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def discard(tmp: Path, run_dir: Path, stage_id: str) -> None:

@@ -10,6 +10,7 @@ run's conclusion (conclusion.py). See rundir.py and state.py for the on-disk lay
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import queue
@@ -119,7 +120,12 @@ class _Run:
             prep = self.prepared[sid]
             if len(self.running) >= self.workers or prep.resources & held:
                 continue
-            self._start(sid, prep)
+            try:
+                self._start(sid, prep)
+            except OSError as exc:  # no room for its temporary folder: the stage's failure
+                self._fail(sid, exc)
+                progressed = True
+                continue
             held |= prep.resources
             progressed = True
         return progressed
@@ -196,7 +202,10 @@ class _Run:
                 return
             except Exception as err:  # bad outputs: the stage's fault
                 exc = err
-        rundir.discard(tmp, self.run_dir, sid)
+        if _disk_full(exc):  # its partial output would keep the disk full: dropped, not kept
+            rundir.remove_tmp(tmp)
+        else:
+            rundir.discard(tmp, self.run_dir, sid)
         self._fail(sid, exc)
 
     def _complete(self, sid: str, prep: _Prepared, tmp: Path, ctx: StageContext, outputs: Any) -> None:
@@ -246,6 +255,9 @@ class _Run:
         log.debug("stage %s failed:\n%s", sid, res.traceback)
         if isinstance(exc, KeyboardInterrupt):
             res.error = "interrupted"
+        elif _disk_full(exc):  # not a bug of the stage: no traceback, what to do instead
+            res.error = f"{exc}; the disk holding {self.run_dir} is full (its partial output was removed)"
+            res.traceback = None
         elif isinstance(exc, SystemExit):  # the stage's own failure, said in one line
             res.error = f"the stage called sys.exit({exc.code!r}) instead of returning its outputs or raising"
             res.traceback = None
@@ -267,6 +279,17 @@ class _Run:
         self.summary.write("failed")
 
 
+def _disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is a write that found no room: ENOSPC, a quota, or a
+    file size limit (EFBIG)."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def _unprefixed(sid: str, message: object) -> str:
     """The reporter names the stage itself; drop a ``"<stage>: "`` the stage added too."""
     text = str(message)
@@ -283,12 +306,14 @@ def run_workflow(
     dry_run: bool = False,
     workers: int = 1,
     reporter: Reporter | None = None,
+    adopt_run_dir: bool = False,
 ) -> RunResult:
     """Run (or with ``dry_run`` only plan) a workflow; see ``llmflow run --help`` for the options.
 
     Raises UserError (WorkflowError) for a workflow that does not validate, an unknown stage in
     ``only``/``from_stage``, a run dir that cannot be one (a file, unwritable, a link inside
-    where llmflow writes) or one held by another run. Stage failures do not raise: they are in
+    where llmflow writes, a folder of someone else's files unless ``adopt_run_dir``) or one held
+    by another run. Stage failures do not raise: they are in
     the result (``result.exit_code`` is 1, or 2 when a stage raised a UserError); so is what the
     stages concluded (``result.conclusion``: exit code 1 fail, 3 inconclusive, 0 pass).
     """
@@ -301,7 +326,7 @@ def run_workflow(
             rundir.check_run_dir(rdir, checked.order)
         plan = compute_plan(checked, sel, rdir)
         return RunResult(checked.workflow.name, rdir, "planned", {}, {}, plan)
-    rundir.open_run_dir(rdir, checked.order)
+    rundir.open_run_dir(rdir, checked.order, adopt=adopt_run_dir)
     with rundir.RunDirLock(rdir):
         removed = rundir.clean_tmp(rdir)
         if removed:
@@ -310,7 +335,8 @@ def run_workflow(
         reporter.start({sid: checked.workflow.stages[sid].uses for sid in checked.order})
         try:
             run.execute()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (interrupts.Terminated)
+            interrupts.stop_children()  # a dump worker must not outlive the run
             run.interrupt()
             raise
         finally:

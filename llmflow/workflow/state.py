@@ -18,9 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmflow.workflow.rundir import read_json
+from llmflow.workflow.rundir import STATE_FILE, read_json
 
-STATE_FILE = ".llmflow-stage.json"
 #: keys of a state whose path strings are stored relative to the run dir
 PORTABLE_KEYS = ("params", "outputs", "summary")
 

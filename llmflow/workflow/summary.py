@@ -6,11 +6,16 @@ its own ``outcome``); plus each stage's ``ctx.summary`` merged in, in execution 
 (``verdict``, ``compare``, ...).
 A stage may not overwrite those reserved keys. The shape is ``schemas/summary.schema.json``.
 Written through the run's ``Redactor``: no secret value, no credential inside a URL.
+
+A full disk must not leave the file saying "running" after the run ended: a write that fails is
+retried once with the small form (the head, and each stage's type, status and error), and if even
+that fails the run goes on and stderr says so once.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -46,6 +51,8 @@ class SummaryWriter:
         self.data: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
+        self._failed_to_write = False
+        self._last_written: str | None = None
 
     def write(self, status: str, conclusion: Conclusion | None = None) -> dict[str, Any]:
         with self._lock:
@@ -67,6 +74,26 @@ class SummaryWriter:
                         continue
                     data[key] = value
             data = self.redact(data)  # (URL credentials, secret values in outputs and errors)
-            atomic_write_json(self.path, data)
+            self._write(data)
             self.data = data
             return data
+
+    def _write(self, data: dict[str, Any]) -> None:
+        try:
+            atomic_write_json(self.path, data)
+            self._last_written = data["status"]
+            return
+        except OSError:
+            pass
+        small = {**{k: data[k] for k in RESERVED if k != "params"},
+                 "stages": {sid: {k: st[k] for k in ("type", "status", "error")}
+                            for sid, st in data["stages"].items()}}
+        try:
+            atomic_write_json(self.path, small)
+        except OSError as exc:
+            if not self._failed_to_write:
+                self._failed_to_write = True
+                print(f"llmflow: cannot write {self.path} ({exc.strerror or exc}); it may still say "
+                      f"status {self._last_written!r}", file=sys.stderr, flush=True)
+            return
+        self._last_written = data["status"]

@@ -208,13 +208,16 @@ def test_a_killed_compare_leaves_the_old_output_whole(tmp_path: Path) -> None:
                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while not list(tmp_path.glob(".out.tmp-*/compare_*.csv")) and time.time() < deadline:
+        while not list(out.glob(".llmflow-staging-*/compare_*.csv")) and time.time() < deadline:
             time.sleep(0.05)
-        assert list(tmp_path.glob(".out.tmp-*/compare_*.csv")), "the second compare never started writing"
+        assert list(out.glob(".llmflow-staging-*/compare_*.csv")), "the second compare never started writing"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    # the killed compare's staging folder is its own: the next compare into out removes it
+    assert main(["compare", "-gp", str(g), "-mp", str(t), "-o", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(before)
 
 
 def test_a_failing_compare_leaves_no_partial_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -302,3 +305,15 @@ def test_msit_short_log_level_flag(tmp_path: Path, capsys: pytest.CaptureFixture
 
     assert logging.getLogger().level == logging.DEBUG
     logging.getLogger().handlers.clear()
+
+
+def test_an_output_folder_reached_through_a_link_is_written_through_it(tmp_path: Path) -> None:
+    g, t = as_dump(tmp_path, "g", steps=[0]), as_dump(tmp_path, "t", steps=[0])
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / "notes.txt").write_text("mine")
+    (tmp_path / "out").symlink_to(tmp_path / "scratch", target_is_directory=True)
+    for _ in range(2):  # the second run replaces the first one's files
+        assert main(["compare", "-gp", str(g), "-mp", str(t), "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out").is_symlink() and (tmp_path / "scratch" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "scratch" / "compare_summary.json").is_file()
+    assert not list((tmp_path / "scratch").glob(".llmflow-staging-*"))

@@ -96,7 +96,7 @@ def test_links_inside_tmp_are_removed_not_followed(completed):
         ("file", "not a directory"),
         ("under-file", "Not a directory"),
         ("/proc/llmflow-run", "cannot create it"),
-        ("/proc", "cannot create .lock"),
+        ("/proc", "is not an llmflow run dir"),
     ],
 )
 def test_a_run_dir_that_cannot_be_one(tmp_path, where, says):

@@ -210,7 +210,8 @@ def test_lock_refuses_second_run(tmp_path):
 def test_stale_tmp_dirs_removed(tmp_path):
     wf = write_workflow(tmp_path, CHAIN)
     rd = tmp_path / "run"
-    (rd / ".tmp" / "a-deadbeef").mkdir(parents=True)
+    run_workflow(wf, run_dir=rd)
+    (rd / ".tmp" / "a-deadbeef").mkdir(parents=True)  # as a killed run leaves it
     (rd / ".tmp" / "a-deadbeef" / "junk").write_text("x")
     run_workflow(wf, run_dir=rd)
     assert list((rd / ".tmp").iterdir()) == []
