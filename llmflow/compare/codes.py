@@ -12,7 +12,8 @@ load_error                fail        a tensor could not be read (corrupt file, 
 shape_mismatch            fail        different element counts: nothing could be compared
 stats_missing             fail        statistics-only row without statistics on one side
 no_finite                 fail        no element is finite on both sides
-nan_inf                   fail        the target has NaN/Inf the golden does not have
+nan_inf                   fail        the target has NaN/Inf the golden does not have (a
+                                      statistics-only row: NaN/Inf statistics on one side)
 threshold_fail            fail        a metric is beyond its fail limit
 dtype_mismatch            warn        integer data on one side, floating on the other
 nan_inf_shared            warn        NaN/Inf on the golden side too (not the target's doing)

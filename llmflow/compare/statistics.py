@@ -42,8 +42,15 @@ def put_sides(row: dict[str, Any], golden: dict[str, float], target: dict[str, f
 
 def compare_stats(golden: dict[str, float] | None, target: dict[str, float] | None) -> dict[str, Any]:
     """Statistics-only entries: abs and relative differences of max, min, mean and norm, and each
-    side's statistics as they were recorded."""
-    row: dict[str, Any] = {c: math.nan for c in STAT_COLUMNS + SIDE_COLUMNS}
+    side's statistics as they were recorded.
+
+    A statistic one side did not record (msprobe leaves an integer tensor's mean and norm out) is
+    not available: its columns are None and the row is judged by what both sides have; a row
+    where no statistic is on both sides is ``stats_missing``. A NaN/Inf statistic (the tensor
+    holds NaN/Inf) is compared as such: the same non-finite value on both sides is
+    ``nan_inf_shared``, on one side only, or a different one, ``nan_inf``.
+    """
+    row: dict[str, Any] = dict.fromkeys(STAT_COLUMNS + SIDE_COLUMNS)
     row["reason"] = ""
     row["code"] = Code.OK.value
     for side, stats in (("golden", golden), ("target", target)):
@@ -55,18 +62,36 @@ def compare_stats(golden: dict[str, float] | None, target: dict[str, float] | No
         row["reason"] = "statistics missing on the " + ("golden" if not golden else "target") + " side"
         row["code"] = Code.STATS_MISSING.value
         return row
+    compared, shared, apart = [], [], []
     for key in STATS:
-        gv, tv = golden.get(key), target.get(key)
+        gv, tv = row[f"golden_{key}"], row[f"target_{key}"]
         if gv is None or tv is None:
             continue
-        gv, tv = float(gv), float(tv)
+        compared.append(key)
+        if not (math.isfinite(gv) and math.isfinite(tv)):
+            same = gv == tv or (math.isnan(gv) and math.isnan(tv))
+            (shared if same else apart).append(f"{key} golden {gv:g}, target {tv:g}")
+            continue
         diff = abs(tv - gv)
         row[f"{key}_diff"] = diff
         row[f"{key}_rel_diff"] = diff / abs(gv) if abs(gv) > EPS else (0.0 if diff <= EPS else math.inf)
+    reasons = []
+    if not compared:
+        have = {side: [k for k in STATS if row[f"{side}_{k}"] is not None] for side in ("golden", "target")}
+        row["code"] = Code.STATS_MISSING.value
+        row["reason"] = (f"no statistic on both sides (golden has {', '.join(have['golden']) or 'none'}, "
+                         f"target {', '.join(have['target']) or 'none'})")
+        return row
+    if apart:
+        row["code"] = Code.NAN_INF.value
+        reasons.append("NaN/Inf statistics on one side only: " + "; ".join(apart))
+    elif shared:
+        row["code"] = Code.NAN_INF_SHARED.value
+        reasons.append("NaN/Inf statistics on both sides: " + "; ".join(shared))
     for side, stats in (("golden", golden), ("target", target)):
         row[f"{side}_nan"] = int(stats.get("nan") or 0)
         row[f"{side}_inf"] = int(stats.get("inf") or 0)
         if row[f"{side}_nan"] or row[f"{side}_inf"]:
-            row["reason"] = "; ".join(filter(None, [row["reason"], f"{side} has {row[side + '_nan']} NaN, "
-                                                    f"{row[side + '_inf']} Inf"]))
+            reasons.append(f"{side} has {row[side + '_nan']} NaN, {row[side + '_inf']} Inf")
+    row["reason"] = "; ".join(reasons)
     return row

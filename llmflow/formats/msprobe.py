@@ -21,12 +21,36 @@ a tensor value is ``{"type": "torch.Tensor", "dtype", "shape", "Max", "Min", "Me
   operator dunders are named like the function (``__add__``/``__radd__`` -> ``add``,
   ``__iadd__`` -> ``add_``, ``__truediv__`` -> ``div``).
 
-Steps: msprobe counts calls, not tokens. Inside one step folder the record that comes first
-(``Functional.embedding`` or ``Module.model.embed_tokens...``) starts every token again, so its
-k-th occurrence opens token k (for a module called once per token that is its call counter k).
-When every step folder holds one token (``debugger.step()`` after each token), step ``S`` is the
-token; otherwise the tokens of the folders are numbered on from one folder to the next.
+Steps: msprobe counts calls, not tokens, and a step folder may hold many tokens (one folder for a
+whole ``generate()``). Tokens follow the model's forward passes; records are in the order their
+calls finished. Inside one step folder a forward pass opens at a call of the **embedding** (the
+op that turns token ids into hidden states, called once per pass):
+
+* the ``embedding`` API where the folder has API records (levels L1 and mix:
+  ``Functional.embedding.k.forward``; at mix it finishes before its module's record, so the pass
+  opens with it). A model may look up several tables per pass (GPT-2: tokens, then positions):
+  only the calls that look up the first call's table (its weight argument's dtype, shape and
+  statistics, constant for one table) open a pass;
+* else (level L0) the first module record of an ``...Embedding`` class in dump.json order
+  (``Module.model.embed_tokens.Embedding.forward.k``, whatever its counter starts at): every
+  call of it opens a pass;
+* a folder with neither (a dump filtered by ``scope``/``list``) falls back on its first record:
+  each call of that opens a pass.
+
+Records before the first pass (a ``generate()`` loop's setup: ``Torch.isin``, ``cumsum``) belong
+to the first token, and the loop's work between two passes (``argmax`` of the logits, stopping
+criteria, the next pass's position ids) to the token before; a dump of ``generate(max_new_tokens=
+N)`` therefore reads as N tokens at every level. When every step folder holds one token
+(``debugger.step()`` after each token), step ``S`` is the token; otherwise the tokens of the
+folders are numbered on from one folder to the next.
 Backward records are left out (inference). ``parameters`` become weight entries (step -1).
+
+Statistics (``Max``, ``Min``, ``Mean``, ``Norm``) are read as numbers where they are: msprobe
+writes ``null`` for an integer tensor's mean and norm and JSON booleans for a bool tensor's max
+and min (read as 1 and 0); peers write ``"nan"``/``"inf"`` strings (read as NaN/Inf: a NaN/Inf
+tensor's statistics, compared as such). ``null`` or another string is "not available": the
+statistic is left out of the entry, and the compare judges what both sides have. A tensor value
+with no statistic and no data file cannot be compared: it is listed in ``problems()``.
 """
 
 from __future__ import annotations
@@ -97,6 +121,21 @@ def parse_name(record: str) -> tuple[str, str, str, str] | None:
     return None
 
 
+def statistic(value: Any) -> float | None:
+    """One statistic of a tensor value as a float, or None where it is not available: numbers as
+    they are, JSON booleans (a bool tensor's max and min) as 1 and 0, the strings peers write for
+    non-finite statistics (``"nan"``, ``"inf"``, ``"-Infinity"``) as NaN/Inf; ``null`` and any
+    other string are not available."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float, str)):
+        try:
+            return float(value)
+        except (ValueError, OverflowError):
+            return None
+    return None
+
+
 def _is_file(entry: os.DirEntry) -> bool:
     try:
         return entry.is_file()  # (follows symlinks; a FIFO or a device is not a file)
@@ -109,6 +148,43 @@ def _base(record: str) -> str:
     return re.sub(
         r"\.\d+(\.(forward|backward))$", r"\1", re.sub(r"\.(forward|backward)\.\d+$", r".\1", record)
     )
+
+
+def _is_embedding(parsed: tuple[str, str, str, str] | None, level: str) -> bool:
+    if parsed is None or parsed[0] != level:
+        return False
+    _, what, group, _ = parsed
+    return group.endswith("Embedding") and "Rotary" not in group if level == "module" else what == "embedding"
+
+
+def _table(record: Any) -> str:
+    """What identifies the table an ``embedding`` API call looks up: its weight argument's dtype,
+    shape and statistics (constant for one table), as text; "" where the record has no inputs."""
+    if not isinstance(record, dict):
+        return ""
+    args = record.get("input_args")
+    kwargs = record.get("input_kwargs")
+    weight = args[1] if isinstance(args, list) and len(args) > 1 else (
+        kwargs.get("weight") if isinstance(kwargs, dict) else None)
+    if not isinstance(weight, dict):
+        return ""
+    return repr([weight.get(k) for k in ("dtype", "shape", *(k for k, _ in _STAT_KEYS))])
+
+
+def pass_starts(records: list[tuple[str, Any]]) -> list[bool]:
+    """For each forward record ``(name, record)`` of one step folder, in dump.json order: does it
+    open a forward pass? The rule (the module docstring's "Steps"): each ``embedding`` API call
+    that looks up the first call's table, else each call of the first embedding module, else
+    each call of the folder's first record."""
+    names = [k for k, _ in records]
+    parsed = [parse_name(k) for k in names]
+    api = next((i for i, p in enumerate(parsed) if _is_embedding(p, "api")), None)
+    if api is not None:
+        anchor, table = _base(names[api]), _table(records[api][1])
+        return [_base(k) == anchor and _table(v) == table for k, v in records]
+    module = next((k for k, p in zip(names, parsed, strict=True) if _is_embedding(p, "module")), None)
+    anchor = _base(module if module is not None else names[0]) if names else ""
+    return [_base(k) == anchor for k in names]
 
 
 class MsprobeDumpReader(DumpReader):
@@ -224,10 +300,10 @@ class MsprobeDumpReader(DumpReader):
                 for k, v in dump["data"].items()
                 if (p := parse_name(k)) is not None and p[3] == "forward"
             ]
-            first = _base(records[0][0]) if records else ""
+            opens = pass_starts(records)
             tokens, assigned = -1, []
-            for k, v in records:
-                tokens += _base(k) == first
+            for (k, v), opens_pass in zip(records, opens, strict=True):
+                tokens += opens_pass
                 assigned.append((max(tokens, 0), k, v))
             parsed.append((step_no, folder, construct, assigned, max(tokens + 1, 1)))
         one_each = all(n == 1 for *_, n in parsed) and all(s is not None for s, *_ in parsed)
@@ -237,6 +313,7 @@ class MsprobeDumpReader(DumpReader):
         for step_no, folder, construct, assigned, n_tokens in parsed:
             files = self._data_files(folder)
             lost: list[str] = []  # data names dump.json gives whose file cannot be loaded
+            blind: list[str] = []  # tensor values with neither a statistic nor data: not comparable
             counters: dict[tuple[int, str, str], int] = {}
             orders: dict[int, int] = {}
             for token, key, record in assigned:
@@ -252,7 +329,7 @@ class MsprobeDumpReader(DumpReader):
                     n = counters.get((step, module, api), 0)
                     counters[(step, module, api)] = n + 1
                     name, mtype = f"{module}/{api}.{n}", api
-                ctx = (rank, step, name, level, mtype, files, folder, orders, lost)
+                ctx = (rank, step, name, level, mtype, files, folder, orders, lost, blind)
                 self._values(ctx, "input", "", record.get("input_args") or [], out)
                 kwargs = record.get("input_kwargs") or {}
                 if isinstance(kwargs, dict):
@@ -266,7 +343,7 @@ class MsprobeDumpReader(DumpReader):
                         if full not in seen_weights and isinstance(v, dict):
                             seen_weights.add(full)
                             wctx = (rank, -1, full, "weight", None, files, folder, {-1: len(seen_weights)},
-                                    lost)
+                                    lost, blind)
                             self._values(wctx, "weight", "0", v, out)
             if lost:
                 missing = [n for n in lost if n not in files]
@@ -276,6 +353,10 @@ class MsprobeDumpReader(DumpReader):
                         self._problems.append(
                             f"{folder / DUMP_FILE}: names {len(names)} tensor file(s) {why} "
                             f"dump_tensor_data (first: {names[0][:120]}); read as statistics only")
+            if blind:
+                self._problems.append(
+                    f"{folder / DUMP_FILE}: {len(blind)} tensor value(s) carry no statistic and no data "
+                    f"(first: {blind[0][:120]}); left out of the compare")
             offset += n_tokens
         return out
 
@@ -288,7 +369,7 @@ class MsprobeDumpReader(DumpReader):
         self, ctx: tuple, kind: str, index: str, value: Any, out: list[Entry], depth: int = 0
     ) -> None:
         """Entries for one (possibly nested) value of a record."""
-        rank, step, name, level, mtype, files, folder, orders, lost = ctx
+        rank, step, name, level, mtype, files, folder, orders, lost, blind = ctx
         if value is None or depth > 32:
             return
         if isinstance(value, list):
@@ -318,16 +399,14 @@ class MsprobeDumpReader(DumpReader):
         if "dtype" in value and "shape" in value:
             e.dtype = str(value["dtype"]).removeprefix("torch.")
             e.shape = check_shape(value["shape"], folder / DUMP_FILE)
-            stats = {
-                ours: float(value[k])
-                for k, ours in _STAT_KEYS
-                if isinstance(value.get(k), (int, float)) and not isinstance(value.get(k), bool)
-            }
+            stats = {ours: v for k, ours in _STAT_KEYS if (v := statistic(value.get(k))) is not None}
             e.stats = stats or None
             data_name = value.get("data_name")
             e.has_data = isinstance(data_name, str) and files.get(data_name, False)
             if isinstance(data_name, str) and not e.has_data:
                 lost.append(data_name)
+            if not stats and not e.has_data and not isinstance(data_name, str) and kind != "weight":
+                blind.append(f"{name} {kind} {index or '0'}")
             e.key = (
                 os.path.join(os.path.relpath(folder, self.path), "dump_tensor_data", data_name)
                 if e.has_data

@@ -519,3 +519,27 @@ def test_fused_tails_of_any_length(monkeypatch: pytest.MonkeyPatch) -> None:
             assert fused[k] == pytest.approx(eager[k], rel=1e-6, abs=1e-15), (tail, k)
         a, b = g[-tail:], t[-tail:]
         torch.testing.assert_close(kernel(a, b), kernels.pass1(a, b), rtol=1e-6, atol=1e-12)
+
+
+def test_statistics_rows_judge_what_both_sides_have() -> None:
+    ids = {"max": 257.0, "min": 3.0}  # an integer tensor: msprobe leaves its mean and norm out
+    row = compare_stats(ids, dict(ids))
+    assert row["mean_diff"] is None and row["norm_rel_diff"] is None and row["golden_norm"] is None
+    assert row["max_diff"] == 0.0 and judge(row, "integer").code == "ok"
+    assert judge(compare_stats(ids, {**ids, "max": 258.0}), "integer").verdict == "fail"
+    flags = {"max": 1.0, "min": 0.0}  # a bool tensor's max and min
+    assert judge(compare_stats(flags, {"max": 1.0, "min": 1.0}), "bool").verdict == "fail"
+    row = compare_stats({"max": 1.0}, {"norm": 2.0})  # nothing recorded on both sides
+    assert row["code"] == "stats_missing" and "golden has max, target norm" in row["reason"]
+
+
+@pytest.mark.parametrize("golden,target,code", [
+    ({"max": math.nan, "norm": math.nan}, {"max": 2.0, "norm": 5.0}, "nan_inf"),
+    ({"max": 2.0, "norm": 5.0}, {"max": math.inf, "norm": math.inf}, "nan_inf"),
+    ({"max": math.inf, "norm": 5.0}, {"max": math.nan, "norm": 5.0}, "nan_inf"),
+    ({"max": math.nan, "norm": 5.0}, {"max": math.nan, "norm": 5.0}, "nan_inf_shared"),
+])
+def test_non_finite_statistics_on_one_side_fail(golden: dict, target: dict, code: str) -> None:
+    j = judge(compare_stats(golden, target), "float32")
+    assert j.code == code and j.verdict == ("fail" if code == "nan_inf" else "warn")
+    assert "NaN/Inf statistics on " + ("one side only" if code == "nan_inf" else "both sides") in j.reason

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -115,3 +116,38 @@ def test_malformed_dump_json(tmp_path: Path, text: str, match: str) -> None:
     (tmp_path / "dump.json").write_text(text)
     with pytest.raises(DumpFormatError, match=match):
         MsprobeDumpReader(tmp_path).entries()
+
+
+def test_statistics_of_every_type_peers_write(tmp_path: Path) -> None:
+    def value(mx, mn, mean, norm, dtype="torch.float32"):
+        return {"type": "torch.Tensor", "dtype": dtype, "shape": [2], "Max": mx, "Min": mn, "Mean": mean,
+                "Norm": norm, "requires_grad": False}
+
+    _write(tmp_path / "rank0", {"Functional.embedding.0.forward": {
+        "input_args": [value(9, 1, None, None, "torch.int64")],
+        "output": [value("nan", "-inf", "NaN", "Infinity"), value(True, False, None, None, "torch.bool"),
+                   value(None, "n/a", None, None)]}}, level="L1")
+    r = open_dump(tmp_path)
+    ids, out, flags, blind = r.entries()
+    assert ids.stats == {"max": 9.0, "min": 1.0} and flags.stats == {"max": 1.0, "min": 0.0}
+    assert math.isnan(out.stats["max"]) and out.stats["min"] == -math.inf and out.stats["norm"] == math.inf
+    assert blind.stats is None
+    assert len(r.problems()) == 1 and "1 tensor value(s) carry no statistic and no data" in r.problems()[0]
+
+
+def test_l1_passes_open_at_the_first_table_looked_up(tmp_path: Path) -> None:
+    """GPT-2 looks up two tables per pass (tokens, then positions): one pass, not two."""
+    def lookup(table_rows):
+        return {"input_args": [_t([1, 2]), {**_t([table_rows, 4]), "dtype": "torch.float32"}],
+                "output": [_t([1, 2, 4])]}
+
+    data = {"Torch.isin.0.forward": {"output": [_t([1])]}}
+    for k in range(3):
+        data[f"Functional.embedding.{2 * k}.forward"] = lookup(10)
+        data[f"Functional.embedding.{2 * k + 1}.forward"] = lookup(8)
+        data[f"Functional.linear.{k}.forward"] = {"output": [_t([1, 2, 10])]}
+    _write(tmp_path / "step0" / "rank0", data, level="L1")
+    r = open_dump(tmp_path)
+    assert r.steps() == [0, 1, 2]
+    assert {e.name for e in r.entries() if e.step == 2} == {"/embedding.0", "/embedding.1", "/linear.0"}
+    assert {e.name for e in r.entries() if e.step == 0} >= {"/isin.0"}
