@@ -25,7 +25,6 @@ import os
 import secrets
 import shutil
 import stat
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -36,21 +35,6 @@ LOCK_FILE = ".lock"
 TMP_DIR = ".tmp"
 FAILED_DIR = ".failed"
 SUMMARY_FILE = "summary.json"
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (``os.umask`` can only be read by setting it,
-    which would race with stage threads creating files)."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    old = os.umask(0o022)  # no /proc: read it once, at import, before any thread exists
-    os.umask(old)
-    return old
-
-
-_UMASK = _umask()
 
 
 def refuse_link(path: Path) -> None:
@@ -88,24 +72,6 @@ def check_run_dir(run_dir: Path, stage_ids: Iterable[str]) -> None:
     for sid in stage_ids:
         refuse_link(run_dir / sid)
         refuse_link(run_dir / FAILED_DIR / sid)
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    """Write JSON via a temp file + rename, so readers see the old or the new file, never half.
-    The rename replaces a link at ``path`` rather than writing through it."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, default=str)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; honour the umask like open() does
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def read_json(path: Path) -> Any | None:

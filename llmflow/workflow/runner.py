@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llmflow import interrupts
+from llmflow.atomic import atomic_write_json
 from llmflow.errors import UserError, one_line
 from llmflow.stages.base import Stage, StageContext
 from llmflow.workflow import rundir
@@ -213,7 +214,7 @@ class _Run:
         # stored redacted (secret values, URL credentials); the fingerprint, a hash of the real
         # parameters, still changes with them. This run's later stages get the real outputs.
         record = self.checked.redact(state.to_json(self.run_dir, tmp))
-        rundir.atomic_write_json(tmp / st.STATE_FILE, record)
+        atomic_write_json(tmp / st.STATE_FILE, record, indent=2, durable=True)
         rundir.install(tmp, final)
         rundir.remove_failed(self.run_dir, sid)
         self.states[sid] = state

@@ -15,11 +15,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from llmflow.atomic import atomic_write_json
 from llmflow.redaction import Redactor
 from llmflow.workflow.conclusion import Conclusion
 from llmflow.workflow.model import Workflow
 from llmflow.workflow.result import StageResult, now_iso
-from llmflow.workflow.rundir import atomic_write_json
 
 RESERVED = (
     "workflow", "workflow_file", "run_dir", "params", "status", "outcome", "started", "updated", "stages"
@@ -67,6 +67,6 @@ class SummaryWriter:
                         continue
                     data[key] = value
             data = self.redact(data)  # (URL credentials, secret values in outputs and errors)
-            atomic_write_json(self.path, data)
+            atomic_write_json(self.path, data, indent=2, durable=True)
             self.data = data
             return data
