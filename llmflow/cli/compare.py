@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.cli.common import console, verdict_line
+from llmflow.compare.options import CompareOptions
 from llmflow.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INCONCLUSIVE, EXIT_PASSED, UserError
+from llmflow.options import add_flags, flag_names, from_args
 
 log = logging.getLogger("llmflow.compare")  # -l/--log-level: debug adds each phase's timing
 _EXIT = {"pass": EXIT_PASSED, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
-_FLAGS = {"target_dtype": "--target-dtype", "levels": "-cl/--cmp-level", "thresholds": "--thresholds"}
 
 
 class _WeightsElsewhere(argparse.Action):
@@ -50,35 +51,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-mp", "--my-path", required=True, help="target dump directory or tensor file")
     parser.add_argument("-o", "--output", default=None,
                         help="output directory (default: ./llmflow_compare_<timestamp>)")
-    parser.add_argument("-cl", "--cmp-level", nargs="+", default=None, metavar="LEVEL",
-                        help="levels: logits layer module api save (default: all present)")
-    parser.add_argument("-st", "--stats", action="store_true", help="compare statistics only")
-    parser.add_argument("-alg", "--custom-algorithms", nargs="+", default=[], metavar="FILE.py:FUNC",
-                        help="custom algorithms func(golden, target) -> (value, message)")
-    parser.add_argument("-mf", "--op-mapping-file", default=None, metavar="MAPPING",
-                        help="op-mapping YAML/JSON file or a mapping name (atb-llama); default: by name, "
-                        "or a registered mapping that fits the target dump")
-    parser.add_argument("-r", "--rank", type=int, default=None, help="compare only this rank")
     parser.add_argument("-l", dest="log_level", default=argparse.SUPPRESS,
                         choices=("debug", "info", "warning", "error", "fatal", "critical"),
                         help="msit's short form of --log-level")
     parser.add_argument("-w", "--weight", nargs="?", action=_WeightsElsewhere, metavar="WEIGHTS",
                         help="msit's weight compare: llmflow runs it as the weight_check workflow")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="parallel workers (default: CPU cores): processes for many small pairs, "
-                        "threads in this process otherwise")
-    parser.add_argument("--steps", type=int, nargs="+", default=None, help="golden steps to compare")
-    parser.add_argument("--prefill-offset", type=int, default=0,
-                        help="target folders holding prefill + first decode (ATB: 1)")
-    parser.add_argument("--warmup", type=int, default=0, help="warm-up folders at the start of the target")
-    parser.add_argument("--target-dtype", default=None,
-                        help="dtype whose thresholds judge float rows (default: the model dtype the dumps "
-                        "record, else each tensor's own)")
-    parser.add_argument("--thresholds", default=None, metavar="JSON|FILE",
-                        help="verdict limits as JSON or a YAML/JSON file: {metric: {warn, fail}}")
-    parser.add_argument("--executor", choices=["local", "dask"], default="local")
-    parser.add_argument("--scheduler-address", default=None, help="dask scheduler for --executor dask")
-    parser.add_argument("--no-xlsx", action="store_true", help="write CSV only")
+    add_flags(parser, CompareOptions)  # -cl -st -alg -mf -r and the rest, declared with the options
 
 
 def _thresholds(text: str | None) -> tuple[dict | None, str]:
@@ -136,7 +114,7 @@ def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
 
     from llmflow.compare.files import compare_files
 
-    rows = compare_files(args.golden_path, args.my_path, algorithms=args.custom_algorithms,
+    rows = compare_files(args.golden_path, args.my_path, algorithms=args.algorithms,
                          thresholds=thresholds, target_dtype=args.target_dtype)
     con = console()
     if len(rows) == 1:  # one tensor: every metric, one per line
@@ -166,19 +144,15 @@ def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     from llmflow.compare.output import StagedDir
-    from llmflow.compare.run import CompareOptions, check_options, compare_dumps, output_names
+    from llmflow.compare.run import check_options, compare_dumps, output_names
     from llmflow.compare.summary import report_lines
     from llmflow.formats import open_dump
 
     kinds = (_kind(args.golden_path, "-gp"), _kind(args.my_path, "-mp"))
     thresholds, where = _thresholds(args.thresholds)
-    opts = CompareOptions(levels=args.cmp_level, thresholds=thresholds,
-                          algorithms=list(args.custom_algorithms), mapping=args.op_mapping_file,
-                          executor=args.executor, scheduler_address=args.scheduler_address,
-                          workers=args.workers, rank=args.rank, steps=args.steps, stats_only=args.stats,
-                          target_dtype=args.target_dtype, base_dir=".", xlsx=not args.no_xlsx,
-                          prefill_offset=args.prefill_offset, warmup=args.warmup)
-    check_options(opts, {**_FLAGS, "thresholds": where})  # bad flags fail here, before any dump is read
+    opts = from_args(CompareOptions, args, thresholds=thresholds, base_dir=".")
+    # bad flags fail here, before any dump is read
+    check_options(opts, {**flag_names(CompareOptions), "thresholds": where})
     if kinds == ("tensor", "tensor"):
         return _files(args, thresholds)
     if "tensor" in kinds:

@@ -73,8 +73,3 @@ RANK_OF_VALUE: dict[str, int] = {c.value: i for c, i in _RANK.items()}
 def worst(codes: list[Code]) -> Code:
     """The most severe of ``codes`` (``ok`` for none)."""
     return min(codes, key=_RANK.__getitem__) if codes else Code.OK
-
-
-def verdict_of(code: str | Code) -> str:
-    """pass / warn / fail / unmatched of a code (its value or the enum)."""
-    return VERDICT[code] if isinstance(code, Code) else VERDICT_OF_VALUE[code]

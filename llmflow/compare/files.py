@@ -22,11 +22,6 @@ from llmflow.errors import UserError
 SUFFIXES = (".safetensors", ".npy", ".npz", ".pt", ".pth", ".bin")
 
 
-def is_tensor_file(path: str | Path) -> bool:
-    p = Path(path)
-    return p.is_file() and p.suffix.lower() in SUFFIXES
-
-
 def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Key -> tensor of one file (a single tensor has the key ``""``)."""
     p = Path(path)

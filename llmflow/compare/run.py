@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from llmflow.compare.divergence import divergence, is_diverged
 from llmflow.compare.engine import execute
 from llmflow.compare.match import LEVELS
 from llmflow.compare.metrics import known_metrics
+from llmflow.compare.options import CompareOptions
 from llmflow.compare.pairing import plan_pairs
 from llmflow.compare.rows import Job
 from llmflow.compare.sheets import level_columns, write_sheets
@@ -40,36 +40,6 @@ XLSX_FILE = "compare.xlsx"
 def output_names() -> list[str]:
     """Every file name ``compare_dumps`` may write in its ``out_dir``."""
     return [*(f"compare_{level}.csv" for level in LEVELS), XLSX_FILE, SUMMARY_FILE]
-
-
-@dataclass
-class CompareOptions:
-    """Everything ``compare_dumps`` can be told (the compare stage's parameters, the CLI's flags).
-
-    pairs: step pairs from the align stage (None: align here with prefill_offset and warmup).
-    target_dtype: the dtype whose thresholds judge every float row (None: the model dtype recorded
-      in the dumps, else each tensor's own).
-    final_dir: where the caller moves ``out_dir`` afterwards: the summary's paths name it.
-    """
-
-    pairs: list[dict[str, int]] | None = None
-    levels: list[str] | None = None
-    thresholds: dict | None = None
-    algorithms: list[str] = field(default_factory=list)
-    mapping: str | None = None
-    executor: str = "local"
-    scheduler_address: str | None = None
-    workers: int | None = None
-    rank: int | None = None
-    steps: list[int] | None = None
-    stats_only: bool = False
-    target_dtype: str | None = None
-    base_dir: str = "."
-    xlsx: bool = True
-    client: Any = None  # an existing dask.distributed Client (tests, notebooks)
-    prefill_offset: int = 0
-    warmup: int = 0
-    final_dir: str | None = None
 
 
 def check_options(opts: CompareOptions, flags: dict[str, str] | None = None) -> list[str]:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from llmflow.atomic import atomic_write_json
 from llmflow.errors import UserError
 from llmflow.redaction import Redactor
 
@@ -130,9 +130,7 @@ def _user_code(args: dict[str, Any]) -> str:
 
 def _write_result(path: Path, result: dict[str, Any]) -> None:
     """result.json, whole or not at all (the stage reads a missing file as "no result")."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_json(path, result)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ The rules these helpers enforce, so that the readers do not have to remember the
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import stat
@@ -174,12 +173,6 @@ def check_shape(dims: Any, path: Path | str) -> tuple[int, ...]:
                f"bad dimension {d!r} in shape {list(dims)!r}")
         out.append(int(d))
     return tuple(out)
-
-
-def nbytes_of(shape: tuple[int, ...], itemsize: int) -> int:
-    """Bytes a tensor of ``shape`` needs (Python ints: a product that overflows int64 is still
-    exact here, and the caller compares it to the file size before allocating)."""
-    return math.prod(shape) * itemsize
 
 
 def torch_load(path: Path, mmap: bool = False) -> torch.Tensor:

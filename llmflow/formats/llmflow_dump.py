@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import orjson
 import torch
 
+from llmflow.atomic import atomic_write_json
 from llmflow.errors import UserError
 from llmflow.formats.base import STAT_KEYS, Entry
 
@@ -44,13 +45,6 @@ VERSION = 3
 META_FILE = "llmflow_dump.json"
 ENV_FILE = "env.json"
 TOPOLOGY_FILE = "topology.json"
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` via a temporary file + rename: readers see old or new, never half."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, default=str, allow_nan=True))
-    os.replace(tmp, path)
 
 
 # An index line is either one entry, ``Entry.to_json()`` (what version 1 wrote), or a batch of
@@ -211,10 +205,10 @@ class DumpDirWriter:
         self._batch_no = 0
         self.bytes_written = 0
         self.entries_written = 0
-        write_json_atomic(self.rank_dir / "rank.json", self.rank_meta)
+        atomic_write_json(self.rank_dir / "rank.json", self.rank_meta)
         # rank 0 owns the top-level file; another rank writes it only when rank 0 has not (yet)
         if rank == 0 or not (self.dump_dir / META_FILE).exists():
-            write_json_atomic(self.dump_dir / META_FILE, self.meta)
+            atomic_write_json(self.dump_dir / META_FILE, self.meta)
 
     def write_rows(self, tensors: dict[str, torch.Tensor], rows: list[IndexRow]) -> str:
         """Write tensors to the next data file, then append the rows that point at them.
@@ -260,11 +254,11 @@ class DumpDirWriter:
 
     def write_json(self, name: str, obj: Any) -> None:
         """A top-level JSON file (env.json, topology.json), atomically."""
-        write_json_atomic(self.dump_dir / name, obj)
+        atomic_write_json(self.dump_dir / name, obj)
 
     def update_rank_meta(self, **fields: Any) -> None:
         self.rank_meta.update(fields)
-        write_json_atomic(self.rank_dir / "rank.json", self.rank_meta)
+        atomic_write_json(self.rank_dir / "rank.json", self.rank_meta)
 
     def close(self, complete: bool = True, rank_meta: dict[str, Any] | None = None, **meta: Any) -> None:
         """Close the files; mark the dump complete only when asked (a clean close). ``rank_meta``
@@ -273,10 +267,10 @@ class DumpDirWriter:
         self._order.close()
         self.rank_meta.update(rank_meta or {}, complete=complete, bytes=self.bytes_written,
                               entries=self.entries_written)
-        write_json_atomic(self.rank_dir / "rank.json", self.rank_meta)
+        atomic_write_json(self.rank_dir / "rank.json", self.rank_meta)
         if self.rank == 0 or not (self.dump_dir / META_FILE).exists():
             self.meta.update(meta, complete=complete)
-            write_json_atomic(self.dump_dir / META_FILE, self.meta)
+            atomic_write_json(self.dump_dir / META_FILE, self.meta)
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,9 @@ coarse-to-fine narrowing:
   rank.py     own error against the same module type in the other layers -> ranked candidates
   ops.py      the chosen module replayed op by op (torch API calls) on both sides -> first bad op
   cost.py     bytes and model runs spent, against an estimate of a full API-level dump
-  verdict.py  glues the steps together and writes the verdict dict (summary key ``verdict``)
+  moe.py      in fused experts, which expert
+  conclude.py the verdict: pass / fail / inconclusive, with what the evidence covers
+  result.py   the verdict's types (``BisectResult``), written to verdict.json
+  bisect.py   glues the steps together (``run_bisect``); options.py declares its inputs
   badcase.py  many prompts on both sides, no dump: which prompt drifts most (the badcase stage)
 """

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from llmflow.dump.memory import Call
@@ -40,40 +38,12 @@ from llmflow.localize.golden import (
     golden_rerun,
     rerun_fidelity,
 )
-from llmflow.localize.rank import DEFAULT_RATIO_THRESHOLD, pick_candidate, rank_modules
+from llmflow.localize.options import BisectInputs
+from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, own_error, replay_modules
 from llmflow.localize.result import BisectResult
 from llmflow.localize.tokens import first_bad_step, first_mismatch, token_rows
 from llmflow.structure import LayerStack, find_layer_stack
-
-
-@dataclass
-class BisectInputs:
-    """What the bisect needs: the two dumps, what each side generated, and how to reload each
-    side's model (a dump stage's ``model_spec``: model, device, dtype, patch, base_dir).
-
-    ``replay_step`` None picks the step (see the module docstring); ``layers`` names the
-    decoder-layer list when structure discovery cannot find it; ``overflow_scan`` is an
-    overflow-scan of the target dump (``llmflow.checks.overflow.scan``'s result), cited beside
-    an overflow the replay finds and where the replay finds none."""
-
-    golden_dump: str | Path
-    target_dump: str | Path
-    golden_spec: dict[str, Any]
-    target_spec: dict[str, Any]
-    golden_ids: list[int]
-    target_ids: list[int]
-    prompt_ids: list[int] = field(default_factory=list)
-    pairs: list[dict[str, int]] | None = None
-    replay_step: int | None = None
-    ratio_threshold: float = DEFAULT_RATIO_THRESHOLD
-    thresholds: dict[str, Any] | None = None
-    op_level: bool = True
-    estimate_cost: bool = True
-    top_k: int = 15
-    layers: str | None = None
-    overflow_scan: dict[str, Any] | None = None
-
 
 Progress = Callable[[str, float | None], Any]
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmflow.errors import UserError
-from llmflow.localize.rank import DEFAULT_RATIO_THRESHOLD
+from llmflow.localize.options import BisectInputs
+from llmflow.options import from_params, required_params, stage_properties
 from llmflow.stages.base import Stage, StageContext
 
 _SPEC = {"type": "object", "required": ["model"],
@@ -33,14 +34,11 @@ class BisectStage(Stage):
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
-        "required": ["golden_dump", "target_dump", "golden_generation", "target_generation",
+        "required": [*required_params(BisectInputs), "golden_generation", "target_generation",
                      "golden_model_spec", "target_model_spec"],
         "properties": {
-            "golden_dump": {"type": "string", "description": "The golden dump directory; module mode "
-                            "with inputs and outputs at replay_step (tensor_part 2) so modules can be "
-                            "replayed."},
-            "target_dump": {"type": "string", "description": "The target dump directory (logits of "
-                            "every step; layer outputs at replay_step for the raw curve)."},
+            **stage_properties(BisectInputs),
+            # the files the stage reads the rest of BisectInputs from
             "golden_generation": {"type": "string",
                                   "description": "The golden dump stage's generation_file."},
             "target_generation": {"type": "string",
@@ -50,34 +48,16 @@ class BisectStage(Stage):
                                   "(its patch included): the model replayed module by module."},
             "pairs_file": {"type": ["string", "null"], "default": None,
                            "description": "The align stage's pairs_file (golden/target step pairs)."},
-            "replay_step": {"type": ["integer", "null"], "minimum": 0, "default": None,
-                            "description": "The step to replay (0 = prefill, t > 0 a decode step, replayed "
-                            "with the golden KV cache); null: the first step whose logits fail, else the "
-                            "first differing token, else the prefill."},
             "overflow_report": {"type": ["string", "null"], "default": None,
                                 "description": "An overflow-scan stage's report_file on the target dump: "
                                 "its origin is cited beside an overflow the replay finds, and where the "
                                 "replay finds none (null: no scan)."},
-            "layers": {"type": ["string", "null"], "default": None,
-                       "description": "The module path of the decoder-layer list (e.g. transformer.h) "
-                       "when it cannot be found from the model's structure; null: found."},
-            "ratio_threshold": {"type": "number", "exclusiveMinimum": 1, "default": DEFAULT_RATIO_THRESHOLD,
-                                "description": "A module (or op) is anomalous when its own error is this "
-                                "many times the typical own error of its type in the other layers."},
-            "thresholds": {"type": ["object", "null"], "default": None,
-                           "description": "Compare thresholds for the logits verdict (null: the target "
-                           "dtype's defaults)."},
-            "op_level": {"type": "boolean", "default": True,
-                         "description": "Replay the chosen module op by op on both sides (loads the "
-                         "golden model)."},
-            "estimate_cost": {"type": "boolean", "default": True,
-                              "description": "Measure what a full API-level dump of both sides would write."},
         },
     }
     outputs: ClassVar[dict[str, str]] = {"verdict_file": "verdict.json: the verdict and all its evidence"}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        from llmflow.localize.bisect import BisectInputs, run_bisect  # (schema: no torch)
+        from llmflow.localize.bisect import run_bisect  # (schema: no torch)
 
         p = self.params(ctx)
         gen = {side: _read_json(ctx.resolve_path(p[f"{side}_generation"]), f"{side}_generation")
@@ -91,15 +71,13 @@ class BisectStage(Stage):
             if not isinstance(scan, dict) or "first_origin" not in scan:
                 raise UserError(f"bisect: overflow_report: {p['overflow_report']} is not an overflow-scan "
                                 "report (no first_origin)")
-        inputs = BisectInputs(
+        inputs = from_params(
+            BisectInputs, p,
             golden_dump=ctx.resolve_path(p["golden_dump"]), target_dump=ctx.resolve_path(p["target_dump"]),
             golden_spec=p["golden_model_spec"], target_spec=p["target_model_spec"],
             golden_ids=list(gen["golden"].get("output_ids") or []),
             target_ids=list(gen["target"].get("output_ids") or []),
-            prompt_ids=list(gen["golden"].get("input_ids") or []), pairs=pairs,
-            replay_step=p["replay_step"], ratio_threshold=p["ratio_threshold"],
-            thresholds=p["thresholds"], op_level=p["op_level"], estimate_cost=p["estimate_cost"],
-            layers=p["layers"] or None, overflow_scan=scan)
+            prompt_ids=list(gen["golden"].get("input_ids") or []), pairs=pairs, overflow_scan=scan)
 
         def progress(description: str, total: float | None) -> Any:
             return ctx.task(f"{ctx.stage_id}: {description}", total)

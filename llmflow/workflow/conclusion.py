@@ -16,6 +16,7 @@ from typing import Any
 
 from llmflow.stages.base import OUTCOMES
 from llmflow.workflow import dag
+from llmflow.workflow.state import StageState
 
 
 @dataclass
@@ -55,7 +56,7 @@ def conclude(
     order: list[str],
     needs: dict[str, list[str]],
     outcomes: dict[str, dict[str, str]],
-    states: dict[str, dict[str, Any]],
+    states: dict[str, StageState],
 ) -> Conclusion | None:
     """The run's conclusion, or None when no stage set an outcome.
 
@@ -79,12 +80,13 @@ def conclude(
     return Conclusion(OUTCOMES[worst], headline, deciding, superseded)
 
 
-def _stale(order: list[str], needs: dict[str, list[str]], states: dict[str, dict[str, Any]]) -> set[str]:
+def _stale(order: list[str], needs: dict[str, list[str]], states: dict[str, StageState]) -> set[str]:
     """Stages whose result was computed from inputs that are no longer the ones in use: a needed
     stage's run id differs from the recorded one, or a needed stage is stale itself."""
     stale: set[str] = set()
     for sid in order:
-        recorded = states.get(sid, {}).get("upstream_runs", {})
-        if any(d in stale or recorded.get(d) != states.get(d, {}).get("run_id") for d in needs.get(sid, [])):
+        recorded = states[sid].upstream_runs if sid in states else {}
+        run_ids = {d: states[d].run_id if d in states else None for d in needs.get(sid, [])}
+        if any(d in stale or recorded.get(d) != run_id for d, run_id in run_ids.items()):
             stale.add(sid)
     return stale

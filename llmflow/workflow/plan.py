@@ -1,4 +1,5 @@
-"""Which stages a run would execute, and why: shared by ``llmflow plan`` and the runner.
+"""Which stages a run executes, and why: ``plan_stage`` is the one decision, made by the runner
+as each stage's inputs are ready and by ``llmflow plan`` for all of them ahead of a run.
 
 A stage is cached when its directory holds a state file whose fingerprint (stage type + version,
 resolved parameters, the content of code files they name, needed stages' fingerprints) matches,
@@ -22,7 +23,7 @@ from llmflow.workflow.loader import load_workflow
 from llmflow.workflow.marks import WorkflowError
 from llmflow.workflow.registry import referenced_code, stage_identity
 from llmflow.workflow.rundir import SUMMARY_FILE, check_run_dir, read_json
-from llmflow.workflow.state import fingerprint, outputs_changed, portable, read_state
+from llmflow.workflow.state import StageState, fingerprint, outputs_changed, portable, read_state
 from llmflow.workflow.validate import Checked, SetParams, check, resolve_with
 
 
@@ -73,40 +74,65 @@ class StageKey:
     upstream_runs: dict[str, str]  # needed stage -> the run id of its result in use
 
 
-def stage_key(checked: Checked, sid: str, states: dict[str, dict[str, Any]], run_dir: Path) -> StageKey:
+def stage_key(checked: Checked, sid: str, states: dict[str, StageState], run_dir: Path) -> StageKey:
     """The key of stage ``sid`` given the states of the stages it needs (raises WorkflowError on
     parameters that do not resolve or validate)."""
     spec = checked.workflow.stages[sid]
-    params = resolve_with(checked, sid, {d: states[d].get("outputs", {}) for d in spec.needs})
+    params = resolve_with(checked, sid, {d: states[d].outputs for d in spec.needs})
     identity = stage_identity(spec.uses, checked.classes[sid], spec.base_dir)
     code = referenced_code(params, [checked.workflow.directory, spec.base_dir, Path.cwd()])
-    upstream = {d: states[d]["fingerprint"] for d in spec.needs}
+    upstream = {d: states[d].fingerprint for d in spec.needs}
     fp = fingerprint(identity, portable(params, run_dir), upstream, code)
-    runs = {d: states[d].get("run_id", "") for d in spec.needs}
+    runs = {d: states[d].run_id or "" for d in spec.needs}
     return StageKey(params, identity, code, fp, upstream, runs)
 
 
+@dataclass
+class Decision:
+    """What a run does with one stage. ``action``: run, cached, or skip (not selected by --only);
+    ``state``: its completed result on disk, if any (in use when cached or skipped); ``key``: the
+    key it runs under (None when skipped, or when a stage it needs runs first in a plan)."""
+
+    action: str
+    reason: str
+    state: StageState | None
+    key: StageKey | None
+
+
+def plan_stage(checked: Checked, sel: Selection, sid: str, states: dict[str, StageState], run_dir: Path,
+               failed_before: set[str], upstream_runs: bool = False) -> Decision:
+    """The decision for stage ``sid``, given the states in use of the stages it needs (``states``)
+    or, with ``upstream_runs``, knowing that one of them runs first (its outputs are not known
+    yet, so neither is this stage's key)."""
+    state = read_state(run_dir / sid)
+    if sid not in sel.selected:
+        return Decision("skip", "not selected (--only)", state, None)
+    key = None if upstream_runs else stage_key(checked, sid, states, run_dir)
+    run, reason = decide(state, key, run_dir / sid, sid in sel.forced, sid in failed_before)
+    return Decision("run" if run else "cached", reason, state, key)
+
+
 def decide(
-    state: dict[str, Any] | None,
-    key: StageKey,
+    state: StageState | None,
+    key: StageKey | None,
     stage_dir: Path,
     forced: bool,
     previously_failed: bool,
 ) -> tuple[bool, str]:
-    """(run?, reason) for one stage whose key is known."""
+    """(run?, reason) for one stage; ``key`` None: a stage it needs runs first."""
     if forced:
         return True, "forced"
     if state is None:
         return True, "previous run failed" if previously_failed else "new"
-    if state.get("upstream_runs", {}) != key.upstream_runs:
+    if key is None or state.upstream_runs != key.upstream_runs:
         return True, "upstream changed"
-    if state.get("fingerprint") != key.fingerprint:
+    if state.fingerprint != key.fingerprint:
         if previously_failed:
             return True, "previous run failed"
-        if state.get("identity") != key.identity:
+        if state.identity != key.identity:
             return True, "stage type or version changed"
-        old_code = state.get("code", {})
-        if isinstance(old_code, dict) and old_code != key.code:
+        old_code = state.code
+        if old_code is not None and old_code != key.code:
             changed = sorted(r for r in {*old_code, *key.code} if old_code.get(r) != key.code.get(r))
             return True, f"code changed: {changed[0].rpartition(':')[0]}"
         return True, "parameters changed"
@@ -140,34 +166,18 @@ def compute_plan(checked: Checked, sel: Selection, run_dir: Path) -> list[PlanIt
     """Simulate a run without executing anything."""
     missing_upstream(checked, sel, run_dir)
     failed = previous_failures(run_dir)
-    info: dict[str, dict[str, Any]] = {}  # sid -> state of a result that will be reused
+    in_use: dict[str, StageState] = {}  # sid -> the state of a result that will be reused
     will_run: set[str] = set()
     items = []
     for sid in checked.order:
-        st = checked.workflow.stages[sid]
-        state = read_state(run_dir / sid)
-        if sid not in sel.selected:
-            if state is not None:
-                info[sid] = state
-            items.append(PlanItem(sid, st.uses, "skip", "not selected (--only)"))
-            continue
-        if any(d in will_run for d in st.needs):
-            if sid in sel.forced:
-                reason = "forced"
-            elif state is None:
-                reason = "previous run failed" if sid in failed else "new"
-            else:
-                reason = "upstream changed"
+        spec = checked.workflow.stages[sid]
+        decision = plan_stage(checked, sel, sid, in_use, run_dir, failed,
+                              upstream_runs=any(d in will_run for d in spec.needs))
+        if decision.action == "run":
             will_run.add(sid)
-            items.append(PlanItem(sid, st.uses, "run", reason))
-            continue
-        key = stage_key(checked, sid, info, run_dir)
-        run, reason = decide(state, key, run_dir / sid, sid in sel.forced, sid in failed)
-        if run:
-            will_run.add(sid)
-        else:
-            info[sid] = state or {}
-        items.append(PlanItem(sid, st.uses, "run" if run else "cached", reason))
+        elif decision.state is not None:
+            in_use[sid] = decision.state
+        items.append(PlanItem(sid, spec.uses, decision.action, decision.reason))
     return items
 
 

@@ -33,11 +33,11 @@ import os
 import secrets
 import shutil
 import stat
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from llmflow.atomic import atomic_write_json
 from llmflow.errors import UserError
 
 LOCK_FILE = ".lock"
@@ -47,21 +47,6 @@ SUMMARY_FILE = "summary.json"
 STATE_FILE = ".llmflow-stage.json"  # in each completed stage's folder (state.py)
 RUN_DIR_MARK = ".llmflow-run-dir"
 _MARK = {"format": "llmflow-run-dir", "version": 1}
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (``os.umask`` can only be read by setting it,
-    which would race with stage threads creating files)."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    old = os.umask(0o022)  # no /proc: read it once, at import, before any thread exists
-    os.umask(old)
-    return old
-
-
-_UMASK = _umask()
 
 
 def refuse_link(path: Path) -> None:
@@ -118,7 +103,7 @@ def _claim(run_dir: Path, stage_ids: list[str], adopt: bool) -> None:
                 raise UserError(f"run dir {run_dir}: {name} is in the way (llmflow keeps its own {name} "
                                 "there); move it away")
     try:
-        atomic_write_json(mark, _MARK)
+        atomic_write_json(mark, _MARK, indent=2, durable=True)
     except OSError as exc:
         raise UserError(f"run dir {run_dir}: cannot write {RUN_DIR_MARK} ({exc.strerror or exc})") from None
 
@@ -138,24 +123,6 @@ def check_run_dir(run_dir: Path, stage_ids: Iterable[str]) -> None:
     for sid in stage_ids:
         refuse_link(run_dir / sid)
         refuse_link(run_dir / FAILED_DIR / sid)
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    """Write JSON via a temp file + rename, so readers see the old or the new file, never half.
-    The rename replaces a link at ``path`` rather than writing through it."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, default=str)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; honour the umask like open() does
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def read_json(path: Path) -> Any | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmflow import interrupts
+from llmflow.atomic import atomic_write_json
 from llmflow.errors import UserError, one_line
 from llmflow.stages.base import Stage, StageContext
 from llmflow.workflow import rundir
@@ -33,13 +34,12 @@ from llmflow.workflow.plan import (
     Selection,
     StageKey,
     compute_plan,
-    decide,
     default_run_dir,
     missing_upstream,
+    plan_stage,
     prepare,
     previous_failures,
     select,
-    stage_key,
 )
 from llmflow.workflow.progress import Reporter
 from llmflow.workflow.result import RunResult, StageResult, now_iso, run_status
@@ -66,7 +66,7 @@ class _Run:
         self.workers = max(1, workers)
         self.reporter = reporter
         self.results = {sid: StageResult(sid, self.wf.stages[sid].uses) for sid in checked.order}
-        self.states: dict[str, dict[str, Any]] = {}  # sid -> state of its result in use
+        self.states: dict[str, st.StageState] = {}  # sid -> state of its result in use
         self.prepared: dict[str, _Prepared] = {}
         self.running: dict[str, tuple[_Prepared, Path, float]] = {}
         self.done_q: queue.Queue = queue.Queue()
@@ -79,7 +79,7 @@ class _Run:
     def execute(self) -> None:
         missing_upstream(self.checked, self.sel, self.run_dir)
         for sid in self.checked.order:
-            if sid not in self.sel.selected:
+            if sid not in self.sel.selected:  # left out by --only: its previous result, if any, is used
                 state = st.read_state(self.run_dir / sid)
                 if state is not None:
                     self._use_state(sid, state, "not selected, previous result")
@@ -133,28 +133,23 @@ class _Run:
     def _prepare(self, sid: str) -> _Prepared | None:
         """Resolve params and decide; a cached stage is finished here (returns None)."""
         try:
-            key = stage_key(self.checked, sid, self.states, self.run_dir)
-            state = st.read_state(self.run_dir / sid)
-            run, reason = decide(
-                state, key, self.run_dir / sid, sid in self.sel.forced, sid in self.failed_before
-            )
-            if not run:
-                self._use_state(sid, state or {}, "")
+            decision = plan_stage(self.checked, self.sel, sid, self.states, self.run_dir, self.failed_before)
+            if decision.action == "cached" and decision.state is not None:
+                self._use_state(sid, decision.state, "")
                 return None
+            assert decision.key is not None  # (selected, its inputs known: it has a key)
             stage = self.checked.classes[sid]()
-            resources = set(stage.resources(key.params))
+            resources = set(stage.resources(decision.key.params))
         except (Exception, SystemExit) as exc:  # a bad reference, a failing resources(): its own failure
             self._fail(sid, exc)
             return None
-        self.prepared[sid] = _Prepared(stage, key, reason, resources)
+        self.prepared[sid] = _Prepared(stage, decision.key, decision.reason, resources)
         return self.prepared[sid]
 
-    def _use_state(self, sid: str, state: dict[str, Any], detail: str) -> None:
+    def _use_state(self, sid: str, state: st.StageState, detail: str) -> None:
         self.states[sid] = state
         res = self.results[sid]
-        res.outputs = state.get("outputs", {})
-        res.summary = state.get("summary", {})
-        res.outcome = state.get("outcome")
+        res.outputs, res.summary, res.outcome = state.outputs, state.summary, state.outcome
         res.cached = True
         self._finish(sid, "cached", detail=detail)
 
@@ -168,7 +163,7 @@ class _Run:
             final_dir=final,
             run_dir=self.run_dir,
             workflow_dir=self.wf.directory,
-            inputs={d: self.states[d].get("outputs", {}) for d in self.wf.stages[sid].needs},
+            inputs={d: self.states[d].outputs for d in self.wf.stages[sid].needs},
             log=lambda msg, _sid=sid: self.reporter.log(_sid, _unprefixed(_sid, msg)),
             progress=lambda description="", total=None, _sid=sid: self.reporter.task(
                 _sid, _unprefixed(_sid, description), total
@@ -219,32 +214,21 @@ class _Run:
         json.dumps([outputs, summary])  # fails here (stage failed) rather than in summary.json
         res = self.results[sid]
         key = prep.key
-        state = {
-            "stage": sid,
-            "type": self.wf.stages[sid].uses,
-            "identity": key.identity,
-            "fingerprint": key.fingerprint,
-            "code": key.code,
-            "run_id": secrets.token_hex(8),
-            "params": key.params,
-            "upstream": key.upstream,
-            "upstream_runs": key.upstream_runs,
-            "outputs": outputs,
-            "summary": summary,
-            "outcome": outcome_record(ctx.outcome),
-            "started": res.started,
-            "finished": now_iso(),
-            "duration_s": res.duration_s,
-        }
+        state = st.StageState(
+            stage=sid, type=self.wf.stages[sid].uses, identity=key.identity, fingerprint=key.fingerprint,
+            code=key.code, run_id=secrets.token_hex(8), params=key.params, upstream=key.upstream,
+            upstream_runs=key.upstream_runs, outputs=outputs, summary=summary,
+            outcome=outcome_record(ctx.outcome), started=res.started, finished=now_iso(),
+            duration_s=res.duration_s)
         # stored redacted (secret values, URL credentials); the fingerprint, a hash of the real
         # parameters, still changes with them. This run's later stages get the real outputs.
-        record = self.checked.redact(st.state_record(self.run_dir, tmp, **state))
-        rundir.atomic_write_json(tmp / st.STATE_FILE, record)
+        record = self.checked.redact(state.to_json(self.run_dir, tmp))
+        atomic_write_json(tmp / st.STATE_FILE, record, indent=2, durable=True)
         rundir.install(tmp, final)
         rundir.remove_failed(self.run_dir, sid)
         self.states[sid] = state
-        res.outputs, res.summary, res.finished = outputs, summary, state["finished"]
-        res.outcome = state["outcome"]
+        res.outputs, res.summary, res.finished = outputs, summary, state.finished
+        res.outcome = state.outcome
         self._finish(sid, "done", detail=f"{res.duration_s:.1f}s")
 
     def _fail(self, sid: str, exc: BaseException) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -114,11 +115,11 @@ def file_manifest(stage_dir: Path) -> dict[str, list[int]]:
     return out
 
 
-def outputs_changed(stage_dir: Path, state: dict[str, Any]) -> str | None:
+def outputs_changed(stage_dir: Path, state: StageState) -> str | None:
     """Why the files a completed stage left no longer match its state (one file named), or None.
     A state without a manifest (written by an older llmflow) is taken as it is."""
-    recorded = state.get("files")
-    if not isinstance(recorded, dict):
+    recorded = state.files
+    if recorded is None:
         return None
     now = file_manifest(stage_dir)
     for rel, meta in recorded.items():
@@ -131,30 +132,72 @@ def outputs_changed(stage_dir: Path, state: dict[str, Any]) -> str | None:
 
 
 # -- the state file -------------------------------------------------------------------------------
-def state_record(run_dir: Path, stage_dir: Path, **fields: Any) -> dict[str, Any]:
-    """The state file's content: ``fields`` with run-dir paths made relative (see module doc) and
-    the manifest of ``stage_dir`` (the tmp dir about to become the stage dir)."""
-    record = dict(fields)
-    paths = {}
-    for key in PORTABLE_KEYS:
-        if key in record:
+@dataclass
+class StageState:
+    """What a completed stage's state file holds, in the order the file lists it.
+
+    ``identity``/``fingerprint``/``code``/``upstream``/``upstream_runs`` are the cache key it was
+    computed under (plan.py's ``StageKey``); ``run_id`` names this result, so the stages that read
+    it can tell when it was replaced; ``files`` is the manifest of the stage dir as the stage left
+    it (None: a state written by an older llmflow, taken as it is)."""
+
+    stage: str
+    type: str
+    identity: str
+    fingerprint: str
+    code: dict[str, str] | None
+    run_id: str | None
+    params: dict[str, Any]
+    upstream: dict[str, str]
+    upstream_runs: dict[str, str]
+    outputs: dict[str, Any]
+    summary: dict[str, Any]
+    outcome: dict[str, str] | None
+    started: str | None
+    finished: str | None
+    duration_s: float | None
+    files: dict[str, list[int]] | None = None
+
+    def to_json(self, run_dir: Path, stage_dir: Path) -> dict[str, Any]:
+        """The state file's content: run-dir paths made relative (``paths`` says where, see the
+        module doc) and ``files``, the manifest of ``stage_dir`` (the tmp dir about to become the
+        stage dir)."""
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "files"}
+        paths = {}
+        for key in PORTABLE_KEYS:
             record[key], paths[key] = portable(record[key], run_dir)
-    record["paths"] = paths
-    record["files"] = file_manifest(stage_dir)
-    return record
+        record["paths"] = paths
+        record["files"] = file_manifest(stage_dir)
+        return record
+
+    @classmethod
+    def from_json(cls, data: Any, run_dir: Path) -> StageState | None:
+        """The state a file holds, paths resolved against ``run_dir``; None when it is not a
+        completed stage's state. A key an older llmflow did not write reads empty."""
+        if not isinstance(data, dict) or "fingerprint" not in data:
+            return None
+        paths = data.get("paths") if isinstance(data.get("paths"), dict) else {}
+        for key in PORTABLE_KEYS:
+            if key in data and isinstance(paths.get(key), list):
+                data[key] = resolve_portable(data[key], paths[key], run_dir)
+
+        def mapping(key: str) -> dict[str, Any]:
+            value = data.get(key)
+            return value if isinstance(value, dict) else {}
+
+        code, files = data.get("code"), data.get("files")
+        return cls(stage=data.get("stage", ""), type=data.get("type", ""), identity=data.get("identity", ""),
+                   fingerprint=data["fingerprint"], code=code if isinstance(code, dict) else None,
+                   run_id=data.get("run_id"), params=mapping("params"), upstream=mapping("upstream"),
+                   upstream_runs=mapping("upstream_runs"), outputs=mapping("outputs"),
+                   summary=mapping("summary"), outcome=data.get("outcome"), started=data.get("started"),
+                   finished=data.get("finished"), duration_s=data.get("duration_s"),
+                   files=files if isinstance(files, dict) else None)
 
 
-def read_state(stage_dir: Path) -> dict[str, Any] | None:
+def read_state(stage_dir: Path) -> StageState | None:
     """The state of a *completed* stage directory, paths resolved against the run dir it is in;
     None when there is none (or the stage dir is a link, which llmflow never follows)."""
     if os.path.islink(stage_dir):
         return None
-    state = read_json(stage_dir / STATE_FILE)
-    if not isinstance(state, dict) or "fingerprint" not in state:
-        return None
-    paths = state.get("paths") if isinstance(state.get("paths"), dict) else {}
-    run_dir = stage_dir.resolve().parent
-    for key in PORTABLE_KEYS:
-        if key in state and isinstance(paths.get(key), list):
-            state[key] = resolve_portable(state[key], paths[key], run_dir)
-    return state
+    return StageState.from_json(read_json(stage_dir / STATE_FILE), stage_dir.resolve().parent)

@@ -20,11 +20,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from llmflow.atomic import atomic_write_json
 from llmflow.redaction import Redactor
 from llmflow.workflow.conclusion import Conclusion
 from llmflow.workflow.model import Workflow
 from llmflow.workflow.result import StageResult, now_iso
-from llmflow.workflow.rundir import atomic_write_json
 
 RESERVED = (
     "workflow", "workflow_file", "run_dir", "params", "status", "outcome", "started", "updated", "stages"
@@ -80,7 +80,7 @@ class SummaryWriter:
 
     def _write(self, data: dict[str, Any]) -> None:
         try:
-            atomic_write_json(self.path, data)
+            atomic_write_json(self.path, data, indent=2, durable=True)
             self._last_written = data["status"]
             return
         except OSError:
@@ -89,7 +89,7 @@ class SummaryWriter:
                  "stages": {sid: {k: st[k] for k in ("type", "status", "error")}
                             for sid, st in data["stages"].items()}}
         try:
-            atomic_write_json(self.path, small)
+            atomic_write_json(self.path, small, indent=2, durable=True)
         except OSError as exc:
             if not self._failed_to_write:
                 self._failed_to_write = True

@@ -133,7 +133,7 @@ def test_a_writer_that_fails_at_exit_costs_one_warning_line(tmp_path: Path, monk
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(llmflow_dump, "write_json_atomic", full_disk)  # the close's last writes
+    monkeypatch.setattr(llmflow_dump, "atomic_write_json", full_disk)  # the close's last writes
     session._finalizer()  # what the interpreter's exit (or the model's collection) runs
     assert "could not be finished" in caplog.text and "No space left" in caplog.text
     assert LlmflowDumpReader(tmp_path / "llmflow_dump").meta()["complete"] is False

@@ -1,0 +1,88 @@
+"""``CompareOptions``: everything ``compare_dumps`` can be told, declared once.
+
+Each field carries its help text, its JSON-schema type when the ``compare`` stage takes it as a
+parameter and its flags when ``llmflow compare`` offers it (msit llm compare's short flag first):
+the stage's parameter schema and the CLI's arguments are generated from these declarations
+(``llmflow.options``). This module imports nothing heavy, so the stage's schema costs no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmflow.compare.levels import LEVELS
+from llmflow.options import option
+
+
+@dataclass
+class CompareOptions:
+    """What to compare and how; each field's meaning is in its declaration below."""
+
+    # the stage gets pairs, prefill_offset and warmup from the align stage (its pairs_file)
+    pairs: list[dict[str, int]] | None = option(
+        None, "Step pairs {golden_step, target_step} from the align stage (None: pair here, with "
+        "prefill_offset and warmup).")
+    levels: list[str] | None = option(
+        None, "Levels to compare, one sheet each: logits, layer, module, api, save (default: all "
+        "present).",
+        schema={"type": ["array", "null"], "items": {"type": "string", "enum": list(LEVELS)}},
+        flags=("-cl", "--cmp-level"), metavar="LEVEL")
+    stats_only: bool = option(
+        False, "Compare statistics (max, min, mean, norm) only.",
+        schema={"type": "boolean"}, flags=("-st", "--stats"))
+    algorithms: list[str] = option(
+        [], "Custom algorithms func(golden, target) -> (value, message): file.py:func or "
+        "llmflow.algorithms names.",
+        schema={"type": "array", "items": {"type": "string"}},
+        flags=("-alg", "--custom-algorithms"), metavar="FILE.py:FUNC")
+    mapping: str | None = option(
+        None, "Op-mapping YAML/JSON file or llmflow.mappings name (e.g. atb-llama); default: by "
+        "name, or a registered mapping that fits the target dump.",
+        schema={"type": ["string", "null"]}, flags=("-mf", "--op-mapping-file"), metavar="MAPPING")
+    rank: int | None = option(
+        None, "Compare only this rank (default: all).",
+        schema={"type": ["integer", "null"], "minimum": 0}, flags=("-r", "--rank"))
+    workers: int | None = option(
+        None, "Local workers (default: one per CPU core): processes for many small pairs, threads "
+        "in one process otherwise.",
+        schema={"type": ["integer", "null"], "minimum": 1}, flags=("--workers",))
+    steps: list[int] | None = option(
+        None, "Golden steps to compare (default: all).",
+        schema={"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
+        flags=("--steps",))
+    prefill_offset: int = option(
+        0, "Target folders that hold the prefill AND the first decode step (ATB: 1), when "
+        "pairs are not given.",
+        schema={"type": "integer", "minimum": 0}, stage=False, flags=("--prefill-offset",))
+    warmup: int = option(
+        0, "Warm-up folders at the start of the target dump, skipped, when pairs are not given.",
+        schema={"type": "integer", "minimum": 0}, stage=False, flags=("--warmup",))
+    target_dtype: str | None = option(
+        None, "The dtype whose thresholds judge float rows (default: the model dtype the dumps "
+        "record, else each tensor's own).",
+        schema={"type": ["string", "null"]}, flags=("--target-dtype",))
+    thresholds: dict | None = option(
+        None, "Verdict limits overriding the defaults: {metric: {warn, fail}} or {dtype: {metric: "
+        "{warn, fail}}}; on the command line as JSON or a YAML/JSON file.",
+        schema={"type": ["object", "null"]}, flags=("--thresholds",), metavar="JSON|FILE")
+    executor: str = option(
+        "local", "local: this machine (a process pool where there are many small pairs); dask: an "
+        "existing dask cluster.",
+        schema={"type": "string", "enum": ["local", "dask"]}, flags=("--executor",))
+    scheduler_address: str | None = option(
+        None, "The dask scheduler (tcp://host:8786) for executor dask.",
+        schema={"type": ["string", "null"]}, flags=("--scheduler-address",))
+    xlsx: bool = option(
+        True, "Write compare.xlsx (a sheet per level) beside the CSVs (--no-xlsx: CSV only).",
+        schema={"type": "boolean"}, flags=("--no-xlsx",))
+    base_dir: str = option(".", "The directory relative file references (algorithms, mapping) "
+                                "start from.")
+    client: Any = option(None, "An existing dask.distributed Client (tests, notebooks).")
+    final_dir: str | None = option(
+        None, "Where the caller moves the output directory afterwards: the summary's paths name it.")
+
+    def __post_init__(self) -> None:
+        # an empty string means none: a workflow parameter's empty default ("mapping: ''")
+        self.mapping = self.mapping or None
+        self.target_dtype = self.target_dtype or None

@@ -1,0 +1,72 @@
+"""``BisectInputs``: what the bisect needs and the options it takes, declared once.
+
+Each field carries its help text and, when the ``bisect`` stage takes it as a parameter as is, its
+JSON-schema type: the stage's parameter schema is generated from these declarations
+(``llmflow.options``). The values the stage derives itself (the token ids from the generation
+files, the model specs from the dump stages, the pairs from the align stage's file) are declared
+here without a schema; the stage describes the files it reads them from. This module imports
+nothing heavy, so the stage's schema costs no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmflow.options import REQUIRED, option
+from llmflow.structure import DEFAULT_RATIO_THRESHOLD
+
+
+@dataclass
+class BisectInputs:
+    """What the bisect needs: the two dumps, what each side generated, and how to reload each
+    side's model (a dump stage's ``model_spec``: model, device, dtype, patch, base_dir); each
+    field's meaning is in its declaration below."""
+
+    golden_dump: str | Path = option(
+        REQUIRED, "The golden dump directory; module mode with inputs and outputs at replay_step "
+        "(tensor_part 2) so modules can be replayed.", schema={"type": "string"})
+    target_dump: str | Path = option(
+        REQUIRED, "The target dump directory (logits of every step; layer outputs at replay_step for "
+        "the raw curve).", schema={"type": "string"})
+    golden_spec: dict[str, Any] = option(
+        REQUIRED, "How to load the golden model: a dump stage's model_spec (model, device, dtype, "
+        "patch, base_dir).")
+    target_spec: dict[str, Any] = option(
+        REQUIRED, "How to load the target model (its patch included): the model replayed module by "
+        "module.")
+    golden_ids: list[int] = option(REQUIRED, "The token ids the golden side generated.")
+    target_ids: list[int] = option(REQUIRED, "The token ids the target side generated.")
+    prompt_ids: list[int] = option([], "The prompt's token ids (empty: no golden re-run, no cost "
+                                       "estimate).")
+    pairs: list[dict[str, int]] | None = option(
+        None, "Golden/target step pairs from the align stage (None: equal step numbers).")
+    replay_step: int | None = option(
+        None, "The step to replay (0 = prefill, t > 0 a decode step, replayed with the golden KV "
+        "cache); null: the first step whose logits fail, else the first differing token, else the "
+        "prefill.", schema={"type": ["integer", "null"], "minimum": 0})
+    ratio_threshold: float = option(
+        DEFAULT_RATIO_THRESHOLD, "A module (or op) is anomalous when its own error is this many times "
+        "the typical own error of its type in the other layers.",
+        schema={"type": "number", "exclusiveMinimum": 1})
+    thresholds: dict[str, Any] | None = option(
+        None, "Compare thresholds for the logits verdict (null: the target dtype's defaults).",
+        schema={"type": ["object", "null"]})
+    op_level: bool = option(
+        True, "Replay the chosen module op by op on both sides (loads the golden model).",
+        schema={"type": "boolean"})
+    estimate_cost: bool = option(
+        True, "Measure what a full API-level dump of both sides would write.",
+        schema={"type": "boolean"})
+    top_k: int = option(15, "Candidates listed in the verdict, worst first.")
+    layers: str | None = option(
+        None, "The module path of the decoder-layer list (e.g. transformer.h) when it cannot be found "
+        "from the model's structure; null: found.", schema={"type": ["string", "null"]})
+
+    overflow_scan: dict[str, Any] | None = option(
+        None, "An overflow-scan of the target dump (llmflow.checks.overflow.scan's result), cited "
+        "beside an overflow the replay finds and where the replay finds none.")
+
+    def __post_init__(self) -> None:
+        self.layers = self.layers or None  # an empty string means none (a workflow's empty default)
