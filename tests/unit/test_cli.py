@@ -153,7 +153,8 @@ def test_python_dash_m_entry_point(tmp_path):
         assert name in proc.stdout
     if (REPO / "llmflow" / "cli" / "compare.py").exists():
         assert "compare" in proc.stdout
-    assert set(TOOLS) == {"run", "workflows", "validate", "plan", "stages", "schema", "compare", "inspect"}
+    assert set(TOOLS) == {"run", "workflows", "validate", "plan", "stages", "schema", "compare", "inspect",
+                          "precheck"}
     assert "inspect" in proc.stdout
 
 

@@ -25,11 +25,11 @@ def test_a_failed_write_is_retried_small(tmp_path, monkeypatch):
     real = summary_module.atomic_write_json
     calls = []
 
-    def full_once(path, data):
+    def full_once(path, data, **how):
         calls.append(data)
         if len(calls) == 1:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(path, data)
+        real(path, data, **how)
 
     monkeypatch.setattr(summary_module, "atomic_write_json", full_once)
     _writer(tmp_path).write("failed")
@@ -39,7 +39,7 @@ def test_a_failed_write_is_retried_small(tmp_path, monkeypatch):
 
 
 def test_when_even_the_small_write_fails_stderr_says_so_once(tmp_path, monkeypatch, capsys):
-    def always_full(path, data):
+    def always_full(path, data, **how):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(summary_module, "atomic_write_json", always_full)
