@@ -499,20 +499,25 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             res: dict[str, Any] = {"params": param_count(size), "config": SIZES[size],
                                    "fault_layer": fault_layer(size), "plain": [], "recipe": [], "profile": []}
+            figures["sizes"][size] = res
+
+            def save() -> None:  # after every measurement: a long run stopped early keeps its figures
+                if args.json:
+                    Path(args.json).write_text(json.dumps(figures, indent=1))
             for n in range(args.repeat):
                 for side in ("golden", "target"):
                     print(f"[{size}] plain {side} #{n + 1}", flush=True)
                     res["plain"].append({"side": side, **run_plain(work, size, side, str(n))})
+                    save()
                 print(f"[{size}] recipe #{n + 1}", flush=True)
                 rec = run_recipe(work, size, str(n))
                 res["recipe"].append(rec)
+                save()
                 if size in args.profile_sizes:
                     print(f"[{size}] bisect under cProfile #{n + 1}", flush=True)
                     res["profile"].append(run_profile(work, size, str(n), rec["run_dir"]))
-            figures["sizes"][size] = res
+                    save()
             print_size(size, res)
-            if args.json:
-                Path(args.json).write_text(json.dumps(figures, indent=1))
     finally:
         figures["machine"]["load_avg_end"] = os.getloadavg()
         if args.json:
