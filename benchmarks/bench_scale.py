@@ -264,11 +264,17 @@ def plain_worker(spec: str, dtype: str, patch: str, out: str) -> None:
     t0 = time.monotonic()
     loaded = load_model(spec, dtype=dtype, patch=patch or None)
     t1 = time.monotonic()
+    # RSS counts the checkpoint's memory-mapped pages too (RssFile): what the process holds of
+    # its own is RssAnon
+    after_load = {k: gib(v) for k, v in proc_status(os.getpid()).items()}
     ids = encode_prompt(loaded.tokenizer, PROMPT)
     new = greedy_generate(loaded.model, ids, TOKENS, eos_token_id=loaded.tokenizer.eos_token_id)
     t2 = time.monotonic()
+    after_generate = {k: gib(v) for k, v in proc_status(os.getpid()).items()}
     Path(out).write_text(json.dumps({"load_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2),
-                                     "prompt_tokens": len(ids), "output_ids": new}))
+                                     "prompt_tokens": len(ids), "output_ids": new,
+                                     "rss_after_load_gib": after_load,
+                                     "rss_after_generate_gib": after_generate}))
 
 
 def run_plain(work: Path, size: str, side: str, tag: str) -> dict[str, Any]:
@@ -396,7 +402,9 @@ def profile_worker(run_dir: str, out_prefix: str) -> None:
         real_phase(self, name)
         st = proc_status(pid)
         phases.append({"phase": name, "end_s": round(time.monotonic() - t0, 2),
-                       "peak_rss_gib": gib(st.get("VmHWM", 0)), "rss_at_end_gib": gib(st.get("VmRSS", 0))})
+                       "peak_rss_gib": gib(st.get("VmHWM", 0)), "rss_at_end_gib": gib(st.get("VmRSS", 0)),
+                       "anon_at_end_gib": gib(st.get("RssAnon", 0)),
+                       "file_at_end_gib": gib(st.get("RssFile", 0))})
         reset_hwm(pid)
 
     def load_model(model: str, **kw: Any) -> Any:
