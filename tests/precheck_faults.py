@@ -6,6 +6,8 @@ way: it hands itself to the active torch function modes, so the dump records one
 ``name`` whose output is whatever ``impl`` computed.
 
 * ``lossy_silu``: layer 1's MLP activation is a silu kernel whose sigmoid keeps 3 mantissa bits.
+* ``lossy_torch_silu``: the same wrong kernel behind torch's own ``F.silu`` (a torch function
+  mode answers layer 1's silu), so a tool that wraps torch's API (msprobe) records it as silu.
 * ``shifted_softmax``: layer 1's attention runs eager and adds 1000 to its softmax input (the
   same result in exact arithmetic; overflow-prone, ill-conditioned inputs), torch's softmax.
 * ``naive_softmax``: the same, through an fp16 softmax kernel without max-subtraction (exp
@@ -50,6 +52,26 @@ class _LossySiLU(nn.Module):
 
 def lossy_silu(model: nn.Module) -> None:
     model.model.layers[FAULT_LAYER].mlp.act_fn = _LossySiLU()
+
+
+class _SiluAnswers(TorchFunctionMode):
+    """Every ``silu`` under this mode is computed by the lossy kernel."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "silu":
+            return _lossy_silu(args[0])
+        return func(*args, **kwargs)
+
+
+def lossy_torch_silu(model: nn.Module) -> None:
+    act = model.model.layers[FAULT_LAYER].mlp.act_fn
+    forward = act.forward
+
+    def lossy(*args: Any, **kwargs: Any) -> Any:
+        with _SiluAnswers():
+            return forward(*args, **kwargs)
+    act.forward = lossy
 
 
 def _naive_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None,

@@ -47,7 +47,7 @@ def run_precheck(dump: str | Path, out_dir: Path, options: PrecheckOptions, *, r
         if task is not None:
             task.advance()
         if repro and row["status"] == "fail" and len(repros) < MAX_REPROS:
-            fn, implementation = resolve(call.api, call.args, options.references)
+            fn, implementation = resolve(call.api, call.args, options.references, call.function)
             if fn is None:
                 return
             if implementation != "reference":

@@ -81,6 +81,10 @@ def build(node, tensors, convert):
             return torch.device(node["device"])
         if "torch_attr" in node:
             return getattr(torch, node["torch_attr"])
+        if "slice" in node:
+            return slice(*node["slice"])
+        if "ellipsis" in node:
+            return Ellipsis
         if "tuple" in node:
             return tuple(build(v, tensors, convert) for v in node["tuple"])
         return {{k: build(v, tensors, convert) for k, v in node["dict"].items()}}
@@ -172,6 +176,10 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], label: str) -> Any:
         return {"device": str(value)}
     if isinstance(value, (torch.memory_format, torch.layout)):
         return {"torch_attr": str(value).removeprefix("torch.")}
+    if isinstance(value, slice):
+        return {"slice": [value.start, value.stop, value.step]}
+    if value is Ellipsis:
+        return {"ellipsis": True}
     if isinstance(value, tuple):
         return {"tuple": [_encode(v, tensors, f"{label}.{i}") for i, v in enumerate(value)]}
     if isinstance(value, list):
@@ -218,7 +226,8 @@ def write_repro(call: OpCall, fn: Callable[..., Any], implementation: str, folde
         save_file(tensors, str(folder / "inputs.safetensors"))
     save_file({k: v.contiguous() for k, v in call.outputs.items()}, str(folder / "target_output.safetensors"))
     (folder / "call.json").write_text(json.dumps(
-        {"name": call.name, "module": call.module, "api": call.api, "step": call.step, "rank": call.rank,
+        {"name": call.name, "record": call.record, "module": call.module, "api": call.api, "step": call.step,
+         "rank": call.rank,
          "implementation": implementation, "args": args, "kwargs": kwargs}, indent=1), encoding="utf-8")
     source, ref_name = "", "None"
     if implementation == "reference":

@@ -27,7 +27,8 @@ EXIT = {"pass": 0, "fail": 1, "inconclusive": 3}
 def configure(parser: argparse.ArgumentParser) -> None:
     from llmflow.checks.precheck_options import DEFAULT_FAIL_RATIO, DEFAULT_MIN_CHECKED, DEFAULT_PERTURB_RATIO
 
-    parser.add_argument("dump", help="an llmflow API dump with tensors (or the folder holding one)")
+    parser.add_argument("dump", help="an llmflow API dump with tensors or an msprobe L1/mix tensor dump "
+                        "(or the folder holding one)")
     parser.add_argument("-o", "--output", default="precheck_out",
                         help="output folder (default: precheck_out)")
     parser.add_argument("--repro", action="store_true", help="a repro folder with a standalone script per "
@@ -61,6 +62,7 @@ def parse_references(items: list[str]) -> dict[str, str]:
 def execute(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from llmflow.checks.precheck import call_label
     from llmflow.checks.precheck_files import run_precheck
     from llmflow.checks.precheck_options import PrecheckOptions
     from llmflow.checks.references import load_references
@@ -81,10 +83,11 @@ def execute(args: argparse.Namespace) -> int:
     con.print(f"{t['calls']} calls: {t['checked']} checked ({t['pass']} pass, {t['warn']} warn, "
               f"{t['fail']} fail), {t['not checked']} not checked")
     for row in [r for r in result["rows"] if r["status"] == "fail"][:10]:
-        con.print(f"  fail {row['name']} (step {row['step']}): ratio {row['ratio']:.3g}; {row['reason']}")
+        con.print(f"  fail {call_label(row)} (step {row['step']}): ratio {row['ratio']:.3g}; {row['reason']}")
     first = result["first_fail"]
     if first is not None:
-        con.print(f"first failing call in model order: {first['name']} in module {first['module']} "
+        where = f" in module {first['module']}" if first["module"] else " (the dump records no module)"
+        con.print(f"first failing call in model order: {call_label(first)}{where} "
                   f"(step {first['step']}, rank {first['rank']})")
     for name in result["perturbed"][:10]:
         con.print(f"  perturbation flags {name}")

@@ -29,7 +29,8 @@ class PrecheckStage(Stage):
         "additionalProperties": False,
         "required": ["dump"],
         "properties": {
-            "dump": {"type": "string", "description": "An llmflow API dump with tensors."},
+            "dump": {"type": "string", "description": "An llmflow API dump with tensors or an msprobe L1/mix "
+                                                     "tensor dump."},
             "repro": {"type": "boolean", "default": False,
                       "description": "Write a repro folder (inputs + standalone script) per failing call."},
             "perturb": {"type": "boolean", "default": False,
