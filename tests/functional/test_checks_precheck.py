@@ -1,6 +1,7 @@
 """`llmflow precheck` and `llmflow run api_precheck` as a user runs them, on tiny Llama and Qwen2
-models: a clean bf16 target has no failing call; one wrong fused kernel (a lossy silu, an fp16
-softmax without max-subtraction) is named with its module and its repro script reproduces the
+models: a clean bf16 target has no failing call; one wrong fused kernel (a lossy silu, an rms_norm
+ignoring eps, a linear accumulating in bf16, an fp16 softmax without max-subtraction) is named
+with its module and its repro script reproduces the
 error in a fresh interpreter; a registered reference for a custom op is used; perturbation flags
 an overflow-prone softmax and not the clean model; bad input exits 2, too little evidence 3."""
 
@@ -51,15 +52,26 @@ def test_clean_bf16_target_passes(tmp_path, model):
     assert s["perturbed"] == []  # the clean model has no ill-conditioned call
 
 
-@pytest.mark.parametrize("model", [LLAMA, QWEN2])
-def test_lossy_silu_is_named_and_its_repro_reproduces(tmp_path, model):
-    proc = run_workflow(tmp_path, model, f"patch={FAULTS}:lossy_silu")
+# (patch in precheck_faults.py, model options beside SMALL, the call it names, that call's module)
+WRONG_KERNELS = {
+    "lossy_silu": ("", "model.layers.1.mlp.act_fn/silu.0", "model.layers.1.mlp.act_fn"),
+    # eps matters only where mean(x^2) is near it: weights and embeddings of std 0.002
+    "rms_norm_without_eps": (",init=0.002", "model.layers.1.input_layernorm/rms_norm.0",
+                             "model.layers.1.input_layernorm"),
+    "bf16_accumulating_linear": ("", "model.layers.1.mlp.down_proj/linear.0", "model.layers.1.mlp.down_proj"),
+}
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("fault", list(WRONG_KERNELS))
+def test_one_wrong_kernel_is_named_and_its_repro_reproduces(tmp_path, family, fault):
+    options, name, module = WRONG_KERNELS[fault]
+    proc = run_workflow(tmp_path, f"{family}:{SMALL}{options}", f"patch={FAULTS}:{fault}")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "model.layers.1.mlp.act_fn/silu.0" in last_line(proc)
+    assert name in last_line(proc)
     s = json.loads((tmp_path / "run" / "summary.json").read_text())["precheck"]
-    assert s["totals"]["fail"] == 1  # exactly that call: silu of layer 0 and everything else pass
-    assert (s["first_fail"]["name"], s["first_fail"]["module"]) == \
-        ("model.layers.1.mlp.act_fn/silu.0", "model.layers.1.mlp.act_fn")
+    assert s["totals"]["fail"] == 1  # exactly that call: the same op elsewhere and everything else pass
+    assert (s["first_fail"]["name"], s["first_fail"]["module"]) == (name, module)
     script = tmp_path / "run" / "precheck" / s["repros"][0]["script"]
     fresh = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True, timeout=120,
                            cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
