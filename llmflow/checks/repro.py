@@ -200,7 +200,7 @@ if __name__ == "__main__":
 def _encode(value: Any, tensors: dict[str, torch.Tensor], label: str) -> Any:
     """The argument structure as JSON: tensors saved under their dump index."""
     if isinstance(value, torch.Tensor):
-        tensors[label] = value.contiguous()
+        tensors[label] = value.contiguous().clone()  # (safetensors refuses tensors sharing memory)
         return {"tensor": label}
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
@@ -256,7 +256,7 @@ def write_repro(call: OpCall, fn: Callable[..., Any], implementation: str, folde
     kwargs = {"dict": {k: _encode(v, tensors, f"kw:{k}") for k, v in call.kwargs.items()}}
     if tensors:
         save_file(tensors, str(folder / "inputs.safetensors"))
-    save_file({k: v.contiguous() for k, v in call.outputs.items()}, str(folder / "target_output.safetensors"))
+    save_file({k: v.contiguous().clone() for k, v in call.outputs.items()}, str(folder / "target_output.safetensors"))
     (folder / "call.json").write_text(json.dumps(
         {"name": call.name, "record": call.record, "module": call.module, "api": call.api, "step": call.step,
          "rank": call.rank,

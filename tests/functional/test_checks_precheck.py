@@ -142,3 +142,30 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, dumps, args):
     proc = llmflow("precheck", *args, cwd=tmp_path)
     assert proc.returncode == 2 and last_line(proc).startswith("FAILED: ")
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_repro_on_request_for_any_call(tmp_path, dumps):
+    wanted = "model.layers.0.self_attn/softmax.0"  # a passing call
+    proc = llmflow("precheck", str(dumps["shifted"]), "-o", str(tmp_path / "out"), "--repro-call", wanted,
+                   "--repro-call", "model.nowhere/softmax.0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = report(tmp_path / "out")
+    assert [(x["name"], x["status"]) for x in r["repros"]] == [(wanted, "pass")]
+    assert r["repros_missing"] == [{"name": "model.nowhere/softmax.0",
+                                    "why": "no call of this name or record in the dump"}]
+    assert "no repro for model.nowhere/softmax.0" in proc.stdout
+    fresh = subprocess.run([sys.executable, "-I", str(tmp_path / "out" / r["repros"][0]["script"])],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert fresh.returncode == 0 and "NOT REPRODUCED" in fresh.stdout, fresh.stdout + fresh.stderr
+
+
+def test_repro_for_all_calls_is_bounded(tmp_path, dumps):
+    from llmflow.checks.precheck_files import MAX_REPROS
+
+    proc = llmflow("precheck", str(dumps["shifted"]), "-o", str(tmp_path / "out"), "--repro-call", "all",
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = report(tmp_path / "out")
+    assert len(r["repros"]) == MAX_REPROS and r["repros_left_out"] == r["totals"]["calls"] - MAX_REPROS
+    assert len(list((tmp_path / "out" / "repro").iterdir())) == MAX_REPROS
+    assert f"... {MAX_REPROS - 10} more repro folders" in proc.stdout

@@ -5,6 +5,9 @@ rebuilt and replayed through the callable its group names (``Tensor.__rsub__`` i
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -74,6 +77,20 @@ def test_every_value_form_is_rebuilt_and_replayed_by_its_group(tmp_path):
     assert result["first_fail"]["name"] == "/matmul.0"
     unknown = rows["Functional.layer_norm.0.forward"]
     assert unknown["status"] == "not checked" and "msprobe could not describe" in unknown["reason"]
+
+
+def test_a_repro_on_request_by_msprobe_record_name(tmp_path):
+    from llmflow.checks.precheck_files import run_precheck
+    from llmflow.checks.precheck_options import PrecheckOptions
+
+    result = run_precheck(write_dump(tmp_path / "dump"), tmp_path / "out", PrecheckOptions(),
+                          repro_calls=["Tensor.__rsub__.0.forward"])
+    assert [(r["name"], r["status"]) for r in result["repros"]] == [("/sub.0", "pass")]
+    script = tmp_path / "out" / result["repros"][0]["script"]
+    fresh = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0 and "NOT REPRODUCED" in fresh.stdout, fresh.stdout + fresh.stderr
+    errors = re.search(r"target error (\S+), benchmark \(torch.float32, cpu\) error (\S+),", fresh.stdout)
+    assert errors and errors[1] == errors[2]  # the script computes 2 - x, as the dump recorded
 
 
 def test_the_group_named_callable_comes_after_the_references():
