@@ -58,7 +58,8 @@ def run_precheck(dump: str | Path, out_dir: Path, options: PrecheckOptions, *, r
         if task is not None:
             task.advance()
         asked = requested & {call.name, call.record}
-        if not ((repro and row["status"] == "fail") or asked or (ALL in requested and row.get("implementation"))):
+        every = ALL in requested and row.get("implementation")
+        if not ((repro and row["status"] == "fail") or asked or every):
             return
         if call.reason is not None:  # (only a requested call gets here)
             note(asked, f"not replayable: {call.reason}")

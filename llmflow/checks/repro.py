@@ -256,7 +256,8 @@ def write_repro(call: OpCall, fn: Callable[..., Any], implementation: str, folde
     kwargs = {"dict": {k: _encode(v, tensors, f"kw:{k}") for k, v in call.kwargs.items()}}
     if tensors:
         save_file(tensors, str(folder / "inputs.safetensors"))
-    save_file({k: v.contiguous().clone() for k, v in call.outputs.items()}, str(folder / "target_output.safetensors"))
+    outputs = {k: v.contiguous().clone() for k, v in call.outputs.items()}
+    save_file(outputs, str(folder / "target_output.safetensors"))
     (folder / "call.json").write_text(json.dumps(
         {"name": call.name, "record": call.record, "module": call.module, "api": call.api, "step": call.step,
          "rank": call.rank,
