@@ -50,6 +50,9 @@ def test_clean_bf16_target_passes(tmp_path, model):
     assert s["status"] == "pass" and s["totals"]["fail"] == 0 and s["first_fail"] is None
     assert s["totals"]["checked"] > 0.9 * s["totals"]["calls"]  # linears too: the weights are dumped
     assert s["perturbed"] == []  # the clean model has no ill-conditioned call
+    html = (tmp_path / "run" / "report" / "report.html").read_text()
+    assert "Precheck: PASS: " in html and "Precheck: calls per API" in html
+    assert 'href="../precheck/precheck.csv"' in html
 
 
 # (patch in precheck_faults.py, model options beside SMALL, the call it names, that call's module)
@@ -72,6 +75,8 @@ def test_one_wrong_kernel_is_named_and_its_repro_reproduces(tmp_path, family, fa
     s = json.loads((tmp_path / "run" / "summary.json").read_text())["precheck"]
     assert s["totals"]["fail"] == 1  # exactly that call: the same op elsewhere and everything else pass
     assert (s["first_fail"]["name"], s["first_fail"]["module"]) == (name, module)
+    html = (tmp_path / "run" / "report" / "report.html").read_text()
+    assert "Precheck: FAIL: 1 of " in html and f"first {name} (step 0)" in html
     script = tmp_path / "run" / "precheck" / s["repros"][0]["script"]
     fresh = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True, timeout=120,
                            cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
