@@ -66,8 +66,8 @@ def bench(name: str, dtype: str, tmp: Path) -> dict[str, Any]:
     run_precheck(dump, tmp / f"{name}_out", PrecheckOptions())
     total_s = time.perf_counter() - t0
     t = result["totals"]
-    return {"model": name, "dtype": dtype, "prompt_tokens": len(ids), "calls": t["calls"], "checked": t["checked"],
-            "status": result["status"], "dump_mb": size / 1e6, "dump_s": dump_s, "check_s": check_s,
+    return {"model": name, "dtype": dtype, "prompt_tokens": len(ids), "calls": t["calls"],
+            "checked": t["checked"], "status": result["status"], "dump_mb": size / 1e6, "dump_s": dump_s, "check_s": check_s,
             "total_s": total_s, "calls_per_s": t["calls"] / check_s, "mb_per_s": size / 1e6 / check_s,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3}
 
@@ -88,8 +88,9 @@ def main() -> None:
             load = os.getloadavg()[0]
             rows[-1]["load_avg_1m"] = load
             r = rows[-1]
-            print(f"{name} ({a.dtype}, {r['prompt_tokens']} prompt tokens): {r['calls']} calls ({r['checked']} "
-                  f"checked, {r['status']}), dump {r['dump_mb']:.1f} MB written in {r['dump_s']:.1f} s; check "
+            print(f"{name} ({a.dtype}, {r['prompt_tokens']} prompt tokens): {r['calls']} calls "
+                  f"({r['checked']} checked, {r['status']}), dump {r['dump_mb']:.1f} MB written in "
+                  f"{r['dump_s']:.1f} s; check "
                   f"{r['check_s']:.1f} s = {r['calls_per_s']:.0f} calls/s, {r['mb_per_s']:.1f} MB/s; with "
                   f"csv/xlsx/json {r['total_s']:.1f} s; peak RSS {r['peak_rss_mb']:.0f} MB; load average "
                   f"{load:.1f}{' (machine shared with other work)' if load > 2 else ''}", flush=True)
