@@ -67,7 +67,8 @@ def bench(name: str, dtype: str, tmp: Path) -> dict[str, Any]:
     total_s = time.perf_counter() - t0
     t = result["totals"]
     return {"model": name, "dtype": dtype, "prompt_tokens": len(ids), "calls": t["calls"],
-            "checked": t["checked"], "status": result["status"], "dump_mb": size / 1e6, "dump_s": dump_s, "check_s": check_s,
+            "checked": t["checked"], "status": result["status"], "dump_mb": size / 1e6, "dump_s": dump_s,
+            "check_s": check_s,
             "total_s": total_s, "calls_per_s": t["calls"] / check_s, "mb_per_s": size / 1e6 / check_s,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3}
 
