@@ -6,6 +6,15 @@ way: it hands itself to the active torch function modes, so the dump records one
 ``name`` whose output is whatever ``impl`` computed.
 
 * ``lossy_silu``: layer 1's MLP activation is a silu kernel whose sigmoid keeps 3 mantissa bits.
+* ``lossy_torch_silu``: the same wrong kernel behind torch's own ``F.silu`` (a torch function
+  mode answers layer 1's silu), so a tool that wraps torch's API (msprobe) records it as silu.
+* ``rms_norm_without_eps``: layer 1's input RMSNorm is a fused ``rms_norm`` kernel that leaves
+  eps out: x * rsqrt(mean(x^2)) * w. Its error is about eps / (2 mean(x^2)), so it shows only
+  where the hidden states are small: the tests use models built with ``init=0.002`` (weights and
+  embeddings of std 0.002, mean(x^2) ~ 4e-6 against the config's rms_norm_eps 1e-6: ~10% off,
+  where bf16 rounds to 0.4%).
+* ``bf16_accumulating_linear``: layer 1's ``down_proj`` is a linear kernel that multiplies in fp32
+  but keeps its running sum in bf16, rounded after each chunk of ``K_CHUNK`` products along K.
 * ``shifted_softmax``: layer 1's attention runs eager and adds 1000 to its softmax input (the
   same result in exact arithmetic; overflow-prone, ill-conditioned inputs), torch's softmax.
 * ``naive_softmax``: the same, through an fp16 softmax kernel without max-subtraction (exp
@@ -50,6 +59,64 @@ class _LossySiLU(nn.Module):
 
 def lossy_silu(model: nn.Module) -> None:
     model.model.layers[FAULT_LAYER].mlp.act_fn = _LossySiLU()
+
+
+class _SiluAnswers(TorchFunctionMode):
+    """Every ``silu`` under this mode is computed by the lossy kernel."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "silu":
+            return _lossy_silu(args[0])
+        return func(*args, **kwargs)
+
+
+def lossy_torch_silu(model: nn.Module) -> None:
+    act = model.model.layers[FAULT_LAYER].mlp.act_fn
+    forward = act.forward
+
+    def lossy(*args: Any, **kwargs: Any) -> Any:
+        with _SiluAnswers():
+            return forward(*args, **kwargs)
+    act.forward = lossy
+
+
+def _rms_norm_without_eps(x: torch.Tensor, normalized_shape: tuple[int, ...],
+                          weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
+    dims = tuple(range(-len(normalized_shape), 0))
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True))  # eps left out
+    return (y * weight.float() if weight is not None else y).to(x.dtype)
+
+
+rms_norm_kernel = kernel("rms_norm", _rms_norm_without_eps)
+
+
+def rms_norm_without_eps(model: nn.Module) -> None:
+    norm = model.model.layers[FAULT_LAYER].input_layernorm
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    norm.forward = lambda x: rms_norm_kernel(x, (x.shape[-1],), norm.weight, eps)
+
+
+K_CHUNK = 4
+
+
+def _linear_bf16_accumulation(x: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None = None) -> torch.Tensor:
+    acc = torch.zeros((*x.shape[:-1], weight.shape[0]), dtype=torch.bfloat16)
+    for k in range(0, x.shape[-1], K_CHUNK):
+        partial = x[..., k:k + K_CHUNK].float() @ weight[:, k:k + K_CHUNK].float().T
+        acc = (acc.float() + partial).to(torch.bfloat16)  # the running sum rounded to bf16
+    out = acc.float() + bias.float() if bias is not None else acc.float()
+    return out.to(x.dtype)
+
+
+linear_kernel = kernel("linear", _linear_bf16_accumulation)
+
+
+def bf16_accumulating_linear(model: nn.Module) -> None:
+    proj = model.model.layers[FAULT_LAYER].mlp.down_proj
+    proj.forward = lambda x: linear_kernel(x, proj.weight, proj.bias)
 
 
 def _naive_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None,

@@ -55,12 +55,14 @@ from llmflow.compare.metrics import compare_tensors
 from llmflow.dump.arguments import Unrebuildable, decode_value, rebuild_arguments
 from llmflow.dump.memory import flatten_outputs
 from llmflow.formats.base import DumpReader, Entry
+from llmflow.formats.msprobe import MsprobeDumpReader
 
 SMALL_VALUE = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-6, torch.float64: 1e-12}
 SMALL_VALUE_ATOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-9, torch.float64: 1e-15}
-COLUMNS = ("rank", "step", "order", "name", "module", "api", "status", "ratio", "error", "benchmark_error",
-           "max_abs_error", "benchmark_max_abs_error", "small_value_err_ratio", "one_thousandth_err_ratio",
-           "dtype", "shape", "implementation", "perturb_ratio", "perturb_flag", "reason")
+COLUMNS = ("rank", "step", "order", "name", "record", "module", "api", "status", "ratio", "error",
+           "benchmark_error", "max_abs_error", "benchmark_max_abs_error", "small_value_err_ratio",
+           "one_thousandth_err_ratio", "dtype", "shape", "implementation", "perturb_ratio", "perturb_flag",
+           "reason")
 
 
 @dataclass
@@ -76,6 +78,8 @@ class OpCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     reason: str | None = None  # why it cannot be checked
+    function: str | None = None  # the torch callable the dump names ("Tensor.__rsub__"), if it does
+    record: str | None = None  # the call's name in the dump's own files (msprobe's dump.json key)
 
     @property
     def module(self) -> str:
@@ -90,7 +94,14 @@ def _api_of(name: str) -> str:
 
 def iter_calls(reader: DumpReader) -> Iterator[OpCall]:
     """The dump's API calls in model order (rank, step, order), one at a time, tensors loaded
-    for that call only. A ``Parameter`` argument is loaded from the dump's weights by name."""
+    for that call only. A ``Parameter`` argument is loaded from the dump's weights by name; an
+    msprobe dump's calls are rebuilt from its dump.json records (``precheck_msprobe``)."""
+    build = _call
+    if isinstance(reader, MsprobeDumpReader):
+        from llmflow.checks.precheck_msprobe import msprobe_call  # (it builds on OpCall, above)
+
+        def build(reader: DumpReader, entries: list[Entry], _weights: dict[str, Entry]) -> OpCall:
+            return msprobe_call(reader, entries)  # type: ignore[arg-type]
     weights: dict[str, Entry] = {}
     group: list[Entry] = []
     for e in reader.entries():
@@ -99,11 +110,11 @@ def iter_calls(reader: DumpReader) -> Iterator[OpCall]:
         elif e.level == "api" and e.step >= 0:
             if group and (e.name != group[0].name or e.step != group[0].step or e.rank != group[0].rank
                           or (e.kind == "input" and group[-1].kind == "output")):
-                yield _call(reader, group, weights)
+                yield build(reader, group, weights)
                 group = []
             group.append(e)
     if group:
-        yield _call(reader, group, weights)
+        yield build(reader, group, weights)
 
 
 def _call(reader: DumpReader, entries: list[Entry], weights: dict[str, Entry]) -> OpCall:
@@ -302,8 +313,8 @@ def perturbation(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]
 def check_call(call: OpCall, options: PrecheckOptions) -> tuple[dict[str, Any], Callable[..., Any] | None]:
     """One call's row (status pass/warn/fail/not checked) and the function that replayed it."""
     row: dict[str, Any] = {"rank": call.rank, "step": call.step, "order": call.order, "name": call.name,
-                           "module": call.module, "api": call.api, "status": "not checked", "ratio": None,
-                           "reason": call.reason}
+                           "record": call.record, "module": call.module, "api": call.api,
+                           "status": "not checked", "ratio": None, "reason": call.reason}
     first_out = next(iter(call.outputs.values()), None)
     if first_out is not None:
         row["dtype"] = str(first_out.dtype).removeprefix("torch.")
@@ -313,7 +324,7 @@ def check_call(call: OpCall, options: PrecheckOptions) -> tuple[dict[str, Any], 
     if is_random(call.api, call.args, call.kwargs):
         row["reason"] = "random call: its output is drawn, not computed"
         return row, None
-    fn, where = resolve(call.api, call.args, options.references)
+    fn, where = resolve(call.api, call.args, options.references, call.function)
     row["implementation"] = where if fn is not None else None
     if fn is None:
         row["reason"] = where
@@ -353,6 +364,12 @@ def _rank(j: Judged) -> tuple[int, float]:
             j.ratio if not math.isnan(j.ratio) else math.inf)
 
 
+def call_label(row: dict[str, Any]) -> str:
+    """A row's call as a user finds it: ``/silu.1 [Functional.silu.3.forward]`` where the dump
+    names it otherwise (msprobe's L1 records carry no module)."""
+    return f"{row['name']} [{row['record']}]" if row.get("record") else str(row["name"])
+
+
 def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
              on_call: Callable[[OpCall, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Check every API call of ``reader``'s dump. ``on_call(call, row)`` sees each call as it is
@@ -381,7 +398,7 @@ def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
     elif totals["fail"]:
         status = "fail"
         headline = (f"precheck: {totals['fail']} of {checked} checked calls fail; first "
-                    f"{first_fail['name']} (step {first_fail['step']}): {first_fail['reason']}")  # type: ignore[index]
+                    f"{call_label(first_fail)} (step {first_fail['step']}): {first_fail['reason']}")  # type: ignore[arg-type,index]
     elif checked < options.min_checked * len(rows):
         why = Counter(str(r["reason"]).split(" (")[0] for r in rows
                       if r["status"] == "not checked").most_common(1)

@@ -200,13 +200,28 @@ def load_references(given: dict[str, str] | None = None,
     return found
 
 
-def resolve(api: str, args: list[Any],
-            references: dict[str, Callable[..., Any]]) -> tuple[Callable[..., Any] | None, str]:
+#: where a dotted callable name (``"Tensor.__rsub__"``) looks its attribute up
+OWNERS: dict[str, Any] = {"torch.nn.functional": F, "torch": torch, "Tensor": torch.Tensor}
+
+
+def lookup(dotted: str) -> Callable[..., Any] | None:
+    """``torch.matmul``, ``torch.nn.functional.silu``, ``Tensor.__add__``: that torch callable,
+    or None (another owner, no such attribute)."""
+    owner, _, attr = dotted.rpartition(".")
+    fn = getattr(OWNERS[owner], attr, None) if owner in OWNERS else None
+    return fn if callable(fn) and not isinstance(fn, (type, torch.dtype)) else None
+
+
+def resolve(api: str, args: list[Any], references: dict[str, Callable[..., Any]],
+            called: str | None = None) -> tuple[Callable[..., Any] | None, str]:
     """The function that replays ``api`` and where it came from (``"reference"``, ``"torch"``), or
-    (None, why) when there is none. In-place APIs (``add_``) resolve like any other: their inputs
-    are copied before every run."""
+    (None, why) when there is none. ``called``: the torch callable the dump says was called
+    (``Tensor.__rsub__``: msprobe records the API group), used after the references. In-place
+    APIs (``add_``) resolve like any other: their inputs are copied before every run."""
     if api in references:
         return references[api], "reference"
+    if called is not None and lookup(called) is not None:
+        return lookup(called), called
     for owner, label in ((F, "torch.nn.functional"), (torch, "torch")):
         fn = getattr(owner, api, None)
         if callable(fn) and not isinstance(fn, type) and not isinstance(fn, torch.dtype):

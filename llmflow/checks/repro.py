@@ -10,7 +10,8 @@
                              op in float64 (the reference) and in the dump's dtype (the benchmark)
                              on the CPU, optionally the op itself on ``--device``, and prints each
                              one's error against the reference beside the recorded target's;
-                             exits 1 when the target's error is ``--ratio`` times the benchmark's
+                             exits 1 when the target's error is ``--ratio`` times the benchmark's,
+                             or it misses the largest-error or small-value rule as the precheck does
 
 A reference from the registry (a torch_npu op's, a user's) is copied into the script as source,
 with the module-level functions it calls; torch ops are looked up by their dotted name.
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from llmflow.checks.precheck import DEFAULT_FAIL_RATIO, OpCall
+from llmflow.checks.precheck import DEFAULT_FAIL_RATIO, SMALL_VALUE, SMALL_VALUE_ATOL, OpCall
 
 _SCRIPT = '''\
 """Repro of {name} ({api}): the target's recorded output against a float64 reference and the
@@ -53,6 +54,7 @@ from safetensors.torch import load_file
 HERE = Path(__file__).resolve().parent
 IMPLEMENTATION = {implementation!r}
 FAIL_RATIO = {fail_ratio!r}
+SMALL_VALUE = {small_value!r}  # dtype -> (|x| below which a value is small, the error it may miss by)
 {reference_source}
 
 def op_function():
@@ -81,6 +83,10 @@ def build(node, tensors, convert):
             return torch.device(node["device"])
         if "torch_attr" in node:
             return getattr(torch, node["torch_attr"])
+        if "slice" in node:
+            return slice(*node["slice"])
+        if "ellipsis" in node:
+            return Ellipsis
         if "tuple" in node:
             return tuple(build(v, tensors, convert) for v in node["tuple"])
         return {{k: build(v, tensors, convert) for k, v in node["dict"].items()}}
@@ -118,6 +124,21 @@ def rel_error(ref, out):
     return float(diff / norm) if norm > 0 else float(diff)
 
 
+def max_abs_error(ref, out):
+    ref, out = ref.to(torch.float64), out.to(torch.float64).to(ref.device)
+    ok = torch.isfinite(ref) & torch.isfinite(out)
+    return float((out - ref)[ok].abs().max()) if bool(ok.any()) else 0.0
+
+
+def small_value_misses(ref, out, dtype):
+    """The share of the elements with |ref| < SMALL that miss it by more than ATOL (msprobe's rule)."""
+    small, atol = SMALL_VALUE.get(str(dtype), (1e-6, 1e-9))
+    ref, out = ref.to(torch.float64), out.to(torch.float64).to(ref.device)
+    mask = torch.isfinite(ref) & torch.isfinite(out) & (ref.abs() < small)
+    n = int(mask.sum())
+    return float(((out - ref).abs()[mask] > atol).sum()) / n if n else 0.0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="also run the op on this device (cuda, npu:0)")
@@ -136,7 +157,7 @@ def main():
     reference = run(fn, call, tensors, to64)
     benchmark = run(fn, call, tensors, lambda x: x if isinstance(x, torch.dtype) else x.clone())
     unit = {{k: torch.finfo(t.dtype).eps / 2 if t.is_floating_point() else 0.0 for k, t in target.items()}}
-    worst = 0.0
+    worst, misses = 0.0, []
     for key, t in target.items():
         if key not in reference:
             continue
@@ -145,15 +166,30 @@ def main():
         worst = max(worst, ratio)
         print(f"output {{key}}: target error {{e_t:.4g}}, benchmark ({{t.dtype}}, cpu) error {{e_b:.4g}}, "
               f"ratio {{ratio:.3g}}")
+        if not t.is_floating_point():
+            continue
+        ref = reference[key].to(torch.float64)
+        scale = float(ref[torch.isfinite(ref)].abs().max()) if bool(torch.isfinite(ref).any()) else 0.0
+        m_t, m_b = max_abs_error(ref, t), max_abs_error(ref, benchmark[key])
+        floor = max(m_b, unit[key] * scale)
+        if m_t > 4 * a.ratio * floor:
+            misses.append(f"output {{key}}: largest absolute error {{m_t:.4g}} is {{m_t / floor:.3g}}x the "
+                          f"benchmark's {{m_b:.4g}}")
+        s_t, s_b = small_value_misses(ref, t, t.dtype), small_value_misses(ref, benchmark[key], t.dtype)
+        if s_t > 2 * s_b + 1e-3:
+            misses.append(f"output {{key}}: {{s_t:.3%}} of the small values miss (benchmark {{s_b:.3%}})")
     if a.device:
         on_device = run(device_function(a.device), call, tensors,
                         lambda x: x if isinstance(x, torch.dtype) else x.to(a.device))
         for key, t in on_device.items():
             if key in reference:
                 print(f"output {{key}}: {{a.device}} error {{rel_error(reference[key], t.cpu()):.4g}}")
-    verdict = "REPRODUCED" if worst > a.ratio else "NOT REPRODUCED"
-    print(f"{{verdict}}: ratio {{worst:.3g}} (limit {{a.ratio}})")
-    return 1 if worst > a.ratio else 0
+    reproduced = worst > a.ratio or bool(misses)
+    for miss in misses:
+        print(miss)
+    print(f"{{'REPRODUCED' if reproduced else 'NOT REPRODUCED'}}: ratio {{worst:.3g}} (limit {{a.ratio}})"
+          + (f"; {{len(misses)}} more rule(s) missed" if misses else ""))
+    return 1 if reproduced else 0
 
 
 if __name__ == "__main__":
@@ -164,7 +200,7 @@ if __name__ == "__main__":
 def _encode(value: Any, tensors: dict[str, torch.Tensor], label: str) -> Any:
     """The argument structure as JSON: tensors saved under their dump index."""
     if isinstance(value, torch.Tensor):
-        tensors[label] = value.contiguous()
+        tensors[label] = value.contiguous().clone()  # (safetensors refuses tensors sharing memory)
         return {"tensor": label}
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
@@ -172,6 +208,10 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], label: str) -> Any:
         return {"device": str(value)}
     if isinstance(value, (torch.memory_format, torch.layout)):
         return {"torch_attr": str(value).removeprefix("torch.")}
+    if isinstance(value, slice):
+        return {"slice": [value.start, value.stop, value.step]}
+    if value is Ellipsis:
+        return {"ellipsis": True}
     if isinstance(value, tuple):
         return {"tuple": [_encode(v, tensors, f"{label}.{i}") for i, v in enumerate(value)]}
     if isinstance(value, list):
@@ -216,15 +256,18 @@ def write_repro(call: OpCall, fn: Callable[..., Any], implementation: str, folde
     kwargs = {"dict": {k: _encode(v, tensors, f"kw:{k}") for k, v in call.kwargs.items()}}
     if tensors:
         save_file(tensors, str(folder / "inputs.safetensors"))
-    save_file({k: v.contiguous() for k, v in call.outputs.items()}, str(folder / "target_output.safetensors"))
+    outputs = {k: v.contiguous().clone() for k, v in call.outputs.items()}
+    save_file(outputs, str(folder / "target_output.safetensors"))
     (folder / "call.json").write_text(json.dumps(
-        {"name": call.name, "module": call.module, "api": call.api, "step": call.step, "rank": call.rank,
+        {"name": call.name, "record": call.record, "module": call.module, "api": call.api, "step": call.step,
+         "rank": call.rank,
          "implementation": implementation, "args": args, "kwargs": kwargs}, indent=1), encoding="utf-8")
     source, ref_name = "", "None"
     if implementation == "reference":
         source, ref_name = "\n\n" + _source_with_helpers(fn) + "\n", fn.__name__
     script = folder / "repro.py"
+    small_value = {str(dtype): (SMALL_VALUE[dtype], SMALL_VALUE_ATOL[dtype]) for dtype in SMALL_VALUE}
     script.write_text(_SCRIPT.format(name=call.name, api=call.api, implementation=implementation,
-                                     fail_ratio=fail_ratio, reference_source=source,
+                                     fail_ratio=fail_ratio, small_value=small_value, reference_source=source,
                                      reference_name=ref_name), encoding="utf-8")
     return script

@@ -1,13 +1,15 @@
 """Check every op of one API dump without a golden: replay it on the CPU and judge its output.
 
-  llmflow precheck DUMP [-o OUT] [--repro] [--perturb] [--reference NAME=file.py:func]...
+  llmflow precheck DUMP [-o OUT] [--repro] [--repro-call NAME]... [--perturb]
+                   [--reference NAME=file.py:func]...
 
 Each API call of the dump (dumped with mode api, data_mode tensor; dump_weight lets Linear calls
 be checked too) is run on the CPU in float64 (the reference) and in the dump's dtype (the
 benchmark); the target's recorded output fails when its error is ``--fail-ratio`` times the
 benchmark's, or breaks msprobe's small-value, thousandth-ratio or bit-exactness rules. Writes
 precheck.csv/.xlsx/.json into OUT (default: precheck_out). ``--repro`` adds, per failing call, a
-folder with its inputs and a standalone script; ``--perturb`` flags calls whose output moves far
+folder with its inputs and a standalone script (``--repro-call NAME``: for that call too,
+whatever its status; ``all``: every call); ``--perturb`` flags calls whose output moves far
 more than their inputs under rounding-size perturbations. Exit 1 when a call fails, 3 when too
 little could be checked, 0 otherwise.
 """
@@ -27,11 +29,16 @@ EXIT = {"pass": 0, "fail": 1, "inconclusive": 3}
 def configure(parser: argparse.ArgumentParser) -> None:
     from llmflow.checks.precheck_options import DEFAULT_FAIL_RATIO, DEFAULT_MIN_CHECKED, DEFAULT_PERTURB_RATIO
 
-    parser.add_argument("dump", help="an llmflow API dump with tensors (or the folder holding one)")
+    parser.add_argument("dump", help="an llmflow API dump with tensors or an msprobe L1/mix tensor dump "
+                        "(or the folder holding one)")
     parser.add_argument("-o", "--output", default="precheck_out",
                         help="output folder (default: precheck_out)")
     parser.add_argument("--repro", action="store_true", help="a repro folder with a standalone script per "
                         "failing call")
+    parser.add_argument("--repro-call", action="append", default=[], metavar="NAME",
+                        help="also a repro folder for this call, whatever its status: its name or record "
+                        "as in precheck.csv (every step it runs at), or 'all' for every call that replays; "
+                        "repeatable")
     parser.add_argument("--perturb", action="store_true", help="also flag ill-conditioned calls by "
                         "perturbing their inputs at the dtype's rounding scale")
     parser.add_argument("--reference", action="append", default=[], metavar="NAME=FILE.py:FUNC",
@@ -61,6 +68,7 @@ def parse_references(items: list[str]) -> dict[str, str]:
 def execute(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from llmflow.checks.precheck import call_label
     from llmflow.checks.precheck_files import run_precheck
     from llmflow.checks.precheck_options import PrecheckOptions
     from llmflow.checks.references import load_references
@@ -76,20 +84,26 @@ def execute(args: argparse.Namespace) -> int:
         def progress(description: str, total: float | None) -> object:
             task_id = bar.add_task(description, total=total)
             return _Task(bar, task_id)
-        result = run_precheck(args.dump, Path(args.output), options, repro=args.repro, progress=progress)
+        result = run_precheck(args.dump, Path(args.output), options, repro=args.repro,
+                              repro_calls=args.repro_call, progress=progress)
     t = result["totals"]
     con.print(f"{t['calls']} calls: {t['checked']} checked ({t['pass']} pass, {t['warn']} warn, "
               f"{t['fail']} fail), {t['not checked']} not checked")
     for row in [r for r in result["rows"] if r["status"] == "fail"][:10]:
-        con.print(f"  fail {row['name']} (step {row['step']}): ratio {row['ratio']:.3g}; {row['reason']}")
+        con.print(f"  fail {call_label(row)} (step {row['step']}): ratio {row['ratio']:.3g}; {row['reason']}")
     first = result["first_fail"]
     if first is not None:
-        con.print(f"first failing call in model order: {first['name']} in module {first['module']} "
+        where = f" in module {first['module']}" if first["module"] else " (the dump records no module)"
+        con.print(f"first failing call in model order: {call_label(first)}{where} "
                   f"(step {first['step']}, rank {first['rank']})")
     for name in result["perturbed"][:10]:
         con.print(f"  perturbation flags {name}")
-    for rep in result["repros"]:
+    for rep in result["repros"][:10]:
         con.print(f"  repro: {Path(args.output) / rep['script']}")
+    if len(result["repros"]) > 10:
+        con.print(f"  ... {len(result['repros']) - 10} more repro folders (precheck.json lists them)")
+    for miss in result["repros_missing"]:
+        con.print(f"  no repro for {miss['name']}: {miss['why']}")
     con.print(f"tables: {result['files']['csv']}, {result['files']['xlsx']}, {result['files']['json']}")
     verdict_line(result["status"], result["headline"].removeprefix("precheck: "))
     return EXIT.get(result["status"], EXIT_BAD_INPUT)

@@ -58,7 +58,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -187,6 +187,16 @@ def pass_starts(records: list[tuple[str, Any]]) -> list[bool]:
     return [_base(k) == anchor for k in names]
 
 
+class ApiCall(NamedTuple):
+    """One API record of dump.json: ``Tensor.__rsub__.2.forward`` has group ``Tensor`` and api
+    ``__rsub__``; ``record`` holds ``input_args``, ``input_kwargs`` and ``output`` as written."""
+
+    record_name: str
+    group: str
+    api: str
+    record: dict[str, Any]
+
+
 class MsprobeDumpReader(DumpReader):
     """Reads an msprobe dump: dump.json (+ construct.json, dump_tensor_data/*.pt or *.npy)."""
 
@@ -198,9 +208,10 @@ class MsprobeDumpReader(DumpReader):
         self._entries: list[Entry] | None = None
         self._meta: dict[str, Any] | None = None
         self._problems: list[str] = []
+        self._api_calls: dict[tuple[int, int, str], ApiCall] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_entries": None, "_meta": None, "_problems": []}
+        return {"path": self.path, "_entries": None, "_meta": None, "_problems": [], "_api_calls": {}}
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -280,7 +291,7 @@ class MsprobeDumpReader(DumpReader):
 
     def entries(self) -> list[Entry]:
         if self._entries is None:
-            self._problems = []
+            self._problems, self._api_calls = [], {}
             by_rank: dict[int, list[tuple[int | None, Path]]] = {}
             for step, rank, folder in self._layout():
                 by_rank.setdefault(rank, []).append((step, folder))
@@ -329,6 +340,7 @@ class MsprobeDumpReader(DumpReader):
                     n = counters.get((step, module, api), 0)
                     counters[(step, module, api)] = n + 1
                     name, mtype = f"{module}/{api}.{n}", api
+                    self._api_calls[(rank, step, name)] = ApiCall(key, group, what, record)
                 ctx = (rank, step, name, level, mtype, files, folder, orders, lost, blind)
                 self._values(ctx, "input", "", record.get("input_args") or [], out)
                 kwargs = record.get("input_kwargs") or {}
@@ -359,6 +371,12 @@ class MsprobeDumpReader(DumpReader):
                     f"(first: {blind[0][:120]}); left out of the compare")
             offset += n_tokens
         return out
+
+    def api_call(self, entry: Entry) -> ApiCall | None:
+        """The dump.json record of an API entry's call, as msprobe names it (its group tells
+        ``Tensor.__rsub__`` from ``Torch.sub``); None for module and weight entries."""
+        self.entries()
+        return self._api_calls.get((entry.rank, entry.step, entry.name)) if entry.level == "api" else None
 
     def _data_files(self, folder: Path) -> dict[str, bool]:
         """Name -> is it a regular file (a FIFO or a device is never opened), of dump_tensor_data."""

@@ -29,9 +29,13 @@ class PrecheckStage(Stage):
         "additionalProperties": False,
         "required": ["dump"],
         "properties": {
-            "dump": {"type": "string", "description": "An llmflow API dump with tensors."},
+            "dump": {"type": "string", "description": "An llmflow API dump with tensors or an msprobe L1/mix "
+                                                     "tensor dump."},
             "repro": {"type": "boolean", "default": False,
                       "description": "Write a repro folder (inputs + standalone script) per failing call."},
+            "repro_calls": {"type": "array", "items": {"type": "string"}, "default": [],
+                            "description": "Calls (name or record) that get a repro folder whatever their "
+                                           "status; 'all': every call that replays."},
             "perturb": {"type": "boolean", "default": False,
                         "description": "Flag calls whose output moves far more than their inputs."},
             "references": {"type": "object", "additionalProperties": {"type": "string"}, "default": {},
@@ -57,6 +61,7 @@ class PrecheckStage(Stage):
                                   min_checked=float(p["min_checked"]),
                                   references=load_references(p["references"], ctx.workflow_dir))
         result = run_precheck(ctx.resolve_path(p["dump"]), ctx.out_dir, options, repro=bool(p["repro"]),
+                              repro_calls=list(p["repro_calls"]),
                               progress=lambda description, total: ctx.task(f"{ctx.stage_id}: {description}",
                                                                            total=total))
         first = result["first_fail"]
@@ -64,7 +69,8 @@ class PrecheckStage(Stage):
             "status": result["status"], "totals": result["totals"], "counts": result["counts"],
             "first_fail": None if first is None else {k: first[k] for k in ("name", "module", "api", "step",
                                                                             "rank", "ratio", "reason")},
-            "perturbed": result["perturbed"], "repros": result["repros"]}
+            "perturbed": result["perturbed"], "repros": result["repros"],
+            "repros_missing": result["repros_missing"]}
         ctx.log(result["headline"])
         ctx.set_outcome(result["status"], result["headline"])
         return {"csv": result["files"]["csv"], "xlsx": result["files"]["xlsx"],

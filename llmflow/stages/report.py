@@ -44,6 +44,8 @@ class ReportStage(Stage):
             "golden_dump": {**_PATH, "description": "The golden dump directory (or its env.json): the "
                             "prompt, model, device, dtype and versions shown for the golden side."},
             "target_dump": {**_PATH, "description": "The target dump directory (or its env.json)."},
+            "precheck_file": {**_PATH, "description": "The precheck stage's report_file (precheck.json): its "
+                              "calls, worst first (precheck.csv beside it), and the counts per API."},
             "max_rows": {"type": "integer", "minimum": 1, "default": MAX_ROWS,
                          "description": "Rows per table in the page (the CSV keeps them all)."},
         },
@@ -81,16 +83,46 @@ class ReportStage(Stage):
         if p["xlsx"]:
             xlsx = ctx.resolve_path(p["xlsx"])
             files.append((xlsx.name, _href(xlsx, ctx.final_dir)))
+        tables = _precheck_tables(ctx, p["precheck_file"], files) if p["precheck_file"] else {}
         run = {"env": {side: _env(ctx, p[f"{side}_dump"]) for side in ("golden", "target")
                        if p[f"{side}_dump"]}, **_run_record(ctx.run_dir)}
         panel = _op_panel(ctx, tap, p["golden_dump"], p["target_dump"], run["env"]) \
             if p["golden_dump"] and p["target_dump"] else None
         out = write_report(ctx.out_dir / "report.html", title=p["title"], verdict=verdict, compare=levels,
                            files=files, run=run, meta={"run": str(ctx.run_dir)}, max_rows=p["max_rows"],
-                           topology=_topology(ctx, [p["target_dump"], p["golden_dump"]]), op_panel=panel)
+                           topology=_topology(ctx, [p["target_dump"], p["golden_dump"]]), op_panel=panel,
+                           tables=tables)
         ctx.summary["report"] = {"html": str(out)}
         ctx.log(f"{ctx.stage_id}: wrote {out.name} ({out.stat().st_size / 1e3:.0f} kB)")
         return {"html": str(out)}
+
+
+def _precheck_tables(ctx: StageContext, report_file: str,
+                     files: list[tuple[str, str]]) -> dict[str, list[dict[str, Any]]]:
+    """The precheck's sections: its calls (precheck.csv beside ``report_file``, worst first,
+    headed by the verdict) and its counts per API; its csv/xlsx/json are linked in ``files``."""
+    from llmflow.checks.precheck import COLUMNS
+
+    path = ctx.resolve_path(report_file)
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{ctx.stage_id}: precheck_file: cannot read {path}: {exc}") from exc
+    csv_path = path.with_name("precheck.csv")
+    text = [c for c in (*COLUMNS, "repro") if c not in ("rank", "step", "order") and "ratio" not in c
+            and "error" not in c]
+    try:
+        calls = list(read_csv_rows(csv_path, text_columns=text))
+    except OSError as exc:
+        raise UserError(f"{ctx.stage_id}: precheck_file: cannot read {csv_path}: "
+                        f"{exc.strerror or exc}") from exc
+    for sibling in (csv_path, path.with_name("precheck.xlsx"), path):
+        if sibling.is_file():
+            files.append((sibling.name, _href(sibling, ctx.final_dir)))
+    status = str(summary.get("status", "")).upper()
+    per_api = [{"api": api, **counts} for api, counts in (summary.get("counts") or {}).items()]
+    return {f"Precheck: {status}: {str(summary.get('headline', '')).removeprefix('precheck: ')}": calls,
+            "Precheck: calls per API": per_api}
 
 
 def _href(path: Path, page_dir: Path) -> str:

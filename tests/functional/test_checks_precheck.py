@@ -1,6 +1,7 @@
 """`llmflow precheck` and `llmflow run api_precheck` as a user runs them, on tiny Llama and Qwen2
-models: a clean bf16 target has no failing call; one wrong fused kernel (a lossy silu, an fp16
-softmax without max-subtraction) is named with its module and its repro script reproduces the
+models: a clean bf16 target has no failing call; one wrong fused kernel (a lossy silu, an rms_norm
+ignoring eps, a linear accumulating in bf16, an fp16 softmax without max-subtraction) is named
+with its module and its repro script reproduces the
 error in a fresh interpreter; a registered reference for a custom op is used; perturbation flags
 an overflow-prone softmax and not the clean model; bad input exits 2, too little evidence 3."""
 
@@ -49,17 +50,33 @@ def test_clean_bf16_target_passes(tmp_path, model):
     assert s["status"] == "pass" and s["totals"]["fail"] == 0 and s["first_fail"] is None
     assert s["totals"]["checked"] > 0.9 * s["totals"]["calls"]  # linears too: the weights are dumped
     assert s["perturbed"] == []  # the clean model has no ill-conditioned call
+    html = (tmp_path / "run" / "report" / "report.html").read_text()
+    assert "Precheck: PASS: " in html and "Precheck: calls per API" in html
+    assert 'href="../precheck/precheck.csv"' in html
 
 
-@pytest.mark.parametrize("model", [LLAMA, QWEN2])
-def test_lossy_silu_is_named_and_its_repro_reproduces(tmp_path, model):
-    proc = run_workflow(tmp_path, model, f"patch={FAULTS}:lossy_silu")
+# (patch in precheck_faults.py, model options beside SMALL, the call it names, that call's module)
+WRONG_KERNELS = {
+    "lossy_silu": ("", "model.layers.1.mlp.act_fn/silu.0", "model.layers.1.mlp.act_fn"),
+    # eps matters only where mean(x^2) is near it: weights and embeddings of std 0.002
+    "rms_norm_without_eps": (",init=0.002", "model.layers.1.input_layernorm/rms_norm.0",
+                             "model.layers.1.input_layernorm"),
+    "bf16_accumulating_linear": ("", "model.layers.1.mlp.down_proj/linear.0", "model.layers.1.mlp.down_proj"),
+}
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("fault", list(WRONG_KERNELS))
+def test_one_wrong_kernel_is_named_and_its_repro_reproduces(tmp_path, family, fault):
+    options, name, module = WRONG_KERNELS[fault]
+    proc = run_workflow(tmp_path, f"{family}:{SMALL}{options}", f"patch={FAULTS}:{fault}")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "model.layers.1.mlp.act_fn/silu.0" in last_line(proc)
+    assert name in last_line(proc)
     s = json.loads((tmp_path / "run" / "summary.json").read_text())["precheck"]
-    assert s["totals"]["fail"] == 1  # exactly that call: silu of layer 0 and everything else pass
-    assert (s["first_fail"]["name"], s["first_fail"]["module"]) == \
-        ("model.layers.1.mlp.act_fn/silu.0", "model.layers.1.mlp.act_fn")
+    assert s["totals"]["fail"] == 1  # exactly that call: the same op elsewhere and everything else pass
+    assert (s["first_fail"]["name"], s["first_fail"]["module"]) == (name, module)
+    html = (tmp_path / "run" / "report" / "report.html").read_text()
+    assert "Precheck: FAIL: 1 of " in html and f"first {name} (step 0)" in html
     script = tmp_path / "run" / "precheck" / s["repros"][0]["script"]
     fresh = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True, timeout=120,
                            cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
@@ -130,3 +147,30 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, dumps, args):
     proc = llmflow("precheck", *args, cwd=tmp_path)
     assert proc.returncode == 2 and last_line(proc).startswith("FAILED: ")
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_repro_on_request_for_any_call(tmp_path, dumps):
+    wanted = "model.layers.0.self_attn/softmax.0"  # a passing call
+    proc = llmflow("precheck", str(dumps["shifted"]), "-o", str(tmp_path / "out"), "--repro-call", wanted,
+                   "--repro-call", "model.nowhere/softmax.0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = report(tmp_path / "out")
+    assert [(x["name"], x["status"]) for x in r["repros"]] == [(wanted, "pass")]
+    assert r["repros_missing"] == [{"name": "model.nowhere/softmax.0",
+                                    "why": "no call of this name or record in the dump"}]
+    assert "no repro for model.nowhere/softmax.0" in proc.stdout
+    fresh = subprocess.run([sys.executable, "-I", str(tmp_path / "out" / r["repros"][0]["script"])],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert fresh.returncode == 0 and "NOT REPRODUCED" in fresh.stdout, fresh.stdout + fresh.stderr
+
+
+def test_repro_for_all_calls_is_bounded(tmp_path, dumps):
+    from llmflow.checks.precheck_files import MAX_REPROS
+
+    proc = llmflow("precheck", str(dumps["shifted"]), "-o", str(tmp_path / "out"), "--repro-call", "all",
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = report(tmp_path / "out")
+    assert len(r["repros"]) == MAX_REPROS and r["repros_left_out"] == r["totals"]["calls"] - MAX_REPROS
+    assert len(list((tmp_path / "out" / "repro").iterdir())) == MAX_REPROS
+    assert f"... {MAX_REPROS - 10} more repro folders" in proc.stdout
