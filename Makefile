@@ -14,8 +14,10 @@ demo:
 	if [ $$rc -eq 1 ]; then echo "make demo: OK, llmflow found the planted bug (it exits 1 when it finds a fault)"; \
 	else echo "make demo: expected llmflow to find the planted bug (exit 1), got exit $$rc" >&2; exit 1; fi
 
+# one worker per core, each test file on one worker (module-scoped fixtures such as real msprobe
+# dumps are made once)
 test: install
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n auto --dist loadfile
 
 lint: install
 	.venv/bin/ruff check llmflow plugins tests benchmarks scripts
