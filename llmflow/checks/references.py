@@ -39,6 +39,12 @@ import torch.nn.functional as F
 from llmflow import plugins
 from llmflow.errors import UserError
 
+
+class UnsupportedArguments(ValueError):
+    """A built-in reference asked for a mode it does not compute (a layout, a sparse mask): the
+    call is listed as not checked with this message, never judged against a wrong reference."""
+
+
 GROUP = "llmflow.references"
 
 #: APIs whose result is drawn at random: replaying them says nothing about the target's kernel
@@ -86,7 +92,7 @@ def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,
                    rotary_mode: str = "half") -> torch.Tensor:
     """``torch_npu.npu_rotary_mul``: x * cos + rotate_half(x) * sin (``rotary_mode="half"``)."""
     if rotary_mode != "half":
-        raise NotImplementedError(f"npu_rotary_mul reference: rotary_mode {rotary_mode!r} (only 'half')")
+        raise UnsupportedArguments(f"npu_rotary_mul reference: rotary_mode {rotary_mode!r} (only 'half')")
     xf = _widened(x)
     return (xf * _widened(r1) + _rotate_half(xf) * _widened(r2)).to(x.dtype)
 
@@ -109,7 +115,7 @@ def _to_bnsd(t: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
     if layout == "SBH":
         s, b, h = t.shape
         return t.reshape(s, b, heads, h // heads).permute(1, 2, 0, 3)
-    raise NotImplementedError(f"attention reference: input_layout {layout!r} (BSH, BSND, BNSD, SBH)")
+    raise UnsupportedArguments(f"attention reference: input_layout {layout!r} (BSH, BSND, BNSD, SBH)")
 
 
 def _from_bnsd(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -150,7 +156,7 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     dropout (keep_prob 1), no positional bias, sparse_mode 0 or 1 (full mask). Its first output,
     the attention, is compared (the softmax statistics it also returns are layout-specific)."""
     if keep_prob != 1.0 or pse is not None or sparse_mode not in (0, 1) or actual_seq_qlen is not None:
-        raise NotImplementedError("npu_fusion_attention reference: only keep_prob=1, no pse, sparse_mode "
+        raise UnsupportedArguments("npu_fusion_attention reference: only keep_prob=1, no pse, sparse_mode "
                                   "0/1 and no variable-length sequences")
     kv_heads = head_num
     if input_layout in ("BSH", "SBH"):
@@ -169,7 +175,7 @@ def npu_incre_flash_attention(query: torch.Tensor, key: torch.Tensor, value: tor
     ``key``/``value`` (no block table, no quantisation), ``atten_mask`` true where masked out."""
     if pse_shift is not None or actual_seq_lengths is not None or any(
             _ignored.get(k) is not None for k in ("block_table", "antiquant_scale", "dequant_scale1")):
-        raise NotImplementedError("npu_incre_flash_attention reference: only contiguous key/value, no "
+        raise UnsupportedArguments("npu_incre_flash_attention reference: only contiguous key/value, no "
                                   "pse_shift, actual_seq_lengths or quantisation")
     kv_heads = num_key_value_heads or num_heads
     return _attention(query, key, value, num_heads, kv_heads, input_layout, atten_mask, scale_value)
