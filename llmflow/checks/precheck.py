@@ -150,12 +150,17 @@ def _call(reader: DumpReader, entries: list[Entry], weights: dict[str, Entry]) -
         leaves.append((e.index, value))
     if call.reason is None:
         call.args, call.kwargs = rebuild_arguments(leaves)
-        for e in outputs:
-            if e.is_tensor and e.has_data:
-                call.outputs[e.index] = reader.load(e)
-        if not call.outputs:
-            call.reason = "no output tensor recorded"
+        load_outputs(call, outputs, reader, "no output tensor recorded")
     return call
+
+
+def load_outputs(call: OpCall, outputs: list[Entry], reader: DumpReader, missing: str) -> None:
+    """The call's recorded output tensors; ``missing`` is its reason when there are none."""
+    for e in outputs:
+        if e.is_tensor and e.has_data:
+            call.outputs[e.index] = reader.load(e)
+    if not call.outputs:
+        call.reason = missing
 
 
 # -- running a call -------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmflow.checks.precheck import OpCall, _api_of
+from llmflow.checks.precheck import OpCall, _api_of, load_outputs
 from llmflow.dump.arguments import Unrebuildable, decode_value
 from llmflow.formats.base import Entry
 from llmflow.formats.msprobe import MsprobeDumpReader
@@ -60,11 +60,7 @@ def msprobe_call(reader: MsprobeDumpReader, entries: list[Entry]) -> OpCall:
     except Unrebuildable as exc:
         call.reason = str(exc)
         return call
-    for e in outputs:
-        if e.is_tensor and e.has_data:
-            call.outputs[e.index] = reader.load(e)
-    if not call.outputs:
-        call.reason = "no output tensor recorded (dump with task tensor)"
+    load_outputs(call, outputs, reader, "no output tensor recorded (dump with task tensor)")
     return call
 
 

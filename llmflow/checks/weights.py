@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from llmflow.compare.thresholds import finite_or_none
 from llmflow.errors import UserError
 from llmflow.structure import DEFAULT_RATIO_THRESHOLD, layer_of, module_type
 
@@ -537,9 +538,9 @@ def judge_siblings(rows: list[dict[str, Any]], ratio: float = DEFAULT_RATIO_THRE
         for i, r in enumerate(members):
             best: tuple[float, str, float, float, int] | None = None
             for measure in SIBLING_MEASURES:
-                mine = _finite(r.get(measure))
+                mine = finite_or_none(r.get(measure))
                 others = [v for j, m in enumerate(members) if j != i
-                          and (v := _finite(m.get(measure))) is not None]
+                          and (v := finite_or_none(m.get(measure))) is not None]
                 if mine is None or not others:
                     continue
                 typical = median(others)
@@ -558,14 +559,6 @@ def judge_siblings(rows: list[dict[str, Any]], ratio: float = DEFAULT_RATIO_THRE
                 r["reason"] = f"{r['reason']}; {why}"
             else:
                 r.update(verdict="fail", code=SIBLING_OUTLIER, reason=why)
-
-
-def _finite(value: Any) -> float | None:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def badness(row: dict[str, Any]) -> float:

@@ -34,6 +34,16 @@ HIGHER_IS_BETTER = {"cosine_similarity", "one_thousandth_err_ratio", "five_thous
 _T = dict[str, dict[str, float]]
 
 
+def finite_or_none(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number (a CSV cell, a metric), else None: the
+    errors that rankings and medians may take (a NaN or Inf one is judged on its own)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
 def _lim(warn: float, fail: float) -> dict[str, float]:
     return {"warn": warn, "fail": fail}
 

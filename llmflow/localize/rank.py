@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
+from llmflow.compare.thresholds import finite_or_none
 from llmflow.structure import DEFAULT_RATIO_THRESHOLD, LayerStack, layer_index, layer_of, module_type
 
 __all__ = ["DEFAULT_RATIO_THRESHOLD", "first_jump", "is_descendant", "is_overflow", "layer_curve",
@@ -42,14 +43,6 @@ SMALL_OUTPUT, SMALL_OUTPUT_MIN_ERROR = 32, 0.05
 def is_descendant(name: str, ancestor: str) -> bool:
     """True when ``name`` is a strict sub-module of ``ancestor`` (dotted path prefix)."""
     return name.startswith(ancestor + ".")
-
-
-def _finite(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def is_overflow(row: dict[str, Any]) -> bool:
@@ -95,13 +88,13 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
     norms: dict[str, list[float]] = defaultdict(list)
     for r in rows:
         r["module_type"] = module_type(r["name"], stack)
-        if _finite(r.get("norm")) is not None:
+        if finite_or_none(r.get("norm")) is not None:
             norms[r["module_type"]].append(float(r["norm"]))
     floor = {t: median(v) for t, v in norms.items()}
     for i, r in enumerate(rows):
         r["layer"] = layer_of(r["name"], stack)
-        err = _finite(r.get(key))
-        l2, norm = _finite(r.get("l2")), _finite(r.get("norm"))
+        err = finite_or_none(r.get(key))
+        l2, norm = finite_or_none(r.get("l2")), finite_or_none(r.get("norm"))
         if err is not None and key == "rel_l2" and l2 is not None and norm is not None:
             err = l2 / max(norm, floor.get(r["module_type"], 0.0), 1e-30)
         r["error"] = err
@@ -167,7 +160,7 @@ def layer_curve(rows: Iterable[dict[str, Any]], *, key: str = "error",
     curve: dict[int, float] = {}
     for r in rows:
         idx = layer_index(r["name"], stack)
-        v = _finite(r.get(key))
+        v = finite_or_none(r.get(key))
         if idx is None or v is None:
             continue
         curve[idx] = max(curve.get(idx, v), v)
@@ -184,7 +177,7 @@ def first_jump(values: list[float | None], *, ratio: float = DEFAULT_RATIO_THRES
     """
     running: float | None = None
     for i, v in enumerate(values):
-        v = _finite(v)
+        v = finite_or_none(v)
         if v is None:
             continue
         if running is None:
