@@ -7,8 +7,6 @@ is out of date). The committed copy is schemas/workflow.schema.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 from pathlib import Path
 
 from llmflow.errors import UserError
@@ -34,20 +32,14 @@ def _check_target(path: Path) -> None:
 
 def _write(path: Path, text: str) -> None:
     """Write beside, then rename over: an interrupted write leaves the old file whole."""
+    from llmflow.atomic import atomic_write_text
+
     _check_target(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write_text(path, text)  # (a temporary file of its own, removed on any failure)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise UserError(f"-o {path}: cannot write it ({exc.strerror or exc})") from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 def execute(args: argparse.Namespace) -> int:
