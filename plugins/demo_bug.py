@@ -1,8 +1,9 @@
 """The demo target's planted bug: a decode-attention kernel with the wrong softmax scale.
 
-The model spec ``smollm2+planted-bug`` (the default target of ``workflows/llama2_bisect.yaml``) is
-the embedded SmolLM2 with this bug applied; a user who sets ``target_model`` to a model of their
-own never gets it.
+The model spec ``plugins/demo_bug.py:smollm2_with_planted_bug`` (the default target of
+``workflows/llama2_bisect.yaml``) is the embedded SmolLM2 with this bug applied. It is a model
+callable like any user's (``file.py:callable``): llmflow's model loading knows nothing of the demo,
+and a user who sets ``target_model`` to a model of their own never gets the bug.
 
 The bug is one that ports really ship: the kernel that attends one new token to the KV cache
 (paged attention, in ATB and vLLM terms) computes its softmax scale from the model's hidden size,
@@ -60,3 +61,15 @@ def apply(model: nn.Module) -> None:
 
     attention.register_forward_pre_hook(enter, with_kwargs=True)
     attention.register_forward_hook(leave, with_kwargs=True, always_call=True)
+
+
+def smollm2_with_planted_bug() -> tuple[nn.Module, Any]:
+    """The demo's target: the embedded SmolLM2 with the bug applied, and its tokenizer."""
+    from llmflow.models import load_model
+
+    loaded = load_model("smollm2")
+    apply(loaded.model)
+    return loaded.model, loaded.tokenizer
+
+
+smollm2_with_planted_bug.note = DESCRIPTION  # type: ignore[attr-defined]  (the console and verdict say it)

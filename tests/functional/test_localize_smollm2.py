@@ -20,6 +20,7 @@ from llmflow.localize.rank import first_jump  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPT = "Tell me a story about a dragon."
+DEMO_TARGET = f"{Path(__file__).resolve().parents[2] / 'plugins' / 'demo_bug.py'}:smollm2_with_planted_bug"
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_decode_fault_named_with_its_step(fault, layer, golden_dir, tmp_path):
 
 def test_demo_target_planted_bug_is_found_and_said(golden_dir, tmp_path):
     v = bisect_dumps(make_dumps(tmp_path, "smollm2", prompt=PROMPT, max_new_tokens=10, golden_dir=golden_dir,
-                                target_model="smollm2+planted-bug"), estimate_cost=False)
+                                target_model=DEMO_TARGET), estimate_cost=False)
     assert v["status"] == "fail"
     assert v["first_bad_module"] == "model.layers.17.self_attn"
     assert v["first_bad_op"] == "model.layers.17.self_attn/scaled_dot_product_attention.0"

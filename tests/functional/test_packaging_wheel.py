@@ -126,7 +126,9 @@ def test_installed_wheel_runs_the_bisect_recipe_by_name_from_an_empty_directory(
     # the demo's target (SmolLM2 with the planted bug from the shipped plugins/demo_bug.py) loads
     demo_env = {k: v for k, v in user_env.items() if k != "LLMFLOW_CACHE"}  # the converted SmolLM2
     demo = _run([bin_ / "python", "-c", "from llmflow.models import load_model; "
-                 "print(load_model('smollm2+planted-bug', dtype='bfloat16').note)"], cwd=empty, env=demo_env)
+                 "from llmflow.resources import plugins_dir; "
+                 "print(load_model(f'{plugins_dir()}/demo_bug.py:smollm2_with_planted_bug', "
+                 "dtype='bfloat16').note)"], cwd=empty, env=demo_env)
     assert demo.returncode == 0 and "planted bug" in demo.stdout, demo.stdout + demo.stderr
 
     # the repository's path form works there too, and nothing is written outside the run dir
