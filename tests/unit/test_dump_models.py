@@ -77,6 +77,19 @@ def test_load_model_bad_inputs(tmp_path):
         load_model(TINY, device="npu")
 
 
+def test_a_model_callable_carries_its_note_and_a_plain_one_has_none(tmp_path):
+    """What a user must know about a model (the demo's planted bug) travels as the callable's
+    ``note``; the console and the verdict repeat it."""
+    (tmp_path / "m.py").write_text(
+        "import torch\n"
+        "def noted():\n    return torch.nn.Linear(2, 2)\n"
+        "noted.note = 'this target carries a planted bug'\n"
+        "def plain():\n    return torch.nn.Linear(2, 2)\n")
+    assert load_model("m.py:noted", base_dir=tmp_path).note == "this target carries a planted bug"
+    assert load_model("m.py:plain", base_dir=tmp_path).note is None
+    assert load_model(TINY).note is None
+
+
 def test_local_hf_directory(tmp_path):
     build_tiny_llama("layers=1,hidden=32").save_pretrained(tmp_path / "hf")
     lm = load_model(str(tmp_path / "hf"))
