@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from bisect_helpers import find, parse_dom, run_chromium  # noqa: E402
+
 TINY = "tiny-llama:layers=4,hidden=64,seed=0"
 FAULT = "../plugins/example_faults.py:decode_attn_scale_layer_2"  # relative to the workflow file
 
@@ -78,7 +81,31 @@ def test_the_demo_finds_its_planted_bug_and_the_plain_port_passes(tmp_path):
     assert demo.returncode == 1, demo.stdout[-3000:] + demo.stderr[-2000:]
     assert last_line(demo).startswith("FAILED: model.layers.17.self_attn is the fault")
     assert "decode step" in last_line(demo) and "planted bug" in demo.stdout
-    assert (tmp_path / "demo" / "report" / "report.html").is_file()
+    assert f"report: {tmp_path / 'demo' / 'report' / 'report.html'}" in demo.stdout
+    check_demo_report(tmp_path / "demo")
     plain = llmflow_run(tmp_path / "plain", "target_model=smollm2")
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-2000:]
     assert last_line(plain).startswith("PASSED")
+
+
+def check_demo_report(run: Path) -> None:
+    """The demo's page in a headless browser leads to the fault: the heat map marks the replayed
+    step and layer 17 and outlines no failing cell after the texts part; the module tree has
+    layer 17's attention outlined; the op panel renders for layer 17."""
+    res = run_chromium(run / "report" / "report.html", "--dump-dom")
+    if res.returncode != 0:
+        raise AssertionError(res.stderr[-2000:])
+    dom = parse_dom(res.stdout)
+    (html,) = find(dom, "html")
+    assert html.attrs.get("data-ready") == "1" and "data-js-error" not in html.attrs, html.attrs
+    verdict = json.loads((run / "bisect" / "verdict.json").read_text())
+    marks = sorted(m.text for m in find(dom, "path", "marker"))
+    assert marks == ["first bad layer: 17", f"first bad token (logits): step {verdict['first_bad_token']}"]
+    summary = json.loads((run / "compare" / "compare_summary.json").read_text())
+    parted = summary["divergence"]["first_differing_token"]
+    for cell in find(dom, "rect", "outline"):  # a first failing cell, if any, is before the texts part
+        assert int(cell.text.split("step ")[1].split(",")[0]) <= parted, cell.text
+    (chosen,) = find(dom, "li", id="tree-module-chosen")
+    assert chosen.attrs["data-name"] == "model.layers.17.self_attn"
+    (panel,) = find(dom, "section", id="op-panel")
+    assert "model.layers.17" in panel.text
