@@ -82,10 +82,10 @@ def test_the_demo_finds_its_planted_bug_and_the_plain_port_passes(tmp_path):
     assert last_line(demo).startswith("FAILED: model.layers.17.self_attn is the fault")
     assert "decode step" in last_line(demo) and "planted bug" in demo.stdout
     assert f"report: {tmp_path / 'demo' / 'report' / 'report.html'}" in demo.stdout
-    check_demo_report(tmp_path / "demo")
     plain = llmflow_run(tmp_path / "plain", "target_model=smollm2")
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-2000:]
     assert last_line(plain).startswith("PASSED")
+    check_demo_report(tmp_path / "demo")  # (last: it skips where no headless Chromium is installed)
 
 
 def check_demo_report(run: Path) -> None:
