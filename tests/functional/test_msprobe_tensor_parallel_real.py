@@ -1,0 +1,66 @@
+"""A tensor-parallel target dumped by msprobe itself (mindstudio-probe's PrecisionDebugger on a
+Megatron-style TP=2 tiny Llama under torchrun over gloo: ``step{N}/rank{R}`` folders as msprobe
+writes them) against its one-process golden (``step{N}/proc{pid}``): the ranks' shards join into
+the golden's tensors, a clean port passes with every tensor paired, and a fault in rank 1's shard
+of a column-parallel linear is named with its module and rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("msprobe.pytorch", reason="mindstudio-probe is not installed (optional: "
+                                              "pip install mindstudio-probe)")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from workflow_helpers import REPO, llmflow  # noqa: E402
+
+SCRIPT = REPO / "tests" / "fixtures" / "tp_llama.py"
+FAULT = "1:model.layers.1.mlp.up_proj.weight:1.5"
+
+
+def _launch(out: Path, runs: list[str], nproc: int) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [str(SCRIPT), str(out), *runs, "--tool", "msprobe"]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    launcher = launcher if nproc > 1 else []
+    cmd = [sys.executable, *launcher, *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tp_msprobe")
+    _launch(out, ["golden"], 1)
+    _launch(out, ["clean", f"bad={FAULT}"], 2)
+    return out
+
+
+def test_msprobe_writes_rank_folders_and_a_clean_port_passes_with_every_tensor_paired(tmp_path, dumps):
+    assert sorted(p.name for p in (dumps / "clean" / "step0").iterdir()) == ["rank0", "rank1"]
+    proc = llmflow("compare", "-gp", str(dumps / "golden"), "-mp", str(dumps / "clean"), "-o",
+                   str(tmp_path / "out"), "--no-xlsx")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("PASSED"), proc.stdout
+    summary = json.loads((tmp_path / "out" / "compare_summary.json").read_text())
+    joined = summary["matching"]["tensor_parallel"]
+    assert joined["ranks"] == 2 and joined["joined"]["concat"] > 0 and joined["joined"]["replicated"] > 0
+    assert summary["counts"]["unmatched"] == summary["counts"]["fail"] == 0 and summary["counts"]["pass"] > 0
+
+
+def test_a_faulty_msprobe_shard_names_its_module_and_rank(tmp_path, dumps):
+    proc = llmflow("compare", "-gp", str(dumps / "golden"), "-mp", str(dumps / "bad"), "-o",
+                   str(tmp_path / "out"), "--no-xlsx")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("FAILED"), proc.stdout
+    assert "model.layers.1.mlp.up_proj" in last
+    summary = json.loads((tmp_path / "out" / "compare_summary.json").read_text())
+    first = summary["levels"]["module"]["first_fail"]
+    assert first["name"] == "model.layers.1.mlp.up_proj" and first["step"] == 0
+    assert "rank 1's shard stands out" in first["reason"]
