@@ -167,7 +167,7 @@ class CompareOutcome:
     headline: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CompareSummary:
     """The compare's conclusion, counts, coverage and notable rows (``compare_summary.json``)."""
 
@@ -175,7 +175,7 @@ class CompareSummary:
     counts: dict[str, int] = doc("Rows per verdict (a row of several levels once).")
     codes: dict[str, int] = doc("Rows per problem code (llmflow.compare.codes).")
     levels: dict[str, LevelSummary]
-    logits: LogitsAgreement | None = doc("null: no logits rows were compared.")
+    logits: LogitsAgreement | None = doc("null (or absent): no logits rows were compared.", default=None)
     golden_dump: str
     target_dump: str
     golden_format: str
