@@ -165,11 +165,11 @@ def llmflow_compare(g: Path, t: Path, out: Path, workers: int) -> dict:
     s = res["summary"]
     return {
         "seconds": round(dt, 2),
-        "pairs": s["pairs"],
-        "bytes": s["bytes"],
-        "gb_per_s": round(s["bytes"] / dt / 1e9, 3),
+        "pairs": s.pairs,
+        "bytes": s.bytes,
+        "gb_per_s": round(s.bytes / dt / 1e9, 3),
         "peak_anon_mib_over_start": round(peak.peak - base, 1),
-        "verdict": s["verdict"],
+        "verdict": s.verdict,
     }
 
 
@@ -385,8 +385,8 @@ def smollm2_bench(tokens: int) -> dict:
                                     CompareOptions(workers=1, xlsx=False))
                 dt = time.perf_counter() - t0
             s = res["summary"]
-            out.update(pairs=s["pairs"], bytes=s["bytes"])
-            out[path] = {"seconds": round(dt, 2), "pairs_per_s": round(s["pairs"] / dt)}
+            out.update(pairs=s.pairs, bytes=s.bytes)
+            out[path] = {"seconds": round(dt, 2), "pairs_per_s": round(s.pairs / dt)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

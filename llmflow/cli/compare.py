@@ -23,12 +23,15 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmflow.cli.common import console, verdict_line
 from llmflow.compare.options import CompareOptions
 from llmflow.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INCONCLUSIVE, EXIT_PASSED, UserError
 from llmflow.options import add_flags, flag_names, from_args
+
+if TYPE_CHECKING:
+    from llmflow.results.compare import CompareSummary
 
 log = logging.getLogger("llmflow.compare")  # -l/--log-level: debug adds each phase's timing
 _EXIT = {"pass": EXIT_PASSED, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
@@ -192,9 +195,8 @@ def execute(args: argparse.Namespace) -> int:
     _print_summary(con, summary, staged.out)
     for line in report_lines(summary):
         con.print(line)
-    outcome = summary["outcome"]
-    verdict_line(outcome["status"], outcome["headline"])
-    return _EXIT.get(outcome["status"], EXIT_BAD_INPUT)
+    verdict_line(summary.outcome.status, summary.outcome.headline)
+    return _EXIT.get(summary.outcome.status, EXIT_BAD_INPUT)
 
 
 class _Task:
@@ -226,23 +228,24 @@ def _progress(con: Any, quiet: bool) -> Any:
                     TimeElapsedColumn(), console=con, transient=True, disable=quiet)
 
 
-def _print_summary(con: Any, summary: dict[str, Any], out: Path) -> None:
+def _print_summary(con: Any, summary: CompareSummary, out: Path) -> None:
     from rich.table import Table
 
     table = Table(title="compare")
     for col in ("level", "rows", "pass", "warn", "fail", "unmatched", "first failing row"):
         table.add_column(col)
-    for level, s in summary["levels"].items():
-        ff = s.get("first_fail")
-        why = str(ff.get("reason") or ff.get("code")).split("; ")[0] if ff else ""
-        first = f"step {ff['step']} {ff['name']} {ff['kind']} {ff['index']}: {why}" if ff else ""
-        table.add_row(level, str(s["rows"]), *(str(s["counts"].get(k, 0)) for k in ("pass", "warn", "fail")),
-                      f"{s['unmatched_golden']} golden / {s['unmatched_target']} target", first)
+    for level, s in summary.levels.items():
+        ff = s.first_fail
+        why = str(ff.reason or ff.code).split("; ")[0] if ff else ""
+        first = f"step {ff.step} {ff.name} {ff.kind} {ff.index}: {why}" if ff else ""
+        table.add_row(level, str(s.rows), *(str(s.counts.get(k, 0)) for k in ("pass", "warn", "fail")),
+                      f"{s.unmatched_golden} golden / {s.unmatched_target} target", first)
     con.print(table)
-    lg = summary.get("logits")
+    lg = summary.logits
     if lg:
-        first = lg["first_token_mismatch_step"]
-        tokens = f"first differing token at step {first}" if first is not None else "all greedy tokens agree"
-        con.print(f"logits: top-1 agreement {lg['top1_agreement']:.1%}; {tokens}")
-    con.print(f"{summary['pairs']} pairs, {summary['bytes'] / 1e9:.3f} GB in {summary['seconds']:.1f}s "
-              f"({summary['gb_per_s'] or 0:.2f} GB/s); tables in {out}")
+        first_step = lg.first_token_mismatch_step
+        tokens = f"first differing token at step {first_step}" if first_step is not None else \
+            "all greedy tokens agree"
+        con.print(f"logits: top-1 agreement {lg.top1_agreement:.1%}; {tokens}")
+    con.print(f"{summary.pairs} pairs, {summary.bytes / 1e9:.3f} GB in {summary.seconds:.1f}s "
+              f"({summary.gb_per_s or 0:.2f} GB/s); tables in {out}")

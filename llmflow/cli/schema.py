@@ -1,7 +1,8 @@
-"""Write the workflow JSON Schema (for editors: yaml-language-server) built from every stage type.
+"""Write a JSON Schema: the workflow file's (for editors: yaml-language-server), built from every
+stage type, or a result file's (``--kind summary``: summary.json), generated from its types.
 
 Without -o it prints to stdout. --check compares with an existing file instead (exit 1 when it
-is out of date). The committed copy is schemas/workflow.schema.json.
+is out of date). The committed copies are schemas/<kind>.schema.json.
 """
 
 from __future__ import annotations
@@ -11,8 +12,16 @@ from pathlib import Path
 
 from llmflow.errors import UserError
 
+# kind -> (module, function): the text of schemas/<kind>.schema.json (imported only when asked for)
+GENERATORS = {
+    "workflow": ("llmflow.workflow.schema", "generate"),
+    "summary": ("llmflow.results.schemas", "summary_schema_text"),
+}
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kind", choices=list(GENERATORS), default="workflow",
+                        help="which schema: the workflow file's (default) or summary.json's")
     parser.add_argument("-o", "--output", default=None, metavar="FILE", help="write the schema here")
     parser.add_argument("--check", action="store_true", help="compare with FILE (-o) instead of writing")
 
@@ -43,8 +52,10 @@ def _write(path: Path, text: str) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
-    from llmflow.workflow.schema import generate
+    import importlib
 
+    module, function = GENERATORS[args.kind]
+    generate = getattr(importlib.import_module(module), function)
     if args.check and not args.output:
         raise UserError("--check needs -o FILE")
     if args.output:
@@ -57,7 +68,8 @@ def execute(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"-o {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
         if current != text:
-            print(f"FAILED: {args.output} is out of date; run: llmflow schema -o {args.output}")
+            kind = f" --kind {args.kind}" if args.kind != "workflow" else ""
+            print(f"FAILED: {args.output} is out of date; run: llmflow schema{kind} -o {args.output}")
             return 1
         print(f"PASSED ({args.output} is up to date)")
         return 0

@@ -29,11 +29,12 @@ from typing import Any
 
 from llmflow.compare.pairing import Pairing
 from llmflow.formats.base import DumpReader
+from llmflow.results.compare import Coverage, LevelCoverage
 
 UNPAIRED_SHARE = 0.5
 
 
-def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> dict[str, Any]:
+def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage:
     """The ``coverage`` block of the summary: state, counts per level, likely causes, headline."""
     pairs = pairing.pairs
     target_buckets = {(lv, t.kind) for p in pairs for t in p.targets for lv in p.levels}
@@ -80,16 +81,15 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> dict[str
     considered = paired + unpaired
     empty_levels = [lv for lv, d in levels.items() if d["unpaired"] and not d["paired"]]
     incomplete = paired == 0 or unpaired > UNPAIRED_SHARE * considered or bool(empty_levels)
-    out: dict[str, Any] = {
-        "state": "incomplete" if incomplete else "complete", "paired": paired, "unpaired": unpaired,
-        "considered": considered, "golden_only": golden_only, "missing_step_rows": pairing.missing_rows,
-        "levels": levels, "levels_without_pairs": empty_levels, "not_in_target": dict(not_in_target),
-        "causes": [], "headline": None,
-    }
+    out = Coverage(
+        state="incomplete" if incomplete else "complete", paired=paired, unpaired=unpaired,
+        considered=considered, golden_only=golden_only, missing_step_rows=pairing.missing_rows,
+        levels={lv: LevelCoverage(**d) for lv, d in levels.items()}, levels_without_pairs=empty_levels,
+        not_in_target=dict(not_in_target), causes=[], headline=None)
     if not incomplete:
         return out
     causes = _causes(pairing, golden, target, lost, not_in_target)
-    out["causes"] = causes
+    out.causes = causes
     where = ", ".join(f"{lv} {d['unpaired']}" for lv, d in levels.items() if d["unpaired"])
     if pairing.missing_rows:
         where = ", ".join(filter(None, [where, f"{pairing.missing_rows} in steps the target lacks"]))
@@ -97,7 +97,7 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> dict[str
             if considered else "incomplete: no golden row could pair with a target row")
     if empty_levels:
         head += f"; nothing paired at level {', '.join(empty_levels)}"
-    out["headline"] = head + (f"; likely: {'; '.join(causes)}" if causes else "")
+    out.headline = head + (f"; likely: {'; '.join(causes)}" if causes else "")
     return out
 
 

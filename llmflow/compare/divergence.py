@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmflow.results.compare import Divergence
+
 GENERATION_FILE = "generation.json"
 
 
@@ -50,8 +52,8 @@ def output_ids(path: Path) -> list[int] | None:
     return ids
 
 
-def divergence(golden_dump: str | Path, target_dump: str | Path) -> dict[str, Any] | None:
-    """``{"first_differing_token": d or None, "golden_file", "target_file"}`` when both dumps have
+def divergence(golden_dump: str | Path, target_dump: str | Path) -> Divergence | None:
+    """Where the texts part (``first_differing_token``: None when they agree) when both dumps have
     the generation record beside them; None when either lacks it (nothing is marked diverged)."""
     files = generation_beside(golden_dump), generation_beside(target_dump)
     if files[0] is None or files[1] is None:
@@ -59,8 +61,8 @@ def divergence(golden_dump: str | Path, target_dump: str | Path) -> dict[str, An
     ids = output_ids(files[0]), output_ids(files[1])
     if ids[0] is None or ids[1] is None:
         return None
-    return {"first_differing_token": first_mismatch(ids[0], ids[1]),
-            "golden_file": str(files[0]), "target_file": str(files[1])}
+    return Divergence(first_differing_token=first_mismatch(ids[0], ids[1]), golden_file=str(files[0]),
+                      target_file=str(files[1]))
 
 
 def is_diverged(step: Any, first_differing_token: int | None) -> bool:

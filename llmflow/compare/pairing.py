@@ -26,6 +26,7 @@ from llmflow.compare.match import Pair, comparable, entry_levels, match_step
 from llmflow.compare.shards import join_ranks
 from llmflow.errors import UserError
 from llmflow.formats.base import DumpReader, Entry
+from llmflow.results.compare import Matching, TensorParallel
 
 log = logging.getLogger("llmflow.compare")
 NAME_SHARE = 0.5  # names that pair at least this share of golden entries need no mapping
@@ -38,7 +39,7 @@ class Pairing:
 
     pairs: list[Pair]
     missing: list[dict[str, Any]]
-    matching: dict[str, Any]
+    matching: Matching
     mapping: Mapping | None = None
     missing_rows: int = 0  # golden entries in steps the target lacks
 
@@ -91,9 +92,9 @@ def plan_pairs(golden: DumpReader, target: DumpReader, *, step_pairs: list[dict[
                 step, counts = join_ranks(step, others, chosen.shards if chosen else (), levels)
                 joins.update(counts)
             pairs.extend(step)
-    matching["rows"] = dict(Counter(p.match for p in pairs if not p.unmatched))
+    matching.rows = dict(Counter(p.match for p in pairs if not p.unmatched))
     if sharded:
-        matching["tensor_parallel"] = {"ranks": len(t_ranks), "joined": dict(joins)}
+        matching.tensor_parallel = TensorParallel(ranks=len(t_ranks), joined=dict(joins))
     lacking = {int(m["golden_step"]) for m in missing if m.get("side") == "target"}
     wanted_levels = set(levels) if levels else None
     missing_rows = sum(1 for (r, s), es in g_idx.items() if s in lacking and r in ranks for e in es
@@ -115,16 +116,16 @@ def _trial(g: list[Entry], t: list[Entry], mapping: Mapping | None, levels: list
 
 def _choose(golden: DumpReader, target: DumpReader, g_idx: dict, t_idx: dict,
             step_pairs: list[dict[str, int]], ranks: list[int], levels: list[str] | None, ref: str | None,
-            base_dir: str) -> tuple[Mapping | None, dict[str, Any]]:
+            base_dir: str) -> tuple[Mapping | None, Matching]:
     """The mapping to use (None: names) and the ``matching`` block describing the choice."""
     if ref:
         m = load_mapping(ref, base_dir).bind(target)
-        return m, {"method": "mapping", "mapping": m.name, "chosen": "given", "vars": m.variables,
-                   "why": _vars_text(m)}
+        return m, Matching(method="mapping", mapping=m.name, chosen="given", vars=m.variables,
+                           why=_vars_text(m))
     trial = next(((g_idx.get((r, int(sp["golden_step"]))), t_idx.get((r, int(sp["target_step"]))))
                   for sp in step_pairs for r in ranks
                   if g_idx.get((r, int(sp["golden_step"]))) and t_idx.get((r, int(sp["target_step"])))), None)
-    names = {"method": "name", "mapping": None, "chosen": None}
+    names = Matching(method="name", mapping=None, chosen=None)
     if trial is None:
         return None, names
     g, t = trial
@@ -146,8 +147,7 @@ def _choose(golden: DumpReader, target: DumpReader, g_idx: dict, t_idx: dict,
     why += f"; names paired {by_name} of {total} golden entries, the mapping {best[0]}"
     if m.variables:
         why += "; " + _vars_text(m)
-    return m, {"method": "mapping", "mapping": m.name, "chosen": "automatically", "vars": m.variables,
-               "why": why}
+    return m, Matching(method="mapping", mapping=m.name, chosen="automatically", vars=m.variables, why=why)
 
 
 def _vars_text(m: Mapping) -> str:
@@ -170,19 +170,18 @@ def _candidates(target: DumpReader) -> list[Mapping]:
     return out
 
 
-def matching_text(matching: dict[str, Any]) -> str:
+def matching_text(matching: Matching) -> str:
     """One line: ``mapping atb-llama (chosen automatically: ...); 96 rows by mapping, 2 by order``."""
-    if matching.get("method") == "mapping":
-        how = "given (-mf)" if matching.get("chosen") == "given" else "chosen automatically"
-        head = f"mapping {matching['mapping']} ({how}"
-        head += f": {matching['why']})" if matching.get("why") else ")"
+    if matching.method == "mapping":
+        how = "given (-mf)" if matching.chosen == "given" else "chosen automatically"
+        head = f"mapping {matching.mapping} ({how}"
+        head += f": {matching.why})" if matching.why else ")"
     else:
         head = "by name"
-    rows = matching.get("rows") or {}
-    counts = ", ".join(f"{n} by {how}" for how, n in sorted(rows.items(), key=lambda kv: -kv[1]))
+    counts = ", ".join(f"{n} by {how}" for how, n in sorted(matching.rows.items(), key=lambda kv: -kv[1]))
     text = f"{head}; rows paired {counts}" if counts else head
-    tp = matching.get("tensor_parallel")
+    tp = matching.tensor_parallel
     if tp:
-        joined = ", ".join(f"{n} {how}" for how, n in sorted(tp["joined"].items(), key=lambda kv: -kv[1]))
-        text += f"; the target's {tp['ranks']} tensor-parallel ranks joined: {joined or 'none'}"
+        joined = ", ".join(f"{n} {how}" for how, n in sorted(tp.joined.items(), key=lambda kv: -kv[1]))
+        text += f"; the target's {tp.ranks} tensor-parallel ranks joined: {joined or 'none'}"
     return text

@@ -26,12 +26,14 @@ from llmflow.compare.options import CompareOptions
 from llmflow.compare.pairing import plan_pairs
 from llmflow.compare.rows import Job
 from llmflow.compare.sheets import level_columns, write_sheets
-from llmflow.compare.summary import SummaryBuilder, finish, report_lines
+from llmflow.compare.summary import SummaryBuilder, report_lines
 from llmflow.compare.thresholds import check_dtype_name, check_thresholds, coarser
 from llmflow.errors import UserError
 from llmflow.formats import DumpReader, open_dump
 from llmflow.plugins import is_file_ref
 from llmflow.report.tables import CsvStream
+from llmflow.results.codec import to_json
+from llmflow.results.compare import CompareSummary, JudgedAs, MissingStep
 
 SUMMARY_FILE = "compare_summary.json"
 XLSX_FILE = "compare.xlsx"
@@ -81,20 +83,20 @@ def recorded_dtype(reader: DumpReader) -> str | None:
     return None
 
 
-def judging(golden: DumpReader, target: DumpReader, opts: CompareOptions) -> dict[str, Any]:
+def judging(golden: DumpReader, target: DumpReader, opts: CompareOptions) -> JudgedAs:
     """The dtype that judges the float rows and why: given, recorded in the dumps, or each tensor's."""
     if opts.target_dtype:
-        return {"dtype": opts.target_dtype, "given": opts.target_dtype, "recorded": None,
-                "source": "given (--target-dtype / target_dtype)"}
+        return JudgedAs(dtype=opts.target_dtype, given=opts.target_dtype, recorded=None,
+                        source="given (--target-dtype / target_dtype)")
     g, t = recorded_dtype(golden), recorded_dtype(target)
     model = coarser(g, t)
     if model is None:
-        return {"dtype": None, "given": None, "recorded": None,
-                "source": "neither dump records its model's dtype"}
+        return JudgedAs(dtype=None, given=None, recorded=None,
+                        source="neither dump records its model's dtype")
     sides = " and ".join(f"{side} {d}" for side, d in (("golden", g), ("target", t)) if d)
-    return {"dtype": model, "given": None, "recorded": model,
-            "source": f"the model dtype the dumps record ({sides}); "
-                      "a coarser tensor dtype judges its own rows"}
+    return JudgedAs(dtype=model, given=None, recorded=model,
+                    source=f"the model dtype the dumps record ({sides}); "
+                           "a coarser tensor dtype judges its own rows")
 
 
 def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpReader, out_dir: str | Path,
@@ -102,7 +104,8 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
                   progress: Callable[[str, float | None], Any] | None = None,
                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Compare two dumps into ``out_dir``; returns ``{"csv": {level: path}, "xlsx", "summary_file",
-    "summary"}``. ``progress(description, total)`` returns a task with ``advance``/``update``."""
+    "summary"}`` (``summary``: the ``CompareSummary`` written to ``summary_file``).
+    ``progress(description, total)`` returns a task with ``advance``/``update``."""
     opts = opts or CompareOptions()
     alg_names = check_options(opts)
     out = Path(out_dir)
@@ -125,15 +128,15 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     coverage = assess(pairing, g_reader, t_reader)
     judge_by = judging(g_reader, t_reader, opts)
     parted = divergence(g_reader.path, t_reader.path)  # where the texts part, when the dumps say
-    token = parted["first_differing_token"] if parted else None
+    token = parted.first_differing_token if parted else None
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare leaves no empty folder
     # file refs made absolute: worker processes (or dask workers) may run in another directory
     algs = [_absolute_ref(a, opts.base_dir) for a in opts.algorithms]
     job = Job(g_reader, t_reader, algs, str(opts.base_dir), opts.stats_only, opts.thresholds,
-              judge_by["given"], judge_by["recorded"])
+              judge_by.given, judge_by.recorded)
     any_stats = opts.stats_only or any(
         not e.has_data for p in pairs if not p.unmatched for e in (p.golden, *p.targets) if e is not None)
-    sharded = "tensor_parallel" in pairing.matching
+    sharded = pairing.matching.tensor_parallel is not None
     streams: dict[str, CsvStream] = {}
     summary = SummaryBuilder()
     task = progress("compare", len(pairs)) if progress else None
@@ -172,22 +175,23 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     def named(p: str | Path) -> str:  # a path inside out_dir, as it will be found afterwards
         return str(final / Path(p).relative_to(out))
 
-    result = finish(summary.result(
+    result: CompareSummary = summary.result(
         golden_dump=str(g_reader.path), target_dump=str(t_reader.path),
         golden_format=g_reader.format, target_format=t_reader.format,
         mapping=pairing.mapping.name if pairing.mapping else None, matching=pairing.matching,
         judged_as=judge_by, divergence=parted, levels_without_rows=empty, coverage=coverage,
         problems=problems, algorithms=alg_names,
-        missing_steps=pairing.missing, pairs=len(pairs), bytes=done["bytes"], seconds=round(seconds, 3),
+        missing_steps=[MissingStep(**m) for m in pairing.missing], pairs=len(pairs), bytes=done["bytes"],
+        seconds=round(seconds, 3),
         gb_per_s=round(done["bytes"] / seconds / 1e9, 3) if seconds > 0 else None,
-        csv={lv: named(p) for lv, p in csvs.items()}, xlsx=named(xlsx_path) if xlsx_path else None))
+        csv={lv: named(p) for lv, p in csvs.items()}, xlsx=named(xlsx_path) if xlsx_path else None)
     if xlsx_path is not None:  # (after the summary: its first sheet is the summary)
         write_sheets({lv: csvs[lv] for lv in order}, {lv: streams[lv].columns for lv in order}, xlsx_path,
                      alg_names, summary=result)
     summary_file = out / SUMMARY_FILE
-    summary_file.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+    summary_file.write_text(json.dumps(to_json(result), indent=1), encoding="utf-8")
     if log is not None:
-        c = result["counts"]
+        c = result.counts
         log(f"compare: {len(pairs)} pairs in {seconds:.1f}s: {c['pass']} pass, {c['warn']} warn, "
             f"{c['fail']} fail, {c['unmatched']} unmatched")
         for line in report_lines(result):

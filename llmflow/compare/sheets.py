@@ -9,7 +9,7 @@ shape mismatch, the NaN/Inf counts, and the verdict.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from llmflow.compare.metrics import COUNT_COLUMNS, METRIC_COLUMNS
 from llmflow.compare.rows import ID_COLUMNS, LOGITS_COLUMNS, TAIL_COLUMNS
 from llmflow.compare.statistics import SIDE_COLUMNS, STAT_COLUMNS
 from llmflow.report.tables import VERDICT_RULES, Rule, excel_text, read_csv_rows, write_xlsx
+from llmflow.results.compare import CompareSummary
 
 # columns read back as text whatever they hold; ``index`` is a label (an integer where it is one)
 TEXT_COLUMNS = ("name", "target_name", "kind", "match", "module_type", "golden_dtype", "target_dtype",
@@ -85,38 +86,36 @@ SUMMARY_COLUMNS = ("level", "verdict", "rows", "pass", "warn", "fail", "unmatche
 SUMMARY_RULES = (*VERDICT_RULES, Rule(("fail",), "fail", "{self}>0"), Rule(("warn",), "warn", "{self}>0"))
 
 
-def summary_sheet(summary: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[str, Any]]]:
-    """The summary sheet from compare_summary.json's dict: one row per level (counts by verdict,
-    rows after the texts part, the first failing and first warning row that is not among them)
-    and the lines above it (verdict, headline, state, dumps, where the texts part)."""
-    outcome = summary.get("outcome") or {}
-    parted = summary.get("divergence") or {}
+def summary_sheet(summary: CompareSummary) -> tuple[list[dict[str, Any]], list[tuple[str, Any]]]:
+    """The summary sheet: one row per level (counts by verdict, rows after the texts part, the
+    first failing and first warning row that is not among them) and the lines above it (verdict,
+    headline, state, dumps, where the texts part)."""
     lines: list[tuple[str, Any]] = [
-        ("verdict", outcome.get("status") or summary.get("verdict")), ("headline", outcome.get("headline")),
-        ("state", summary.get("state")),
-        ("golden dump", summary.get("golden_dump")), ("target dump", summary.get("target_dump")),
+        ("verdict", summary.outcome.status), ("headline", summary.outcome.headline), ("state", summary.state),
+        ("golden dump", summary.golden_dump), ("target dump", summary.target_dump),
     ]
-    if parted.get("first_differing_token") is not None:
-        lines.append(("texts part at token", parted["first_differing_token"]))
+    token = summary.divergence.first_differing_token if summary.divergence else None
+    if token is not None:
+        lines.append(("texts part at token", token))
         lines.append(("first failing row", "the first one before the texts part (later rows: diverged)"))
     rows = []
-    for level, s in (summary.get("levels") or {}).items():
-        counts = s.get("counts") or {}
-        first, warn = s.get("first_fail") or {}, s.get("first_warn") or {}
-        rows.append({"level": level, "verdict": "fail" if counts.get("fail") else "warn" if counts.get("warn")
-                     else "pass", "rows": s.get("rows"),
-                     **{k: counts.get(k, 0) for k in ("pass", "warn", "fail", "unmatched")},
-                     "diverged": s.get("diverged", 0),
-                     **{f"first_fail_{k}": first.get(k)
+    for level, s in summary.levels.items():
+        first, warn = s.first_fail, s.first_warn
+        verdict = "fail" if s.counts.get("fail") else "warn" if s.counts.get("warn") else "pass"
+        rows.append({"level": level, "verdict": verdict, "rows": s.rows,
+                     **{k: s.counts.get(k, 0) for k in ("pass", "warn", "fail", "unmatched")},
+                     "diverged": s.diverged,
+                     **{f"first_fail_{k}": getattr(first, k) if first else None
                         for k in ("step", "name", "kind", "index", "code", "reason")},
-                     "first_warn_step": warn.get("step"), "first_warn_name": warn.get("name")})
+                     "first_warn_step": warn.step if warn else None,
+                     "first_warn_name": warn.name if warn else None})
     return rows, [(label, value) for label, value in lines if value is not None]
 
 
 def write_sheets(csvs: dict[str, str], columns: dict[str, list[str]], path: str | Path,
-                 alg_names: Iterable[str] = (), summary: Mapping[str, Any] | None = None) -> None:
+                 alg_names: Iterable[str] = (), summary: CompareSummary | None = None) -> None:
     """compare.xlsx from the level CSVs (read back once, streamed), opening on the summary sheet
-    when ``summary`` (compare_summary.json's dict) is given."""
+    when ``summary`` is given."""
     text = TEXT_COLUMNS + tuple(f"{a}_message" for a in alg_names)
     sheets: dict[str, Any] = {}
     all_columns: dict[str, list[str]] = dict(columns)

@@ -1,4 +1,4 @@
-"""The ``compare`` block of summary.json, built row by row while the rows stream past.
+"""The ``compare`` block of summary.json (``CompareSummary``), built row by row while the rows stream past.
 
 Per level: row counts per verdict and per problem code, how rows were matched, unmatched counts,
 the first failing (and first warning) row in execution order and the ten worst rows by cosine
@@ -10,47 +10,55 @@ Every count comes from the rows' ``code`` (``llmflow.compare.codes``).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from typing import Any
 
 from llmflow.compare.codes import VERDICT_OF_VALUE, Code
+from llmflow.results.compare import (
+    CompareOutcome,
+    CompareSummary,
+    Coverage,
+    Divergence,
+    LevelSummary,
+    LogitsAgreement,
+    SummaryRow,
+)
 
-KEEP = ("step", "target_step", "rank", "order", "name", "target_name", "kind", "index", "verdict", "code",
-        "reason",
-        "cosine_similarity", "relative_euclidean_distance", "max_absolute_error", "kl_divergence",
-        "norm_rel_diff", "diverged")
+KEEP = tuple(f.name for f in dataclasses.fields(SummaryRow))
 WORST = 10
 _UNMATCHED_GOLDEN, _UNMATCHED_TARGET = Code.UNMATCHED_GOLDEN.value, Code.UNMATCHED_TARGET.value
+_LEVEL_ORDER = {lv: i for i, lv in enumerate(("logits", "layer", "module", "api", "save"))}
 
 
-def brief(row: dict[str, Any]) -> dict[str, Any]:
-    """The columns of a row worth repeating in the summary (JSON-safe: NaN -> None)."""
-    out = {}
+def brief(row: dict[str, Any]) -> SummaryRow:
+    """The columns of a row worth repeating in the summary (a NaN or Inf metric, or one the row
+    lacks: None)."""
+    kept = {}
     for k in KEEP:
-        if k in row:
-            v = row[k]
-            out[k] = None if isinstance(v, float) and not math.isfinite(v) else v
-    return out
+        v = row.get(k)
+        kept[k] = None if isinstance(v, float) and not math.isfinite(v) else v
+    return SummaryRow(**kept)
 
 
 class SummaryBuilder:
-    """Accumulates rows (in execution order) into the summary dict."""
+    """Accumulates rows (in execution order) into a ``CompareSummary``."""
 
     def __init__(self) -> None:
-        self.levels: dict[str, dict[str, Any]] = {}
-        self._worst: dict[str, list[tuple[float, int, dict[str, Any]]]] = {}
+        self.levels: dict[str, LevelSummary] = {}
+        self._worst: dict[str, list[tuple[float, int, SummaryRow]]] = {}
         self._seq = 0
         self._logits_steps: dict[int, bool] = {}
         self._kl: list[float] = []
         self.totals = {"pass": 0, "warn": 0, "fail": 0, "unmatched": 0}
         self.codes: dict[str, int] = {}
 
-    def _level(self, level: str) -> dict[str, Any]:
+    def _level(self, level: str) -> LevelSummary:
         if level not in self.levels:
-            self.levels[level] = {"rows": 0, "counts": {"pass": 0, "warn": 0, "fail": 0, "unmatched": 0},
-                                  "codes": {}, "match": {}, "unmatched_golden": 0, "unmatched_target": 0,
-                                  "diverged": 0, "first_fail": None, "first_warn": None}
+            self.levels[level] = LevelSummary(
+                rows=0, counts={"pass": 0, "warn": 0, "fail": 0, "unmatched": 0}, codes={}, match={},
+                unmatched_golden=0, unmatched_target=0, diverged=0, first_fail=None, first_warn=None)
             self._worst[level] = []
         return self.levels[level]
 
@@ -63,23 +71,23 @@ class SummaryBuilder:
         self.codes[code] = self.codes.get(code, 0) + 1
         for level in levels:
             s = self._level(level)
-            s["rows"] += 1
-            s["counts"][v] += 1
-            s["codes"][code] = s["codes"].get(code, 0) + 1
+            s.rows += 1
+            s.counts[v] += 1
+            s.codes[code] = s.codes.get(code, 0) + 1
             if code == _UNMATCHED_GOLDEN:
-                s["unmatched_golden"] += 1
+                s.unmatched_golden += 1
             elif code == _UNMATCHED_TARGET:
-                s["unmatched_target"] += 1
+                s.unmatched_target += 1
             else:
                 how = row.get("match", "")
-                s["match"][how] = s["match"].get(how, 0) + 1
+                s.match[how] = s.match.get(how, 0) + 1
             if row.get("diverged"):  # inputs differ: its error is not the kernels' alone
-                s["diverged"] += 1
+                s.diverged += 1
                 continue
-            if v == "fail" and s["first_fail"] is None:
-                s["first_fail"] = brief(row)
-            if v == "warn" and s["first_warn"] is None:
-                s["first_warn"] = brief(row)
+            if v == "fail" and s.first_fail is None:
+                s.first_fail = brief(row)
+            if v == "warn" and s.first_warn is None:
+                s.first_warn = brief(row)
             cos = row.get("cosine_similarity")
             if isinstance(cos, (int, float)) and math.isfinite(cos):
                 heap = self._worst[level]
@@ -95,53 +103,50 @@ class SummaryBuilder:
             if isinstance(kl, float) and math.isfinite(kl):
                 self._kl.append(kl)
 
-    def result(self, **extra: Any) -> dict[str, Any]:
-        """The summary dict; ``extra`` keys (paths, timings, missing steps ...) are merged in."""
+    def result(self, **fields: Any) -> CompareSummary:
+        """The summary: the counts and rows seen, ``fields`` (the dumps, matching, coverage,
+        paths, timings ...: every other field of ``CompareSummary``) and the conclusion."""
         for level, heap in self._worst.items():
             # worst (lowest cosine) first; ties: the earlier row first
             ranked = sorted(heap, key=lambda x: (x[0], x[1]), reverse=True)
-            self.levels[level]["worst"] = [b for _, _, b in ranked]
-        totals = dict(self.totals)
-        verdict = "fail" if totals["fail"] else "warn" if totals["warn"] else "pass"
-        rank = {lv: i for i, lv in enumerate(("logits", "layer", "module", "api", "save"))}
-        levels = dict(sorted(self.levels.items(), key=lambda kv: rank.get(kv[0], len(rank))))
-        out: dict[str, Any] = {"verdict": verdict, "counts": totals, "codes": dict(self.codes),
-                               "levels": levels}
+            self.levels[level].worst = [b for _, _, b in ranked]
+        levels = dict(sorted(self.levels.items(), key=lambda kv: _LEVEL_ORDER.get(kv[0], len(_LEVEL_ORDER))))
+        logits = None
         if self._logits_steps:
             steps = sorted(self._logits_steps)
             mismatched = [s for s in steps if not self._logits_steps[s]]
-            out["logits"] = {
-                "steps": len(steps),
-                "top1_agreement": sum(self._logits_steps.values()) / len(steps),
-                "first_token_mismatch_step": mismatched[0] if mismatched else None,
-                "mean_kl_divergence": sum(self._kl) / len(self._kl) if self._kl else None,
-            }
-        out.update(extra)
-        return out
+            logits = LogitsAgreement(
+                steps=len(steps), top1_agreement=sum(self._logits_steps.values()) / len(steps),
+                first_token_mismatch_step=mismatched[0] if mismatched else None,
+                mean_kl_divergence=sum(self._kl) / len(self._kl) if self._kl else None)
+        counts = dict(self.totals)
+        state, verdict, outcome = conclude(counts, fields["pairs"], levels, fields["coverage"],
+                                           fields["problems"], fields["divergence"])
+        return CompareSummary(verdict=verdict, counts=counts, codes=dict(self.codes), levels=levels,
+                              logits=logits, **fields, state=state, outcome=outcome)
 
 
-def finish(result: dict[str, Any]) -> dict[str, Any]:
-    """Add the compare's conclusion to a summary holding ``counts``, ``coverage`` and ``problems``:
-    ``state`` (complete / incomplete), ``verdict`` and ``outcome`` ({status, headline}).
+def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary], coverage: Coverage,
+             problems: dict[str, list[str]], divergence: Divergence | None
+             ) -> tuple[str, str, CompareOutcome]:
+    """The compare's conclusion: ``state`` (complete / incomplete), ``verdict`` and ``outcome``.
 
     Rows that fail make it fail; a compare whose rows mostly found no partner fails too (it did
     not compare); a dump whose reader reports problems can never pass (inconclusive).
     """
-    counts, pairs = result["counts"], result.get("pairs", 0)
-    coverage = result.get("coverage") or {}
-    problems = {side: p for side, p in (result.get("problems") or {}).items() if p}
-    incomplete = coverage.get("state") == "incomplete"
+    problems = {side: p for side, p in problems.items() if p}
+    incomplete = coverage.state == "incomplete"
     if counts["fail"]:
-        fails = [s["first_fail"] for s in result["levels"].values() if s.get("first_fail")]
-        first = min(fails, key=lambda r: (r["step"], r["rank"], r.get("order") or 0), default=None)
-        token = (result.get("divergence") or {}).get("first_differing_token")
-        where = f"; first: {first['name']} (step {first['step']}, {first.get('code')})" if first else \
+        fails = [s.first_fail for s in levels.values() if s.first_fail]
+        first = min(fails, key=lambda r: (r.step, r.rank, r.order or 0), default=None)
+        token = divergence.first_differing_token if divergence else None
+        where = f"; first: {first.name} (step {first.step}, {first.code})" if first else \
             f"; all after the texts part at token {token}" if token is not None else ""
         status, headline = "fail", f"{counts['fail']} of {pairs} rows fail{where}"
         if incomplete:
             headline += "; and the compare is incomplete"
     elif incomplete:
-        status, headline = "fail", str(coverage["headline"])
+        status, headline = "fail", str(coverage.headline)
     elif problems:
         side, items = next(iter(problems.items()))
         more = sum(map(len, problems.values())) - 1
@@ -150,45 +155,40 @@ def finish(result: dict[str, Any]) -> dict[str, Any]:
     else:
         status = "pass"
         headline = f"{pairs} rows, {counts['warn']} warn, {counts['unmatched']} unmatched"
-    result["state"] = coverage.get("state", "complete")
-    result["verdict"] = status if status != "pass" else ("warn" if counts["warn"] else "pass")
-    result["outcome"] = {"status": status, "headline": headline}
-    return result
+    verdict = status if status != "pass" else ("warn" if counts["warn"] else "pass")
+    return coverage.state, verdict, CompareOutcome(status=status, headline=headline)
 
 
-def report_lines(summary: dict[str, Any]) -> list[str]:
+def report_lines(summary: CompareSummary) -> list[str]:
     """What a person reads about a compare besides its table: how rows were matched, the dtype
     that judged, the dumps' problems, what did not pair, the steps without a partner."""
     from llmflow.compare.pairing import matching_text
 
-    lines = [f"matching: {matching_text(summary.get('matching') or {})}"]
-    token = (summary.get("divergence") or {}).get("first_differing_token")
+    lines = [f"matching: {matching_text(summary.matching)}"]
+    token = summary.divergence.first_differing_token if summary.divergence else None
     if token is not None:
-        per_level = ", ".join(f"{s['diverged']} {lv}" for lv, s in (summary.get("levels") or {}).items()
-                              if s.get("diverged"))
+        per_level = ", ".join(f"{s.diverged} {lv}" for lv, s in summary.levels.items() if s.diverged)
         lines.append(f"diverged: the texts part at token {token}; rows of later steps "
                      f"({per_level or 'none'}) ran on different inputs: marked diverged, never chosen "
                      "as first or worst")
-    lines += list((summary.get("levels_without_rows") or {}).values())
-    judged = summary.get("judged_as") or {}
-    dtype = judged.get("dtype") or "each tensor's own dtype"
-    lines.append(f"judged at {dtype}: {judged.get('source', '')}")
-    for side, items in (summary.get("problems") or {}).items():
+    lines += list(summary.levels_without_rows.values())
+    dtype = summary.judged_as.dtype or "each tensor's own dtype"
+    lines.append(f"judged at {dtype}: {summary.judged_as.source}")
+    for side, items in summary.problems.items():
         lines += [f"{side} dump problem: {p}" for p in items]
-    coverage = summary.get("coverage") or {}
-    skipped = coverage.get("not_in_target") or {}
-    if skipped:
+    coverage = summary.coverage
+    if coverage.not_in_target:
         lines.append("not compared (the target dump has none, or the mapping does not map them): "
-                     + ", ".join(f"{n} golden {what} rows" for what, n in skipped.items()))
-    if coverage.get("golden_only"):
-        lines.append(f"golden only: {coverage['golden_only']} rows with no target counterpart "
+                     + ", ".join(f"{n} golden {what} rows" for what, n in coverage.not_in_target.items()))
+    if coverage.golden_only:
+        lines.append(f"golden only: {coverage.golden_only} rows with no target counterpart "
                      "(a fused engine op, or a narrower target dump)")
-    if coverage.get("state") == "incomplete":
-        lines.append(str(coverage.get("headline")))
+    if coverage.state == "incomplete":
+        lines.append(str(coverage.headline))
     missing: dict[str, list] = {}
-    for m in summary.get("missing_steps") or []:  # one line per side, not one per step
-        step = m.get("golden_step", m.get("target_step"))
-        missing.setdefault(m.get("side", "?"), []).append(step)
+    for m in summary.missing_steps:  # one line per side, not one per step
+        step = m.golden_step if m.side == "target" else m.target_step
+        missing.setdefault(m.side, []).append(step)
     for side, steps in missing.items():
         shown = ", ".join(map(str, steps[:10])) + (f" ... ({len(steps)} in all)" if len(steps) > 10 else "")
         other = "golden" if side == "target" else "target"

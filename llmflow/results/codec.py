@@ -85,6 +85,9 @@ def _read(tp: Any, value: Any, path: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        arms = [arg for arg in args if arg is not type(None)]
+        if len(arms) == 1:  # ``X | None``: X's own error, naming the field inside X
+            return _read(arms[0], value, path)
         for arg in args:
             if arg is type(None):
                 continue

@@ -41,6 +41,7 @@ class CompareStage(Stage):
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         from llmflow.compare.run import compare_dumps  # (schema: no torch)
+        from llmflow.results.codec import to_json
 
         p = self.params(ctx)
         golden, target = dump_paths(ctx)
@@ -54,6 +55,6 @@ class CompareStage(Stage):
                                progress=lambda desc, total: ctx.task(f"{ctx.stage_id}: {desc}", total),
                                log=lambda msg: ctx.log(f"{ctx.stage_id}: {msg}"))
         summary = result["summary"]
-        ctx.summary["compare"] = summary
-        ctx.set_outcome(summary["outcome"]["status"], f"compare: {summary['outcome']['headline']}")
+        ctx.summary["compare"] = to_json(summary)
+        ctx.set_outcome(summary.outcome.status, f"compare: {summary.outcome.headline}")
         return {"csv": result["csv"], "xlsx": result["xlsx"], "summary_file": result["summary_file"]}

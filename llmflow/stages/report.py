@@ -20,6 +20,8 @@ from llmflow.checks.env_diff import load_env
 from llmflow.errors import UserError
 from llmflow.report.html import MAX_ROWS, summarize_levels, write_report
 from llmflow.report.tables import read_csv_rows
+from llmflow.results.codec import to_json
+from llmflow.results.summary import ReportBlock
 from llmflow.stages.base import Stage, StageContext
 
 _PATH = {"type": ["string", "null"], "default": None}
@@ -92,7 +94,7 @@ class ReportStage(Stage):
                            files=files, run=run, meta={"run": str(ctx.run_dir)}, max_rows=p["max_rows"],
                            topology=_topology(ctx, [p["target_dump"], p["golden_dump"]]), op_panel=panel,
                            tables=tables)
-        ctx.summary["report"] = {"html": str(out)}
+        ctx.summary["report"] = to_json(ReportBlock(html=str(out)))
         ctx.log(f"{ctx.stage_id}: wrote {out.name} ({out.stat().st_size / 1e3:.0f} kB)")
         return {"html": str(out)}
 

@@ -4,7 +4,8 @@ Top-level keys: workflow, workflow_file, run_dir, params, status, outcome (the r
 conclusion.py; null while running and when no stage set one), started, updated, stages (each with
 its own ``outcome``); plus each stage's ``ctx.summary`` merged in, in execution order
 (``verdict``, ``compare``, ...).
-A stage may not overwrite those reserved keys. The shape is ``schemas/summary.schema.json``.
+A stage may not overwrite those reserved keys. The shape is ``llmflow.results.summary.RunSummary``
+(``schemas/summary.schema.json`` is generated from it); a typed block is set as its ``to_json``.
 Written through the run's ``Redactor``: no secret value, no credential inside a URL.
 
 A full disk must not leave the file saying "running" after the run ended: a write that fails is

@@ -41,7 +41,8 @@ def validate_summary(summary: dict) -> None:
     import jsonschema
 
     schema = json.loads((REPO / "schemas" / "summary.schema.json").read_text())
-    jsonschema.validate(summary, schema["properties"]["compare"])
+    compare = {"$ref": "#/definitions/CompareSummary", "definitions": schema["definitions"]}
+    jsonschema.validate(summary, compare)
 
 
 def hook_dump(dump_path: Path, prompts: tuple[str, ...] = ("hello world",), new_tokens: int = 3,

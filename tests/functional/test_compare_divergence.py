@@ -49,7 +49,7 @@ def test_first_mismatch_and_the_generation_record(tmp_path: Path) -> None:
     assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
     assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1 and first_mismatch([1, 2, 3], [1, 2]) == 2
     g, t = _dumps(tmp_path, [1, 2, 3, 4, 5], [1, 2, 9, 9, 9])
-    assert divergence(g, t)["first_differing_token"] == 2
+    assert divergence(g, t).first_differing_token == 2
     # a generation.json that is not the dump stage's (no integer output_ids) is not trusted
     (tmp_path / "target" / "generation.json").write_text(json.dumps({"output_ids": ["a"]}))
     assert divergence(g, t) is None
@@ -59,33 +59,34 @@ def test_rows_after_the_texts_part_are_diverged_never_first_or_worst(tmp_path: P
     g, t = _dumps(tmp_path, [1, 2, 3, 4, 5], [1, 2, 9, 9, 9])  # the texts part at token 2
     res = compare_dumps(reader(g), reader(t), tmp_path / "out", CompareOptions(target_dtype="bfloat16"))
     s = res["summary"]
-    assert s["divergence"]["first_differing_token"] == 2
+    assert s.divergence.first_differing_token == 2
     layer = _csv(res["csv"]["layer"])
     assert {r["step"] for r in layer if r["diverged"] == "True"} == {"3", "4"}
     assert {r["step"] for r in layer if r["diverged"] == "False"} == {"0", "1", "2"}
     # every failing row is after the texts part: none is the first failing row, none the worst
-    assert s["counts"]["fail"] > 0 and all(r["verdict"] != "fail" for r in layer if r["diverged"] == "False")
+    assert s.counts["fail"] > 0 and all(r["verdict"] != "fail" for r in layer if r["diverged"] == "False")
     for level in ("layer", "module"):
-        lv = s["levels"][level]
-        assert lv["first_fail"] is None and lv["diverged"] == sum(
+        lv = s.levels[level]
+        assert lv.first_fail is None and lv.diverged == sum(
             1 for r in _csv(res["csv"][level]) if r["diverged"] == "True")
-        assert lv["worst"] and all(w["step"] <= 2 for w in lv["worst"])
-    assert s["outcome"]["headline"].endswith("all after the texts part at token 2")
+        assert lv.worst and all(w.step <= 2 for w in lv.worst)
+    assert s.outcome.headline.endswith("all after the texts part at token 2")
     assert json.loads(Path(res["summary_file"]).read_text())["levels"]["layer"]["first_fail"] is None
 
 
 def test_a_fault_before_the_texts_part_is_the_first_failing_row(tmp_path: Path) -> None:
     g, t = _dumps(tmp_path, [1, 2, 3, 4, 5], [1, 2, 3, 9, 9], broken_from=1)  # texts part at token 3
     res = compare_dumps(reader(g), reader(t), tmp_path / "out", CompareOptions(target_dtype="bfloat16"))
-    first = res["summary"]["levels"]["layer"]["first_fail"]
-    assert (first["step"], first["name"], first["diverged"]) == (1, "model.layers.0", False)
+    first = res["summary"].levels["layer"].first_fail
+    assert (first.step, first.name, first.diverged) == (1, "model.layers.0", False)
     # without generation records nothing is marked: the same rows, no diverged column values
     plain, plain_t = _dumps(tmp_path / "plain", None, None)
     res = compare_dumps(reader(plain), reader(plain_t), tmp_path / "out2",
                         CompareOptions(target_dtype="bfloat16"))
-    assert res["summary"]["divergence"] is None
+    assert res["summary"].divergence is None
     assert {r["diverged"] for r in _csv(res["csv"]["layer"])} == {""}
-    assert res["summary"]["levels"]["layer"]["first_fail"]["step"] == 3
+    assert res["summary"].levels["layer"].first_fail.step == 3
+    assert res["summary"].levels["layer"].first_fail.diverged is None  # not known without the records
 
 
 def test_cli_compare_says_where_the_texts_part(tmp_path: Path) -> None:

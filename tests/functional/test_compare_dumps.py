@@ -14,6 +14,7 @@ import torch
 
 from llmflow.compare import engine
 from llmflow.compare.run import CompareOptions, compare_dumps
+from llmflow.results.compare import MissingStep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from compare_helpers import as_dump, model_items, reader, write_dump  # noqa: E402
@@ -37,16 +38,16 @@ def test_bf16_target_passes_and_a_fault_is_the_first_failing_layer(tmp_path: Pat
     ok = as_dump(tmp_path, "bf16", dtype=torch.bfloat16)
     res = compare_dumps(reader(g), reader(ok), tmp_path / "ok", CompareOptions(target_dtype="bfloat16"))
     s = res["summary"]
-    assert s["verdict"] == "pass" and s["counts"]["fail"] == 0 and s["counts"]["pass"] == s["pairs"] == 28
+    assert s.verdict == "pass" and s.counts["fail"] == 0 and s.counts["pass"] == s.pairs == 28
     assert set(res["csv"]) == {"logits", "layer", "module"}
-    assert s["logits"]["first_token_mismatch_step"] is None and s["logits"]["top1_agreement"] == 1.0
+    assert s.logits.first_token_mismatch_step is None and s.logits.top1_agreement == 1.0
 
     bad = as_dump(tmp_path, "bad", dtype=torch.bfloat16, fault=scale_layer(2))
     res = compare_dumps(reader(g), reader(bad), tmp_path / "bad", CompareOptions(target_dtype="bfloat16"))
     layer = rows(res["csv"]["layer"])
     assert [r["verdict"] for r in layer if r["step"] == "0"] == ["pass", "pass", "fail", "fail"]
-    first = res["summary"]["levels"]["layer"]["first_fail"]
-    assert (first["name"], first["step"]) == ("model.layers.2", 0)
+    first = res["summary"].levels["layer"].first_fail
+    assert (first.name, first.step) == ("model.layers.2", 0)
     summary = json.loads(Path(res["summary_file"]).read_text())
     assert (
         summary["verdict"] == "fail" and summary["levels"]["layer"]["first_fail"]["name"] == "model.layers.2"
@@ -159,9 +160,9 @@ def test_unmatched_and_missing_steps_are_reported(tmp_path: Path) -> None:
     t = write_dump(tmp_path / "t", {0: items, 1: model_items(seed=1)})
     res = compare_dumps(reader(g), reader(t), tmp_path / "out")
     s = res["summary"]
-    assert s["missing_steps"] == [{"side": "target", "golden_step": 2, "target_step": 2}]
-    module = s["levels"]["module"]
-    assert module["unmatched_golden"] == 1 and module["unmatched_target"] == 1
+    assert s.missing_steps == [MissingStep(side="target", golden_step=2, target_step=2)]
+    module = s.levels["module"]
+    assert module.unmatched_golden == 1 and module.unmatched_target == 1
     reasons = {
         (r["name"] or r["target_name"], r["reason"])
         for r in rows(res["csv"]["module"])
@@ -227,6 +228,7 @@ import sys, threading, time
 sys.path.insert(0, sys.argv[3])
 from pathlib import Path
 from llmflow.compare.run import CompareOptions, compare_dumps
+from llmflow.results.compare import MissingStep
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 
 def anon_kb():
@@ -248,7 +250,7 @@ res = compare_dumps(LlmflowDumpReader(sys.argv[1]), LlmflowDumpReader(sys.argv[2
                     Path(sys.argv[1]).parent / "out", CompareOptions(workers=1, xlsx=False))
 stop = True
 th.join()
-print(res["summary"]["pairs"], res["summary"]["bytes"], (peak[0] - base) // 1024)
+print(res["summary"].pairs, res["summary"].bytes, (peak[0] - base) // 1024)
 """
 
 

@@ -156,10 +156,10 @@ def test_codes_decide_verdicts_and_counts(tmp_path: Path) -> None:
     assert rows["model.extra"]["code"] == "unmatched_target" and rows["model.extra"]["verdict"] == "unmatched"
     assert rows["model.layers.0"]["code"] == "ok" and rows["model.layers.0"]["reason"] == ""
     s = res["summary"]
-    assert s["codes"]["nan_inf"] == 1 and s["codes"]["shape_mismatch"] == 1
-    assert s["codes"]["unmatched_target"] == 1
-    assert s["counts"]["fail"] == sum(n for c, n in s["codes"].items()
-                                      if c in ("nan_inf", "threshold_fail", "shape_mismatch"))
+    assert s.codes["nan_inf"] == 1 and s.codes["shape_mismatch"] == 1
+    assert s.codes["unmatched_target"] == 1
+    assert s.counts["fail"] == sum(n for c, n in s.codes.items()
+                                   if c in ("nan_inf", "threshold_fail", "shape_mismatch"))
 
 
 def test_a_truncated_data_file_is_named_not_compared(tmp_path: Path) -> None:
@@ -183,7 +183,9 @@ def test_an_unreadable_tensor_is_a_load_error_row(tmp_path: Path) -> None:
     res = compare_dumps(reader(g), target, tmp_path / "out", CompareOptions(xlsx=False))
     rows = list(csv.DictReader(open(res["csv"]["module"])))
     assert {r["code"] for r in rows} == {"load_error"} and all(r["verdict"] == "fail" for r in rows)
-    assert res["summary"]["codes"] == {"load_error": len(rows)}
+    assert res["summary"].codes == {"load_error": len(rows)}
+    first = res["summary"].levels["module"].first_fail  # no metric: each is None in the summary
+    assert first.code == "load_error" and first.cosine_similarity is None and first.norm_rel_diff is None
 
 
 def test_top1_ties_are_decided_as_generate_decides_them(tmp_path: Path) -> None:
@@ -198,4 +200,4 @@ def test_top1_ties_are_decided_as_generate_decides_them(tmp_path: Path) -> None:
     res = compare_dumps(reader(g), reader(t), tmp_path / "out", CompareOptions(xlsx=False))
     row = next(csv.DictReader(open(res["csv"]["logits"])))
     assert (row["golden_top1"], row["target_top1"], row["top1_match"]) == ("3", "3", "True")
-    assert res["summary"]["logits"]["first_token_mismatch_step"] is None
+    assert res["summary"].logits.first_token_mismatch_step is None

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from llmflow.results.codec import to_json
+from llmflow.results.compare import read_compare_summary
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from workflow_helpers import REPO, llmflow  # noqa: E402
 
@@ -73,6 +76,7 @@ def test_a_clean_tp_port_passes_with_every_tensor_paired(tmp_path: Path, dumps: 
     summary = json.loads((tmp_path / "out" / "compare_summary.json").read_text())
     joined = summary["matching"]["tensor_parallel"]
     assert joined["ranks"] == 2 and joined["joined"]["concat"] > 0 and joined["joined"]["replicated"] > 0
+    assert to_json(read_compare_summary(tmp_path / "out" / "compare_summary.json")) == summary
     rows = _rows(tmp_path / "out", "module")
     assert rows and all(r["verdict"] != "unmatched" for r in rows)
     # q_proj's output is split over the ranks' heads: joined back to the golden's shape

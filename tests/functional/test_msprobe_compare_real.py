@@ -140,15 +140,15 @@ def test_golden_passes_and_a_scaled_weight_fails_first_at_its_module(
 
     res = compare_dumps(golden, dumps / layout / f"{level}_{task}_bad", tmp_path / "bad",
                         CompareOptions(workers=1, xlsx=False))
-    levels = res["summary"]["levels"]
-    assert res["summary"]["verdict"] == "fail"
-    first = {lv: (levels[lv]["first_fail"] or {}) for lv in levels}
+    levels = res["summary"].levels
+    assert res["summary"].verdict == "fail"
+    first = {lv: (s.first_fail.name, s.first_fail.step) if s.first_fail else None for lv, s in levels.items()}
     if level in ("L0", "mix"):
-        assert first["module"].get("name") == BAD_MODULE and first["module"].get("step") == 0
+        assert first["module"] == (BAD_MODULE, 0)
     if level == "L1":
-        assert first["api"].get("name") == BAD_API and first["api"].get("step") == 0
+        assert first["api"] == (BAD_API, 0)
     if level == "mix":
-        assert first["api"].get("name") == f"{BAD_MODULE}/linear.0"
+        assert first["api"][0] == f"{BAD_MODULE}/linear.0"
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -51,6 +51,7 @@ def test_round_trip_through_json_text_gives_an_equal_record():
     ({"status": "x", "rows": [{"error": 1.0}]}, "Doc.rows[0].name"),
     ({"status": "x", "renamed": 1}, "unknown field 'renamed'"),
     ({"status": "x", "best": {"name": "a", "kind": "layer"}}, "Doc.best"),
+    ({"status": "x", "best": {"name": "a", "error": "big"}}, "Doc.best.error"),
     ({"status": "x", "counts": {"pass": True}}, "Doc.counts.pass"),
 ])
 def test_a_wrong_field_is_named(data, path):

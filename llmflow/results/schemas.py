@@ -1,0 +1,28 @@
+"""The JSON schemas of the result files, generated from their types (``codec.json_schema``);
+``llmflow schema --kind KIND`` writes them, ``schemas/`` holds the committed copies."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llmflow.results.codec import json_schema
+from llmflow.results.summary import RunSummary
+
+OTHER_STAGE_BLOCKS = ("Blocks other stages add: a dump stage's under its stage id, a plugin stage's under "
+                      "the key it chose (free JSON).")
+
+
+def summary_schema() -> dict[str, Any]:
+    """The schema of ``<run-dir>/summary.json``: ``RunSummary``, open to other stages' blocks."""
+    schema = json_schema(
+        RunSummary, title="llmflow run summary (<run-dir>/summary.json)",
+        description="Written atomically by `llmflow run` as stages finish. The runner's keys first, then "
+                    "each stage's block (ctx.summary) under its key.")
+    schema["additionalProperties"] = {"description": OTHER_STAGE_BLOCKS}
+    return schema
+
+
+def summary_schema_text() -> str:
+    """The text of ``schemas/summary.schema.json``."""
+    return json.dumps(summary_schema(), indent=2) + "\n"
