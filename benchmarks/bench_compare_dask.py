@@ -87,8 +87,8 @@ def timed_compare(g: Path, t: Path, out: Path, opts: CompareOptions) -> dict:
     res = compare_dumps(g, t, out, opts)
     seconds = time.perf_counter() - t0
     s = res["summary"]
-    return {"seconds": round(seconds, 2), "pairs": s["pairs"], "bytes": s["bytes"],
-            "gb_per_s": round(s["bytes"] / seconds / 1e9, 3)}
+    return {"seconds": round(seconds, 2), "pairs": s.pairs, "bytes": s.bytes,
+            "gb_per_s": round(s.bytes / seconds / 1e9, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
