@@ -227,7 +227,7 @@ def synthetic_verdict(n_layers: int = 12, bad_layer: int = 7, *, state: str = "f
     if state == "pass":
         v.status, v.headline = "pass", "the target matches the golden: same tokens, logits within limits"
         v.first_mismatch_token = v.first_bad_token = v.first_bad_layer = v.first_bad_module = None
-        v.first_bad_op, v.token_detail, v.ops = None, None, []
+        v.first_bad_op, v.token_detail, v.ops = None, TokenDetail(), []
         v.diagnosis = "The target matches the golden."
         v.texts.target = SideText(label="bf16 cpu", text="".join(tokens), tokens=tokens)
         for r in v.token_rows:

@@ -168,10 +168,10 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
 
 
 def _token_detail(inp: Any, mismatch: int | None, rows: list[TokenRow],
-                  decode: Callable[[int], str]) -> TokenDetail | None:
+                  decode: Callable[[int], str]) -> TokenDetail:
     """Both sides' tokens at the first mismatch and how close the golden's choice was there."""
     if mismatch is None:
-        return None
+        return TokenDetail()
     g = inp.golden_ids[mismatch] if mismatch < len(inp.golden_ids) else None
     t = inp.target_ids[mismatch] if mismatch < len(inp.target_ids) else None
     at = next((r for r in rows if r.step == mismatch), None)
@@ -333,8 +333,8 @@ def _reason_list(step: StepReplay, n: int = 3) -> str:
     return (": " + "; ".join(parts)) if parts else ""
 
 
-def _token_sentence(mismatch: int | None, detail: TokenDetail | None) -> str:
-    if mismatch is None or detail is None or detail.golden_margin is None:
+def _token_sentence(mismatch: int | None, detail: TokenDetail) -> str:
+    if mismatch is None or detail.golden_margin is None:
         return ""
     s = (f" The texts first differ at generated token {mismatch} ({detail.golden_token!r} -> "
          f"{detail.target_token!r}), where the golden's top-2 logit margin was "

@@ -36,7 +36,7 @@ def fields(v: Verdict) -> list[tuple[str, str]]:
                                   ("first bad module", v.first_bad_module),
                                   ("first bad op", v.first_bad_op)]
     detail = v.token_detail
-    if detail is not None and detail.golden_token is not None:
+    if detail.golden_token is not None:
         out.append(("tokens at the mismatch",
                     f"golden {detail.golden_token!r} vs target {detail.target_token!r}"))
     return [(label, "none" if value is None else str(value)) for label, value in out]

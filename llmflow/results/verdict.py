@@ -55,9 +55,10 @@ class Inconclusive:
 
 @dataclass
 class TokenDetail:
-    """The first mismatching token: both sides' token text, the golden's top-2 margin there."""
+    """The first mismatching token: both sides' token text, the golden's top-2 margin there (every
+    field null when the texts do not part)."""
 
-    step: int
+    step: int | None = None
     golden_token: str | None = None
     target_token: str | None = None
     golden_margin: float | None = None
@@ -322,7 +323,7 @@ class Verdict:
     first_bad_op: str | None = None
     first_bad_expert: int | None = None
     inconclusive: Inconclusive | None = None
-    token_detail: TokenDetail | None = None
+    token_detail: TokenDetail = field(default_factory=TokenDetail)
     evidence: list[Evidence] = field(default_factory=list)
     texts: Texts | None = None
     curves: dict[str, dict[str, dict[str, float]]] = field(

@@ -107,9 +107,11 @@ def _hand_built() -> Verdict:
         evidence=[Evidence(name="m", isolated_rel_l2=inf, typical=1e-3, score=inf, raw_rel_l2=None, step=2)],
         texts=Texts(golden=SideText(label="g", text=""), target=SideText(label="t", text="x", tokens=["x"])),
         curves={"relative L2 error": {"isolated": {"3": inf, "4": nan}}},
-        candidates=[Candidate(name="m", rank=1, error=inf, score=inf, anomalous=True, overflow=True, nonfinite=4),
+        candidates=[Candidate(name="m", rank=1, error=inf, score=inf, anomalous=True, overflow=True,
+                              nonfinite=4),
                     Candidate(name="u", replayable=False, reason=None)],
-        ops=[OpRow(name="m/exp.0", golden_api=None, target_api="exp", raw=None, iso=None, status="not comparable")],
+        ops=[OpRow(name="m/exp.0", golden_api=None, target_api="exp", raw=None, iso=None,
+                   status="not comparable")],
         experts=[ExpertRow(expert=1, tokens=3, rel_l2=0.5, max_abs=inf, max_rel=nan, cos_dist=0.1, l2=1.0,
                            norm=2.0, numel=8, nonfinite=0, score=None)],
         routing=[RoutingRow(module="b", step=1, tokens=[RoutedToken(position=0, golden_experts=[0, 1],
@@ -135,8 +137,9 @@ def test_every_verdict_type_round_trips_with_none_inf_and_nan():
     assert back.evidence[0].isolated_rel_l2 == math.inf and math.isnan(back.overflow.op.input_max_abs)
     assert back.curves["relative L2 error"]["isolated"]["3"] == math.inf
     assert back.candidates[1].rank is None and back.overflow.nonfinite == {"m": None}
-    for record in (v.replay, v.inconclusive, v.token_detail, v.evidence[0], v.texts, v.candidates[0], v.ops[0],
-                   v.experts[0], v.routing[0], v.token_rows[0], v.cost, v.overflow, v.op_level):
+    for record in (v.replay, v.inconclusive, v.token_detail, v.evidence[0], v.texts, v.candidates[0],
+                   v.ops[0], v.experts[0], v.routing[0], v.token_rows[0], v.cost, v.overflow, v.op_level,
+                   TokenDetail(), Overflow()):
         assert _same(_through_json(record), record), type(record).__name__
     jsonschema.validate(to_json(v), verdict_schema())
 
