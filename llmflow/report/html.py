@@ -44,7 +44,7 @@ from llmflow.report import html_verdict as hv
 from llmflow.report.html_compare import LevelRows, layer_heat_map, layer_number, summarize_level
 from llmflow.report.html_svg import charts
 from llmflow.report.html_tree import module_tree
-from llmflow.results.verdict import Verdict
+from llmflow.results.verdict import Candidate, Verdict
 
 MAX_ROWS = 5000  # per table: a browser stays responsive, the CSV has the rest
 # columns a reader looks at first (the rest follow in the CSV's order)
@@ -166,23 +166,23 @@ def _safe_id(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", text)
 
 
-def _layer_of(row: Mapping[str, Any]) -> str | None:
-    if row.get("layer"):
-        return str(row["layer"])
-    m = re.match(r"^(.*?\.\d+)(?:\.|$)", str(row.get("name") or ""))
+def _layer_of(candidate: Candidate) -> str | None:
+    if candidate.layer:
+        return candidate.layer
+    m = re.match(r"^(.*?\.\d+)(?:\.|$)", candidate.name)
     return m[1] if m else None
 
 
-def _with_row_links(rows: list[Mapping[str, Any]], levels: Mapping[str, LevelRows]) -> list[dict[str, Any]]:
+def _with_row_links(candidates: list[Candidate], levels: Mapping[str, LevelRows]) -> list[dict[str, Any]]:
     """Candidates with a ``compare rows`` cell linking to the module's compare rows in the page:
     its own (module, api or layer level), else its decoder layer's output; empty when neither
     was compared."""
     names = {lv: rows_.shown_names() for lv, rows_ in levels.items()}
     out = []
-    for r in rows:
+    for c in candidates:
         link = None
-        layer = _layer_of(r)
-        for target, where, prefix in ((r.get("name"), ("module", "api", "layer"), ""),
+        layer = _layer_of(c)
+        for target, where, prefix in ((c.name, ("module", "api", "layer"), ""),
                                       (layer, ("layer", "module"), f"layer {layer}: ")):
             found = [lv for lv in where if target is not None and names.get(lv, {}).get(str(target))]
             if found:
@@ -190,7 +190,7 @@ def _with_row_links(rows: list[Mapping[str, Any]], levels: Mapping[str, LevelRow
                 link = Link(f"{prefix}{n} row{'s' if n != 1 else ''}",
                             f"#rows=t-cmp-{_safe_id(found[0])}&name={quote(str(target), safe='')}")
                 break
-        out.append({**r, "compare rows": link})
+        out.append({**dataclasses.asdict(c), "compare rows": link})
     return out
 
 
@@ -269,7 +269,7 @@ def render_report(*, title: str, verdict: Verdict | None = None,
         "heat": layer_heat_map(levels.get("layer"), v),
         "tree": _tree(topology, v, levels),
         "op_panel": op_panel,
-        "candidates": table_view(_with_row_links(_rows(v.candidates), levels),
+        "candidates": table_view(_with_row_links(v.candidates, levels),
                                  table_id="t-candidates", highlight=v.first_bad_module,
                                  max_rows=max_rows, lead=CANDIDATE_LEAD) if v and v.candidates else None,
         "ops": table_view(_rows(v.ops), table_id="t-ops", highlight=v.first_bad_op,
