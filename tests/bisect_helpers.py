@@ -16,6 +16,22 @@ from pathlib import Path
 
 import pytest
 
+from llmflow.results.verdict import (
+    Candidate,
+    Cost,
+    Inconclusive,
+    ModelRuns,
+    OpRow,
+    ReplayInfo,
+    RoutedToken,
+    RoutingRow,
+    SideText,
+    Texts,
+    TokenDetail,
+    TokenRow,
+    Verdict,
+)
+
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage"]
@@ -154,79 +170,87 @@ def png_rows(data: bytes, first: int, count: int) -> tuple[int, list[list[tuple[
     return width, rows
 
 
-def synthetic_verdict(n_layers: int = 12, bad_layer: int = 7, *, state: str = "fault") -> dict:
+def synthetic_verdict(n_layers: int = 12, bad_layer: int = 7, *, state: str = "fault") -> Verdict:
     """A verdict shaped like the bisect stage's, with hostile names to test escaping.
 
     ``state``: "fault" (a module and op blamed, status fail), "pass" (identical outputs),
     "inconclusive" (the texts differ, no module stands out, what to run next), "moe" (a fault
-    plus MoE routing differences), "legacy" (a fault, without the status/headline/inconclusive/
-    replay reasons/routing keys, as older verdicts are)."""
-    raw = {i: 2e-3 * (1.25 ** i) for i in range(n_layers)}
-    iso = {i: 3e-3 * (1 + 0.1 * (i % 3)) for i in range(n_layers)}
-    iso[bad_layer] = 0.4
-    cands = [{"rank": 1, "name": f"model.layers.{bad_layer}.mlp.down_proj", "error": 0.4,
-              "typical": 0.003, "score": 133.3, "anomalous": True, "layer": f"model.layers.{bad_layer}"}]
-    cands += [{"rank": i + 2, "name": f"model.layers.{i}.mlp.down_proj", "error": 0.003,
-               "typical": 0.003, "score": 1.0 + i / 100, "anomalous": False, "layer": f"model.layers.{i}"}
-              for i in range(5)]
-    cands.append({"rank": 8, "name": "<script>alert('x')</script>", "error": None, "score": None})
+    plus MoE routing differences). ``to_json`` of it is a verdict.json."""
+    raw = {str(i): 2e-3 * (1.25 ** i) for i in range(n_layers)}
+    iso = {str(i): 3e-3 * (1 + 0.1 * (i % 3)) for i in range(n_layers)}
+    iso[str(bad_layer)] = 0.4
+    cands = [Candidate(rank=1, name=f"model.layers.{bad_layer}.mlp.down_proj", error=0.4, typical=0.003,
+                       score=133.3, anomalous=True, layer=f"model.layers.{bad_layer}")]
+    cands += [Candidate(rank=i + 2, name=f"model.layers.{i}.mlp.down_proj", error=0.003, typical=0.003,
+                        score=1.0 + i / 100, anomalous=False, layer=f"model.layers.{i}") for i in range(5)]
+    cands.append(Candidate(rank=8, name="<script>alert('x')</script>"))
     tokens = ["The", " capital", " is", " Paris", ".", " It", " is", " big", ".", "\n"]
     target = tokens[:3] + [" Lyon", "<&>"] + tokens[5:]
-    v = {
-        "status": "fail",
-        "headline": f"fault in model.layers.{bad_layer}.mlp.down_proj/mul.0 <i>(op)</i>",
-        "first_mismatch_token": 3, "first_bad_token": 1,
-        "first_bad_layer": f"model.layers.{bad_layer}",
-        "first_bad_module": f"model.layers.{bad_layer}.mlp.down_proj",
-        "first_bad_op": f"model.layers.{bad_layer}.mlp.down_proj/mul.0",
-        "diagnosis": f"model.layers.{bad_layer}.mlp.down_proj's own error is 133x that of the same module "
-                     "in other layers & <b>not</b> bf16 noise",
-        "token_detail": {"golden_token": " Paris", "target_token": " Lyon"},
-        "texts": {"golden": {"label": "fp32 cpu", "tokens": tokens},
-                  "target": {"label": "bf16 cpu", "tokens": target}},
-        "curves": {"relative error": {"raw": raw, "isolated": iso},
-                   "cosine distance": {"raw": {i: v / 10 for i, v in raw.items()},
-                                       "isolated": {i: v / 10 for i, v in iso.items()}}},
-        "candidates": cands,
-        "ops": [{"name": f"model.layers.{bad_layer}.mlp.down_proj/linear.0", "error": 0.003},
-                {"name": f"model.layers.{bad_layer}.mlp.down_proj/mul.0", "error": 0.5}],
-        "token_rows": [{"step": i, "target_step": i, "golden_text": tok, "target_text": target[i],
-                        "same_token": tok == target[i], "kl": 1e-4 * (1 + 50 * (i >= 1)),
-                        "cosine_similarity": 0.9999 if i < 1 else 0.9, "verdict": "pass" if i < 1 else "fail"}
-                       for i, tok in enumerate(tokens)],
-        "replay": {"step": 0, "replayed": 6 * n_layers, "not_replayable": 2, "ratio_threshold": 3.0,
-                   "device": "cpu", "dtype": "bfloat16",
-                   "reasons": {"needs the KV cache of earlier steps": ["model.layers.0.self_attn"],
-                               "<b>no golden inputs</b> dumped": ["lm_head<x>"]}},
-        "cost": {"model_runs": {"full_generations": 2, "module_replays": 72}, "bytes_dumped": 1234567,
-                 "golden_dump_bytes": 1000000, "full_api_dump_bytes_estimate": 98765432,
-                 "bytes_fraction_of_full_api_dump": 0.0125, "bisect_seconds": 12.5,
-                 "bisect_phase_seconds": {"load target model": 3.0, "module: isolation replay": 9.5}},
-    }
+    op = f"model.layers.{bad_layer}.mlp.down_proj"
+    v = Verdict(
+        status="fail",
+        headline=f"fault in model.layers.{bad_layer}.mlp.down_proj/mul.0 <i>(op)</i>",
+        first_mismatch_token=3, first_bad_token=1,
+        first_bad_layer=f"model.layers.{bad_layer}",
+        first_bad_module=f"model.layers.{bad_layer}.mlp.down_proj",
+        first_bad_op=f"model.layers.{bad_layer}.mlp.down_proj/mul.0",
+        diagnosis=f"model.layers.{bad_layer}.mlp.down_proj's own error is 133x that of the same module "
+                  "in other layers & <b>not</b> bf16 noise",
+        token_detail=TokenDetail(step=3, golden_token=" Paris", target_token=" Lyon"),
+        texts=Texts(golden=SideText(label="fp32 cpu", text="".join(tokens), tokens=tokens),
+                    target=SideText(label="bf16 cpu", text="".join(target), tokens=target)),
+        curves={"relative error": {"raw": raw, "isolated": iso},
+                "cosine distance": {"raw": {i: x / 10 for i, x in raw.items()},
+                                    "isolated": {i: x / 10 for i, x in iso.items()}}},
+        candidates=cands,
+        ops=[OpRow(name=f"{op}/linear.0", golden_api="linear", target_api="linear", raw=0.003, iso=0.003,
+                   status="matched"),
+             OpRow(name=f"{op}/mul.0", golden_api="mul", target_api="mul", raw=0.5, iso=0.5,
+                   status="matched")],
+        token_rows=[TokenRow(step=i, target_step=i, golden_text=tok, target_text=target[i],
+                             same_token=tok == target[i], kl=1e-4 * (1 + 50 * (i >= 1)),
+                             cosine_similarity=0.9999 if i < 1 else 0.9, verdict="pass" if i < 1 else "fail")
+                    for i, tok in enumerate(tokens)],
+        replay=ReplayInfo(step=0, why="the first step whose logits fail the thresholds", source="dump",
+                          replayed=6 * n_layers, not_replayable=2, ratio_threshold=3.0, device="cpu",
+                          dtype="bfloat16",
+                          reasons={"needs the KV cache of earlier steps": ["model.layers.0.self_attn"],
+                                   "<b>no golden inputs</b> dumped": ["lm_head<x>"]}),
+        cost=Cost(model_runs=ModelRuns(full_generations=2, models_loaded_by_bisect=1,
+                                       golden_layers_recomputed=0, golden_reruns=0, module_replays=72,
+                                       op_replays=2),
+                  bytes_dumped=1234567, golden_dump_bytes=1000000, target_dump_bytes=234567,
+                  full_api_dump_bytes_estimate=98765432, bytes_fraction_of_full_api_dump=0.0125,
+                  bisect_seconds=12.5,
+                  bisect_phase_seconds={"load target model": 3.0, "module: isolation replay": 9.5}),
+    )
     if state == "pass":
-        v.update(status="pass", headline="the target matches the golden: same tokens, logits within limits",
-                 first_mismatch_token=None, first_bad_token=None, first_bad_layer=None,
-                 first_bad_module=None, first_bad_op=None, token_detail={}, ops=[],
-                 diagnosis="The target matches the golden.")
-        v["texts"]["target"]["tokens"] = tokens
-        for r in v["token_rows"]:
-            r.update(target_text=r["golden_text"], same_token=True, verdict="pass", cosine_similarity=0.99999)
+        v.status, v.headline = "pass", "the target matches the golden: same tokens, logits within limits"
+        v.first_mismatch_token = v.first_bad_token = v.first_bad_layer = v.first_bad_module = None
+        v.first_bad_op, v.token_detail, v.ops = None, TokenDetail(), []
+        v.diagnosis = "The target matches the golden."
+        v.texts.target = SideText(label="bf16 cpu", text="".join(tokens), tokens=tokens)
+        for r in v.token_rows:
+            r.target_text, r.same_token, r.verdict, r.cosine_similarity = r.golden_text, True, "pass", 0.99999
     elif state == "inconclusive":
-        v.update(status="inconclusive", headline="the texts differ at token 3 but no module stands out",
-                 diagnosis="No module's own error stands out from the same module in the other layers.",
-                 first_bad_layer=None, first_bad_module=None, first_bad_op=None, ops=[],
-                 inconclusive={"reason": "the replay covers step 0 (prefill) only; the logits first "
-                                         "fail at step 1 <decode>",
-                               "next": "llmflow run workflows/llama2_bisect.yaml --set replay_step=1"})
+        v.status, v.headline = "inconclusive", "the texts differ at token 3 but no module stands out"
+        v.diagnosis = "No module's own error stands out from the same module in the other layers."
+        v.first_bad_layer = v.first_bad_module = v.first_bad_op = None
+        v.ops = []
+        v.inconclusive = Inconclusive(reason="the replay covers step 0 (prefill) only; the logits first "
+                                             "fail at step 1 <decode>",
+                                      next="llmflow run workflows/llama2_bisect.yaml --set replay_step=1")
     elif state == "moe":
-        v["routing"] = [{"layer": f"model.layers.{bad_layer}.mlp.gate", "step": 1, "tokens": [4, 9],
-                         "detail": "experts {3, 5} -> {3, 6} <top-2>"},
-                        {"layer": "model.layers.9.mlp.gate", "step": 2, "tokens": [1],
-                         "detail": "{0, 1} -> {0, 2}"}]
-    elif state == "legacy":
-        for key in ("status", "headline"):
-            del v[key]
-        del v["replay"]["reasons"]
+        v.routing = [RoutingRow(module=f"model.layers.{bad_layer}.mlp.gate", step=1,
+                                tokens=[RoutedToken(position=p, golden_experts=[3, 5], target_experts=[3, 6],
+                                                    text=tokens[p]) for p in (4, 9)],
+                                output_error_with_target_routing=0.2, output_error_with_golden_routing=0.004,
+                                detail="experts {3, 5} -> {3, 6} <top-2>"),
+                     RoutingRow(module="model.layers.9.mlp.gate", step=2,
+                                tokens=[RoutedToken(position=1, golden_experts=[0, 1], target_experts=[0, 2],
+                                                    text=tokens[1])],
+                                output_error_with_target_routing=0.1, output_error_with_golden_routing=0.003,
+                                detail="{0, 1} -> {0, 2}")]
     elif state != "fault":
         raise ValueError(f"unknown synthetic verdict state {state!r}")
     return v
@@ -340,7 +364,8 @@ def golden_maker(factory, spec) -> Callable[[str], Path]:
 
 
 def bisect_dumps(dumps: dict, **kwargs) -> dict:
-    """``run_bisect`` on ``make_dumps``'s result."""
+    """``run_bisect`` on ``make_dumps``'s result, as verdict.json holds it (JSON values)."""
     from llmflow.localize.bisect import BisectInputs, run_bisect
+    from llmflow.results.codec import to_json
 
-    return run_bisect(BisectInputs(**dumps, **kwargs), log=lambda _m: None).to_json()
+    return to_json(run_bisect(BisectInputs(**dumps, **kwargs), log=lambda _m: None))

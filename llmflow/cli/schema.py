@@ -1,5 +1,6 @@
-"""Write a JSON Schema: the workflow file's (for editors: yaml-language-server), built from every
-stage type, or a result file's (``--kind summary``: summary.json), generated from its types.
+"""Write a JSON Schema: the workflow's (for editors: yaml-language-server), built from every stage
+type, or a result file's (``--kind summary``: summary.json, ``--kind verdict``: a bisect's
+verdict.json), generated from its types.
 
 Without -o it prints to stdout. --check compares with an existing file instead (exit 1 when it
 is out of date). The committed copies are schemas/<kind>.schema.json.
@@ -8,28 +9,47 @@ is out of date). The committed copies are schemas/<kind>.schema.json.
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 from llmflow.errors import UserError
 
-# kind -> (module, function): the text of schemas/<kind>.schema.json (imported only when asked for)
-GENERATORS = {
-    "workflow": ("llmflow.workflow.schema", "generate"),
-    "summary": ("llmflow.results.schemas", "summary_schema_text"),
-}
+
+def _workflow_schema() -> str:
+    from llmflow.workflow.schema import generate
+
+    return generate()
+
+
+def _verdict_schema() -> str:
+    from llmflow.results.schemas import verdict_schema
+
+    return json.dumps(verdict_schema(), indent=2) + "\n"
+
+
+def _summary_schema() -> str:
+    from llmflow.results.schemas import summary_schema
+
+    return json.dumps(summary_schema(), indent=2) + "\n"
+
+
+#: --kind -> the text of that schema (imported when asked for: ``schema`` starts fast)
+KINDS: dict[str, Callable[[], str]] = {"workflow": _workflow_schema, "summary": _summary_schema,
+                                       "verdict": _verdict_schema}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kind", choices=list(GENERATORS), default="workflow",
-                        help="which schema: the workflow file's (default) or summary.json's")
     parser.add_argument("-o", "--output", default=None, metavar="FILE", help="write the schema here")
     parser.add_argument("--check", action="store_true", help="compare with FILE (-o) instead of writing")
+    parser.add_argument("--kind", choices=sorted(KINDS), default="workflow",
+                        help="which schema: a workflow file's (default) or a result file's")
 
 
-def _check_target(path: Path) -> None:
+def _check_target(path: Path, kind: str = "workflow") -> None:
     """UserError unless ``path`` can be a schema file: missing, or a regular file."""
     if path.is_dir():
-        raise UserError(f"-o {path}: is a directory; give a file name (e.g. {path / 'workflow.schema.json'})")
+        raise UserError(f"-o {path}: is a directory; give a file name (e.g. {path / f'{kind}.schema.json'})")
     if path.exists() and not path.is_file():
         raise UserError(f"-o {path}: not a regular file")
     parent = path.parent
@@ -39,11 +59,11 @@ def _check_target(path: Path) -> None:
         raise UserError(f"-o {path}: {parent} is a file, not a directory")
 
 
-def _write(path: Path, text: str) -> None:
+def _write(path: Path, text: str, kind: str) -> None:
     """Write beside, then rename over: an interrupted write leaves the old file whole."""
     from llmflow.atomic import atomic_write_text
 
-    _check_target(path)
+    _check_target(path, kind)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, text)  # (a temporary file of its own, removed on any failure)
@@ -52,15 +72,11 @@ def _write(path: Path, text: str) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
-    import importlib
-
-    module, function = GENERATORS[args.kind]
-    generate = getattr(importlib.import_module(module), function)
     if args.check and not args.output:
         raise UserError("--check needs -o FILE")
     if args.output:
-        _check_target(Path(args.output))  # a bad -o fails before the schema is built
-    text = generate()
+        _check_target(Path(args.output), args.kind)  # a bad -o fails before the schema is built
+    text = KINDS[args.kind]()
     if args.check:
         path = Path(args.output)
         try:
@@ -74,7 +90,7 @@ def execute(args: argparse.Namespace) -> int:
         print(f"PASSED ({args.output} is up to date)")
         return 0
     if args.output:
-        _write(Path(args.output), text)
+        _write(Path(args.output), text, args.kind)
         print(f"wrote {args.output}")
     else:
         print(text, end="")

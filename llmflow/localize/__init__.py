@@ -11,7 +11,7 @@ coarse-to-fine narrowing:
   cost.py     bytes and model runs spent, against an estimate of a full API-level dump
   moe.py      in fused experts, which expert
   conclude.py the verdict: pass / fail / inconclusive, with what the evidence covers
-  result.py   the verdict's types (``BisectResult``), written to verdict.json
+  (the verdict's types, written to verdict.json, are llmflow.results.verdict)
   bisect.py   glues the steps together (``run_bisect``); options.py declares its inputs
   badcase.py  many prompts on both sides, no dump: which prompt drifts most (the badcase stage)
 """

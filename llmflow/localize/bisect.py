@@ -41,8 +41,8 @@ from llmflow.localize.golden import (
 from llmflow.localize.options import BisectInputs
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, own_error, replay_modules
-from llmflow.localize.result import BisectResult
 from llmflow.localize.tokens import first_bad_step, first_mismatch, token_rows
+from llmflow.results.verdict import Cost, ModelRuns, OpRow, Verdict
 from llmflow.structure import LayerStack, find_layer_stack
 
 Progress = Callable[[str, float | None], Any]
@@ -185,49 +185,47 @@ class _Bisect:
         g_ops = ops_mod.capture_ops(g_mod, name, call, device=gld.device, dtype=gld.dtype)
         t_ops = ops_mod.capture_ops(t_mod, name, call, device=tgt.device, dtype=tgt.dtype)
         chosen.op_level = ops_mod.comparability(g_ops, t_ops)
-        if chosen.op_level["comparable"]:
+        if chosen.op_level.comparable:
             chosen.op_rows, chosen.first_op = ops_mod.compare_ops(g_ops, t_ops, target_dtype=tgt.dtype,
                                                                   ratio=self.inp.ratio_threshold)
         else:  # the ops before the first difference pair; after it, the target's are listed only
-            n_g, n_t = chosen.op_level["golden_ops_paired"], chosen.op_level["target_ops_paired"]
+            n_g, n_t = chosen.op_level.golden_ops_paired, chosen.op_level.target_ops_paired
             chosen.op_rows, chosen.first_op = ops_mod.compare_ops(
                 g_ops[:n_g], t_ops[:n_t], target_dtype=tgt.dtype, ratio=self.inp.ratio_threshold,
                 own_error_only=True)
-            chosen.op_rows += [{"name": t.name, "golden_api": None, "target_api": t.api, "raw": None,
-                                "iso": None, "status": "not comparable", "iso_typical": None,
-                                "iso_score": None} for t in t_ops[n_t:]]
+            chosen.op_rows += [OpRow(name=t.name, golden_api=None, target_api=t.api, raw=None, iso=None,
+                                     status="not comparable") for t in t_ops[n_t:]]
         if cand.get("overflow"):
             origin = ops_mod.first_overflow_op(t_ops)
             if origin is not None:
                 chosen.overflow_op = ops_mod.overflow_detail(origin)
                 chosen.first_op = origin.name
         self.log(f"bisect: {len(t_ops)} target ops in {name}"
-                 + ("" if chosen.op_level["comparable"] else " (not comparable with the golden's)")
+                 + ("" if chosen.op_level.comparable else " (not comparable with the golden's)")
                  + f"; first bad op {chosen.first_op}")
         self.phase("op: replay with API capture")
 
     # -- 5. cost ---------------------------------------------------------------------------------
-    def cost(self, tried: list[StepReplay], chosen: StepReplay) -> dict[str, Any]:
+    def cost(self, tried: list[StepReplay], chosen: StepReplay) -> Cost:
         inp = self.inp
         g_bytes, t_bytes = cost_mod.dir_bytes(inp.golden_dump), cost_mod.dir_bytes(inp.target_dump)
-        cost: dict[str, Any] = {
-            "model_runs": {"full_generations": 2, "models_loaded_by_bisect": 1 + ("golden" in self.held),
-                           "golden_layers_recomputed": self.stats["recomputed_layers"],
-                           "golden_reruns": self.stats["golden_reruns"],
-                           "module_replays": sum(len(t.rows) for t in tried),
-                           "op_replays": len(chosen.op_rows)},
-            "bytes_dumped": g_bytes + t_bytes, "golden_dump_bytes": g_bytes, "target_dump_bytes": t_bytes,
-        }
+        cost = Cost(
+            model_runs=ModelRuns(full_generations=2, models_loaded_by_bisect=1 + ("golden" in self.held),
+                                 golden_layers_recomputed=self.stats["recomputed_layers"],
+                                 golden_reruns=self.stats["golden_reruns"],
+                                 module_replays=sum(len(t.rows) for t in tried),
+                                 op_replays=len(chosen.op_rows)),
+            bytes_dumped=g_bytes + t_bytes, golden_dump_bytes=g_bytes, target_dump_bytes=t_bytes)
         if inp.estimate_cost and inp.prompt_ids:
             n = max(len(inp.golden_ids), 1)
             sides = [m for m in (self.golden(), self.target) if m is not None]
             full = sum(cost_mod.estimate_api_dump_bytes(m.model, inp.prompt_ids, n)["total_bytes"]
                        for m in sides) * 2 // len(sides)
-            cost["full_api_dump_bytes_estimate"] = full
-            cost["bytes_fraction_of_full_api_dump"] = round(cost["bytes_dumped"] / max(full, 1), 4)
+            cost.full_api_dump_bytes_estimate = full
+            cost.bytes_fraction_of_full_api_dump = round(cost.bytes_dumped / max(full, 1), 4)
             self.phase("cost: full API dump estimate")
-        cost["bisect_seconds"] = round(time.time() - self.t0, 2)
-        cost["bisect_phase_seconds"] = self.phases
+        cost.bisect_seconds = round(time.time() - self.t0, 2)
+        cost.bisect_phase_seconds = self.phases
         return cost
 
 
@@ -243,7 +241,7 @@ def replay_plan(inp: BisectInputs, mismatch: int | None, bad_token: int | None) 
 
 
 def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
-               progress: Progress | None = None) -> BisectResult:
+               progress: Progress | None = None) -> Verdict:
     """Narrow the divergence down; returns the verdict with its evidence."""
     b = _Bisect(inp, log, progress)
     tgt = b.target

@@ -14,7 +14,25 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from llmflow.localize.result import BisectResult, Inconclusive, ReplayInfo
+from llmflow.results.codec import from_json
+from llmflow.results.verdict import (
+    Candidate,
+    Evidence,
+    ExpertRow,
+    Inconclusive,
+    OpLevel,
+    OpRow,
+    Overflow,
+    OverflowOp,
+    ReplayInfo,
+    RoutingRow,
+    ScanOrigin,
+    SideText,
+    Texts,
+    TokenDetail,
+    TokenRow,
+    Verdict,
+)
 from llmflow.structure import LayerStack, layer_index, layer_of, module_type
 
 #: the suffix of a ranked row measuring what an attention wrote into its KV cache at a decode step
@@ -37,13 +55,13 @@ class StepReplay:
     call_of: Callable[[str], Any] | None = None
     rerun_diff: float | None = None
     missing: str | None = None  # why this step could not be replayed at all
-    routing: list[dict[str, Any]] = field(default_factory=list)
-    op_rows: list[dict[str, Any]] = field(default_factory=list)
+    routing: list[RoutingRow] = field(default_factory=list)
+    op_rows: list[OpRow] = field(default_factory=list)
     first_op: str | None = None
-    experts: list[dict[str, Any]] = field(default_factory=list)
+    experts: list[ExpertRow] = field(default_factory=list)
     expert: int | None = None
-    op_level: dict[str, Any] | None = None  # ops.comparability of the chosen module's two op sequences
-    overflow_op: dict[str, Any] | None = None  # ops.overflow_detail of the op where an overflow starts
+    op_level: OpLevel | None = None  # ops.comparability of the chosen module's two op sequences
+    overflow_op: OverflowOp | None = None  # ops.overflow_detail of the op where an overflow starts
 
     @property
     def replayed(self) -> list[dict[str, Any]]:
@@ -98,25 +116,22 @@ def _step_word(step: int) -> str:
     return "the prefill (step 0)" if step == 0 else f"decode step {step}"
 
 
-def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[dict[str, Any]],
+#: what a ranked row (``rank.rank_modules``) carries into the verdict's candidates
+CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", "score", "z", "anomalous",
+                    "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
+                    "overflow", "nonfinite")
+
+
+def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
              mismatch: int | None, bad_token: int | None, stack: LayerStack | None,
              decode: Callable[[int], str], dtype: str, device: str, problems: list[str],
-             note: str | None = None) -> BisectResult:
+             note: str | None = None) -> Verdict:
     """The verdict of a bisect from what each replayed step showed."""
     cand = chosen.candidate
     module = cand["name"].removesuffix(KV_CACHE) if chosen.anomalous and cand else None
     expert = chosen.expert if module else None
     layer = layer_of(module, stack) if module else None
-    by_step = {r["step"]: r for r in rows}
-    detail: dict[str, Any] = {}
-    if mismatch is not None:
-        g = inp.golden_ids[mismatch] if mismatch < len(inp.golden_ids) else None
-        t = inp.target_ids[mismatch] if mismatch < len(inp.target_ids) else None
-        detail = {"step": mismatch, "golden_token": decode(g) if g is not None else None,
-                  "target_token": decode(t) if t is not None else None,
-                  "golden_margin": by_step.get(mismatch, {}).get("golden_margin"),
-                  "kl": by_step.get(mismatch, {}).get("kl"),
-                  "logits_max_abs_error": by_step.get(mismatch, {}).get("max_absolute_error")}
+    detail = _token_detail(inp, mismatch, rows, decode)
     replay = ReplayInfo(step=chosen.step, why=chosen.why, source=chosen.source,
                         replayed=len(chosen.replayed), not_replayable=len(chosen.not_replayable),
                         reasons=_reasons(chosen.not_replayable), steps_tried=[t.step for t in tried],
@@ -128,68 +143,81 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     diagnosis += _token_sentence(mismatch, detail)
     if note:
         diagnosis += f" {note}"
-    top = [r for r in chosen.ranked if r.get("score") is not None][: inp.top_k]
-    keep = ("rank", "name", "module_type", "layer", "error", "typical", "score", "z", "anomalous",
-            "raw_rel_l2", "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
-            "overflow", "nonfinite")
-    for r in top:
-        r["raw_rel_l2"] = chosen.raw.get(r["name"], {}).get("rel_l2")
-    unrep = [{"name": r["name"], "replayable": False, "reason": r.get("reason"),
-              "raw_rel_l2": chosen.raw.get(r["name"], {}).get("rel_l2")} for r in chosen.not_replayable]
-    return BisectResult(
+    top = [Candidate(**{k: r.get(k) for k in CANDIDATE_FIELDS if r.get(k) is not None},
+                     raw_rel_l2=chosen.raw.get(r["name"], {}).get("rel_l2"))
+           for r in chosen.ranked if r.get("score") is not None][: inp.top_k]
+    unrep = [Candidate(name=r["name"], replayable=False, reason=r.get("reason"),
+                       raw_rel_l2=chosen.raw.get(r["name"], {}).get("rel_l2")) for r in chosen.not_replayable]
+    return Verdict(
         status=status, headline=headline, diagnosis=diagnosis, replay=replay,
         first_mismatch_token=mismatch, first_bad_token=bad_token, first_bad_layer=layer,
         first_bad_module=module, first_bad_op=chosen.first_op if module else None,
         first_bad_expert=expert, inconclusive=why_not, token_detail=detail,
-        evidence=[{"name": r["name"], "isolated_rel_l2": r["error"], "typical": r["typical"],
-                   "score": r["score"], "raw_rel_l2": r.get("raw_rel_l2"), "step": chosen.step}
-                  for r in top[:5]],
-        texts={side: {"label": f"{spec.get('model')} {spec.get('dtype')} {spec.get('device')}"
-                      + (f" patch={spec['patch']}" if spec.get("patch") else ""),
-                      "text": "".join(decode(i) for i in ids), "tokens": [decode(i) for i in ids]}
-               for side, spec, ids in (("golden", inp.golden_spec, inp.golden_ids),
-                                       ("target", inp.target_spec, inp.target_ids))},
+        evidence=[Evidence(name=c.name, isolated_rel_l2=c.error, typical=c.typical, score=c.score,
+                           raw_rel_l2=c.raw_rel_l2, step=chosen.step) for c in top[:5]],
+        texts=Texts(**{side: SideText(label=f"{spec.get('model')} {spec.get('dtype')} {spec.get('device')}"
+                                      + (f" patch={spec['patch']}" if spec.get("patch") else ""),
+                                      text="".join(decode(i) for i in ids), tokens=[decode(i) for i in ids])
+                       for side, spec, ids in (("golden", inp.golden_spec, inp.golden_ids),
+                                               ("target", inp.target_spec, inp.target_ids))}),
         curves=_curves(chosen.raw, chosen.replayed, stack),
-        candidates=[{k: r.get(k) for k in keep} for r in top] + unrep[:50],
+        candidates=top + unrep[:50],
         ops=chosen.op_rows, experts=chosen.experts, routing=routing, token_rows=rows,
         problems=problems, notes=[note] if note else [],
         overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level)
 
 
-def _overflow_scan_origin(inp: Any) -> dict[str, Any] | None:
+def _token_detail(inp: Any, mismatch: int | None, rows: list[TokenRow],
+                  decode: Callable[[int], str]) -> TokenDetail:
+    """Both sides' tokens at the first mismatch and how close the golden's choice was there."""
+    if mismatch is None:
+        return TokenDetail()
+    g = inp.golden_ids[mismatch] if mismatch < len(inp.golden_ids) else None
+    t = inp.target_ids[mismatch] if mismatch < len(inp.target_ids) else None
+    at = next((r for r in rows if r.step == mismatch), None)
+    return TokenDetail(step=mismatch, golden_token=decode(g) if g is not None else None,
+                       target_token=decode(t) if t is not None else None,
+                       golden_margin=at.golden_margin if at else None, kl=at.kl if at else None,
+                       logits_max_abs_error=at.max_absolute_error if at else None)
+
+
+def _overflow_scan_origin(inp: Any) -> ScanOrigin | None:
     """The target dump's overflow-scan origin of a non-finite value (None: no scan, or none found)."""
     scan = getattr(inp, "overflow_scan", None) or {}
     origin = scan.get("first_origin")
-    return origin if origin and origin.get("kind") in ("nan", "inf") else None
+    if not origin or origin.get("kind") not in ("nan", "inf"):
+        return None
+    known = {f: origin[f] for f in ScanOrigin.__dataclass_fields__ if f in origin}
+    return from_json(ScanOrigin, known, where="overflow_report: first_origin")
 
 
-def _scan_sentence(origin: dict[str, Any]) -> str:
-    return (f"the overflow scan of the target dump finds the first {origin['kind']} in {origin['name']} "
-            f"at step {origin['step']}")
+def _scan_sentence(origin: ScanOrigin) -> str:
+    return (f"the overflow scan of the target dump finds the first {origin.kind} in {origin.name} "
+            f"at step {origin.step}")
 
 
 def _related(a: str, b: str) -> bool:
     return a == b or a.startswith(b + ".") or b.startswith(a + ".") or a.startswith(b + "/")
 
 
-def overflow_evidence(inp: Any, chosen: StepReplay, module: str | None) -> dict[str, Any]:
+def overflow_evidence(inp: Any, chosen: StepReplay, module: str | None) -> Overflow:
     """The verdict's ``overflow`` block: the modules whose replay overflows (execution order),
     their layers, the op where the blamed one starts, and the overflow scan's origin with whether
     it agrees (same module, an ancestor or a descendant)."""
     rows = [r for r in chosen.ranked if r.get("overflow")]
     origin = _overflow_scan_origin(inp)
-    return {
-        "modules": [r["name"] for r in rows],
-        "layers": list(dict.fromkeys(r["layer"] for r in rows if r.get("layer"))),
-        "nonfinite": {r["name"]: r.get("nonfinite") for r in rows},
-        "op": chosen.overflow_op,
-        "scan_origin": origin,
-        "scan_agrees": (_related(origin["name"], module) if origin and module else None),
-    }
+    return Overflow(
+        modules=[r["name"] for r in rows],
+        layers=list(dict.fromkeys(r["layer"] for r in rows if r.get("layer"))),
+        nonfinite={r["name"]: r.get("nonfinite") for r in rows},
+        op=chosen.overflow_op,
+        scan_origin=origin,
+        scan_agrees=(_related(origin.name, module) if origin and module else None),
+    )
 
 
 def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | None, expert: int | None,
-           mismatch: int | None, bad_token: int | None, problems: list[str], routing: list[dict[str, Any]],
+           mismatch: int | None, bad_token: int | None, problems: list[str], routing: list[RoutingRow],
            stack: LayerStack | None, dtype: str) -> tuple[str, str, str, Inconclusive | None]:
     """(status, headline, diagnosis, inconclusive) from the evidence."""
     cand = chosen.candidate
@@ -200,13 +228,13 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         if cand["name"].endswith(KV_CACHE):
             what += " (the keys and values it writes to the KV cache)"
         op = f"; first bad op {chosen.first_op}" if chosen.first_op else ""
-        level = chosen.op_level or {}
-        if level.get("comparable") is False:
+        level = chosen.op_level
+        if level is not None and not level.comparable:
             op += "; op level not comparable (the target runs other ops than the golden)"
         if cand.get("overflow"):
             o = chosen.overflow_op
-            how = (f" ({o['api']} in {o['dtype']}: {o['inf']} Inf, {o['nan']} NaN from inputs up to "
-                   f"{o['input_max_abs']:.3g})") if o else ""
+            how = (f" ({o.api} in {o.dtype}: {o.inf} Inf, {o.nan} NaN from inputs up to "
+                   f"{o.input_max_abs:.3g})") if o else ""
             headline = (f"{what} overflows: replayed alone on finite golden inputs at {where} it gives "
                         f"Inf/NaN where the golden is finite{op}")
             diagnosis = (f"{what} is the fault, an overflow: replayed alone on the golden inputs at {where}, "
@@ -216,7 +244,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                           if chosen.first_op else ".")
             origin = _overflow_scan_origin(inp)
             if origin:
-                agrees = _related(origin["name"], module)
+                agrees = _related(origin.name, module)
                 diagnosis += (f" Consistent with this, {_scan_sentence(origin)}." if agrees else
                               f" Note: {_scan_sentence(origin)}, elsewhere.")
         else:
@@ -229,9 +257,9 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                 diagnosis += f"; of its experts, expert {expert} stands out"
             diagnosis += (f"; inside it, {chosen.first_op} is the first op that goes wrong."
                           if chosen.first_op else ".")
-        if level.get("comparable") is False:
-            ops = ", ".join(o["name"].rsplit("/", 1)[-1] for o in level["target_ops_around"])
-            diagnosis += f" The op level is not comparable: {level['reason']} (target ops there: {ops})."
+        if level is not None and not level.comparable:
+            ops = ", ".join(o.name.rsplit("/", 1)[-1] for o in level.target_ops_around)
+            diagnosis += f" The op level is not comparable: {level.reason} (target ops there: {ops})."
         if chosen.step > 0:
             diagnosis += (f" Step {chosen.step} was replayed ({chosen.why}) with the golden KV cache, so the "
                           "fault lives on the decode path.")
@@ -244,9 +272,9 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     missing = [t.missing for t in tried if t.missing]
     if routing:  # near-tied experts swapped by the router's rounding: reported, not a fault
         r = routing[0]
-        toks = ", ".join(repr(t["text"]) for t in r["tokens"][:5])
-        nothing += (f"; routing diverges in {r['module']} at {_step_word(r['step'])} for {toks}: "
-                    f"{r['detail']} (the router's own error does not stand out: rounding picked other "
+        toks = ", ".join(repr(t.text) for t in r.tokens[:5])
+        nothing += (f"; routing diverges in {r.module} at {_step_word(r.step)} for {toks}: "
+                    f"{r.detail} (the router's own error does not stand out: rounding picked other "
                     "experts for near-tied tokens)")
     reason, nxt = None, None
     if missing and not chosen.replayed:
@@ -305,13 +333,13 @@ def _reason_list(step: StepReplay, n: int = 3) -> str:
     return (": " + "; ".join(parts)) if parts else ""
 
 
-def _token_sentence(mismatch: int | None, detail: dict[str, Any]) -> str:
-    if mismatch is None or detail.get("golden_margin") is None:
+def _token_sentence(mismatch: int | None, detail: TokenDetail) -> str:
+    if mismatch is None or detail.golden_margin is None:
         return ""
-    s = (f" The texts first differ at generated token {mismatch} ({detail['golden_token']!r} -> "
-         f"{detail['target_token']!r}), where the golden's top-2 logit margin was "
-         f"{detail['golden_margin']:.3g}")
-    err = detail.get("logits_max_abs_error")
-    if isinstance(err, (int, float)) and err >= detail["golden_margin"]:
+    s = (f" The texts first differ at generated token {mismatch} ({detail.golden_token!r} -> "
+         f"{detail.target_token!r}), where the golden's top-2 logit margin was "
+         f"{detail.golden_margin:.3g}")
+    err = detail.logits_max_abs_error
+    if isinstance(err, (int, float)) and err >= detail.golden_margin:
         return s + f" and the target's logits there differ by up to {err:.3g}: enough to swap the top two."
     return s + "."

@@ -27,6 +27,7 @@ from torch import nn
 
 from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.localize.calls import cast_inputs
+from llmflow.results.verdict import ExpertRow, RoutedToken, RoutingRow
 
 
 def router_of(module: nn.Module) -> tuple[str, nn.Module] | None:
@@ -119,7 +120,7 @@ def replay_moe_block(module: nn.Module, name: str, call: Call, context: dict[str
 
 
 def routing_divergences(rows: list[dict[str, Any]], step: int, token_text: Callable[[int], str],
-                        ratio: float = 3.0) -> list[dict[str, Any]]:
+                        ratio: float = 3.0) -> list[RoutingRow]:
     """Routing flips that move an MoE block's output well beyond its own rounding: one entry per
     block, with the tokens they hit."""
     out = []
@@ -131,12 +132,12 @@ def routing_divergences(rows: list[dict[str, Any]], step: int, token_text: Calla
         floor = max(r["rel_l2"], 1e-6)
         if with_own < ratio * floor:
             continue
-        out.append({"module": r["name"], "step": step,
-                    "tokens": [{**f, "text": token_text(f["position"])} for f in flips],
-                    "output_error_with_target_routing": with_own,
-                    "output_error_with_golden_routing": r["rel_l2"],
-                    "detail": f"{len(flips)} token(s) routed to other experts; the block's output moves "
-                              f"{with_own:.3g} (relative) against {r['rel_l2']:.3g} with the golden routing"})
+        out.append(RoutingRow(
+            module=r["name"], step=step,
+            tokens=[RoutedToken(**f, text=token_text(f["position"])) for f in flips],
+            output_error_with_target_routing=with_own, output_error_with_golden_routing=r["rel_l2"],
+            detail=f"{len(flips)} token(s) routed to other experts; the block's output moves "
+                   f"{with_own:.3g} (relative) against {r['rel_l2']:.3g} with the golden routing"))
     return out
 
 
@@ -149,7 +150,7 @@ def is_fused_experts(module: nn.Module, call: Call) -> bool:
 
 @torch.no_grad()
 def expert_errors(golden_module: nn.Module, target_module: nn.Module, call: Call, *, golden: Any,
-                  target: Any) -> list[dict[str, Any]]:
+                  target: Any) -> list[ExpertRow]:
     """Each expert's contribution alone (the routing weights of every other expert zeroed),
     golden against target: one row per expert the golden routing used."""
     from llmflow.localize.replay import own_error
@@ -171,18 +172,17 @@ def expert_errors(golden_module: nn.Module, target_module: nn.Module, call: Call
             k = cast_inputs(call.kwargs, side.device, side.dtype, module)
             outs.append(flatten_outputs(module(*a, **k))["0"])
         err = own_error(outs[0], outs[1])
-        rows.append({"expert": int(e), "tokens": int((index == e).any(dim=-1).sum()), **err})
+        rows.append(ExpertRow(expert=int(e), tokens=int((index == e).any(dim=-1).sum()), **err))
     return rows
 
 
-def worst_expert(rows: list[dict[str, Any]], ratio: float) -> int | None:
+def worst_expert(rows: list[ExpertRow], ratio: float) -> int | None:
     """The expert whose own error stands out from the module's other experts; None when none
     does (every expert alike: the fault is shared, e.g. a wrong kernel for all of them)."""
-    scored = [r for r in rows if r.get("rel_l2") is not None]
-    if len(scored) < 2:
+    if len(rows) < 2:
         return None
-    worst = max(scored, key=lambda r: r["rel_l2"])
-    others = [r["rel_l2"] for r in scored if r is not worst]
+    worst = max(rows, key=lambda r: r.rel_l2)
+    others = [r.rel_l2 for r in rows if r is not worst]
     typical = max(median(others), 1e-9)
-    worst["score"] = worst["rel_l2"] / typical
-    return worst["expert"] if worst["score"] >= ratio else None
+    worst.score = worst.rel_l2 / typical
+    return worst.expert if worst.score >= ratio else None

@@ -43,6 +43,7 @@ from llmflow.dump.memory import Call, OpCall, OpRecorder
 from llmflow.localize.calls import cast_inputs
 from llmflow.localize.rank import DEFAULT_RATIO_THRESHOLD, first_jump
 from llmflow.localize.replay import own_error
+from llmflow.results.verdict import OpLevel, OpRef, OpRow, OverflowOp
 
 #: relative error a correct op shows in each target dtype (half an ulp-ish, times a margin)
 DTYPE_FLOOR = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 4e-3, torch.float16: 5e-4}
@@ -97,44 +98,43 @@ def align_ops(golden: list[OpCall], target: list[OpCall]) -> list[tuple[OpCall |
 
 def compare_ops(golden: list[OpCall], target: list[OpCall], *, target_dtype: torch.dtype,
                 ratio: float = DEFAULT_RATIO_THRESHOLD,
-                own_error_only: bool = False) -> tuple[list[dict[str, Any]], str | None]:
+                own_error_only: bool = False) -> tuple[list[OpRow], str | None]:
     """One row per aligned op and the name of the first bad op (None when nothing stands out).
     ``own_error_only``: name an op only for its own error (no raw-error jump, no first odd op),
     for a stretch of ops that is followed by ops that cannot be paired."""
-    rows: list[dict[str, Any]] = []
+    rows: list[OpRow] = []
     last_golden: dict[tuple[int, ...], torch.Tensor] = {}
     for g, t in align_ops(golden, target):
-        row: dict[str, Any] = {"name": (t or g).name, "golden_api": g.api if g else None,
-                               "target_api": t.api if t else None, "raw": None, "iso": None}
+        row = OpRow(name=(t or g).name, golden_api=g.api if g else None, target_api=t.api if t else None,
+                    raw=None, iso=None, status="only in golden")
         if g is not None:
             last_golden[tuple(g.output.shape)] = g.output
         if g is not None and t is not None:
-            row["status"] = "matched" if g.api == t.api else "different api"
-            row["raw"] = own_error(g.output, t.output)["rel_l2"] if g.output.shape == t.output.shape else None
-            row["iso"] = _iso(t, g)
+            row.status = "matched" if g.api == t.api else "different api"
+            row.raw = own_error(g.output, t.output)["rel_l2"] if g.output.shape == t.output.shape else None
+            row.iso = _iso(t, g)
         elif t is not None:
-            row["status"] = "only in target"
+            row.status = "only in target"
             same = last_golden.get(tuple(t.output.shape))  # the value this op rewrites, if any
-            row["raw"] = own_error(same, t.output)["rel_l2"] if same is not None else None
-        else:
-            row["status"] = "only in golden"
+            row.raw = own_error(same, t.output)["rel_l2"] if same is not None else None
         rows.append(row)
     floor = DTYPE_FLOOR.get(target_dtype, 4e-3)
-    iso_rows = [r for r in rows if r["iso"] is not None]
+    iso_rows = [r for r in rows if r.iso is not None]
     for r in rows:
-        others = [o["iso"] for o in iso_rows if o is not r]  # leave-one-out, as for modules
-        r["iso_typical"] = max(median(others) if others else 0.0, floor)
-        r["iso_score"] = r["iso"] / r["iso_typical"] if r["iso"] is not None else None
+        others = [o.iso for o in iso_rows if o is not r]  # leave-one-out, as for modules
+        r.iso_typical = max(median(others) if others else 0.0, floor)
+        r.iso_score = r.iso / r.iso_typical if r.iso is not None else None
     for r in rows:
-        if r["iso_score"] is not None and r["iso_score"] >= ratio:
-            return rows, r["name"]
+        if r.iso_score is not None and r.iso_score >= ratio:
+            return rows, r.name
     if own_error_only:
         return rows, None
-    jump = first_jump([r["raw"] for r in rows if r["status"] != "only in golden"], ratio=ratio, floor=floor)
+    paired = [r for r in rows if r.status != "only in golden"]
+    jump = first_jump([r.raw for r in paired], ratio=ratio, floor=floor)
     if jump is not None:
-        return rows, [r for r in rows if r["status"] != "only in golden"][jump]["name"]
-    odd = next((r for r in rows if r["status"] != "matched"), None)
-    return rows, odd["name"] if odd else None
+        return rows, paired[jump].name
+    odd = next((r for r in rows if r.status != "matched"), None)
+    return rows, odd.name if odd else None
 
 
 def _shape(t: torch.Tensor) -> list[int]:
@@ -170,14 +170,12 @@ def _swapped_in_place(golden: list[OpCall], target: list[OpCall]) -> bool:
     return swapped == 0
 
 
-def comparability(golden: list[OpCall], target: list[OpCall], *, context: int = 4) -> dict[str, Any]:
+def comparability(golden: list[OpCall], target: list[OpCall], *, context: int = 4) -> OpLevel:
     """Whether the target computes the module with the golden's ops (see the module docstring).
 
     The target may insert ops anywhere, swap an op for another of the same output shape in its
     slot (``_swapped_in_place``) and do a run of golden ops with one op giving their result.
-    Returns ``{"comparable": bool, "reason", "first_difference",
-    "golden_ops_paired", "target_ops_paired", "golden_ops_around", "target_ops_around"}``: where
-    not comparable, ``first_difference`` is the golden op (name, api, shape) the target has no
+    Where not comparable, ``first_difference`` is the golden op (name, api, shape) the target has no
     counterpart for, ``*_ops_paired`` how many ops of each side come before it (they pair), and
     the ``*_ops_around`` lists hold up to ``context`` ops either side of that point on each side
     (name, api, output shape)."""
@@ -191,20 +189,22 @@ def comparability(golden: list[OpCall], target: list[OpCall], *, context: int = 
         if tag == "replace" and j2 - j1 == 1 and _fits(golden[i2 - 1], target[j1]):
             continue  # golden ops done by one target op giving their result (GELU's formula -> relu)
         g = golden[i1]
-        first = {"name": g.name, "api": g.api, "shape": _shape(g.output)}
-        around = [{"name": c.name, "api": c.api, "shape": _shape(c.output)}
-                  for c in target[max(j1 - context, 0):j2 + context]]
-        theirs = ", ".join(f"{c['api']} {c['shape']}" for c in around[:2 * context])
+        first = _ref(g)
+        around = [_ref(c) for c in target[max(j1 - context, 0):j2 + context]]
+        theirs = ", ".join(f"{c.api} {c.shape}" for c in around[:2 * context])
         reason = (f"the target computes this module with other ops than the golden: the golden's "
-                  f"{g.name} ({g.api} -> {first['shape']}) has no counterpart in the target, which runs "
+                  f"{g.name} ({g.api} -> {first.shape}) has no counterpart in the target, which runs "
                   f"{theirs or 'nothing'} there; ops after that point cannot be paired, so no op is named")
-        return {"comparable": False, "reason": reason, "first_difference": first,
-                "golden_ops_paired": i1, "target_ops_paired": j1,
-                "golden_ops_around": [{"name": c.name, "api": c.api, "shape": _shape(c.output)}
-                                      for c in golden[max(i1 - context, 0):i2 + context]][:2 * context + 1],
-                "target_ops_around": around[:2 * context + 1]}
-    return {"comparable": True, "reason": None, "first_difference": None, "golden_ops_paired": len(golden),
-            "target_ops_paired": len(target), "golden_ops_around": [], "target_ops_around": []}
+        return OpLevel(comparable=False, reason=reason, first_difference=first,
+                       golden_ops_paired=i1, target_ops_paired=j1,
+                       golden_ops_around=[_ref(c) for c in golden[max(i1 - context, 0):i2 + context]
+                                          ][:2 * context + 1],
+                       target_ops_around=around[:2 * context + 1])
+    return OpLevel(comparable=True, golden_ops_paired=len(golden), target_ops_paired=len(target))
+
+
+def _ref(call: OpCall) -> OpRef:
+    return OpRef(name=call.name, api=call.api, shape=_shape(call.output))
 
 
 def _holds_overflow(value: Any) -> bool:
@@ -225,13 +225,13 @@ def first_overflow_op(ops: list[OpCall]) -> OpCall | None:
     return None
 
 
-def overflow_detail(call: OpCall) -> dict[str, Any]:
+def overflow_detail(call: OpCall) -> OverflowOp:
     """What ``first_overflow_op`` found, for the verdict: name, api, counts and the input's range."""
     out = call.output.detach().float()
     inputs = [x for x in tree_flatten((call.args, call.kwargs))[0]
               if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()]
     finite_max = max((float(x.detach().float().masked_fill(~torch.isfinite(x), 0).abs().max())
                       for x in inputs), default=math.nan)
-    return {"name": call.name, "api": call.api, "dtype": str(call.output.dtype).removeprefix("torch."),
-            "nan": int(torch.isnan(out).sum()), "inf": int(torch.isinf(out).sum()), "numel": out.numel(),
-            "input_max_abs": finite_max}
+    return OverflowOp(name=call.name, api=call.api, dtype=str(call.output.dtype).removeprefix("torch."),
+                      nan=int(torch.isnan(out).sum()), inf=int(torch.isinf(out).sum()), numel=out.numel(),
+                      input_max_abs=finite_max)

@@ -13,6 +13,7 @@ text): they are reported, but never picked as the first bad token.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,12 @@ import torch
 
 from llmflow.compare.divergence import first_mismatch  # noqa: F401  (re-exported: the bisect reads it here)
 from llmflow.formats.base import DumpReader, Entry
+from llmflow.results.verdict import TokenRow
+
+#: the compare metrics a token row carries (every field of TokenRow that ``compare_tensors`` fills)
+_ROW_OWN = {"step", "target_step", "golden_token", "golden_text", "target_token", "target_text", "same_token",
+            "golden_margin", "kl", "verdict"}
+METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(TokenRow) if f.name not in _ROW_OWN)
 
 
 def logits_entries(reader: DumpReader, rank: int = 0) -> dict[int, Entry]:
@@ -44,7 +51,7 @@ def top2_margin(logits: torch.Tensor) -> float:
 def token_rows(golden: DumpReader, target: DumpReader, *, golden_ids: list[int], target_ids: list[int],
                pairs: list[dict[str, int]] | None = None, target_dtype: str = "bfloat16",
                thresholds: dict[str, Any] | None = None,
-               decode: Callable[[int], str] | None = None) -> list[dict[str, Any]]:
+               decode: Callable[[int], str] | None = None) -> list[TokenRow]:
     """One row per aligned step: tokens, top-2 margin, KL and the compare metrics + verdict."""
     from llmflow.compare.metrics import compare_tensors, verdict
 
@@ -58,27 +65,26 @@ def token_rows(golden: DumpReader, target: DumpReader, *, golden_ids: list[int],
             continue
         gl, tl = golden.load(g_log[gs])[0], target.load(t_log[ts])[0]
         metrics = compare_tensors(gl.float(), tl.float())
-        row: dict[str, Any] = {"step": gs, "target_step": ts}
+        tokens: dict[str, Any] = {}
         for side, ids in (("golden", golden_ids), ("target", target_ids)):
             tok = ids[gs] if gs < len(ids) else None
-            row[f"{side}_token"] = tok
+            tokens[f"{side}_token"] = tok
             if decode is not None and tok is not None:
-                row[f"{side}_text"] = decode(tok)
-        row["same_token"] = row["golden_token"] == row["target_token"]
-        row["golden_margin"] = top2_margin(gl)
-        row["kl"] = kl_divergence(gl, tl)
-        row.update({k: v for k, v in metrics.items() if isinstance(v, (int, float, str)) or v is None})
-        row["verdict"] = verdict(metrics, target_dtype, thresholds)
-        rows.append(row)
+                tokens[f"{side}_text"] = decode(tok)
+        rows.append(TokenRow(step=gs, target_step=ts, **tokens,
+                             same_token=tokens["golden_token"] == tokens["target_token"],
+                             golden_margin=top2_margin(gl), kl=kl_divergence(gl, tl),
+                             **{k: metrics[k] for k in METRIC_FIELDS},
+                             verdict=verdict(metrics, target_dtype, thresholds)))
     return rows
 
 
-def first_bad_step(rows: list[dict[str, Any]], first_mismatch_step: int | None) -> int | None:
+def first_bad_step(rows: list[TokenRow], first_mismatch_step: int | None) -> int | None:
     """The first step whose logits fail, up to the first mismatching token.
 
     After the texts part, each side continues its own text: a failing step there compares the
     logits of two different contexts, which says nothing about a fault, so it is not counted."""
     for r in rows:
-        if r.get("verdict") == "fail" and (first_mismatch_step is None or r["step"] <= first_mismatch_step):
-            return r["step"]
+        if r.verdict == "fail" and (first_mismatch_step is None or r.step <= first_mismatch_step):
+            return r.step
     return None

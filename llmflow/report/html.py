@@ -27,6 +27,7 @@ Sections, each shown only when its data is there:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -43,6 +44,7 @@ from llmflow.report import html_verdict as hv
 from llmflow.report.html_compare import LevelRows, layer_heat_map, layer_number, summarize_level
 from llmflow.report.html_svg import charts
 from llmflow.report.html_tree import module_tree
+from llmflow.results.verdict import Candidate, Verdict
 
 MAX_ROWS = 5000  # per table: a browser stays responsive, the CSV has the rest
 # columns a reader looks at first (the rest follow in the CSV's order)
@@ -144,39 +146,43 @@ def _tokens(tokens: list[str], first_diff: int | None, first_bad: int | None) ->
     return out
 
 
-def _texts(v: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _texts(v: Verdict | None) -> list[dict[str, Any]]:
+    if v is None or v.texts is None:
+        return []
     out = []
-    for side in ("golden", "target"):
-        t = (v.get("texts") or {}).get(side) or {}
-        if not t:
-            continue
-        tokens = [str(x) for x in t.get("tokens") or [t.get("text", "")]]
-        out.append({"label": f"{side}: {t.get('label', '')}".rstrip(": "),
-                    "tokens": _tokens(tokens, v.get("first_mismatch_token"), v.get("first_bad_token"))})
+    for side, t in (("golden", v.texts.golden), ("target", v.texts.target)):
+        tokens = t.tokens or [t.text]
+        out.append({"label": f"{side}: {t.label}".rstrip(": "),
+                    "tokens": _tokens(tokens, v.first_mismatch_token, v.first_bad_token)})
     return out
+
+
+def _rows(records: Sequence[Any]) -> list[dict[str, Any]]:
+    """Verdict rows (candidates, ops, logits) as the plain rows a table draws."""
+    return [dataclasses.asdict(r) for r in records]
 
 
 def _safe_id(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", text)
 
 
-def _layer_of(row: Mapping[str, Any]) -> str | None:
-    if row.get("layer"):
-        return str(row["layer"])
-    m = re.match(r"^(.*?\.\d+)(?:\.|$)", str(row.get("name") or ""))
+def _layer_of(candidate: Candidate) -> str | None:
+    if candidate.layer:
+        return candidate.layer
+    m = re.match(r"^(.*?\.\d+)(?:\.|$)", candidate.name)
     return m[1] if m else None
 
 
-def _with_row_links(rows: list[Mapping[str, Any]], levels: Mapping[str, LevelRows]) -> list[dict[str, Any]]:
+def _with_row_links(candidates: list[Candidate], levels: Mapping[str, LevelRows]) -> list[dict[str, Any]]:
     """Candidates with a ``compare rows`` cell linking to the module's compare rows in the page:
     its own (module, api or layer level), else its decoder layer's output; empty when neither
     was compared."""
     names = {lv: rows_.shown_names() for lv, rows_ in levels.items()}
     out = []
-    for r in rows:
+    for c in candidates:
         link = None
-        layer = _layer_of(r)
-        for target, where, prefix in ((r.get("name"), ("module", "api", "layer"), ""),
+        layer = _layer_of(c)
+        for target, where, prefix in ((c.name, ("module", "api", "layer"), ""),
                                       (layer, ("layer", "module"), f"layer {layer}: ")):
             found = [lv for lv in where if target is not None and names.get(lv, {}).get(str(target))]
             if found:
@@ -184,7 +190,7 @@ def _with_row_links(rows: list[Mapping[str, Any]], levels: Mapping[str, LevelRow
                 link = Link(f"{prefix}{n} row{'s' if n != 1 else ''}",
                             f"#rows=t-cmp-{_safe_id(found[0])}&name={quote(str(target), safe='')}")
                 break
-        out.append({**r, "compare rows": link})
+        out.append({**dataclasses.asdict(c), "compare rows": link})
     return out
 
 
@@ -224,7 +230,7 @@ def summarize_levels(compare: Mapping[str, LevelRows | Iterable[Mapping[str, Any
     return levels
 
 
-def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
+def render_report(*, title: str, verdict: Verdict | None = None,
                   compare: Mapping[str, LevelRows | Iterable[Mapping[str, Any]]] | None = None,
                   files: Sequence[tuple[str, str]] = (), run: Mapping[str, Any] | None = None,
                   tables: Mapping[str, list[Mapping[str, Any]]] | None = None,
@@ -233,48 +239,48 @@ def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
                   op_panel: Mapping[str, Any] | None = None) -> str:
     """The whole HTML document as a string.
 
-    ``verdict``: the bisect stage's verdict dict. ``compare``: level -> the compare stage's rows
+    ``verdict``: the bisect's verdict (verdict.json read back). ``compare``: level -> the compare stage's rows
     (or a ``LevelRows`` already summarised, with the CSV's relative link). ``files``: (label, href)
     links to files next to the page (CSV, XLSX). ``run``: {"params": the run's parameters,
     "env": {"golden": env.json dict, "target": ...}}. ``tables``: any other row tables by heading.
     ``topology``: a dump's topology.json (the module tree). ``op_panel``: ``html_op.op_panel``'s
     dict for the first bad op (or the closest tensor the dumps hold).
     """
-    v = dict(verdict or {})
+    v = verdict
     levels = summarize_levels(compare or {}, max_rows)
     run = run or {}
     envs = dict(run.get("env") or {})
     params = run.get("params") or {}
-    replay = hv.replay(v) if verdict else None
-    layer = v.get("first_bad_layer")
-    token_rows = list(v.get("token_rows") or [])  # the bisect's logits rows: tokens, margins, KL
+    replay = hv.replay(v) if v else None
+    layer = v.first_bad_layer if v else None
+    token_rows = _rows(v.token_rows) if v else []  # the bisect's logits rows: tokens, margins, KL
     logits_shown = bool(token_rows)  # then the compare section does not repeat its logits rows
     ctx = {
         "title": title, "meta": [(str(k), str(val)) for k, val in (meta or {}).items()],
         "css": Markup(_asset("report.css")), "js": Markup(_asset("report.js")),
-        "banner": hv.banner(v) if verdict else None,
-        "fields": hv.fields(v) if verdict else [], "diagnosis": str(v.get("diagnosis") or ""),
+        "banner": hv.banner(v) if v else None,
+        "fields": hv.fields(v) if v else [], "diagnosis": v.diagnosis if v else "",
         "inconclusive": hv.inconclusive(v), "replay": replay,
         "prompt": hv.prompt_of(envs, params), "sides": hv.sides(envs) if envs else None,
         "params": [(str(k), _cell(val)["text"] if val != "" else '""') for k, val in params.items()],
         "workflow": run.get("workflow"), "texts": _texts(v),
-        "charts": charts(v.get("curves") or {}, mark_x=layer_number(layer) if layer else None),
+        "charts": charts(v.curves if v else {}, mark_x=layer_number(layer) if layer else None),
         "curve_step": replay["step_label"] if replay else None,
         "heat": layer_heat_map(levels.get("layer"), v),
-        "tree": _tree(topology, v if verdict else None, levels),
+        "tree": _tree(topology, v, levels),
         "op_panel": op_panel,
-        "candidates": table_view(_with_row_links(list(v.get("candidates") or []), levels),
-                                 table_id="t-candidates", highlight=v.get("first_bad_module"),
-                                 max_rows=max_rows, lead=CANDIDATE_LEAD) if v.get("candidates") else None,
-        "ops": table_view(list(v.get("ops") or []), table_id="t-ops", highlight=v.get("first_bad_op"),
-                          max_rows=max_rows) if v.get("ops") else None,
+        "candidates": table_view(_with_row_links(v.candidates, levels),
+                                 table_id="t-candidates", highlight=v.first_bad_module,
+                                 max_rows=max_rows, lead=CANDIDATE_LEAD) if v and v.candidates else None,
+        "ops": table_view(_rows(v.ops), table_id="t-ops", highlight=v.first_bad_op,
+                          max_rows=max_rows) if v and v.ops else None,
         "routing": table_view(hv.routing(v), table_id="t-routing") if hv.routing(v) else None,
         "logits": table_view(token_rows, table_id="t-logits", max_rows=max_rows, lead=LOGITS_LEAD,
                              drop_echoes=True) if logits_shown else None,
         "logits_href": levels["logits"].href if "logits" in levels else None,
         "compare": _compare_sections(levels, max_rows, logits_shown),
         "files": [{"label": str(label), "href": str(href)} for label, href in files],
-        "cost": hv.cost(v.get("cost")),
+        "cost": hv.cost(v.cost) if v else None,
         "extra": [{"name": str(name),
                    "table": table_view(list(rows), table_id=f"t-extra-{i}", max_rows=max_rows)}
                   for i, (name, rows) in enumerate((tables or {}).items())],
@@ -282,10 +288,10 @@ def render_report(*, title: str, verdict: Mapping[str, Any] | None = None,
     return _env().get_template("report.html.j2").render(ctx)
 
 
-def _tree(topology: Mapping[str, Any] | None, v: Mapping[str, Any] | None,
+def _tree(topology: Mapping[str, Any] | None, v: Verdict | None,
           levels: Mapping[str, LevelRows]) -> dict[str, Any] | None:
     """The module tree with each module's raw error at the replayed step (its compare rows)."""
-    step = ((v or {}).get("replay") or {}).get("step")
+    step = v.replay.step if v else None
     raw: dict[str, float] = {}
     verdicts: dict[str, str] = {}
     for lv in levels.values():

@@ -23,6 +23,7 @@ from typing import Any
 
 from llmflow.report.html_svg import heat_map
 from llmflow.report.tables import parse_cell
+from llmflow.results.verdict import Verdict
 from llmflow.structure import layer_index
 
 # the heat map's metric: the first of these the rows hold (column, label, value -> error)
@@ -171,7 +172,7 @@ def _token_label(step: int, tokens: list[Any]) -> str:
     return f"{step}{' prefill' if step == 0 else ''} → {tok}" if tok else f"step {step}"
 
 
-def layer_heat_map(layer_rows: LevelRows | None, verdict: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def layer_heat_map(layer_rows: LevelRows | None, verdict: Verdict | None) -> dict[str, Any] | None:
     """The heat map's geometry when the layer rows span two steps or more; else None.
 
     Rows are labelled with the token the golden generated at that step; the verdict's first bad
@@ -180,7 +181,6 @@ def layer_heat_map(layer_rows: LevelRows | None, verdict: Mapping[str, Any] | No
     """
     if layer_rows is None or len({s for s, _ in layer_rows.grid}) < 2:
         return None
-    v = verdict or {}
     candidates = ((metric, {k: to_error(c[col]) for k, c in layer_rows.grid.items()
                             if c.get(col) is not None and math.isfinite(c[col])})
                   for col, metric, to_error in HEAT_METRICS)
@@ -188,8 +188,10 @@ def layer_heat_map(layer_rows: LevelRows | None, verdict: Mapping[str, Any] | No
     if not values:
         return None
     verdicts = {k: str(c.get("verdict") or "") for k, c in layer_rows.grid.items()}
-    tokens = ((v.get("texts") or {}).get("golden") or {}).get("tokens") or []
-    bad_token, mismatch = v.get("first_bad_token"), v.get("first_mismatch_token")
+    tokens = verdict.texts.golden.tokens if verdict is not None and verdict.texts is not None else []
+    bad_token = verdict.first_bad_token if verdict is not None else None
+    mismatch = verdict.first_mismatch_token if verdict is not None else None
+    bad_layer = verdict.first_bad_layer if verdict is not None else None
     if not isinstance(mismatch, int) and layer_rows.first_diverged_step is not None:
         mismatch = layer_rows.first_diverged_step - 1  # the compare's own record of the texts part
     # cells after the texts part ran on different inputs: never the first failing cell
@@ -198,7 +200,7 @@ def layer_heat_map(layer_rows: LevelRows | None, verdict: Mapping[str, Any] | No
                    and not layer_rows.grid[k].get("diverged"))
     chart = heat_map(values, row_labels={s: _token_label(s, tokens) for s, _ in values}, metric=metric,
                      verdicts=verdicts, mark_row=bad_token if isinstance(bad_token, int) else None,
-                     mark_col=layer_number(v.get("first_bad_layer")), first_fail=fails[0] if fails else None,
+                     mark_col=layer_number(bad_layer), first_fail=fails[0] if fails else None,
                      split_after=mismatch if isinstance(mismatch, int) else None)
     if chart is not None:
         chart["n_fail"] = len(fails)

@@ -21,20 +21,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from llmflow.results.verdict import Candidate, OpRow, Verdict
 from llmflow.structure import layer_of_name
 
 MAX_NODES = 20_000  # a tree beyond this is cut (the page stays usable); the dump keeps it whole
 
 
-def _number(v: Any) -> float | None:
-    """A float from a verdict value (``"inf"`` is how verdict.json writes an overflow's score)."""
-    if isinstance(v, bool) or v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(f) else f
+def _number(v: float | None) -> float | None:
+    """A verdict's number, None for one not measured (None or NaN); an overflow's is ``inf``."""
+    return None if v is None or math.isnan(v) else v
 
 
 def _level(score: float | None, anomalous: bool, threshold: float) -> str:
@@ -52,7 +47,7 @@ def _layer_list(node: Mapping[str, Any]) -> bool:
             and all(str(k.get("name", "")).rsplit(".", 1)[-1].isdigit() for k in kids))
 
 
-def module_tree(topology: Mapping[str, Any] | None, verdict: Mapping[str, Any] | None,
+def module_tree(topology: Mapping[str, Any] | None, verdict: Verdict | None,
                 raw_errors: Mapping[str, float] | None = None,
                 raw_verdicts: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     """What the template draws, or None without a topology: ``{"nodes": [root], "step_label",
@@ -63,18 +58,18 @@ def module_tree(topology: Mapping[str, Any] | None, verdict: Mapping[str, Any] |
     rows); ``raw_verdicts``: that row's verdict."""
     if not isinstance(topology, Mapping) or not topology.get("children"):
         return None
-    v = verdict or {}
-    replay = v.get("replay") if isinstance(v.get("replay"), Mapping) else {}
-    threshold = _number(replay.get("ratio_threshold")) or 3.0
-    chosen = v.get("first_bad_module") or v.get("first_bad_layer")
-    cands = {str(c.get("name")): c for c in v.get("candidates") or [] if isinstance(c, Mapping)}
-    scores = [s for c in cands.values() if (s := _number(c.get("score"))) is not None]
+    replay = verdict.replay if verdict is not None else None
+    threshold = (_number(replay.ratio_threshold) if replay else None) or 3.0
+    chosen = (verdict.first_bad_module or verdict.first_bad_layer) if verdict is not None else None
+    cands: dict[str, Candidate] = {c.name: c for c in verdict.candidates} if verdict is not None else {}
+    scores = [s for c in cands.values() if (s := _number(c.score)) is not None]
     floor = min(scores) if scores else None  # the lowest listed: modules left out rank below it
-    not_replayable = {str(m): str(reason) for reason, names in (replay.get("reasons") or {}).items()
-                      if isinstance(names, (list, tuple)) for m in names}
-    isolated = _isolated_curve(v)
+    reasons = replay.reasons if replay else {}
+    not_replayable = {m: reason for reason, names in reasons.items() for m in names}
+    isolated = _isolated_curve(verdict) if verdict is not None else {}
     raw_errors, raw_verdicts = raw_errors or {}, raw_verdicts or {}
-    ops = [o for o in v.get("ops") or [] if isinstance(o, Mapping)]
+    ops = verdict.ops if verdict is not None else []
+    first_bad_op = verdict.first_bad_op if verdict is not None else None
     path_open = set()
     if chosen:
         parts = str(chosen).split(".")
@@ -85,13 +80,13 @@ def module_tree(topology: Mapping[str, Any] | None, verdict: Mapping[str, Any] |
         count[0] += 1
         name = str(node.get("name") or "")
         c = cands.get(name)
-        score = _number(c.get("score")) if c else None
-        own = _number(c.get("error")) if c else None
+        score = _number(c.score) if c else None
+        own = _number(c.error) if c else None
         note = ""
         if c:
-            level = _level(score, bool(c.get("anomalous")), threshold)
-            if c.get("reason"):
-                note = str(c["reason"])
+            level = _level(score, c.anomalous, threshold)
+            if c.reason:
+                note = c.reason
         elif name in not_replayable:
             level, note = "none", f"not replayed: {not_replayable[name]}"
         elif floor is not None and layer_of_name(name) is not None and name != layer_of_name(name) \
@@ -102,7 +97,7 @@ def module_tree(topology: Mapping[str, Any] | None, verdict: Mapping[str, Any] |
             level = "none"
         raw = raw_errors.get(name)
         if raw is None and c:
-            raw = _number(c.get("raw_rel_l2"))
+            raw = _number(c.raw_rel_l2)
         out: dict[str, Any] = {
             "name": name, "label": name.rsplit(".", 1)[-1] if in_list or depth > 1 else name or "(model)",
             "type": str(node.get("type") or ""), "own": own, "score": score, "level": level, "raw": raw,
@@ -119,7 +114,7 @@ def module_tree(topology: Mapping[str, Any] | None, verdict: Mapping[str, Any] |
             out["kind"] = "list"
         out["children"] = [build(k, depth + 1, is_list) for k in kids]
         if out["chosen"]:
-            out["children"] += [_op_node(o, v.get("first_bad_op"), threshold) for o in ops]
+            out["children"] += [_op_node(o, first_bad_op, threshold) for o in ops]
         if in_list and name in isolated:  # a layer: the worst own error measured inside it
             out["worst"] = isolated[name]
         levels = [k["level"] for k in out["children"]] + [k.get("inner", "none") for k in out["children"]]
@@ -130,32 +125,30 @@ def module_tree(topology: Mapping[str, Any] | None, verdict: Mapping[str, Any] |
 
     root = build(topology, 0, False)
     return {"nodes": [root], "chosen": chosen, "n_nodes": count[0], "threshold": threshold,
-            "step_label": replay.get("step")}
+            "step_label": replay.step if replay else None}
 
 
-def _op_node(op: Mapping[str, Any], first_bad_op: Any, threshold: float) -> dict[str, Any]:
+def _op_node(op: OpRow, first_bad_op: str | None, threshold: float) -> dict[str, Any]:
     """An op the bisect replayed inside the chosen module, as a leaf of the tree."""
-    score = _number(op.get("iso_score"))
-    own = _number(op.get("iso") if op.get("iso") is not None else op.get("error"))
-    name = str(op.get("name") or "")
-    return {"name": name, "label": name.rsplit("/", 1)[-1], "type": "op", "own": own, "score": score,
+    score = _number(op.iso_score)
+    name = op.name
+    return {"name": name, "label": name.rsplit("/", 1)[-1], "type": "op", "own": _number(op.iso),
+            "score": score,
             "level": _level(score, False, threshold) if score is not None else
             ("fail" if name == first_bad_op else "none"),
-            "raw": _number(op.get("raw")), "raw_level": "", "note": str(op.get("status") or ""),
+            "raw": _number(op.raw), "raw_level": "", "note": op.status,
             "chosen": name == first_bad_op, "kind": "op", "children": [], "count": 0, "worst": None,
             "inner": "none", "open": False}
 
 
-def _isolated_curve(v: Mapping[str, Any]) -> dict[str, float]:
+def _isolated_curve(v: Verdict) -> dict[str, float]:
     """Layer name -> the worst own error measured in it (the verdict's isolated curve, which is
     keyed by layer index), named like the first bad layer's list (``model.layers.N``)."""
-    layer = str(v.get("first_bad_layer") or "")
+    layer = v.first_bad_layer or ""
     base = layer.rsplit(".", 1)[0] if "." in layer else "model.layers"
-    for series in (v.get("curves") or {}).values():
-        if not isinstance(series, Mapping):
-            continue
+    for series in v.curves.values():
         for label, points in series.items():
-            if "isolated" in str(label) and isinstance(points, Mapping):
+            if "isolated" in label:
                 return {f"{base}.{i}": f for i, x in points.items() if (f := _number(x)) is not None}
     return {}
 

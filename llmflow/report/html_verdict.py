@@ -1,17 +1,19 @@
 """The verdict and the run as the report shows them: a banner, the fields, the replay and routing
 evidence, the cost in units a person reads, the two sides' versions.
 
-Everything here turns the bisect stage's verdict dict (``llmflow.localize.verdict``) and the
-dumps' ``env.json`` into plain values for the template. Keys a verdict may lack are optional:
-a verdict without ``status`` gets its banner from the fields it has.
+Everything here turns the bisect's ``Verdict`` (``llmflow.results.verdict``, read back from
+verdict.json) and the dumps' ``env.json`` into plain values for the template.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-STATUS_LABELS = {"pass": "PASSED", "fail": "FAILED", "inconclusive": "INCONCLUSIVE", "drift": "DRIFT"}
+from llmflow.results.verdict import Cost, Verdict
+
+STATUS_LABELS = {"pass": "PASSED", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}
 
 
 def step_label(step: Any) -> str:
@@ -21,70 +23,45 @@ def step_label(step: Any) -> str:
     return f"step {step} ({'prefill' if step == 0 else 'decode'})"
 
 
-def banner(v: Mapping[str, Any]) -> dict[str, str]:
-    """``{"status", "label", "headline"}``: the verdict's own status and headline when it has
-    them; otherwise derived: a blamed module or op is a fail, identical outputs a pass, outputs
-    that drift with no module standing out a drift."""
-    status = v.get("status")
-    headline = v.get("headline")
-    if status not in ("pass", "fail", "inconclusive"):
-        if v.get("first_bad_layer") is not None or v.get("first_bad_op") is not None:
-            status = "fail"
-            where = v.get("first_bad_op") or v.get("first_bad_module") or v.get("first_bad_layer")
-            headline = headline or f"fault localised to {where}"
-        elif v.get("first_mismatch_token") is None and v.get("first_bad_token") is None:
-            status = "pass"
-            headline = headline or "the target matches the golden"
-        else:
-            status = "drift"
-            headline = headline or "the outputs drift; no single module stands out"
-    return {"status": str(status), "label": STATUS_LABELS[str(status)], "headline": str(headline or "")}
+def banner(v: Verdict) -> dict[str, str]:
+    """``{"status", "label", "headline"}``: the verdict's status and headline."""
+    return {"status": v.status, "label": STATUS_LABELS[v.status], "headline": v.headline}
 
 
-def fields(v: Mapping[str, Any]) -> list[tuple[str, str]]:
+def fields(v: Verdict) -> list[tuple[str, str]]:
     """The localisation, coarse to fine, as (label, value) pairs ("none" when not found)."""
-    out = [("first mismatching token", v.get("first_mismatch_token")),
-           ("first bad token (logits)", v.get("first_bad_token")),
-           ("first bad layer", v.get("first_bad_layer")),
-           ("first bad module", v.get("first_bad_module")),
-           ("first bad op", v.get("first_bad_op"))]
-    detail = v.get("token_detail") or {}
-    if detail.get("golden_token") is not None:
+    out: list[tuple[str, Any]] = [("first mismatching token", v.first_mismatch_token),
+                                  ("first bad token (logits)", v.first_bad_token),
+                                  ("first bad layer", v.first_bad_layer),
+                                  ("first bad module", v.first_bad_module),
+                                  ("first bad op", v.first_bad_op)]
+    detail = v.token_detail
+    if detail.golden_token is not None:
         out.append(("tokens at the mismatch",
-                    f"golden {detail.get('golden_token')!r} vs target {detail.get('target_token')!r}"))
+                    f"golden {detail.golden_token!r} vs target {detail.target_token!r}"))
     return [(label, "none" if value is None else str(value)) for label, value in out]
 
 
-def replay(v: Mapping[str, Any]) -> dict[str, Any] | None:
+def replay(v: Verdict) -> dict[str, Any]:
     """The isolation replay: step, counts, where, and the not-replayable modules per reason."""
-    r = v.get("replay")
-    if not isinstance(r, Mapping):
+    r = v.replay
+    return {"step": r.step, "step_label": step_label(r.step),
+            "replayed": r.replayed, "not_replayable": r.not_replayable,
+            "where": " ".join(x for x in (r.device, r.dtype) if x),
+            "ratio_threshold": r.ratio_threshold,
+            "reasons": [{"reason": reason, "modules": list(names)} for reason, names in r.reasons.items()]}
+
+
+def inconclusive(v: Verdict | None) -> dict[str, str] | None:
+    info = v.inconclusive if v is not None else None
+    if info is None:
         return None
-
-    def count(x: Any) -> Any:
-        return len(x) if isinstance(x, (list, tuple, dict)) else x
-
-    reasons = r.get("reasons") or {}
-    return {"step": r.get("step"), "step_label": step_label(r.get("step")),
-            "replayed": count(r.get("replayed")), "not_replayable": count(r.get("not_replayable")),
-            "where": " ".join(str(r[k]) for k in ("device", "dtype") if r.get(k)),
-            "ratio_threshold": r.get("ratio_threshold"),
-            "reasons": [{"reason": str(reason), "modules": [str(m) for m in names]}
-                        for reason, names in reasons.items()
-                        if isinstance(names, (list, tuple))]}
+    return {"reason": info.reason, "next": info.next}
 
 
-def inconclusive(v: Mapping[str, Any]) -> dict[str, str] | None:
-    info = v.get("inconclusive")
-    if not isinstance(info, Mapping):
-        return None
-    return {"reason": str(info.get("reason") or ""), "next": str(info.get("next") or "")}
-
-
-def routing(v: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """MoE routing differences: one row per (layer, step)."""
-    rows = v.get("routing") or []
-    return [dict(r) for r in rows if isinstance(r, Mapping)] if isinstance(rows, list) else []
+def routing(v: Verdict | None) -> list[dict[str, Any]]:
+    """MoE routing differences: one row per (MoE block, step)."""
+    return [dataclasses.asdict(r) for r in v.routing] if v is not None else []
 
 
 # ---------------------------------------------------------------- units a person reads
@@ -122,20 +99,20 @@ def _label(key: str) -> str:
     return key.replace("_", " ")
 
 
-def cost(c: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def cost(c: Cost | None) -> dict[str, Any] | None:
     """``{"items": [{label, text, exact}], "groups": [{label, rows: [{label, text, exact}]}]}``:
-    scalars formatted by unit (``exact`` keeps the raw number for a tooltip), nested dicts (model
-    runs, phase seconds) as small tables of their own."""
-    if not c:
+    scalars formatted by unit (``exact`` keeps the raw number for a tooltip), nested records
+    (model runs, phase seconds) as small tables of their own; values not measured left out."""
+    if c is None:
         return None
     items, groups = [], []
-    for key, value in c.items():
+    for key, value in dataclasses.asdict(c).items():
         if isinstance(value, Mapping):
             unit_key = key if ("seconds" in key or "bytes" in key) else ""
             groups.append({"label": _label(key),
                            "rows": [{"label": _label(str(k)), "text": fmt_value(unit_key or str(k), v),
                                      "exact": str(v)} for k, v in value.items()]})
-        else:
+        elif value is not None:
             items.append({"label": _label(key), "text": fmt_value(key, value), "exact": str(value)})
     return {"items": items, "groups": groups}
 

@@ -164,9 +164,9 @@ def json_schema(cls: type, *, title: str, description: str | None = None) -> dic
     defs: dict[str, Any] = {}
     root = _schema(cls, defs)
     out: dict[str, Any] = {"$schema": "http://json-schema.org/draft-07/schema#", "title": title}
-    if description:
-        out["description"] = description
     out.update(defs.pop(cls.__name__))
+    if description:  # (in place of the type's docstring)
+        out["description"] = description
     if defs:
         out["definitions"] = dict(sorted(defs.items()))
     assert root == {"$ref": f"#/definitions/{cls.__name__}"}

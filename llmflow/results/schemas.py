@@ -1,13 +1,13 @@
 """The JSON schemas of the result files, generated from their types (``codec.json_schema``);
-``llmflow schema --kind KIND`` writes them, ``schemas/`` holds the committed copies."""
+``llmflow schema --kind KIND -o FILE`` writes one, ``schemas/`` holds the committed copies."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from llmflow.results.codec import json_schema
 from llmflow.results.summary import RunSummary
+from llmflow.results.verdict import Verdict
 
 OTHER_STAGE_BLOCKS = ("Blocks other stages add: a dump stage's under its stage id, a plugin stage's under "
                       "the key it chose (free JSON).")
@@ -23,6 +23,6 @@ def summary_schema() -> dict[str, Any]:
     return schema
 
 
-def summary_schema_text() -> str:
-    """The text of ``schemas/summary.schema.json``."""
-    return json.dumps(summary_schema(), indent=2) + "\n"
+def verdict_schema() -> dict[str, Any]:
+    """``schemas/verdict.schema.json``: the bisect stage's verdict.json."""
+    return json_schema(Verdict, title="llmflow bisect verdict")  # (described by Verdict's docstring)

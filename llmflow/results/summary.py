@@ -19,6 +19,7 @@ from typing import Any, Literal
 from llmflow.errors import UserError
 from llmflow.results.codec import from_json
 from llmflow.results.compare import CompareSummary, OutcomeStatus, doc
+from llmflow.results.verdict import VerdictSummary
 
 RunStatus = Literal["running", "passed", "failed", "inconclusive"]
 StageStatus = Literal["pending", "running", "done", "cached", "failed", "skipped"]
@@ -128,7 +129,7 @@ class RunSummary:
     stages: dict[str, StageSummary] = doc("Stage id -> its state, in execution order.")
     seed: SeedSettings | None = doc("Seed stage: the determinism settings.", default=None)
     compare: CompareSummary | None = doc("Compare stage: compare_summary.json.", default=None)
-    verdict: dict[str, Any] | None = doc(
+    verdict: VerdictSummary | None = doc(
         "Bisect stage: the headline fields of its verdict (verdict.json): first bad token, layer, "
         "module and op, the diagnosis, evidence, cost, overflow and op level.", default=None)
     overflow: OverflowSummary | None = doc("Overflow-scan stage: first inf/nan.", default=None)

@@ -12,18 +12,18 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
+from llmflow.atomic import atomic_write_json
 from llmflow.errors import UserError
 from llmflow.localize.options import BisectInputs
 from llmflow.options import from_params, required_params, stage_properties
+from llmflow.results.codec import to_json
+from llmflow.results.verdict import VerdictSummary
 from llmflow.stages.base import Stage, StageContext
 
 _SPEC = {"type": "object", "required": ["model"],
          "properties": {"model": {"type": "string"}, "device": {"type": "string"},
                         "dtype": {"type": "string"}, "patch": {"type": ["string", "null"]},
                         "base_dir": {"type": ["string", "null"]}}}
-SUMMARY_KEYS = ("status", "headline", "first_mismatch_token", "first_bad_token", "first_bad_layer",
-                "first_bad_module", "first_bad_op", "first_bad_expert", "diagnosis", "inconclusive",
-                "replay", "routing", "token_detail", "evidence", "cost", "overflow", "op_level")
 
 
 class BisectStage(Stage):
@@ -83,13 +83,10 @@ class BisectStage(Stage):
             return ctx.task(f"{ctx.stage_id}: {description}", total)
 
         result = run_bisect(inputs, log=ctx.log, progress=progress)
-        verdict = result.to_json()
         path = ctx.out_dir / "verdict.json"
-        path.write_text(json.dumps(ctx.redact(verdict), indent=1), encoding="utf-8")
-        summary = {k: verdict.get(k) for k in SUMMARY_KEYS}
-        summary["texts"] = {side: verdict["texts"][side]["text"] for side in ("golden", "target")}
-        ctx.summary["verdict"] = summary
-        ctx.log(f"{ctx.stage_id}: {verdict['diagnosis']}")
+        atomic_write_json(path, ctx.redact(to_json(result)), indent=1)
+        ctx.summary["verdict"] = to_json(VerdictSummary.of(result))
+        ctx.log(f"{ctx.stage_id}: {result.diagnosis}")
         ctx.set_outcome(result.status, result.headline,
                         result.inconclusive.next if result.inconclusive else "")
         return {"verdict_file": str(path)}

@@ -20,8 +20,9 @@ from llmflow.checks.env_diff import load_env
 from llmflow.errors import UserError
 from llmflow.report.html import MAX_ROWS, summarize_levels, write_report
 from llmflow.report.tables import read_csv_rows
-from llmflow.results.codec import to_json
+from llmflow.results.codec import RecordError, from_json, to_json
 from llmflow.results.summary import ReportBlock
+from llmflow.results.verdict import Verdict
 from llmflow.stages.base import Stage, StageContext
 
 _PATH = {"type": ["string", "null"], "default": None}
@@ -56,13 +57,7 @@ class ReportStage(Stage):
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         p = self.params(ctx)
-        verdict = None
-        if p["verdict_file"]:
-            path = ctx.resolve_path(p["verdict_file"])
-            try:
-                verdict = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as exc:
-                raise UserError(f"{ctx.stage_id}: verdict_file: cannot read {path}: {exc}") from exc
+        verdict = _read_verdict(ctx, p["verdict_file"]) if p["verdict_file"] else None
         csvs = p["csv"] or {}
         if isinstance(csvs, str):
             csvs = {Path(csvs).stem: csvs}
@@ -97,6 +92,20 @@ class ReportStage(Stage):
         ctx.summary["report"] = to_json(ReportBlock(html=str(out)))
         ctx.log(f"{ctx.stage_id}: wrote {out.name} ({out.stat().st_size / 1e3:.0f} kB)")
         return {"html": str(out)}
+
+
+def _read_verdict(ctx: StageContext, verdict_file: str) -> Verdict:
+    """The bisect's verdict.json as a ``Verdict``; a file that is not one fails in one line
+    naming the file and the first field that does not fit."""
+    path = ctx.resolve_path(verdict_file)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{ctx.stage_id}: verdict_file: cannot read {path}: {exc}") from exc
+    try:
+        return from_json(Verdict, data, where="verdict")
+    except RecordError as exc:
+        raise UserError(f"{ctx.stage_id}: verdict_file: {path} is not a bisect verdict: {exc}") from None
 
 
 def _precheck_tables(ctx: StageContext, report_file: str,
@@ -158,14 +167,14 @@ class _RowTap:
     the first bad op, module and layer (the finest the dumps hold is shown), and the first
     failing row before the texts part (shown when the dumps hold none of those)."""
 
-    def __init__(self, verdict: dict[str, Any] | None):
-        v = verdict or {}
-        finest_first = (v.get("first_bad_op"), v.get("first_bad_module"), v.get("first_bad_layer"))
-        self.wanted = [str(n) for n in finest_first if n]
+    def __init__(self, verdict: Verdict | None):
+        finest_first = (verdict.first_bad_op, verdict.first_bad_module, verdict.first_bad_layer) \
+            if verdict is not None else ()
+        self.wanted = [n for n in finest_first if n]
         self.rows: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in self.wanted}
         self.first_fail: dict[str, Any] | None = None
-        replay = v.get("replay") if isinstance(v.get("replay"), dict) else {}
-        self.step = replay.get("step")  # the replayed step: the one the panel shows when it can
+        # the replayed step: the one the panel shows when it can
+        self.step = verdict.replay.step if verdict is not None else None
 
     def see(self, row: dict[str, Any]) -> None:
         if not row.get("golden_data_path") or not row.get("target_data_path"):

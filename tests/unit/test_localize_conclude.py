@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from llmflow.localize.conclude import StepReplay, conclude
 from llmflow.localize.rank import pick_candidate, rank_modules
+from llmflow.results.codec import to_json
+from llmflow.results.verdict import OpLevel, OpRef, OverflowOp
 
 
 @dataclass
@@ -94,22 +96,22 @@ def test_an_overflow_is_the_fault_and_the_curve_shows_it_at_the_top():
                for i in (0, 1, 2, 4, 5)]
     s.ranked = rank_modules(s.replayed)
     s.candidate = pick_candidate(s.ranked)
-    s.op_level = {"comparable": False, "reason": "the target computes this module with other ops",
-                  "target_ops_around": [{"name": "model.layers.3.self_attn/exp.0", "api": "exp",
-                                         "shape": [1]}]}
-    s.overflow_op = {"name": "model.layers.3.self_attn/exp.0", "api": "exp", "dtype": "float16", "nan": 0,
-                     "inf": 7, "numel": 64, "input_max_abs": 21.5}
+    s.op_level = OpLevel(comparable=False, reason="the target computes this module with other ops",
+                         target_ops_around=[OpRef(name="model.layers.3.self_attn/exp.0", api="exp",
+                                                  shape=[1])])
+    s.overflow_op = OverflowOp(name="model.layers.3.self_attn/exp.0", api="exp", dtype="float16", nan=0,
+                               inf=7, numel=64, input_max_abs=21.5)
     s.first_op = "model.layers.3.self_attn/exp.0"
     v = verdict([s], mismatch=0, bad_token=0)
     assert v.status == "fail" and v.first_bad_module == "model.layers.3.self_attn"
     assert "overflows" in v.headline and "op level not comparable" in v.headline
     assert "40 of its 256" in v.diagnosis and "exp in float16" in v.diagnosis
-    assert v.candidates[0]["overflow"] and "overflow" in v.candidates[0]["reason"]
-    assert v.overflow["modules"] == ["model.layers.3.self_attn"]
-    assert v.overflow["layers"] == ["model.layers.3"]
+    assert v.candidates[0].overflow and "overflow" in v.candidates[0].reason
+    assert v.overflow.modules == ["model.layers.3.self_attn"]
+    assert v.overflow.layers == ["model.layers.3"]
     iso = v.curves["relative L2 error"]["isolated (worst module, replay)"]
     assert iso["3"] == float("inf") and max(x for k, x in iso.items() if k != "3") < 0.01
-    assert v.to_json()["curves"]["relative L2 error"]["isolated (worst module, replay)"]["3"] == "inf"
+    assert to_json(v)["curves"]["relative L2 error"]["isolated (worst module, replay)"]["3"] == "inf"
 
 
 def test_an_overflow_scan_origin_is_cited():
@@ -122,6 +124,6 @@ def test_an_overflow_scan_origin_is_cited():
     s.ranked = rank_modules(s.replayed)
     s.candidate = pick_candidate(s.ranked)
     v = verdict([s], mismatch=1, bad_token=0, inp=inp)
-    assert v.overflow["scan_agrees"] is True and "Consistent with this" in v.diagnosis
+    assert v.overflow.scan_agrees is True and "Consistent with this" in v.diagnosis
     quiet = verdict([replay(0)], mismatch=1, bad_token=0, inp=inp)
     assert quiet.status == "inconclusive" and "no module overflows" in quiet.inconclusive.reason

@@ -11,6 +11,7 @@ from llmflow.dump.memory import Call, capture_calls, flatten_outputs
 from llmflow.localize.calls import build_call
 from llmflow.localize.ops import align_ops, capture_ops, compare_ops
 from llmflow.localize.replay import is_branch, own_error, replay_call, replay_modules
+from llmflow.results.verdict import OpRef
 
 
 class Kw(nn.Module):
@@ -95,7 +96,7 @@ def test_capture_and_replay_tiny_llama_bf16_finds_the_wrong_epsilon():
     assert [o.api for o in g_ops] == [o.api for o in t_ops]
     rows, first = compare_ops(g_ops, t_ops, target_dtype=target.dtype)
     assert first == f"{name}/add.0"
-    assert next(r for r in rows if r["name"] == first)["iso_score"] > 100
+    assert next(r for r in rows if r.name == first).iso_score > 100
 
 
 def test_align_ops_pairs_a_different_api_and_marks_extra_ops():
@@ -131,7 +132,7 @@ def test_ops_that_line_up_are_comparable_with_inserted_and_swapped_ops():
     t = [_op("m.q/linear.0", (1, 4, 8)), _op("m/relu.0", (1, 4, 8)), _op("m/mul.0", (1, 4, 8)),
          _op("m/randn.0", (1, 4, 8)), _op("m/add.0", (1, 4, 8))]
     level = comparability(g, t)
-    assert level["comparable"] and level["reason"] is None and level["first_difference"] is None
+    assert level.comparable and level.reason is None and level.first_difference is None
 
 
 def test_a_reimplemented_module_is_not_comparable_and_its_ops_are_listed():
@@ -143,10 +144,10 @@ def test_a_reimplemented_module_is_not_comparable_and_its_ops_are_listed():
          _op("a/softmax.0", (1, 4, 5, 5)), _op("a/matmul.1", (1, 4, 5, 16)),
          _op("a.o_proj/linear.0", (1, 5, 64))]
     level = comparability(g, t)
-    assert not level["comparable"] and "other ops than the golden" in level["reason"]
-    assert level["first_difference"] == {"name": "a/mul.0", "api": "mul", "shape": [1, 4, 5, 16]}
-    assert (level["golden_ops_paired"], level["target_ops_paired"]) == (1, 1)
-    around = [o["name"] for o in level["target_ops_around"]]
+    assert not level.comparable and "other ops than the golden" in level.reason
+    assert level.first_difference == OpRef(name="a/mul.0", api="mul", shape=[1, 4, 5, 16])
+    assert (level.golden_ops_paired, level.target_ops_paired) == (1, 1)
+    around = [o.name for o in level.target_ops_around]
     assert around[0] == "a.q_proj/linear.0" and "a/repeat_interleave.0" in around
 
 

@@ -49,7 +49,7 @@ def test_every_state_loads_and_shows_its_banner(tmp_path, state, status):
     dom = _dom(_report(tmp_path, state))
     (banner,) = find(dom, "div", "banner")
     assert banner.classes == {"banner", status}
-    assert find(dom, "span", "headline")[0].text == synthetic_verdict(state=state)["headline"]
+    assert find(dom, "span", "headline")[0].text == synthetic_verdict(state=state).headline
     assert len(find(dom, "rect", "cell")) == 8 * 12 and len(find(dom, "table", id="t-logits")) == 1
     assert bool(find(dom, "table", id="t-routing")) == (state == "moe")
     assert bool(find(dom, "div", "why-inconclusive")) == (state == "inconclusive")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from llmflow.errors import UserError
+from llmflow.results.codec import to_json
 from llmflow.stages.base import StageContext
 from llmflow.stages.report import ReportStage
 
@@ -39,7 +40,7 @@ def _run(tmp_path: Path) -> dict:
             "module": str(_write_csv(cmp_dir / "compare_module.csv", synthetic_layer_rows(level="module")))}
     (cmp_dir / "compare.xlsx").write_bytes(b"PK")
     (run / "bisect").mkdir()
-    (run / "bisect" / "verdict.json").write_text(json.dumps(synthetic_verdict()))
+    (run / "bisect" / "verdict.json").write_text(json.dumps(to_json(synthetic_verdict())))
     for side, dtype in (("golden", "float32"), ("target", "bfloat16")):
         (run / side).mkdir()
         generation = {"prompt": "Tell me <a> story", "model": "smollm2", "device": "cpu", "dtype": dtype}

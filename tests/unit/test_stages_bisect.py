@@ -10,6 +10,7 @@ import pytest
 
 from llmflow.errors import UserError
 from llmflow.localize.badcase import load_prompts
+from llmflow.results.codec import to_json
 from llmflow.stages.badcase import BadcaseStage
 from llmflow.stages.base import StageContext
 from llmflow.stages.report import ReportStage
@@ -29,7 +30,7 @@ def _ctx(tmp_path: Path, params: dict, stage_id: str = "s") -> StageContext:
 
 def test_report_stage_reads_verdict_and_csv(tmp_path):
     vf = tmp_path / "verdict.json"
-    vf.write_text(json.dumps(synthetic_verdict()))
+    vf.write_text(json.dumps(to_json(synthetic_verdict())))
     csv_file = tmp_path / "logits.csv"
     csv_file.write_text("name,step,cosine_similarity,verdict\nlogits,0,0.99999,pass\nlogits,1,0.9,fail\n"
                         "<img src=x onerror=alert(1)>,2,,warn\n")

@@ -1,0 +1,379 @@
+"""What a bisect concludes, and the evidence behind it: ``Verdict``, written as verdict.json.
+
+``status`` is one of the stage outcomes: ``fail`` (a module's own error stands out: the fault is
+named), ``pass`` (the target matches, or its drift is the dtype's rounding, with every module
+replayed at the step where the divergence starts and none standing out), ``inconclusive`` (the
+evidence does not cover the question: ``inconclusive.reason`` says why and ``inconclusive.next``
+what to run next). ``headline`` is the one line a terminal or a CI log shows; ``diagnosis`` the
+paragraph a person reads.
+
+The bisect (``llmflow.localize``) fills these types, the bisect stage writes them with
+``codec.to_json`` and the report reads them back with ``codec.from_json``; the schema
+``schemas/verdict.schema.json`` is generated from them (``schemas.verdict_schema``). Errors that
+JSON cannot hold (an overflow's ``inf``, a metric's ``nan``) are written as strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Status = Literal["pass", "fail", "inconclusive"]
+OpStatus = Literal["matched", "different api", "only in target", "only in golden", "not comparable"]
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass
+class ReplayInfo:
+    """Which step was replayed, why, from which golden source, and what could not be replayed."""
+
+    step: int
+    why: str
+    source: str = field(metadata=_doc('"dump", "dump + layer recompute" or "golden re-run"'))
+    replayed: int = 0
+    not_replayable: int = 0
+    reasons: dict[str, list[str]] = field(
+        default_factory=dict, metadata=_doc("why a module could not be replayed -> those modules"))
+    steps_tried: list[int] = field(default_factory=list)
+    ratio_threshold: float = 3.0
+    device: str = ""
+    dtype: str = ""
+    golden_rerun_max_abs_diff: float | None = field(
+        default=None, metadata=_doc("largest |logit| difference between the golden re-run and its dump"))
+
+
+@dataclass
+class Inconclusive:
+    """Why the evidence does not cover the question, and what to run next."""
+
+    reason: str
+    next: str
+
+
+@dataclass
+class TokenDetail:
+    """The first mismatching token: both sides' token text, the golden's top-2 margin there (every
+    field null when the texts do not part)."""
+
+    step: int | None = None
+    golden_token: str | None = None
+    target_token: str | None = None
+    golden_margin: float | None = None
+    kl: float | None = None
+    logits_max_abs_error: float | None = None
+
+
+@dataclass
+class Evidence:
+    """One of the top-ranked modules in a sentence's worth of numbers."""
+
+    name: str
+    isolated_rel_l2: float = field(metadata=_doc("the module's own error (isolation replay)"))
+    typical: float | None
+    score: float | None
+    raw_rel_l2: float | None
+    step: int
+
+
+@dataclass
+class SideText:
+    """One side's generation: its setup in words, the text, and the text token by token."""
+
+    label: str
+    text: str
+    tokens: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Texts:
+    """The two generations."""
+
+    golden: SideText
+    target: SideText
+
+
+@dataclass
+class Candidate:
+    """A ranked module: its own error against the same module in the other layers (``rank.py``),
+    or a module that could not be replayed (``replayable`` false, ``reason`` why)."""
+
+    name: str
+    rank: int | None = None
+    module_type: str | None = None
+    layer: str | None = None
+    error: float | None = field(default=None, metadata=_doc("own error (inf: an overflow)"))
+    typical: float | None = field(default=None, metadata=_doc("median own error of its peers"))
+    score: float | None = field(default=None, metadata=_doc("error / typical"))
+    z: float | None = None
+    anomalous: bool = False
+    raw_rel_l2: float | None = field(default=None,
+                                     metadata=_doc("its output's error in the dumps (inherited)"))
+    max_abs: float | None = None
+    cos_dist: float | None = None
+    replayable: bool = True
+    reason: str | None = None
+    routing: str | None = field(default=None,
+                                metadata=_doc('"golden": an MoE block replayed with the golden routing'))
+    own_routing_rel_l2: float | None = None
+    overflow: bool | None = None
+    nonfinite: int | None = None
+
+
+@dataclass
+class OpRow:
+    """One op of the chosen module, golden and target paired (``ops.compare_ops``)."""
+
+    name: str
+    golden_api: str | None
+    target_api: str | None
+    raw: float | None = field(metadata=_doc("the op output's error, earlier ops' error included"))
+    iso: float | None = field(metadata=_doc("the target op on the golden op's inputs: its own error"))
+    status: OpStatus
+    iso_typical: float | None = None
+    iso_score: float | None = None
+
+
+@dataclass
+class ExpertRow:
+    """One expert of a fused-experts module alone, golden against target (``moe.expert_errors``)."""
+
+    expert: int
+    tokens: int
+    rel_l2: float
+    max_abs: float
+    max_rel: float
+    cos_dist: float
+    l2: float
+    norm: float
+    numel: int
+    nonfinite: int
+    score: float | None = None
+
+
+@dataclass
+class RoutedToken:
+    """A token whose experts differ under the target's own routing."""
+
+    position: int
+    golden_experts: list[int]
+    target_experts: list[int]
+    text: str
+
+
+@dataclass
+class RoutingRow:
+    """Routing flips that move an MoE block's output beyond its own rounding (``moe.routing_divergences``)."""
+
+    module: str
+    step: int
+    tokens: list[RoutedToken]
+    output_error_with_target_routing: float
+    output_error_with_golden_routing: float
+    detail: str
+
+
+@dataclass
+class TokenRow:
+    """The logits of one aligned step: tokens, top-2 margin, KL and the compare's metrics and verdict."""
+
+    step: int
+    target_step: int
+    golden_token: int | None = None
+    golden_text: str | None = None
+    target_token: int | None = None
+    target_text: str | None = None
+    same_token: bool = True
+    golden_margin: float | None = None
+    kl: float | None = None
+    cosine_similarity: float | None = None
+    max_relative_error: float | None = None
+    mean_relative_error: float | None = None
+    max_absolute_error: float | None = None
+    mean_absolute_error: float | None = None
+    kl_divergence: float | None = None
+    relative_euclidean_distance: float | None = None
+    rmse: float | None = None
+    one_thousandth_err_ratio: float | None = None
+    five_thousandths_err_ratio: float | None = None
+    golden_max: float | None = None
+    golden_min: float | None = None
+    golden_mean: float | None = None
+    golden_norm: float | None = None
+    target_max: float | None = None
+    target_min: float | None = None
+    target_mean: float | None = None
+    target_norm: float | None = None
+    golden_nan: int = 0
+    golden_inf: int = 0
+    target_nan: int = 0
+    target_inf: int = 0
+    numel: int = 0
+    shape_mismatch: bool = False
+    dtype_mismatch: bool = False
+    code: str = "ok"
+    reason: str = ""
+    verdict: str = field(default="pass", metadata=_doc("pass, warn or fail at the target dtype's thresholds"))
+
+
+@dataclass
+class ModelRuns:
+    """What the bisect ran: generations, models loaded, layers recomputed, replays."""
+
+    full_generations: int
+    models_loaded_by_bisect: int
+    golden_layers_recomputed: int
+    golden_reruns: int
+    module_replays: int
+    op_replays: int
+
+
+@dataclass
+class Cost:
+    """Bytes and model runs the bisect spent, against an estimate of a full API-level dump."""
+
+    model_runs: ModelRuns
+    bytes_dumped: int
+    golden_dump_bytes: int
+    target_dump_bytes: int
+    full_api_dump_bytes_estimate: int | None = None
+    bytes_fraction_of_full_api_dump: float | None = None
+    bisect_seconds: float = 0.0
+    bisect_phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class OverflowOp:
+    """The first target op whose output holds NaN or +Inf from inputs that hold none."""
+
+    name: str
+    api: str
+    dtype: str
+    nan: int
+    inf: int
+    numel: int
+    input_max_abs: float = field(metadata=_doc("the largest finite |value| among its inputs (nan: none)"))
+
+
+@dataclass
+class ScanOrigin:
+    """The overflow scan's first origin of a non-finite value in the target dump."""
+
+    name: str
+    kind: str
+    step: int
+    rank: int = 0
+    max_abs: float | None = None
+    module_type: str | None = None
+    module: str | None = None
+
+
+@dataclass
+class Overflow:
+    """Modules whose replay on finite golden inputs gives Inf/NaN, in execution order, and what else
+    points at an overflow (``conclude.overflow_evidence``)."""
+
+    modules: list[str] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)
+    nonfinite: dict[str, int | None] = field(default_factory=dict, metadata=_doc("module -> Inf/NaN values"))
+    op: OverflowOp | None = None
+    scan_origin: ScanOrigin | None = None
+    scan_agrees: bool | None = field(
+        default=None, metadata=_doc("the scan's origin is the blamed module, an ancestor or a descendant"))
+
+
+@dataclass
+class OpRef:
+    """An op by name, API and output shape."""
+
+    name: str
+    api: str
+    shape: list[int]
+
+
+@dataclass
+class OpLevel:
+    """Whether the target computes the blamed module with the golden's ops (``ops.comparability``)."""
+
+    comparable: bool
+    reason: str | None = None
+    first_difference: OpRef | None = field(
+        default=None, metadata=_doc("the golden op the target has no counterpart for"))
+    golden_ops_paired: int = 0
+    target_ops_paired: int = 0
+    golden_ops_around: list[OpRef] = field(default_factory=list)
+    target_ops_around: list[OpRef] = field(default_factory=list)
+
+
+@dataclass
+class Verdict:
+    """verdict.json, written by the bisect stage: the status, the first bad token, layer, module and
+    op, and the evidence behind them."""
+
+    status: Status
+    headline: str
+    diagnosis: str
+    replay: ReplayInfo
+    first_mismatch_token: int | None = None
+    first_bad_token: int | None = None
+    first_bad_layer: str | None = None
+    first_bad_module: str | None = None
+    first_bad_op: str | None = None
+    first_bad_expert: int | None = None
+    inconclusive: Inconclusive | None = None
+    token_detail: TokenDetail = field(default_factory=TokenDetail)
+    evidence: list[Evidence] = field(default_factory=list)
+    texts: Texts | None = None
+    curves: dict[str, dict[str, dict[str, float]]] = field(
+        default_factory=dict, metadata=_doc("metric -> series (raw, isolated) -> layer index -> error"))
+    candidates: list[Candidate] = field(default_factory=list)
+    ops: list[OpRow] = field(default_factory=list)
+    experts: list[ExpertRow] = field(default_factory=list)
+    routing: list[RoutingRow] = field(default_factory=list)
+    token_rows: list[TokenRow] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    cost: Cost | None = None
+    overflow: Overflow = field(default_factory=Overflow)
+    op_level: OpLevel | None = field(default=None, metadata=_doc("null when the op level did not run"))
+
+
+#: the name the bisect has always returned
+BisectResult = Verdict
+
+
+@dataclass
+class VerdictSummary:
+    """What summary.json repeats of verdict.json (under ``verdict``): the headline fields, the
+    evidence, and both generated texts."""
+
+    status: Status
+    headline: str
+    diagnosis: str
+    replay: ReplayInfo
+    first_mismatch_token: int | None = None
+    first_bad_token: int | None = None
+    first_bad_layer: str | None = None
+    first_bad_module: str | None = None
+    first_bad_op: str | None = None
+    first_bad_expert: int | None = None
+    inconclusive: Inconclusive | None = None
+    token_detail: TokenDetail = field(default_factory=TokenDetail)
+    evidence: list[Evidence] = field(default_factory=list)
+    routing: list[RoutingRow] = field(default_factory=list)
+    cost: Cost | None = None
+    overflow: Overflow = field(default_factory=Overflow)
+    op_level: OpLevel | None = None
+    texts: dict[str, str] | None = field(default=None,
+                                         metadata=_doc("side (golden, target) -> generated text"))
+
+    @classmethod
+    def of(cls, verdict: Verdict) -> VerdictSummary:
+        """The summary of ``verdict`` (the same objects, not copies)."""
+        shared = {f: getattr(verdict, f) for f in cls.__dataclass_fields__ if f != "texts"}
+        texts = None
+        if verdict.texts is not None:
+            texts = {"golden": verdict.texts.golden.text, "target": verdict.texts.target.text}
+        return cls(**shared, texts=texts)
