@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from llmflow.dtypes import dtype_name
 from llmflow.errors import UserError
 
 # progress lines of the slow parts (a first GGUF conversion, a model load): the console shows them
@@ -124,7 +125,7 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
                         "file.py:callable)")
     from llmflow.plugins import is_file_ref, load_file_ref
 
-    log.info("model %s: loading on %s as %s", model, dev, str(dt).removeprefix("torch."))
+    log.info("model %s: loading on %s as %s", model, dev, dtype_name(dt))
     tokenizer: Any = None
     note = None
     if model == "smollm2" + PLANTED_BUG:

@@ -52,13 +52,12 @@ from llmflow.checks.precheck_options import (
 )
 from llmflow.checks.references import is_random, resolve, unit_roundoff
 from llmflow.compare.metrics import compare_tensors
+from llmflow.dtypes import SMALL_VALUE, SMALL_VALUE_ATOL, dtype_name
 from llmflow.dump.arguments import Unrebuildable, decode_value, rebuild_arguments
 from llmflow.dump.memory import flatten_outputs
 from llmflow.formats.base import DumpReader, Entry
 from llmflow.formats.msprobe import MsprobeDumpReader
 
-SMALL_VALUE = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-6, torch.float64: 1e-12}
-SMALL_VALUE_ATOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-9, torch.float64: 1e-15}
 COLUMNS = ("rank", "step", "order", "name", "record", "module", "api", "status", "ratio", "error",
            "benchmark_error", "max_abs_error", "benchmark_max_abs_error", "small_value_err_ratio",
            "one_thousandth_err_ratio", "dtype", "shape", "implementation", "perturb_ratio", "perturb_flag",
@@ -246,7 +245,7 @@ def judge_output(target: torch.Tensor, bench: torch.Tensor, ref: torch.Tensor, *
     max_err, b_max = t_row["max_absolute_error"], b_row["max_absolute_error"]
     scale = float(ref64[torch.isfinite(ref64)].abs().max()) if torch.isfinite(ref64).any() else 0.0
     max_ratio = _ratio(max_err, b_max, u * scale)
-    small, atol = SMALL_VALUE.get(dtype, 1e-6), SMALL_VALUE_ATOL.get(dtype, 1e-9)
+    small, atol = SMALL_VALUE.get(dtype_name(dtype), 1e-6), SMALL_VALUE_ATOL.get(dtype_name(dtype), 1e-9)
     finite = torch.isfinite(ref64) & torch.isfinite(target) & torch.isfinite(bench)
     t_small = _small_value_share(ref64[finite], target[finite], small, atol)
     b_small = _small_value_share(ref64[finite], bench[finite], small, atol)
@@ -322,7 +321,7 @@ def check_call(call: OpCall, options: PrecheckOptions) -> tuple[dict[str, Any], 
                            "status": "not checked", "ratio": None, "reason": call.reason}
     first_out = next(iter(call.outputs.values()), None)
     if first_out is not None:
-        row["dtype"] = str(first_out.dtype).removeprefix("torch.")
+        row["dtype"] = dtype_name(first_out.dtype)
         row["shape"] = list(first_out.shape)
     if call.reason is not None:
         return row, None

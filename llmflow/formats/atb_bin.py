@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from llmflow.dtypes import dtype_name
 from llmflow.errors import DumpFormatError
 from llmflow.formats._safe import MAX_DIM, MAX_DIMS, expect, file_size, open_regular
 
@@ -75,7 +76,7 @@ class BinHeader:
 
     @property
     def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        return dtype_name(self.dtype)
 
 
 def _int(value: str, path: Path, what: str, lo: int = 0, hi: int = 1 << 62) -> int:

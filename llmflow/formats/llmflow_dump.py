@@ -35,6 +35,7 @@ import orjson
 import torch
 
 from llmflow.atomic import atomic_write_json
+from llmflow.dtypes import SAFETENSORS_CODES, torch_dtype
 from llmflow.errors import UserError
 from llmflow.formats.base import STAT_KEYS, Entry
 
@@ -148,14 +149,9 @@ def _finite_stats(st: Any) -> bool:
         return False
 
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64",
-    **{getattr(torch, n): code for n, code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                                               ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"))
-       if hasattr(torch, n)},
-}
+#: the safetensors code of every dtype this torch has (the newer ones are missing from older torch)
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    dtype: code for name, code in SAFETENSORS_CODES.items() if (dtype := torch_dtype(name)) is not None}
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

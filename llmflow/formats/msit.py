@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from llmflow.dtypes import dtype_name
 from llmflow.errors import DumpFormatError
 from llmflow.formats._safe import (
     device_dirs,
@@ -192,7 +193,7 @@ class MsitDumpReader(DumpReader):
                     continue  # msit's Index keeps only the last number of nested outputs: no match
                 if e is not None and "." in e.index:
                     continue
-                dtype = str(row.get("DataType") or "").removeprefix("torch.") or None
+                dtype = dtype_name(row.get("DataType") or "") or None
                 shape = self._shape(row.get("Shape"))
                 if e is None:
                     e = Entry(step=step, rank=rank, name=name, kind=kind, index=index, level=level,
@@ -253,7 +254,7 @@ class MsitDumpReader(DumpReader):
         except DumpFormatError as exc:
             self._problems.append(f"{exc}; left out")
             return False
-        entry.dtype, entry.shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
+        entry.dtype, entry.shape = dtype_name(t.dtype), tuple(t.shape)
         return True
 
     def _file(self, entry: Entry) -> Path:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from llmflow.dtypes import dtype_name
 from llmflow.dump.memory import Call
 from llmflow.errors import UserError
 from llmflow.formats import open_dump
@@ -247,7 +248,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     """Narrow the divergence down; returns the verdict with its evidence."""
     b = _Bisect(inp, log, progress)
     tgt = b.target
-    dtype = str(tgt.dtype).removeprefix("torch.")
+    dtype = dtype_name(tgt.dtype)
     mismatch = first_mismatch(inp.golden_ids, inp.target_ids)
     rows = token_rows(b.golden_dump, b.target_dump, golden_ids=inp.golden_ids, target_ids=inp.target_ids,
                       pairs=inp.pairs, target_dtype=dtype, thresholds=inp.thresholds, decode=b.decode)
