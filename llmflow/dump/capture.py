@@ -35,14 +35,13 @@ from llmflow.dump.topology import module_tree
 from llmflow.dump.writer import AsyncWriter
 from llmflow.errors import UserError
 from llmflow.formats.llmflow_dump import (
-    ENV_FILE,
     ROW_FIELDS,
     SAFETENSORS_DTYPES,
-    TOPOLOGY_FILE,
     DumpDirWriter,
     IndexRow,
     new_row,
 )
+from llmflow.formats.llmflow_layout import ENV_FILE, TOPOLOGY_FILE
 
 log = logging.getLogger("llmflow.dump")
 _SIMPLE = (type(None), bool, int, float, str)

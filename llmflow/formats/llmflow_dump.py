@@ -19,7 +19,8 @@ This module is the format and its writing side: ``IndexRow`` and ``index_line`` 
 encoded), ``DumpDirWriter`` (the synchronous on-disk writer; ``llmflow.dump.writer`` drives it
 from a background thread). ``llmflow_reader.LlmflowDumpReader`` reads it with nothing but
 ``json`` and ``safetensors``; it is importable from here too (``llmflow_dump.LlmflowDumpReader``,
-the ``llmflow`` format's registered reader).
+the ``llmflow`` format's registered reader). The names both sides use (the format's tag, version
+and top-level files) are in ``llmflow_layout``.
 """
 
 from __future__ import annotations
@@ -38,14 +39,11 @@ from llmflow.atomic import atomic_write_json
 from llmflow.dtypes import SAFETENSORS_CODES, torch_dtype
 from llmflow.errors import UserError
 from llmflow.formats.base import STAT_KEYS, Entry
+from llmflow.formats.llmflow_layout import FORMAT, META_FILE, VERSION
 
-FORMAT = "llmflow-dump"
-# 2: index lines hold batches of rows (version 1: one entry a line, still read);
-# 3: a statistics-mode repeat of a tensor holds no statistics of its own (``_share_repeat_stats``)
-VERSION = 3
-META_FILE = "llmflow_dump.json"
-ENV_FILE = "env.json"
-TOPOLOGY_FILE = "topology.json"
+# the format's reader, importable from here (``llmflow_dump.LlmflowDumpReader``: the ``llmflow``
+# format's registered reader, pyproject.toml); the reader imports nothing from this module
+from llmflow.formats.llmflow_reader import LlmflowDumpReader, parse_index_line  # noqa: F401
 
 
 # An index line is either one entry, ``Entry.to_json()`` (what version 1 wrote), or a batch of
@@ -267,13 +265,3 @@ class DumpDirWriter:
         if self.rank == 0 or not (self.dump_dir / META_FILE).exists():
             self.meta.update(meta, complete=complete)
             atomic_write_json(self.dump_dir / META_FILE, self.meta)
-
-
-def __getattr__(name: str) -> Any:
-    # the reader lives in llmflow_reader.py, which imports this module: it is handed out on first
-    # use instead of imported above, which would make the two modules import each other
-    if name in ("LlmflowDumpReader", "parse_index_line"):
-        from llmflow.formats import llmflow_reader
-
-        return getattr(llmflow_reader, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,8 +40,9 @@ from llmflow.localize.golden import (
     rerun_fidelity,
 )
 from llmflow.localize.options import BisectInputs
+from llmflow.localize.own_error import own_error
 from llmflow.localize.rank import pick_candidate, rank_modules
-from llmflow.localize.replay import is_branch, own_error, replay_modules
+from llmflow.localize.replay import is_branch, replay_modules
 from llmflow.localize.result import BisectResult
 from llmflow.localize.tokens import first_bad_step, first_mismatch, token_rows
 from llmflow.structure import LayerStack, find_layer_stack

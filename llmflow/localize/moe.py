@@ -27,6 +27,7 @@ from torch import nn
 
 from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.localize.calls import cast_inputs
+from llmflow.localize.own_error import own_error
 
 
 def router_of(module: nn.Module) -> tuple[str, nn.Module] | None:
@@ -152,8 +153,6 @@ def expert_errors(golden_module: nn.Module, target_module: nn.Module, call: Call
                   target: Any) -> list[dict[str, Any]]:
     """Each expert's contribution alone (the routing weights of every other expert zeroed),
     golden against target: one row per expert the golden routing used."""
-    from llmflow.localize.replay import own_error
-
     pos = next(i for i, a in enumerate(call.args)
                if isinstance(a, torch.Tensor) and not a.is_floating_point())
     index = call.args[pos]

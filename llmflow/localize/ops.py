@@ -42,8 +42,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from llmflow.dtypes import OP_ERROR_FLOOR, dtype_name
 from llmflow.dump.memory import Call, OpCall, OpRecorder
 from llmflow.localize.calls import cast_inputs
+from llmflow.localize.own_error import own_error
 from llmflow.localize.rank import DEFAULT_RATIO_THRESHOLD, first_jump
-from llmflow.localize.replay import own_error
 
 
 @torch.no_grad()
