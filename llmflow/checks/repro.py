@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from llmflow.checks.precheck import DEFAULT_FAIL_RATIO, OpCall
+from llmflow.checks.op_call import OpCall
+from llmflow.checks.precheck import DEFAULT_FAIL_RATIO
 from llmflow.dtypes import SMALL_VALUE, SMALL_VALUE_ATOL, dtype_name
 
 _SCRIPT = '''\
