@@ -315,11 +315,6 @@ def build_tiny(family: str = "llama", options: str = "") -> torch.nn.Module:
     return model.float()
 
 
-def build_tiny_llama(options: str = "") -> torch.nn.Module:
-    """A small Llama with a seeded init (``build_tiny("llama", options)``)."""
-    return build_tiny("llama", options)
-
-
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255, plus BOS/EOS/PAD; needs no files and no download."""
 

@@ -237,10 +237,6 @@ class DumpDirWriter:
         self._index.flush()
         self.entries_written += len(rows)
 
-    def append_entries(self, entries: list[Entry]) -> None:
-        """``append_rows`` for ``Entry`` objects."""
-        self.append_rows([IndexRow.of(e) for e in entries])
-
     def append_order(self, step: int, order: list[str]) -> None:
         """Record the execution order of modules and APIs of one step."""
         self._order.write(json.dumps({"step": step, "order": order}) + "\n")
