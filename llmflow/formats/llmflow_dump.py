@@ -43,7 +43,7 @@ from llmflow.formats.llmflow_layout import FORMAT, META_FILE, VERSION
 
 # the format's reader, importable from here (``llmflow_dump.LlmflowDumpReader``: the ``llmflow``
 # format's registered reader, pyproject.toml); the reader imports nothing from this module
-from llmflow.formats.llmflow_reader import LlmflowDumpReader, parse_index_line  # noqa: F401
+from llmflow.formats.llmflow_reader import LlmflowDumpReader  # noqa: F401
 
 
 # An index line is either one entry, ``Entry.to_json()`` (what version 1 wrote), or a batch of
