@@ -2,8 +2,9 @@
 ``os.replace`` puts it in place, so a reader (or a run killed half-way) sees the old file or the
 new one, never half. The rename replaces a link at the target rather than writing through it.
 
-(Directories are installed the same way by their owners: ``workflow/rundir.py`` for stage
-directories, ``compare/output.py`` for a compare's output.)
+A finished staging folder goes into place the same way, by renames only (``install_staged``):
+``workflow/rundir.py`` installs a stage's folder with it, ``compare/output.py`` each file of a
+compare's output.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -55,3 +58,32 @@ def atomic_write_json(path: Path, data: Any, *, indent: int | None = None, durab
     ``indent``, pretty-printed and ending in a newline."""
     text = json.dumps(data, indent=indent, default=str)
     atomic_write_text(path, text + "\n" if indent is not None else text, durable=durable)
+
+
+def install_staged(staged: Path, final: Path) -> None:
+    """Put ``staged``, a file or folder llmflow has finished writing, at ``final`` by renames only,
+    replacing what is there: a reader (or a run killed half-way) finds the old one whole or the new
+    one whole, never a mix.
+
+    A file, or a ``final`` that does not exist: one ``os.replace`` (a link at ``final`` is
+    replaced, never written through). A folder over a folder, which one rename cannot replace: the
+    old folder is renamed aside, beside ``staged`` (in the caller's staging area, on the same
+    file system), the new one renamed in, then the old one removed; should the second rename fail,
+    the old folder is renamed back before the error goes on. A file never replaces a folder, nor a
+    folder a link or a file (``OSError``, ``final`` untouched).
+
+    The old ``final`` is the one thing removed, and the caller vouches that llmflow wrote it
+    (``workflow/rundir.py``: a stage folder holding its state file, not a link; ``compare/output.py``:
+    a file its list of outputs names, unchanged since).
+    """
+    if not (os.path.isdir(staged) and os.path.isdir(final) and not os.path.islink(final)):
+        os.replace(staged, final)
+        return
+    aside = staged.parent / f"{final.name}-old-{secrets.token_hex(4)}"
+    os.replace(final, aside)
+    try:
+        os.replace(staged, final)
+    except BaseException:
+        os.replace(aside, final)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from llmflow.dtypes import dtype_name
 from llmflow.errors import UserError
 
 # progress lines of the slow parts (a first GGUF conversion, a model load): the console shows them
@@ -124,7 +125,7 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
                         "file.py:callable)")
     from llmflow.plugins import is_file_ref, load_file_ref
 
-    log.info("model %s: loading on %s as %s", model, dev, str(dt).removeprefix("torch."))
+    log.info("model %s: loading on %s as %s", model, dev, dtype_name(dt))
     tokenizer: Any = None
     note = None
     if model == "smollm2":
@@ -299,11 +300,6 @@ def build_tiny(family: str = "llama", options: str = "") -> torch.nn.Module:
         torch.manual_seed(o["seed"])
         model = AutoModelForCausalLM.from_config(config)
     return model.float()
-
-
-def build_tiny_llama(options: str = "") -> torch.nn.Module:
-    """A small Llama with a seeded init (``build_tiny("llama", options)``)."""
-    return build_tiny("llama", options)
 
 
 class ByteTokenizer:

@@ -7,9 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from llmflow.formats.atb import write_atb_dump
-from llmflow.formats.msit import write_msit_dump
+from format_writers import write_atb_dump, write_msit_dump
 
 LAYERS = 2
 # Hugging Face module -> ATB op folder (relative to its model; top-level number n for layer n-1)

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from llmflow.dtypes import torch_dtype
+
 if TYPE_CHECKING:  # torch is imported where a tensor is read: the stage's schema must not need it
     from llmflow.formats.base import DumpReader, Entry
 
@@ -43,8 +45,8 @@ def dtype_max(dtype: str | None) -> float | None:
         return None
     import torch
 
-    dt = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+    dt = torch_dtype(dtype)
+    if dt is None or not dt.is_floating_point:
         return None
     return float(torch.finfo(dt).max)
 

@@ -40,11 +40,13 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from llmflow.checks.op_call import OpCall, api_of, load_outputs
+from llmflow.checks.precheck_msprobe import msprobe_call
 from llmflow.checks.precheck_options import (
     DEFAULT_FAIL_RATIO,
     DEFAULT_WARN_RATIO,
@@ -52,54 +54,25 @@ from llmflow.checks.precheck_options import (
 )
 from llmflow.checks.references import is_random, resolve, unit_roundoff
 from llmflow.compare.metrics import compare_tensors
+from llmflow.dtypes import SMALL_VALUE, SMALL_VALUE_ATOL, dtype_name
 from llmflow.dump.arguments import Unrebuildable, decode_value, rebuild_arguments
 from llmflow.dump.memory import flatten_outputs
 from llmflow.formats.base import DumpReader, Entry
 from llmflow.formats.msprobe import MsprobeDumpReader
 
-SMALL_VALUE = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-6, torch.float64: 1e-12}
-SMALL_VALUE_ATOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-9, torch.float64: 1e-15}
 COLUMNS = ("rank", "step", "order", "name", "record", "module", "api", "status", "ratio", "error",
            "benchmark_error", "max_abs_error", "benchmark_max_abs_error", "small_value_err_ratio",
            "one_thousandth_err_ratio", "dtype", "shape", "implementation", "perturb_ratio", "perturb_flag",
            "reason")
 
 
-@dataclass
-class OpCall:
-    """One API call read back from a dump: its arguments rebuilt, its recorded outputs."""
-
-    name: str
-    api: str
-    rank: int
-    step: int
-    order: int
-    args: list[Any] = field(default_factory=list)
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    reason: str | None = None  # why it cannot be checked
-    function: str | None = None  # the torch callable the dump names ("Tensor.__rsub__"), if it does
-    record: str | None = None  # the call's name in the dump's own files (msprobe's dump.json key)
-
-    @property
-    def module(self) -> str:
-        return self.name.rsplit("/", 1)[0]
-
-
 # -- reading calls from a dump ----------------------------------------------------------------------
-def _api_of(name: str) -> str:
-    """``model.layers.0.mlp/silu.0`` -> ``silu``."""
-    return name.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-
-
 def iter_calls(reader: DumpReader) -> Iterator[OpCall]:
     """The dump's API calls in model order (rank, step, order), one at a time, tensors loaded
     for that call only. A ``Parameter`` argument is loaded from the dump's weights by name; an
     msprobe dump's calls are rebuilt from its dump.json records (``precheck_msprobe``)."""
     build = _call
     if isinstance(reader, MsprobeDumpReader):
-        from llmflow.checks.precheck_msprobe import msprobe_call  # (it builds on OpCall, above)
-
         def build(reader: DumpReader, entries: list[Entry], _weights: dict[str, Entry]) -> OpCall:
             return msprobe_call(reader, entries)  # type: ignore[arg-type]
     weights: dict[str, Entry] = {}
@@ -119,7 +92,7 @@ def iter_calls(reader: DumpReader) -> Iterator[OpCall]:
 
 def _call(reader: DumpReader, entries: list[Entry], weights: dict[str, Entry]) -> OpCall:
     first = entries[0]
-    call = OpCall(first.name, _api_of(first.name), first.rank, first.step, first.order)
+    call = OpCall(first.name, api_of(first.name), first.rank, first.step, first.order)
     inputs = [e for e in entries if e.kind == "input"]
     outputs = [e for e in entries if e.kind == "output"]
     if not inputs:
@@ -152,15 +125,6 @@ def _call(reader: DumpReader, entries: list[Entry], weights: dict[str, Entry]) -
         call.args, call.kwargs = rebuild_arguments(leaves)
         load_outputs(call, outputs, reader, "no output tensor recorded")
     return call
-
-
-def load_outputs(call: OpCall, outputs: list[Entry], reader: DumpReader, missing: str) -> None:
-    """The call's recorded output tensors; ``missing`` is its reason when there are none."""
-    for e in outputs:
-        if e.is_tensor and e.has_data:
-            call.outputs[e.index] = reader.load(e)
-    if not call.outputs:
-        call.reason = missing
 
 
 # -- running a call -------------------------------------------------------------------------------
@@ -246,7 +210,7 @@ def judge_output(target: torch.Tensor, bench: torch.Tensor, ref: torch.Tensor, *
     max_err, b_max = t_row["max_absolute_error"], b_row["max_absolute_error"]
     scale = float(ref64[torch.isfinite(ref64)].abs().max()) if torch.isfinite(ref64).any() else 0.0
     max_ratio = _ratio(max_err, b_max, u * scale)
-    small, atol = SMALL_VALUE.get(dtype, 1e-6), SMALL_VALUE_ATOL.get(dtype, 1e-9)
+    small, atol = SMALL_VALUE.get(dtype_name(dtype), 1e-6), SMALL_VALUE_ATOL.get(dtype_name(dtype), 1e-9)
     finite = torch.isfinite(ref64) & torch.isfinite(target) & torch.isfinite(bench)
     t_small = _small_value_share(ref64[finite], target[finite], small, atol)
     b_small = _small_value_share(ref64[finite], bench[finite], small, atol)
@@ -322,7 +286,7 @@ def check_call(call: OpCall, options: PrecheckOptions) -> tuple[dict[str, Any], 
                            "status": "not checked", "ratio": None, "reason": call.reason}
     first_out = next(iter(call.outputs.values()), None)
     if first_out is not None:
-        row["dtype"] = str(first_out.dtype).removeprefix("torch.")
+        row["dtype"] = dtype_name(first_out.dtype)
         row["shape"] = list(first_out.shape)
     if call.reason is not None:
         return row, None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmflow.checks.precheck import OpCall, _api_of, load_outputs
+from llmflow.checks.op_call import OpCall, api_of, load_outputs
 from llmflow.dump.arguments import Unrebuildable, decode_value
 from llmflow.formats.base import Entry
 from llmflow.formats.msprobe import MsprobeDumpReader
@@ -35,7 +35,7 @@ _SCALARS = ("int", "float", "bool", "str", "NoneType")
 def msprobe_call(reader: MsprobeDumpReader, entries: list[Entry]) -> OpCall:
     """One API call of an msprobe dump (``entries``: its input and output entries)."""
     first = entries[0]
-    call = OpCall(first.name, _api_of(first.name), first.rank, first.step, first.order)
+    call = OpCall(first.name, api_of(first.name), first.rank, first.step, first.order)
     found = reader.api_call(first)
     if found is None:  # (the reader names every API entry's call; a caller passing others is wrong)
         call.reason = "no dump.json record for this call"

@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
-from llmflow.checks.precheck import DEFAULT_FAIL_RATIO, SMALL_VALUE, SMALL_VALUE_ATOL, OpCall
+from llmflow.checks.op_call import OpCall
+from llmflow.checks.precheck import DEFAULT_FAIL_RATIO
+from llmflow.dtypes import SMALL_VALUE, SMALL_VALUE_ATOL, dtype_name
 
 _SCRIPT = '''\
 """Repro of {name} ({api}): the target's recorded output against a float64 reference and the
@@ -203,7 +205,7 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], label: str) -> Any:
         tensors[label] = value.contiguous().clone()  # (safetensors refuses tensors sharing memory)
         return {"tensor": label}
     if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
+        return {"dtype": dtype_name(value)}
     if isinstance(value, torch.device):
         return {"device": str(value)}
     if isinstance(value, (torch.memory_format, torch.layout)):
@@ -266,7 +268,7 @@ def write_repro(call: OpCall, fn: Callable[..., Any], implementation: str, folde
     if implementation == "reference":
         source, ref_name = "\n\n" + _source_with_helpers(fn) + "\n", fn.__name__
     script = folder / "repro.py"
-    small_value = {str(dtype): (SMALL_VALUE[dtype], SMALL_VALUE_ATOL[dtype]) for dtype in SMALL_VALUE}
+    small_value = {f"torch.{name}": (SMALL_VALUE[name], SMALL_VALUE_ATOL[name]) for name in SMALL_VALUE}
     script.write_text(_SCRIPT.format(name=call.name, api=call.api, implementation=implementation,
                                      fail_ratio=fail_ratio, small_value=small_value, reference_source=source,
                                      reference_name=ref_name), encoding="utf-8")

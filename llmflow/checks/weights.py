@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from llmflow.compare.thresholds import finite_or_none
+from llmflow.dtypes import DTYPE_OF_SAFETENSORS_CODE, dtype_name
 from llmflow.errors import UserError
 from llmflow.structure import DEFAULT_RATIO_THRESHOLD, layer_of, module_type
 
@@ -161,15 +162,10 @@ class Checkpoint:
 
     def meta(self, key: str) -> tuple[tuple[int, ...], str]:
         sl = self._handle(key).get_slice(key)
-        return tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype())
+        return tuple(sl.get_shape()), DTYPE_OF_SAFETENSORS_CODE.get(sl.get_dtype(), sl.get_dtype())
 
     def get(self, key: str) -> torch.Tensor:
         return self._handle(key).get_tensor(key)
-
-
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                       "BOOL": "bool"}
 
 
 def _shards(path: Path) -> list[Path]:
@@ -224,7 +220,7 @@ class DumpWeights:
 
     def meta(self, key: str) -> tuple[tuple[int, ...], str]:
         e = self.by_name[key]
-        return tuple(e.shape or ()), str(e.dtype).removeprefix("torch.")
+        return tuple(e.shape or ()), dtype_name(e.dtype)
 
     def get(self, key: str) -> torch.Tensor:
         return self.reader.load(self.by_name[key])

@@ -17,6 +17,7 @@ import torch
 
 from llmflow.compare.algorithms import load_algorithms, run_algorithm
 from llmflow.compare.metrics import compare_tensors, judge
+from llmflow.dtypes import dtype_name
 from llmflow.errors import UserError
 
 SUFFIXES = (".safetensors", ".npy", ".npz", ".pt", ".pth", ".bin")
@@ -90,8 +91,8 @@ def compare_files(golden: str | Path, target: str | Path, *, algorithms: list[st
     for gk, tk in keys:
         g, t = g_all[gk], t_all[tk]
         row: dict[str, Any] = {"name": gk or Path(golden).name,
-                               "golden_dtype": str(g.dtype).removeprefix("torch."),
-                               "target_dtype": str(t.dtype).removeprefix("torch."),
+                               "golden_dtype": dtype_name(g.dtype),
+                               "target_dtype": dtype_name(t.dtype),
                                "golden_shape": list(g.shape), "target_shape": list(t.shape)}
         row.update(compare_tensors(g, t))
         gf, tf = g.float(), t.float()

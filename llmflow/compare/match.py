@@ -27,6 +27,7 @@ from functools import lru_cache
 
 from llmflow.compare.levels import LEVELS  # noqa: F401  (re-exported)
 from llmflow.compare.mappings import Mapping
+from llmflow.dtypes import dtype_name
 from llmflow.formats.base import Entry
 from llmflow.structure import layer_index, layer_of_name
 
@@ -68,7 +69,7 @@ class Pair:
 
 @lru_cache(maxsize=256)  # a dump has a handful of dtype names; this runs twice per pair
 def _itemsize(dtype: str | None) -> int:
-    name = str(dtype or "").removeprefix("torch.")
+    name = dtype_name(dtype or "")
     for key, size in (("float64", 8), ("int64", 8), ("complex64", 8), ("float32", 4), ("int32", 4),
                       ("float16", 2), ("bfloat16", 2), ("int16", 2), ("float8", 1), ("int8", 1),
                       ("uint8", 1), ("bool", 1)):

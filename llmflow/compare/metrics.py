@@ -54,7 +54,8 @@ from llmflow.compare.statistics import (
     put_sides,
     side_stats,
 )
-from llmflow.compare.thresholds import DEFAULT_THRESHOLDS, dtype_class, judge, resolve_thresholds, verdict
+from llmflow.compare.thresholds import judge, resolve_thresholds, verdict
+from llmflow.dtypes import DEFAULT_THRESHOLDS, dtype_class
 
 __all__ = ["COLUMNS", "METRIC_COLUMNS", "CHUNK", "DEFAULT_THRESHOLDS", "compare_tensors", "compare_stats",
            "dtype_class", "judge", "resolve_thresholds", "verdict", "STAT_COLUMNS", "SIDE_COLUMNS",

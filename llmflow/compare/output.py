@@ -37,6 +37,7 @@ from types import TracebackType
 from typing import Any
 
 from llmflow import interrupts
+from llmflow.atomic import atomic_write_text, install_staged
 from llmflow.errors import UserError
 
 OUTPUTS_LIST = ".llmflow-outputs.json"
@@ -126,11 +127,11 @@ def _finish_commit(out: Path, staging: Path, flag: str) -> None:
     new = _read_list(staging / OUTPUTS_LIST, flag)
     for name in sorted(new, key=lambda n: (new[n]["mtime_ns"], n)):
         if os.path.lexists(staging / name):
-            os.replace(staging / name, out / name)
+            install_staged(staging / name, out / name)
     for name in previous:
         if name not in new and _is_ours(out / name, previous):
             os.unlink(out / name)
-    os.replace(staging / OUTPUTS_LIST, out / OUTPUTS_LIST)
+    install_staged(staging / OUTPUTS_LIST, out / OUTPUTS_LIST)
     shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -232,9 +233,7 @@ class StagedDir:
                           if e.is_file(follow_symlinks=False)}
                 self._refuse_foreign(staged)
                 listing: dict[str, Any] = {"format": _FORMAT, "version": 1, "files": staged}
-                part = self.tmp / f"{OUTPUTS_LIST}.part"  # the list appears whole or not at all
-                part.write_text(json.dumps(listing, indent=1), encoding="utf-8")
-                os.replace(part, self.tmp / OUTPUTS_LIST)
+                atomic_write_text(self.tmp / OUTPUTS_LIST, json.dumps(listing, indent=1))  # the commit point
                 _finish_commit(self.out, self.tmp, self.flag)
         except BaseException:
             if not os.path.lexists(self.tmp / OUTPUTS_LIST):  # not committed: drop it whole

@@ -25,7 +25,8 @@ from llmflow.compare.match import Pair
 from llmflow.compare.metrics import compare_tensors, judge
 from llmflow.compare.shards import join_tensors, joined_shape, joined_stats, shard_errors, standout
 from llmflow.compare.statistics import STATS, compare_stats
-from llmflow.compare.thresholds import coarser, dtype_class
+from llmflow.compare.thresholds import coarser
+from llmflow.dtypes import dtype_class
 from llmflow.formats import locator, locator_prefix
 from llmflow.formats.base import DumpReader, Entry
 from llmflow.structure import is_experts, is_router

@@ -28,6 +28,7 @@ from llmflow.compare.rows import Job
 from llmflow.compare.sheets import level_columns, write_sheets
 from llmflow.compare.summary import SummaryBuilder, report_lines
 from llmflow.compare.thresholds import check_dtype_name, check_thresholds, coarser
+from llmflow.dtypes import dtype_name
 from llmflow.errors import UserError
 from llmflow.formats import DumpReader, open_dump
 from llmflow.plugins import is_file_ref
@@ -79,7 +80,7 @@ def recorded_dtype(reader: DumpReader) -> str | None:
     for where in (env.get("torch_settings") or {}, env):
         value = where.get("model_dtype") if isinstance(where, dict) else None
         if isinstance(value, str) and value:
-            return value.removeprefix("torch.")
+            return dtype_name(value)
     return None
 
 

@@ -2,8 +2,9 @@
 
 A bf16 target carries ~3 significant digits, so it cannot be held to fp32's tolerances; msprobe
 fails every row of an fp32-vs-bf16 compare because the dtypes differ, we judge the numbers at the
-precision the target stores. Defaults per dtype class are in ``DEFAULT_THRESHOLDS``; a workflow
-overrides them with the ``thresholds:`` parameter, either for every dtype::
+precision the target stores. Defaults per dtype class are in ``DEFAULT_THRESHOLDS``
+(llmflow/dtypes.py, beside the other per-dtype tolerances); a workflow overrides them with the
+``thresholds:`` parameter, either for every dtype::
 
     thresholds: {cosine_similarity: {warn: 0.9999, fail: 0.999}}
 
@@ -27,11 +28,11 @@ from functools import lru_cache
 from typing import Any
 
 from llmflow.compare.codes import RANK_OF_VALUE, VERDICT_OF_VALUE, Code
+from llmflow.dtypes import CLASS_ALIASES as _ALIASES
+from llmflow.dtypes import DEFAULT_THRESHOLDS, dtype_class, dtype_name
 from llmflow.errors import UserError
 
 HIGHER_IS_BETTER = {"cosine_similarity", "one_thousandth_err_ratio", "five_thousandths_err_ratio"}
-
-_T = dict[str, dict[str, float]]
 
 
 def finite_or_none(value: Any) -> float | None:
@@ -42,54 +43,6 @@ def finite_or_none(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return v if math.isfinite(v) else None
-
-
-def _lim(warn: float, fail: float) -> dict[str, float]:
-    return {"warn": warn, "fail": fail}
-
-
-DEFAULT_THRESHOLDS: dict[str, _T] = {
-    "float64": {"cosine_similarity": _lim(0.999999, 0.9999),
-                "relative_euclidean_distance": _lim(1e-5, 1e-3), "norm_rel_diff": _lim(1e-5, 1e-3)},
-    "float32": {"cosine_similarity": _lim(0.99999, 0.999),
-                "relative_euclidean_distance": _lim(1e-4, 1e-2), "norm_rel_diff": _lim(1e-4, 1e-2)},
-    "float16": {"cosine_similarity": _lim(0.9999, 0.99),
-                "relative_euclidean_distance": _lim(5e-3, 5e-2), "norm_rel_diff": _lim(5e-3, 5e-2)},
-    "bfloat16": {"cosine_similarity": _lim(0.999, 0.98),
-                 "relative_euclidean_distance": _lim(3e-2, 2e-1), "norm_rel_diff": _lim(3e-2, 2e-1)},
-    "float8": {"cosine_similarity": _lim(0.99, 0.95),
-               "relative_euclidean_distance": _lim(1e-1, 3e-1), "norm_rel_diff": _lim(1e-1, 3e-1)},
-    "int8": {"cosine_similarity": _lim(0.99, 0.95),
-             "relative_euclidean_distance": _lim(1e-1, 3e-1), "norm_rel_diff": _lim(1e-1, 3e-1)},
-    "int4": {"cosine_similarity": _lim(0.98, 0.9),
-             "relative_euclidean_distance": _lim(2e-1, 5e-1), "norm_rel_diff": _lim(2e-1, 5e-1)},
-    # token ids, positions, masks: any difference is a failure (statistics-only rows: max and min
-    # are exact, and what a dump records of them where it leaves the mean and norm out)
-    "integer": {"max_absolute_error": _lim(0.0, 0.0), "norm_rel_diff": _lim(0.0, 0.0),
-                "max_diff": _lim(0.0, 0.0), "min_diff": _lim(0.0, 0.0)},
-}
-
-_ALIASES = {
-    "fp64": "float64", "double": "float64", "fp32": "float32", "float": "float32", "tf32": "float32",
-    "fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp8": "float8", "w8a8": "int8",
-    "w8a16": "int8", "w4a16": "int4", "uint8": "integer", "int16": "integer", "int32": "integer",
-    "int64": "integer", "bool": "integer", "long": "integer", "int": "integer",
-}
-
-
-@lru_cache(maxsize=1024)  # called for every row with a handful of names
-def dtype_class(dtype: Any) -> str:
-    """The threshold class of a dtype name (``"torch.bfloat16"``, ``"bf16"``, ``"int4"`` ...)."""
-    name = str(dtype or "float32").lower().removeprefix("torch.")
-    if name in DEFAULT_THRESHOLDS:
-        return name
-    if name in _ALIASES:
-        return _ALIASES[name]
-    if name.startswith("float8"):
-        return "float8"
-    if name.startswith(("int", "uint")):
-        return "integer"
-    return "float32"
 
 
 def _number(value: Any) -> bool:
@@ -167,7 +120,7 @@ _PRECISION = {"float64": 6, "float32": 5, "float16": 4, "bfloat16": 3, "float8":
 
 def check_dtype_name(name: Any, where: str = "--target-dtype") -> str:
     """``name`` normalised (``torch.bfloat16`` -> ``bfloat16``), or a UserError listing the names."""
-    text = str(name).strip().lower().removeprefix("torch.")
+    text = dtype_name(str(name).strip().lower())
     if text not in DTYPE_NAMES:
         hint = " (float8 is ambiguous: float8_e4m3fn or float8_e5m2)" if text in ("float8", "fp8") else ""
         raise UserError(f"{where}: unknown dtype {name!r}{hint}; known: {', '.join(DTYPE_NAMES)}")

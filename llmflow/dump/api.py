@@ -26,12 +26,9 @@ other torch functions are captured once, at the outermost call, and our own copi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch.overrides import TorchFunctionMode
-
-if TYPE_CHECKING:
-    from llmflow.dump.recorder import Recorder
 
 SKIPPED = frozenset("""
     __get__ __set__ __delete__ size dim ndimension numel nelement stride storage_offset is_contiguous
@@ -70,11 +67,37 @@ def api_name(func: Callable[..., Any]) -> str | None:
     return name
 
 
+class OpSink(Protocol):
+    """What an ``ApiMode`` sends a call to: the op side of ``recorder.Sink``."""
+
+    active: bool
+    exec_order: list[str] | None
+
+    def wants_op(self, module: str) -> bool: ...
+
+    def op_inputs(self, name: str, api: str, func: Callable[..., Any], args: tuple, kwargs: dict) -> None: ...
+
+    def op_output(self, name: str, api: str, func: Callable[..., Any], output: Any) -> None: ...
+
+
+class OpNamer(Protocol):
+    """What an ``ApiMode`` reads to name a call: the running modules and the calls counted so far
+    (a ``recorder.Recorder``; declared here so that the recorder imports this module and not the
+    other way round)."""
+
+    prefix: str
+    stack: list[str]  # modules whose forward is running, innermost last
+    op_counts: dict[str, int]  # "<module>/<api>" -> calls so far this step
+
+    @property
+    def sink(self) -> OpSink | None: ...  # (read only here: a Recorder's Sink is an OpSink)
+
+
 class ApiMode(TorchFunctionMode):
     """Sends every computing torch call made while it is entered to its recorder's sink, named
     ``<innermost running module>/<api>.<n>``."""
 
-    def __init__(self, recorder: Recorder):
+    def __init__(self, recorder: OpNamer):
         super().__init__()
         self.recorder = recorder
         self._names: dict[Any, str | None] = {}  # callable -> recorded name (None: passed through)

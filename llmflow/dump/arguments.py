@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from llmflow.dtypes import torch_dtype
+
 SIMPLE_TYPES = ("NoneType", "bool", "int", "float", "str")
 #: torch values a dump records by name, and the torch type each name must resolve to
 NAMED_TYPES: dict[str, type] = {"dtype": torch.dtype, "memory_format": torch.memory_format,
@@ -40,7 +42,8 @@ def decode_value(json_value: Any, pytype: str | None) -> Any:
     if pytype in SIMPLE_TYPES or pytype is None:
         return json_value
     if isinstance(json_value, str) and pytype in NAMED_TYPES:
-        found = getattr(torch, json_value.removeprefix("torch."), None)
+        found = (torch_dtype(json_value) if pytype == "dtype"
+                 else getattr(torch, json_value.removeprefix("torch."), None))
         if isinstance(found, NAMED_TYPES[pytype]):
             return found
     if isinstance(json_value, str) and pytype == "device":

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from llmflow.dtypes import dtype_name
 from llmflow.dump.config import DumpConfig
 from llmflow.dump.copies import device_copy, host_copy, version_of
 from llmflow.dump.recorder import Sink, walk_inputs, walk_output
@@ -34,14 +35,13 @@ from llmflow.dump.topology import module_tree
 from llmflow.dump.writer import AsyncWriter
 from llmflow.errors import UserError
 from llmflow.formats.llmflow_dump import (
-    ENV_FILE,
     ROW_FIELDS,
     SAFETENSORS_DTYPES,
-    TOPOLOGY_FILE,
     DumpDirWriter,
     IndexRow,
     new_row,
 )
+from llmflow.formats.llmflow_layout import ENV_FILE, TOPOLOGY_FILE
 
 log = logging.getLogger("llmflow.dump")
 _SIMPLE = (type(None), bool, int, float, str)
@@ -102,10 +102,6 @@ def inline_writer(model: torch.nn.Module) -> bool:
     on_cpu = p is None or p.device.type == "cpu"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return on_cpu and torch.get_num_threads() >= cores
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 _DTYPE_NAMES = {d: dtype_name(d) for d in SAFETENSORS_DTYPES}

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from llmflow.dtypes import dtype_name
 from llmflow.redaction import redact_env
 
 ENV_PREFIXES = ("ATB_", "HCCL_", "LCCL_", "ASCEND_", "CUDA_", "CUBLAS_", "TORCH_")
@@ -72,7 +73,7 @@ def collect_env(model: torch.nn.Module | None = None, *, generation: dict[str, A
     if model is not None:
         first = next(model.parameters(), None)
         if first is not None:
-            settings["model_dtype"] = str(first.dtype).removeprefix("torch.")
+            settings["model_dtype"] = dtype_name(first.dtype)
             settings["model_device"] = str(first.device)
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "to_dict"):

@@ -30,6 +30,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from llmflow.dump.api import ApiMode
+
 Select = Callable[[str, nn.Module], bool]
 
 
@@ -78,8 +80,6 @@ class Recorder:
         self.op_counts: dict[str, int] = {}  # "<module>/<api>" -> calls so far this step
         self.ops_mode: Any = None
         if ops:
-            from llmflow.dump.api import ApiMode
-
             self.ops_mode = ApiMode(self)
         self._hooks: list[Any] = []
         self._wrapped: list[_ForwardWrapper] = []

@@ -29,11 +29,8 @@ of an ATB dump line up with a PyTorch dump's token folders with no offset.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +47,7 @@ from llmflow.formats._safe import (
     locate_msit,
     read_json,
 )
-from llmflow.formats.atb_bin import load_bin, read_header, write_bin, write_bin_stats
+from llmflow.formats.atb_bin import load_bin, read_header
 from llmflow.formats.base import DumpReader, Entry
 
 SUB = "tensors"
@@ -234,32 +231,3 @@ class AtbDumpReader(DumpReader):
         return load_bin(path)
 
 
-def write_atb_dump(path: str | Path, rounds: Mapping[int, Mapping[str, Mapping[str, Sequence[torch.Tensor]]]],
-                   models: Sequence[Mapping[str, Any]] = (), *, device_id: int = 0, pid: int = 4242,
-                   timestamp: str | None = None, statistics: bool = False) -> Path:
-    """Write an ATB dump in msit's layout; returns the ``msit_dump_*`` folder.
-
-    rounds: ``{round: {op folder path: {"in": [tensors], "out": [tensors]}}}`` where the op folder
-      path uses ATB's global numbering and ``/`` between levels (``"1_DecoderLayer/0_RmsNorm"``).
-    models: model files ``{"modelName": ..., "nodes": [...]}`` written to ``model/{pid}/``; give
-      each top-level node an ``opName`` ending in its global number (``"WordEmbedding_0"``).
-    statistics: write the statistics-only ``.bin`` variant instead of tensor data.
-    """
-    ts = timestamp or time.strftime("%Y%m%d_%H%M%S")
-    root = Path(path) / f"msit_dump_{ts}"
-    dev = root / SUB / f"{device_id}_{pid}"
-    writer = write_bin_stats if statistics else write_bin
-    for round_no, ops in rounds.items():
-        for op_path, tensors in ops.items():
-            op_dir = dev / str(round_no) / op_path
-            for i, t in enumerate(tensors.get("in", ())):
-                writer(op_dir / "before" / f"intensor{i}.bin", t)
-            for i, t in enumerate(tensors.get("out", ())):
-                writer(op_dir / "after" / f"outtensor{i}.bin", t)
-    if models:
-        mdir = root / "model" / str(pid)
-        mdir.mkdir(parents=True, exist_ok=True)
-        for m in models:
-            (mdir / f"{m['modelName']}.json").write_text(json.dumps(m, indent=1))
-    dev.mkdir(parents=True, exist_ok=True)
-    return root

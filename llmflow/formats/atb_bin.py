@@ -1,4 +1,4 @@
-"""The ATB ``.bin`` tensor file: read (bounded, validated) and write (byte for byte).
+"""The ATB ``.bin`` tensor file, read bounded and validated.
 
 A ``.bin`` file is a text header of ``name=value`` lines followed by raw little-endian bytes.
 ATB writes it with ``Mki::BinFile``: first the system attributes ``$Version``, ``$Object.Count``
@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from llmflow.dtypes import dtype_name
 from llmflow.errors import DumpFormatError
 from llmflow.formats._safe import MAX_DIM, MAX_DIMS, expect, file_size, open_regular
 
@@ -75,7 +76,7 @@ class BinHeader:
 
     @property
     def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        return dtype_name(self.dtype)
 
 
 def _int(value: str, path: Path, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -180,40 +181,3 @@ def load_bin(path: Path, header: BinHeader | None = None) -> torch.Tensor:
     return flat.view(h.dtype).reshape(h.dims)
 
 
-def header_bytes(attrs: list[tuple[str, str]], objects: list[tuple[str, int]]) -> bytes:
-    """The header ``Mki::BinFile`` writes for these user attributes and objects (name, length)."""
-    lines = ["$Version=1.0", f"$Object.Count={len(objects)}",
-             f"$Object.Length={sum(n for _, n in objects)}"]
-    lines += [f"{k}={v}" for k, v in attrs]
-    offset = 0
-    for name, n in objects:
-        lines.append(f"$Object.{name}={offset},{n}")
-        offset += n
-    lines.append("$End=1")
-    return ("\n".join(lines) + "\n").encode()
-
-
-def _meta(t: torch.Tensor, fmt: int) -> list[tuple[str, str]]:
-    if t.dtype not in CODES:
-        raise DumpFormatError(f"ATB .bin cannot hold dtype {t.dtype} (codes exist for "
-                              f"{', '.join(str(d)[6:] for d in CODES)})")
-    return [("format", str(fmt)), ("dtype", str(CODES[t.dtype])), ("dims", ",".join(map(str, t.shape)))]
-
-
-def write_bin(path: Path, tensor: torch.Tensor, fmt: int = FORMAT_ND) -> None:
-    """Write ``tensor`` as an ATB ``.bin`` file (same bytes ATB's dump writes)."""
-    t = tensor.detach().cpu().contiguous()
-    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(header_bytes(_meta(t, fmt), [("data", len(raw))]) + raw)
-
-
-def write_bin_stats(path: Path, tensor: torch.Tensor, fmt: int = FORMAT_ND) -> None:
-    """Write the statistics-only variant: format, dtype, dims, max, min, mean, l2norm."""
-    t = tensor.detach().cpu()
-    f = t.double()
-    stats = [("max", f.max().item()), ("min", f.min().item()), ("mean", f.mean().item()),
-             ("l2norm", f.norm().item())] if t.numel() else []
-    attrs = _meta(t, fmt) + [(k, repr(float(v))) for k, v in stats]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(header_bytes(attrs, []))

@@ -19,7 +19,8 @@ This module is the format and its writing side: ``IndexRow`` and ``index_line`` 
 encoded), ``DumpDirWriter`` (the synchronous on-disk writer; ``llmflow.dump.writer`` drives it
 from a background thread). ``llmflow_reader.LlmflowDumpReader`` reads it with nothing but
 ``json`` and ``safetensors``; it is importable from here too (``llmflow_dump.LlmflowDumpReader``,
-the ``llmflow`` format's registered reader).
+the ``llmflow`` format's registered reader). The names both sides use (the format's tag, version
+and top-level files) are in ``llmflow_layout``.
 """
 
 from __future__ import annotations
@@ -35,16 +36,14 @@ import orjson
 import torch
 
 from llmflow.atomic import atomic_write_json
+from llmflow.dtypes import SAFETENSORS_CODES, torch_dtype
 from llmflow.errors import UserError
 from llmflow.formats.base import STAT_KEYS, Entry
+from llmflow.formats.llmflow_layout import FORMAT, META_FILE, VERSION
 
-FORMAT = "llmflow-dump"
-# 2: index lines hold batches of rows (version 1: one entry a line, still read);
-# 3: a statistics-mode repeat of a tensor holds no statistics of its own (``_share_repeat_stats``)
-VERSION = 3
-META_FILE = "llmflow_dump.json"
-ENV_FILE = "env.json"
-TOPOLOGY_FILE = "topology.json"
+# the format's reader, importable from here (``llmflow_dump.LlmflowDumpReader``: the ``llmflow``
+# format's registered reader, pyproject.toml); the reader imports nothing from this module
+from llmflow.formats.llmflow_reader import LlmflowDumpReader  # noqa: F401
 
 
 # An index line is either one entry, ``Entry.to_json()`` (what version 1 wrote), or a batch of
@@ -148,14 +147,9 @@ def _finite_stats(st: Any) -> bool:
         return False
 
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64",
-    **{getattr(torch, n): code for n, code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                                               ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"))
-       if hasattr(torch, n)},
-}
+#: the safetensors code of every dtype this torch has (the newer ones are missing from older torch)
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    dtype: code for name, code in SAFETENSORS_CODES.items() if (dtype := torch_dtype(name)) is not None}
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -243,10 +237,6 @@ class DumpDirWriter:
         self._index.flush()
         self.entries_written += len(rows)
 
-    def append_entries(self, entries: list[Entry]) -> None:
-        """``append_rows`` for ``Entry`` objects."""
-        self.append_rows([IndexRow.of(e) for e in entries])
-
     def append_order(self, step: int, order: list[str]) -> None:
         """Record the execution order of modules and APIs of one step."""
         self._order.write(json.dumps({"step": step, "order": order}) + "\n")
@@ -271,13 +261,3 @@ class DumpDirWriter:
         if self.rank == 0 or not (self.dump_dir / META_FILE).exists():
             self.meta.update(meta, complete=complete)
             atomic_write_json(self.dump_dir / META_FILE, self.meta)
-
-
-def __getattr__(name: str) -> Any:
-    # the reader lives in llmflow_reader.py, which imports this module: it is handed out on first
-    # use instead of imported above, which would make the two modules import each other
-    if name in ("LlmflowDumpReader", "parse_index_line"):
-        from llmflow.formats import llmflow_reader
-
-        return getattr(llmflow_reader, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

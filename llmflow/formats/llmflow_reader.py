@@ -19,7 +19,7 @@ from llmflow.errors import DumpFormatError
 from llmflow.formats._safe import open_regular, read_json, read_text, regular_file
 from llmflow.formats.base import STAT_KEYS, DumpReader, Entry
 from llmflow.formats.llmflow_check import rank_problems, safetensors_keys
-from llmflow.formats.llmflow_dump import ENV_FILE, FORMAT, META_FILE, TOPOLOGY_FILE
+from llmflow.formats.llmflow_layout import ENV_FILE, FORMAT, META_FILE, TOPOLOGY_FILE
 
 _RANK_DIR = re.compile(r"^rank(\d+)$")
 MAX_META_BYTES = 64 << 20  # llmflow_dump.json, rank.json, env.json, topology.json: small files

@@ -1,4 +1,4 @@
-"""msit torch dumps (``msit_llm.DumpConfig`` + ``register_hook``), read and written.
+"""msit torch dumps (``msit_llm.DumpConfig`` + ``register_hook``): the reader.
 
 Layout (msit_llm/dump/torch_dump, read from its source)::
 
@@ -27,16 +27,14 @@ from __future__ import annotations
 import ast
 import csv
 import io
-import json
 import os
 import re
-import time
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from llmflow.dtypes import dtype_name
 from llmflow.errors import DumpFormatError
 from llmflow.formats._safe import (
     device_dirs,
@@ -192,7 +190,7 @@ class MsitDumpReader(DumpReader):
                     continue  # msit's Index keeps only the last number of nested outputs: no match
                 if e is not None and "." in e.index:
                     continue
-                dtype = str(row.get("DataType") or "").removeprefix("torch.") or None
+                dtype = dtype_name(row.get("DataType") or "") or None
                 shape = self._shape(row.get("Shape"))
                 if e is None:
                     e = Entry(step=step, rank=rank, name=name, kind=kind, index=index, level=level,
@@ -253,7 +251,7 @@ class MsitDumpReader(DumpReader):
         except DumpFormatError as exc:
             self._problems.append(f"{exc}; left out")
             return False
-        entry.dtype, entry.shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
+        entry.dtype, entry.shape = dtype_name(t.dtype), tuple(t.shape)
         return True
 
     def _file(self, entry: Entry) -> Path:
@@ -269,65 +267,3 @@ class MsitDumpReader(DumpReader):
         return torch_load(self._file(entry))
 
 
-def _save_value(folder: Path, stem: str, value: Any, stats: list[list[Any]] | None, node: tuple[str, str],
-                depth: int = 0) -> None:
-    """msit's ``dump_tensor``: tuples/lists recurse as ``{stem}_{i}``, tensors go to ``{stem}.pth``."""
-    if isinstance(value, (tuple, list)) and depth < 16:
-        for i, v in enumerate(value):
-            _save_value(folder, f"{stem}_{i}", v, stats, node, depth + 1)
-    elif isinstance(value, torch.Tensor):
-        t = value.detach().cpu()
-        if stats is not None:
-            f = t.float()
-            index = int(stem.split("_")[-1]) if "_" in stem else 0
-            stats.append([node[0], node[1], "Input" if stem.startswith("input") else "Output", index,
-                          str(t.dtype), tuple(t.shape), f.max().item(), f.min().item(), f.mean().item(),
-                          f.norm().item()])
-        torch.save(t.clone(), folder / f"{stem}.pth")
-
-
-def write_msit_dump(path: str | Path, tokens: Mapping[int, Mapping[str, Mapping[str, Any]]], *,
-                    tree: Mapping[str, Any] | None = None, weights: Mapping[str, torch.Tensor] | None = None,
-                    device: str = "cpu", pid: int = 4242, timestamp: str | None = None,
-                    statistics: bool = False, types: Mapping[str, str] | None = None) -> Path:
-    """Write an msit torch dump; returns the ``msit_dump_*`` folder.
-
-    tokens: ``{token: {module name (with or without "root."): {"inputs": tuple, "output": value}}}``
-      in call order; ``inputs`` are saved ``input_{i}``, a tensor output as ``output``, a tuple
-      output as ``output_{i}`` (nested ``output_{i}_{j}``), like msit's forward hooks.
-    tree: model_tree.json content (``{"name": "root", "type", "children"}``).
-    weights: parameter name -> tensor, saved as ``weights/root.{name}.pth``.
-    statistics: also write each folder's statistics.csv (msit's ``dump_statistics_mode=2``).
-    """
-    ts = timestamp or time.strftime("%Y%m%d_%H%M%S")
-    root = Path(path) / f"msit_dump_{ts}"
-    dev = root / SUB / f"{device}_{pid}"
-    dev.mkdir(parents=True, exist_ok=True)
-    if tree is not None:
-        (dev / "model_tree.json").write_text(json.dumps(tree))
-    for token, modules in tokens.items():
-        for name, call in modules.items():
-            folder_name = name if name == "root" or name.startswith("root.") else (
-                f"root.{name}" if name else "root")
-            folder = dev / str(token) / folder_name
-            folder.mkdir(parents=True, exist_ok=True)
-            stats: list[list[Any]] | None = [] if statistics else None
-            node = (folder_name, (types or {}).get(name, ""))
-            if "inputs" in call:
-                _save_value(folder, "input", tuple(call["inputs"]), stats, node)
-            if "output" in call:
-                _save_value(folder, "output", call["output"], stats, node)
-            if stats:
-                _write_stats(folder / STATS_FILE, stats)
-    for name, w in (weights or {}).items():
-        (dev / "weights").mkdir(exist_ok=True)
-        torch.save(w.detach().cpu().clone(), dev / "weights" / f"root.{name}.pth")
-    return root
-
-
-def _write_stats(path: Path, rows: Iterable[list[Any]]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["NodeName", "NodeType", "InputOutput", "Index", "DataType", "Shape", "Max", "Min",
-                    "Mean", "L2Norm"])
-        w.writerows(rows)

@@ -62,6 +62,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from llmflow.dtypes import dtype_name
 from llmflow.errors import DumpFormatError
 from llmflow.formats._safe import (
     check_shape,
@@ -415,7 +416,7 @@ class MsprobeDumpReader(DumpReader):
             extra={"requires_grad": value.get("requires_grad")} if "requires_grad" in value else {},
         )
         if "dtype" in value and "shape" in value:
-            e.dtype = str(value["dtype"]).removeprefix("torch.")
+            e.dtype = dtype_name(value["dtype"])
             e.shape = check_shape(value["shape"], folder / DUMP_FILE)
             stats = {ours: v for k, ours in _STAT_KEYS if (v := statistic(value.get(k))) is not None}
             e.stats = stats or None

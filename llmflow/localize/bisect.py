@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from llmflow.dtypes import dtype_name
 from llmflow.dump.memory import Call
 from llmflow.errors import UserError
 from llmflow.formats import open_dump
@@ -39,8 +40,9 @@ from llmflow.localize.golden import (
     rerun_fidelity,
 )
 from llmflow.localize.options import BisectInputs
+from llmflow.localize.own_error import own_error
 from llmflow.localize.rank import pick_candidate, rank_modules
-from llmflow.localize.replay import is_branch, own_error, replay_modules
+from llmflow.localize.replay import is_branch, replay_modules
 from llmflow.localize.tokens import first_bad_step, first_mismatch, token_rows
 from llmflow.results.verdict import Cost, ModelRuns, OpRow, Verdict
 from llmflow.structure import LayerStack, find_layer_stack
@@ -245,7 +247,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     """Narrow the divergence down; returns the verdict with its evidence."""
     b = _Bisect(inp, log, progress)
     tgt = b.target
-    dtype = str(tgt.dtype).removeprefix("torch.")
+    dtype = dtype_name(tgt.dtype)
     mismatch = first_mismatch(inp.golden_ids, inp.target_ids)
     rows = token_rows(b.golden_dump, b.target_dump, golden_ids=inp.golden_ids, target_ids=inp.target_ids,
                       pairs=inp.pairs, target_dtype=dtype, thresholds=inp.thresholds, decode=b.decode)

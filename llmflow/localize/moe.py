@@ -27,6 +27,7 @@ from torch import nn
 
 from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.localize.calls import cast_inputs
+from llmflow.localize.own_error import own_error
 from llmflow.results.verdict import ExpertRow, RoutedToken, RoutingRow
 
 
@@ -153,8 +154,6 @@ def expert_errors(golden_module: nn.Module, target_module: nn.Module, call: Call
                   target: Any) -> list[ExpertRow]:
     """Each expert's contribution alone (the routing weights of every other expert zeroed),
     golden against target: one row per expert the golden routing used."""
-    from llmflow.localize.replay import own_error
-
     pos = next(i for i, a in enumerate(call.args)
                if isinstance(a, torch.Tensor) and not a.is_floating_point())
     index = call.args[pos]

@@ -39,14 +39,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from llmflow.dtypes import OP_ERROR_FLOOR, dtype_name
 from llmflow.dump.memory import Call, OpCall, OpRecorder
 from llmflow.localize.calls import cast_inputs
+from llmflow.localize.own_error import own_error
 from llmflow.localize.rank import DEFAULT_RATIO_THRESHOLD, first_jump
-from llmflow.localize.replay import own_error
 from llmflow.results.verdict import OpLevel, OpRef, OpRow, OverflowOp
-
-#: relative error a correct op shows in each target dtype (half an ulp-ish, times a margin)
-DTYPE_FLOOR = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 4e-3, torch.float16: 5e-4}
 
 
 @torch.no_grad()
@@ -118,7 +116,7 @@ def compare_ops(golden: list[OpCall], target: list[OpCall], *, target_dtype: tor
             same = last_golden.get(tuple(t.output.shape))  # the value this op rewrites, if any
             row.raw = own_error(same, t.output)["rel_l2"] if same is not None else None
         rows.append(row)
-    floor = DTYPE_FLOOR.get(target_dtype, 4e-3)
+    floor = OP_ERROR_FLOOR.get(dtype_name(target_dtype), 4e-3)
     iso_rows = [r for r in rows if r.iso is not None]
     for r in rows:
         others = [o.iso for o in iso_rows if o is not r]  # leave-one-out, as for modules
@@ -232,6 +230,6 @@ def overflow_detail(call: OpCall) -> OverflowOp:
               if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()]
     finite_max = max((float(x.detach().float().masked_fill(~torch.isfinite(x), 0).abs().max())
                       for x in inputs), default=math.nan)
-    return OverflowOp(name=call.name, api=call.api, dtype=str(call.output.dtype).removeprefix("torch."),
+    return OverflowOp(name=call.name, api=call.api, dtype=dtype_name(call.output.dtype),
                       nan=int(torch.isnan(out).sum()), inf=int(torch.isinf(out).sum()), numel=out.numel(),
                       input_max_abs=finite_max)

@@ -10,7 +10,6 @@ golden calls come from ``calls.py`` (a dump or an in-memory capture).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch import nn
 from llmflow.dump.memory import CacheSnapshot, Call, flatten_outputs
 from llmflow.localize import moe
 from llmflow.localize.calls import cast_inputs, written_kv
+from llmflow.localize.own_error import own_error
 from llmflow.structure import LayerStack, layer_of
 
 
@@ -32,37 +32,6 @@ def is_branch(name: str, module: nn.Module | None = None, stack: LayerStack | No
     if layer is not None:
         return name != layer
     return module is None or not any(True for _ in module.children())
-
-
-def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
-    """The error metrics ranking and charts use (computed in float64, on CPU).
-
-    rel_l2: ||t - g|| / ||g||, the ranking key (scale-free, robust to a few outliers);
-    max_abs: max |t - g|; max_rel: max |t - g| / max |g|; cos_dist: 1 - cosine similarity;
-    l2, norm: ||t - g|| and ||g|| themselves (ranking floors tiny norms with them); numel;
-    nonfinite: how many of the target's values are Inf/NaN where the golden's are finite (an
-    overflow). Where there are any, every error metric is +inf: the output is infinitely wrong,
-    never "no error" (a NaN would compare as neither large nor small).
-    """
-    g = golden.detach().to("cpu", torch.float64).reshape(-1)
-    t = target.detach().to("cpu", torch.float64).reshape(-1)
-    if g.shape != t.shape:
-        return {"rel_l2": math.inf, "max_abs": math.inf, "max_rel": math.inf, "cos_dist": math.inf,
-                "l2": math.inf, "norm": float(g.norm()), "numel": g.numel(), "nonfinite": 0}
-    nonfinite = int((~torch.isfinite(t) & torch.isfinite(g)).sum())
-    if nonfinite:
-        finite = g[torch.isfinite(g)]
-        return {"rel_l2": math.inf, "max_abs": math.inf, "max_rel": math.inf, "cos_dist": math.inf,
-                "l2": math.inf, "norm": float(finite.norm()), "numel": g.numel(), "nonfinite": nonfinite}
-    d = t - g
-    gn = float(g.norm())
-    tiny = 1e-30
-    cos = float(torch.dot(g, t) / max(gn * float(t.norm()), tiny)) if g.numel() else 1.0
-    l2 = float(d.norm())  # each reduction once: on a 1B model's 200 replays they cost more than the replays
-    max_abs = float(d.abs().max()) if d.numel() else 0.0
-    return {"rel_l2": l2 / max(gn, tiny), "max_abs": max_abs,
-            "max_rel": max_abs / max(float(g.abs().max()), tiny) if d.numel() else 0.0,
-            "cos_dist": max(0.0, 1.0 - cos), "l2": l2, "norm": gn, "numel": g.numel(), "nonfinite": 0}
 
 
 @torch.no_grad()

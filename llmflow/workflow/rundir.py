@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from llmflow.atomic import atomic_write_json
+from llmflow.atomic import atomic_write_json, install_staged
 from llmflow.errors import UserError
 
 LOCK_FILE = ".lock"
@@ -201,15 +201,10 @@ def new_tmp_dir(run_dir: Path, stage_id: str) -> Path:
 
 
 def install(tmp: Path, final: Path) -> None:
-    """Move a finished stage's tmp dir to its final place, replacing an older result."""
+    """Move a finished stage's tmp dir to its final place, replacing an older result (a folder
+    ``open_run_dir`` found to be a stage folder llmflow wrote; a link there is refused)."""
     refuse_link(final)
-    if final.exists():
-        old = tmp.parent / f"{final.name}-old-{secrets.token_hex(4)}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    install_staged(tmp, final)
 
 
 def remove_failed(run_dir: Path, stage_id: str) -> None:

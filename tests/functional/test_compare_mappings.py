@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from llmflow.cli import main
-from llmflow.formats.atb import write_atb_dump
-from llmflow.formats.msit import write_msit_dump
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from format_writers import write_atb_dump, write_msit_dump  # noqa: E402
 from formats_helpers import LAYERS, SUBS, tiny_model  # noqa: E402
 
 

@@ -26,9 +26,9 @@ HEAD = """\
 import gc, os, signal, sys, time
 import torch
 from llmflow import DumpConfig, register_hook
-from llmflow.models import build_tiny_llama
+from llmflow.models import build_tiny
 
-model = build_tiny_llama("layers=8,hidden=512")
+model = build_tiny("llama", "layers=8,hidden=512")
 """
 HOOK = """\
 register_hook(model, DumpConfig(dump_path=sys.argv[1], token_range=list(range(8))))

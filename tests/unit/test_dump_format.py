@@ -89,10 +89,12 @@ def test_incomplete_until_closed_and_torn_last_line_ignored(tmp_path):
 
 def test_corrupt_middle_line_is_an_error(tmp_path):
     w = DumpDirWriter(tmp_path / "d", 0)
-    w.append_entries([Entry(0, 0, "a", "input", "0", "module", 0, has_data=False, pytype="NoneType")])
+    w.append_rows([IndexRow.of(Entry(0, 0, "a", "input", "0", "module", 0, has_data=False,
+                                     pytype="NoneType"))])
     with open(tmp_path / "d" / "rank0" / "index.jsonl", "a") as f:
         f.write("not json\n")
-    w.append_entries([Entry(0, 0, "b", "input", "0", "module", 1, has_data=False, pytype="NoneType")])
+    w.append_rows([IndexRow.of(Entry(0, 0, "b", "input", "0", "module", 1, has_data=False,
+                                     pytype="NoneType"))])
     w.close()
     with pytest.raises(DumpFormatError, match=r"index.jsonl:2"):
         LlmflowDumpReader(tmp_path / "d").entries()

@@ -17,7 +17,7 @@ from llmflow.dump import DumpConfig, register_hook
 from llmflow.dump.writer import AsyncWriter
 from llmflow.formats.base import Entry
 from llmflow.formats.llmflow_dump import DumpDirWriter, IndexRow, LlmflowDumpReader
-from llmflow.models import build_tiny_llama
+from llmflow.models import build_tiny
 
 SPEC = "layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64"
 IDS = torch.tensor([[256, 104, 105]])
@@ -30,7 +30,7 @@ def writer_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_a_collected_model_finishes_its_dump(tmp_path: Path, writer_mode: str) -> None:
-    model = build_tiny_llama(SPEC)
+    model = build_tiny("llama", SPEC)
     register_hook(model, DumpConfig(dump_path=str(tmp_path), token_range="all"))  # handle not kept
     model.generate(IDS, max_new_tokens=3, do_sample=False, pad_token_id=258)
     r = LlmflowDumpReader(tmp_path / "llmflow_dump")
@@ -42,7 +42,7 @@ def test_a_collected_model_finishes_its_dump(tmp_path: Path, writer_mode: str) -
 
 
 def test_a_forward_that_raises_is_recorded_and_the_dump_goes_on(tmp_path: Path, writer_mode: str) -> None:
-    model = build_tiny_llama(SPEC)
+    model = build_tiny("llama", SPEC)
     attn = model.model.layers[1].self_attn
     forward = attn.forward
     fail = {"now": False}
@@ -76,7 +76,7 @@ def test_a_forward_that_raises_is_recorded_and_the_dump_goes_on(tmp_path: Path, 
 
 
 def test_an_interrupted_step_is_recorded_when_the_next_begins(tmp_path: Path) -> None:
-    model = build_tiny_llama(SPEC)
+    model = build_tiny("llama", SPEC)
     mlp = model.model.layers[0].mlp
     forward = mlp.forward
     stop = {"now": True}
@@ -123,7 +123,7 @@ def test_a_writer_that_fails_at_exit_costs_one_warning_line(tmp_path: Path, monk
     from llmflow.dump import capture
     from llmflow.formats import llmflow_dump
 
-    model = build_tiny_llama(SPEC)
+    model = build_tiny("llama", SPEC)
     register_hook(model, DumpConfig(dump_path=str(tmp_path), token_range="all"))
     with torch.no_grad():
         model(IDS)

@@ -12,7 +12,7 @@ from llmflow.dump import DumpConfig
 from llmflow.errors import UserError
 from llmflow.models import (
     ByteTokenizer,
-    build_tiny_llama,
+    build_tiny,
     encode_prompt,
     greedy_generate,
     load_model,
@@ -41,14 +41,14 @@ def test_devices_and_dtypes():
 
 
 def test_tiny_llama_is_seeded_and_configurable():
-    a, b = build_tiny_llama("layers=1,hidden=32,seed=3"), build_tiny_llama("layers=1,hidden=32,seed=3")
-    c = build_tiny_llama("layers=1,hidden=32,seed=4")
+    a, b = build_tiny("llama", "layers=1,hidden=32,seed=3"), build_tiny("llama", "layers=1,hidden=32,seed=3")
+    c = build_tiny("llama", "layers=1,hidden=32,seed=4")
     wa, wb, wc = (m.model.layers[0].mlp.up_proj.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
     assert a.config.num_hidden_layers == 1 and a.config.hidden_size == 32
     for bad in ("layers=x", "depth=3", "vocab=100", "hidden=30,heads=4"):
         with pytest.raises(UserError, match="tiny-llama"):
-            build_tiny_llama(bad)
+            build_tiny("llama", bad)
 
 
 def test_load_model_dtype_eval_no_grad():
@@ -91,7 +91,7 @@ def test_a_model_callable_carries_its_note_and_a_plain_one_has_none(tmp_path):
 
 
 def test_local_hf_directory(tmp_path):
-    build_tiny_llama("layers=1,hidden=32").save_pretrained(tmp_path / "hf")
+    build_tiny("llama", "layers=1,hidden=32").save_pretrained(tmp_path / "hf")
     lm = load_model(str(tmp_path / "hf"))
     assert type(lm.model).__name__ == "LlamaForCausalLM" and lm.tokenizer is None
     with pytest.raises(UserError, match="prompt"):

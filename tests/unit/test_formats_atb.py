@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,11 @@ import torch
 
 from llmflow.errors import DumpFormatError
 from llmflow.formats import open_dump
-from llmflow.formats.atb import AtbDumpReader, write_atb_dump
-from llmflow.formats.atb_bin import load_bin, read_header, write_bin, write_bin_stats
+from llmflow.formats.atb import AtbDumpReader
+from llmflow.formats.atb_bin import load_bin, read_header
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from format_writers import write_atb_dump, write_bin, write_bin_stats  # noqa: E402
 
 
 def test_bin_header_bytes_match_mki_binfile(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ MemoryError or be killed, failing the test)."""
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,10 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmflow.errors import UserError
-from llmflow.formats.atb import AtbDumpReader, write_atb_dump
+from llmflow.formats.atb import AtbDumpReader
 from llmflow.formats.atb_bin import load_bin, read_header
-from llmflow.formats.msit import MsitDumpReader, write_msit_dump
+from llmflow.formats.msit import MsitDumpReader
 from llmflow.formats.msprobe import MsprobeDumpReader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from format_writers import write_atb_dump, write_msit_dump  # noqa: E402
 
 SETTINGS = settings(max_examples=60, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
 HEADER = ["$Version=1.0", "$Object.Count=1", "$Object.Length=24", "format=2", "dtype=0", "dims=2,3",

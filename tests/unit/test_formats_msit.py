@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,10 @@ import torch
 
 from llmflow.errors import DumpFormatError
 from llmflow.formats import open_dump
-from llmflow.formats.msit import MsitDumpReader, write_msit_dump
+from llmflow.formats.msit import MsitDumpReader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from format_writers import write_msit_dump  # noqa: E402
 
 TREE = {"name": "root", "type": "Toy", "children": [
     {"name": "root.model", "type": "Inner", "children": [

@@ -16,12 +16,11 @@ import torch
 
 from llmflow.errors import DumpFormatError
 from llmflow.formats import open_dump
-from llmflow.formats.atb import write_atb_dump
 from llmflow.formats.llmflow_dump import DumpDirWriter, LlmflowDumpReader
-from llmflow.formats.msit import write_msit_dump
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from dump_helpers import dump  # noqa: E402
+from format_writers import write_atb_dump, write_msit_dump  # noqa: E402
 
 DEEP = "[" * 100_000 + "]" * 100_000  # beyond the interpreter's recursion limit
 FIFO = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes need a POSIX system")

@@ -10,7 +10,8 @@ from torch import nn
 from llmflow.dump.memory import Call, capture_calls, flatten_outputs
 from llmflow.localize.calls import build_call
 from llmflow.localize.ops import align_ops, capture_ops, compare_ops
-from llmflow.localize.replay import is_branch, own_error, replay_call, replay_modules
+from llmflow.localize.own_error import own_error
+from llmflow.localize.replay import is_branch, replay_call, replay_modules
 from llmflow.results.verdict import OpRef
 
 
