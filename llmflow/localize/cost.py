@@ -45,10 +45,14 @@ class _ByteCounter(Sink):
         self.seen: list[torch.Tensor] = []  # kept alive so ids stay unique within a step
         self.ids: set[int] = set()
 
-    def new_step(self) -> None:
+    def begin_step(self, step: int) -> None:
         self.per_step.append(0)
         self.seen.clear()
         self.ids.clear()
+        self.active = True
+
+    def end_step(self, step: int, output: Any, error: str | None, raised_in: str | None) -> None:
+        self.active = False
 
     def op_inputs(self, name: str, api: str, func: Any, args: tuple, kwargs: dict) -> None:
         walk_inputs(self, name, "input", args, kwargs, "api", api, tensors_only=True)
@@ -73,23 +77,10 @@ def estimate_api_dump_bytes(model: nn.Module, input_ids: list[int], new_tokens: 
     from llmflow.models import greedy_generate
 
     counter = _ByteCounter()
-    recorder = Recorder(model, lambda _n, _m: False, ops=True, sink=counter)
-
-    def begin(*_a: Any) -> None:
-        recorder.new_step()
-        counter.new_step()
-        counter.active = True
-
-    def end(*_a: Any) -> None:
-        counter.active = False
-
-    handles = [model.register_forward_pre_hook(begin), model.register_forward_hook(end, always_call=True)]
+    recorder = Recorder(model, lambda _n, _m: False, ops=True, sink=counter, steps=True)
     try:
-        with recorder.recording_ops():
-            greedy_generate(model, input_ids, min(2, max(1, new_tokens)))
+        greedy_generate(model, input_ids, min(2, max(1, new_tokens)))
     finally:
-        for h in handles:
-            h.remove()
         recorder.remove()
     steps = counter.per_step[:2] or [0]
     decode = steps[1] if len(steps) > 1 else steps[0] / max(len(input_ids), 1)

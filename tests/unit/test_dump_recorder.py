@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llmflow import DumpConfig, register_hook
 from llmflow.dump.memory import CallRecorder, capture_calls
+from llmflow.dump.recorder import Recorder, Sink
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 from llmflow.localize.cost import estimate_api_dump_bytes
 from llmflow.localize.ops import capture_ops
@@ -96,3 +97,36 @@ def test_the_api_dump_estimate_counts_what_the_api_dump_holds(tmp_path):
             held[e.step] += reader.load(e).nbytes
     assert held[0] > 0 and held[1] > 0
     assert (estimate["prefill_bytes"], estimate["decode_step_bytes"]) == (held[0], held[1])
+
+
+class _StepLog(Sink):
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def begin_step(self, step: int) -> None:
+        self.events.append(("begin", step))
+
+    def end_step(self, step: int, output, error, raised_in) -> None:
+        self.events.append(("end", step, output is not None, error, raised_in))
+
+
+def test_the_recorder_drives_steps_from_the_root_calls_and_numbers_them_per_sink():
+    model = _tiny_llama()
+    first = _StepLog()
+    recorder = Recorder(model, lambda name, _m: name == "model.embed_tokens", sink=first, steps=True)
+    with torch.no_grad():
+        greedy_generate(model, [1, 5, 9, 3], 2)
+        with pytest.raises(IndexError):
+            model(torch.tensor([[1, 999]]))  # out of the vocabulary: the embedding raises
+    second = _StepLog()
+    recorder.attach(second)
+    with torch.no_grad():
+        model(torch.tensor([[1, 5]]))
+    recorder.remove()
+    with torch.no_grad():
+        model(torch.tensor([[1, 5]]))
+    assert first.events == [("begin", 0), ("end", 0, True, None, None),
+                            ("begin", 1), ("end", 1, True, None, None),
+                            ("begin", 2), ("end", 2, False, "IndexError: index out of range in self",
+                                           "model.embed_tokens")]
+    assert second.events == [("begin", 0), ("end", 0, True, None, None)]
