@@ -221,9 +221,10 @@ class _Bisect:
         if inp.estimate_cost and inp.prompt_ids:
             n = max(len(inp.golden_ids), 1)
             sides = [m for m in (self.golden(), self.target) if m is not None]
-            full = sum(cost_mod.estimate_api_dump_bytes(m.model, inp.prompt_ids, n)["total_bytes"]
-                       for m in sides) * 2 // len(sides)
+            estimates = [cost_mod.estimate_api_dump_bytes(m.model, inp.prompt_ids, n) for m in sides]
+            full = sum(e["total_bytes"] for e in estimates) * 2 // len(sides)
             cost["full_api_dump_bytes_estimate"] = full
+            cost["full_api_dump_estimate_method"] = estimates[0]["method"]  # "one layer x N": extrapolated
             cost["bytes_fraction_of_full_api_dump"] = round(cost["bytes_dumped"] / max(full, 1), 4)
             self.phase("cost: full API dump estimate")
         cost["bisect_seconds"] = round(time.time() - self.t0, 2)
