@@ -42,6 +42,7 @@ from llmflow.formats.llmflow_dump import (
     new_row,
 )
 from llmflow.formats.llmflow_layout import ENV_FILE, TOPOLOGY_FILE
+from llmflow.models import logits_of
 
 log = logging.getLogger("llmflow.dump")
 _SIMPLE = (type(None), bool, int, float, str)
@@ -161,25 +162,33 @@ class DumpSession(Sink):
             self._write_weights(model)
 
     # -- steps --------------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        if self.in_step:  # the last step's forward was left by a KeyboardInterrupt or the like
-            self.end_step(error="the step's forward never returned (interrupted)")
+    def begin_step(self, step: int) -> None:
         self.in_step = True
-        self.step += 1
+        self.step = step
         self.order = 0
         self.exec_order = []
         self._seen.clear()
         self.active = self.stopped is None and self.config.wants_step(self.step)
 
-    def end_step(self, error: str | None = None, module: str | None = None) -> None:
-        """The step's forward returned, or raised ``error`` (``"Type: message"``), innermost in
-        ``module`` when known: the entries captured before it stay, the error goes on record."""
+    def end_step(self, step: int, output: Any = None, error: str | None = None,
+                 raised_in: str | None = None) -> None:
+        """The step's forward returned ``output`` (its logits are recorded), or raised ``error``
+        (``"Type: message"``), innermost in module ``raised_in`` when known: the entries captured
+        before it stay, the error goes on record."""
         self.in_step = False
         failure = None
         if error is not None:
-            failure = {"step": self.step, "error": error[:500], "module": module}
+            failure = {"step": self.step, "error": error[:500], "module": raised_in}
             log.warning("llmflow dump %s: step %d raised %s%s; the dump keeps what that step captured "
-                        "before it", self.dump_dir, self.step, error[:200], f" in {module}" if module else "")
+                        "before it", self.dump_dir, self.step, error[:200],
+                        f" in {raised_in}" if raised_in else "")
+        elif self.config.logits and output is not None:
+            try:
+                logits = logits_of(output)
+            except TypeError:
+                logits = None
+            if logits is not None:
+                self.record_logits(logits)
         self.writer.end_step(self.step, self.exec_order if self.active else None, failure)
         self.active = False
 
@@ -190,7 +199,8 @@ class DumpSession(Sink):
         self.closed = True
         self._finalizer.detach()
         if self.in_step:  # closed from inside a forward (an exit from a hook, say)
-            self.end_step(error="the step's forward never returned (the dump was closed during it)")
+            self.end_step(self.step,
+                          error="the step's forward never returned (the dump was closed during it)")
         stop = {"truncated": True, "stop_reason": self.stopped} if self.stopped else {}
         self.writer.close(complete=complete, rank_meta=stop, steps=self.step + 1,
                           truncated=self.stopped is not None, stop_reason=self.stopped)

@@ -8,9 +8,9 @@ two prompts in one process give two dumps. Folders: the k-th turn since the last
 ``<dump_path>/<dump_tag>_<k>`` after that; each holds one ``rank{R}`` folder per rank.
 
 The root module's own inputs and outputs are not dumped, except its logits (level ``logits``).
-The root carries torch forward hooks (one call per step: steps, turns, logits); the recorder
-(``recorder.py``) instruments every other module and the ops, with the open ``DumpSession`` as
-its sink; ``remove()`` takes it all off again.
+The recorder (``recorder.py``) drives the steps from the root's calls and instruments every
+other module and the ops, with the open ``DumpSession`` as its sink; before each step the handle
+decides whether it starts a new turn (``_before_step``); ``remove()`` takes it all off again.
 
 ``remove()`` is optional: a dump nobody closed is finished when its model is garbage-collected
 or when the process exits normally (see ``capture.py``). A forward that raises does not end the
@@ -21,7 +21,6 @@ module it came through) is recorded in ``rank.json``, and the next forward goes 
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +32,6 @@ from llmflow.dump.capture import DumpSession, inline_writer
 from llmflow.dump.config import DumpConfig
 from llmflow.dump.recorder import Recorder
 from llmflow.errors import UserError
-from llmflow.models import logits_of
 from llmflow.structure import find_cache
 
 log = logging.getLogger("llmflow.dump")
@@ -56,11 +54,8 @@ class DumpHandle:
         self._turn = 0
         self._path_serial = _PATH["serial"]
         self._prev_ids: torch.Tensor | None = None
-        self._ops_entered = False
-        self._hooks: list[Any] = []  # torch hook handles (the root module's)
-        self.recorder: Recorder | None = None  # the sub-modules' (and ops') recorder
+        self.recorder: Recorder | None = None  # the steps, the sub-modules' and the ops' recorder
         self.on_step: Callable[[int], None] | None = None  # progress callback after each step
-        self.in_step = False  # between the root's pre- and post-hook: ``save`` targets this dump
         self.inline_writer = inline_writer(model)
         self.enabled = _device_matches(model, config.device_id)
         if self.enabled:
@@ -69,11 +64,11 @@ class DumpHandle:
 
     def _install(self) -> None:
         m, cfg = self.model, self.config
-        self._hooks.append(m.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        self._hooks.append(m.register_forward_hook(self._root_post, with_kwargs=True, always_call=True))
         self.recorder = Recorder(
             m, lambda name, sub: cfg.dump_modules and cfg.wants_module(name, type(sub).__name__),
-            inputs=cfg.tensor_part != 1, outputs=cfg.tensor_part != 0, ops=cfg.dump_apis)
+            inputs=cfg.tensor_part != 1, outputs=cfg.tensor_part != 0, ops=cfg.dump_apis, steps=True)
+        self.recorder.before_step = self._before_step
+        self.recorder.after_step = self._after_step
 
     # -- the root: steps and turns ------------------------------------------------------------
     @property
@@ -85,44 +80,23 @@ class DumpHandle:
     def session(self, session: DumpSession | None) -> None:
         self._session = session
         if self.recorder is not None:
-            self.recorder.sink = session
+            self.recorder.attach(session)
 
-    def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        assert self.recorder is not None
-        self.recorder.new_step()
+    @property
+    def in_step(self) -> bool:
+        """Is the model's forward running (``save`` targets this dump)?"""
+        return self.recorder is not None and self.recorder.in_step
+
+    def _before_step(self, args: tuple, kwargs: dict) -> None:
+        """Open the next turn's dump when this root call starts a new sequence (or none is open)."""
         new = self._new_sequence(args, kwargs)
         fresh = self.session is not None and self.session.step < 0  # opened, no step yet
         if self.session is None or self._path_serial != _PATH["serial"] or (new and not fresh):
             self.open_next()
-        assert self.session is not None
-        self.session.begin_step()
-        self.in_step = True
-        if self.recorder.ops_mode is not None and self.session.active:
-            self.recorder.ops_mode.__enter__()
-            self._ops_entered = True
 
-    def _root_post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self.in_step = False
-        self._exit_ops()
-        s = self.session
-        if s is None:
-            return
-        # torch calls this hook (always_call) with output None from inside its ``except`` when
-        # the forward raised: that exception is the one being handled now
-        exc = sys.exc_info()[1] if output is None else None
-        if exc is not None:
-            s.end_step(error=f"{type(exc).__name__}: {exc}".splitlines()[0], module=self.recorder.raised_in)
-            return
-        if self.config.logits and output is not None:
-            try:
-                logits = logits_of(output)
-            except TypeError:
-                logits = None
-            if logits is not None:
-                s.record_logits(logits)
-        s.end_step()
+    def _after_step(self, step: int) -> None:
         if self.on_step is not None:
-            self.on_step(s.step)
+            self.on_step(step)
 
     def _new_sequence(self, args: tuple, kwargs: dict) -> bool:
         """Does this root call start a new sequence (a new prompt) rather than continue one?"""
@@ -165,19 +139,10 @@ class DumpHandle:
 
     def remove(self) -> None:
         """Remove every hook and close the open dump."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
         if self.recorder is not None:
             self.recorder.remove()
-        self._exit_ops()
         self.close_session()
         _HANDLES.discard(self)
-
-    def _exit_ops(self) -> None:
-        if self._ops_entered:  # (entered only through the recorder)
-            self.recorder.ops_mode.__exit__(None, None, None)  # type: ignore[union-attr]
-            self._ops_entered = False
 
 
 def _device_matches(model: torch.nn.Module, device_id: int | None) -> bool:

@@ -173,13 +173,14 @@ class CallRecorder(Sink):
     """Records the first call of every selected module of a model, in memory, while ``active``.
 
     The in-memory twin of a golden module dump at one step. ``model`` may be a sub-module (a
-    decoder layer) whose path in the whole model is ``prefix``. A sink of its own ``Recorder``.
+    decoder layer) whose path in the whole model is ``prefix``. A sink of its own ``Recorder``;
+    with ``steps`` that recorder calls ``begin_step``/``end_step`` around each call of ``model``.
     """
 
-    def __init__(self, model: nn.Module, select: Select, prefix: str = ""):
+    def __init__(self, model: nn.Module, select: Select, prefix: str = "", *, steps: bool = False):
         self.calls: dict[str, Call] = {}
         self.active = True
-        self._recorder = Recorder(model, select, prefix=prefix, sink=self)
+        self._recorder = Recorder(model, select, prefix=prefix, sink=self, steps=steps)
 
     def module_inputs(self, name: str, mtype: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if name in self.calls:

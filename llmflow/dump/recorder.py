@@ -9,9 +9,12 @@ A ``Recorder`` instruments a model and hands what it sees to a *sink*:
 
 The recorder owns what they share: which modules are instrumented and how, the stack of modules
 whose forward is running (innermost last), the innermost module an exception left, API naming
-(``<module path>/<api>.<n>``, api.py, counted per step) and the walk that labels nested inputs
-and outputs (``"0"``, ``"1.0"``, ``"kw:<name>"``). A sink keeps only its own business: what to
-keep of a call and where to put it.
+(``<module path>/<api>.<n>``, api.py, counted per step), the walk that labels nested inputs
+and outputs (``"0"``, ``"1.0"``, ``"kw:<name>"``) and, when asked (``steps=True``), the steps:
+every call of the root module is one step (prefill = 0, then one per decode step), begun and
+ended by torch hooks on the root (one call per step, so their slow path costs nothing), numbered
+from when the sink was attached, and handed to the sink as ``begin_step``/``end_step``. A sink
+keeps only its own business: what to keep of a call and where to put it.
 
 Modules get a recording ``forward`` on their instance rather than torch forward hooks: with hooks
 every module call takes ``Module._call_impl``'s slow path (~25 us a call, 1.2x a tiny model's
@@ -23,6 +26,7 @@ its output recorded by a hook of ours run after those, so sinks get what the cal
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, Protocol
@@ -60,6 +64,18 @@ class Sink:
     def op_output(self, name: str, api: str, func: Callable[..., Any], output: Any) -> None:
         """The torch API call returned ``output``."""
 
+    def begin_step(self, step: int) -> None:
+        """The root module's forward starts step ``step`` (0 for the first since this sink was
+        attached). Setting ``active`` here decides whether the step is recorded."""
+
+    def end_step(self, step: int, output: Any, error: str | None, raised_in: str | None) -> None:
+        """Step ``step`` is over: the root's forward returned ``output``, or (``output`` None)
+        raised ``error`` (``"Type: message"``, first line) innermost in module ``raised_in`` when
+        known, or never returned (a KeyboardInterrupt; ended when the next step begins)."""
+
+
+StepStart = Callable[[tuple, dict], None]
+
 
 class Recorder:
     """Instruments ``model``'s sub-modules chosen by ``select`` (inputs and/or outputs), and with
@@ -67,22 +83,35 @@ class Recorder:
 
     Names are module paths in the whole model: ``model`` may be a sub-module found at ``prefix``
     (a decoder layer), whose own ops are then named ``<prefix>/<api>.<n>``. The root module itself
-    is never wrapped: its caller drives steps. ``sink`` may be swapped at any time (a dump opens a
-    new session per dialogue turn); ``remove()`` takes everything off again.
+    is never wrapped. With ``steps`` each call of it is a step: the sink's ``begin_step`` and
+    ``end_step`` around it, with ``ops`` the API mode entered for the steps the sink records;
+    ``before_step(args, kwargs)``, when set, runs first and may attach another sink (a dump opens
+    a new session per dialogue turn); ``after_step(step)`` runs after a step that returned.
+    Without ``steps`` the caller decides when ops are recorded (``recording_ops``).
+    ``attach(sink)`` swaps the sink at any time; ``remove()`` takes everything off again.
     """
 
     def __init__(self, model: nn.Module, select: Select, *, inputs: bool = True, outputs: bool = True,
-                 ops: bool = False, prefix: str = "", sink: Sink | None = None):
+                 ops: bool = False, prefix: str = "", sink: Sink | None = None, steps: bool = False):
         self.sink: Sink | None = sink
         self.prefix = prefix
         self.stack: list[str] = []  # modules whose forward is running, innermost last
         self.raised_in: str | None = None  # the innermost module an exception left
         self.op_counts: dict[str, int] = {}  # "<module>/<api>" -> calls so far this step
+        self.step = -1  # the sink's current (or last) step
+        self.in_step = False  # between a step's begin and end
+        self.before_step: StepStart | None = None
+        self.after_step: Callable[[int], None] | None = None
         self.ops_mode: Any = None
         if ops:
             self.ops_mode = ApiMode(self)
+        self._ops_entered = False  # the API mode is entered for the current step
         self._hooks: list[Any] = []
         self._wrapped: list[_ForwardWrapper] = []
+        if steps:
+            self._hooks.append(model.register_forward_pre_hook(self._begin_step, with_kwargs=True))
+            self._hooks.append(model.register_forward_hook(self._end_step, with_kwargs=True,
+                                                           always_call=True))
         global_hooks = bool(torch.nn.modules.module._global_forward_hooks)
         for sub_name, sub in model.named_modules():
             if sub is model:
@@ -99,11 +128,49 @@ class Recorder:
             self._wrapped.append(_ForwardWrapper(sub, self._recording_forward(
                 sub, name, mtype, chosen and inputs, chosen and outputs and not by_hook)))
 
-    def new_step(self) -> None:
-        """A new root call: op numbering restarts, no module is running."""
-        self.op_counts.clear()
+    def attach(self, sink: Sink | None) -> None:
+        """Send what is recorded from now on to ``sink``; its steps count from 0."""
+        self.sink = sink
+        self.step = -1
+
+    # -- steps: the root module's calls (``steps=True``) ------------------------------------------
+    def _begin_step(self, _root: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.in_step:  # the last step's forward was left by a KeyboardInterrupt or the like
+            # (torch's always_call hooks see only Exception subclasses)
+            self._finish_step(None, "the step's forward never returned (interrupted)", None)
+        self.op_counts.clear()  # op numbering restarts, no module is running
         self.stack.clear()
         self.raised_in = None
+        if self.before_step is not None:
+            self.before_step(args, kwargs)
+        sink = self.sink
+        if sink is None:
+            return
+        self.step += 1
+        self.in_step = True
+        sink.begin_step(self.step)
+        if self.ops_mode is not None and sink.active:
+            self.ops_mode.__enter__()
+            self._ops_entered = True
+
+    def _end_step(self, _root: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        # torch calls this hook (always_call) with output None from inside its ``except`` when
+        # the forward raised: that exception is the one being handled now
+        exc = sys.exc_info()[1] if output is None else None
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0] if exc is not None else None
+        self._finish_step(output, error, self.raised_in if exc is not None else None)
+
+    def _finish_step(self, output: Any, error: str | None, raised_in: str | None) -> None:
+        was_in_step, self.in_step = self.in_step, False
+        if self._ops_entered:
+            self._ops_entered = False
+            self.ops_mode.__exit__(None, None, None)
+        sink = self.sink
+        if sink is None or not was_in_step:
+            return
+        sink.end_step(self.step, output, error, raised_in)
+        if error is None and self.after_step is not None:
+            self.after_step(self.step)
 
     def recording_ops(self) -> Any:
         """A context in which torch API calls are recorded (nothing when built without ``ops``)."""
@@ -151,6 +218,9 @@ class Recorder:
     def remove(self) -> None:
         """Take every wrapper and hook off (nested wraps unwind innermost first); the sink gets
         nothing more, even through a wrapper another tool's wrapper keeps in the chain."""
+        if self._ops_entered:  # removed from inside a step
+            self._ops_entered = False
+            self.ops_mode.__exit__(None, None, None)
         self.sink = None
         for h in self._hooks:
             h.remove()

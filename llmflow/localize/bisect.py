@@ -86,10 +86,14 @@ class _Bisect:
         self.golden_error: str | None = None  # why the golden model could not be loaded
         self.stats: dict[str, int] = {"recomputed_layers": 0, "golden_reruns": 0}
 
-    def phase(self, name: str) -> None:
+    def phase(self, name: str, detail: str = "") -> None:
+        """The phase ``name`` ended: its seconds since the last phase add to ``phases``, and one
+        console line says so (``detail`` in brackets), so a user sees what the bisect is doing."""
         now = time.time()
-        self.phases[name] = round(self.phases.get(name, 0.0) + now - self.mark, 2)
+        seconds = now - self.mark
+        self.phases[name] = round(self.phases.get(name, 0.0) + seconds, 2)
         self.mark = now
+        self.log(f"bisect: {name} done in {seconds:.1f} s" + (f" ({detail})" if detail else ""))
 
     def golden(self) -> Any:
         """The golden model, loaded on first use (layer recompute, decode re-run, op level, cost);
@@ -152,7 +156,7 @@ class _Bisect:
         result.ranked = rank_modules(replayed, ratio_threshold=inp.ratio_threshold, stack=self.stack)
         result.candidate = pick_candidate(result.ranked)
         result.routing = moe.routing_divergences(result.rows, step, self.decode_position(step))
-        self.phase(f"module: isolation replay (step {step})")
+        self.phase(f"module: isolation replay (step {step})", f"{len(result.rows)} modules")
         cand = result.candidate
         self.log(f"bisect: step {step} ({result.source}): replayed {len(result.replayed)} of "
                  f"{len(result.rows)} modules; top candidate {cand['name'] if cand else None} "
@@ -205,7 +209,7 @@ class _Bisect:
         self.log(f"bisect: {len(t_ops)} target ops in {name}"
                  + ("" if chosen.op_level.comparable else " (not comparable with the golden's)")
                  + f"; first bad op {chosen.first_op}")
-        self.phase("op: replay with API capture")
+        self.phase("op: replay with API capture", f"{len(t_ops)} target ops")
 
     # -- 5. cost ---------------------------------------------------------------------------------
     def cost(self, tried: list[StepReplay], chosen: StepReplay) -> Cost:
@@ -221,11 +225,12 @@ class _Bisect:
         if inp.estimate_cost and inp.prompt_ids:
             n = max(len(inp.golden_ids), 1)
             sides = [m for m in (self.golden(), self.target) if m is not None]
-            full = sum(cost_mod.estimate_api_dump_bytes(m.model, inp.prompt_ids, n)["total_bytes"]
-                       for m in sides) * 2 // len(sides)
+            estimates = [cost_mod.estimate_api_dump_bytes(m.model, inp.prompt_ids, n) for m in sides]
+            full = sum(e["total_bytes"] for e in estimates) * 2 // len(sides)
             cost.full_api_dump_bytes_estimate = full
+            cost.full_api_dump_estimate_method = estimates[0]["method"]  # "one layer x N": extrapolated
             cost.bytes_fraction_of_full_api_dump = round(cost.bytes_dumped / max(full, 1), 4)
-            self.phase("cost: full API dump estimate")
+            self.phase("cost: full API dump estimate", estimates[0]["method"])
         cost.bisect_seconds = round(time.time() - self.t0, 2)
         cost.bisect_phase_seconds = self.phases
         return cost

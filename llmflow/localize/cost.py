@@ -4,13 +4,20 @@ The brute-force way is msit's: an API-level dump of every op's inputs and output
 for every generated token, then compare everything. ``estimate_api_dump_bytes`` measures what
 that would write for one model without writing it: it runs the prefill and one decode step with
 the dump's recorder sending its op calls to a byte counter (the dump's own API naming and walk
-decide what counts) and extrapolates
-the decode step over the remaining tokens.
+decide what counts) and extrapolates the decode step over the remaining tokens.
+
+Recording every op in Python is what makes that run slow (about half a bisect's time at 1B), so
+only the first decoder layer's ops and those outside the layer stack are recorded; the other
+layers run plain (torch function modes off) and count as the first one's bytes. Identical dense
+layers write identical bytes, so that is exact there; an MoE layer's routing (which experts run,
+on how many tokens) differs from layer to layer, so there it is an extrapolation, and the result
+says which (``method``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +25,7 @@ import torch
 from torch import nn
 
 from llmflow.dump.recorder import Recorder, Sink, walk_inputs, walk_output
+from llmflow.structure import find_layer_stack
 
 
 def dir_bytes(path: str | Path | None) -> int:
@@ -37,18 +45,26 @@ def dir_bytes(path: str | Path | None) -> int:
 class _ByteCounter(Sink):
     """A recorder sink counting what the dump's API mode writes: tensor inputs and outputs of every
     recorded op, each tensor once per step (the dump stores a tensor handed to several ops once),
-    weights (``nn.Parameter``) not at all (the dump records their shape only)."""
+    weights (``nn.Parameter``) not at all (the dump records their shape only). Ops of ``layer``
+    (a module path) count apart from the rest."""
 
-    def __init__(self) -> None:
+    def __init__(self, layer: str | None) -> None:
         self.active = False  # inside the model's forward (the dump records nothing between steps)
-        self.per_step: list[int] = []
+        self.layer_names = (f"{layer}.", f"{layer}/") if layer else None  # its modules' and its ops' names
+        self.outside: list[int] = []  # per step: bytes of the ops outside ``layer``
+        self.in_layer: list[int] = []  # per step: bytes of ``layer``'s ops
         self.seen: list[torch.Tensor] = []  # kept alive so ids stay unique within a step
         self.ids: set[int] = set()
 
-    def new_step(self) -> None:
-        self.per_step.append(0)
+    def begin_step(self, step: int) -> None:
+        self.outside.append(0)
+        self.in_layer.append(0)
         self.seen.clear()
         self.ids.clear()
+        self.active = True
+
+    def end_step(self, step: int, output: Any, error: str | None, raised_in: str | None) -> None:
+        self.active = False
 
     def op_inputs(self, name: str, api: str, func: Any, args: tuple, kwargs: dict) -> None:
         walk_inputs(self, name, "input", args, kwargs, "api", api, tensors_only=True)
@@ -58,40 +74,75 @@ class _ByteCounter(Sink):
 
     def tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
                mtype: str | None) -> None:
-        if id(t) not in self.ids:
-            self.ids.add(id(t))
-            self.seen.append(t)
-            self.per_step[-1] += t.numel() * t.element_size()
+        if id(t) in self.ids:
+            return
+        self.ids.add(id(t))
+        self.seen.append(t)
+        if level == "api":  # (the outputs of a layer run plain arrive with level "module": seen only)
+            nbytes = t.numel() * t.element_size()
+            if self.layer_names is not None and name.startswith(self.layer_names):
+                self.in_layer[-1] += nbytes
+            else:
+                self.outside[-1] += nbytes
 
     def other(self, *_a: Any) -> None: ...  # parameters and plain values: no tensor bytes
+
+
+def _run_plain(layers: list[tuple[str, nn.Module]], counter: _ByteCounter) -> Callable[[], None]:
+    """Make ``layers`` run with torch function modes off, so the API mode records none of their
+    ops; their outputs count as seen (a full recording counts them inside the layer, and the next
+    op must not count them again). Returns what puts their forwards back."""
+    def plain(name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def plain_forward(*args: Any, **kwargs: Any) -> Any:
+            with torch._C.DisableTorchFunction():
+                output = forward(*args, **kwargs)
+            if counter.active:
+                walk_output(counter, name, output, "module", None, tensors_only=True)
+            return output
+        return plain_forward
+
+    restore = []
+    for name, layer in layers:
+        restore.append((layer, "forward" in layer.__dict__, layer.__dict__.get("forward")))
+        layer.forward = plain(name, layer.forward)  # type: ignore[method-assign]
+
+    def put_back() -> None:
+        for layer, had_own, previous in reversed(restore):
+            if had_own:
+                layer.forward = previous  # type: ignore[method-assign]
+            else:
+                del layer.forward
+    return put_back
 
 
 @torch.no_grad()
 def estimate_api_dump_bytes(model: nn.Module, input_ids: list[int], new_tokens: int) -> dict[str, Any]:
     """Bytes an API-level dump (inputs + outputs of every op) of ``new_tokens`` greedy steps would
-    write: prefill measured, one decode step measured, the rest extrapolated from it."""
+    write: prefill measured, one decode step measured, the rest extrapolated from it.
+
+    Per step: the ops outside the layer stack plus the first layer's times the number of layers
+    (``method`` ``"one layer x N"``, ``layers`` N); a model without a layer stack has every op
+    recorded (``"every op"``). ``outside_layers_bytes`` and ``one_layer_bytes`` give the parts
+    (prefill, decode step).
+    """
     from llmflow.models import greedy_generate
 
-    counter = _ByteCounter()
-    recorder = Recorder(model, lambda _n, _m: False, ops=True, sink=counter)
-
-    def begin(*_a: Any) -> None:
-        recorder.new_step()
-        counter.new_step()
-        counter.active = True
-
-    def end(*_a: Any) -> None:
-        counter.active = False
-
-    handles = [model.register_forward_pre_hook(begin), model.register_forward_hook(end, always_call=True)]
+    stack = find_layer_stack(model)
+    modules = dict(model.named_modules())
+    names = list(stack.layers) if stack is not None and len(stack.layers) > 1 else []
+    counter = _ByteCounter(names[0] if names else None)
+    recorder = Recorder(model, lambda _n, _m: False, ops=True, sink=counter, steps=True)
+    put_back = _run_plain([(n, modules[n]) for n in names[1:]], counter)
     try:
-        with recorder.recording_ops():
-            greedy_generate(model, input_ids, min(2, max(1, new_tokens)))
+        greedy_generate(model, input_ids, min(2, max(1, new_tokens)))
     finally:
-        for h in handles:
-            h.remove()
+        put_back()
         recorder.remove()
-    steps = counter.per_step[:2] or [0]
+    n_layers = max(len(names), 1)
+    measured = zip(counter.outside[:2], counter.in_layer[:2], strict=True)
+    steps = [outside + layer * n_layers for outside, layer in measured] or [0]
     decode = steps[1] if len(steps) > 1 else steps[0] / max(len(input_ids), 1)
     total = int(steps[0] + decode * max(new_tokens - 1, 0))
-    return {"prefill_bytes": int(steps[0]), "decode_step_bytes": int(decode), "total_bytes": total}
+    return {"prefill_bytes": int(steps[0]), "decode_step_bytes": int(decode), "total_bytes": total,
+            "method": "one layer x N" if names else "every op", "layers": n_layers,
+            "outside_layers_bytes": counter.outside[:2], "one_layer_bytes": counter.in_layer[:2]}

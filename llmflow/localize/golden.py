@@ -102,44 +102,49 @@ class GoldenRerun:
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
+class _StepCalls(CallRecorder):
+    """Records the selected modules' calls at one step of a generation, and every step's last
+    position's logits (float32, CPU)."""
+
+    def __init__(self, model: nn.Module, select: Callable[[str, nn.Module], bool], step: int):
+        super().__init__(model, select, steps=True)
+        self.wanted_step = step
+        self.active = False
+        self.logits: list[torch.Tensor] = []
+
+    def begin_step(self, step: int) -> None:
+        self.active = step == self.wanted_step
+
+    def end_step(self, step: int, output: Any, error: str | None, raised_in: str | None) -> None:
+        from llmflow.models import logits_of
+
+        self.active = False
+        if error is not None or output is None:
+            return
+        try:
+            logits = logits_of(output)
+        except TypeError:
+            return
+        last = logits[:, -1, :] if logits.dim() == 3 else logits
+        self.logits.append(last.detach().float().cpu())
+
+
 @torch.no_grad()
 def golden_rerun(golden: Any, prompt_ids: list[int], golden_ids: list[int], step: int,
                  select: Callable[[str, nn.Module], bool]) -> GoldenRerun:
     """Re-run ``golden`` (a LoadedModel) on the prompt, forcing its own tokens ``golden_ids``,
     through step ``step`` of its decoding loop; capture every selected module's call at that step."""
-    from llmflow.models import greedy_generate, logits_of
+    from llmflow.models import greedy_generate
 
-    result = GoldenRerun(step)
-    model = golden.model
-    counter = {"step": -1}
-    recorder = CallRecorder(model, select)
-    recorder.active = False
-
-    def pre(_module: nn.Module, _args: tuple) -> None:
-        counter["step"] += 1
-        recorder.active = counter["step"] == step
-
-    def post(_module: nn.Module, _args: tuple, out: Any) -> None:
-        recorder.active = False
-        try:
-            logits = logits_of(out)
-        except TypeError:
-            return
-        last = logits[:, -1, :] if logits.dim() == 3 else logits
-        result.logits.append(last.detach().float().cpu())
-
-    handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+    recorder = _StepCalls(golden.model, select, step)
     try:
         eos = getattr(golden.tokenizer, "eos_token_id", None)
         # the dump run's max_new_tokens (a static cache is sized by it), stopped after step ``step``
-        greedy_generate(model, prompt_ids, len(golden_ids), eos_token_id=eos, force_ids=golden_ids,
+        greedy_generate(golden.model, prompt_ids, len(golden_ids), eos_token_id=eos, force_ids=golden_ids,
                         stop_after=step + 1)
     finally:
-        for h in handles:
-            h.remove()
         recorder.close()
-    result.calls = recorder.calls
-    return result
+    return GoldenRerun(step, recorder.calls, recorder.logits)
 
 
 def rerun_fidelity(rerun: GoldenRerun, reader: DumpReader) -> float | None:

@@ -6,6 +6,7 @@ planted bug and the plain bf16 port of the same model passes, on any CPU."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,13 +36,32 @@ def tiny_sets(*extra: str) -> list[str]:
     return [f"golden_model={TINY}", f"target_model={TINY}", "max_new_tokens=6", *extra]
 
 
-def test_a_decode_fault_fails_naming_its_module(tmp_path):
-    proc = llmflow_run(tmp_path / "run", *tiny_sets(f"target_patch={FAULT}"))
+@pytest.fixture(scope="module")
+def decode_fault_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    run = tmp_path_factory.mktemp("decode-fault") / "run"
+    return run, llmflow_run(run, *tiny_sets(f"target_patch={FAULT}"))
+
+
+def test_a_decode_fault_fails_naming_its_module(decode_fault_run):
+    run, proc = decode_fault_run
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert last_line(proc).startswith("FAILED: model.layers.2.self_attn is the fault")
     assert "decode step 1" in last_line(proc)
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["outcome"]["stages"] == ["bisect"]
+
+
+def test_the_bisect_says_on_the_console_when_each_phase_ends(decode_fault_run):
+    """One line per phase as it ends, in the order the bisect runs them, each with its seconds;
+    the isolation replay says how many modules it replayed, the estimate how it counted."""
+    _run, proc = decode_fault_run
+    ended = [line.split("bisect: ", 1)[1] for line in proc.stdout.splitlines()
+             if line.startswith("[") and "bisect: " in line and " done in " in line]
+    phases = [line.split(" done in ")[0] for line in ended]
+    assert phases == ["load target model", "token: logits per step", "module: isolation replay (step 1)",
+                      "op: replay with API capture", "cost: full API dump estimate"], proc.stdout[-3000:]
+    assert all(re.search(r" done in \d+\.\d s", line) for line in ended)
+    assert ended[2].endswith(" s (52 modules)") and ended[4].endswith(" s (one layer x N)")
 
 
 def test_replaying_a_step_that_holds_no_fault_is_inconclusive_and_says_what_next(tmp_path):

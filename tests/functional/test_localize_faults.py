@@ -58,6 +58,7 @@ def test_no_fault_names_nothing(golden_dir, tmp_path):
     assert all(not r["anomalous"] for r in v["candidates"] if r.get("score") is not None)
     cost = v["cost"]
     assert cost["bytes_dumped"] > 0 and cost["full_api_dump_bytes_estimate"] > cost["bytes_dumped"]
+    assert cost["full_api_dump_estimate_method"] == "one layer x N"
     assert cost["model_runs"]["full_generations"] == 2
 
 
