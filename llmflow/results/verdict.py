@@ -240,7 +240,7 @@ class Cost:
     target_dump_bytes: int
     full_api_dump_bytes_estimate: int | None = None
     full_api_dump_estimate_method: str | None = field(
-        default=None, metadata=_doc('"one layer x N" (extrapolated from the first decoder layer) or "every op"'))
+        default=None, metadata=_doc('"one layer x N" (extrapolated from the first layer) or "every op"'))
     bytes_fraction_of_full_api_dump: float | None = None
     bisect_seconds: float = 0.0
     bisect_phase_seconds: dict[str, float] = field(default_factory=dict)
