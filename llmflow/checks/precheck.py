@@ -59,7 +59,7 @@ from llmflow.formats.msprobe import MsprobeDumpReader
 
 SMALL_VALUE = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-6, torch.float64: 1e-12}
 SMALL_VALUE_ATOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-9, torch.float64: 1e-15}
-COLUMNS = ("rank", "step", "order", "name", "record", "module", "api", "status", "ratio", "error",
+COLUMNS = ("rank", "step", "order", "name", "record", "module", "api", "output", "status", "ratio", "error",
            "benchmark_error", "max_abs_error", "benchmark_max_abs_error", "small_value_err_ratio",
            "one_thousandth_err_ratio", "dtype", "shape", "implementation", "perturb_ratio", "perturb_flag",
            "reason")
@@ -315,108 +315,129 @@ def perturbation(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]
 
 
 # -- the precheck -----------------------------------------------------------------------------------
-def check_call(call: OpCall, options: PrecheckOptions) -> tuple[dict[str, Any], Callable[..., Any] | None]:
-    """One call's row (status pass/warn/fail/not checked) and the function that replayed it."""
+def check_call(call: OpCall,
+               options: PrecheckOptions) -> tuple[list[dict[str, Any]], Callable[..., Any] | None]:
+    """One call's rows and the function that replayed it. A call with one recorded output has one
+    row; a call with several (``torch.topk``'s values and indices, ``torch.var_mean``) has one row
+    per output, its ``output`` the output's index, each judged by its own kind's rule (floating
+    values against the reference, integer indices bit-exact). Status pass/warn/fail/not checked."""
     row: dict[str, Any] = {"rank": call.rank, "step": call.step, "order": call.order, "name": call.name,
-                           "record": call.record, "module": call.module, "api": call.api,
+                           "record": call.record, "module": call.module, "api": call.api, "output": None,
                            "status": "not checked", "ratio": None, "reason": call.reason}
     first_out = next(iter(call.outputs.values()), None)
     if first_out is not None:
         row["dtype"] = str(first_out.dtype).removeprefix("torch.")
         row["shape"] = list(first_out.shape)
     if call.reason is not None:
-        return row, None
+        return [row], None
     if is_random(call.api, call.args, call.kwargs):
         row["reason"] = "random call: its output is drawn, not computed"
-        return row, None
+        return [row], None
     fn, where = resolve(call.api, call.args, options.references, call.function)
     row["implementation"] = where if fn is not None else None
     if fn is None:
         row["reason"] = where
-        return row, None
+        return [row], None
     try:
         bench = run_call(fn, call.args, call.kwargs)
         ref = run_call(fn, as_float64(call.args), as_float64(call.kwargs))
     except Exception as exc:  # an op the CPU refuses for these arguments is listed, not fatal
         row["reason"] = f"replay failed on the CPU: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        return row, fn
-    worst: Judged | None = None
-    reasons: list[str] = []
-    for index, target in call.outputs.items():
-        if index not in ref or index not in bench:
-            continue
-        judged = judge_output(target, bench[index], ref[index], fail_ratio=options.fail_ratio,
-                              warn_ratio=options.warn_ratio)
-        reasons += [f"output {index}: {r}" for r in judged.reasons]
-        if worst is None or _rank(judged) > _rank(worst):
-            worst = judged
-    if worst is None:
-        row["reason"] = "the replay gives none of the recorded outputs"
-        return row, fn
-    if worst.status == "not checked":
-        row["reason"] = "; ".join(reasons)
-        return row, fn
-    row.update(worst.numbers, status=worst.status, ratio=worst.ratio, reason="; ".join(reasons) or None)
-    if options.perturb and first_out is not None and first_out.is_floating_point():
+        return [row], fn
+    rows = [_judge_row(row, index, target, bench, ref, options, per_output=len(call.outputs) > 1)
+            for index, target in call.outputs.items()]
+    judged_floating = [r for r, t in zip(rows, call.outputs.values(), strict=True)
+                       if r["status"] != "not checked" and t.is_floating_point()]
+    if options.perturb and judged_floating:
         factor = perturbation(fn, call.args, call.kwargs, ref)
-        row["perturb_ratio"] = factor
-        row["perturb_flag"] = factor is not None and factor > options.perturb_ratio
-    return row, fn
+        for r in judged_floating:
+            r["perturb_ratio"] = factor
+            r["perturb_flag"] = factor is not None and factor > options.perturb_ratio
+    return rows, fn
 
 
-def _rank(j: Judged) -> tuple[int, float]:
-    return ({"not checked": -1, "pass": 0, "warn": 1, "fail": 2}[j.status],
-            j.ratio if not math.isnan(j.ratio) else math.inf)
+def _judge_row(base: dict[str, Any], index: str, target: torch.Tensor, bench: dict[str, torch.Tensor],
+               ref: dict[str, torch.Tensor], options: PrecheckOptions, *, per_output: bool) -> dict[str, Any]:
+    """The row of one recorded output: the call's ``base`` row with this output's numbers."""
+    row = dict(base, dtype=str(target.dtype).removeprefix("torch."), shape=list(target.shape))
+    if per_output:
+        row["output"] = index
+    if index not in ref or index not in bench:
+        row["reason"] = (f"the replay gives no output {index}" if per_output
+                         else "the replay gives none of the recorded outputs")
+        return row
+    judged = judge_output(target, bench[index], ref[index], fail_ratio=options.fail_ratio,
+                          warn_ratio=options.warn_ratio)
+    reason = "; ".join(judged.reasons) or None
+    if judged.status == "not checked":
+        row["reason"] = reason
+        return row
+    row.update(judged.numbers, status=judged.status, ratio=judged.ratio, reason=reason)
+    return row
+
+
+def call_status(rows: list[dict[str, Any]]) -> str:
+    """A call's status from its rows: the worst of them (fail > warn > pass > not checked)."""
+    return max((r["status"] for r in rows), key=STATUS_RANK.__getitem__)
+
+
+STATUS_RANK = {"not checked": -1, "pass": 0, "warn": 1, "fail": 2}
 
 
 def call_label(row: dict[str, Any]) -> str:
     """A row's call as a user finds it: ``/silu.1 [Functional.silu.3.forward]`` where the dump
-    names it otherwise (msprobe's L1 records carry no module)."""
-    return f"{row['name']} [{row['record']}]" if row.get("record") else str(row["name"])
+    names it otherwise (msprobe's L1 records carry no module), ``.../topk.0 output 1`` for one of
+    a call's several outputs."""
+    label = f"{row['name']} [{row['record']}]" if row.get("record") else str(row["name"])
+    return f"{label} output {row['output']}" if row.get("output") is not None else label
 
 
 def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
-             on_call: Callable[[OpCall, dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Check every API call of ``reader``'s dump. ``on_call(call, row)`` sees each call as it is
-    judged (tensors still loaded: the repro writer uses it). Returns ``{"rows" (ranked, worst
-    first), "first_fail" (model order), "counts" (per api), "totals", "perturbed" (flagged rows),
-    "status" (pass/fail/inconclusive), "headline"}``."""
+             on_call: Callable[[OpCall, list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
+    """Check every API call of ``reader``'s dump. ``on_call(call, rows)`` sees each call's rows as
+    it is judged (tensors still loaded: the repro writer uses it). Returns ``{"rows" (one per call,
+    or per output of a call with several; ranked, worst first), "first_fail" (model order),
+    "counts" (calls per api and status), "totals" (calls by their worst row), "perturbed" (flagged
+    calls), "status" (pass/fail/inconclusive), "headline"}``."""
     options = options or PrecheckOptions()
     rows: list[dict[str, Any]] = []
     counts: dict[str, Counter[str]] = defaultdict(Counter)
+    totals: Counter[str] = Counter()
     first_fail: dict[str, Any] | None = None
     for call in iter_calls(reader):
-        row, _fn = check_call(call, options)
+        call_rows, _fn = check_call(call, options)
         if on_call is not None:
-            on_call(call, row)
-        counts[call.api][row["status"]] += 1
-        if row["status"] == "fail" and first_fail is None:
-            first_fail = row
-        rows.append(row)
-    totals = Counter(r["status"] for r in rows)
-    checked = len(rows) - totals["not checked"]
+            on_call(call, call_rows)
+        status = call_status(call_rows)
+        counts[call.api][status] += 1
+        totals[status] += 1
+        if first_fail is None:
+            first_fail = next((r for r in call_rows if r["status"] == "fail"), None)
+        rows += call_rows
+    calls = sum(totals.values())
+    checked = calls - totals["not checked"]
     rows.sort(key=lambda r: (r["status"] == "not checked", -(r["ratio"] if r["ratio"] is not None
                                                               and not math.isnan(r["ratio"]) else 0.0)))
-    perturbed = [r for r in rows if r.get("perturb_flag")]
-    if not rows:
+    perturbed = list(dict.fromkeys(r["name"] for r in rows if r.get("perturb_flag")))
+    if not calls:
         status, headline = "inconclusive", "precheck: the dump holds no API calls (dump with mode api)"
     elif totals["fail"]:
         status = "fail"
         headline = (f"precheck: {totals['fail']} of {checked} checked calls fail; first "
                     f"{call_label(first_fail)} (step {first_fail['step']}): {first_fail['reason']}")  # type: ignore[arg-type,index]
-    elif checked < options.min_checked * len(rows):
+    elif checked < options.min_checked * calls:
         why = Counter(str(r["reason"]).split(" (")[0] for r in rows
                       if r["status"] == "not checked").most_common(1)
         status = "inconclusive"
-        headline = (f"precheck: only {checked} of {len(rows)} calls could be checked; most often: "
+        headline = (f"precheck: only {checked} of {calls} calls could be checked; most often: "
                     f"{why[0][0] if why else '?'}")
     else:
         status = "pass"
-        headline = f"precheck: {checked} of {len(rows)} calls checked, none fails ({totals['warn']} warn)"
+        headline = f"precheck: {checked} of {calls} calls checked, none fails ({totals['warn']} warn)"
     if perturbed and status != "fail":
         headline += (f"; perturbation flags {len(perturbed)} ill-conditioned calls, first "
-                     f"{perturbed[0]['name']}")
+                     f"{perturbed[0]}")
     return {"rows": rows, "first_fail": first_fail, "counts": {k: dict(v) for k, v in sorted(counts.items())},
-            "totals": {"calls": len(rows), "checked": checked, **{k: totals[k] for k in
-                                                                  ("pass", "warn", "fail", "not checked")}},
-            "perturbed": [r["name"] for r in perturbed], "status": status, "headline": headline}
+            "totals": {"calls": calls, "checked": checked, **{k: totals[k] for k in
+                                                              ("pass", "warn", "fail", "not checked")}},
+            "perturbed": perturbed, "status": status, "headline": headline}
