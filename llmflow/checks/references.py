@@ -243,6 +243,7 @@ _ELEWISE: dict[int, Callable[..., torch.Tensor]] = {
     10: torch.div, 11: torch.logical_and, 12: torch.logical_or, 13: torch.lt, 14: torch.gt, 15: torch.sub,
     16: torch.eq, 20: torch.tanh,
 }
+_UNARY = {3, 4, 5, 7, 20}
 
 
 def atb_elewise(*inputs: torch.Tensor, param: dict[str, Any]) -> tuple[torch.Tensor]:
@@ -258,7 +259,8 @@ def atb_elewise(*inputs: torch.Tensor, param: dict[str, Any]) -> tuple[torch.Ten
     if kind not in _ELEWISE:
         raise UnsupportedArguments(f"ElewiseOperation reference: elewiseType {kind} (known: 1, 2, "
                                    f"{', '.join(map(str, _ELEWISE))})")
-    out = _ELEWISE[kind](*(_widened(t) for t in inputs))
+    operands = inputs[:1] if kind in _UNARY else inputs[:2]
+    out = _ELEWISE[kind](*(_widened(t) for t in operands))
     if out.dtype == torch.bool:
         return (out.to(torch.int8),)
     return (out.to(x.dtype),)
