@@ -1,8 +1,8 @@
 """`llmflow precheck ATB_DUMP`: the leaf operations of an ATB tensor dump replayed from their
 intensors and the model json's params. A clean fp16 Llama layer passes (Linear, RmsNorm, Rope,
 Elewise add/cast, Activation swiglu, Softmax), an RmsNormOperation that leaves its epsilon out is
-named with its graph operation, an op type without a reference is listed as not checked, and a dump
-without its model json is inconclusive.
+named with its graph operation and its standalone repro reproduces it, an op type without a
+reference is listed as not checked, and a dump without its model json is inconclusive.
 
 The dumps are written with llmflow's ATB writer (``formats.atb.write_atb_dump``, the layout and
 ``.bin`` bytes msit's dump writes): real ATB dumps need an Ascend NPU."""
@@ -160,8 +160,8 @@ def test_a_clean_layer_passes_and_ops_without_reference_are_listed(tmp_path, dum
     assert "no reference for ATB op GatherOperation" in csv_text
 
 
-def test_an_rms_norm_without_epsilon_is_named(tmp_path, dumps):
-    proc = precheck(dumps["no_eps"], tmp_path / "out")
+def test_an_rms_norm_without_epsilon_is_named_and_its_repro_reproduces(tmp_path, dumps):
+    proc = precheck(dumps["no_eps"], tmp_path / "out", "--repro")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("FAILED: 2 of ") and "first 1_DecoderLayer.0_RmsNormOperation (step 0)" in last
@@ -169,6 +169,11 @@ def test_an_rms_norm_without_epsilon_is_named(tmp_path, dumps):
     assert report["first_fail"]["module"] == "1_DecoderLayer"
     assert report["counts"]["RmsNormOperation"] == {"fail": 2, "pass": 4}  # the other norms pass
     assert "in module 1_DecoderLayer" in proc.stdout
+    script = tmp_path / "out" / report["repros"][0]["script"]
+    fresh = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path)
+    assert fresh.returncode == 1 and "REPRODUCED" in fresh.stdout, fresh.stdout + fresh.stderr
+    assert "llmflow" not in script.read_text()
 
 
 def test_a_dump_without_its_model_json_is_inconclusive(tmp_path, dumps):
