@@ -246,9 +246,9 @@ class _Reference:
         values = ref.reshape(-1).to(torch.float64)
         finite = torch.isfinite(values)
         if bool(finite.all()):
-            return cls(values, None, values.abs(), math.sqrt(float(torch.dot(values, values))))
+            return cls(values, None, values.abs(), float(torch.linalg.vector_norm(values)))
         kept = values[finite]
-        return cls(values, finite, values.abs(), math.sqrt(float(torch.dot(kept, kept))))
+        return cls(values, finite, values.abs(), float(torch.linalg.vector_norm(kept)))
 
 
 def _errors(ref: _Reference, out: torch.Tensor, small: float, atol: float) -> dict[str, float]:
@@ -266,7 +266,7 @@ def _errors(ref: _Reference, out: torch.Tensor, small: float, atol: float) -> di
     if not out_all_finite:
         keep = out_finite if ref.finite is None else out_finite & ref.finite
         a, magnitude, values = a[keep], magnitude[keep], values[keep]
-        g_norm = math.sqrt(float(torch.dot(a, a)))
+        g_norm = float(torch.linalg.vector_norm(a))
     elif ref.finite is not None:
         a, magnitude, values = a[ref.finite], magnitude[ref.finite], values[ref.finite]
     n = a.numel()
@@ -274,7 +274,7 @@ def _errors(ref: _Reference, out: torch.Tensor, small: float, atol: float) -> di
         return {"error": math.nan, "max_abs": math.nan, "thousandth": math.nan, "small": 0.0, "bad": bad}
     diff = values - a
     distance = diff.abs()
-    d_norm = math.sqrt(float(torch.dot(diff, diff)))
+    d_norm = float(torch.linalg.vector_norm(diff))
     if g_norm > EPS:
         error = d_norm / g_norm
     else:
