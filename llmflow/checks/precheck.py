@@ -206,9 +206,11 @@ _IN_PLACE_OPERATOR = re.compile(
 
 def writes_inputs(api: str, kwargs: dict[str, Any]) -> bool:
     """Does this call write into a tensor it was given? In-place APIs (``add_``, ``__iadd__``,
-    ``__setitem__``) and an ``out=`` argument do; the replay then runs on copies."""
+    ``__setitem__``), ``inplace=True`` (``F.relu``) and an ``out=`` argument do; the replay then
+    runs on copies."""
     return ((api.endswith("_") and not api.endswith("__")) or api == "__setitem__"
-            or _IN_PLACE_OPERATOR.fullmatch(api) is not None or "out" in kwargs)
+            or _IN_PLACE_OPERATOR.fullmatch(api) is not None or "out" in kwargs
+            or kwargs.get("inplace") is True)
 
 
 def run_call(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any],
@@ -462,12 +464,12 @@ def _judge_row(base: dict[str, Any], index: str, target: torch.Tensor, bench: di
     return row
 
 
+STATUS_RANK = {"not checked": -1, "pass": 0, "warn": 1, "fail": 2}
+
+
 def call_status(rows: list[dict[str, Any]]) -> str:
     """A call's status from its rows: the worst of them (fail > warn > pass > not checked)."""
     return max((r["status"] for r in rows), key=STATUS_RANK.__getitem__)
-
-
-STATUS_RANK = {"not checked": -1, "pass": 0, "warn": 1, "fail": 2}
 
 
 def call_label(row: dict[str, Any]) -> str:
