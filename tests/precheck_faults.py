@@ -176,3 +176,84 @@ def custom_norm(model: nn.Module) -> None:
         if type(module).__name__.endswith("RMSNorm"):
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
             module.forward = (lambda m, e: lambda x: norm_kernel(x, m.weight, e))(module, eps)
+
+
+# -- calls with several outputs: topk, sort, max(dim), var_mean ---------------------------------------
+def _coarse_topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True,
+                 **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k kernel that ranks on its input rounded to 3 mantissa bits (fp8 e4m3): where two
+    router probabilities round alike it picks the lower index, so it may select the wrong expert;
+    the values it returns are the input's at the indices it picked."""
+    coarse = x.to(torch.float8_e4m3fn).to(x.dtype)
+    indices = torch.topk(coarse, k, dim=dim, largest=largest, sorted=sorted).indices
+    return torch.return_types.topk((x.gather(dim, indices), indices))
+
+
+topk_kernel = kernel("topk", _coarse_topk)
+
+
+class _TopkAnswers(TorchFunctionMode):
+    """Every ``topk`` under this mode is computed by the coarse kernel."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "topk":
+            return topk_kernel(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def coarse_router_topk(model: nn.Module) -> None:
+    """Layer 1's mixture-of-experts block picks its experts with the coarse top-k kernel."""
+    block = model.model.layers[FAULT_LAYER].mlp
+    forward = block.forward
+
+    def coarse(*args: Any, **kwargs: Any) -> Any:
+        with _TopkAnswers():
+            return forward(*args, **kwargs)
+    block.forward = coarse
+
+
+def _sort_with_swapped_indices(x: torch.Tensor, dim: int = -1, descending: bool = False,
+                               **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sort kernel whose values are right but whose indices of the first two places are swapped."""
+    values, indices = torch.sort(x, dim=dim, descending=descending)
+    swapped = indices.clone()
+    swapped.narrow(dim, 0, 1).copy_(indices.narrow(dim, 1, 1))
+    swapped.narrow(dim, 1, 1).copy_(indices.narrow(dim, 0, 1))
+    return torch.return_types.sort((values, swapped))
+
+
+sort_kernel = kernel("sort", _sort_with_swapped_indices)
+
+
+class SortingModel(nn.Module):
+    """A user's model whose forward calls ops with several outputs: ``topk``, ``sort``,
+    ``max(dim)`` and ``var_mean``; ``self.sort`` is the sort kernel (torch's unless patched)."""
+
+    def __init__(self, vocab: int = 300, hidden: int = 32, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.sort = torch.sort
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        top, top_index = torch.topk(h, 4, dim=-1)
+        ordered, order = self.sort(h, dim=-1, descending=True)
+        largest, where = h.max(dim=-1, keepdim=True)
+        var, mean = torch.var_mean(h, dim=-1, keepdim=True)
+        spread = top.sum(-1, keepdim=True) - ordered[..., :1]
+        mixed = (h - mean) * torch.rsqrt(var + 1e-5) + largest * spread
+        mixed = mixed + (top_index.sum(-1, keepdim=True) + order[..., :1] + where).to(h.dtype) * 1e-3
+        return self.head(mixed)
+
+
+def sorting_model() -> tuple[nn.Module, Any]:
+    from llmflow.models import ByteTokenizer
+
+    return SortingModel(), ByteTokenizer()
+
+
+def swapped_sort_indices(model: nn.Module) -> None:
+    model.sort = sort_kernel

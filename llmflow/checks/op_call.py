@@ -26,10 +26,11 @@ class OpCall:
     reason: str | None = None  # why it cannot be checked
     function: str | None = None  # the torch callable the dump names ("Tensor.__rsub__"), if it does
     record: str | None = None  # the call's name in the dump's own files (msprobe's dump.json key)
+    parent: str | None = None  # the module or graph operation that ran it, where ``name`` has no "/"
 
     @property
     def module(self) -> str:
-        return self.name.rsplit("/", 1)[0]
+        return self.parent if self.parent is not None else self.name.rsplit("/", 1)[0]
 
 
 def api_of(name: str) -> str:

@@ -38,6 +38,7 @@ inputs, a golden-free warning beside the verdict (msprobe's free_benchmark idea)
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 from llmflow.checks.op_call import OpCall, api_of, load_outputs
+from llmflow.checks.precheck_atb import atb_calls
 from llmflow.checks.precheck_msprobe import msprobe_call
 from llmflow.checks.precheck_options import (
     DEFAULT_FAIL_RATIO,
@@ -53,14 +55,15 @@ from llmflow.checks.precheck_options import (
     PrecheckOptions,
 )
 from llmflow.checks.references import is_random, resolve, unit_roundoff
-from llmflow.compare.metrics import compare_tensors
+from llmflow.compare.metrics import EPS
 from llmflow.dtypes import SMALL_VALUE, SMALL_VALUE_ATOL, dtype_name
 from llmflow.dump.arguments import Unrebuildable, decode_value, rebuild_arguments
 from llmflow.dump.memory import flatten_outputs
+from llmflow.formats.atb import AtbDumpReader
 from llmflow.formats.base import DumpReader, Entry
 from llmflow.formats.msprobe import MsprobeDumpReader
 
-COLUMNS = ("rank", "step", "order", "name", "record", "module", "api", "status", "ratio", "error",
+COLUMNS = ("rank", "step", "order", "name", "record", "module", "api", "output", "status", "ratio", "error",
            "benchmark_error", "max_abs_error", "benchmark_max_abs_error", "small_value_err_ratio",
            "one_thousandth_err_ratio", "dtype", "shape", "implementation", "perturb_ratio", "perturb_flag",
            "reason")
@@ -70,7 +73,11 @@ COLUMNS = ("rank", "step", "order", "name", "record", "module", "api", "status",
 def iter_calls(reader: DumpReader) -> Iterator[OpCall]:
     """The dump's API calls in model order (rank, step, order), one at a time, tensors loaded
     for that call only. A ``Parameter`` argument is loaded from the dump's weights by name; an
-    msprobe dump's calls are rebuilt from its dump.json records (``precheck_msprobe``)."""
+    msprobe dump's calls are rebuilt from its dump.json records (``precheck_msprobe``), an ATB
+    dump's leaf operations from its tensors and model json (``precheck_atb``)."""
+    if isinstance(reader, AtbDumpReader):
+        yield from atb_calls(reader)
+        return
     build = _call
     if isinstance(reader, MsprobeDumpReader):
         def build(reader: DumpReader, entries: list[Entry], _weights: dict[str, Entry]) -> OpCall:
@@ -146,7 +153,7 @@ def as_float64(value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return torch.float64 if value.is_floating_point else value
     if isinstance(value, torch.Tensor):
-        return value.to(torch.float64) if value.is_floating_point() else value.clone()
+        return value.to(torch.float64) if value.is_floating_point() else value
     if isinstance(value, (tuple, list)):
         return type(value)(as_float64(v) for v in value)
     if isinstance(value, dict):
@@ -154,12 +161,28 @@ def as_float64(value: Any) -> Any:
     return value
 
 
-def run_call(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The op's outputs by the dump's output index, on private copies of its inputs (an in-place
-    op must not change the next run's inputs)."""
-    args_c, kwargs_c = _map_tensors((args, kwargs), lambda t: t.clone())
+#: ``Tensor.__iadd__`` and its kin write into their first argument, as ``add_`` does
+_IN_PLACE_OPERATOR = re.compile(
+    r"__i(add|sub|mul|truediv|floordiv|mod|pow|matmul|and|or|xor|lshift|rshift)__")
+
+
+def writes_inputs(api: str, kwargs: dict[str, Any]) -> bool:
+    """Does this call write into a tensor it was given? In-place APIs (``add_``, ``__iadd__``,
+    ``__setitem__``), ``inplace=True`` (``F.relu``) and an ``out=`` argument do; the replay then
+    runs on copies."""
+    return ((api.endswith("_") and not api.endswith("__")) or api == "__setitem__"
+            or _IN_PLACE_OPERATOR.fullmatch(api) is not None or "out" in kwargs
+            or kwargs.get("inplace") is True)
+
+
+def run_call(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any],
+             copy: bool = True) -> dict[str, torch.Tensor]:
+    """The op's outputs by the dump's output index. ``copy``: on private copies of its inputs (an
+    op that writes into them must not change the next run's inputs); without, on the inputs."""
+    if copy:
+        args, kwargs = _map_tensors((args, kwargs), lambda t: t.clone())
     with torch.no_grad():
-        return flatten_outputs(fn(*args_c, **kwargs_c))
+        return flatten_outputs(fn(*args, **kwargs))
 
 
 # -- judging --------------------------------------------------------------------------------------
@@ -173,48 +196,97 @@ class Judged:
     reasons: list[str]
 
 
-def _small_value_share(ref: torch.Tensor, out: torch.Tensor, small: float, atol: float) -> float:
-    mask = ref.abs() < small
-    n = int(mask.sum())
+@dataclass
+class _Reference:
+    """One output's float64 reference, flat, with what every comparison against it reuses."""
+
+    values: torch.Tensor
+    finite: torch.Tensor | None  # None: every element is finite
+    magnitude: torch.Tensor  # |values|
+    norm: float  # the L2 norm of the finite values
+
+    @classmethod
+    def of(cls, ref: torch.Tensor) -> _Reference:
+        values = ref.reshape(-1).to(torch.float64)
+        finite = torch.isfinite(values)
+        if bool(finite.all()):
+            return cls(values, None, values.abs(), float(torch.linalg.vector_norm(values)))
+        kept = values[finite]
+        return cls(values, finite, values.abs(), float(torch.linalg.vector_norm(kept)))
+
+
+def _errors(ref: _Reference, out: torch.Tensor, small: float, atol: float) -> dict[str, float]:
+    """``out`` against the reference over the elements finite on both sides: rel-L2 error
+    (compare's relative_euclidean_distance), largest absolute error, the share of elements with
+    relative error < 0.001 (compare's one_thousandth_err_ratio: |ref| <= eps counts as exact), the
+    share of small reference values (|ref| < ``small``) missed by more than ``atol``, and how many
+    more NaN/Inf ``out`` has than the reference (``bad``)."""
+    values = out.reshape(-1).to(torch.float64)
+    out_finite = torch.isfinite(values)
+    out_all_finite = bool(out_finite.all())
+    ref_bad = 0 if ref.finite is None else int((~ref.finite).sum())
+    bad = (0 if out_all_finite else int((~out_finite).sum())) - ref_bad
+    a, magnitude, g_norm = ref.values, ref.magnitude, ref.norm
+    if not out_all_finite:
+        keep = out_finite if ref.finite is None else out_finite & ref.finite
+        a, magnitude, values = a[keep], magnitude[keep], values[keep]
+        g_norm = float(torch.linalg.vector_norm(a))
+    elif ref.finite is not None:
+        a, magnitude, values = a[ref.finite], magnitude[ref.finite], values[ref.finite]
+    n = a.numel()
     if n == 0:
-        return 0.0
-    err = (out.to(torch.float64) - ref).abs()[mask]
-    return float((err > atol).sum()) / n
+        return {"error": math.nan, "max_abs": math.nan, "thousandth": math.nan, "small": 0.0, "bad": bad}
+    diff = values - a
+    distance = diff.abs()
+    d_norm = float(torch.linalg.vector_norm(diff))
+    if g_norm > EPS:
+        error = d_norm / g_norm
+    else:
+        error = 0.0 if d_norm <= EPS else math.inf
+    thousandth = int(((distance < 1e-3 * magnitude) | (magnitude <= EPS)).sum()) / n
+    small_mask = magnitude < small
+    n_small = int(small_mask.sum())
+    small_share = int((small_mask & (distance > atol)).sum()) / n_small if n_small else 0.0
+    return {"error": error, "max_abs": float(distance.max()), "thousandth": thousandth, "small": small_share,
+            "bad": bad}
 
 
-def judge_output(target: torch.Tensor, bench: torch.Tensor, ref: torch.Tensor, *,
+def judge_output(target: torch.Tensor, bench: torch.Tensor | None, ref: torch.Tensor, *,
                  fail_ratio: float = DEFAULT_FAIL_RATIO, warn_ratio: float = DEFAULT_WARN_RATIO) -> Judged:
-    """The target's output against the reference, relative to the benchmark (module docstring)."""
+    """The target's output against the reference, relative to the benchmark (module docstring).
+    ``bench`` None: not run, because the target equals the reference exactly (a pass)."""
     if tuple(target.shape) != tuple(ref.shape):
         return Judged("fail", math.inf, {}, [f"shape {list(target.shape)}, the op gives {list(ref.shape)}"])
+    if bench is None:
+        exact = {"error": 0.0, "max_abs_error": 0.0, "small_value_err_ratio": 0.0,
+                 "one_thousandth_err_ratio": 1.0}
+        return Judged("pass", 0.0, exact if target.is_floating_point() else {}, [])
     if not target.is_floating_point():
         same = bench.dtype == target.dtype and torch.equal(bench, target)
         return Judged("pass" if same else "fail", 0.0 if same else math.inf, {},
                       [] if same else [f"{int((bench != target).sum())} elements differ (bit-exact rule)"])
     dtype = target.dtype
     u = unit_roundoff(dtype)
-    ref64 = ref.to(torch.float64)
-    if ref64.numel() and not bool(torch.isfinite(ref64).any()):
+    reference = _Reference.of(ref)
+    if reference.values.numel() and reference.finite is not None and not bool(reference.finite.any()):
         return Judged("not checked", math.nan, {}, ["no finite value in the op's own result (its inputs "
                                                     "are already NaN/Inf)"])
-    t_row, b_row = compare_tensors(ref64, target), compare_tensors(ref64, bench)
-    reasons: list[str] = []
-    t_bad = t_row["target_nan"] + t_row["target_inf"] - t_row["golden_nan"] - t_row["golden_inf"]
-    b_bad = b_row["target_nan"] + b_row["target_inf"] - b_row["golden_nan"] - b_row["golden_inf"]
-    if t_bad > max(b_bad, 0):
-        reasons.append(f"{t_bad} NaN/Inf elements where the op gives finite values")
-    err, b_err = t_row["relative_euclidean_distance"], b_row["relative_euclidean_distance"]
-    if ref64.numel() == 0 or not bool(ref64.any()):  # an all-zero result: absolute error only
-        err, b_err = t_row["max_absolute_error"], b_row["max_absolute_error"]
-    ratio = _ratio(err, b_err, u)
-    max_err, b_max = t_row["max_absolute_error"], b_row["max_absolute_error"]
-    scale = float(ref64[torch.isfinite(ref64)].abs().max()) if torch.isfinite(ref64).any() else 0.0
-    max_ratio = _ratio(max_err, b_max, u * scale)
     small, atol = SMALL_VALUE.get(dtype_name(dtype), 1e-6), SMALL_VALUE_ATOL.get(dtype_name(dtype), 1e-9)
-    finite = torch.isfinite(ref64) & torch.isfinite(target) & torch.isfinite(bench)
-    t_small = _small_value_share(ref64[finite], target[finite], small, atol)
-    b_small = _small_value_share(ref64[finite], bench[finite], small, atol)
-    thousandth, b_thousandth = t_row["one_thousandth_err_ratio"], b_row["one_thousandth_err_ratio"]
+    t, b = _errors(reference, target, small, atol), _errors(reference, bench, small, atol)
+    reasons: list[str] = []
+    if t["bad"] > max(b["bad"], 0):
+        reasons.append(f"{t['bad']} NaN/Inf elements where the op gives finite values")
+    err, b_err = t["error"], b["error"]
+    finite_magnitude = (reference.magnitude if reference.finite is None
+                        else reference.magnitude[reference.finite])
+    scale = float(finite_magnitude.max()) if finite_magnitude.numel() else 0.0
+    if scale == 0:  # an all-zero result: absolute error only
+        err, b_err = t["max_abs"], b["max_abs"]
+    ratio = _ratio(err, b_err, u)
+    max_err, b_max = t["max_abs"], b["max_abs"]
+    max_ratio = _ratio(max_err, b_max, u * scale)
+    t_small, b_small = t["small"], b["small"]
+    thousandth, b_thousandth = t["thousandth"], b["thousandth"]
     if ratio > fail_ratio:
         reasons.append(f"error {err:.3g} is {ratio:.3g}x the benchmark's {b_err:.3g}")
     if max_ratio > 4 * fail_ratio:
@@ -230,6 +302,16 @@ def judge_output(target: torch.Tensor, bench: torch.Tensor, ref: torch.Tensor, *
                "benchmark_max_abs_error": b_max, "small_value_err_ratio": t_small,
                "one_thousandth_err_ratio": thousandth}
     return Judged(status, ratio, numbers, reasons)
+
+
+def equals_reference(target: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Is the target's output the reference itself, element for element (a copy, a view, a
+    gather, an exact op)? Then no benchmark can say more: the output passes."""
+    if tuple(target.shape) != tuple(ref.shape) or target.is_floating_point() != ref.is_floating_point():
+        return False
+    if not target.is_floating_point():
+        return target.dtype == ref.dtype and torch.equal(target, ref)
+    return torch.equal(target.to(torch.float64), ref.to(torch.float64))
 
 
 def _ratio(err: float, bench_err: float, floor: float) -> float:
@@ -279,108 +361,133 @@ def perturbation(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]
 
 
 # -- the precheck -----------------------------------------------------------------------------------
-def check_call(call: OpCall, options: PrecheckOptions) -> tuple[dict[str, Any], Callable[..., Any] | None]:
-    """One call's row (status pass/warn/fail/not checked) and the function that replayed it."""
+def check_call(call: OpCall,
+               options: PrecheckOptions) -> tuple[list[dict[str, Any]], Callable[..., Any] | None]:
+    """One call's rows and the function that replayed it. A call with one recorded output has one
+    row; a call with several (``torch.topk``'s values and indices, ``torch.var_mean``) has one row
+    per output, its ``output`` the output's index, each judged by its own kind's rule (floating
+    values against the reference, integer indices bit-exact). Status pass/warn/fail/not checked."""
     row: dict[str, Any] = {"rank": call.rank, "step": call.step, "order": call.order, "name": call.name,
-                           "record": call.record, "module": call.module, "api": call.api,
+                           "record": call.record, "module": call.module, "api": call.api, "output": None,
                            "status": "not checked", "ratio": None, "reason": call.reason}
     first_out = next(iter(call.outputs.values()), None)
     if first_out is not None:
         row["dtype"] = dtype_name(first_out.dtype)
         row["shape"] = list(first_out.shape)
     if call.reason is not None:
-        return row, None
+        return [row], None
     if is_random(call.api, call.args, call.kwargs):
         row["reason"] = "random call: its output is drawn, not computed"
-        return row, None
+        return [row], None
     fn, where = resolve(call.api, call.args, options.references, call.function)
     row["implementation"] = where if fn is not None else None
     if fn is None:
         row["reason"] = where
-        return row, None
+        return [row], None
+    copy = writes_inputs(call.api, call.kwargs) or where == "reference"  # (a user's code may write)
     try:
-        bench = run_call(fn, call.args, call.kwargs)
-        ref = run_call(fn, as_float64(call.args), as_float64(call.kwargs))
+        ref = run_call(fn, as_float64(call.args), as_float64(call.kwargs), copy=copy)
+        exact = all(i in ref and equals_reference(t, ref[i]) for i, t in call.outputs.items())
+        bench = None if exact else run_call(fn, call.args, call.kwargs, copy=copy)
     except Exception as exc:  # an op the CPU refuses for these arguments is listed, not fatal
         row["reason"] = f"replay failed on the CPU: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        return row, fn
-    worst: Judged | None = None
-    reasons: list[str] = []
-    for index, target in call.outputs.items():
-        if index not in ref or index not in bench:
-            continue
-        judged = judge_output(target, bench[index], ref[index], fail_ratio=options.fail_ratio,
-                              warn_ratio=options.warn_ratio)
-        reasons += [f"output {index}: {r}" for r in judged.reasons]
-        if worst is None or _rank(judged) > _rank(worst):
-            worst = judged
-    if worst is None:
-        row["reason"] = "the replay gives none of the recorded outputs"
-        return row, fn
-    if worst.status == "not checked":
-        row["reason"] = "; ".join(reasons)
-        return row, fn
-    row.update(worst.numbers, status=worst.status, ratio=worst.ratio, reason="; ".join(reasons) or None)
-    if options.perturb and first_out is not None and first_out.is_floating_point():
+        return [row], fn
+    rows = [_judge_row(row, index, target, bench, ref, options, per_output=len(call.outputs) > 1)
+            for index, target in call.outputs.items()]
+    judged_floating = [r for r, t in zip(rows, call.outputs.values(), strict=True)
+                       if r["status"] != "not checked" and t.is_floating_point()]
+    if options.perturb and judged_floating:
         factor = perturbation(fn, call.args, call.kwargs, ref)
-        row["perturb_ratio"] = factor
-        row["perturb_flag"] = factor is not None and factor > options.perturb_ratio
-    return row, fn
+        for r in judged_floating:
+            r["perturb_ratio"] = factor
+            r["perturb_flag"] = factor is not None and factor > options.perturb_ratio
+    return rows, fn
 
 
-def _rank(j: Judged) -> tuple[int, float]:
-    return ({"not checked": -1, "pass": 0, "warn": 1, "fail": 2}[j.status],
-            j.ratio if not math.isnan(j.ratio) else math.inf)
+def _judge_row(base: dict[str, Any], index: str, target: torch.Tensor, bench: dict[str, torch.Tensor] | None,
+               ref: dict[str, torch.Tensor], options: PrecheckOptions, *, per_output: bool) -> dict[str, Any]:
+    """The row of one recorded output: the call's ``base`` row with this output's numbers
+    (``bench`` None: every output equals the reference, no benchmark was run)."""
+    row = dict(base, dtype=str(target.dtype).removeprefix("torch."), shape=list(target.shape))
+    if per_output:
+        row["output"] = index
+    if index not in ref or (bench is not None and index not in bench):
+        row["reason"] = (f"the replay gives no output {index}" if per_output
+                         else "the replay gives none of the recorded outputs")
+        return row
+    judged = judge_output(target, None if bench is None else bench[index], ref[index],
+                          fail_ratio=options.fail_ratio,
+                          warn_ratio=options.warn_ratio)
+    reason = "; ".join(judged.reasons) or None
+    if judged.status == "not checked":
+        row["reason"] = reason
+        return row
+    row.update(judged.numbers, status=judged.status, ratio=judged.ratio, reason=reason)
+    return row
+
+
+STATUS_RANK = {"not checked": -1, "pass": 0, "warn": 1, "fail": 2}
+
+
+def call_status(rows: list[dict[str, Any]]) -> str:
+    """A call's status from its rows: the worst of them (fail > warn > pass > not checked)."""
+    return max((r["status"] for r in rows), key=STATUS_RANK.__getitem__)
 
 
 def call_label(row: dict[str, Any]) -> str:
     """A row's call as a user finds it: ``/silu.1 [Functional.silu.3.forward]`` where the dump
-    names it otherwise (msprobe's L1 records carry no module)."""
-    return f"{row['name']} [{row['record']}]" if row.get("record") else str(row["name"])
+    names it otherwise (msprobe's L1 records carry no module), ``.../topk.0 output 1`` for one of
+    a call's several outputs."""
+    label = f"{row['name']} [{row['record']}]" if row.get("record") else str(row["name"])
+    return f"{label} output {row['output']}" if row.get("output") is not None else label
 
 
 def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
-             on_call: Callable[[OpCall, dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Check every API call of ``reader``'s dump. ``on_call(call, row)`` sees each call as it is
-    judged (tensors still loaded: the repro writer uses it). Returns ``{"rows" (ranked, worst
-    first), "first_fail" (model order), "counts" (per api), "totals", "perturbed" (flagged rows),
-    "status" (pass/fail/inconclusive), "headline"}``."""
+             on_call: Callable[[OpCall, list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
+    """Check every API call of ``reader``'s dump. ``on_call(call, rows)`` sees each call's rows as
+    it is judged (tensors still loaded: the repro writer uses it). Returns ``{"rows" (one per call,
+    or per output of a call with several; ranked, worst first), "first_fail" (model order),
+    "counts" (calls per api and status), "totals" (calls by their worst row), "perturbed" (flagged
+    calls), "status" (pass/fail/inconclusive), "headline"}``."""
     options = options or PrecheckOptions()
     rows: list[dict[str, Any]] = []
     counts: dict[str, Counter[str]] = defaultdict(Counter)
+    totals: Counter[str] = Counter()
     first_fail: dict[str, Any] | None = None
     for call in iter_calls(reader):
-        row, _fn = check_call(call, options)
+        call_rows, _fn = check_call(call, options)
         if on_call is not None:
-            on_call(call, row)
-        counts[call.api][row["status"]] += 1
-        if row["status"] == "fail" and first_fail is None:
-            first_fail = row
-        rows.append(row)
-    totals = Counter(r["status"] for r in rows)
-    checked = len(rows) - totals["not checked"]
+            on_call(call, call_rows)
+        status = call_status(call_rows)
+        counts[call.api][status] += 1
+        totals[status] += 1
+        if first_fail is None:
+            first_fail = next((r for r in call_rows if r["status"] == "fail"), None)
+        rows += call_rows
+    calls = sum(totals.values())
+    checked = calls - totals["not checked"]
     rows.sort(key=lambda r: (r["status"] == "not checked", -(r["ratio"] if r["ratio"] is not None
                                                               and not math.isnan(r["ratio"]) else 0.0)))
-    perturbed = [r for r in rows if r.get("perturb_flag")]
-    if not rows:
+    perturbed = list(dict.fromkeys(r["name"] for r in rows if r.get("perturb_flag")))
+    if not calls:
         status, headline = "inconclusive", "precheck: the dump holds no API calls (dump with mode api)"
     elif totals["fail"]:
         status = "fail"
         headline = (f"precheck: {totals['fail']} of {checked} checked calls fail; first "
                     f"{call_label(first_fail)} (step {first_fail['step']}): {first_fail['reason']}")  # type: ignore[arg-type,index]
-    elif checked < options.min_checked * len(rows):
+    elif checked < options.min_checked * calls:
         why = Counter(str(r["reason"]).split(" (")[0] for r in rows
                       if r["status"] == "not checked").most_common(1)
         status = "inconclusive"
-        headline = (f"precheck: only {checked} of {len(rows)} calls could be checked; most often: "
+        headline = (f"precheck: only {checked} of {calls} calls could be checked; most often: "
                     f"{why[0][0] if why else '?'}")
     else:
         status = "pass"
-        headline = f"precheck: {checked} of {len(rows)} calls checked, none fails ({totals['warn']} warn)"
+        headline = f"precheck: {checked} of {calls} calls checked, none fails ({totals['warn']} warn)"
     if perturbed and status != "fail":
         headline += (f"; perturbation flags {len(perturbed)} ill-conditioned calls, first "
-                     f"{perturbed[0]['name']}")
+                     f"{perturbed[0]}")
     return {"rows": rows, "first_fail": first_fail, "counts": {k: dict(v) for k, v in sorted(counts.items())},
-            "totals": {"calls": len(rows), "checked": checked, **{k: totals[k] for k in
-                                                                  ("pass", "warn", "fail", "not checked")}},
-            "perturbed": [r["name"] for r in perturbed], "status": status, "headline": headline}
+            "totals": {"calls": calls, "checked": checked, **{k: totals[k] for k in
+                                                              ("pass", "warn", "fail", "not checked")}},
+            "perturbed": perturbed, "status": status, "headline": headline}

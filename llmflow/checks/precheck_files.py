@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmflow.checks.precheck import COLUMNS, OpCall, PrecheckOptions, precheck
+from llmflow.checks.precheck import COLUMNS, OpCall, PrecheckOptions, call_status, precheck
 from llmflow.checks.references import resolve
 from llmflow.checks.repro import folder_name, write_repro
 from llmflow.formats import open_dump
@@ -53,13 +53,14 @@ def run_precheck(dump: str | Path, out_dir: Path, options: PrecheckOptions, *, r
     missing: dict[str, str] = {}  # a requested call -> why it has no repro folder
     left_out = 0
 
-    def on_call(call: OpCall, row: dict[str, Any]) -> None:
+    def on_call(call: OpCall, rows: list[dict[str, Any]]) -> None:
         nonlocal left_out
         if task is not None:
             task.advance()
         asked = requested & {call.name, call.record}
-        every = ALL in requested and row.get("implementation")
-        if not ((repro and row["status"] == "fail") or asked or every):
+        status = call_status(rows)
+        every = ALL in requested and rows[0].get("implementation")
+        if not ((repro and status == "fail") or asked or every):
             return
         if call.reason is not None:  # (only a requested call gets here)
             note(asked, f"not replayable: {call.reason}")
@@ -73,11 +74,12 @@ def run_precheck(dump: str | Path, out_dir: Path, options: PrecheckOptions, *, r
             note(asked, f"more than {MAX_REPROS} repro folders asked for")
             return
         if implementation != "reference":
-            implementation = row.get("implementation") or implementation
+            implementation = rows[0].get("implementation") or implementation
         folder = out_dir / "repro" / folder_name(len(repros), call.name)
-        script = write_repro(call, fn, implementation, folder, options.fail_ratio)
-        row["repro"] = str(script.relative_to(out_dir))
-        repros.append({"name": call.name, "step": call.step, "status": row["status"], "script": row["repro"]})
+        script = str(write_repro(call, fn, implementation, folder, options.fail_ratio).relative_to(out_dir))
+        for row in rows:
+            row["repro"] = script
+        repros.append({"name": call.name, "step": call.step, "status": status, "script": script})
         missing.update(dict.fromkeys(asked, ""))  # (written, at one step at least)
 
     def note(names: set[str], why: str) -> None:

@@ -181,9 +181,148 @@ def npu_incre_flash_attention(query: torch.Tensor, key: torch.Tensor, value: tor
     return _attention(query, key, value, num_heads, kv_heads, input_layout, atten_mask, scale_value)
 
 
+# -- built-in references of ATB operations ------------------------------------------------------
+# An ATB operation is replayed from its dump: its intensors in order as the arguments and the
+# ``param`` object of its node in the model json (msit llm dump --type model) as ``param``; each
+# returns the operation's outtensors as a tuple, in the input's dtype (float64 for the reference
+# run). The parameter names and defaults follow the ATB operation API (atb/infer_op_params.h), as
+# msit's opcheck reads them; a mode outside the basic float cases raises UnsupportedArguments.
+ATB = "atb"  # ``resolve(called=ATB)``: an ATB operation, replayed only by a reference
+
+
+def _param(param: dict[str, Any], *path: str, default: Any = None) -> Any:
+    node: Any = param
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return default
+        node = node[key]
+    return node
+
+
+def _atb_dtype(code: Any, like: torch.Tensor) -> torch.dtype:
+    """An ATB/ACL dtype code (``outTensorType``, ``outDataType``) as torch's; -1/undefined: ``like``'s.
+    The reference run keeps float64 where the op would round to another float."""
+    from llmflow.formats.atb_bin import DTYPES
+
+    if code is None or code == -1 or code not in DTYPES:
+        return like.dtype
+    dtype = DTYPES[code]
+    return torch.float64 if like.dtype == torch.float64 and dtype.is_floating_point else dtype
+
+
+def atb_linear(x: torch.Tensor, weight: torch.Tensor, *rest: torch.Tensor,
+               param: dict[str, Any]) -> tuple[torch.Tensor]:
+    """``LinearOperation``: x @ weight^T (``transposeB``, default true) + bias (``hasBias``)."""
+    if x.dtype == torch.int8 or len(rest) > (1 if _param(param, "hasBias", default=False) else 0):
+        raise UnsupportedArguments("LinearOperation reference: float inputs only (no quantisation scales)")
+    a = _widened(x)
+    if _param(param, "transposeA", default=False):
+        a = a.transpose(-1, -2)
+    w = _widened(weight)
+    out = a @ (w.transpose(-1, -2) if _param(param, "transposeB", default=True) else w)
+    if _param(param, "hasBias", default=False):
+        out = out + _widened(rest[0])
+    return (out.to(_atb_dtype(_param(param, "outDataType"), x)),)
+
+
+def atb_rms_norm(x: torch.Tensor, gamma: torch.Tensor, *rest: torch.Tensor,
+                 param: dict[str, Any]) -> tuple[torch.Tensor]:
+    """``RmsNormOperation``, ``layerType`` 1 (RMS_NORM_NORM): x * rsqrt(mean(x^2) + epsilon) * gamma
+    over gamma's dims; ``normParam.epsilon`` defaults to 1e-5 as ATB's does."""
+    layer_type = _param(param, "layerType", default=1)
+    if layer_type != 1 or _param(param, "normParam", "quantType", default=0) not in (0, None):
+        raise UnsupportedArguments(f"RmsNormOperation reference: layerType 1 (norm) without quantisation "
+                                   f"only, not layerType {layer_type}")
+    epsilon = float(_param(param, "normParam", "epsilon", default=1e-5))
+    return (npu_rms_norm(x, gamma, epsilon)[0],)
+
+
+#: ElewiseOperation's ``elewiseType``: the element-wise function of its inputs
+_ELEWISE: dict[int, Callable[..., torch.Tensor]] = {
+    3: torch.cos, 4: torch.sin, 5: torch.neg, 7: torch.logical_not, 8: torch.add, 9: torch.mul,
+    10: torch.div, 11: torch.logical_and, 12: torch.logical_or, 13: torch.lt, 14: torch.gt, 15: torch.sub,
+    16: torch.eq, 20: torch.tanh,
+}
+_UNARY = {3, 4, 5, 7, 20}
+
+
+def atb_elewise(*inputs: torch.Tensor, param: dict[str, Any]) -> tuple[torch.Tensor]:
+    """``ElewiseOperation``: cast (1, to ``outTensorType``), muls (2, times ``mulsParam.varAttr``) and
+    the element-wise functions of ``_ELEWISE``; comparisons and logical ops give int8, as ATB's do."""
+    kind = _param(param, "elewiseType", default=0)
+    x = inputs[0]
+    if kind == 1:
+        return (x.to(_atb_dtype(_param(param, "outTensorType"), x)),)
+    if kind == 2:
+        factor = _param(param, "mulsParam", "varAttr", default=_param(param, "varAttr", default=0.0))
+        return ((_widened(x) * float(factor)).to(x.dtype),)
+    if kind not in _ELEWISE:
+        raise UnsupportedArguments(f"ElewiseOperation reference: elewiseType {kind} (known: 1, 2, "
+                                   f"{', '.join(map(str, _ELEWISE))})")
+    operands = inputs[:1] if kind in _UNARY else inputs[:2]
+    out = _ELEWISE[kind](*(_widened(t) for t in operands))
+    if out.dtype == torch.bool:
+        return (out.to(torch.int8),)
+    return (out.to(x.dtype),)
+
+
+def atb_activation(x: torch.Tensor, *rest: torch.Tensor, param: dict[str, Any]) -> tuple[torch.Tensor]:
+    """``ActivationOperation``: relu (1), gelu (2; ``geluMode`` 0 tanh, 1 exact), fast gelu (3),
+    swish (4, ``scale``), log (5), swiglu forward (6, halves along ``dim``)."""
+    kind = _param(param, "activationType", default=0)
+    xf = _widened(x)
+    if kind == 1:
+        out = F.relu(xf)
+    elif kind == 2:
+        out = F.gelu(xf, approximate="tanh" if _param(param, "geluMode", default=0) == 0 else "none")
+    elif kind == 3:
+        out = xf * torch.exp(0.851 * (xf - xf.abs())) / (1 + torch.exp(-1.702 * xf.abs()))
+    elif kind == 4:
+        out = xf * torch.sigmoid(xf * float(_param(param, "scale", default=1.0)))
+    elif kind == 5:
+        out = torch.log(xf)
+    elif kind == 6:
+        return (npu_swiglu(x, int(_param(param, "dim", default=-1))),)
+    else:
+        raise UnsupportedArguments(f"ActivationOperation reference: activationType {kind} (known: 1-6)")
+    return (out.to(x.dtype),)
+
+
+def atb_softmax(x: torch.Tensor, *rest: torch.Tensor, param: dict[str, Any]) -> tuple[torch.Tensor]:
+    """``SoftmaxOperation``: softmax over ``axes`` (one axis, or consecutive ones taken together)."""
+    axes = sorted(a % x.dim() for a in (_param(param, "axes", default=None) or [-1]))
+    if axes != list(range(axes[0], axes[-1] + 1)):
+        raise UnsupportedArguments(f"SoftmaxOperation reference: axes {axes} are not consecutive")
+    flat = _widened(x).flatten(axes[0], axes[-1])
+    return (torch.softmax(flat, dim=axes[0]).reshape(x.shape).to(x.dtype),)
+
+
+def atb_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *rest: torch.Tensor,
+             param: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RopeOperation``, ``rotaryCoeff`` 2 (rotate-half): q and k ([tokens, heads * head_dim]) each
+    x * cos + rotate_half(x) * sin per head, cos and sin [tokens, head_dim]."""
+    if _param(param, "rotaryCoeff", default=4) != 2:
+        raise UnsupportedArguments(f"RopeOperation reference: rotaryCoeff {_param(param, 'rotaryCoeff')} "
+                                   "(only 2, rotate-half)")
+    head_dim = cos.shape[-1]
+    c, s = _widened(cos).unsqueeze(-2), _widened(sin).unsqueeze(-2)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        heads = _widened(x).reshape(*x.shape[:-1], -1, head_dim)
+        return (heads * c + _rotate_half(heads) * s).reshape(x.shape).to(x.dtype)
+    return rotate(q), rotate(k)
+
+
+#: ATB operation type -> its reference (the node's ``opType`` in the model json)
+ATB_BUILTIN: dict[str, Callable[..., Any]] = {
+    "LinearOperation": atb_linear, "RmsNormOperation": atb_rms_norm, "ElewiseOperation": atb_elewise,
+    "ActivationOperation": atb_activation, "SoftmaxOperation": atb_softmax, "RopeOperation": atb_rope,
+}
+
 BUILTIN: dict[str, Callable[..., Any]] = {
     "npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul, "npu_swiglu": npu_swiglu,
     "npu_fusion_attention": npu_fusion_attention, "npu_incre_flash_attention": npu_incre_flash_attention,
+    **ATB_BUILTIN,
 }
 
 
@@ -226,6 +365,9 @@ def resolve(api: str, args: list[Any], references: dict[str, Callable[..., Any]]
     APIs (``add_``) resolve like any other: their inputs are copied before every run."""
     if api in references:
         return references[api], "reference"
+    if called == ATB:
+        return None, (f"no reference for ATB op {api} (entry-point group {GROUP} or --reference "
+                      f"{api}=file.py:func)")
     if called is not None and lookup(called) is not None:
         return lookup(called), called
     for owner, label in ((F, "torch.nn.functional"), (torch, "torch")):

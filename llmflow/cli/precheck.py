@@ -4,9 +4,10 @@
                    [--reference NAME=file.py:func]...
 
 Each API call of the dump (dumped with mode api, data_mode tensor; dump_weight lets Linear calls
-be checked too) is run on the CPU in float64 (the reference) and in the dump's dtype (the
-benchmark); the target's recorded output fails when its error is ``--fail-ratio`` times the
-benchmark's, or breaks msprobe's small-value, thousandth-ratio or bit-exactness rules. Writes
+be checked too; or each leaf operation of an ATB tensor dump, with the model json's params) is
+run on the CPU in float64 (the reference) and in the dump's dtype (the benchmark); the target's
+recorded output fails when its error is ``--fail-ratio`` times the benchmark's, or breaks
+msprobe's small-value, thousandth-ratio or bit-exactness rules. Writes
 precheck.csv/.xlsx/.json into OUT (default: precheck_out). ``--repro`` adds, per failing call, a
 folder with its inputs and a standalone script (``--repro-call NAME``: for that call too,
 whatever its status; ``all``: every call); ``--perturb`` flags calls whose output moves far
@@ -29,8 +30,8 @@ EXIT = {"pass": 0, "fail": 1, "inconclusive": 3}
 def configure(parser: argparse.ArgumentParser) -> None:
     from llmflow.checks.precheck_options import DEFAULT_FAIL_RATIO, DEFAULT_MIN_CHECKED, DEFAULT_PERTURB_RATIO
 
-    parser.add_argument("dump", help="an llmflow API dump with tensors or an msprobe L1/mix tensor dump "
-                        "(or the folder holding one)")
+    parser.add_argument("dump", help="an llmflow API dump with tensors, an msprobe L1/mix tensor dump or "
+                        "an ATB tensor dump with its model json (or the folder holding one)")
     parser.add_argument("-o", "--output", default="precheck_out",
                         help="output folder (default: precheck_out)")
     parser.add_argument("--repro", action="store_true", help="a repro folder with a standalone script per "

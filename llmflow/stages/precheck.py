@@ -29,8 +29,9 @@ class PrecheckStage(Stage):
         "additionalProperties": False,
         "required": ["dump"],
         "properties": {
-            "dump": {"type": "string", "description": "An llmflow API dump with tensors or an msprobe L1/mix "
-                                                     "tensor dump."},
+            "dump": {"type": "string", "description": "An llmflow API dump with tensors, an msprobe L1/mix "
+                                                     "tensor dump or an ATB tensor dump with its model "
+                                                     "json."},
             "repro": {"type": "boolean", "default": False,
                       "description": "Write a repro folder (inputs + standalone script) per failing call."},
             "repro_calls": {"type": "array", "items": {"type": "string"}, "default": [],
