@@ -55,6 +55,33 @@ def _load(spec: dict[str, Any]) -> Any:
     return load_model(spec["model"], **{k: spec[k] for k in keys if spec.get(k) is not None})
 
 
+def golden_streamed(inp: BisectInputs) -> bool:
+    """Whether the golden is loaded streamed (``golden_weights``); UserError naming the field when
+    ``streamed`` is asked of a golden that cannot be (no safetensors checkpoint, or a patch)."""
+    from llmflow.models import checkpoint_dir
+
+    spec, mode = inp.golden_spec, inp.golden_weights
+    if mode not in ("auto", "whole", "streamed"):
+        raise UserError(f"golden_weights: {mode!r} is not one of auto, whole, streamed")
+    if mode == "whole":
+        return False
+    why = None
+    if spec.get("patch"):
+        why = "it has a patch, which may rewrite weights that are read only while their layer runs"
+    elif checkpoint_dir(spec["model"], spec.get("base_dir") or ".") is None:
+        why = "it has no safetensors checkpoint (smollm2 or a Hugging Face directory)"
+    if why and mode == "streamed":
+        raise UserError(f"golden_weights: streamed cannot load the golden model {spec['model']!r}: {why}")
+    return why is None
+
+
+def _load_streamed(spec: dict[str, Any], layers: str | None) -> Any:
+    from llmflow.streamed import load_streamed
+
+    keys = ("device", "dtype", "base_dir")
+    return load_streamed(spec["model"], layers=layers, **{k: spec[k] for k in keys if spec.get(k) is not None})
+
+
 def raw_errors(golden: DumpReader, target: DumpReader, step: int) -> dict[str, dict[str, float]]:
     """Output ``"0"`` of every module both dumps hold at ``step``: error metrics (inherited error)."""
     def outs(reader: DumpReader) -> dict[str, Any]:
@@ -77,6 +104,7 @@ class _Bisect:
         self.mark = self.t0
         self.phases: dict[str, float] = {}
         self.golden_dump, self.target_dump = open_dump(inp.golden_dump), open_dump(inp.target_dump)
+        self.golden_streamed = golden_streamed(inp)
         self.target = _load(inp.target_spec)
         self.phase("load target model")
         self.stack: LayerStack | None = find_layer_stack(self.target.model, inp.layers)
@@ -90,11 +118,14 @@ class _Bisect:
         self.mark = now
 
     def golden(self) -> Any:
-        """The golden model, loaded on first use (layer recompute, decode re-run, op level, cost);
-        None when it cannot be loaded (``golden_error`` says why: the verdict reports it)."""
+        """The golden model, loaded on first use (layer recompute, decode re-run, op level, cost),
+        whole or streamed layer by layer (``golden_weights``); None when it cannot be loaded
+        (``golden_error`` says why: the verdict reports it)."""
         if "golden" not in self.held and self.golden_error is None:
             try:
-                self.held["golden"] = _load(self.inp.golden_spec)
+                spec = self.inp.golden_spec
+                self.held["golden"] = (_load_streamed(spec, self.inp.layers) if self.golden_streamed
+                                       else _load(spec))
             except UserError as exc:
                 self.golden_error = str(exc)
         return self.held.get("golden")
