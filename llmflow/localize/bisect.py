@@ -79,7 +79,8 @@ def _load_streamed(spec: dict[str, Any], layers: str | None) -> Any:
     from llmflow.streamed import load_streamed
 
     keys = ("device", "dtype", "base_dir")
-    return load_streamed(spec["model"], layers=layers, **{k: spec[k] for k in keys if spec.get(k) is not None})
+    given = {k: spec[k] for k in keys if spec.get(k) is not None}
+    return load_streamed(spec["model"], layers=layers, **given)
 
 
 def raw_errors(golden: DumpReader, target: DumpReader, step: int) -> dict[str, dict[str, float]]:
