@@ -42,6 +42,9 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_PAGE = 4096  # a memory mapping starts on a page: a mapped tensor's address is its file offset mod this
+
+
 @dataclass(frozen=True)
 class _Stored:
     """Where one tensor's bytes are: its file, their absolute offsets, its dtype and shape."""
@@ -74,14 +77,21 @@ class SafetensorsFiles:
         return name in self.stored
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` in its stored dtype, in fresh CPU memory."""
+        """The tensor ``name`` in its stored dtype, in fresh CPU memory placed at the address
+        offset (within a page) that a memory-mapped load gives it: CPU matrix kernels sum in an
+        order that depends on the weights' alignment, and a whole ``from_pretrained`` load maps a
+        tensor it does not cast, so only the same alignment computes bit-identical results."""
         s = self.stored[name]
-        data = torch.empty(s.end - s.begin, dtype=torch.uint8)
+        size = s.end - s.begin
+        room = torch.empty(size + _PAGE, dtype=torch.uint8)
+        itemsize = _SAFETENSORS_DTYPES[s.dtype].itemsize if s.dtype in _SAFETENSORS_DTYPES else 1
+        shift = (s.begin - room.data_ptr()) % _PAGE if s.begin % itemsize == 0 else 0
+        data = room[shift:shift + size]
         with open(s.file, "rb") as f:
             f.seek(s.begin)
             got = f.readinto(memoryview(data.numpy()))
-        if got != s.end - s.begin:
-            raise UserError(f"{s.file}: tensor {name!r} is cut short ({got} of {s.end - s.begin} bytes)")
+        if got != size:
+            raise UserError(f"{s.file}: tensor {name!r} is cut short ({got} of {size} bytes)")
         if s.dtype not in _SAFETENSORS_DTYPES:
             raise UserError(f"{s.file}: tensor {name!r} has dtype {s.dtype}, which this torch cannot hold")
         return data.view(_SAFETENSORS_DTYPES[s.dtype]).reshape(s.shape)

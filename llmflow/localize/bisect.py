@@ -127,9 +127,13 @@ class _Bisect:
                 spec = self.inp.golden_spec
                 self.held["golden"] = (_load_streamed(spec, self.inp.layers) if self.golden_streamed
                                        else _load(spec))
+                self.log(f"bisect: golden model loaded {self.golden_weights()}")
             except UserError as exc:
                 self.golden_error = str(exc)
         return self.held.get("golden")
+
+    def golden_weights(self) -> str:
+        return "streamed" if self.golden_streamed else "whole"
 
     def select(self, name: str, module: Any) -> bool:
         return is_branch(name, module, self.stack)
@@ -244,6 +248,7 @@ class _Bisect:
         g_bytes, t_bytes = cost_mod.dir_bytes(inp.golden_dump), cost_mod.dir_bytes(inp.target_dump)
         cost: dict[str, Any] = {
             "model_runs": {"full_generations": 2, "models_loaded_by_bisect": 1 + ("golden" in self.held),
+                           "golden_weights": self.golden_weights(),
                            "golden_layers_recomputed": self.stats["recomputed_layers"],
                            "golden_reruns": self.stats["golden_reruns"],
                            "module_replays": sum(len(t.rows) for t in tried),
