@@ -461,7 +461,7 @@ def profile_worker(run_dir: str, out_prefix: str, golden_weights: str | None = N
 
 def run_profile(work: Path, size: str, tag: str, run_dir: str, golden_weights: str | None = None
                 ) -> dict[str, Any]:
-    prefix = str(work / f"profile-{size}-{tag}" + (f"-{golden_weights}" if golden_weights else ""))
+    prefix = str(work / (f"profile-{size}-{tag}" + (f"-{golden_weights}" if golden_weights else "")))
     golden_dir = str(work / size) if golden_weights else None
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); "
             f"from benchmarks.bench_scale import profile_worker; "
