@@ -389,7 +389,9 @@ def profile_worker(run_dir: str, out_prefix: str, golden_weights: str | None = N
     from llmflow.localize import bisect as bisect_mod
     from llmflow.workflow.state import read_state
 
-    params = read_state(Path(run_dir) / "bisect")["params"]
+    state = read_state(Path(run_dir) / "bisect")
+    assert state is not None, f"{run_dir}: the bisect stage did not complete"
+    params = state.params
     gen = {side: json.loads(Path(params[f"{side}_generation"]).read_text()) for side in ("golden", "target")}
     inputs = bisect_mod.BisectInputs(
         golden_dump=params["golden_dump"], target_dump=params["target_dump"],
