@@ -207,17 +207,18 @@ def checkpoint_dir(model: str, base_dir: str | Path = ".") -> Path | None:
     return path if path.is_dir() and any(path.glob("*.safetensors")) else None
 
 
-def empty_hf_model(path: Path) -> tuple[torch.nn.Module, Any]:
+def empty_hf_model(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:
     """The model of a Hugging Face directory built without its weights: parameters on the meta
-    device (no memory, no init), buffers such as rotary ``inv_freq`` computed for real; with the
-    directory's generation config and tokenizer, as ``from_pretrained`` gives them."""
+    device (no memory, no init), buffers such as rotary ``inv_freq`` computed for real (in
+    ``dt`` where ``from_pretrained`` computes them in it); with the directory's generation config
+    and tokenizer, as ``from_pretrained`` gives them."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         with init_empty_weights(include_buffers=False):
-            module = AutoModelForCausalLM.from_config(config)
+            module = AutoModelForCausalLM.from_config(config, **_dtype_kwarg(dt))
     except (OSError, ValueError) as exc:
         raise UserError(f"model {str(path)!r}: cannot build a Hugging Face model: "
                         f"{str(exc).splitlines()[0]}") from exc

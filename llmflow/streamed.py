@@ -207,12 +207,19 @@ class StreamedWeights:
             lw.hooks.clear()
 
 
-def _parameter_groups(model: nn.Module) -> dict[int, list[str]]:
-    """Parameter identity -> every name it goes by (tied weights share one parameter)."""
+def _parameter_groups(model: nn.Module, files: SafetensorsFiles) -> list[list[str]]:
+    """The names of each parameter: tied weights share one parameter (the model ties them as its
+    config says; a checkpoint may store them under either name), unless the checkpoint stores
+    each name, which ``from_pretrained`` then loads untied too."""
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
-    return groups
+    out: list[list[str]] = []
+    for names in groups.values():
+        out += [[n] for n in names] if len(names) > 1 and all(n in files for n in names) else [names]
+    return out
 
 
 def _holder(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -235,7 +242,7 @@ def load_streamed(model: str, *, device: str = "cpu", dtype: str = "float32", ba
         raise UserError(f"model {model!r}: no safetensors checkpoint to stream the weights from "
                         "(smollm2 or a Hugging Face directory with *.safetensors files)")
     files = SafetensorsFiles(directory)
-    module, tokenizer = empty_hf_model(directory)
+    module, tokenizer = empty_hf_model(directory, dt)
     stack = find_layer_stack(module, layers)
     if stack is None:
         raise UserError(f"model {model!r}: no list of decoder layers found to stream (name it with layers)")
@@ -246,7 +253,7 @@ def load_streamed(model: str, *, device: str = "cpu", dtype: str = "float32", ba
 
     streamed: dict[str, list[list[str]]] = {layer: [] for layer in stack.layers}
     whole: list[list[str]] = []
-    for names in _parameter_groups(module).values():
+    for names in _parameter_groups(module, files):
         layer = layer_of(names)
         (streamed[layer] if layer is not None else whole).append(names)
 
@@ -276,14 +283,12 @@ def load_streamed(model: str, *, device: str = "cpu", dtype: str = "float32", ba
 
 def _load_whole(module: nn.Module, groups: list[list[str]], files: SafetensorsFiles, directory: Path) -> None:
     """The parameters outside the decoder layers, and every buffer the checkpoint stores, read
-    in whole; a tied parameter the checkpoint stores under no name is tied again from its twin."""
+    in whole."""
     with torch._C.DisableTorchFunction():
-        untied = []
         for names in groups:
             stored_as = next((n for n in names if n in files), None)
             if stored_as is None:
-                untied.append(names[0])
-                continue
+                raise UserError(f"{directory}: the checkpoint has no tensor {names[0]!r}")
             param = nn.Parameter(files.read(stored_as), requires_grad=False)
             for name in names:
                 holder, attr = _holder(module, name)
@@ -292,11 +297,6 @@ def _load_whole(module: nn.Module, groups: list[list[str]], files: SafetensorsFi
             if name in files:
                 holder, attr = _holder(module, name)
                 holder._buffers[attr] = files.read(name)
-    if untied and hasattr(module, "tie_weights"):
-        module.tie_weights()
-    still_empty = [n for n in untied if _named_parameter(module, n).device.type == "meta"]
-    if still_empty:
-        raise UserError(f"{directory}: the checkpoint has no tensor {still_empty[0]!r}")
 
 
 def _cast_module(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

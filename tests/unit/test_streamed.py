@@ -155,3 +155,19 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     (directory / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(UserError, match=r"model\.safetensors: unreadable safetensors file"):
         load_streamed(str(directory))
+
+
+@pytest.mark.parametrize("stored_as", ["model.embed_tokens.weight", "lm_head.weight"])
+def test_tied_weights_stored_under_either_name(tmp_path, stored_as):
+    """save_pretrained keeps the embedding; safetensors' save_model (SmolLM2's cache) keeps lm_head."""
+    from safetensors.torch import load_file, save_file
+
+    directory = save_tiny(tmp_path / "m", "qwen2", tied=True)
+    tensors = load_file(str(directory / "model.safetensors"))
+    embed = tensors.pop("model.embed_tokens.weight")
+    save_file({**tensors, stored_as: embed}, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    whole, streamed = load_model(str(directory)), load_streamed(str(directory))
+    assert streamed.model.lm_head.weight is streamed.model.model.embed_tokens.weight
+    assert torch.equal(streamed.model.lm_head.weight, embed)
+    x = torch.tensor([PROMPT])
+    assert torch.equal(whole.model(x).logits, streamed.model(x).logits)
