@@ -68,8 +68,12 @@ def golden_streamed(inp: BisectInputs) -> bool:
     why = None
     if spec.get("patch"):
         why = "it has a patch, which may rewrite weights that are read only while their layer runs"
-    elif checkpoint_dir(spec["model"], spec.get("base_dir") or ".") is None:
-        why = "it has no safetensors checkpoint (smollm2 or a Hugging Face directory)"
+    else:
+        try:
+            if checkpoint_dir(spec["model"], spec.get("base_dir") or ".") is None:
+                why = "it has no safetensors checkpoint (smollm2 or a Hugging Face directory)"
+        except UserError as exc:  # auto: the whole load reports it, as the golden's load error
+            why = str(exc)
     if why and mode == "streamed":
         raise UserError(f"golden_weights: streamed cannot load the golden model {spec['model']!r}: {why}")
     return why is None
@@ -124,13 +128,27 @@ class _Bisect:
         (``golden_error`` says why: the verdict reports it)."""
         if "golden" not in self.held and self.golden_error is None:
             try:
-                spec = self.inp.golden_spec
-                self.held["golden"] = (_load_streamed(spec, self.inp.layers) if self.golden_streamed
-                                       else _load(spec))
+                self.held["golden"] = self._load_golden()
                 self.log(f"bisect: golden model loaded {self.golden_weights()}")
             except UserError as exc:
+                if self.inp.golden_weights == "streamed":  # asked for: bad input, not a verdict
+                    raise UserError(f"golden_weights: streamed cannot load the golden model: {exc}") from exc
                 self.golden_error = str(exc)
         return self.held.get("golden")
+
+    def _load_golden(self) -> Any:
+        """Streamed where chosen; whole where ``auto`` chose streamed but the checkpoint's tensors
+        are not the model's parameters as stored (transformers converts Mixtral's experts on load)."""
+        spec = self.inp.golden_spec
+        if self.golden_streamed:
+            try:
+                return _load_streamed(spec, self.inp.layers)
+            except UserError as exc:
+                if self.inp.golden_weights == "streamed":
+                    raise
+                self.log(f"bisect: the golden cannot be streamed ({exc}): loading it whole")
+                self.golden_streamed = False
+        return _load(spec)
 
     def golden_weights(self) -> str:
         return "streamed" if self.golden_streamed else "whole"

@@ -78,6 +78,21 @@ def test_streamed_asked_of_a_golden_without_checkpoint_names_the_field(dumps):
         bisect_dumps(patched, golden_weights="streamed")
 
 
+def test_a_checkpoint_converted_on_load_is_loaded_whole_by_auto_and_refused_by_streamed(tmp_path):
+    """transformers fuses Mixtral's per-expert tensors on load: no parameter is stored as it is."""
+    spec = "tiny-mixtral:layers=3,hidden=64,intermediate=128,seed=3"
+    dumps = make_dumps(tmp_path, spec, patch="plugins/example_faults.py:scale_expert_layer_1",
+                       max_new_tokens=3)
+    model = str(tmp_path / "mixtral-hf")
+    build_tiny("mixtral", spec.split(":", 1)[1]).save_pretrained(model)
+    dumps["golden_spec"] = {"model": model, "device": "cpu", "dtype": "float32"}
+    auto = bisect_dumps(dumps, estimate_cost=False)
+    assert auto["cost"]["model_runs"]["golden_weights"] == "whole"
+    assert auto["first_bad_layer"] == "model.layers.1", auto["headline"]
+    with pytest.raises(UserError, match=r"^golden_weights: streamed cannot load the golden model: .*tensor"):
+        bisect_dumps(dumps, golden_weights="streamed", estimate_cost=False)
+
+
 # -- the user's way --------------------------------------------------------------------------------
 
 def save_char_tokenizer(directory: Path) -> None:
