@@ -12,13 +12,14 @@ layer carries a pre-hook and an always-called forward hook that count the layer'
 
 The weights a layer reads are cast exactly as ``load_model`` casts a whole model (floating tensors
 to the requested dtype, an fp16 checkpoint into an fp32 golden), so a streamed and a whole load
-compute bit-identical results. The files are read with plain reads, not memory-mapped: a layer's
-bytes stay in the process only as long as the layer runs, and nothing is ever copied to disk.
+compute bit-identical results. A layer's tensors are memory-mapped from the files while the layer
+runs and unmapped when it is dropped; nothing is ever copied to disk.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,9 +41,6 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     **{k: getattr(torch, v) for k, v in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
        if hasattr(torch, v)},
 }
-
-
-_PAGE = 4096  # a memory mapping starts on a page: a mapped tensor's address is its file offset mod this
 
 
 @dataclass(frozen=True)
@@ -77,24 +75,28 @@ class SafetensorsFiles:
         return name in self.stored
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` in its stored dtype, in fresh CPU memory placed at the address
-        offset (within a page) that a memory-mapped load gives it: CPU matrix kernels sum in an
-        order that depends on the weights' alignment, and a whole ``from_pretrained`` load maps a
-        tensor it does not cast, so only the same alignment computes bit-identical results."""
+        """The tensor ``name`` in its stored dtype: a copy-on-write memory mapping of its bytes in
+        the file, unmapped when the tensor is freed (so a dropped layer leaves nothing behind).
+
+        Mapped, not read into fresh memory: the pages come straight from the page cache, and the
+        tensor sits at the address offset a whole ``from_pretrained`` load gives it. CPU matrix
+        kernels sum in an order that depends on the weights' alignment, so only the same
+        alignment computes bit-identical results."""
         s = self.stored[name]
-        size = s.end - s.begin
-        room = torch.empty(size + _PAGE, dtype=torch.uint8)
-        itemsize = _SAFETENSORS_DTYPES[s.dtype].itemsize if s.dtype in _SAFETENSORS_DTYPES else 1
-        shift = (s.begin - room.data_ptr()) % _PAGE if s.begin % itemsize == 0 else 0
-        data = room[shift:shift + size]
-        with open(s.file, "rb") as f:
-            f.seek(s.begin)
-            got = f.readinto(memoryview(data.numpy()))
-        if got != size:
-            raise UserError(f"{s.file}: tensor {name!r} is cut short ({got} of {size} bytes)")
-        if s.dtype not in _SAFETENSORS_DTYPES:
+        dtype = _SAFETENSORS_DTYPES.get(s.dtype)
+        if dtype is None:
             raise UserError(f"{s.file}: tensor {name!r} has dtype {s.dtype}, which this torch cannot hold")
-        return data.view(_SAFETENSORS_DTYPES[s.dtype]).reshape(s.shape)
+        size = s.end - s.begin
+        if size == 0:
+            return torch.empty(s.shape, dtype=dtype)
+        first_page = s.begin - s.begin % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open(s.file, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), s.end - first_page, access=mmap.ACCESS_COPY, offset=first_page)
+        except (OSError, ValueError) as exc:  # ValueError: the file is shorter than its header says
+            raise UserError(f"{s.file}: cannot read tensor {name!r} ({exc})") from exc
+        data = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=s.begin - first_page)
+        return data.view(dtype).reshape(s.shape)
 
 
 def _shards(directory: Path) -> list[Path]:
