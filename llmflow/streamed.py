@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import mmap
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,8 +168,8 @@ class LayerWeights:
             self._drop()
 
     def _load(self) -> None:
-        # no torch function mode may see these copies: an op capture running the layer records
-        # the layer's own ops, never its weights being read
+        # no torch function mode may see these reads and casts: an op capture running the layer
+        # records the layer's own ops, never its weights being loaded
         with torch._C.DisableTorchFunction():
             for slot in self.slots:
                 tensor = _cast(self.files.read(slot.stored_as), self.device, self.dtype)
@@ -326,9 +325,3 @@ def _cast_module(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
 def _named_parameter(module: nn.Module, name: str) -> torch.Tensor:
     holder, attr = _holder(module, name)
     return holder._parameters[attr]
-
-
-def streamed_layers(model: nn.Module) -> Iterator[LayerWeights]:
-    """The streamed layers of a model ``load_streamed`` gave (none for a whole model)."""
-    attached = getattr(model, "streamed_weights", None)
-    yield from (attached.layers.values() if isinstance(attached, StreamedWeights) else ())
