@@ -35,6 +35,9 @@ Measured, each ``--repeat`` times:
    own under cProfile (the stage runs in a thread of ``llmflow run``, which cProfile does not
    see): every bisect phase's seconds and peak RSS, how many times each model is loaded and how
    long that takes, and the functions that take the time (``<size>-<n>.prof``, pstats format).
+   ``--golden-weights whole streamed`` runs it once per way of holding the golden, loaded from
+   its checkpoint directory (``golden_weights`` of the bisect): the streamed golden's memory and
+   time beside the whole one's, on the same dumps. ``--no-plain`` skips step 1.
 
 Sizes whose models do not fit this machine's available memory are skipped with a message.
 Linux only (/proc). The figures and the method: docs/benchmarks.md, "Scale: model size".
@@ -372,17 +375,23 @@ def run_recipe(work: Path, size: str, tag: str) -> dict[str, Any]:
 
 # -- 3. the bisect alone, profiled --------------------------------------------------------------------
 
-def profile_worker(run_dir: str, out_prefix: str) -> None:
+def profile_worker(run_dir: str, out_prefix: str, golden_weights: str | None = None,
+                   golden_dir: str | None = None) -> None:
     """The bisect stage of a finished run once more, in this process's main thread under cProfile:
-    the stage's own code path (``run_bisect`` on the stage's recorded parameters)."""
+    the stage's own code path (``run_bisect`` on the stage's recorded parameters). With
+    ``golden_weights`` the golden is loaded from its checkpoint directory ``golden_dir`` (the
+    same fp32 weights the run's golden callable loads) whole or streamed layer by layer."""
     import cProfile
     import pstats
 
     import llmflow.models as models_mod
+    import llmflow.streamed as streamed_mod
     from llmflow.localize import bisect as bisect_mod
     from llmflow.workflow.state import read_state
 
-    params = read_state(Path(run_dir) / "bisect")["params"]
+    state = read_state(Path(run_dir) / "bisect")
+    assert state is not None, f"{run_dir}: the bisect stage did not complete"
+    params = state.params
     gen = {side: json.loads(Path(params[f"{side}_generation"]).read_text()) for side in ("golden", "target")}
     inputs = bisect_mod.BisectInputs(
         golden_dump=params["golden_dump"], target_dump=params["target_dump"],
@@ -392,11 +401,15 @@ def profile_worker(run_dir: str, out_prefix: str) -> None:
         pairs=json.loads(Path(params["pairs_file"]).read_text()) if params.get("pairs_file") else None,
         replay_step=params.get("replay_step"), ratio_threshold=params["ratio_threshold"],
         layers=params.get("layers") or None)
+    if golden_weights:
+        inputs.golden_spec = {"model": golden_dir, "device": "cpu", "dtype": "float32"}
+        inputs.golden_weights = golden_weights
 
     pid = os.getpid()
     phases: list[dict[str, Any]] = []
     loads: list[dict[str, Any]] = []
     real_phase, real_load = bisect_mod._Bisect.phase, models_mod.load_model
+    real_streamed = streamed_mod.load_streamed
 
     def phase(self: Any, name: str) -> None:
         real_phase(self, name)
@@ -414,8 +427,16 @@ def profile_worker(run_dir: str, out_prefix: str) -> None:
                       "seconds": round(time.monotonic() - t, 2), "at_s": round(t - t0, 2)})
         return loaded
 
+    def load_streamed(model: str, **kw: Any) -> Any:
+        t = time.monotonic()
+        loaded = real_streamed(model, **kw)
+        loads.append({"model": model.rsplit("/", 1)[-1] + " (streamed)", "dtype": kw.get("dtype"),
+                      "seconds": round(time.monotonic() - t, 2), "at_s": round(t - t0, 2)})
+        return loaded
+
     bisect_mod._Bisect.phase = phase  # type: ignore[method-assign]
     models_mod.load_model = load_model  # type: ignore[assignment]
+    streamed_mod.load_streamed = load_streamed  # type: ignore[assignment]
     reset_hwm(pid)
     start_rss = proc_status(pid).get("VmRSS", 0)
     prof = cProfile.Profile()
@@ -435,15 +456,20 @@ def profile_worker(run_dir: str, out_prefix: str) -> None:
     top = dict(sorted(watched.items(), key=lambda kv: -kv[1]["cumulative_s"])[:40])
     Path(out_prefix + ".json").write_text(json.dumps({
         "seconds": round(total, 1), "status": result.status, "headline": result.headline,
+        "golden_weights": result.cost.get("model_runs", {}).get("golden_weights"),
+        "first_bad_module": result.to_json().get("first_bad_module"),
         "start_rss_gib": gib(start_rss), "phases": phases, "model_loads": loads, "functions": top}, indent=1))
 
 
-def run_profile(work: Path, size: str, tag: str, run_dir: str) -> dict[str, Any]:
-    prefix = str(work / f"profile-{size}-{tag}")
+def run_profile(work: Path, size: str, tag: str, run_dir: str, golden_weights: str | None = None
+                ) -> dict[str, Any]:
+    prefix = str(work / (f"profile-{size}-{tag}" + (f"-{golden_weights}" if golden_weights else "")))
+    golden_dir = str(work / size) if golden_weights else None
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); "
-            f"from benchmarks.bench_scale import profile_worker; profile_worker({run_dir!r}, {prefix!r})")
+            f"from benchmarks.bench_scale import profile_worker; "
+            f"profile_worker({run_dir!r}, {prefix!r}, {golden_weights!r}, {golden_dir!r})")
     rc, wall, peak = run_measured([sys.executable, "-c", code], os.environ.copy(),
-                                  work / f"profile-{size}-{tag}.log")
+                                  Path(prefix + ".log"))
     if rc != 0:
         return {"error": f"exit {rc}: see {prefix}.log"}
     res = json.loads(Path(prefix + ".json").read_text())
@@ -474,7 +500,8 @@ def print_size(size: str, res: dict[str, Any]) -> None:
               f"({'right' if r['right'] else 'WRONG'}: {r['first_bad_module']}): {stages}")
         print(f"  bisect phases: {r['bisect_phase_seconds']}")
     for p in res.get("profile", []):
-        print(f"profile: bisect {p.get('seconds')} s, peak {p.get('peak_rss_gib')} GiB, loads "
+        print(f"profile ({p.get('golden_weights')} golden): bisect {p.get('seconds')} s, "
+              f"peak {p.get('peak_rss_gib')} GiB, loads "
               f"{[(x['model'], x['seconds']) for x in p.get('model_loads', [])]}")
 
 
@@ -484,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each measurement (default 1)")
     ap.add_argument("--profile-sizes", nargs="*", default=[], choices=list(SIZES),
                     help="sizes whose bisect is re-run under cProfile after each recipe run")
+    ap.add_argument("--golden-weights", nargs="+", default=[], choices=["whole", "streamed"],
+                    help="profile the bisect with the golden loaded from its checkpoint directory this "
+                    "way (each in turn, on the same dumps) instead of through the golden callable")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain generations")
     ap.add_argument("--work-dir", default=None, help="checkpoints, runs and profiles (default: a "
                     "temporary directory, removed unless --keep); checkpoints found there are reused")
     ap.add_argument("--keep", action="store_true", help="keep the temporary work directory")
@@ -513,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:
                     Path(args.json).write_text(json.dumps(figures, indent=1))
             for n in range(args.repeat):
-                for side in ("golden", "target"):
+                for side in () if args.no_plain else ("golden", "target"):
                     print(f"[{size}] plain {side} #{n + 1}", flush=True)
                     res["plain"].append({"side": side, **run_plain(work, size, side, str(n))})
                     save()
@@ -523,8 +554,9 @@ def main(argv: list[str] | None = None) -> int:
                 save()
                 if size in args.profile_sizes:
                     print(f"[{size}] bisect under cProfile #{n + 1}", flush=True)
-                    res["profile"].append(run_profile(work, size, str(n), rec["run_dir"]))
-                    save()
+                    for weights in args.golden_weights or [None]:
+                        res["profile"].append(run_profile(work, size, str(n), rec["run_dir"], weights))
+                        save()
             print_size(size, res)
     finally:
         figures["machine"]["load_avg_end"] = os.getloadavg()

@@ -172,7 +172,7 @@ def _from_callable(fn: Any, ref: str) -> tuple[torch.nn.Module, Any]:
 
 
 def _load_hf_dir(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # llmflow shows its own progress; tqdm bars garble it
@@ -181,11 +181,51 @@ def _load_hf_dir(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:
     except (OSError, ValueError) as exc:
         raise UserError(f"model {str(path)!r}: cannot load a Hugging Face model: "
                         f"{str(exc).splitlines()[0]}") from exc
+    return module, _load_tokenizer(path)
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, TypeError, ImportError):  # transformers < 4.56: ImportError
-        tokenizer = None  # a model without a tokenizer still runs on input_ids
-    return module, tokenizer
+        return None  # a model without a tokenizer still runs on input_ids
+
+
+def checkpoint_dir(model: str, base_dir: str | Path = ".") -> Path | None:
+    """The local directory of safetensors files ``model`` loads from: SmolLM2's converted copy, or
+    a Hugging Face directory holding ``*.safetensors``; None for a spec built in code (tiny-<family>,
+    file.py:callable) or a directory of other weight files."""
+    from llmflow.plugins import is_file_ref
+
+    if model == "smollm2":
+        return _smollm2_dir()
+    if not model or model.startswith("tiny-") or is_file_ref(model):
+        return None
+    path = Path(model).expanduser()
+    path = path if path.is_absolute() else Path(base_dir) / path
+    return path if path.is_dir() and any(path.glob("*.safetensors")) else None
+
+
+def empty_hf_model(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    """The model of a Hugging Face directory built without its weights: parameters on the meta
+    device (no memory, no init), buffers such as rotary ``inv_freq`` computed for real (in
+    ``dt`` where ``from_pretrained`` computes them in it); with the directory's generation config
+    and tokenizer, as ``from_pretrained`` gives them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with init_empty_weights(include_buffers=False):
+            module = AutoModelForCausalLM.from_config(config, **_dtype_kwarg(dt))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model {str(path)!r}: cannot build a Hugging Face model: "
+                        f"{str(exc).splitlines()[0]}") from exc
+    if (path / "generation_config.json").is_file():
+        module.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    return module, _load_tokenizer(path)
 
 
 def _dtype_kwarg(dt: torch.dtype) -> dict[str, torch.dtype]:
@@ -389,7 +429,8 @@ def greedy_generate(model: torch.nn.Module, input_ids: list[int], max_new_tokens
     the same ones greedy decoding of that text makes); ``stop_after`` ends it after that many
     tokens while every setting sized by ``max_new_tokens`` (a static cache's length) stays the same.
     """
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    # (a streamed model's layers are on the meta device until they run)
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)
     if hasattr(model, "generate") and getattr(model, "generation_config", None) is not None:
         from transformers import GenerationConfig, LogitsProcessorList

@@ -57,6 +57,38 @@ def _load(spec: dict[str, Any]) -> Any:
     return load_model(spec["model"], **{k: spec[k] for k in keys if spec.get(k) is not None})
 
 
+def golden_streamed(inp: BisectInputs) -> bool:
+    """Whether the golden is loaded streamed (``golden_weights``); UserError naming the field when
+    ``streamed`` is asked of a golden that cannot be (no safetensors checkpoint, or a patch)."""
+    from llmflow.models import checkpoint_dir
+
+    spec, mode = inp.golden_spec, inp.golden_weights
+    if mode not in ("auto", "whole", "streamed"):
+        raise UserError(f"golden_weights: {mode!r} is not one of auto, whole, streamed")
+    if mode == "whole":
+        return False
+    why = None
+    if spec.get("patch"):
+        why = "it has a patch, which may rewrite weights that are read only while their layer runs"
+    else:
+        try:
+            if checkpoint_dir(spec["model"], spec.get("base_dir") or ".") is None:
+                why = "it has no safetensors checkpoint (smollm2 or a Hugging Face directory)"
+        except UserError as exc:  # auto: the whole load reports it, as the golden's load error
+            why = str(exc)
+    if why and mode == "streamed":
+        raise UserError(f"golden_weights: streamed cannot load the golden model {spec['model']!r}: {why}")
+    return why is None
+
+
+def _load_streamed(spec: dict[str, Any], layers: str | None) -> Any:
+    from llmflow.streamed import load_streamed
+
+    keys = ("device", "dtype", "base_dir")
+    given = {k: spec[k] for k in keys if spec.get(k) is not None}
+    return load_streamed(spec["model"], layers=layers, **given)
+
+
 def raw_errors(golden: DumpReader, target: DumpReader, step: int) -> dict[str, dict[str, float]]:
     """Output ``"0"`` of every module both dumps hold at ``step``: error metrics (inherited error)."""
     def outs(reader: DumpReader) -> dict[str, Any]:
@@ -79,6 +111,7 @@ class _Bisect:
         self.mark = self.t0
         self.phases: dict[str, float] = {}
         self.golden_dump, self.target_dump = open_dump(inp.golden_dump), open_dump(inp.target_dump)
+        self.golden_streamed = golden_streamed(inp)
         self.target = _load(inp.target_spec)
         self.phase("load target model")
         self.stack: LayerStack | None = find_layer_stack(self.target.model, inp.layers)
@@ -96,14 +129,35 @@ class _Bisect:
         self.log(f"bisect: {name} done in {seconds:.1f} s" + (f" ({detail})" if detail else ""))
 
     def golden(self) -> Any:
-        """The golden model, loaded on first use (layer recompute, decode re-run, op level, cost);
-        None when it cannot be loaded (``golden_error`` says why: the verdict reports it)."""
+        """The golden model, loaded on first use (layer recompute, decode re-run, op level, cost),
+        whole or streamed layer by layer (``golden_weights``); None when it cannot be loaded
+        (``golden_error`` says why: the verdict reports it)."""
         if "golden" not in self.held and self.golden_error is None:
             try:
-                self.held["golden"] = _load(self.inp.golden_spec)
+                self.held["golden"] = self._load_golden()
+                self.log(f"bisect: golden model loaded {self.golden_weights()}")
             except UserError as exc:
+                if self.inp.golden_weights == "streamed":  # asked for: bad input, not a verdict
+                    raise UserError(f"golden_weights: streamed cannot load the golden model: {exc}") from exc
                 self.golden_error = str(exc)
         return self.held.get("golden")
+
+    def _load_golden(self) -> Any:
+        """Streamed where chosen; whole where ``auto`` chose streamed but the checkpoint's tensors
+        are not the model's parameters as stored (transformers converts Mixtral's experts on load)."""
+        spec = self.inp.golden_spec
+        if self.golden_streamed:
+            try:
+                return _load_streamed(spec, self.inp.layers)
+            except UserError as exc:
+                if self.inp.golden_weights == "streamed":
+                    raise
+                self.log(f"bisect: the golden cannot be streamed ({exc}): loading it whole")
+                self.golden_streamed = False
+        return _load(spec)
+
+    def golden_weights(self) -> str:
+        return "streamed" if self.golden_streamed else "whole"
 
     def select(self, name: str, module: Any) -> bool:
         return is_branch(name, module, self.stack)
@@ -217,6 +271,7 @@ class _Bisect:
         g_bytes, t_bytes = cost_mod.dir_bytes(inp.golden_dump), cost_mod.dir_bytes(inp.target_dump)
         cost = Cost(
             model_runs=ModelRuns(full_generations=2, models_loaded_by_bisect=1 + ("golden" in self.held),
+                                 golden_weights=self.golden_weights(),
                                  golden_layers_recomputed=self.stats["recomputed_layers"],
                                  golden_reruns=self.stats["golden_reruns"],
                                  module_replays=sum(len(t.rows) for t in tried),

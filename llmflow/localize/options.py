@@ -60,6 +60,12 @@ class BisectInputs:
         True, "Measure what a full API-level dump of both sides would write.",
         schema={"type": "boolean"})
     top_k: int = option(15, "Candidates listed in the verdict, worst first.")
+    golden_weights: str = option(
+        "auto", "How the bisect holds the golden model's weights: whole (all loaded at once), streamed "
+        "(each decoder layer's weights read from the golden's safetensors checkpoint while that layer "
+        "runs, then dropped: the golden costs its embeddings, final norm and lm_head plus one layer; "
+        "needs smollm2 or a Hugging Face directory, and no golden patch), auto (streamed where the "
+        "golden can be, else whole).", schema={"type": "string", "enum": ["auto", "whole", "streamed"]})
     layers: str | None = option(
         None, "The module path of the decoder-layer list (e.g. transformer.h) when it cannot be found "
         "from the model's structure; null: found.", schema={"type": ["string", "null"]})

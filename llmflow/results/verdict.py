@@ -228,6 +228,8 @@ class ModelRuns:
     golden_reruns: int
     module_replays: int
     op_replays: int
+    golden_weights: Literal["whole", "streamed"] | None = field(
+        default=None, metadata=_doc("how the bisect held the golden: whole, or streamed layer by layer"))
 
 
 @dataclass

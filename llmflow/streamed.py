@@ -1,0 +1,327 @@
+"""A model whose decoder layers' weights are read from its checkpoint only while they run.
+
+The bisect keeps the target whole (it replays the target module by module) and needs the golden
+one layer at a time: a layer's recompute, a decode re-run, a sub-module or op replay. So the golden
+can be loaded streamed (``load_streamed``): the model is built with its parameters on the meta
+device (no memory; buffers such as rotary ``inv_freq`` are computed for real), the modules outside
+the decoder layers (embeddings, final norm, lm_head) are loaded whole, and each decoder layer's
+parameters are read from the checkpoint's safetensors files when any module inside that layer
+starts running and dropped when it returns. A layer's own forward, and a sub-module of it run
+alone (``localize/golden.py``, ``localize/ops.py``), both find their weights: every module of a
+layer carries a pre-hook and an always-called forward hook that count the layer's running modules.
+
+The weights a layer reads are cast exactly as ``load_model`` casts a whole model (floating tensors
+to the requested dtype, an fp16 checkpoint into an fp32 golden), so a streamed and a whole load
+compute bit-identical results. A layer's tensors are memory-mapped from the files while the layer
+runs and unmapped when it is dropped; nothing is ever copied to disk.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmflow.errors import UserError
+from llmflow.models import LoadedModel, checkpoint_dir, empty_hf_model, resolve_device, resolve_dtype
+from llmflow.structure import find_layer_stack
+
+#: safetensors dtype names -> torch dtypes (the format's spec; F8 types where this torch has them)
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+    **{k: getattr(torch, v) for k, v in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
+       if hasattr(torch, v)},
+}
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where one tensor's bytes are: its file, their absolute offsets, its dtype and shape."""
+
+    file: Path
+    begin: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class SafetensorsFiles:
+    """The tensors of a checkpoint directory, read one at a time by name.
+
+    The shards are those ``*.safetensors.index.json`` names (its weight map says which holds a
+    tensor), else every ``*.safetensors`` file; each shard's header gives its tensors' offsets.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.stored: dict[str, _Stored] = {}
+        for shard in _shards(directory):
+            for name, stored in _header(shard).items():
+                if name in self.stored:
+                    raise UserError(f"{directory}: tensor {name!r} is in two shards: "
+                                    f"{self.stored[name].file.name} and {shard.name}")
+                self.stored[name] = stored
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.stored
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` in its stored dtype: a copy-on-write memory mapping of its bytes in
+        the file, unmapped when the tensor is freed (so a dropped layer leaves nothing behind).
+
+        Mapped, not read into fresh memory: the pages come straight from the page cache, and the
+        tensor sits at the address offset a whole ``from_pretrained`` load gives it. CPU matrix
+        kernels sum in an order that depends on the weights' alignment, so only the same
+        alignment computes bit-identical results."""
+        s = self.stored[name]
+        dtype = _SAFETENSORS_DTYPES.get(s.dtype)
+        if dtype is None:
+            raise UserError(f"{s.file}: tensor {name!r} has dtype {s.dtype}, which this torch cannot hold")
+        size = s.end - s.begin
+        if size == 0:
+            return torch.empty(s.shape, dtype=dtype)
+        first_page = s.begin - s.begin % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open(s.file, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), s.end - first_page, access=mmap.ACCESS_COPY, offset=first_page)
+        except (OSError, ValueError) as exc:  # ValueError: the file is shorter than its header says
+            raise UserError(f"{s.file}: cannot read tensor {name!r} ({exc})") from exc
+        data = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=s.begin - first_page)
+        return data.view(dtype).reshape(s.shape)
+
+
+def _shards(directory: Path) -> list[Path]:
+    indexes = sorted(directory.glob("*.safetensors.index.json"))
+    if not indexes:
+        return sorted(directory.glob("*.safetensors"))
+    shards: set[Path] = set()
+    for index in indexes:
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards |= {directory / str(f) for f in weight_map.values()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{index}: not a safetensors shard index (no weight_map: {exc})") from exc
+    missing = [s.name for s in sorted(shards) if not s.is_file()]
+    if missing:
+        raise UserError(f"{indexes[0]}: shard {missing[0]} is missing")
+    return sorted(shards)
+
+
+def _header(shard: Path) -> dict[str, _Stored]:
+    """A safetensors file's table of contents: an 8-byte little-endian length, then that much JSON."""
+    try:
+        with open(shard, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            table = json.loads(f.read(length))
+        start = 8 + length
+        return {name: _Stored(shard, start + int(e["data_offsets"][0]), start + int(e["data_offsets"][1]),
+                              str(e["dtype"]), tuple(int(n) for n in e["shape"]))
+                for name, e in table.items() if name != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as exc:
+        raise UserError(f"{shard}: unreadable safetensors file ({exc})") from exc
+
+
+@dataclass
+class _Slot:
+    """One parameter of a layer: every (module, attribute) that holds it, its checkpoint name and
+    its empty (meta) stand-in, put back when the layer's weights are dropped."""
+
+    holders: list[tuple[nn.Module, str]]
+    stored_as: str
+    empty: nn.Parameter
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's parameters, in memory while any module inside the layer runs.
+
+    ``running`` counts the layer's modules whose forward has started and not returned: the
+    weights are read when it leaves 0 and dropped when it comes back to 0, so a layer's own
+    forward reads them once and a sub-module run alone reads them too.
+    """
+
+    name: str
+    slots: list[_Slot]
+    files: SafetensorsFiles
+    device: torch.device
+    dtype: torch.dtype
+    running: int = 0
+    loads: int = 0  # how many times the weights were read (tests and the log)
+    hooks: list[Any] = field(default_factory=list)
+
+    def enter(self, *_args: Any) -> None:
+        self.running += 1  # first: the always-called hook balances it even if the read fails
+        if self.running == 1:
+            self._load()
+
+    def leave(self, *_args: Any) -> None:
+        self.running -= 1
+        if self.running == 0:
+            self._drop()
+
+    def _load(self) -> None:
+        # no torch function mode may see these reads and casts: an op capture running the layer
+        # records the layer's own ops, never its weights being loaded
+        with torch._C.DisableTorchFunction():
+            for slot in self.slots:
+                tensor = _cast(self.files.read(slot.stored_as), self.device, self.dtype)
+                param = nn.Parameter(tensor, requires_grad=False)
+                for module, attr in slot.holders:
+                    module._parameters[attr] = param
+        self.loads += 1
+
+    def _drop(self) -> None:
+        for slot in self.slots:
+            for module, attr in slot.holders:
+                module._parameters[attr] = slot.empty
+
+
+def _cast(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """As ``load_model`` casts a whole model: floating tensors to ``dtype``, every tensor to ``device``."""
+    tensor = tensor.to(device)
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+@dataclass
+class StreamedWeights:
+    """What ``load_streamed`` attached to a model: the streamed layers, and the hooks to remove."""
+
+    layers: dict[str, LayerWeights]
+
+    def materialized(self) -> int:
+        """How many of the layers' parameters are in memory now (not meta)."""
+        return sum(1 for lw in self.layers.values() for s in lw.slots
+                   if s.holders[0][0]._parameters[s.holders[0][1]].device.type != "meta")
+
+    def remove(self) -> None:
+        for lw in self.layers.values():
+            for h in lw.hooks:
+                h.remove()
+            lw.hooks.clear()
+
+
+def _parameter_groups(model: nn.Module, files: SafetensorsFiles) -> list[list[str]]:
+    """The names of each parameter: tied weights share one parameter (the model ties them as its
+    config says; a checkpoint may store them under either name), unless the checkpoint stores
+    each name, which ``from_pretrained`` then loads untied too."""
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    out: list[list[str]] = []
+    for names in groups.values():
+        out += [[n] for n in names] if len(names) > 1 and all(n in files for n in names) else [names]
+    return out
+
+
+def _holder(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
+
+
+def _inside(name: str, layer: str) -> bool:
+    return name.startswith(layer + ".")
+
+
+def load_streamed(model: str, *, device: str = "cpu", dtype: str = "float32", base_dir: str | Path = ".",
+                  layers: str | None = None) -> LoadedModel:
+    """``model`` (a spec with a safetensors checkpoint: ``smollm2`` or a Hugging Face directory)
+    with its decoder layers streamed from the checkpoint; ``layers`` names the layer list where
+    it cannot be found from the structure. The result's model has ``streamed_weights``."""
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    directory = checkpoint_dir(model, base_dir)
+    if directory is None:
+        raise UserError(f"model {model!r}: no safetensors checkpoint to stream the weights from "
+                        "(smollm2 or a Hugging Face directory with *.safetensors files)")
+    files = SafetensorsFiles(directory)
+    module, tokenizer = empty_hf_model(directory, dt)
+    stack = find_layer_stack(module, layers)
+    if stack is None:
+        raise UserError(f"model {model!r}: no list of decoder layers found to stream (name it with layers)")
+
+    def layer_of(names: list[str]) -> str | None:
+        owners = {next((layer for layer in stack.layers if _inside(n, layer)), None) for n in names}
+        return owners.pop() if len(owners) == 1 else None  # shared across layers: held whole
+
+    streamed: dict[str, list[list[str]]] = {layer: [] for layer in stack.layers}
+    whole: list[list[str]] = []
+    for names in _parameter_groups(module, files):
+        layer = layer_of(names)
+        (streamed[layer] if layer is not None else whole).append(names)
+
+    with torch.no_grad():
+        _load_whole(module, whole, files, directory)
+        _cast_module(module, dev, dt)
+    module.eval()
+    module.requires_grad_(False)
+
+    attached = StreamedWeights({})
+    for layer, groups in streamed.items():
+        slots = []
+        for names in groups:
+            stored_as = next((n for n in names if n in files), None)
+            if stored_as is None:
+                raise UserError(f"{directory}: the checkpoint has no tensor {names[0]!r}")
+            holders = [_holder(module, n) for n in names]
+            slots.append(_Slot(holders, stored_as, holders[0][0]._parameters[holders[0][1]]))
+        weights = LayerWeights(layer, slots, files, dev, dt)
+        for sub in module.get_submodule(layer).modules():
+            weights.hooks.append(sub.register_forward_pre_hook(weights.enter))
+            weights.hooks.append(sub.register_forward_hook(weights.leave, always_call=True))
+        attached.layers[layer] = weights
+    module.streamed_weights = attached  # type: ignore[assignment]
+    return LoadedModel(module, tokenizer, model, dev, dt)
+
+
+def _load_whole(module: nn.Module, groups: list[list[str]], files: SafetensorsFiles, directory: Path) -> None:
+    """The parameters outside the decoder layers, and every buffer the checkpoint stores, read
+    in whole."""
+    with torch._C.DisableTorchFunction():
+        for names in groups:
+            stored_as = next((n for n in names if n in files), None)
+            if stored_as is None:
+                raise UserError(f"{directory}: the checkpoint has no tensor {names[0]!r}")
+            param = nn.Parameter(files.read(stored_as), requires_grad=False)
+            for name in names:
+                holder, attr = _holder(module, name)
+                holder._parameters[attr] = param
+        for name, _buffer in list(module.named_buffers()):
+            if name in files:
+                holder, attr = _holder(module, name)
+                holder._buffers[attr] = files.read(name)
+
+
+def _cast_module(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """``module.to(device, dtype)`` as ``load_model`` does it, for a model whose layers' parameters
+    are meta (which ``to`` refuses to move): those only change dtype; tied parameters stay tied."""
+    done: dict[int, nn.Parameter] = {}
+    with torch._C.DisableTorchFunction():
+        for sub in module.modules():
+            for attr, param in sub._parameters.items():
+                if param is None:
+                    continue
+                if id(param) not in done:
+                    data = param.data
+                    if data.device.type == "meta":
+                        data = data.to(dtype) if data.is_floating_point() else data
+                    else:
+                        data = _cast(data, device, dtype)
+                    done[id(param)] = nn.Parameter(data, requires_grad=False)
+                sub._parameters[attr] = done[id(param)]
+            for attr, buffer in sub._buffers.items():
+                if buffer is not None:
+                    sub._buffers[attr] = _cast(buffer, device, dtype)
+
+
+def _named_parameter(module: nn.Module, name: str) -> torch.Tensor:
+    holder, attr = _holder(module, name)
+    return holder._parameters[attr]
