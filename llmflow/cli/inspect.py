@@ -111,8 +111,9 @@ def _plain_safetensors(con: Any, path: Path, key: str | None, *, full: bool) -> 
     op = metadata.get("op")
     _show(con, {"name": key, "kind": "tensor", "index": f"of {path.name}", "step": metadata.get("step", "-"),
                 "rank": 0, "level": "file", "module_type": f"op {op}" if op else None,
-                "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "locator": None,
-                "recorded": None, "has_data": True, "stats": tensor_stats(tensor), "tensor": tensor}, full=full)
+                "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+                "locator": None, "recorded": None, "has_data": True, "stats": tensor_stats(tensor),
+                "tensor": tensor}, full=full)
     verdict_line(True, f"{key} of {path.name}")
     return EXIT_PASSED
 
