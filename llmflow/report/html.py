@@ -42,7 +42,7 @@ from markupsafe import Markup
 
 from llmflow.report import html_verdict as hv
 from llmflow.report.html_compare import LevelRows, layer_heat_map, layer_number, summarize_level
-from llmflow.report.html_svg import charts
+from llmflow.report.html_svg import charts, line_chart
 from llmflow.report.html_tree import module_tree
 from llmflow.results.verdict import Candidate, Verdict
 
@@ -269,6 +269,7 @@ def render_report(*, title: str, verdict: Verdict | None = None,
         "heat": layer_heat_map(levels.get("layer"), v),
         "tree": _tree(topology, v, levels),
         "op_panel": op_panel,
+        "own_steps": _own_error_steps(v),
         "candidates": table_view(_with_row_links(v.candidates, levels),
                                  table_id="t-candidates", highlight=v.first_bad_module,
                                  max_rows=max_rows, lead=CANDIDATE_LEAD) if v and v.candidates else None,
@@ -286,6 +287,24 @@ def render_report(*, title: str, verdict: Verdict | None = None,
                   for i, (name, rows) in enumerate((tables or {}).items())],
     }
     return _env().get_template("report.html.j2").render(ctx)
+
+
+def _own_error_steps(v: Verdict | None) -> dict[str, Any] | None:
+    """The chosen module's own error per step (and its peers' median) as a line chart and a table."""
+    own = v.own_error_steps if v is not None else None
+    if own is None or not own.rows:
+        return None
+    series = {"own error": {r.step: r.own_error for r in own.rows if r.own_error is not None}}
+    peers = max((r.peers for r in own.rows), default=0)
+    if peers:
+        series[f"median of {peers} other layers"] = {r.step: r.peer_median for r in own.rows
+                                                     if r.peer_median is not None}
+    chart = line_chart(f"{own.module}: own error ({own.metric}) per step", series, x_label="step",
+                       mark_x=v.replay.step if v is not None else None)
+    if chart is None:
+        return None
+    return {"module": own.module, "metric": own.metric, "peers": peers, "chart": chart,
+            "table": table_view(_rows(own.rows), table_id="t-own-steps", filters=False)}
 
 
 def _tree(topology: Mapping[str, Any] | None, v: Verdict | None,
