@@ -101,7 +101,7 @@ class _Bisect:
         self.stack: LayerStack | None = find_layer_stack(self.target.model, inp.layers)
         self.held: dict[str, Any] = {}
         self.golden_error: str | None = None  # why the golden model could not be loaded
-        self.stats: dict[str, int] = {"recomputed_layers": 0, "golden_reruns": 0}
+        self.stats: dict[str, int] = {"recomputed_layers": 0, "golden_reruns": 0, "own_error_replays": 0}
         self.op_tensors: dict[str, Any] = {}  # the first bad op's tensors (ops.op_tensors)
         self.op_tensors_info: OpTensors | None = None
 
@@ -269,6 +269,7 @@ class _Bisect:
             if call is None or module is None:
                 return None
             row = replay_call(module, call, device=tgt.device, dtype=tgt.dtype, context=at)
+            self.stats["own_error_replays"] += 1
             return row.get(metric) if row.get("replayable") else None
 
         rows = []
@@ -289,7 +290,8 @@ class _Bisect:
             model_runs=ModelRuns(full_generations=2, models_loaded_by_bisect=1 + ("golden" in self.held),
                                  golden_layers_recomputed=self.stats["recomputed_layers"],
                                  golden_reruns=self.stats["golden_reruns"],
-                                 module_replays=sum(len(t.rows) for t in tried),
+                                 module_replays=sum(len(t.rows) for t in tried)
+                                 + self.stats["own_error_replays"],
                                  op_replays=len(chosen.op_rows)),
             bytes_dumped=g_bytes + t_bytes, golden_dump_bytes=g_bytes, target_dump_bytes=t_bytes)
         if inp.estimate_cost and inp.prompt_ids:

@@ -12,10 +12,13 @@ Sections, each shown only when its data is there:
   run          the prompt, the two sides' model/device/dtype/versions (env.json), the run's parameters
   texts        golden and target generations token by token, the first difference marked
   curves       per-layer errors at the replayed step, raw (dumps) against isolated (replay)
+  own error    the chosen module's own error per step from the prefill on, beside the median of the
+               same module in other layers (verdict.own_error_steps)
   heat map     layer-output error per step and layer (compare rows of level "layer", 2+ steps)
   tree         the model's module tree at the replayed step (topology.json): own and raw error per
                module, the layers one collapsed row each, the chosen module open and highlighted
-  op panel     the first bad op's tensors (or the closest the dumps hold): error per head or channel,
+  op panel     the first bad op's tensors as the bisect kept them (first_bad_op.safetensors; else the
+               closest the dumps hold, saying so): error per head or channel,
                its histogram, the worst elements, both sides' statistics, ``llmflow inspect`` commands
   candidates   the ranked modules, each linked to its compare rows; ops inside the chosen one;
                modules that could not be replayed and why; MoE routing differences

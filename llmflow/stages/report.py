@@ -1,6 +1,7 @@
 """The ``report`` stage: one self-contained HTML file from a verdict, compare tables and the run.
 
-A thin adapter over ``llmflow.report.html``: reads the bisect stage's ``verdict_file``, streams
+A thin adapter over ``llmflow.report.html``: reads the bisect stage's ``verdict_file`` (and the
+first bad op's tensors it names beside it, ``first_bad_op.safetensors``), streams
 the compare stage's CSVs (``csv``: level -> path), reads each dump's ``env.json`` and
 ``topology.json`` (``golden_dump``, ``target_dump``) and the run's parameters
 (``<run-dir>/summary.json``), and writes ``report.html``.
