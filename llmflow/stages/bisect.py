@@ -3,8 +3,9 @@
 A thin adapter over ``llmflow.localize.bisect.run_bisect``: it reads the two dump stages'
 outputs (dump dirs, generation files, model specs) and the align stage's pairs, runs the
 narrowing, writes ``verdict.json`` and, when an op is named, ``first_bad_op.safetensors`` beside
-it (the op's tensors on both sides, for the report's op panel), puts the headline fields in summary.json (key ``verdict``)
-and sets the stage's outcome: fail (a fault named), pass, or inconclusive.
+it (the op's tensors on both sides, for the report's op panel), puts the headline fields in
+summary.json (key ``verdict``) and sets the stage's outcome: fail (a fault named), pass, or
+inconclusive.
 """
 
 from __future__ import annotations
