@@ -225,8 +225,8 @@ class _Bisect:
             if origin is not None:
                 chosen.overflow_op = ops_mod.overflow_detail(origin)
                 chosen.first_op = origin.name
-        if chosen.first_op is not None:
-            g_op, t_op = ops_mod.paired_op(g_ops, t_ops, chosen.first_op)
+        g_op, t_op = ops_mod.paired_op(g_ops, t_ops, chosen.first_op) if chosen.first_op else (None, None)
+        if g_op is not None and t_op is not None:  # the panel compares the two sides: keep a pair only
             tensors, sampled, notes = ops_mod.op_tensors(g_op, t_op)
             self.op_tensors = tensors
             self.op_tensors_info = OpTensors(
