@@ -257,12 +257,16 @@ class _Bisect:
             others = [other for other in self.stack.layers if other != layer]
             every = max(1, math.ceil(len(others) / OWN_ERROR_PEERS))
             peers = [other + name[len(layer):] for other in others[::every]]
+        tgt = self.target
+        modules = dict(tgt.model.named_modules())
         wanted = {name, *peers}
+        for replayed in [name, *peers]:  # an MoE block is replayed with the golden routing: its router's call
+            found = moe.router_of(modules[replayed]) if replayed in modules else None
+            if found is not None:
+                wanted.add(f"{replayed}.{found[0]}")
         calls = golden_rerun_steps(golden, inp.prompt_ids, inp.golden_ids, set(range(steps)),
                                    lambda n, _m: n in wanted)
         self.stats["golden_reruns"] += 1
-        tgt = self.target
-        modules = dict(tgt.model.named_modules())
 
         def error(at: dict[str, Any], module_name: str) -> float | None:
             call, module = at.get(module_name), modules.get(module_name)
@@ -279,7 +283,7 @@ class _Bisect:
             rows.append(OwnErrorStep(step=step, own_error=error(at, name),
                                      peer_median=median(peer_errors) if peer_errors else None,
                                      peers=len(peer_errors)))
-        self.phase("module: own error per step", f"{steps} steps x {len(wanted)} modules")
+        self.phase("module: own error per step", f"{steps} steps x {1 + len(peers)} modules")
         return OwnErrorSteps(module=name, metric=metric, rows=rows)
 
     # -- 5. cost ---------------------------------------------------------------------------------
