@@ -231,6 +231,9 @@ def _kept_op_panel(ctx: StageContext, verdict: Verdict, verdict_file: str,
     kept = verdict.first_bad_op_tensors
     if kept is None:
         return None
+    if kept.file in ("", ".", "..") or Path(kept.file).name != kept.file:  # beside verdict.json, nowhere else
+        ctx.log(f"{ctx.stage_id}: the first bad op's tensors are not read: {kept.file!r} is not a file name")
+        return None
     path = ctx.resolve_path(verdict_file).parent / kept.file
     try:
         tensors = load_file(str(path))

@@ -112,7 +112,7 @@ def test_a_missing_csv_is_a_user_error(tmp_path):
         ReportStage().run(_ctx(run, {**r, "csv": {"layer": str(missing)}}))
 
 
-def _with_kept_op(r: dict, *, write_file: bool = True) -> str:
+def _with_kept_op(r: dict, *, write_file: bool = True, file: str = "first_bad_op.safetensors") -> str:
     """The run's verdict with the first bad op's tensors kept beside it (a down_proj whose output
     is halved in channel 3), and its own error per step; the op's name."""
     from safetensors.torch import save_file
@@ -121,7 +121,7 @@ def _with_kept_op(r: dict, *, write_file: bool = True) -> str:
 
     v = synthetic_verdict()
     op = v.first_bad_op
-    v.first_bad_op_tensors = OpTensors(file=FIRST_BAD_OP_FILE, op=op, step=0,
+    v.first_bad_op_tensors = OpTensors(file=file, op=op, step=0,
                                        tensors=["golden.output.0", "target.output.0"])
     v.own_error_steps = OwnErrorSteps(module=v.first_bad_module, metric="rel_l2", rows=[
         OwnErrorStep(step=s, own_error=0.5, peer_median=3e-3, peers=11) for s in range(4)])
@@ -158,16 +158,19 @@ def test_the_op_panel_shows_the_kept_tensors_of_the_first_bad_op(tmp_path):
     assert len(rows) == 4
 
 
-def test_without_its_file_the_kept_op_gives_way_to_the_dumps_and_is_logged(tmp_path):
+@pytest.mark.parametrize(("file", "written", "logged"), [
+    ("first_bad_op.safetensors", False, "the first bad op's tensors cannot be read from"),
+    ("../first_bad_op.safetensors", True, "is not a file name"),
+])
+def test_without_its_file_the_kept_op_gives_way_to_the_dumps_and_is_logged(tmp_path, file, written, logged):
     r = _run(tmp_path)
     run = r.pop("run")
-    _with_kept_op(r, write_file=False)
+    _with_kept_op(r, write_file=written, file=file)
     lines: list[str] = []
     ctx = _ctx(run, r)
     ctx.log = lines.append
     ReportStage().run(ctx)
-    assert any("the first bad op's tensors cannot be read" in line and "first_bad_op.safetensors" in line
-               for line in lines), lines
+    assert any(logged in line and "first_bad_op.safetensors" in line for line in lines), lines
     dom = parse_dom((run / "report" / "report.html").read_text())
     assert not find(dom, "section", id="op-panel")  # these dumps hold no tensors either
     assert find(dom, "section", id="own-error-steps")
