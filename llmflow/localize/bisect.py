@@ -231,7 +231,7 @@ class _Bisect:
             self.op_tensors = tensors
             self.op_tensors_info = OpTensors(
                 file=FIRST_BAD_OP_FILE, op=chosen.first_op, step=chosen.step, tensors=sorted(tensors),
-                golden_op=g_op.name if g_op is not None and g_op.name != chosen.first_op else None,
+                golden_op=g_op.name if g_op.name != chosen.first_op else None,
                 sampled=sampled, notes=notes)
         self.log(f"bisect: {len(t_ops)} target ops in {name}"
                  + ("" if chosen.op_level.comparable else " (not comparable with the golden's)")

@@ -16,6 +16,8 @@ re-run in memory, teacher-forced on its own generated tokens through its own dec
 same forward calls its dump run made), and every module's call at step t is captured with the
 cache as that module found it (``golden_rerun``). The re-run's logits are checked against the
 golden dump's, so a re-run that does not reproduce the golden run is reported, not trusted.
+``golden_rerun_steps`` does the same for a few modules at several steps in one generation (the
+chosen module's own error per step).
 """
 
 from __future__ import annotations
