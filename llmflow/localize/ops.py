@@ -157,7 +157,8 @@ def _kept(x: torch.Tensor, max_elements: int) -> tuple[torch.Tensor, bool]:
     x = x.detach().to("cpu")
     if x.numel() <= max_elements:  # a copy of its own: tensors saved together must not share storage
         return x.clone(memory_format=torch.contiguous_format), False
-    return x.reshape(-1)[::math.ceil(x.numel() / max_elements)].clone(), True
+    sample = x.reshape(-1)[::math.ceil(x.numel() / max_elements)]
+    return sample.clone(memory_format=torch.contiguous_format), True
 
 
 def op_tensors(golden: OpCall | None, target: OpCall | None, *,

@@ -250,7 +250,8 @@ def _kept_op_panel(ctx: StageContext, verdict: Verdict, verdict_file: str,
                      heads=_heads(envs), golden_dtype=dtype_name(golden.dtype),
                      target_dtype=dtype_name(target.dtype))
     panel["notes"] += kept.notes
-    panel["source"] = kept.file
+    if kept.sampled:  # a flattened sample has no heads or channels to split the error by
+        panel.pop("split", None)
     return panel
 
 

@@ -49,6 +49,7 @@ def test_small_ops_keep_inputs_and_big_outputs_are_sampled_alike_on_both_sides(t
     assert tensors["golden.output.0"].shape == tensors["target.output.0"].shape == (1024,)
     assert torch.equal(tensors["golden.output.0"], x.exp().reshape(-1)[::4])
     assert "golden.input.0" not in tensors and any("every 4th element" in n for n in notes)
+    save_file(tensors, str(tmp_path / "sampled.safetensors"))  # (a strided sample is written packed)
     assert any("inputs are not kept" in n for n in notes)
     # one input passed twice shares storage: each key is a copy of its own, so the file writes
     same = _op("m/mul.0", x * x, x, x)

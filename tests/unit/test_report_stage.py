@@ -112,7 +112,8 @@ def test_a_missing_csv_is_a_user_error(tmp_path):
         ReportStage().run(_ctx(run, {**r, "csv": {"layer": str(missing)}}))
 
 
-def _with_kept_op(r: dict, *, write_file: bool = True, file: str = "first_bad_op.safetensors") -> str:
+def _with_kept_op(r: dict, *, write_file: bool = True, file: str = "first_bad_op.safetensors",
+                  sampled: bool = False) -> str:
     """The run's verdict with the first bad op's tensors kept beside it (a down_proj whose output
     is halved in channel 3), and its own error per step; the op's name."""
     from safetensors.torch import save_file
@@ -121,8 +122,10 @@ def _with_kept_op(r: dict, *, write_file: bool = True, file: str = "first_bad_op
 
     v = synthetic_verdict()
     op = v.first_bad_op
-    v.first_bad_op_tensors = OpTensors(file=file, op=op, step=0,
-                                       tensors=["golden.output.0", "target.output.0"])
+    keys = ["golden.output.0", "target.output.0"]
+    v.first_bad_op_tensors = OpTensors(file=file, op=op, step=0, tensors=keys,
+                                       sampled=keys if sampled else [],
+                                       notes=["every 3th element kept, flattened"] if sampled else [])
     v.own_error_steps = OwnErrorSteps(module=v.first_bad_module, metric="rel_l2", rows=[
         OwnErrorStep(step=s, own_error=0.5, peer_median=3e-3, peers=11) for s in range(4)])
     path = Path(r["verdict_file"])
@@ -131,6 +134,8 @@ def _with_kept_op(r: dict, *, write_file: bool = True, file: str = "first_bad_op
         golden = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(0))
         target = golden.clone()
         target[..., 3] *= 0.5
+        if sampled:
+            golden, target = golden.reshape(-1)[::3].clone(), target.reshape(-1)[::3].clone()
         save_file({"golden.output.0": golden, "target.output.0": target.bfloat16()},
                   str(path.with_name(FIRST_BAD_OP_FILE)))
     return op
@@ -174,3 +179,16 @@ def test_without_its_file_the_kept_op_gives_way_to_the_dumps_and_is_logged(tmp_p
     dom = parse_dom((run / "report" / "report.html").read_text())
     assert not find(dom, "section", id="op-panel")  # these dumps hold no tensors either
     assert find(dom, "section", id="own-error-steps")
+
+
+def test_a_sampled_kept_op_is_not_split_by_channel_and_says_it_was_sampled(tmp_path):
+    r = _run(tmp_path)
+    run = r.pop("run")
+    _with_kept_op(r, sampled=True)
+    ReportStage().run(_ctx(run, r))
+    dom = parse_dom((run / "report" / "report.html").read_text())
+    (panel,) = find(dom, "section", id="op-panel")
+    assert "every 3th element kept, flattened" in panel.text
+    assert not [e for e in find(dom, "p", "small") if e.within("section", id="op-panel")
+                and e.text.startswith("Worst:")]
+    assert len([r for r in find(dom, "tr") if r.within("table", **{"class": "worst"})]) > 5
