@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,21 @@ def atomic_write_text(path: Path, text: str, *, durable: bool = False) -> None:
                 fh.flush()
                 os.fsync(fh.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_with(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` fills a temporary file beside ``path`` (a library that writes to a path
+    name: safetensors), which then replaces ``path`` whole; on any error the temporary file goes."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

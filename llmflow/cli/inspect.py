@@ -8,15 +8,21 @@ compare row (``golden_data_path``/``target_data_path``: ``rank0/data/000003.safe
 msit ``.pth`` or ATB ``.bin`` path). Several entries matching are listed; one is shown: dtype,
 shape, where it lies, the statistics its dump recorded and those of the loaded tensor, and its
 values (summarised; ``--full`` prints every value).
+
+  llmflow inspect FILE.safetensors [KEY] [--full]
+
+A plain safetensors file that no dump format claims (the bisect's ``first_bad_op.safetensors``)
+is read as a flat set of named tensors: its keys and metadata, or one key's tensor.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from llmflow.cli.common import console, verdict_line
-from llmflow.errors import EXIT_PASSED
+from llmflow.errors import EXIT_PASSED, UserError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -38,11 +44,15 @@ def _fmt(v: Any) -> str:
 
 
 def execute(args: argparse.Namespace) -> int:
-    from llmflow.formats import open_dump
+    from llmflow.formats import open_dump, reader_types
     from llmflow.formats.describe import describe, find_entries, summarize
 
-    reader = open_dump(args.dump)
     con = console()
+    path = Path(args.dump)
+    if path.suffix == ".safetensors" and path.is_file() and not any(
+            cls.detect(path) for cls in reader_types().values()):
+        return _plain_safetensors(con, path, args.name, full=args.full)
+    reader = open_dump(args.dump)
     if args.name is None:
         s = summarize(reader)
         steps = f"{s['steps'][0]}..{s['steps'][-1]}" if s["steps"] else "none"
@@ -73,6 +83,38 @@ def execute(args: argparse.Namespace) -> int:
     if len(found) > 1:  # one tensor recorded as several entries (an unchanged repeat)
         con.print("the same tensor is also: " + ", ".join(f"{e.name} {e.kind} {e.index}" for e in found[1:]))
     verdict_line(True, f"{d['name']} {d['kind']} {d['index']}, step {d['step']}")
+    return EXIT_PASSED
+
+
+def _plain_safetensors(con: Any, path: Path, key: str | None, *, full: bool) -> int:
+    """List a plain safetensors file's keys (dtype, shape) and metadata, or show one key's tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    from llmflow.formats.describe import tensor_stats
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            keys, metadata = list(fh.keys()), fh.metadata() or {}
+            if key is None:
+                con.print(f"{path}: safetensors file, {len(keys)} tensors"
+                          + "".join(f", {k} {v}" for k, v in sorted(metadata.items())))
+                for k in keys:
+                    part = fh.get_slice(k)
+                    con.print(f"  {k}: {part.get_dtype()} {list(part.get_shape())}")
+                verdict_line(True, f"{len(keys)} tensors")
+                return EXIT_PASSED
+            if key not in keys:
+                raise UserError(f"{path}: no tensor {key!r} (it holds {', '.join(keys) or 'none'})")
+            tensor = fh.get_tensor(key)
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{path}: not a readable safetensors file: {exc}") from exc
+    op = metadata.get("op")
+    _show(con, {"name": key, "kind": "tensor", "index": f"of {path.name}", "step": metadata.get("step", "-"),
+                "rank": 0, "level": "file", "module_type": f"op {op}" if op else None,
+                "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+                "locator": None, "recorded": None, "has_data": True, "stats": tensor_stats(tensor),
+                "tensor": tensor}, full=full)
+    verdict_line(True, f"{key} of {path.name}")
     return EXIT_PASSED
 
 

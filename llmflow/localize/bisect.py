@@ -9,7 +9,9 @@
              (rank.py); where nothing stands out at a decode step, the prefill is replayed too
              (a fault there reaches later steps through the cache it wrote)
   4. op      the chosen module replayed op by op on both sides (ops.py); in fused experts, the
-             expert (moe.py)
+             expert (moe.py); the first bad op's tensors are kept for the report
+  4b. steps  the chosen module's own error at each step from the prefill on (own_error_steps),
+             beside the median of the same module in the other layers
   5. cost    bytes dumped and model runs, against a full API-level dump of both sides (cost.py)
   6. verdict pass / fail / inconclusive, with what the evidence covers (conclude.py)
 
@@ -19,8 +21,10 @@ its captures in memory.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
+from statistics import median
 from typing import Any
 
 from llmflow.dtypes import dtype_name
@@ -37,15 +41,28 @@ from llmflow.localize.golden import (
     golden_call,
     golden_calls,
     golden_rerun,
+    golden_rerun_steps,
     rerun_fidelity,
 )
 from llmflow.localize.options import BisectInputs
 from llmflow.localize.own_error import own_error
 from llmflow.localize.rank import pick_candidate, rank_modules
-from llmflow.localize.replay import is_branch, replay_modules
+from llmflow.localize.replay import is_branch, replay_call, replay_modules
 from llmflow.localize.tokens import first_bad_step, first_mismatch, token_rows
-from llmflow.results.verdict import Cost, ModelRuns, OpRow, Verdict
-from llmflow.structure import LayerStack, find_layer_stack
+from llmflow.results.verdict import (
+    FIRST_BAD_OP_FILE,
+    Cost,
+    ModelRuns,
+    OpRow,
+    OpTensors,
+    OwnErrorStep,
+    OwnErrorSteps,
+    Verdict,
+)
+from llmflow.structure import LayerStack, find_layer_stack, layer_of
+
+#: other layers' copies of the chosen module replayed per step for the reference median
+OWN_ERROR_PEERS = 8
 
 Progress = Callable[[str, float | None], Any]
 
@@ -117,7 +134,9 @@ class _Bisect:
         self.stack: LayerStack | None = find_layer_stack(self.target.model, inp.layers)
         self.held: dict[str, Any] = {}
         self.golden_error: str | None = None  # why the golden model could not be loaded
-        self.stats: dict[str, int] = {"recomputed_layers": 0, "golden_reruns": 0}
+        self.stats: dict[str, int] = {"recomputed_layers": 0, "golden_reruns": 0, "own_error_replays": 0}
+        self.op_tensors: dict[str, Any] = {}  # the first bad op's tensors (ops.op_tensors)
+        self.op_tensors_info: OpTensors | None = None
 
     def phase(self, name: str, detail: str = "") -> None:
         """The phase ``name`` ended: its seconds since the last phase add to ``phases``, and one
@@ -260,10 +279,66 @@ class _Bisect:
             if origin is not None:
                 chosen.overflow_op = ops_mod.overflow_detail(origin)
                 chosen.first_op = origin.name
+        g_op, t_op = ops_mod.paired_op(g_ops, t_ops, chosen.first_op) if chosen.first_op else (None, None)
+        if g_op is not None and t_op is not None:  # the panel compares the two sides: keep a pair only
+            tensors, sampled, notes = ops_mod.op_tensors(g_op, t_op)
+            self.op_tensors = tensors
+            self.op_tensors_info = OpTensors(
+                file=FIRST_BAD_OP_FILE, op=chosen.first_op, step=chosen.step, tensors=sorted(tensors),
+                golden_op=g_op.name if g_op.name != chosen.first_op else None,
+                sampled=sampled, notes=notes)
         self.log(f"bisect: {len(t_ops)} target ops in {name}"
                  + ("" if chosen.op_level.comparable else " (not comparable with the golden's)")
                  + f"; first bad op {chosen.first_op}")
         self.phase("op: replay with API capture", f"{len(t_ops)} target ops")
+
+    # -- 4b. the chosen module's own error per step ----------------------------------------------
+    def own_error_per_step(self, chosen: StepReplay) -> OwnErrorSteps | None:
+        """Replay the chosen module (and its copies in up to ``OWN_ERROR_PEERS`` other layers) at
+        each of the first ``own_error_steps`` steps, on golden inputs from one golden re-run."""
+        inp, cand = self.inp, chosen.candidate
+        steps = min(inp.own_error_steps, len(inp.golden_ids))
+        if not (cand and cand.get("anomalous") and steps > 0 and inp.prompt_ids):
+            return None
+        golden = self.golden()
+        if golden is None:
+            return None
+        metric = "kv_cache_rel_l2" if cand["name"].endswith(KV_CACHE) else "rel_l2"
+        name = cand["name"].removesuffix(KV_CACHE)
+        layer = layer_of(name, self.stack)
+        peers: list[str] = []
+        if layer is not None and self.stack is not None:
+            others = [other for other in self.stack.layers if other != layer]
+            every = max(1, math.ceil(len(others) / OWN_ERROR_PEERS))
+            peers = [other + name[len(layer):] for other in others[::every]]
+        tgt = self.target
+        modules = dict(tgt.model.named_modules())
+        wanted = {name, *peers}
+        for replayed in [name, *peers]:  # an MoE block is replayed with the golden routing: its router's call
+            found = moe.router_of(modules[replayed]) if replayed in modules else None
+            if found is not None:
+                wanted.add(f"{replayed}.{found[0]}")
+        calls = golden_rerun_steps(golden, inp.prompt_ids, inp.golden_ids, set(range(steps)),
+                                   lambda n, _m: n in wanted)
+        self.stats["golden_reruns"] += 1
+
+        def error(at: dict[str, Any], module_name: str) -> float | None:
+            call, module = at.get(module_name), modules.get(module_name)
+            if call is None or module is None:
+                return None
+            row = replay_call(module, call, device=tgt.device, dtype=tgt.dtype, context=at)
+            self.stats["own_error_replays"] += 1
+            return row.get(metric) if row.get("replayable") else None
+
+        rows = []
+        for step in range(steps):
+            at = calls.get(step, {})
+            peer_errors = [e for e in (error(at, p) for p in peers) if e is not None and math.isfinite(e)]
+            rows.append(OwnErrorStep(step=step, own_error=error(at, name),
+                                     peer_median=median(peer_errors) if peer_errors else None,
+                                     peers=len(peer_errors)))
+        self.phase("module: own error per step", f"{steps} steps x {1 + len(peers)} modules")
+        return OwnErrorSteps(module=name, metric=metric, rows=rows)
 
     # -- 5. cost ---------------------------------------------------------------------------------
     def cost(self, tried: list[StepReplay], chosen: StepReplay) -> Cost:
@@ -274,7 +349,8 @@ class _Bisect:
                                  golden_weights=self.golden_weights(),
                                  golden_layers_recomputed=self.stats["recomputed_layers"],
                                  golden_reruns=self.stats["golden_reruns"],
-                                 module_replays=sum(len(t.rows) for t in tried),
+                                 module_replays=sum(len(t.rows) for t in tried)
+                                 + self.stats["own_error_replays"],
                                  op_replays=len(chosen.op_rows)),
             bytes_dumped=g_bytes + t_bytes, golden_dump_bytes=g_bytes, target_dump_bytes=t_bytes)
         if inp.estimate_cost and inp.prompt_ids:
@@ -303,8 +379,12 @@ def replay_plan(inp: BisectInputs, mismatch: int | None, bad_token: int | None) 
 
 
 def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
-               progress: Progress | None = None) -> Verdict:
-    """Narrow the divergence down; returns the verdict with its evidence."""
+               progress: Progress | None = None, op_tensors: dict[str, Any] | None = None) -> Verdict:
+    """Narrow the divergence down; returns the verdict with its evidence.
+
+    ``op_tensors``: a dict the first bad op's tensors are put in (key -> tensor, as
+    ``verdict.first_bad_op_tensors`` lists them) for the caller to write beside the verdict; None:
+    none kept, and the verdict names none."""
     b = _Bisect(inp, log, progress)
     tgt = b.target
     dtype = dtype_name(tgt.dtype)
@@ -328,6 +408,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
                                           "kernel runs against the KV cache"))
     chosen = next((t for t in tried if t.candidate and t.candidate.get("anomalous")), tried[0])
     b.op_level(chosen)
+    own_steps = b.own_error_per_step(chosen)
     cost = b.cost(tried, chosen)
     problems = [f"golden dump: {p}" for p in b.golden_dump.problems()]
     problems += [f"target dump: {p}" for p in b.target_dump.problems()]
@@ -335,5 +416,9 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
                       stack=b.stack, decode=b.decode, dtype=dtype, device=str(tgt.device),
                       problems=problems, note=getattr(tgt, "note", None))
     result.cost = cost
+    result.own_error_steps = own_steps
+    if op_tensors is not None and b.op_tensors_info is not None:
+        op_tensors.update(b.op_tensors)
+        result.first_bad_op_tensors = b.op_tensors_info
     b.held.clear()
     return result

@@ -16,6 +16,8 @@ re-run in memory, teacher-forced on its own generated tokens through its own dec
 same forward calls its dump run made), and every module's call at step t is captured with the
 cache as that module found it (``golden_rerun``). The re-run's logits are checked against the
 golden dump's, so a re-run that does not reproduce the golden run is reported, not trusted.
+``golden_rerun_steps`` does the same for a few modules at several steps in one generation (the
+chosen module's own error per step).
 """
 
 from __future__ import annotations
@@ -145,6 +147,45 @@ def golden_rerun(golden: Any, prompt_ids: list[int], golden_ids: list[int], step
     finally:
         recorder.close()
     return GoldenRerun(step, recorder.calls, recorder.logits)
+
+
+class _EachStepCalls(CallRecorder):
+    """Records the selected modules' calls at each of several steps of a generation."""
+
+    def __init__(self, model: nn.Module, select: Callable[[str, nn.Module], bool], steps: set[int]):
+        super().__init__(model, select, steps=True)
+        self.wanted_steps = steps
+        self.active = False
+        self.by_step: dict[int, dict[str, Call]] = {}
+
+    def begin_step(self, step: int) -> None:
+        self.active = step in self.wanted_steps
+        self.calls = {}
+
+    def end_step(self, step: int, output: Any, error: str | None, raised_in: str | None) -> None:
+        if self.active and error is None:
+            self.by_step[step] = self.calls
+        self.active = False
+        self.calls = {}
+
+
+@torch.no_grad()
+def golden_rerun_steps(golden: Any, prompt_ids: list[int], golden_ids: list[int], steps: set[int],
+                       select: Callable[[str, nn.Module], bool]) -> dict[int, dict[str, Call]]:
+    """Like ``golden_rerun``, for several steps in one generation (through the last of ``steps``):
+    step -> the selected modules' calls at that step. Select few modules: every call is kept."""
+    from llmflow.models import greedy_generate
+
+    if not steps:
+        return {}
+    recorder = _EachStepCalls(golden.model, select, steps)
+    try:
+        eos = getattr(golden.tokenizer, "eos_token_id", None)
+        greedy_generate(golden.model, prompt_ids, len(golden_ids), eos_token_id=eos, force_ids=golden_ids,
+                        stop_after=max(steps) + 1)
+    finally:
+        recorder.close()
+    return recorder.by_step
 
 
 def rerun_fidelity(rerun: GoldenRerun, reader: DumpReader) -> float | None:

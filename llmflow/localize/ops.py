@@ -135,6 +135,65 @@ def compare_ops(golden: list[OpCall], target: list[OpCall], *, target_dtype: tor
     return rows, odd.name if odd else None
 
 
+def paired_op(golden: list[OpCall], target: list[OpCall], name: str) -> tuple[OpCall | None, OpCall | None]:
+    """The (golden, target) ops ``compare_ops`` compared for the op ``name``: aligned, or for an
+    op only the target runs, the last golden op before it with its output shape (the value it
+    rewrites)."""
+    last_golden: dict[tuple[int, ...], OpCall] = {}
+    for g, t in align_ops(golden, target):
+        if g is not None:
+            last_golden[tuple(g.output.shape)] = g
+        op = t if t is not None else g
+        if op is not None and op.name == name:
+            if g is None and t is not None:
+                g = last_golden.get(tuple(t.output.shape))
+            return g, t
+    return None, None
+
+
+def _kept(x: torch.Tensor, max_elements: int) -> tuple[torch.Tensor, bool]:
+    """A CPU copy of ``x``: whole up to ``max_elements`` elements, else an evenly strided sample
+    of its flattened elements (True: sampled)."""
+    x = x.detach().to("cpu")
+    if x.numel() <= max_elements:  # a copy of its own: tensors saved together must not share storage
+        return x.clone(memory_format=torch.contiguous_format), False
+    sample = x.reshape(-1)[::math.ceil(x.numel() / max_elements)]
+    return sample.clone(memory_format=torch.contiguous_format), True
+
+
+def op_tensors(golden: OpCall | None, target: OpCall | None, *,
+               max_bytes_per_side: int = 64 << 20) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """The tensors of one op pair to keep: ``golden.output.0``, ``target.output.0`` and, when
+    they fit beside the output in ``max_bytes_per_side``, each side's tensor inputs
+    (``golden.input.0`` ... in call order). An output over the budget is kept as a strided sample,
+    the same elements on both sides. Returns (key -> tensor, the sampled keys, notes in words)."""
+    tensors: dict[str, torch.Tensor] = {}
+    sampled: list[str] = []
+    notes: list[str] = []
+    calls = {"golden": golden, "target": target}
+    widest = max((c.output.element_size() for c in calls.values() if c is not None), default=1)
+    max_elements = max_bytes_per_side // widest
+    for side, call in calls.items():
+        if call is None:
+            notes.append(f"the {side} side has no counterpart of this op")
+            continue
+        out, was_sampled = _kept(call.output, max_elements)
+        tensors[f"{side}.output.0"] = out
+        if was_sampled:
+            sampled.append(f"{side}.output.0")
+            every = math.ceil(call.output.numel() / max_elements)
+            notes.append(f"{side}.output.0: {call.output.numel():,} elements over {max_bytes_per_side >> 20} "
+                         f"MiB: every {every}th element kept, flattened")
+        inputs = [x for x in tree_flatten((call.args, call.kwargs))[0] if isinstance(x, torch.Tensor)]
+        room = max_bytes_per_side - out.numel() * out.element_size()
+        if sum(x.numel() * x.element_size() for x in inputs) <= room:
+            tensors.update({f"{side}.input.{i}": _kept(x, x.numel())[0] for i, x in enumerate(inputs)})
+        elif inputs:
+            notes.append(f"the {side} op's inputs are not kept: over {max_bytes_per_side >> 20} MiB "
+                         "with its output")
+    return tensors, sampled, notes
+
+
 def _shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 

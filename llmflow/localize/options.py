@@ -73,6 +73,10 @@ class BisectInputs:
     overflow_scan: dict[str, Any] | None = option(
         None, "An overflow-scan of the target dump (llmflow.checks.overflow.scan's result), cited "
         "beside an overflow the replay finds and where the replay finds none.")
+    own_error_steps: int = option(
+        8, "Steps from the prefill at which the chosen module is replayed alone for its own error per "
+        "step (one golden re-run through the last of them; capped at the generated tokens; 0: none).",
+        schema={"type": "integer", "minimum": 0})
 
     def __post_init__(self) -> None:
         self.layers = self.layers or None  # an empty string means none (a workflow's empty default)

@@ -12,10 +12,13 @@ Sections, each shown only when its data is there:
   run          the prompt, the two sides' model/device/dtype/versions (env.json), the run's parameters
   texts        golden and target generations token by token, the first difference marked
   curves       per-layer errors at the replayed step, raw (dumps) against isolated (replay)
+  own error    the chosen module's own error per step from the prefill on, beside the median of the
+               same module in other layers (verdict.own_error_steps)
   heat map     layer-output error per step and layer (compare rows of level "layer", 2+ steps)
   tree         the model's module tree at the replayed step (topology.json): own and raw error per
                module, the layers one collapsed row each, the chosen module open and highlighted
-  op panel     the first bad op's tensors (or the closest the dumps hold): error per head or channel,
+  op panel     the first bad op's tensors as the bisect kept them (first_bad_op.safetensors; else the
+               closest the dumps hold, saying so): error per head or channel,
                its histogram, the worst elements, both sides' statistics, ``llmflow inspect`` commands
   candidates   the ranked modules, each linked to its compare rows; ops inside the chosen one;
                modules that could not be replayed and why; MoE routing differences
@@ -42,7 +45,7 @@ from markupsafe import Markup
 
 from llmflow.report import html_verdict as hv
 from llmflow.report.html_compare import LevelRows, layer_heat_map, layer_number, summarize_level
-from llmflow.report.html_svg import charts
+from llmflow.report.html_svg import charts, line_chart
 from llmflow.report.html_tree import module_tree
 from llmflow.results.verdict import Candidate, Verdict
 
@@ -269,6 +272,7 @@ def render_report(*, title: str, verdict: Verdict | None = None,
         "heat": layer_heat_map(levels.get("layer"), v),
         "tree": _tree(topology, v, levels),
         "op_panel": op_panel,
+        "own_steps": _own_error_steps(v),
         "candidates": table_view(_with_row_links(v.candidates, levels),
                                  table_id="t-candidates", highlight=v.first_bad_module,
                                  max_rows=max_rows, lead=CANDIDATE_LEAD) if v and v.candidates else None,
@@ -286,6 +290,24 @@ def render_report(*, title: str, verdict: Verdict | None = None,
                   for i, (name, rows) in enumerate((tables or {}).items())],
     }
     return _env().get_template("report.html.j2").render(ctx)
+
+
+def _own_error_steps(v: Verdict | None) -> dict[str, Any] | None:
+    """The chosen module's own error per step (and its peers' median) as a line chart and a table."""
+    own = v.own_error_steps if v is not None else None
+    if own is None or not own.rows:
+        return None
+    series = {"own error": {r.step: r.own_error for r in own.rows if r.own_error is not None}}
+    peers = max((r.peers for r in own.rows), default=0)
+    if peers:
+        series[f"median of {peers} other layers"] = {r.step: r.peer_median for r in own.rows
+                                                     if r.peer_median is not None}
+    chart = line_chart(f"{own.module}: own error ({own.metric}) per step", series, x_label="step",
+                       mark_x=v.replay.step if v is not None else None)
+    if chart is None:
+        return None
+    return {"module": own.module, "metric": own.metric, "peers": peers, "chart": chart,
+            "table": table_view(_rows(own.rows), table_id="t-own-steps", filters=False)}
 
 
 def _tree(topology: Mapping[str, Any] | None, v: Verdict | None,

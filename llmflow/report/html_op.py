@@ -1,7 +1,8 @@
 """The first bad op in detail: one golden/target tensor pair taken apart for the page.
 
-Given the two tensors of one compare row (the report stage loads them through the dump readers,
-``llmflow.formats.open_dump`` and the row's locators), this computes what the verdict box cannot
+Given two tensors (the report stage reads the first bad op's output on both sides from the
+``first_bad_op.safetensors`` the bisect stage wrote beside verdict.json, else those of the nearest
+compare row through the dump readers and the row's locators), this computes what the verdict box cannot
 say: where in the tensor the error sits (per attention head when the last dimension splits into
 the model's heads, else per channel of the last dimension), how the error is distributed (a
 histogram of log10 |target - golden|), the worst elements with their indices and both values,

@@ -311,6 +311,51 @@ class OpLevel:
     target_ops_around: list[OpRef] = field(default_factory=list)
 
 
+#: the file beside verdict.json that holds the first bad op's tensors (``OpTensors``)
+FIRST_BAD_OP_FILE = "first_bad_op.safetensors"
+
+
+@dataclass
+class OpTensors:
+    """The first bad op's tensors as the bisect's op replay saw them, kept in a safetensors file
+    beside verdict.json: its output on both sides (and its tensor inputs where they are small),
+    keys ``golden.output.0``, ``target.output.0``, ``golden.input.1`` ..."""
+
+    file: str = field(metadata=_doc("the safetensors file's name, beside verdict.json"))
+    op: str = field(metadata=_doc("the op whose tensors these are (the first bad op)"))
+    step: int = field(metadata=_doc("the step the op was replayed at"))
+    tensors: list[str] = field(default_factory=list, metadata=_doc("the keys the file holds"))
+    golden_op: str | None = field(
+        default=None, metadata=_doc("the golden op paired with it (the value an op only the target runs "
+                                    "rewrites, when the names differ)"))
+    sampled: list[str] = field(
+        default_factory=list,
+        metadata=_doc("keys holding an evenly strided sample (flattened), not the whole tensor"))
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class OwnErrorStep:
+    """The chosen module's own error at one step: replayed alone on the golden inputs of that step."""
+
+    step: int
+    own_error: float | None = field(metadata=_doc("the ranking's metric (null: not replayable at this step)"))
+    peer_median: float | None = field(
+        default=None, metadata=_doc("median own error of the same module in the other layers at this step"))
+    peers: int = 0
+
+
+@dataclass
+class OwnErrorSteps:
+    """The chosen module's own error per step, from the prefill on (``own_error_steps`` steps at most)."""
+
+    module: str
+    metric: str = field(
+        metadata=_doc('"rel_l2" (the output) or "kv_cache_rel_l2" (what it wrote into its cache)'))
+    rows: list[OwnErrorStep] = field(default_factory=list)
+    source: str = "golden re-run"
+
+
 @dataclass
 class Verdict:
     """verdict.json, written by the bisect stage: the status, the first bad token, layer, module and
@@ -342,6 +387,10 @@ class Verdict:
     cost: Cost | None = None
     overflow: Overflow = field(default_factory=Overflow)
     op_level: OpLevel | None = field(default=None, metadata=_doc("null when the op level did not run"))
+    first_bad_op_tensors: OpTensors | None = field(
+        default=None, metadata=_doc("the first bad op's tensors kept beside verdict.json (null: none kept)"))
+    own_error_steps: OwnErrorSteps | None = field(
+        default=None, metadata=_doc("the chosen module's own error per step (null: not measured)"))
 
 
 #: the name the bisect has always returned

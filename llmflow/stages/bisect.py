@@ -2,8 +2,10 @@
 
 A thin adapter over ``llmflow.localize.bisect.run_bisect``: it reads the two dump stages'
 outputs (dump dirs, generation files, model specs) and the align stage's pairs, runs the
-narrowing, writes ``verdict.json``, puts the headline fields in summary.json (key ``verdict``)
-and sets the stage's outcome: fail (a fault named), pass, or inconclusive.
+narrowing, writes ``verdict.json`` and, when an op is named, ``first_bad_op.safetensors`` beside
+it (the op's tensors on both sides, for the report's op panel), puts the headline fields in
+summary.json (key ``verdict``) and sets the stage's outcome: fail (a fault named), pass, or
+inconclusive.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from llmflow.atomic import atomic_write_json
+from llmflow.atomic import atomic_write_json, atomic_write_with
 from llmflow.errors import UserError
 from llmflow.localize.options import BisectInputs
 from llmflow.options import from_params, required_params, stage_properties
@@ -30,7 +32,7 @@ class BisectStage(Stage):
     """Narrow a divergence down to the first bad token, layer, module and op (isolation replay)."""
 
     type: ClassVar[str] = "bisect"
-    version: ClassVar[str] = "3"
+    version: ClassVar[str] = "4"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
@@ -54,7 +56,10 @@ class BisectStage(Stage):
                                 "replay finds none (null: no scan)."},
         },
     }
-    outputs: ClassVar[dict[str, str]] = {"verdict_file": "verdict.json: the verdict and all its evidence"}
+    outputs: ClassVar[dict[str, str]] = {
+        "verdict_file": "verdict.json: the verdict and all its evidence",
+        "op_tensors_file": "first_bad_op.safetensors beside it: the first bad op's golden and target tensors "
+                           "(null when no op was named)"}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         from llmflow.localize.bisect import run_bisect  # (schema: no torch)
@@ -82,14 +87,23 @@ class BisectStage(Stage):
         def progress(description: str, total: float | None) -> Any:
             return ctx.task(f"{ctx.stage_id}: {description}", total)
 
-        result = run_bisect(inputs, log=ctx.log, progress=progress)
+        tensors: dict[str, Any] = {}
+        result = run_bisect(inputs, log=ctx.log, progress=progress, op_tensors=tensors)
+        op_file = None
+        if result.first_bad_op_tensors is not None:
+            from safetensors.torch import save_file
+
+            kept = result.first_bad_op_tensors
+            op_file = ctx.out_dir / kept.file
+            metadata = {"op": kept.op, "step": str(kept.step), "golden_op": kept.golden_op or kept.op}
+            atomic_write_with(op_file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
         path = ctx.out_dir / "verdict.json"
         atomic_write_json(path, ctx.redact(to_json(result)), indent=1)
         ctx.summary["verdict"] = to_json(VerdictSummary.of(result))
         ctx.log(f"{ctx.stage_id}: {result.diagnosis}")
         ctx.set_outcome(result.status, result.headline,
                         result.inconclusive.next if result.inconclusive else "")
-        return {"verdict_file": str(path)}
+        return {"verdict_file": str(path), "op_tensors_file": str(op_file) if op_file else None}
 
 
 def _read_json(path: Path, field: str) -> Any:

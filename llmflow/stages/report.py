@@ -1,6 +1,7 @@
 """The ``report`` stage: one self-contained HTML file from a verdict, compare tables and the run.
 
-A thin adapter over ``llmflow.report.html``: reads the bisect stage's ``verdict_file``, streams
+A thin adapter over ``llmflow.report.html``: reads the bisect stage's ``verdict_file`` (and the
+first bad op's tensors it names beside it, ``first_bad_op.safetensors``), streams
 the compare stage's CSVs (``csv``: level -> path), reads each dump's ``env.json`` and
 ``topology.json`` (``golden_dump``, ``target_dump``) and the run's parameters
 (``<run-dir>/summary.json``), and writes ``report.html``.
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmflow.checks.env_diff import load_env
+from llmflow.dtypes import dtype_name
 from llmflow.errors import UserError
 from llmflow.report.html import MAX_ROWS, summarize_levels, write_report
 from llmflow.report.tables import read_csv_rows
@@ -83,8 +85,13 @@ class ReportStage(Stage):
         tables = _precheck_tables(ctx, p["precheck_file"], files) if p["precheck_file"] else {}
         run = {"env": {side: _env(ctx, p[f"{side}_dump"]) for side in ("golden", "target")
                        if p[f"{side}_dump"]}, **_run_record(ctx.run_dir)}
-        panel = _op_panel(ctx, tap, p["golden_dump"], p["target_dump"], run["env"]) \
-            if p["golden_dump"] and p["target_dump"] else None
+        panel = _kept_op_panel(ctx, verdict, p["verdict_file"], run["env"]) if verdict is not None else None
+        if panel is None and p["golden_dump"] and p["target_dump"]:
+            panel = _op_panel(ctx, tap, p["golden_dump"], p["target_dump"], run["env"])
+            if panel is not None and verdict is not None and verdict.first_bad_op:
+                panel["notes"].insert(0, _NOT_KEPT if verdict.first_bad_op_tensors is None else
+                                      f"{verdict.first_bad_op_tensors.file} cannot be read: the nearest "
+                                      "tensor the dumps hold is shown instead")
         out = write_report(ctx.out_dir / "report.html", title=p["title"], verdict=verdict, compare=levels,
                            files=files, run=run, meta={"run": str(ctx.run_dir)}, max_rows=p["max_rows"],
                            topology=_topology(ctx, [p["target_dump"], p["golden_dump"]]), op_panel=panel,
@@ -201,6 +208,53 @@ _WHAT = ("the first bad op's output", "the chosen module's output (the dumps hol
          "the first failing compare row before the texts part")
 
 
+_NOT_KEPT = ("the verdict keeps no tensors of the first bad op (no op level ran, or a verdict written before "
+             "the bisect kept them): the nearest tensor the dumps hold is shown instead")
+
+
+def _heads(envs: dict[str, Any]) -> int | None:
+    """The model's attention heads from a dump's env.json (model_config), when it recorded them."""
+    config = ((envs.get("target") or envs.get("golden") or {}).get("model_config") or {})
+    heads = config.get("num_attention_heads")
+    return heads if isinstance(heads, int) else None
+
+
+def _kept_op_panel(ctx: StageContext, verdict: Verdict, verdict_file: str,
+                   envs: dict[str, Any]) -> dict[str, Any] | None:
+    """The op panel from the first bad op's own tensors, the file the bisect wrote beside
+    verdict.json; None (and a log line when the verdict names a file) when there is none."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from llmflow.report.html_op import inspect_command, op_panel
+
+    kept = verdict.first_bad_op_tensors
+    if kept is None:
+        return None
+    if kept.file in ("", ".", "..") or Path(kept.file).name != kept.file:  # beside verdict.json, nowhere else
+        ctx.log(f"{ctx.stage_id}: the first bad op's tensors are not read: {kept.file!r} is not a file name")
+        return None
+    path = ctx.resolve_path(verdict_file).parent / kept.file
+    try:
+        tensors = load_file(str(path))
+        golden, target = tensors["golden.output.0"], tensors["target.output.0"]
+    except (OSError, SafetensorError, KeyError) as exc:
+        ctx.log(f"{ctx.stage_id}: the first bad op's tensors cannot be read from {path}: {exc}")
+        return None
+    against = f" against the golden's {kept.golden_op} (the value it rewrites)" if kept.golden_op else ""
+    commands = [inspect_command(str(path), f"{side}.output.0") for side in ("golden", "target")]
+    panel = op_panel(golden, target, name=kept.op, step=kept.step,
+                     what=f"its output in the bisect's op replay on the golden inputs{against}, "
+                          f"kept in {kept.file}",
+                     commands=commands,
+                     heads=_heads(envs), golden_dtype=dtype_name(golden.dtype),
+                     target_dtype=dtype_name(target.dtype))
+    panel["notes"] += kept.notes
+    if kept.sampled:  # a flattened sample has no heads or channels to split the error by
+        panel.pop("split", None)
+    return panel
+
+
 def _op_panel(ctx: StageContext, tap: _RowTap, golden_dump: str, target_dump: str,
               envs: dict[str, Any]) -> dict[str, Any] | None:
     """The op panel from the two tensors of the row ``tap`` picked, loaded through the dump
@@ -224,8 +278,6 @@ def _op_panel(ctx: StageContext, tap: _RowTap, golden_dump: str, target_dump: st
     except Exception as exc:  # a damaged or moved dump: the page goes on without the panel
         ctx.log(f"{ctx.stage_id}: no op panel: {row.get('name')} step {row.get('step')}: {exc}")
         return None
-    config = ((envs.get("target") or envs.get("golden") or {}).get("model_config") or {})
-    heads = config.get("num_attention_heads")
     name = str(row.get("name"))
     by_step = {s: float(r["relative_euclidean_distance"]) for s, r in tap.rows.get(name, {}).items()
                if isinstance(r.get("relative_euclidean_distance"), (int, float))}
@@ -233,7 +285,7 @@ def _op_panel(ctx: StageContext, tap: _RowTap, golden_dump: str, target_dump: st
     return op_panel(tensors["golden"], tensors["target"], name=name, step=row.get("step"), what=_WHAT[which],
                     commands=[inspect_command(str(dumps[side]), str(row[f"{side}_data_path"]))
                               for side in ("golden", "target")],
-                    heads=heads if isinstance(heads, int) else None,
+                    heads=_heads(envs),
                     golden_dtype=str(row.get("golden_dtype") or ""),
                     target_dtype=str(row.get("target_dtype") or ""),
                     per_step=by_step if len(by_step) > 1 else None,

@@ -111,7 +111,8 @@ def test_the_demo_finds_its_planted_bug_and_the_plain_port_passes(tmp_path):
 def check_demo_report(run: Path) -> None:
     """The demo's page in a headless browser leads to the fault: the heat map marks the replayed
     step and layer 17 and outlines no failing cell after the texts part; the module tree has
-    layer 17's attention outlined; the op panel renders for layer 17."""
+    layer 17's attention outlined; the op panel shows the first bad op of layer 17's attention
+    from its kept tensors."""
     res = run_chromium(run / "report" / "report.html", "--dump-dom")
     if res.returncode != 0:
         raise AssertionError(res.stderr[-2000:])
@@ -128,4 +129,6 @@ def check_demo_report(run: Path) -> None:
     (chosen,) = find(dom, "li", id="tree-module-chosen")
     assert chosen.attrs["data-name"] == "model.layers.17.self_attn"
     (panel,) = find(dom, "section", id="op-panel")
-    assert "model.layers.17" in panel.text
+    (op_name,) = [c for c in find(dom, "code", "opname") if c.within("section", id="op-panel")]
+    assert op_name.text == "model.layers.17.self_attn/scaled_dot_product_attention.0"
+    assert "first_bad_op.safetensors" in panel.text

@@ -82,3 +82,23 @@ def test_decode_step_without_the_golden_model_is_inconclusive(goldens, tmp_path)
     v = bisect_dumps(dumps, estimate_cost=False)
     assert v["status"] == "inconclusive", v["headline"]
     assert "golden model cannot be loaded" in v["inconclusive"]["reason"]
+
+
+@pytest.mark.parametrize(("fault", "prefill_too"),
+                         [("decode_softmax_scale", False), ("scale_down_proj", True)])
+def test_own_error_per_step_tells_decode_faults_from_every_call_ones(fault, prefill_too, goldens, tmp_path):
+    """The chosen module replayed at each step from the prefill on: a decode-kernel fault leaves
+    the prefill at the dtype's rounding, a fault in every forward call stands out at step 0 too;
+    the other layers' median stays at the rounding throughout."""
+    dumps = make_dumps(tmp_path, spec("llama"), golden_dir=goldens("llama"),
+                       patch=f"plugins/example_faults.py:{fault}_layer_1")
+    v = bisect_dumps(dumps, estimate_cost=False, own_error_steps=4)
+    own = v["own_error_steps"]
+    assert v["status"] == "fail" and own["module"] == v["first_bad_module"] and own["metric"] == "rel_l2"
+    rows = {r["step"]: r for r in own["rows"]}
+    assert sorted(rows) == [0, 1, 2, 3] and all(r["peers"] == 5 for r in rows.values())
+    rounding = max(r["peer_median"] for r in rows.values())
+    assert rounding < 0.02
+    assert all(rows[s]["own_error"] > 10 * rounding for s in (1, 2, 3)), own
+    assert (rows[0]["own_error"] > 10 * rounding) == prefill_too, own
+    assert "module: own error per step" in v["cost"]["bisect_phase_seconds"]

@@ -3,7 +3,8 @@ that extends the bisect recipe to dump decoder-layer outputs at every step, then
 headless browser: no script errors, the banner, the heat map over every step and layer, the run's
 versions, one logits table, the collapsed unmatched line, file links that resolve, row links; and
 for a decode-attention fault the first failing row and cell before the texts part, the module
-tree with the chosen attention outlined, the op panel."""
+tree with the chosen attention outlined, the op panel on the first bad op's own tensors (or,
+without them, the nearest dumped tensor, saying so), the attention's own error per step."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from pathlib import Path
 import openpyxl
 import pytest
 import torch
+
+from llmflow.stages.base import StageContext
+from llmflow.stages.report import ReportStage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from bisect_helpers import find, parse_dom, run_chromium, side_rows  # noqa: E402
@@ -99,7 +103,10 @@ def test_report_of_a_bisect_run_over_every_step(tmp_path):
 def test_the_report_leads_to_a_decode_attention_fault(tmp_path):
     """A decode-only attention bug (its output scaled by 3) in layer 2 of a tiny Llama:
     the first failing row and heat-map cell are before the texts part, at layer 2; the module tree
-    has the attention open and outlined; the op panel renders and its inspect commands run."""
+    has the attention open and outlined; the op panel shows the first bad op's tensors kept in
+    first_bad_op.safetensors and its inspect commands run; the attention's own error per step is
+    small at the prefill and large at every decode step, and drawn; a verdict without the kept
+    tensors gives the nearest dumped tensor, saying so."""
     wf = tmp_path / "every_step.yaml"
     wf.write_text(WORKFLOW)
     model = f"tiny-llama:layers={LAYERS},seed=1"
@@ -141,8 +148,16 @@ def test_the_report_leads_to_a_decode_attention_fault(tmp_path):
     closed = [name for name, is_open in folds.items() if not is_open
               and name in {f"model.layers.{i}" for i in range(LAYERS)}]
     assert sorted(closed) == [f"model.layers.{i}" for i in range(LAYERS) if i != 2]
-    # the op panel: charts, the worst elements, both sides, commands that run
+    # the op panel: the first bad op's own tensors, charts, the worst elements, both sides, commands that run
+    kept = verdict["first_bad_op_tensors"]
+    assert kept["op"] == verdict["first_bad_op"] and kept["op"].startswith("model.layers.2.self_attn/")
+    assert {"golden.output.0", "target.output.0"} <= set(kept["tensors"]) and kept["step"] > 0
+    stages = json.loads((run / "summary.json").read_text())["stages"]
+    assert stages["bisect"]["outputs"]["op_tensors_file"] == str(run / "bisect" / kept["file"])
     (panel,) = find(dom, "section", id="op-panel")
+    (op_name,) = [c for c in find(dom, "code", "opname") if c.within("section", id="op-panel")]
+    assert op_name.text == kept["op"] and f"at step {kept['step']}" in panel.text
+    assert "first_bad_op.safetensors" in panel.text
     assert [e for e in find(dom, "rect", "bar") if e.within("section", id="op-panel")]
     assert len([r for r in find(dom, "tr") if r.within("table", **{"class": "worst"})]) > 5
     buttons = [b for b in find(dom, "button", "copy") if b.within("section", id="op-panel")]
@@ -154,9 +169,35 @@ def test_the_report_leads_to_a_decode_attention_fault(tmp_path):
                                timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"})
         assert shown.returncode == 0, shown.stderr
         assert shown.stdout.strip().splitlines()[-1].startswith("PASSED")
+        assert argv[2].endswith("first_bad_op.safetensors") and argv[3].endswith(".output.0")
+    # the attention's own error per step: the rounding at the prefill, the fault at every decode step
+    own = verdict["own_error_steps"]
+    assert own["module"] == "model.layers.2.self_attn"
+    errors = {r["step"]: r["own_error"] for r in own["rows"]}
+    assert sorted(errors) == list(range(6)) and errors[0] < 0.05
+    peers = {r["step"]: r["peer_median"] for r in own["rows"]}
+    assert all(errors[s] > 20 * errors[0] and errors[s] > 20 * peers[s] for s in range(1, 6)), own
+    assert [p for p in find(dom, "polyline") if p.within("section", id="own-error-steps")]
+    assert any("bisect: module: own error per step done" in line for line in res.stdout.splitlines())
     # the xlsx opens on the summary sheet with the same first failing row
     ws = openpyxl.load_workbook(run / "compare" / "compare.xlsx")["summary"]
     values = list(ws.iter_rows(values_only=True))
     head = next(i for i, r in enumerate(values) if r and r[0] == "level")
     layer = dict(zip(values[head], next(r for r in values[head + 1:] if r[0] == "layer"), strict=True))
     assert (layer["first_fail_name"], layer["first_fail_step"]) == ("model.layers.2", first["step"])
+
+    # a verdict that keeps no op tensors (an older one): the nearest dumped tensor, and the page says so
+    older = tmp_path / "older" / "verdict.json"
+    older.parent.mkdir()
+    older.write_text(json.dumps({k: v for k, v in verdict.items() if k != "first_bad_op_tensors"}))
+    out = tmp_path / "older" / "report"
+    out.mkdir()
+    params = {"verdict_file": str(older), "csv": stages["compare"]["outputs"]["csv"],
+              "golden_dump": stages["dump-golden"]["outputs"]["dump_dir"],
+              "target_dump": stages["dump-npu"]["outputs"]["dump_dir"]}
+    ReportStage().run(StageContext(stage_id="report", params=params, out_dir=out, final_dir=out, run_dir=run,
+                                   workflow_dir=tmp_path, inputs={}, log=lambda _m: None))
+    dom = parse_dom((out / "report.html").read_text())
+    (panel,) = find(dom, "section", id="op-panel")
+    (op_name,) = [c for c in find(dom, "code", "opname") if c.within("section", id="op-panel")]
+    assert op_name.text == "model.layers.2" and "keeps no tensors of the first bad op" in panel.text

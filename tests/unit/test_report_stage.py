@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmflow.errors import UserError
 from llmflow.results.codec import to_json
@@ -109,3 +110,85 @@ def test_a_missing_csv_is_a_user_error(tmp_path):
     missing = run / "compare" / "nope.csv"
     with pytest.raises(UserError, match=r"report: csv: cannot read .*nope\.csv"):
         ReportStage().run(_ctx(run, {**r, "csv": {"layer": str(missing)}}))
+
+
+def _with_kept_op(r: dict, *, write_file: bool = True, file: str = "first_bad_op.safetensors",
+                  sampled: bool = False) -> str:
+    """The run's verdict with the first bad op's tensors kept beside it (a down_proj whose output
+    is halved in channel 3), and its own error per step; the op's name."""
+    from safetensors.torch import save_file
+
+    from llmflow.results.verdict import FIRST_BAD_OP_FILE, OpTensors, OwnErrorStep, OwnErrorSteps
+
+    v = synthetic_verdict()
+    op = v.first_bad_op
+    keys = ["golden.output.0", "target.output.0"]
+    v.first_bad_op_tensors = OpTensors(file=file, op=op, step=0, tensors=keys,
+                                       sampled=keys if sampled else [],
+                                       notes=["every 3th element kept, flattened"] if sampled else [])
+    v.own_error_steps = OwnErrorSteps(module=v.first_bad_module, metric="rel_l2", rows=[
+        OwnErrorStep(step=s, own_error=0.5, peer_median=3e-3, peers=11) for s in range(4)])
+    path = Path(r["verdict_file"])
+    path.write_text(json.dumps(to_json(v)))
+    if write_file:
+        golden = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(0))
+        target = golden.clone()
+        target[..., 3] *= 0.5
+        if sampled:
+            golden, target = golden.reshape(-1)[::3].clone(), target.reshape(-1)[::3].clone()
+        save_file({"golden.output.0": golden, "target.output.0": target.bfloat16()},
+                  str(path.with_name(FIRST_BAD_OP_FILE)))
+    return op
+
+
+def test_the_op_panel_shows_the_kept_tensors_of_the_first_bad_op(tmp_path):
+    r = _run(tmp_path)
+    run = r.pop("run")
+    op = _with_kept_op(r)
+    ReportStage().run(_ctx(run, r))
+    dom = parse_dom((run / "report" / "report.html").read_text())
+    (panel,) = find(dom, "section", id="op-panel")
+    (name,) = [c for c in find(dom, "code", "opname") if c.within("section", id="op-panel")]
+    assert name.text == op and "first_bad_op.safetensors" in panel.text and "at step 0" in panel.text
+    worst = [e.text for e in find(dom, "p", "small") if e.within("section", id="op-panel")]
+    assert worst[0].startswith("Worst: channel 3")
+    commands = [b.attrs["data-copy"] for b in find(dom, "button", "copy")
+                if b.within("section", id="op-panel")]
+    kept = run / "bisect" / "first_bad_op.safetensors"
+    assert commands == [f"llmflow inspect {kept} golden.output.0", f"llmflow inspect {kept} target.output.0"]
+    # the chosen module's own error per step: a line per series and one table row per step
+    lines = [p for p in find(dom, "polyline") if p.within("section", id="own-error-steps")]
+    assert len(lines) == 2
+    rows = [t for t in find(dom, "tr") if t.within("table", id="t-own-steps") and t.within("tbody")]
+    assert len(rows) == 4
+
+
+@pytest.mark.parametrize(("file", "written", "logged"), [
+    ("first_bad_op.safetensors", False, "the first bad op's tensors cannot be read from"),
+    ("../first_bad_op.safetensors", True, "is not a file name"),
+])
+def test_without_its_file_the_kept_op_gives_way_to_the_dumps_and_is_logged(tmp_path, file, written, logged):
+    r = _run(tmp_path)
+    run = r.pop("run")
+    _with_kept_op(r, write_file=written, file=file)
+    lines: list[str] = []
+    ctx = _ctx(run, r)
+    ctx.log = lines.append
+    ReportStage().run(ctx)
+    assert any(logged in line and "first_bad_op.safetensors" in line for line in lines), lines
+    dom = parse_dom((run / "report" / "report.html").read_text())
+    assert not find(dom, "section", id="op-panel")  # these dumps hold no tensors either
+    assert find(dom, "section", id="own-error-steps")
+
+
+def test_a_sampled_kept_op_is_not_split_by_channel_and_says_it_was_sampled(tmp_path):
+    r = _run(tmp_path)
+    run = r.pop("run")
+    _with_kept_op(r, sampled=True)
+    ReportStage().run(_ctx(run, r))
+    dom = parse_dom((run / "report" / "report.html").read_text())
+    (panel,) = find(dom, "section", id="op-panel")
+    assert "every 3th element kept, flattened" in panel.text
+    assert not [e for e in find(dom, "p", "small") if e.within("section", id="op-panel")
+                and e.text.startswith("Worst:")]
+    assert len([r for r in find(dom, "tr") if r.within("table", **{"class": "worst"})]) > 5

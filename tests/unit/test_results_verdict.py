@@ -27,8 +27,11 @@ from llmflow.results.verdict import (
     OpLevel,
     OpRef,
     OpRow,
+    OpTensors,
     Overflow,
     OverflowOp,
+    OwnErrorStep,
+    OwnErrorSteps,
     ReplayInfo,
     RoutedToken,
     RoutingRow,
@@ -77,6 +80,8 @@ def test_a_real_verdict_round_trips_and_fits_the_committed_schema(real_verdict):
     v = real_verdict
     assert v.status == "fail" and v.first_bad_module == "model.layers.2.post_attention_layernorm"
     assert v.candidates and v.evidence and v.ops and v.op_level and v.token_rows and v.texts and v.curves
+    assert v.own_error_steps is not None and [r.step for r in v.own_error_steps.rows] == [0, 1, 2]
+    assert v.first_bad_op_tensors is None  # kept only for a caller that asks (the bisect stage)
     assert v.cost is not None and v.cost.full_api_dump_bytes_estimate and v.replay.steps_tried
     back = _through_json(v)
     assert _same(back, v)
@@ -127,6 +132,13 @@ def _hand_built() -> Verdict:
                           scan_origin=ScanOrigin(name="m", kind="inf", step=0), scan_agrees=True),
         op_level=OpLevel(comparable=False, first_difference=OpRef(name="a", api="mul", shape=[]),
                          target_ops_around=[OpRef(name="b", api="exp", shape=[1, 2])]),
+        first_bad_op_tensors=OpTensors(file="first_bad_op.safetensors", op="m/exp.0", step=2,
+                                       tensors=["golden.output.0", "target.output.0"], golden_op=None,
+                                       sampled=["target.output.0"], notes=["n"]),
+        own_error_steps=OwnErrorSteps(module="m", metric="rel_l2",
+                                      rows=[OwnErrorStep(step=0, own_error=1e-3, peer_median=None),
+                                            OwnErrorStep(step=1, own_error=inf, peer_median=nan, peers=3),
+                                            OwnErrorStep(step=2, own_error=None)]),
     )
 
 
@@ -137,8 +149,12 @@ def test_every_verdict_type_round_trips_with_none_inf_and_nan():
     assert back.evidence[0].isolated_rel_l2 == math.inf and math.isnan(back.overflow.op.input_max_abs)
     assert back.curves["relative L2 error"]["isolated"]["3"] == math.inf
     assert back.candidates[1].rank is None and back.overflow.nonfinite == {"m": None}
+    rows = back.own_error_steps.rows
+    assert rows[1].own_error == math.inf and math.isnan(rows[1].peer_median) and rows[2].own_error is None
+    assert back.first_bad_op_tensors == v.first_bad_op_tensors
     for record in (v.replay, v.inconclusive, v.token_detail, v.evidence[0], v.texts, v.candidates[0],
                    v.ops[0], v.experts[0], v.routing[0], v.token_rows[0], v.cost, v.overflow, v.op_level,
+                   v.first_bad_op_tensors, v.own_error_steps, v.own_error_steps.rows[1],
                    TokenDetail(), Overflow()):
         assert _same(_through_json(record), record), type(record).__name__
     jsonschema.validate(to_json(v), verdict_schema())

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from llmflow.atomic import atomic_write_json, atomic_write_text, install_staged
+from llmflow.atomic import atomic_write_json, atomic_write_text, atomic_write_with, install_staged
 
 
 def test_json_compact_or_indented_with_a_newline(tmp_path):
@@ -27,6 +27,19 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
         atomic_write_json(path, {"x": float("nan"), "loop": _Loop()})
     assert path.read_text(encoding="utf-8") == "old"
     assert sorted(os.listdir(tmp_path)) == ["a.json"]
+
+
+def test_a_library_writing_to_a_path_name_writes_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "t.safetensors"
+    atomic_write_with(path, lambda tmp: tmp.write_bytes(b"new"))
+    assert path.read_bytes() == b"new"
+
+    def half_then_fail(tmp):
+        tmp.write_bytes(b"half")
+        raise OSError("disk full")
+    with pytest.raises(OSError):
+        atomic_write_with(path, half_then_fail)
+    assert path.read_bytes() == b"new" and sorted(os.listdir(tmp_path)) == ["t.safetensors"]
 
 
 def test_a_link_is_replaced_not_written_through(tmp_path):
