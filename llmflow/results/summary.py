@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from llmflow.errors import UserError
+from llmflow.results.checks import BadcaseBlock, EnvDiffBlock, PrecheckBlock, WeightCompareBlock
 from llmflow.results.codec import from_json
 from llmflow.results.compare import CompareSummary, OutcomeStatus, doc
 from llmflow.results.verdict import VerdictSummary
@@ -133,13 +134,13 @@ class RunSummary:
         "Bisect stage: the headline fields of its verdict (verdict.json): first bad token, layer, "
         "module and op, the diagnosis, evidence, cost, overflow and op level.", default=None)
     overflow: OverflowSummary | None = doc("Overflow-scan stage: first inf/nan.", default=None)
-    precheck: dict[str, Any] | None = doc(
+    precheck: PrecheckBlock | None = doc(
         "Precheck stage: status, totals, counts per API, the first failing call with its module, "
         "perturbed calls and repros.", default=None)
-    weight_compare: dict[str, Any] | None = doc(
+    weight_compare: WeightCompareBlock | None = doc(
         "Weight-compare stage: counts by status and the worst tensor.", default=None)
-    env_diff: dict[str, Any] | None = doc("Env-check stage: differences between environments.", default=None)
-    badcase: dict[str, Any] | None = doc(
+    env_diff: EnvDiffBlock | None = doc("Env-check stage: differences between environments.", default=None)
+    badcase: BadcaseBlock | None = doc(
         "Badcase stage: the number of prompts, the worst and the top of the ranking.", default=None)
     report: ReportBlock | None = doc("Report stage: the HTML report.", default=None)
 
