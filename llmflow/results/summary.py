@@ -2,10 +2,10 @@
 
 The runner's keys (workflow, params, status, outcome, stages ...) come first, then each stage's
 block (``ctx.summary``) under the key the stage chose. ``RunSummary`` types the runner's keys and
-the blocks of the shipped stages whose shape is fixed; ``schemas/summary.schema.json`` is
-generated from it (``llmflow.results.schemas``). Other stages' blocks (a dump stage's under its
-stage id, a plugin stage's under its own key) are free JSON: ``read_run_summary`` returns them
-beside the typed part.
+the blocks of the shipped stages under fixed keys (the check stages' in ``llmflow.results.checks``);
+``schemas/summary.schema.json`` is generated from it (``llmflow.results.schemas``). Blocks under
+keys a stage picks (a dump stage's under its stage id: ``DumpStageBlock``, a plugin stage's under
+its own key) ``read_run_summary`` returns beside the typed part, as JSON.
 """
 
 from __future__ import annotations
