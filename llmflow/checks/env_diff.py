@@ -22,6 +22,7 @@ from typing import Any
 
 from llmflow.errors import UserError
 from llmflow.redaction import REDACTED, Redactor, is_secret_name
+from llmflow.results.checks import EnvDiffBlock, EnvDifference
 
 SECTIONS = ("versions", "env_vars", "torch_settings", "model_config", "generation", "seed", "tokenizer")
 
@@ -143,11 +144,9 @@ def diff_envs(golden: dict[str, Any], target: dict[str, Any]) -> list[dict[str, 
     return items
 
 
-def env_summary(items: list[dict[str, Any]], limit: int = 50) -> dict[str, Any]:
+def env_summary(items: list[dict[str, Any]], limit: int = 50) -> EnvDiffBlock:
     """The ``env_diff`` block of summary.json: counts and the first ``limit`` items."""
-    return {
-        "differences": len(items),
-        "numerics_relevant": sum(1 for it in items if it["numerics_relevant"]),
-        "items": items[:limit],
-        "truncated": len(items) > limit,
-    }
+    return EnvDiffBlock(differences=len(items),
+                        numerics_relevant=sum(1 for it in items if it["numerics_relevant"]),
+                        items=[EnvDifference(**it) for it in items[:limit]],
+                        truncated=len(items) > limit)

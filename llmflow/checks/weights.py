@@ -59,6 +59,7 @@ import torch
 from llmflow.compare.thresholds import finite_or_none
 from llmflow.dtypes import DTYPE_OF_SAFETENSORS_CODE, dtype_name
 from llmflow.errors import UserError
+from llmflow.results.checks import WeightCompareBlock, WeightProblem, WorstWeight
 from llmflow.structure import DEFAULT_RATIO_THRESHOLD, layer_of, module_type
 
 COMPANIONS = ("weight_scale", "weight_offset", "deq_scale", "quant_bias", "input_scale", "input_offset",
@@ -580,7 +581,7 @@ def rank_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return compared + others
 
 
-def weight_summary(rows: list[dict[str, Any]], companions: int) -> dict[str, Any]:
+def weight_summary(rows: list[dict[str, Any]], companions: int) -> WeightCompareBlock:
     """The ``weight_compare`` block of summary.json."""
     counts: dict[str, int] = {"tensors": len(rows), "companion_tensors": companions}
     for r in rows:
@@ -590,6 +591,7 @@ def weight_summary(rows: list[dict[str, Any]], companions: int) -> dict[str, Any
     worst = next((r for r in rows if r["status"] == "compared"), None)
     keep = ("name", "verdict", "cosine_similarity", "relative_euclidean_distance", "max_absolute_error",
             "quant_type", "scheme", "sibling_score", "reason")
-    return {"counts": counts, "worst": {k: worst.get(k) for k in keep} if worst else None,
-            "problems": [{"name": r["name"], "status": r["status"], "reason": r["reason"]}
-                         for r in rows if r["status"] != "compared"][:50]}
+    return WeightCompareBlock(
+        counts=counts, worst=WorstWeight(**{k: worst.get(k) for k in keep}) if worst else None,
+        problems=[WeightProblem(name=r["name"], status=r["status"], reason=r["reason"])
+                  for r in rows if r["status"] != "compared"][:50])

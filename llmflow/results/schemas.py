@@ -9,8 +9,9 @@ from llmflow.results.codec import json_schema
 from llmflow.results.summary import RunSummary
 from llmflow.results.verdict import Verdict
 
-OTHER_STAGE_BLOCKS = ("Blocks other stages add: a dump stage's under its stage id, a plugin stage's under "
-                      "the key it chose (free JSON).")
+OTHER_STAGE_BLOCKS = ("Blocks other stages add: a dump stage's under its stage id ({\"dump\": {bytes, "
+                      "entries, steps, text, truncated}}: llmflow.results.checks.DumpStageBlock), a plugin "
+                      "stage's under the key it chose (free JSON).")
 
 
 def summary_schema() -> dict[str, Any]:

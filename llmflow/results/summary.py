@@ -2,10 +2,10 @@
 
 The runner's keys (workflow, params, status, outcome, stages ...) come first, then each stage's
 block (``ctx.summary``) under the key the stage chose. ``RunSummary`` types the runner's keys and
-the blocks of the shipped stages whose shape is fixed; ``schemas/summary.schema.json`` is
-generated from it (``llmflow.results.schemas``). Other stages' blocks (a dump stage's under its
-stage id, a plugin stage's under its own key) are free JSON: ``read_run_summary`` returns them
-beside the typed part.
+the blocks of the shipped stages under fixed keys (the check stages' in ``llmflow.results.checks``);
+``schemas/summary.schema.json`` is generated from it (``llmflow.results.schemas``). Blocks under
+keys a stage picks (a dump stage's under its stage id: ``DumpStageBlock``, a plugin stage's under
+its own key) ``read_run_summary`` returns beside the typed part, as JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from llmflow.errors import UserError
+from llmflow.results.checks import BadcaseBlock, EnvDiffBlock, PrecheckBlock, WeightCompareBlock
 from llmflow.results.codec import from_json
 from llmflow.results.compare import CompareSummary, OutcomeStatus, doc
 from llmflow.results.verdict import VerdictSummary
@@ -133,13 +134,13 @@ class RunSummary:
         "Bisect stage: the headline fields of its verdict (verdict.json): first bad token, layer, "
         "module and op, the diagnosis, evidence, cost, overflow and op level.", default=None)
     overflow: OverflowSummary | None = doc("Overflow-scan stage: first inf/nan.", default=None)
-    precheck: dict[str, Any] | None = doc(
+    precheck: PrecheckBlock | None = doc(
         "Precheck stage: status, totals, counts per API, the first failing call with its module, "
         "perturbed calls and repros.", default=None)
-    weight_compare: dict[str, Any] | None = doc(
+    weight_compare: WeightCompareBlock | None = doc(
         "Weight-compare stage: counts by status and the worst tensor.", default=None)
-    env_diff: dict[str, Any] | None = doc("Env-check stage: differences between environments.", default=None)
-    badcase: dict[str, Any] | None = doc(
+    env_diff: EnvDiffBlock | None = doc("Env-check stage: differences between environments.", default=None)
+    badcase: BadcaseBlock | None = doc(
         "Badcase stage: the number of prompts, the worst and the top of the ranking.", default=None)
     report: ReportBlock | None = doc("Report stage: the HTML report.", default=None)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
+from llmflow.results.checks import BadcaseBlock, BadcaseRank
+from llmflow.results.codec import to_json
 from llmflow.stages.base import Stage, StageContext
 
 _SIDE = {"model": ("string", None, "smollm2, tiny-llama[:k=v], a local HF directory or file.py:callable."),
@@ -74,8 +76,9 @@ class BadcaseStage(Stage):
         path = ctx.out_dir / "ranking.json"
         path.write_text(json.dumps(ctx.redact(rows), indent=1), encoding="utf-8")
         keep = ("rank", "prompt", "first_mismatch_token", "max_kl", "max_kl_step")
-        ctx.summary["badcase"] = {"prompts": len(rows), "worst_prompt": rows[0]["prompt"],
-                                  "ranking": [{k: r[k] for k in keep} for r in rows[:10]]}
+        ctx.summary["badcase"] = to_json(BadcaseBlock(
+            prompts=len(rows), worst_prompt=rows[0]["prompt"],
+            ranking=[BadcaseRank(**{k: r[k] for k in keep}) for r in rows[:10]]))
         ctx.log(f"{ctx.stage_id}: worst prompt {rows[0]['prompt']!r} (max KL {rows[0]['max_kl']:.3g}, "
                 f"first mismatch at token {rows[0]['first_mismatch_token']})")
         return {"ranking_file": str(path), "worst_prompt": rows[0]["prompt"]}

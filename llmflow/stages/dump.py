@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 from llmflow import interrupts
 from llmflow.dump.config import DumpConfig
 from llmflow.errors import UserError
+from llmflow.results.checks import DumpStageBlock, DumpTotals
+from llmflow.results.codec import to_json
 from llmflow.stages.base import Stage, StageContext
 
 _NULLABLE_STR = {"type": ["string", "null"], "default": None}
@@ -84,9 +86,9 @@ class DumpStage(Stage):
                 "generation_file": str(ctx.out_dir / "generation.json")}
         result = self._run_worker(ctx, args)
         text = result["text"]
-        ctx.summary[ctx.stage_id] = {"dump": {"bytes": result["bytes"], "entries": result["entries"],
-                                              "steps": result["steps"], "text": text,
-                                              "truncated": result["truncated"]}}
+        ctx.summary[ctx.stage_id] = to_json(DumpStageBlock(dump=DumpTotals(
+            bytes=result["bytes"], entries=result["entries"], steps=result["steps"], text=text,
+            truncated=result["truncated"])))
         ctx.log(f"{ctx.stage_id}: {result['steps']} steps, {result['entries']} entries, "
                 f"{result['bytes'] / 1e6:.1f} MB: {text!r}")
         return {

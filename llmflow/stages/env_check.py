@@ -12,6 +12,7 @@ import json
 from typing import Any, ClassVar
 
 from llmflow.checks.env_diff import diff_envs, env_summary, load_env
+from llmflow.results.codec import to_json
 from llmflow.stages.base import Stage, StageContext
 
 
@@ -48,12 +49,12 @@ class EnvCheckStage(Stage):
         items = diff_envs(envs["golden"], envs["target"])
         summary = env_summary(items)
         path = ctx.out_dir / "env_diff.json"
-        report = {**summary, "items": items, "truncated": False, "golden": ctx.params["golden"],
+        report = {**to_json(summary), "items": items, "truncated": False, "golden": ctx.params["golden"],
                   "target": ctx.params["target"]}
         path.write_text(json.dumps(ctx.redact(report), indent=1, default=str), encoding="utf-8")
-        ctx.summary["env_diff"] = summary
-        ctx.log(f"{ctx.stage_id}: {summary['differences']} differences, "
-                f"{summary['numerics_relevant']} numerics-relevant")
+        ctx.summary["env_diff"] = to_json(summary)
+        ctx.log(f"{ctx.stage_id}: {summary.differences} differences, "
+                f"{summary.numerics_relevant} numerics-relevant")
         for it in items[:5]:
             if it["numerics_relevant"]:
                 ctx.log(f"  {it['key']}: {it['golden']!r} -> {it['target']!r} ({it['reason']})")

@@ -16,6 +16,8 @@ from llmflow.checks.precheck_options import (
     DEFAULT_PERTURB_RATIO,
     PrecheckOptions,
 )
+from llmflow.results.checks import MissingRepro, PrecheckBlock, PrecheckCall, PrecheckRepro
+from llmflow.results.codec import to_json
 from llmflow.stages.base import Stage, StageContext
 
 
@@ -66,12 +68,12 @@ class PrecheckStage(Stage):
                               progress=lambda description, total: ctx.task(f"{ctx.stage_id}: {description}",
                                                                            total=total))
         first = result["first_fail"]
-        ctx.summary["precheck"] = {
-            "status": result["status"], "totals": result["totals"], "counts": result["counts"],
-            "first_fail": None if first is None else {k: first[k] for k in ("name", "module", "api", "step",
-                                                                            "rank", "ratio", "reason")},
-            "perturbed": result["perturbed"], "repros": result["repros"],
-            "repros_missing": result["repros_missing"]}
+        ctx.summary["precheck"] = to_json(PrecheckBlock(
+            status=result["status"], totals=result["totals"], counts=result["counts"],
+            first_fail=None if first is None else PrecheckCall(**{k: first[k] for k in (
+                "name", "module", "api", "step", "rank", "ratio", "reason")}),
+            perturbed=result["perturbed"], repros=[PrecheckRepro(**r) for r in result["repros"]],
+            repros_missing=[MissingRepro(**m) for m in result["repros_missing"]]))
         ctx.log(result["headline"])
         ctx.set_outcome(result["status"], result["headline"])
         return {"csv": result["files"]["csv"], "xlsx": result["files"]["xlsx"],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from llmflow.results.codec import to_json
 from llmflow.stages.base import Stage, StageContext
 from llmflow.structure import DEFAULT_RATIO_THRESHOLD
 
@@ -70,10 +71,10 @@ class WeightCompareStage(Stage):
         write_csv(rows, csv_path, columns=columns)
         write_xlsx({"weights": [{c: r.get(c) for c in columns} for r in rows]}, xlsx_path)
         summary = weight_summary(rows, companions)
-        ctx.summary["weight_compare"] = summary
-        worst = summary["worst"]
-        ctx.log(f"{ctx.stage_id}: {summary['counts']}" + (
-            f"; worst {worst['name']} ({worst['verdict']})" if worst else ""))
+        ctx.summary["weight_compare"] = to_json(summary)
+        worst = summary.worst
+        ctx.log(f"{ctx.stage_id}: {summary.counts}" + (
+            f"; worst {worst.name} ({worst.verdict})" if worst else ""))
         failed = [r for r in rows if r.get("verdict") == "fail"]
         if failed:
             ctx.set_outcome("fail", f"weights: {len(failed)} of {len(rows)} tensors fail; first: "

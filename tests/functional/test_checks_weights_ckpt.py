@@ -114,10 +114,10 @@ def test_wrong_scale_ranks_first_and_every_problem_is_named(pair):
     assert companions == 5 + 4 + 2 + 2
     assert [r["status"] for r in rows[:6]] == ["compared"] * 6
     s = weight_summary(rows, companions)
-    assert s["worst"]["name"] == WRONG
-    assert s["counts"]["compared"] == 6 and s["counts"]["missing_in_target"] == 1
-    assert s["counts"]["missing_in_golden"] == 1 and s["counts"]["shape_mismatch"] == 1
-    assert s["counts"]["compressed"] == 1 and s["counts"]["companion_tensors"] == 13
+    assert s.worst is not None and s.worst.name == WRONG
+    assert s.counts["compared"] == 6 and s.counts["missing_in_target"] == 1
+    assert s.counts["missing_in_golden"] == 1 and s.counts["shape_mismatch"] == 1
+    assert s.counts["compressed"] == 1 and s.counts["companion_tensors"] == 13
 
 
 def test_stage_writes_csv_xlsx_and_summary(pair, tmp_path):

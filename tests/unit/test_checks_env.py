@@ -8,6 +8,7 @@ import pytest
 
 from llmflow.checks.env_diff import classify, diff_envs, env_summary, flatten, load_env
 from llmflow.errors import UserError
+from llmflow.results.checks import EnvDiffBlock
 
 
 def _env(**over: dict) -> dict:
@@ -30,7 +31,7 @@ def _env(**over: dict) -> dict:
 
 def test_identical_envs_have_no_difference():
     assert diff_envs(_env(), _env()) == []
-    assert env_summary([]) == {"differences": 0, "numerics_relevant": 0, "items": [], "truncated": False}
+    assert env_summary([]) == EnvDiffBlock(differences=0, numerics_relevant=0, items=[], truncated=False)
 
 
 def test_deterministic_and_precision_switches_are_numerics_relevant():
@@ -49,7 +50,7 @@ def test_deterministic_and_precision_switches_are_numerics_relevant():
     ordered = diff_envs(_env(), target)
     assert all(it["numerics_relevant"] for it in ordered[:4]) and not ordered[-1]["numerics_relevant"]
     s = env_summary(ordered)
-    assert (s["differences"], s["numerics_relevant"]) == (7, 4)
+    assert (s.differences, s.numerics_relevant) == (7, 4)
 
 
 def test_a_key_on_one_side_only_is_reported():
