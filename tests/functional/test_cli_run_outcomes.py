@@ -59,9 +59,11 @@ def test_the_bisect_says_on_the_console_when_each_phase_ends(decode_fault_run):
              if line.startswith("[") and "bisect: " in line and " done in " in line]
     phases = [line.split(" done in ")[0] for line in ended]
     assert phases == ["load target model", "token: logits per step", "module: isolation replay (step 1)",
-                      "op: replay with API capture", "cost: full API dump estimate"], proc.stdout[-3000:]
+                      "op: replay with API capture", "module: own error per step",
+                      "cost: full API dump estimate"], proc.stdout[-3000:]
     assert all(re.search(r" done in \d+\.\d s", line) for line in ended)
-    assert ended[2].endswith(" s (52 modules)") and ended[4].endswith(" s (one layer x N)")
+    assert ended[2].endswith(" s (52 modules)") and ended[5].endswith(" s (one layer x N)")
+    assert re.search(r" s \(\d+ steps x \d+ modules\)$", ended[4]), ended[4]
 
 
 def test_replaying_a_step_that_holds_no_fault_is_inconclusive_and_says_what_next(tmp_path):
