@@ -357,9 +357,9 @@ class OwnErrorSteps:
 
 
 @dataclass
-class Verdict:
-    """verdict.json, written by the bisect stage: the status, the first bad token, layer, module and
-    op, and the evidence behind them."""
+class VerdictHead:
+    """What verdict.json and summary.json's ``verdict`` block both hold: the status, the first bad
+    token, layer, module and op, the diagnosis and the evidence behind it."""
 
     status: Status
     headline: str
@@ -374,6 +374,13 @@ class Verdict:
     inconclusive: Inconclusive | None = None
     token_detail: TokenDetail = field(default_factory=TokenDetail)
     evidence: list[Evidence] = field(default_factory=list)
+
+
+@dataclass
+class Verdict(VerdictHead):
+    """verdict.json, written by the bisect stage: the status, the first bad token, layer, module and
+    op, and the evidence behind them."""
+
     texts: Texts | None = None
     curves: dict[str, dict[str, dict[str, float]]] = field(
         default_factory=dict, metadata=_doc("metric -> series (raw, isolated) -> layer index -> error"))
@@ -398,23 +405,10 @@ BisectResult = Verdict
 
 
 @dataclass
-class VerdictSummary:
+class VerdictSummary(VerdictHead):
     """What summary.json repeats of verdict.json (under ``verdict``): the headline fields, the
     evidence, and both generated texts."""
 
-    status: Status
-    headline: str
-    diagnosis: str
-    replay: ReplayInfo
-    first_mismatch_token: int | None = None
-    first_bad_token: int | None = None
-    first_bad_layer: str | None = None
-    first_bad_module: str | None = None
-    first_bad_op: str | None = None
-    first_bad_expert: int | None = None
-    inconclusive: Inconclusive | None = None
-    token_detail: TokenDetail = field(default_factory=TokenDetail)
-    evidence: list[Evidence] = field(default_factory=list)
     routing: list[RoutingRow] = field(default_factory=list)
     cost: Cost | None = None
     overflow: Overflow = field(default_factory=Overflow)
