@@ -29,6 +29,7 @@ from collections.abc import Callable
 from statistics import median
 from typing import Any
 
+from llmflow.compare.run import recorded_dtype
 from llmflow.dtypes import dtype_name
 from llmflow.dump.memory import Call
 from llmflow.errors import UserError
@@ -133,13 +134,14 @@ def _load_streamed(spec: dict[str, Any], layers: str | None) -> Any:
 
 
 def target_dump_dtype(reader: DumpReader) -> str:
-    """The dtype the target computed in, from its dump: its logits' (else its first module
-    output's); float32 when the dump names none."""
-    outputs = [e for e in reader.entries()
-               if e.kind == "output" and e.dtype and e.level in ("logits", "module")]
-    logits = [e for e in outputs if e.level == "logits"]
-    found = (logits or outputs or [None])[0]
-    return dtype_name(found.dtype) if found is not None and found.dtype else "float32"
+    """The dtype the target computed in: the model dtype its dump records (env.json), else its
+    first module output's; float32 when the dump names none."""
+    recorded = recorded_dtype(reader)
+    if recorded:
+        return recorded
+    outputs = (e for e in reader.entries() if e.level == "module" and e.kind == "output" and e.dtype)
+    found = next(outputs, None)
+    return dtype_name(found.dtype) if found is not None else "float32"
 
 
 def raw_errors(golden: DumpReader, target: DumpReader, step: int) -> dict[str, dict[str, float]]:
@@ -175,10 +177,11 @@ class _Bisect:
             structure = self.target.model
         else:  # the golden model gives the module tree: the target's modules carry its names
             golden = self.golden()
+            if golden is None:  # the only model this isolation runs: a spec that cannot load is bad input
+                raise UserError(f"golden_model_spec: the golden model cannot be loaded: {self.golden_error}")
             self.phase("load golden model")
-            structure = golden.model if golden is not None else None
-        self.stack: LayerStack | None = (find_layer_stack(structure, inp.layers) if structure is not None
-                                         else None)
+            structure = golden.model
+        self.stack: LayerStack | None = find_layer_stack(structure, inp.layers)
         self.stats: dict[str, int] = {"recomputed_layers": 0, "golden_reruns": 0, "own_error_replays": 0}
         self.op_tensors: dict[str, Any] = {}  # the first bad op's tensors (ops.op_tensors)
         self.op_tensors_info: OpTensors | None = None
