@@ -64,12 +64,15 @@ def _golden_input_shapes(reader: DumpReader, step: int) -> dict[tuple[str, str],
             and e.is_tensor and e.shape is not None}
 
 
-def _input_merge(name: str, index: str, shards: list[Entry],
-                 golden_shapes: dict[tuple[str, str], list[int]]) -> str | None:
-    """How one input's shards join: by the golden dump's shape of that input; without it, shards
-    of one shape are taken as replicated copies."""
-    shapes = [s.shape for s in shards]
+def _input_merge(name: str, index: str, shards: list[Entry], golden_shapes: dict[tuple[str, str], list[int]],
+                 module: nn.Module) -> str | None:
+    """How one input's shards join: by the golden dump's shape of that input; without it (a golden
+    dump of the decoder layers only), a linear's input by its ``in_features``, and other shards of
+    one shape are taken as replicated copies."""
+    shapes = [list(s.shape) for s in shards]
     golden = golden_shapes.get((name, index))
+    if golden is None and isinstance(module, nn.Linear) and index == "0" and shapes[0]:
+        golden = [*shapes[0][:-1], module.in_features]
     if golden is None:
         return REPLICATED if all(s == shapes[0] for s in shapes) else None
     return merge_of(golden, shapes)
@@ -131,7 +134,7 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
     merges: dict[str, str] = {}
     for i, entries in shards.items():
         if entries[0].is_tensor:
-            merge = _input_merge(name, i, entries, golden_shapes)
+            merge = _input_merge(name, i, entries, golden_shapes, module)
             if merge is None:
                 return _not_replayable(name, module_type, f"input {i}: the ranks' shapes "
                                        f"{[e.shape for e in entries]} do not join into the golden's")

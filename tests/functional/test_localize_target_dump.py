@@ -115,6 +115,40 @@ def test_a_decode_step_replays_linears_and_reports_attention_as_not_replayable(d
                for c in attention)
 
 
+def test_a_streamed_golden_runs_its_modules_one_at_a_time(tmp_path: Path, dumps: Path) -> None:
+    """A golden stored as a Hugging Face directory is streamed: each module called alone on the
+    target's inputs reads its layer's weights then; the verdict is the whole golden's."""
+    sys.path.insert(0, str(REPO / "tests" / "fixtures"))
+    from tp_llama import golden_model
+
+    golden_model().save_pretrained(tmp_path / "golden_hf")
+    inp = BisectInputs(golden_dump=_dump(dumps, "golden"), target_dump=_dump(dumps, "mlp_rank1"),
+                       golden_spec={"model": str(tmp_path / "golden_hf")}, golden_weights="streamed")
+    verdict = run_bisect(inp, log=lambda _m: None)
+    assert verdict.cost.model_runs.golden_weights == "streamed"
+    assert verdict.first_bad_module == "model.layers.1.mlp.up_proj" and verdict.first_bad_rank == 1
+
+
+def test_a_golden_dump_of_the_decoder_layers_only_still_joins_row_parallel_inputs(tmp_path: Path,
+                                                                                  dumps: Path) -> None:
+    """The recipe's golden dump holds the decoder layers' inputs and outputs only: a row-parallel
+    linear's sliced inputs are joined by the golden linear's in_features."""
+    from llmflow.dump.config import DumpConfig
+    from llmflow.dump.run import dump_run
+    from llmflow.models import load_model
+    from llmflow.structure import resolve_module_classes
+
+    golden = load_model(TP_GOLDEN_MODEL)
+    layers = resolve_module_classes(golden.model, ["auto"])
+    dump_run(golden, [256, 104, 101, 108, 108, 111], 4,
+             DumpConfig(dump_path=str(tmp_path / "layers"), token_range="all", module_list=layers))
+    inp = BisectInputs(golden_dump=tmp_path / "layers", target_dump=_dump(dumps, "row_rank1"),
+                       golden_spec={"model": TP_GOLDEN_MODEL})
+    verdict = run_bisect(inp, log=lambda _m: None)
+    assert verdict.first_bad_module == "model.layers.0.mlp.down_proj" and verdict.first_bad_rank is None
+    assert verdict.replay.not_replayable == 0
+
+
 def test_isolation_mode_choice_and_bad_values() -> None:
     class Ranks:
         def __init__(self, n: int):
