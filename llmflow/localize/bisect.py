@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from statistics import median
 from typing import Any
 
@@ -476,10 +477,9 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     none kept, and the verdict names none."""
     b = _Bisect(inp, log, progress)
     tgt = b.target
-    if not inp.golden_ids:  # dumps made without llmflow's dump stage: the greedy tokens of the logits
-        inp.golden_ids = greedy_ids(b.golden_dump)
-    if not inp.target_ids:
-        inp.target_ids = greedy_ids(b.target_dump)
+    if not inp.golden_ids or not inp.target_ids:  # dumps made elsewhere: the greedy tokens of their logits
+        b.inp = inp = replace(inp, golden_ids=inp.golden_ids or greedy_ids(b.golden_dump),
+                              target_ids=inp.target_ids or greedy_ids(b.target_dump))
     dtype = dtype_name(tgt.dtype) if tgt is not None else target_dump_dtype(b.target_dump)
     mismatch = first_mismatch(inp.golden_ids, inp.target_ids)
     rows = token_rows(b.golden_dump, b.target_dump, golden_ids=inp.golden_ids, target_ids=inp.target_ids,

@@ -105,13 +105,17 @@ def _run_golden(module: nn.Module, call: Call, golden: Any) -> dict[str, torch.T
 
 
 def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]], target: DumpReader,
-                  golden: Any, step: int, golden_shapes: dict[tuple[str, str], list[int]]) -> dict[str, Any]:
+                  golden: Any, step: int, golden_shapes: dict[tuple[str, str], list[int]],
+                  all_ranks: list[int] | None = None) -> dict[str, Any]:
     """One module's own error from the target dump (see the module docstring): a row as
     ``replay.replay_call`` gives, plus ``sharding`` (how its shards joined), ``rank_errors``
     (each rank's own rel_l2, rank order; empty where no rank has one) and ``shard_rank`` (the rank
     whose own error stands out, else None)."""
     ranks = sorted(by_rank)
     module_type = by_rank[ranks[0]][0].module_type
+    lacking = sorted(set(all_ranks or ranks) - set(ranks))
+    if lacking:  # a shard or copy missing: what the others hold is not the whole tensor
+        return _not_replayable(name, module_type, f"not recorded on rank(s) {', '.join(map(str, lacking))}")
     calls = {r: first_call(by_rank[r]) for r in ranks}
     if any(not ins for ins, _outs in calls.values()):
         return _not_replayable(name, module_type, NO_INPUTS)
@@ -226,11 +230,12 @@ def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpRe
     Modules the golden model does not have are skipped."""
     modules = dict(golden.model.named_modules())
     shapes = _golden_input_shapes(golden_dump, golden_step)
+    ranks = target_dump.ranks()
     for name, by_rank in _module_entries(target_dump, target_step).items():
         module = modules.get(name)
         if module is None or not select(name, module):
             continue
-        yield replay_module(name, module, by_rank, target_dump, golden, target_step, shapes)
+        yield replay_module(name, module, by_rank, target_dump, golden, target_step, shapes, ranks)
         if advance is not None:
             advance()
 

@@ -149,6 +149,24 @@ def test_a_golden_dump_of_the_decoder_layers_only_still_joins_row_parallel_input
     assert verdict.replay.not_replayable == 0
 
 
+def test_a_module_missing_on_one_rank_is_not_replayed_from_the_other(dumps: Path) -> None:
+    from llmflow.formats import open_dump
+    from llmflow.localize.target_dump import replay_module
+    from llmflow.models import load_model
+
+    target = open_dump(_dump(dumps, "clean"))
+    name = "model.layers.0.mlp.up_proj"
+    rank0 = [e for e in target.entries() if e.name == name and e.step == 0 and e.rank == 0]
+    golden = load_model(TP_GOLDEN_MODEL)
+    module = golden.model.get_submodule(name)
+    whole = replay_module(name, module, {0: rank0, 1: [e for e in target.entries()
+                                                       if e.name == name and e.step == 0 and e.rank == 1]},
+                          target, golden, 0, {}, [0, 1])
+    assert whole["replayable"] and whole["sharding"] == "inputs whole, output concat:2"
+    alone = replay_module(name, module, {0: rank0}, target, golden, 0, {}, [0, 1])
+    assert not alone["replayable"] and alone["reason"] == "not recorded on rank(s) 1"
+
+
 def test_isolation_mode_choice_and_bad_values() -> None:
     class Ranks:
         def __init__(self, n: int):
