@@ -77,7 +77,8 @@ def test_a_column_parallel_fault_names_its_module_and_rank_through_the_workflow(
     assert to_json(from_json(Verdict, verdict)) == verdict
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["verdict"]["first_bad_rank"] == 1
-    assert (tmp_path / "run" / "report" / "report.html").is_file()
+    html = (tmp_path / "run" / "report" / "report.html").read_text(encoding="utf-8")
+    assert "first bad rank" in html and "the golden modules on the target dump&#39;s recorded inputs" in html
 
 
 def test_a_clean_tp_port_passes_through_the_workflow(tmp_path: Path, dumps: Path) -> None:
