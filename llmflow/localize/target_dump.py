@@ -17,7 +17,9 @@ golden's input shapes from the golden dump, its output shape from the golden mod
   joined one (slices) or the worst rank's (replicated copies).
 * inputs sliced over the ranks (a row-parallel linear, an activation on a column-parallel
   output): the golden module runs once on the concatenated inputs. A sliced output still gives
-  each rank's slice an error of its own; a reduced output is the module's alone (no rank named).
+  each rank's slice an error of its own; a reduced output is the module's alone (no rank named),
+  and where the ranks' outputs of the golden's shape differ they are partial products whose sum
+  the all-reduce after the module makes (an all-reduced tensor is the same on every rank).
 
 A rank is named only when its own error stands out from the other ranks' (``shards.standout``).
 A decode step's attention reads the target's KV cache, which no dump holds: it is reported as
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmflow.compare.mappings import CONCAT, REPLICATED
+from llmflow.compare.mappings import CONCAT, REPLICATED, SUM
 from llmflow.compare.shards import join_tensors, merge_of, shard_errors, standout
 from llmflow.dump.arguments import is_cache_type
 from llmflow.dump.memory import Call, flatten_outputs
@@ -163,6 +165,8 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
     if merge is None:
         return _not_replayable(name, module_type, f"output {index}: the ranks' shapes do not join into the "
                                                    f"golden's {list(golden_out.shape)}")
+    if merge == REPLICATED and any(not torch.equal(target_outs[0], t) for t in target_outs[1:]):
+        merge = SUM  # an all-reduced output is the same on every rank: these are partial products
     row: dict[str, Any] = {"name": name, "module_type": module_type, "replayable": True, "output": index,
                            **own_error(golden_out, join_tensors(merge, target_outs))}
     sharding = f"inputs {', '.join(sliced)}, output {merge}"
