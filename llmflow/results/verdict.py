@@ -32,7 +32,8 @@ class ReplayInfo:
 
     step: int
     why: str
-    source: str = field(metadata=_doc('"dump", "dump + layer recompute" or "golden re-run"'))
+    source: str = field(metadata=_doc('"dump", "dump + layer recompute", "golden re-run" or "target dump" '
+                                      "(the golden modules on the target dump's inputs)"))
     replayed: int = 0
     not_replayable: int = 0
     reasons: dict[str, list[str]] = field(
