@@ -245,13 +245,11 @@ class _Bisect:
         t_step = self.target_step(step)
         raw = raw_errors_joined(self.golden_dump, self.target_dump, step, t_step)
         result = StepReplay(step=step, why=why, raw=raw, source="target dump")
-        golden = self.golden()
-        if golden is None:
-            result.missing = (f"the golden model cannot be loaded to run on the target's inputs: "
-                              f"{self.golden_error}")
-            return result
+        golden = self.held["golden"]  # loaded when the bisect started (one that cannot load: bad input)
+        modules = dict(golden.model.named_modules())
         names = {e.name for e in self.target_dump.entries() if e.step == t_step and e.level == "module"}
-        task = self.progress(f"isolation from the target dump, step {step}", float(len(names))) \
+        total = sum(1 for n in names if n in modules and self.select(n, modules[n]))
+        task = self.progress(f"isolation from the target dump, step {step}", float(total)) \
             if self.progress else None
         result.rows = list(replay_target_dump(golden, self.golden_dump, self.target_dump, golden_step=step,
                                               target_step=t_step, select=self.select,
