@@ -7,7 +7,9 @@
   3. module  isolation replay of every module of the TARGET on the GOLDEN inputs at that step
              (replay.py) -> own errors, ranked against the same module in the other layers
              (rank.py); where nothing stands out at a decode step, the prefill is replayed too
-             (a fault there reaches later steps through the cache it wrote)
+             (a fault there reaches later steps through the cache it wrote). A target that cannot
+             be reloaded here (tensor-parallel ranks, an NPU graph) is isolated the other way: the
+             GOLDEN module on the TARGET's dumped inputs, rank by rank (target_dump.py, ``isolate``)
   4. op      the chosen module replayed op by op on both sides (ops.py); in fused experts, the
              expert (moe.py); the first bad op's tensors are kept for the report
   4b. steps  the chosen module's own error at each step from the prefill on (own_error_steps),
@@ -24,9 +26,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from statistics import median
 from typing import Any
 
+from llmflow.compare.run import recorded_dtype
 from llmflow.dtypes import dtype_name
 from llmflow.dump.memory import Call
 from llmflow.errors import UserError
@@ -35,6 +39,7 @@ from llmflow.formats.base import DumpReader
 from llmflow.localize import cost as cost_mod
 from llmflow.localize import moe
 from llmflow.localize import ops as ops_mod
+from llmflow.localize.calls import NO_INPUTS
 from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude
 from llmflow.localize.golden import (
     dump_has_layer_inputs,
@@ -48,7 +53,8 @@ from llmflow.localize.options import BisectInputs
 from llmflow.localize.own_error import own_error
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
-from llmflow.localize.tokens import first_bad_step, first_mismatch, token_rows
+from llmflow.localize.target_dump import raw_errors_joined, replay_target_dump
+from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, token_rows
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
     Cost,
@@ -65,6 +71,28 @@ from llmflow.structure import LayerStack, find_layer_stack, layer_of
 OWN_ERROR_PEERS = 8
 
 Progress = Callable[[str, float | None], Any]
+
+#: the phases isolation from the target's dump cannot run, and why (the verdict's ``skipped``)
+NEEDS_TARGET_MODEL = {
+    "op_level": "the op level replays the chosen module op by op on both sides: it needs the target model",
+    "own_error_steps": "the own error per step replays the target module at each step: it needs the target "
+                       "model",
+    "cost_estimate": "the full API-dump estimate runs both models: it needs the target model",
+}
+
+
+def isolation_mode(inp: BisectInputs, target_dump: DumpReader) -> str:
+    """``target_model`` or ``target_dump`` (``isolate``; auto: the dump when it has more than one
+    rank or no target model is given); UserError naming the field when the choice cannot run."""
+    mode = inp.isolate
+    if mode not in ("auto", "target_model", "target_dump"):
+        raise UserError(f"isolate: {mode!r} is not one of auto, target_model, target_dump")
+    if mode == "auto":
+        mode = "target_dump" if not inp.target_spec or len(target_dump.ranks()) > 1 else "target_model"
+    if mode == "target_model" and not inp.target_spec:
+        raise UserError("isolate: target_model needs the target model (target_model_spec); "
+                        "isolate: target_dump needs none")
+    return mode
 
 
 def _load(spec: dict[str, Any]) -> Any:
@@ -106,6 +134,17 @@ def _load_streamed(spec: dict[str, Any], layers: str | None) -> Any:
     return load_streamed(spec["model"], layers=layers, **given)
 
 
+def target_dump_dtype(reader: DumpReader) -> str:
+    """The dtype the target computed in: the model dtype its dump records (env.json), else its
+    first module output's; float32 when the dump names none."""
+    recorded = recorded_dtype(reader)
+    if recorded:
+        return recorded
+    outputs = (e for e in reader.entries() if e.level == "module" and e.kind == "output" and e.dtype)
+    found = next(outputs, None)
+    return dtype_name(found.dtype) if found is not None else "float32"
+
+
 def raw_errors(golden: DumpReader, target: DumpReader, step: int) -> dict[str, dict[str, float]]:
     """Output ``"0"`` of every module both dumps hold at ``step``: error metrics (inherited error)."""
     def outs(reader: DumpReader) -> dict[str, Any]:
@@ -128,12 +167,22 @@ class _Bisect:
         self.mark = self.t0
         self.phases: dict[str, float] = {}
         self.golden_dump, self.target_dump = open_dump(inp.golden_dump), open_dump(inp.target_dump)
+        self.isolation = isolation_mode(inp, self.target_dump)
         self.golden_streamed = golden_streamed(inp)
-        self.target = _load(inp.target_spec)
-        self.phase("load target model")
-        self.stack: LayerStack | None = find_layer_stack(self.target.model, inp.layers)
         self.held: dict[str, Any] = {}
         self.golden_error: str | None = None  # why the golden model could not be loaded
+        self.target: Any = None  # the target model (isolation target_model only)
+        if self.isolation == "target_model":
+            self.target = _load(inp.target_spec)  # type: ignore[arg-type]
+            self.phase("load target model")
+            structure = self.target.model
+        else:  # the golden model gives the module tree: the target's modules carry its names
+            golden = self.golden()
+            if golden is None:  # the only model this isolation runs: a spec that cannot load is bad input
+                raise UserError(f"golden_model_spec: the golden model cannot be loaded: {self.golden_error}")
+            self.phase("load golden model")
+            structure = golden.model
+        self.stack: LayerStack | None = find_layer_stack(structure, inp.layers)
         self.stats: dict[str, int] = {"recomputed_layers": 0, "golden_reruns": 0, "own_error_replays": 0}
         self.op_tensors: dict[str, Any] = {}  # the first bad op's tensors (ops.op_tensors)
         self.op_tensors_info: OpTensors | None = None
@@ -182,11 +231,49 @@ class _Bisect:
         return is_branch(name, module, self.stack)
 
     def decode(self, i: int) -> str:
-        tok = self.target.tokenizer
+        side = self.target if self.target is not None else self.held.get("golden")
+        tok = side.tokenizer if side is not None else None
         return tok.decode([i]) if tok is not None else str(i)
+
+    def target_step(self, golden_step: int) -> int:
+        """The target's step paired with a golden step (the align stage's pairs; else the same)."""
+        pair = next((p for p in self.inp.pairs or [] if p["golden_step"] == golden_step), None)
+        return pair["target_step"] if pair else golden_step
+
+    def replay_from_target_dump(self, step: int, why: str) -> StepReplay:
+        """Isolation from the target's dump at one step: the golden module on the target's inputs."""
+        t_step = self.target_step(step)
+        raw = raw_errors_joined(self.golden_dump, self.target_dump, step, t_step)
+        result = StepReplay(step=step, why=why, raw=raw, source="target dump")
+        golden = self.held["golden"]  # loaded when the bisect started (one that cannot load: bad input)
+        modules = dict(golden.model.named_modules())
+        names = {e.name for e in self.target_dump.entries() if e.step == t_step and e.level == "module"}
+        total = sum(1 for n in names if n in modules and self.select(n, modules[n]))
+        task = self.progress(f"isolation from the target dump, step {step}", float(total)) \
+            if self.progress else None
+        result.rows = list(replay_target_dump(golden, self.golden_dump, self.target_dump, golden_step=step,
+                                              target_step=t_step, select=self.select,
+                                              advance=task.advance if task is not None else None))
+        if not result.rows:
+            result.missing = (f"the target dump holds no module calls at step {t_step} "
+                              "(dump the target in module mode with inputs and outputs: tensor_part 2)")
+        elif not result.replayed and all(r.get("reason") == NO_INPUTS for r in result.rows):
+            result.missing = (f"the target dump holds no module inputs at step {t_step} (dump the target "
+                              "in module mode with tensor_part 2)")
+        result.ranked = rank_modules(result.replayed, ratio_threshold=self.inp.ratio_threshold,
+                                     stack=self.stack)
+        result.candidate = pick_candidate(result.ranked)
+        self.phase(f"module: isolation from the target dump (step {step})", f"{len(result.rows)} modules")
+        cand = result.candidate
+        self.log(f"bisect: step {step} (target dump, {len(self.target_dump.ranks())} rank(s)): replayed "
+                 f"{len(result.replayed)} of {len(result.rows)} modules; top candidate "
+                 f"{cand['name'] if cand else None} (score {cand['score'] if cand else float('nan'):.2f})")
+        return result
 
     # -- 3. one step's isolation replay --------------------------------------------------------
     def replay_step(self, step: int, why: str) -> StepReplay:
+        if self.isolation == "target_dump":
+            return self.replay_from_target_dump(step, why)
         inp, tgt = self.inp, self.target
         raw = raw_errors(self.golden_dump, self.target_dump, step)
         result = StepReplay(step=step, why=why, raw=raw)
@@ -249,7 +336,7 @@ class _Bisect:
     # -- 4. op level and experts ---------------------------------------------------------------
     def op_level(self, chosen: StepReplay) -> None:
         cand = chosen.candidate
-        if not (self.inp.op_level and cand and cand.get("anomalous") and chosen.call_of):
+        if not (self.inp.op_level and cand and cand.get("anomalous") and chosen.call_of and self.target):
             return
         call: Call | None = chosen.call_of(cand["name"].removesuffix(KV_CACHE))
         gld, tgt = self.golden(), self.target
@@ -298,7 +385,7 @@ class _Bisect:
         each of the first ``own_error_steps`` steps, on golden inputs from one golden re-run."""
         inp, cand = self.inp, chosen.candidate
         steps = min(inp.own_error_steps, len(inp.golden_ids))
-        if not (cand and cand.get("anomalous") and steps > 0 and inp.prompt_ids):
+        if not (cand and cand.get("anomalous") and steps > 0 and inp.prompt_ids and self.target):
             return None
         golden = self.golden()
         if golden is None:
@@ -345,7 +432,8 @@ class _Bisect:
         inp = self.inp
         g_bytes, t_bytes = cost_mod.dir_bytes(inp.golden_dump), cost_mod.dir_bytes(inp.target_dump)
         cost = Cost(
-            model_runs=ModelRuns(full_generations=2, models_loaded_by_bisect=1 + ("golden" in self.held),
+            model_runs=ModelRuns(full_generations=2, models_loaded_by_bisect=(self.target is not None)
+                                 + ("golden" in self.held),
                                  golden_weights=self.golden_weights(),
                                  golden_layers_recomputed=self.stats["recomputed_layers"],
                                  golden_reruns=self.stats["golden_reruns"],
@@ -353,7 +441,7 @@ class _Bisect:
                                  + self.stats["own_error_replays"],
                                  op_replays=len(chosen.op_rows)),
             bytes_dumped=g_bytes + t_bytes, golden_dump_bytes=g_bytes, target_dump_bytes=t_bytes)
-        if inp.estimate_cost and inp.prompt_ids:
+        if inp.estimate_cost and inp.prompt_ids and self.target is not None:
             n = max(len(inp.golden_ids), 1)
             sides = [m for m in (self.golden(), self.target) if m is not None]
             estimates = [cost_mod.estimate_api_dump_bytes(m.model, inp.prompt_ids, n) for m in sides]
@@ -387,7 +475,10 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     none kept, and the verdict names none."""
     b = _Bisect(inp, log, progress)
     tgt = b.target
-    dtype = dtype_name(tgt.dtype)
+    if not inp.golden_ids or not inp.target_ids:  # dumps made elsewhere: the greedy tokens of their logits
+        b.inp = inp = replace(inp, golden_ids=inp.golden_ids or greedy_ids(b.golden_dump),
+                              target_ids=inp.target_ids or greedy_ids(b.target_dump))
+    dtype = dtype_name(tgt.dtype) if tgt is not None else target_dump_dtype(b.target_dump)
     mismatch = first_mismatch(inp.golden_ids, inp.target_ids)
     rows = token_rows(b.golden_dump, b.target_dump, golden_ids=inp.golden_ids, target_ids=inp.target_ids,
                       pairs=inp.pairs, target_dtype=dtype, thresholds=inp.thresholds, decode=b.decode)
@@ -413,8 +504,14 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     problems = [f"golden dump: {p}" for p in b.golden_dump.problems()]
     problems += [f"target dump: {p}" for p in b.target_dump.problems()]
     result = conclude(inp, tried, chosen, rows=rows, mismatch=mismatch, bad_token=bad_token,
-                      stack=b.stack, decode=b.decode, dtype=dtype, device=str(tgt.device),
+                      stack=b.stack, decode=b.decode, dtype=dtype,
+                      device=str(tgt.device) if tgt is not None else "target dump",
                       problems=problems, note=getattr(tgt, "note", None))
+    result.isolation = b.isolation
+    if b.isolation == "target_dump":
+        asked = {"op_level": inp.op_level, "own_error_steps": inp.own_error_steps > 0,
+                 "cost_estimate": inp.estimate_cost}
+        result.skipped = {phase: why for phase, why in NEEDS_TARGET_MODEL.items() if asked[phase]}
     result.cost = cost
     result.own_error_steps = own_steps
     if op_tensors is not None and b.op_tensors_info is not None:

@@ -113,6 +113,27 @@ def build_call(name: str, inputs: Iterable[tuple[str, Any]], outputs: Iterable[t
     return call
 
 
+#: why a module call without recorded inputs cannot be replayed
+NO_INPUTS = "no inputs recorded (dump with tensor_part 2)"
+
+
+def first_call(entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+    """A module's input and output entries at one step, of its first call only (a module called
+    twice in one step: its inputs before its first output; each output index once)."""
+    first_out = min((e.order for e in entries if e.kind == "output"), default=None)
+    ins = [e for e in entries if e.kind == "input" and (first_out is None or e.order < first_out)]
+    seen: set[str] = set()
+    outs = [e for e in entries if e.kind == "output" and not (e.index in seen or seen.add(e.index))]
+    return ins, outs
+
+
+def entry_value(reader: DumpReader, e: Entry) -> Any:
+    """What ``build_call`` takes for an input entry: its tensor, or ``(json_value, pytype)``."""
+    if e.is_tensor:
+        return reader.load(e) if e.has_data else (None, "statistics-only tensor")
+    return (e.value, e.pytype)
+
+
 def calls_from_dump(reader: DumpReader, step: int = 0, rank: int = 0,
                     names: set[str] | None = None) -> Iterator[Call]:
     """The module calls a dump recorded at ``step`` (module level, inputs and outputs), one at a
@@ -123,21 +144,10 @@ def calls_from_dump(reader: DumpReader, step: int = 0, rank: int = 0,
             groups.setdefault(e.name, []).append(e)
     for name, entries in groups.items():
         if not any(e.kind == "input" for e in entries):
-            yield Call(name, entries[0].module_type, reason="no inputs recorded (dump with tensor_part 2)")
+            yield Call(name, entries[0].module_type, reason=NO_INPUTS)
             continue
-        first_out = min((e.order for e in entries if e.kind == "output"), default=None)
-        # a module called twice in one step: keep the first call (inputs before its outputs)
-        ins = [e for e in entries if e.kind == "input" and (first_out is None or e.order < first_out)]
-        outs = [e for e in entries if e.kind == "output"]
-        seen: set[str] = set()
-        outs = [e for e in outs if not (e.index in seen or seen.add(e.index))]
-
-        def value(e: Entry) -> Any:
-            if e.is_tensor:
-                return reader.load(e) if e.has_data else (None, "statistics-only tensor")
-            return (e.value, e.pytype)
-
-        call = build_call(name, [(e.index, value(e)) for e in ins],
+        ins, outs = first_call(entries)
+        call = build_call(name, [(e.index, entry_value(reader, e)) for e in ins],
                           [(e.index, reader.load(e)) for e in outs if e.is_tensor and e.has_data],
                           step=step, module_type=entries[0].module_type)
         if any(e.is_tensor and not e.has_data for e in ins):

@@ -119,7 +119,7 @@ def _step_word(step: int) -> str:
 #: what a ranked row (``rank.rank_modules``) carries into the verdict's candidates
 CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", "score", "z", "anomalous",
                     "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
-                    "overflow", "nonfinite")
+                    "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note")
 
 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
@@ -130,6 +130,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     cand = chosen.candidate
     module = cand["name"].removesuffix(KV_CACHE) if chosen.anomalous and cand else None
     expert = chosen.expert if module else None
+    shard_rank = cand.get("shard_rank") if module and cand else None
     layer = layer_of(module, stack) if module else None
     detail = _token_detail(inp, mismatch, rows, decode)
     replay = ReplayInfo(step=chosen.step, why=chosen.why, source=chosen.source,
@@ -140,6 +141,12 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     routing = [r for t in tried for r in t.routing]
     status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
                                                   problems, routing, stack, dtype)
+    if module and cand and shard_rank is not None:
+        errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
+        diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard has the error of its own "
+                      f"({errors}).")
+    elif module and cand and cand.get("rank_note"):
+        diagnosis += f" No rank is named: {cand['rank_note']}."
     diagnosis += _token_sentence(mismatch, detail)
     if note:
         diagnosis += f" {note}"
@@ -152,11 +159,10 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         status=status, headline=headline, diagnosis=diagnosis, replay=replay,
         first_mismatch_token=mismatch, first_bad_token=bad_token, first_bad_layer=layer,
         first_bad_module=module, first_bad_op=chosen.first_op if module else None,
-        first_bad_expert=expert, inconclusive=why_not, token_detail=detail,
+        first_bad_expert=expert, first_bad_rank=shard_rank, inconclusive=why_not, token_detail=detail,
         evidence=[Evidence(name=c.name, isolated_rel_l2=c.error, typical=c.typical, score=c.score,
                            raw_rel_l2=c.raw_rel_l2, step=chosen.step) for c in top[:5]],
-        texts=Texts(**{side: SideText(label=f"{spec.get('model')} {spec.get('dtype')} {spec.get('device')}"
-                                      + (f" patch={spec['patch']}" if spec.get("patch") else ""),
+        texts=Texts(**{side: SideText(label=_side_label(inp, side, spec),
                                       text="".join(decode(i) for i in ids), tokens=[decode(i) for i in ids])
                        for side, spec, ids in (("golden", inp.golden_spec, inp.golden_ids),
                                                ("target", inp.target_spec, inp.target_ids))}),
@@ -165,6 +171,14 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         ops=chosen.op_rows, experts=chosen.experts, routing=routing, token_rows=rows,
         problems=problems, notes=[note] if note else [],
         overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level)
+
+
+def _side_label(inp: Any, side: str, spec: dict[str, Any] | None) -> str:
+    """The model a side ran (its spec), or, for a target known only by its dump, the dump."""
+    if not spec:
+        return f"{side} dump {getattr(inp, f'{side}_dump', '')}"
+    return (f"{spec.get('model')} {spec.get('dtype')} {spec.get('device')}"
+            + (f" patch={spec['patch']}" if spec.get("patch") else ""))
 
 
 def _token_detail(inp: Any, mismatch: int | None, rows: list[TokenRow],
@@ -224,7 +238,12 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     steps = " and ".join(_step_word(t.step) for t in tried)
     if module and cand:
         where = _step_word(chosen.step)
+        from_dump = chosen.source == "target dump"
+        alone = ("its output in the target dump, against the golden module run on the same recorded inputs"
+                 if from_dump else "replayed alone on the golden inputs")
         what = f"{module}" + (f" (expert {expert})" if expert is not None else "")
+        if cand.get("shard_rank") is not None:
+            what += f" (rank {cand['shard_rank']}'s shard)"
         if cand["name"].endswith(KV_CACHE):
             what += " (the keys and values it writes to the KV cache)"
         op = f"; first bad op {chosen.first_op}" if chosen.first_op else ""
@@ -237,7 +256,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                    f"{o.input_max_abs:.3g})") if o else ""
             headline = (f"{what} overflows: replayed alone on finite golden inputs at {where} it gives "
                         f"Inf/NaN where the golden is finite{op}")
-            diagnosis = (f"{what} is the fault, an overflow: replayed alone on the golden inputs at {where}, "
+            diagnosis = (f"{what} is the fault, an overflow: {alone} at {where}, "
                          f"{cand['nonfinite']} of its {cand.get('numel')} output values are Inf/NaN where "
                          "the golden's are finite")
             diagnosis += (f"; inside it, {chosen.first_op} is the first op whose output overflows{how}."
@@ -250,7 +269,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         else:
             headline = (f"{what} is the fault: {cand['score']:.0f}x the own error of the same module in "
                         f"the other layers, at {where}{op}")
-            diagnosis = (f"{what} is the fault: replayed alone on the golden inputs at {where} it adds "
+            diagnosis = (f"{what} is the fault: {alone} at {where} it adds "
                          f"{cand['error']:.3g} relative error, {cand['score']:.0f}x the "
                          f"{cand['typical']:.2g} the same module adds in the other layers")
             if expert is not None:
@@ -260,7 +279,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         if level is not None and not level.comparable:
             ops = ", ".join(o.name.rsplit("/", 1)[-1] for o in level.target_ops_around)
             diagnosis += f" The op level is not comparable: {level.reason} (target ops there: {ops})."
-        if chosen.step > 0:
+        if chosen.step > 0 and not from_dump:
             diagnosis += (f" Step {chosen.step} was replayed ({chosen.why}) with the golden KV cache, so the "
                           "fault lives on the decode path.")
         if problems:
@@ -277,7 +296,11 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                     f"{r.detail} (the router's own error does not stand out: rounding picked other "
                     "experts for near-tied tokens)")
     reason, nxt = None, None
-    if missing and not chosen.replayed:
+    if missing and not chosen.replayed and chosen.source == "target dump":
+        reason, nxt = missing[0], ("dump the target again in module mode with each module's inputs and "
+                                   "outputs as tensors on every rank (DumpConfig mode module, tensor_part 2, "
+                                   "data_mode tensor), and give the golden model (golden_model)")
+    elif missing and not chosen.replayed:
         reason, nxt = missing[0], ("give the bisect the golden model (golden_model_spec) and the golden "
                                    "generation file with input_ids, or replay_step: 0")
     elif not chosen.replayed:

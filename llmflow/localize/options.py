@@ -33,11 +33,13 @@ class BisectInputs:
     golden_spec: dict[str, Any] = option(
         REQUIRED, "How to load the golden model: a dump stage's model_spec (model, device, dtype, "
         "patch, base_dir).")
-    target_spec: dict[str, Any] = option(
-        REQUIRED, "How to load the target model (its patch included): the model replayed module by "
-        "module.")
-    golden_ids: list[int] = option(REQUIRED, "The token ids the golden side generated.")
-    target_ids: list[int] = option(REQUIRED, "The token ids the target side generated.")
+    target_spec: dict[str, Any] | None = option(
+        None, "How to load the target model (its patch included): the model replayed module by "
+        "module; None: none (isolation from the target's dump).")
+    golden_ids: list[int] = option([], "The token ids the golden side generated (empty: the greedy "
+                                       "tokens of the golden dump's logits).")
+    target_ids: list[int] = option([], "The token ids the target side generated (empty: the greedy "
+                                       "tokens of the target dump's logits).")
     prompt_ids: list[int] = option([], "The prompt's token ids (empty: no golden re-run, no cost "
                                        "estimate).")
     pairs: list[dict[str, int]] | None = option(
@@ -59,6 +61,13 @@ class BisectInputs:
     estimate_cost: bool = option(
         True, "Measure what a full API-level dump of both sides would write.",
         schema={"type": "boolean"})
+    isolate: str = option(
+        "auto", "How a module's own error is isolated: target_model (the target model reloaded here, "
+        "each module replayed on the golden inputs), target_dump (the golden module run on the inputs "
+        "the target dump recorded, against the output it recorded, rank by rank for a tensor-parallel "
+        "dump: no target model loaded, no op level), auto (target_dump when the target dump has more "
+        "than one rank or no target model is given, else target_model).",
+        schema={"type": "string", "enum": ["auto", "target_model", "target_dump"]})
     top_k: int = option(15, "Candidates listed in the verdict, worst first.")
     golden_weights: str = option(
         "auto", "How the bisect holds the golden model's weights: whole (all loaded at once), streamed "

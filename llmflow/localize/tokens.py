@@ -88,3 +88,13 @@ def first_bad_step(rows: list[TokenRow], first_mismatch_step: int | None) -> int
         if r.verdict == "fail" and (first_mismatch_step is None or r.step <= first_mismatch_step):
             return r.step
     return None
+
+
+def greedy_ids(reader: DumpReader, rank: int = 0) -> list[int]:
+    """The token each step's logits choose (argmax of the last position), steps in order: what a
+    greedy run generated, for dumps made without llmflow's generation file."""
+    ids = []
+    for _step, entry in sorted(logits_entries(reader, rank).items()):
+        logits = reader.load(entry).float()
+        ids.append(int(logits.reshape(-1, logits.shape[-1])[-1].argmax()))
+    return ids

@@ -35,6 +35,11 @@ def fields(v: Verdict) -> list[tuple[str, str]]:
                                   ("first bad layer", v.first_bad_layer),
                                   ("first bad module", v.first_bad_module),
                                   ("first bad op", v.first_bad_op)]
+    if v.isolation == "target_dump":  # no target model: the rank and what did not run say so
+        out.insert(4, ("first bad rank", v.first_bad_rank if v.first_bad_rank is not None else
+                       ("none stands out" if v.first_bad_module else None)))
+        skipped = f"; not run: {', '.join(v.skipped)} (they need the target model)" if v.skipped else ""
+        out.append(("isolation", f"the golden modules on the target dump's recorded inputs{skipped}"))
     detail = v.token_detail
     if detail.golden_token is not None:
         out.append(("tokens at the mismatch",

@@ -32,7 +32,8 @@ class ReplayInfo:
 
     step: int
     why: str
-    source: str = field(metadata=_doc('"dump", "dump + layer recompute" or "golden re-run"'))
+    source: str = field(metadata=_doc('"dump", "dump + layer recompute", "golden re-run" or "target dump" '
+                                      "(the golden modules on the target dump's inputs)"))
     replayed: int = 0
     not_replayable: int = 0
     reasons: dict[str, list[str]] = field(
@@ -120,6 +121,14 @@ class Candidate:
     own_routing_rel_l2: float | None = None
     overflow: bool | None = None
     nonfinite: int | None = None
+    sharding: str | None = field(default=None, metadata=_doc(
+        "a tensor-parallel target dump: how the ranks' inputs and output join into the golden's "
+        "(concat:D, replicated)"))
+    rank_errors: list[float] = field(default_factory=list, metadata=_doc(
+        "each rank's own error (rel_l2, rank order); empty where no rank has one of its own"))
+    shard_rank: int | None = field(default=None, metadata=_doc(
+        "the rank whose own error stands out from the other ranks' (null: none does)"))
+    rank_note: str | None = field(default=None, metadata=_doc("why no rank can be named, where none can"))
 
 
 @dataclass
@@ -371,6 +380,12 @@ class VerdictHead:
     first_bad_module: str | None = None
     first_bad_op: str | None = None
     first_bad_expert: int | None = None
+    first_bad_rank: int | None = field(default=None, metadata=_doc(
+        "a tensor-parallel target: the rank whose shard's own error stands out in the first bad module "
+        "(null: none does, or one rank)"))
+    isolation: Literal["target_model", "target_dump"] = field(default="target_model", metadata=_doc(
+        "target_model: each target module replayed on the golden inputs; target_dump: the golden module "
+        "run on the inputs the target dump recorded"))
     inconclusive: Inconclusive | None = None
     token_detail: TokenDetail = field(default_factory=TokenDetail)
     evidence: list[Evidence] = field(default_factory=list)
@@ -398,6 +413,8 @@ class Verdict(VerdictHead):
         default=None, metadata=_doc("the first bad op's tensors kept beside verdict.json (null: none kept)"))
     own_error_steps: OwnErrorSteps | None = field(
         default=None, metadata=_doc("the chosen module's own error per step (null: not measured)"))
+    skipped: dict[str, str] = field(default_factory=dict, metadata=_doc(
+        "phase (op_level, own_error_steps, cost_estimate) -> why it did not run"))
 
 
 #: the name the bisect has always returned

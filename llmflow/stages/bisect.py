@@ -32,22 +32,26 @@ class BisectStage(Stage):
     """Narrow a divergence down to the first bad token, layer, module and op (isolation replay)."""
 
     type: ClassVar[str] = "bisect"
-    version: ClassVar[str] = "4"
+    version: ClassVar[str] = "5"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
-        "required": [*required_params(BisectInputs), "golden_generation", "target_generation",
-                     "golden_model_spec", "target_model_spec"],
+        "required": [*required_params(BisectInputs), "golden_model_spec"],
         "properties": {
             **stage_properties(BisectInputs),
             # the files the stage reads the rest of BisectInputs from
-            "golden_generation": {"type": "string",
-                                  "description": "The golden dump stage's generation_file."},
-            "target_generation": {"type": "string",
-                                  "description": "The target dump stage's generation_file."},
-            "golden_model_spec": {**_SPEC, "description": "The golden dump stage's model_spec output."},
-            "target_model_spec": {**_SPEC, "description": "The target dump stage's model_spec output "
-                                  "(its patch included): the model replayed module by module."},
+            "golden_generation": {"type": ["string", "null"], "default": None,
+                                  "description": "The golden dump stage's generation_file (null: the "
+                                  "tokens of the golden dump's logits, no prompt: no golden re-run)."},
+            "target_generation": {"type": ["string", "null"], "default": None,
+                                  "description": "The target dump stage's generation_file (null: the "
+                                  "tokens of the target dump's logits)."},
+            "golden_model_spec": {**_SPEC, "description": "The golden dump stage's model_spec output, or "
+                                  "{model: SPEC} for the golden model of dumps made elsewhere."},
+            "target_model_spec": {"anyOf": [_SPEC, {"type": "null"}], "default": None,
+                                  "description": "The target dump stage's model_spec output (its patch "
+                                  "included): the model replayed module by module; null: none (isolate "
+                                  "from the target dump)."},
             "pairs_file": {"type": ["string", "null"], "default": None,
                            "description": "The align stage's pairs_file (golden/target step pairs)."},
             "overflow_report": {"type": ["string", "null"], "default": None,
@@ -66,7 +70,7 @@ class BisectStage(Stage):
 
         p = self.params(ctx)
         gen = {side: _read_json(ctx.resolve_path(p[f"{side}_generation"]), f"{side}_generation")
-               for side in ("golden", "target")}
+               if p.get(f"{side}_generation") else {} for side in ("golden", "target")}
         pairs = None
         if p.get("pairs_file"):
             pairs = _read_json(ctx.resolve_path(p["pairs_file"]), "pairs_file")
@@ -79,7 +83,7 @@ class BisectStage(Stage):
         inputs = from_params(
             BisectInputs, p,
             golden_dump=ctx.resolve_path(p["golden_dump"]), target_dump=ctx.resolve_path(p["target_dump"]),
-            golden_spec=p["golden_model_spec"], target_spec=p["target_model_spec"],
+            golden_spec=p["golden_model_spec"], target_spec=p.get("target_model_spec"),
             golden_ids=list(gen["golden"].get("output_ids") or []),
             target_ids=list(gen["target"].get("output_ids") or []),
             prompt_ids=list(gen["golden"].get("input_ids") or []), pairs=pairs, overflow_scan=scan)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,34 +16,17 @@ from llmflow.results.codec import to_json
 from llmflow.results.compare import read_compare_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
-from workflow_helpers import REPO, llmflow  # noqa: E402
-
-SCRIPT = REPO / "tests" / "fixtures" / "tp_llama.py"
-# one faulty shard per kind of parallel linear
-FAULTS = {
-    "mlp_rank1": "1:model.layers.1.mlp.up_proj.weight:1.5",  # column-parallel, MLP, rank 1
-    "attn_rank0": "0:model.layers.2.self_attn.k_proj.weight:1.5",  # column-parallel, attention, rank 0
-    "row_rank1": "1:model.layers.0.mlp.down_proj.weight:1.5",  # row-parallel: summed by the all-reduce
-}
-
-
-def _launch(out: Path, runs: list[str], nproc: int, mode: str = "module") -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(SCRIPT), str(out), *runs, "--mode", mode]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               *cmd[1:]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+from tp_helpers import TP_FAULTS, launch_tp  # noqa: E402
+from workflow_helpers import llmflow  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """golden/ (one process), clean/ and each fault of FAULTS (two ranks, one launch), in
+    """golden/ (one process), clean/ and each fault of TP_FAULTS (two ranks, one launch), in
     module+api mode."""
     out = tmp_path_factory.mktemp("tp")
-    _launch(out, ["golden"], 1, "module,api")
-    _launch(out, ["clean", *(f"{name}={spec}" for name, spec in FAULTS.items())], 2, "module,api")
+    launch_tp(out, ["golden"], 1, "module,api")
+    launch_tp(out, ["clean", *(f"{name}={spec}" for name, spec in TP_FAULTS.items())], 2, "module,api")
     return out
 
 

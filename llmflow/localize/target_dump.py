@@ -1,0 +1,268 @@
+"""Isolation from the target's dump: the GOLDEN module run on the TARGET's recorded inputs.
+
+The other direction (``replay.py``) reloads the target model and runs each target module on the
+golden inputs. A target that cannot be reloaded in the bisect's process (N ranks under torchrun,
+an NPU/ATB graph) still leaves, in its module-mode dump, each module's inputs and output. Running
+the golden module on those same inputs and comparing with the target's recorded output measures
+what the target module adds itself: both sides start from one input, so only the module's own
+computation differs.
+
+A tensor-parallel dump holds one folder per rank, each with rank-local tensors. How a module's
+shards relate to the golden's tensors comes from their shapes (``compare/shards.merge_of``: the
+golden's input shapes from the golden dump, its output shape from the golden module's run):
+
+* inputs whole on every rank (column-parallel linears, norms, containers whose output is
+  all-reduced): the golden module runs on each rank's own input; its output, or the rank's slice of
+  it (``concat:D``), against that rank's output is the rank's own error. The module's error is the
+  joined one (slices) or the worst rank's (replicated copies).
+* inputs sliced over the ranks (a row-parallel linear, an activation on a column-parallel
+  output): the golden module runs once on the concatenated inputs. A sliced output still gives
+  each rank's slice an error of its own; a reduced output is the module's alone (no rank named),
+  and where the ranks' outputs of the golden's shape differ they are partial products whose sum
+  the all-reduce after the module makes (an all-reduced tensor is the same on every rank).
+
+A rank is named only when its own error stands out from the other ranks' (``shards.standout``).
+A decode step's attention reads the target's KV cache, which no dump holds: it is reported as
+not replayable from the dump.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmflow.compare.mappings import CONCAT, REPLICATED, SUM
+from llmflow.compare.shards import join_tensors, merge_of, shard_errors, standout
+from llmflow.dump.arguments import is_cache_type
+from llmflow.dump.memory import Call, flatten_outputs
+from llmflow.formats.base import DumpReader, Entry
+from llmflow.localize.calls import NO_INPUTS, build_call, cast_inputs, entry_value, first_call
+from llmflow.localize.own_error import own_error
+
+#: why an attention cannot be replayed from the target's dump at a decode step
+CACHE_NOT_DUMPED = ("its input {index} is the target's KV cache ({pytype}), whose contents no dump holds: "
+                    "not replayable from the target dump at a decode step")
+#: why a row-parallel module's error names no rank
+NO_RANK_REDUCED = ("its inputs are sliced over the ranks and its output reduced (row-parallel): the "
+                   "error is the module's, no rank's own")
+
+
+def _module_entries(reader: DumpReader, step: int) -> dict[str, dict[int, list[Entry]]]:
+    """Module name -> rank -> its entries at ``step``, names in rank 0's execution order."""
+    found: dict[str, dict[int, list[Entry]]] = {}
+    for e in reader.entries():
+        if e.step == step and e.level == "module":
+            found.setdefault(e.name, {}).setdefault(e.rank, []).append(e)
+    return found
+
+
+def _golden_input_shapes(reader: DumpReader, step: int) -> dict[tuple[str, str], list[int]]:
+    """(module, input index) -> the golden's shape at ``step`` (what joined shards must make)."""
+    return {(e.name, e.index): list(e.shape) for e in reader.entries()
+            if e.step == step and e.level == "module" and e.kind == "input" and e.rank == 0
+            and e.is_tensor and e.shape is not None}
+
+
+def _input_merge(name: str, index: str, shards: list[Entry], golden_shapes: dict[tuple[str, str], list[int]],
+                 module: nn.Module) -> str | None:
+    """How one input's shards join: by the golden dump's shape of that input; without it (a golden
+    dump of the decoder layers only), a linear's input by its ``in_features``, and other shards of
+    one shape are taken as replicated copies."""
+    shapes = [list(s.shape) for s in shards]
+    golden = golden_shapes.get((name, index))
+    if golden is None and isinstance(module, nn.Linear) and index == "0" and shapes[0]:
+        golden = [*shapes[0][:-1], module.in_features]
+    if golden is None:
+        return REPLICATED if all(s == shapes[0] for s in shapes) else None
+    return merge_of(golden, shapes)
+
+
+def _not_replayable(name: str, module_type: str | None, reason: str) -> dict[str, Any]:
+    return {"name": name, "module_type": module_type, "replayable": False, "reason": reason}
+
+
+def _call(name: str, module_type: str | None, inputs: list[tuple[str, Any]], outputs: dict[str, torch.Tensor],
+          step: int) -> Call:
+    """A Call of the target's recorded inputs; a KV cache at a decode step is not replayable here."""
+    call = build_call(name, inputs, [], step=step, module_type=module_type)
+    call.outputs = outputs
+    for index, value in inputs:
+        as_value = isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], torch.Tensor)
+        if step > 0 and as_value and is_cache_type(value[1]):
+            call.reason = CACHE_NOT_DUMPED.format(index=index, pytype=value[1])
+    if call.reason == "no output tensor recorded":
+        call.reason = None
+    return call
+
+
+def _run_golden(module: nn.Module, call: Call, golden: Any) -> dict[str, torch.Tensor]:
+    """The golden module's outputs on the call's inputs (cast to the golden's device and dtype)."""
+    with torch.no_grad():
+        out = module(*cast_inputs(call.args, golden.device, golden.dtype, module),
+                     **cast_inputs(call.kwargs, golden.device, golden.dtype, module))
+    return flatten_outputs(out)
+
+
+def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]], target: DumpReader,
+                  golden: Any, step: int, golden_shapes: dict[tuple[str, str], list[int]],
+                  all_ranks: list[int] | None = None) -> dict[str, Any]:
+    """One module's own error from the target dump (see the module docstring): a row as
+    ``replay.replay_call`` gives, plus ``sharding`` (how its shards joined), ``rank_errors``
+    (each rank's own rel_l2, rank order; empty where no rank has one) and ``shard_rank`` (the rank
+    whose own error stands out, else None)."""
+    ranks = sorted(by_rank)
+    module_type = by_rank[ranks[0]][0].module_type
+    lacking = sorted(set(all_ranks or ranks) - set(ranks))
+    if lacking:  # a shard or copy missing: what the others hold is not the whole tensor
+        return _not_replayable(name, module_type, f"not recorded on rank(s) {', '.join(map(str, lacking))}")
+    calls = {r: first_call(by_rank[r]) for r in ranks}
+    if any(not ins for ins, _outs in calls.values()):
+        return _not_replayable(name, module_type, NO_INPUTS)
+    outs_by_rank = {r: {e.index: e for e in outs if e.is_tensor and e.has_data}
+                    for r, (_i, outs) in calls.items()}
+    index = "0" if "0" in outs_by_rank[ranks[0]] else min(outs_by_rank[ranks[0]], default=None)
+    if index is None or any(index not in o for o in outs_by_rank.values()):
+        return _not_replayable(name, module_type, "no output tensor recorded on every rank")
+    if any(e.is_tensor and not e.has_data for ins, _o in calls.values() for e in ins):
+        return _not_replayable(name, module_type,
+                               "inputs dumped as statistics only (dump with data_mode tensor)")
+    # each input's shards across the ranks, by index (the same call structure on every rank)
+    indexes = [e.index for e in calls[ranks[0]][0]]
+    shards: dict[str, list[Entry]] = {}
+    for i in indexes:
+        found = [next((e for e in calls[r][0] if e.index == i), None) for r in ranks]
+        if any(e is None for e in found):
+            return _not_replayable(name, module_type, f"input {i} is not recorded on every rank")
+        shards[i] = found  # type: ignore[assignment]
+    merges: dict[str, str] = {}
+    for i, entries in shards.items():
+        if entries[0].is_tensor:
+            merge = _input_merge(name, i, entries, golden_shapes, module)
+            if merge is None:
+                return _not_replayable(name, module_type, f"input {i}: the ranks' shapes "
+                                       f"{[e.shape for e in entries]} do not join into the golden's")
+            merges[i] = merge
+    target_outs = [target.load(outs_by_rank[r][index]) for r in ranks]
+    sliced = sorted({m for m in merges.values() if m.startswith(CONCAT)})
+    try:
+        if not sliced:
+            return _per_rank(name, module, shards, ranks, target, golden, step, index, target_outs,
+                             module_type)
+        joined = [(i, join_tensors(merges[i], [target.load(e) for e in entries]) if i in merges
+                   else entry_value(target, entries[0])) for i, entries in shards.items()]
+        call = _call(name, module_type, joined, {}, step)
+        if call.reason:
+            return _not_replayable(name, module_type, call.reason)
+        golden_out = _run_golden(module, call, golden).get(index)
+    except Exception as exc:  # a module that refuses the target's inputs is reported, not fatal
+        return _not_replayable(name, module_type, f"replay failed: {type(exc).__name__}: {str(exc)[:160]}")
+    if golden_out is None:
+        return _not_replayable(name, module_type, f"the golden module gave no output {index}")
+    merge = merge_of(list(golden_out.shape), [list(t.shape) for t in target_outs])
+    if merge is None:
+        return _not_replayable(name, module_type, f"output {index}: the ranks' shapes do not join into the "
+                                                   f"golden's {list(golden_out.shape)}")
+    if merge == REPLICATED and any(not torch.equal(target_outs[0], t) for t in target_outs[1:]):
+        merge = SUM  # an all-reduced output is the same on every rank: these are partial products
+    row: dict[str, Any] = {"name": name, "module_type": module_type, "replayable": True, "output": index,
+                           **own_error(golden_out, join_tensors(merge, target_outs))}
+    sharding = f"inputs {', '.join(sliced)}, output {merge}"
+    if merge.startswith(CONCAT):  # each rank's slice of the output depends on its own slice of the input
+        return _with_ranks(row, sharding, shard_errors(golden_out, merge, target_outs), ranks)
+    row.update(sharding=sharding, rank_errors=[], shard_rank=None, rank_note=NO_RANK_REDUCED if len(ranks) > 1
+               else None)
+    return row
+
+
+def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], ranks: list[int],
+              target: DumpReader, golden: Any, step: int, index: str, target_outs: list[torch.Tensor],
+              module_type: str | None) -> dict[str, Any]:
+    """Inputs whole on every rank: the golden module on each rank's own input (once where the ranks'
+    inputs are equal bit for bit), each rank's output (or slice) against it."""
+    golden_outs: list[torch.Tensor] = []
+    seen: list[tuple[list[Any], torch.Tensor]] = []
+    for k, _r in enumerate(ranks):
+        inputs = [(i, entry_value(target, entries[k])) for i, entries in shards.items()]
+        tensors = [v for _i, v in inputs if isinstance(v, torch.Tensor)]
+        again = next((out for before, out in seen if len(before) == len(tensors)
+                      and all(torch.equal(a, b) for a, b in zip(before, tensors, strict=True))), None)
+        if again is None:
+            call = _call(name, module_type, inputs, {}, step)
+            if call.reason:
+                return _not_replayable(name, module_type, call.reason)
+            again = _run_golden(module, call, golden).get(index)
+            if again is None:
+                return _not_replayable(name, module_type, f"the golden module gave no output {index}")
+            seen.append((tensors, again))
+        golden_outs.append(again)
+    merge = merge_of(list(golden_outs[0].shape), [list(t.shape) for t in target_outs])
+    if merge is None:
+        return _not_replayable(name, module_type, f"output {index}: the ranks' shapes "
+                               f"{[list(t.shape) for t in target_outs]} do not join into the golden's "
+                               f"{list(golden_outs[0].shape)}")
+    if merge.startswith(CONCAT):  # rank k's slice of the golden output computed from rank k's input
+        dim = int(merge.partition(":")[2])
+        sizes = [t.shape[dim] for t in target_outs]
+        golden_joined = torch.cat([torch.split(g, sizes, dim=dim)[k] for k, g in enumerate(golden_outs)],
+                                  dim=dim)
+        row = {"name": name, "module_type": module_type, "replayable": True, "output": index,
+               **own_error(golden_joined, join_tensors(merge, target_outs))}
+        errors = shard_errors(golden_joined, merge, target_outs)
+        return _with_ranks(row, f"inputs whole, output {merge}", errors, ranks)
+    per_rank = [own_error(g, t) for g, t in zip(golden_outs, target_outs, strict=True)]
+    worst = max(range(len(ranks)), key=lambda k: per_rank[k]["rel_l2"])
+    row = {"name": name, "module_type": module_type, "replayable": True, "output": index, **per_rank[worst]}
+    return _with_ranks(row, f"inputs whole, output {merge}", [m["rel_l2"] for m in per_rank], ranks)
+
+
+def _with_ranks(row: dict[str, Any], sharding: str, errors: list[float], ranks: list[int]) -> dict[str, Any]:
+    """The row with each rank's own error and the rank that stands out (one rank: none to name)."""
+    named = standout(errors, ranks) if len(ranks) > 1 else None
+    row.update(sharding=sharding if len(ranks) > 1 else None, rank_errors=errors if len(ranks) > 1 else [],
+               shard_rank=named[0] if named else None, rank_note=None)
+    return row
+
+
+def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpReader, *, golden_step: int,
+                       target_step: int, select: Callable[[str, nn.Module], bool],
+                       advance: Callable[[], None] | None = None) -> Iterator[dict[str, Any]]:
+    """One row per selected module the target dump recorded at ``target_step``, in its execution
+    order: the golden model's module of the same name run on the target's inputs (``replay_module``).
+    Modules the golden model does not have are skipped."""
+    modules = dict(golden.model.named_modules())
+    shapes = _golden_input_shapes(golden_dump, golden_step)
+    ranks = target_dump.ranks()
+    for name, by_rank in _module_entries(target_dump, target_step).items():
+        module = modules.get(name)
+        if module is None or not select(name, module):
+            continue
+        yield replay_module(name, module, by_rank, target_dump, golden, target_step, shapes, ranks)
+        if advance is not None:
+            advance()
+
+
+def raw_errors_joined(golden: DumpReader, target: DumpReader, golden_step: int,
+                      target_step: int) -> dict[str, dict[str, float]]:
+    """Output ``"0"`` of every module both dumps hold: error metrics of the target's shards joined
+    (the inherited error, as ``bisect.raw_errors`` for a one-rank target)."""
+    def outs(reader: DumpReader, step: int) -> dict[str, dict[int, Entry]]:
+        found: dict[str, dict[int, Entry]] = {}
+        for e in reader.entries():
+            if (e.step == step and e.level == "module" and e.kind == "output" and e.index == "0"
+                    and e.has_data and e.is_tensor):
+                found.setdefault(e.name, {}).setdefault(e.rank, e)
+        return found
+    g, t = outs(golden, golden_step), outs(target, target_step)
+    raw: dict[str, dict[str, float]] = {}
+    for name, by_rank in t.items():
+        if name not in g or 0 not in g[name]:
+            continue
+        shards = [by_rank[r] for r in sorted(by_rank)]
+        merge = merge_of(g[name][0].shape, [s.shape for s in shards])
+        if merge is None:
+            continue
+        raw[name] = own_error(golden.load(g[name][0]), join_tensors(merge, [target.load(s) for s in shards]))
+    return raw

@@ -1,0 +1,236 @@
+"""The bisect from the target's dump (isolate: target_dump): no target model is loaded, each
+module's own error is its recorded output against the golden module run on its recorded inputs.
+
+A tensor-parallel target (a Megatron-style TP=2 tiny Llama over gloo, dumped by the user's own
+torchrun script) is bisected with workflows/dump_bisect.yaml: a column-parallel fault names its
+module and rank, a row-parallel one its module and no rank, a clean port passes. A one-rank dump
+of another family (qwen2) is bisected the same way, and a dump without module inputs is
+inconclusive with what to dump next."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmflow.errors import UserError
+from llmflow.localize.bisect import isolation_mode, run_bisect
+from llmflow.localize.options import BisectInputs
+from llmflow.results.codec import from_json, to_json
+from llmflow.results.verdict import Verdict
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from tp_helpers import TP_FAULTS, TP_GOLDEN_MODEL, launch_tp  # noqa: E402
+from workflow_helpers import REPO, llmflow  # noqa: E402
+
+WORKFLOW = REPO / "workflows" / "dump_bisect.yaml"
+QWEN2 = "tiny-qwen2:layers=3,hidden=64,heads=4,kv_heads=2,intermediate=128"
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """golden/ (one process), clean/ and each fault of TP_FAULTS (two ranks, one launch), in module
+    mode with every module's inputs and outputs."""
+    out = tmp_path_factory.mktemp("tp-bisect")
+    launch_tp(out, ["golden"], 1)
+    launch_tp(out, ["clean", *(f"{name}={spec}" for name, spec in TP_FAULTS.items())], 2)
+    return out
+
+
+def _dump(dumps: Path, name: str) -> str:
+    return str(dumps / name / "llmflow_dump")
+
+
+def _run(tmp_path: Path, golden: str, target: str, model: str, *extra: str):
+    run_dir = tmp_path / "run"
+    proc = llmflow("run", str(WORKFLOW), "--run-dir", str(run_dir), "--set", f"golden_dump={golden}",
+                   "--set", f"target_dump={target}", "--set", f"golden_model={model}", *extra, timeout=300)
+    verdict = json.loads((run_dir / "bisect" / "verdict.json").read_text()) \
+        if (run_dir / "bisect" / "verdict.json").is_file() else None
+    return proc, verdict
+
+
+def _bisect(dumps: Path, name: str, **kwargs) -> Verdict:
+    inp = BisectInputs(golden_dump=_dump(dumps, "golden"), target_dump=_dump(dumps, name),
+                       golden_spec={"model": TP_GOLDEN_MODEL}, **kwargs)
+    return run_bisect(inp, log=lambda _m: None)
+
+
+def test_a_column_parallel_fault_names_its_module_and_rank_through_the_workflow(tmp_path: Path,
+                                                                                 dumps: Path) -> None:
+    proc, verdict = _run(tmp_path, _dump(dumps, "golden"), _dump(dumps, "mlp_rank1"), TP_GOLDEN_MODEL)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith("FAILED") and "model.layers.1.mlp.up_proj (rank 1's shard)" in last, last
+    assert verdict["status"] == "fail" and verdict["isolation"] == "target_dump"
+    assert verdict["first_bad_module"] == "model.layers.1.mlp.up_proj" and verdict["first_bad_rank"] == 1
+    top = verdict["candidates"][0]
+    assert top["sharding"] == "inputs whole, output concat:2" and top["shard_rank"] == 1
+    assert top["rank_errors"][0] < 1e-6 < 0.1 < top["rank_errors"][1]
+    # no target model: the op level, the own error per step and the cost estimate say why they did not run
+    assert set(verdict["skipped"]) == {"op_level", "own_error_steps", "cost_estimate"}
+    assert all("target model" in why for why in verdict["skipped"].values())
+    assert verdict["first_bad_op"] is None and verdict["cost"]["model_runs"]["models_loaded_by_bisect"] == 1
+    assert to_json(from_json(Verdict, verdict)) == verdict
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["verdict"]["first_bad_rank"] == 1
+    html = (tmp_path / "run" / "report" / "report.html").read_text(encoding="utf-8")
+    assert "first bad rank" in html and "the golden modules on the target dump&#39;s recorded inputs" in html
+
+
+def test_a_clean_tp_port_passes_through_the_workflow(tmp_path: Path, dumps: Path) -> None:
+    proc, verdict = _run(tmp_path, _dump(dumps, "golden"), _dump(dumps, "clean"), TP_GOLDEN_MODEL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("PASSED")
+    assert verdict["status"] == "pass" and verdict["first_bad_rank"] is None
+    assert verdict["replay"]["not_replayable"] == 0 and verdict["replay"]["replayed"] > 30
+
+
+def test_an_attention_projection_fault_names_rank_0(dumps: Path) -> None:
+    verdict = _bisect(dumps, "attn_rank0")
+    assert verdict.status == "fail" and verdict.first_bad_module == "model.layers.2.self_attn.k_proj"
+    assert verdict.first_bad_rank == 0 and "rank 0's shard" in verdict.headline
+
+
+def test_a_row_parallel_fault_names_the_module_and_no_rank(dumps: Path) -> None:
+    verdict = _bisect(dumps, "row_rank1")
+    assert verdict.status == "fail" and verdict.first_bad_module == "model.layers.0.mlp.down_proj"
+    assert verdict.first_bad_rank is None
+    chosen = next(c for c in verdict.candidates if c.name == "model.layers.0.mlp.down_proj")
+    assert chosen.sharding == "inputs concat:2, output replicated" and chosen.rank_errors == []
+    assert "row-parallel" in chosen.rank_note and "No rank is named" in verdict.diagnosis
+
+
+def test_a_decode_step_replays_linears_and_reports_attention_as_not_replayable(dumps: Path) -> None:
+    """At a decode step the k_proj fault is still found (a linear needs no cache); the attention
+    containers read the target's KV cache, which no dump holds: reported, not guessed."""
+    verdict = _bisect(dumps, "attn_rank0", replay_step=2)
+    assert verdict.replay.step == 2 and verdict.status == "fail"
+    assert verdict.first_bad_module == "model.layers.2.self_attn.k_proj" and verdict.first_bad_rank == 0
+    attention = [c for c in verdict.candidates if c.name.endswith("self_attn") and not c.replayable]
+    assert len(attention) == 3, [c.name for c in verdict.candidates if not c.replayable]
+    assert all("KV cache" in c.reason and "not replayable from the target dump" in c.reason
+               for c in attention)
+
+
+def test_a_streamed_golden_runs_its_modules_one_at_a_time(tmp_path: Path, dumps: Path) -> None:
+    """A golden stored as a Hugging Face directory is streamed: each module called alone on the
+    target's inputs reads its layer's weights then; the verdict is the whole golden's."""
+    sys.path.insert(0, str(REPO / "tests" / "fixtures"))
+    from tp_llama import golden_model
+
+    golden_model().save_pretrained(tmp_path / "golden_hf")
+    inp = BisectInputs(golden_dump=_dump(dumps, "golden"), target_dump=_dump(dumps, "mlp_rank1"),
+                       golden_spec={"model": str(tmp_path / "golden_hf")}, golden_weights="streamed")
+    verdict = run_bisect(inp, log=lambda _m: None)
+    assert verdict.cost.model_runs.golden_weights == "streamed"
+    assert verdict.first_bad_module == "model.layers.1.mlp.up_proj" and verdict.first_bad_rank == 1
+
+
+def test_a_golden_dump_of_the_decoder_layers_only_still_joins_row_parallel_inputs(tmp_path: Path,
+                                                                                  dumps: Path) -> None:
+    """The recipe's golden dump holds the decoder layers' inputs and outputs only: a row-parallel
+    linear's sliced inputs are joined by the golden linear's in_features."""
+    from llmflow.dump.config import DumpConfig
+    from llmflow.dump.run import dump_run
+    from llmflow.models import load_model
+    from llmflow.structure import resolve_module_classes
+
+    golden = load_model(TP_GOLDEN_MODEL)
+    layers = resolve_module_classes(golden.model, ["auto"])
+    dump_run(golden, [256, 104, 101, 108, 108, 111], 4,
+             DumpConfig(dump_path=str(tmp_path / "layers"), token_range="all", module_list=layers))
+    inp = BisectInputs(golden_dump=tmp_path / "layers", target_dump=_dump(dumps, "row_rank1"),
+                       golden_spec={"model": TP_GOLDEN_MODEL})
+    verdict = run_bisect(inp, log=lambda _m: None)
+    assert verdict.first_bad_module == "model.layers.0.mlp.down_proj" and verdict.first_bad_rank is None
+    assert verdict.replay.not_replayable == 0
+
+
+def test_a_module_missing_on_one_rank_is_not_replayed_from_the_other(dumps: Path) -> None:
+    from llmflow.formats import open_dump
+    from llmflow.localize.target_dump import replay_module
+    from llmflow.models import load_model
+
+    target = open_dump(_dump(dumps, "clean"))
+    name = "model.layers.0.mlp.up_proj"
+    rank0 = [e for e in target.entries() if e.name == name and e.step == 0 and e.rank == 0]
+    golden = load_model(TP_GOLDEN_MODEL)
+    module = golden.model.get_submodule(name)
+    whole = replay_module(name, module, {0: rank0, 1: [e for e in target.entries()
+                                                       if e.name == name and e.step == 0 and e.rank == 1]},
+                          target, golden, 0, {}, [0, 1])
+    assert whole["replayable"] and whole["sharding"] == "inputs whole, output concat:2"
+    alone = replay_module(name, module, {0: rank0}, target, golden, 0, {}, [0, 1])
+    assert not alone["replayable"] and alone["reason"] == "not recorded on rank(s) 1"
+
+
+def test_isolation_mode_choice_and_bad_values() -> None:
+    class Ranks:
+        def __init__(self, n: int):
+            self.n = n
+
+        def ranks(self) -> list[int]:
+            return list(range(self.n))
+
+    spec = {"model": "tiny-llama"}
+
+    def inputs(**kw) -> BisectInputs:
+        return BisectInputs(golden_dump="g", target_dump="t", golden_spec=spec, **kw)
+
+    assert isolation_mode(inputs(target_spec=spec), Ranks(2)) == "target_dump"
+    assert isolation_mode(inputs(target_spec=spec), Ranks(1)) == "target_model"
+    assert isolation_mode(inputs(), Ranks(1)) == "target_dump"
+    with pytest.raises(UserError, match="isolate: target_model needs the target model"):
+        isolation_mode(inputs(isolate="target_model"), Ranks(1))
+    with pytest.raises(UserError, match="isolate: 'both'"):
+        isolation_mode(inputs(isolate="both"), Ranks(1))
+
+
+@pytest.fixture(scope="module")
+def qwen2_dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-device qwen2 golden (fp32) and a bf16 target whose layer-1 gate_proj is scaled, both
+    dumped in module mode with every module's inputs; and the same target without inputs."""
+    from llmflow.dump.config import DumpConfig
+    from llmflow.dump.run import dump_run
+    from llmflow.models import load_model
+
+    out = tmp_path_factory.mktemp("qwen2-dumps")
+    ids = [256, 104, 101, 108, 108, 111]
+    dump_run(load_model(QWEN2), ids, 3, DumpConfig(dump_path=str(out / "golden"), token_range="all"))
+    target = load_model(QWEN2, dtype="bfloat16")
+    with torch.no_grad():
+        target.model.get_parameter("model.layers.1.mlp.gate_proj.weight").mul_(1.5)
+    dump_run(target, ids, 3, DumpConfig(dump_path=str(out / "target"), token_range="all"))
+    dump_run(target, ids, 3, DumpConfig(dump_path=str(out / "outputs_only"), token_range="all",
+                                        tensor_part=1))
+    return out
+
+
+def test_a_one_rank_dump_of_another_family_names_its_module(tmp_path: Path, qwen2_dumps: Path) -> None:
+    proc, verdict = _run(tmp_path, str(qwen2_dumps / "golden"), str(qwen2_dumps / "target"), QWEN2)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert verdict["first_bad_module"] == "model.layers.1.mlp.gate_proj", verdict["headline"]
+    assert verdict["first_bad_rank"] is None and verdict["candidates"][0]["sharding"] is None
+    assert verdict["replay"]["dtype"] == "bfloat16"
+
+
+def test_a_target_dump_without_module_inputs_is_inconclusive(tmp_path: Path, qwen2_dumps: Path) -> None:
+    proc, verdict = _run(tmp_path, str(qwen2_dumps / "golden"), str(qwen2_dumps / "outputs_only"), QWEN2)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines[-1].startswith("INCONCLUSIVE") and "no module inputs" in lines[-1]
+    assert any(line.startswith("next:") and "tensor_part 2" in line for line in lines), lines[-4:]
+    assert verdict["status"] == "inconclusive"
+
+
+def test_a_golden_model_that_cannot_load_is_refused_in_one_line(tmp_path: Path, dumps: Path) -> None:
+    proc, verdict = _run(tmp_path, _dump(dumps, "golden"), _dump(dumps, "clean"),
+                         str(tmp_path / "missing.py") + ":golden_model")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert last.startswith("FAILED") and "golden_model_spec" in last and "missing.py" in last, last
+    assert verdict is None
