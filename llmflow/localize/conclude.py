@@ -267,11 +267,17 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                 diagnosis += (f" Consistent with this, {_scan_sentence(origin)}." if agrees else
                               f" Note: {_scan_sentence(origin)}, elsewhere.")
         else:
-            headline = (f"{what} is the fault: {cand['score']:.0f}x the own error of the same module in "
-                        f"the other layers, at {where}{op}")
-            diagnosis = (f"{what} is the fault: {alone} at {where} it adds "
-                         f"{cand['error']:.3g} relative error, {cand['score']:.0f}x the "
-                         f"{cand['typical']:.2g} the same module adds in the other layers")
+            if cand["typical"]:
+                headline = (f"{what} is the fault: {cand['score']:.0f}x the own error of the same module in "
+                            f"the other layers, at {where}{op}")
+                diagnosis = (f"{what} is the fault: {alone} at {where} it adds "
+                             f"{cand['error']:.3g} relative error, {cand['score']:.0f}x the "
+                             f"{cand['typical']:.2g} the same module adds in the other layers")
+            else:  # the other layers' copies match the golden exactly: a ratio to 0 says nothing
+                headline = (f"{what} is the fault: an own error of {cand['error']:.3g} where the same module "
+                            f"in the other layers has none, at {where}{op}")
+                diagnosis = (f"{what} is the fault: {alone} at {where} it adds {cand['error']:.3g} relative "
+                             "error, where the same module in the other layers adds none")
             if expert is not None:
                 diagnosis += f"; of its experts, expert {expert} stands out"
             diagnosis += (f"; inside it, {chosen.first_op} is the first op that goes wrong."

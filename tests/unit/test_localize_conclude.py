@@ -127,3 +127,17 @@ def test_an_overflow_scan_origin_is_cited():
     assert v.overflow.scan_agrees is True and "Consistent with this" in v.diagnosis
     quiet = verdict([replay(0)], mismatch=1, bad_token=0, inp=inp)
     assert quiet.status == "inconclusive" and "no module overflows" in quiet.inconclusive.reason
+
+
+def test_a_fault_where_the_other_layers_have_no_own_error_is_not_a_ratio_to_zero():
+    """Both sides in the same dtype (a golden run on the target's recorded inputs): the other layers'
+    copies reproduce the target exactly, so the fault is named by its error, not by a ratio to 0."""
+    s = StepReplay(step=0, why="test", source="dump", rows=[
+        {"name": f"model.layers.{i}.mlp.down_proj", "replayable": True, "rel_l2": 0.25 if i == 3 else 0.0}
+        for i in range(6)])
+    s.ranked = rank_modules(s.replayed)
+    s.candidate = pick_candidate(s.ranked)
+    v = verdict([s], mismatch=1, bad_token=1)
+    assert v.status == "fail" and v.first_bad_module == "model.layers.3.mlp.down_proj"
+    assert "0.25" in v.headline and "has none" in v.headline, v.headline
+    assert "x the own error" not in v.headline and "adds none" in v.diagnosis
