@@ -12,10 +12,12 @@ CSV can be streamed and "the first failing row" means the first in execution ord
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -110,10 +112,72 @@ def _inline(job: Job, chunks: list[list[Pair]], threads: int = 1) -> Iterator[li
     before = torch.get_num_threads()
     torch.set_num_threads(max(threads, before))
     try:
-        for chunk in chunks:
-            yield run_chunk(job, chunk)
+        if threads > 1 and len(chunks) > 1:
+            yield from _threaded(job, chunks, threads)
+        else:
+            for chunk in chunks:
+                yield run_chunk(job, chunk)
     finally:
         torch.set_num_threads(before)
+
+
+class KernelShare:
+    """The kernel threads of each chunk running at once: ``workers`` split among the running
+    chunks, asked afresh at every kernel call, so that a chunk left running alone (a large tensor
+    at the end) gets them all."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._running = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with self._lock:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def threads(self) -> int:
+        return max(1, self.workers // max(1, self._running))
+
+
+def _threaded(job: Job, chunks: list[list[Pair]], threads: int) -> Iterator[list[Result]]:
+    """Chunks in ``threads`` threads of this process, each chunk's kernel calls on its share of
+    the threads (``KernelShare``).
+
+    Why threads of their own rather than one chunk at a time with the kernel's rows in parallel:
+    a pair's Python work (its row, loading, judging: ~1 ms of a 4 MiB pair) then runs while
+    another pair is in the kernel (which releases the GIL), not while the cores wait; and a
+    kernel call on one thread has no end-of-region barrier at which a thread spins while the
+    thread it waits for is off the CPU. A row does not depend on the threads that computed it
+    (each kernel row is summed by one thread, the rows merged in order), so the CSV is the same.
+    """
+    share = KernelShare(threads)
+
+    def run(chunk: list[Pair]) -> list[Result]:
+        with share.running(), kernels.threads_from(share.threads):
+            return run_chunk(job, chunk)
+
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmflow-compare")
+    try:
+        pending: list[Future] = []
+        it = iter(chunks)
+        for chunk in it:  # bounded look-ahead, as in _pool: rows wait here in order, not all at once
+            pending.append(pool.submit(run, chunk))
+            if len(pending) >= 2 * threads:
+                break
+        while pending:
+            fut = pending.pop(0)
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(pool.submit(run, nxt))
+            yield interrupts.wait(fut.result, FutureTimeout)  # Ctrl-C gets through (interrupts.py)
+    finally:  # done, interrupted or a chunk failed: no chunk starts after this
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _pool(job: Job, chunks: list[list[Pair]], n: int) -> Iterator[list[Result]]:
