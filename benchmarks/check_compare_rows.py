@@ -70,8 +70,8 @@ def dump_pairs(tmp: Path) -> dict[str, tuple[Path, Path]]:
     rows = 1 << 16  # one kernel row
     pairs = {
         "fp32_4MiB": flat_pair(tmp / "fp32_4MiB", [big] * 24, torch.float32, 1e-3),
-        "bf16_tails": flat_pair(tmp / "bf16_tails", [1, 1001, 2 * rows + 13, big + 5, 3 * big], torch.bfloat16,
-                                1e-2, steps=3),
+        "bf16_tails": flat_pair(tmp / "bf16_tails", [1, 1001, 2 * rows + 13, big + 5, 3 * big],
+                                torch.bfloat16, 1e-2, steps=3),
         "fp16_small": flat_pair(tmp / "fp16_small", [576] * 300 + [4096] * 100, torch.float16, 1e-3),
         "nan_inf_int": flat_pair(tmp / "nan_inf_int", [rows + 1, 100, 257, big, 33], torch.float32, 1e-4,
                                  odd=True, steps=2),
@@ -85,8 +85,8 @@ def dump_pairs(tmp: Path) -> dict[str, tuple[Path, Path]]:
 
 
 def compare(tree: Path, golden: Path, target: Path, out: Path, workers: int | None) -> dict[str, bytes]:
-    args = [sys.executable, "-m", "llmflow", "compare", "-gp", str(golden), "-mp", str(target), "-o", str(out),
-            "--no-xlsx"] + (["--workers", str(workers)] if workers else [])
+    args = [sys.executable, "-m", "llmflow", "compare", "-gp", str(golden), "-mp", str(target),
+            "-o", str(out), "--no-xlsx"] + (["--workers", str(workers)] if workers else [])
     done = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=out.parent,
                           env={**os.environ, "PYTHONPATH": str(tree), "NO_COLOR": "1"})
     if done.returncode not in (0, 1):
