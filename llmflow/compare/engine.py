@@ -6,6 +6,9 @@ chunk of ``Pair``s (names, keys, shapes: a few hundred bytes each); the reply is
 worker process receives the ``Job`` (the two readers and the options) once, at start-up, and its
 readers open the dump files lazily, so peak memory is a few tensors per worker.
 
+In-process (the local executor below the pool's threshold), chunks run in threads of their own
+when there are several workers, each kernel call on its share of them (``_threaded``).
+
 Results are yielded in the order of the pairs (execution order), whatever the executor, so the
 CSV can be streamed and "the first failing row" means the first in execution order.
 """
@@ -31,7 +34,7 @@ CHUNK_PAIRS = 64
 CHUNK_BYTES = 64 << 20
 # A process pool spreads the per-pair Python work (index rows, loading, the row: ~200 us a pair)
 # over its workers, but starting them costs ~2 s (torch's import in each); the bytes go as fast
-# in-process, where the kernel runs on torch's threads. So a pool pays when
+# in-process, where chunks run in threads (the kernel releases the GIL). So a pool pays when
 # pairs * PAIR_SECONDS * (1 - 1/n) > POOL_START_SECONDS: above ~20,000 pairs on 2 cores, ~11,000 on
 # 8. (Measured on 2 cores: a SmolLM2 module dump's 19,480 small pairs took 4.3 s in-process and
 # 5.0 s on a 2-process pool; 1 GB of 4 MiB pairs, 119 of them, is all kernel either way.)

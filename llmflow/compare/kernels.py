@@ -25,7 +25,8 @@ reference, and serves other dtypes, pieces with NaN/Inf, and machines without a 
 float32/bfloat16/float16 data goes through the compiled ``pass1.cpp`` (beside this file; it
 reads float32 and bfloat16, either side, as they are; float16 is converted first): rows of
 ``FUSED_CHUNK`` elements (256 KiB of fp32 per side, so a row stays in L2) in parallel
-(OpenMP, torch's thread count), merged inside the kernel, one call per span of rows. Per row, a
+(OpenMP, torch's thread count, or what ``threads_from`` gives the calling thread), merged inside
+the kernel, one call per span of rows. Per row, a
 first loop reads both sides from memory for the maxima and every sum that needs no maximum; a
 second loop reads the row again from cache for the softmax sums and each side's minimum and
 plain sum (there they ride on the exp's latency; in the first loop they cost ~15%). The
