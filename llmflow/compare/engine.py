@@ -160,10 +160,16 @@ def _threaded(job: Job, chunks: list[list[Pair]], threads: int) -> Iterator[list
     (each kernel row is summed by one thread, the rows merged in order), so the CSV is the same.
     """
     share = KernelShare(threads)
+    stop = threading.Event()  # set when the compare ends early: the threads stop after their pair
 
     def run(chunk: list[Pair]) -> list[Result]:
+        rows: list[Result] = []
         with share.running(), kernels.threads_from(share.threads):
-            return run_chunk(job, chunk)
+            for pair in chunk:
+                if stop.is_set():
+                    break  # (nobody reads these rows: the compare was interrupted or failed)
+                rows += run_chunk(job, [pair])
+        return rows
 
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmflow-compare")
     try:
@@ -179,7 +185,8 @@ def _threaded(job: Job, chunks: list[list[Pair]], threads: int) -> Iterator[list
             if nxt is not None:
                 pending.append(pool.submit(run, nxt))
             yield interrupts.wait(fut.result, FutureTimeout)  # Ctrl-C gets through (interrupts.py)
-    finally:  # done, interrupted or a chunk failed: no chunk starts after this
+    finally:  # done, interrupted or a chunk failed: no pair starts after this
+        stop.set()
         pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -1,10 +1,11 @@
 """A compare of many chunks runs them in threads: ``llmflow compare --workers N``, run the user's
-way, writes the same CSV bytes and verdict at every N, and a dump reader is never called from two
-threads at once."""
+way, writes the same CSV bytes and verdict at every N, a dump reader is never called from two
+threads at once, and SIGTERM ends the compare after the pairs in progress, not their chunks."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -103,3 +104,38 @@ def test_a_reader_is_never_called_from_two_threads_at_once(dumps: Path, tmp_path
     assert res["summary"].pairs == base["summary"].pairs == 2 * len(SIZES)
     for level, path in base["csv"].items():
         assert Path(res["csv"][level]).read_bytes() == Path(path).read_bytes()
+
+
+# a custom algorithm that takes 0.3 s a pair, and says when it first ran
+SLOW_ALG = """import os, time
+def slow(golden, target):
+    open(os.environ["SLOW_STARTED"], "a").close()
+    time.sleep(0.3)
+    return 0.0, ""
+"""
+
+
+def test_sigterm_ends_a_threaded_compare_after_the_pairs_in_progress(dumps: Path, tmp_path: Path) -> None:
+    (tmp_path / "slow.py").write_text(SLOW_ALG)
+    started = tmp_path / "started"
+    args = ["compare", "-gp", str(dumps / "g"), "-mp", str(dumps / "t"), "-o", str(tmp_path / "out"),
+            "--no-xlsx", "-alg", "slow.py:slow", "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "llmflow", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1",
+                                 "SLOW_STARTED": str(started)})
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the compare never reached its pairs"
+            time.sleep(0.05)
+        time.sleep(0.5)  # both threads inside their first chunk (64 pairs: 19 s of the slow algorithm)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 5  # a pair or so, not the rest of a chunk
+    assert proc.returncode == 143, (stdout, stderr)
+    assert stdout.strip().splitlines()[-1] == "FAILED: terminated (SIGTERM)" and "Traceback" not in stderr
