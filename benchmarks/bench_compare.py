@@ -7,11 +7,13 @@ For each size S it writes a synthetic golden and target dump of S/2 GB each with
 writer (fp32 activations, 4 MiB tensors, 64 per step folder) under /tmp, then measures, ``repeat``
 times in turn (so that both see the same moments of a noisy machine; each ratio is of one turn,
 and the median ratio is reported with all of them)
-  * raw:     ``cat`` of every data file to /dev/null (warm page cache, the ceiling),
+  * raw:     ``cat`` of every data file to /dev/null (warm page cache, the ceiling), with its CPU
+             seconds and the load average when it ran,
   * llmflow: ``compare_dumps`` (CSV, no XLSX) with each build of the compare kernel this CPU runs
              (``--targets``, default all: x86-64-v4, -v3, -v2, baseline) and each worker count
-             (``--workers``, default 1 2 4 8), GB/s of tensor data, and the peak anonymous memory
-             of the compare's process tree (sampled every 5 ms),
+             (``--workers``, default 1 2 4 8), GB/s of tensor data, CPU seconds (of all its
+             threads and worker processes) over cat's, and the peak anonymous memory of the
+             compare's process tree (sampled every 5 ms),
   * msprobe: msprobe's ``pt_compare`` on the same tensors written in msprobe's layout
              (dump.json + one .pt per tensor), when mindstudio-probe imports (PYTHONPATH may
              point at a ``pip install --target`` directory); skipped otherwise. Only for the
@@ -42,6 +44,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -102,11 +105,17 @@ def data_files(*dumps: Path) -> list[Path]:
     return sorted(p for d in dumps for p in d.rglob("*.safetensors"))
 
 
-def raw_read(files: list[Path]) -> tuple[float, int]:
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def raw_read(files: list[Path]) -> tuple[float, int, float]:
+    """Seconds of ``cat`` of ``files``, their bytes, and the CPU seconds cat took."""
     nbytes = sum(f.stat().st_size for f in files)
-    t0 = time.perf_counter()
+    cpu0, t0 = children_cpu_seconds(), time.perf_counter()
     subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
-    return time.perf_counter() - t0, nbytes
+    return time.perf_counter() - t0, nbytes, children_cpu_seconds() - cpu0
 
 
 class AnonPeak:
@@ -157,14 +166,17 @@ def llmflow_compare(g: Path, t: Path, out: Path, workers: int) -> dict:
     torch.set_num_threads(workers)  # in-process compares run the kernel on torch's threads
     base = AnonPeak._anon(os.getpid())
     with AnonPeak() as peak:
+        cpu0 = time.process_time() + children_cpu_seconds()
         t0 = time.perf_counter()
         res = compare_dumps(
             LlmflowDumpReader(g), LlmflowDumpReader(t), out, CompareOptions(workers=workers, xlsx=False)
         )
         dt = time.perf_counter() - t0
+        cpu = time.process_time() + children_cpu_seconds() - cpu0  # (the sampling thread's too: ~1%)
     s = res["summary"]
     return {
         "seconds": round(dt, 2),
+        "cpu_seconds": round(cpu, 3),
         "pairs": s.pairs,
         "bytes": s.bytes,
         "gb_per_s": round(s.bytes / dt / 1e9, 3),
@@ -436,8 +448,9 @@ def main(argv: list[str] | None = None) -> int:
             raw_read(data_files(g, t))  # warm the page cache once, like a second run would see
             turns: dict = {}  # (target, workers) -> [(llmflow / raw, raw, llmflow)] in turn order
             for i in range(args.repeat):
-                raw_s, raw_b = raw_read(data_files(g, t))
-                raw = {"seconds": round(raw_s, 2), "bytes": raw_b, "gb_per_s": round(raw_b / raw_s / 1e9, 3)}
+                raw_s, raw_b, raw_cpu = raw_read(data_files(g, t))
+                raw = {"seconds": round(raw_s, 2), "bytes": raw_b, "gb_per_s": round(raw_b / raw_s / 1e9, 3),
+                       "cpu_seconds": round(raw_cpu, 3), "load_average": os.getloadavg()[0]}
                 for target in targets:
                     with kernel_build(target):
                         for workers in args.workers:
@@ -455,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
                     "peak_anon_mib_over_start": max(m[2]["peak_anon_mib_over_start"] for m in measured),
                     "llmflow_vs_raw": round(median, 3),
                     "llmflow_vs_raw_turns": [round(r, 3) for r, _, _ in measured],  # in the order measured
+                    # CPU seconds of the compare over cat's, per turn: what a shared machine's
+                    # neighbours move far less than the wall time; and the load average of each turn
+                    "cpu_vs_raw_turns": [round(m[2]["cpu_seconds"] / m[1]["cpu_seconds"], 2)
+                                         if m[1]["cpu_seconds"] else None for m in measured],
+                    "load_average_turns": [m[1]["load_average"] for m in measured],
                 })
                 print(json.dumps(row["llmflow"][-1]), flush=True)
             if not args.no_msprobe and size == min(args.sizes_gb):

@@ -6,16 +6,21 @@ chunk of ``Pair``s (names, keys, shapes: a few hundred bytes each); the reply is
 worker process receives the ``Job`` (the two readers and the options) once, at start-up, and its
 readers open the dump files lazily, so peak memory is a few tensors per worker.
 
+In-process (the local executor below the pool's threshold), chunks run in threads of their own
+when there are several workers, each kernel call on its share of them (``_threaded``).
+
 Results are yielded in the order of the pairs (execution order), whatever the executor, so the
 CSV can be streamed and "the first failing row" means the first in execution order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -29,7 +34,7 @@ CHUNK_PAIRS = 64
 CHUNK_BYTES = 64 << 20
 # A process pool spreads the per-pair Python work (index rows, loading, the row: ~200 us a pair)
 # over its workers, but starting them costs ~2 s (torch's import in each); the bytes go as fast
-# in-process, where the kernel runs on torch's threads. So a pool pays when
+# in-process, where chunks run in threads (the kernel releases the GIL). So a pool pays when
 # pairs * PAIR_SECONDS * (1 - 1/n) > POOL_START_SECONDS: above ~20,000 pairs on 2 cores, ~11,000 on
 # 8. (Measured on 2 cores: a SmolLM2 module dump's 19,480 small pairs took 4.3 s in-process and
 # 5.0 s on a 2-process pool; 1 GB of 4 MiB pairs, 119 of them, is all kernel either way.)
@@ -110,10 +115,79 @@ def _inline(job: Job, chunks: list[list[Pair]], threads: int = 1) -> Iterator[li
     before = torch.get_num_threads()
     torch.set_num_threads(max(threads, before))
     try:
-        for chunk in chunks:
-            yield run_chunk(job, chunk)
+        if threads > 1 and len(chunks) > 1:
+            yield from _threaded(job, chunks, threads)
+        else:
+            for chunk in chunks:
+                yield run_chunk(job, chunk)
     finally:
         torch.set_num_threads(before)
+
+
+class KernelShare:
+    """The kernel threads of each chunk running at once: ``workers`` split among the running
+    chunks, asked afresh at every kernel call, so that a chunk left running alone (a large tensor
+    at the end) gets them all."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._running = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with self._lock:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def threads(self) -> int:
+        return max(1, self.workers // max(1, self._running))
+
+
+def _threaded(job: Job, chunks: list[list[Pair]], threads: int) -> Iterator[list[Result]]:
+    """Chunks in ``threads`` threads of this process, each chunk's kernel calls on its share of
+    the threads (``KernelShare``).
+
+    Why threads of their own rather than one chunk at a time with the kernel's rows in parallel:
+    a pair's Python work (its row, loading, judging: ~1 ms of a 4 MiB pair) then runs while
+    another pair is in the kernel (which releases the GIL), not while the cores wait; and a
+    kernel call on one thread has no end-of-region barrier at which a thread spins while the
+    thread it waits for is off the CPU. A row does not depend on the threads that computed it
+    (each kernel row is summed by one thread, the rows merged in order), so the CSV is the same.
+    """
+    share = KernelShare(threads)
+    stop = threading.Event()  # set when the compare ends early: the threads stop after their pair
+
+    def run(chunk: list[Pair]) -> list[Result]:
+        rows: list[Result] = []
+        with share.running(), kernels.threads_from(share.threads):
+            for pair in chunk:
+                if stop.is_set():
+                    break  # (nobody reads these rows: the compare was interrupted or failed)
+                rows += run_chunk(job, [pair])
+        return rows
+
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmflow-compare")
+    try:
+        pending: list[Future] = []
+        it = iter(chunks)
+        for chunk in it:  # bounded look-ahead, as in _pool: rows wait here in order, not all at once
+            pending.append(pool.submit(run, chunk))
+            if len(pending) >= 2 * threads:
+                break
+        while pending:
+            fut = pending.pop(0)
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(pool.submit(run, nxt))
+            yield interrupts.wait(fut.result, FutureTimeout)  # Ctrl-C gets through (interrupts.py)
+    finally:  # done, interrupted or a chunk failed: no pair starts after this
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _pool(job: Job, chunks: list[list[Pair]], n: int) -> Iterator[list[Result]]:

@@ -25,7 +25,8 @@ reference, and serves other dtypes, pieces with NaN/Inf, and machines without a 
 float32/bfloat16/float16 data goes through the compiled ``pass1.cpp`` (beside this file; it
 reads float32 and bfloat16, either side, as they are; float16 is converted first): rows of
 ``FUSED_CHUNK`` elements (256 KiB of fp32 per side, so a row stays in L2) in parallel
-(OpenMP, torch's thread count), merged inside the kernel, one call per span of rows. Per row, a
+(OpenMP, torch's thread count, or what ``threads_from`` gives the calling thread), merged inside
+the kernel, one call per span of rows. Per row, a
 first loop reads both sides from memory for the maxima and every sum that needs no maximum; a
 second loop reads the row again from cache for the softmax sums and each side's minimum and
 plain sum (there they ride on the exp's latency; in the first loop they cost ~15%). The
@@ -60,9 +61,10 @@ compiled kernels off.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -76,6 +78,7 @@ FUSED_SPAN = 64 * FUSED_CHUNK  # fp32 elements per kernel call (rows in parallel
 LIBRARY = native.PASS1
 _lock = threading.Lock()
 _fused: Callable | None | bool = None  # None: not tried yet; False: unavailable
+_this_thread = threading.local()  # .threads: what ``threads_from`` set in this thread, if anything
 
 
 def pass1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -114,6 +117,24 @@ def fused() -> Callable | None:
             if _fused is None:
                 _fused = _load_or_build() or False
     return _fused or None
+
+
+@contextlib.contextmanager
+def threads_from(count: Callable[[], int]) -> Iterator[None]:
+    """Within (in the calling thread only): each kernel call runs its rows on ``count()`` threads
+    instead of torch's thread count. For compares that run several pairs at once, each in a
+    thread of its own, so that together they use the cores without oversubscribing them."""
+    before = getattr(_this_thread, "threads", None)
+    _this_thread.threads = count
+    try:
+        yield
+    finally:
+        _this_thread.threads = before
+
+
+def _call_threads() -> int:
+    count = getattr(_this_thread, "threads", None)
+    return count() if count is not None else torch.get_num_threads()
 
 
 def compiled(target: native.Target | None = None) -> bool:
@@ -161,7 +182,7 @@ def _wrap(fn: Callable) -> Callable:
                              f"size, got {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
         out = torch.empty(N_VALUES, dtype=torch.float64)
         if fn(a.data_ptr(), a.dtype == torch.bfloat16, b.data_ptr(), b.dtype == torch.bfloat16, n,
-              FUSED_CHUNK, torch.get_num_threads(), out.data_ptr()):
+              FUSED_CHUNK, _call_threads(), out.data_ptr()):
             raise MemoryError("compare kernel: out of memory")
         return out
 

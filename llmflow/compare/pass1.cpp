@@ -126,7 +126,10 @@ inline vd half(vf x, int which) {  // H floats of x widened
 inline vd widen_sum(vf x) { return half(x, 0) + half(x, 1); }
 inline vf vmax(vf m, vf x) { return x > m ? x : m; }  // NaN is caught by the sums, not here
 inline vf vmin(vf m, vf x) { return x < m ? x : m; }
-inline vf vabs(vf x) { return x < 0 ? -x : x; }
+// |x| by clearing the sign bit: one AND where x < 0 ? -x : x takes a compare, a negation and a
+// blend (to keep -0 as -0). The two differ only in the sign of -0 and NaN, which no sum, maximum
+// or comparison here can tell apart (0 + -0 = 0; NaN sends the piece to eager torch either way).
+inline vf vabs(vf x) { return (vf)((vu32)x & 0x7fffffffu); }
 
 // exp(x) for x <= 0 (0 below -87): 2^n * p(r), r = x - n ln2, p a degree-6 minimax polynomial
 // (1.9e-9 relative, under fp32's rounding); n rounded to nearest even by adding 1.5 * 2^23

@@ -13,6 +13,7 @@ Every row says where its tensors lie (``golden_data_path``/``target_data_path``:
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,11 +52,24 @@ class Job:
     model_dtype: str | None = None  # recorded in the dumps: judges rows at it or coarser
     _algs: dict | None = field(default=None, repr=False)
     _prefixes: tuple[str, str] | None = field(default=None, repr=False)
+    _load_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_algs"] = None  # functions from file.py refs are re-imported in each process
+        del state["_load_lock"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _load_lock=threading.Lock())
+
+    def load(self, reader: DumpReader, entry: Entry) -> torch.Tensor:
+        """``reader.load(entry)``, one load at a time: a compare may run its pairs in several
+        threads, and a reader (a plugin's too) need not be safe to call from two at once. Loading
+        is the small part of a pair (llmflow dumps are mapped, not read); comparing is not
+        serialised."""
+        with self._load_lock:
+            return reader.load(entry)
 
     def algs(self) -> dict:
         if self._algs is None:
@@ -115,12 +129,12 @@ def judge_dtype(p: Pair, target_dtype: str | None, model_dtype: str | None = Non
     return coarser(model_dtype, own) if model_dtype else own
 
 
-def _stats_of(reader: DumpReader, e: Entry) -> dict[str, float] | None:
+def _stats_of(job: Job, reader: DumpReader, e: Entry) -> dict[str, float] | None:
     if e.stats:
         return e.stats
     if not e.has_data:
         return None
-    x = reader.load(e).double()
+    x = job.load(reader, e).double()
     finite = x[torch.isfinite(x)]
     return {"max": float(finite.max()) if finite.numel() else math.nan,
             "min": float(finite.min()) if finite.numel() else math.nan,
@@ -168,20 +182,20 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
         use_stats = job.stats_only or not p.golden.has_data or not all(t.has_data for t in p.targets)
         standout = None
         if use_stats:
-            g_stats = _stats_of(job.golden, p.golden)
-            t_stats = [_stats_of(job.target, t) for t in p.targets]
+            g_stats = _stats_of(job, job.golden, p.golden)
+            t_stats = [_stats_of(job, job.target, t) for t in p.targets]
             row.update(compare_stats(g_stats, joined_stats(p.merge, t_stats, p.targets) if p.merge
                                      else _sum_stats(t_stats)))
         else:
-            g = job.golden.load(p.golden)
+            g = job.load(job.golden, p.golden)
             if p.merge:
                 t, standout = _joined_target(job, p, g, row)
             elif len(p.targets) == 1:
-                t = job.target.load(p.targets[0])
+                t = job.load(job.target, p.targets[0])
             else:
-                t = job.target.load(p.targets[0]).float()
+                t = job.load(job.target, p.targets[0]).float()
                 for extra in p.targets[1:]:
-                    t = t + job.target.load(extra).float()
+                    t = t + job.load(job.target, extra).float()
             row.update(compare_tensors(g, t))
             if "logits" in p.levels and g.dim() >= 1 and g.shape == t.shape and g.numel():
                 row.update(_logits_columns(g, t))
@@ -216,7 +230,7 @@ def _joined_target(job: Job, p: Pair, g: torch.Tensor, row: dict[str, Any]
     """A sharded target's tensor as the golden holds it (``shards.py``), and the rank whose own
     shard error stands out. ``row["shards"]`` says how the ranks joined and which rank was worst."""
     ranks = [t.rank for t in p.targets]
-    shards = [job.target.load(t) for t in p.targets]
+    shards = [job.load(job.target, t) for t in p.targets]
     if p.merge == REPLICATED and all(torch.equal(shards[0], s) for s in shards[1:]):
         return shards[0], None  # the usual case: one compare of the copy every rank holds
     errors = shard_errors(g, p.merge, shards) if p.merge != SUM else []

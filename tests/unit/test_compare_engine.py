@@ -20,3 +20,43 @@ def test_chunks_keep_order_and_bounds() -> None:
     chunks = engine.chunk_pairs(pairs, max_pairs=64)
     assert [len(c) for c in chunks] == [64, 64, 2]
     assert [p.match for c in chunks for p in c] == [p.match for p in pairs]
+
+
+def test_kernel_threads_are_split_among_the_chunks_running() -> None:
+    share = engine.KernelShare(4)
+    assert share.threads() == 4
+    with share.running():
+        assert share.threads() == 4  # a chunk running alone gets every worker
+        with share.running():
+            assert share.threads() == 2
+            with share.running():
+                assert share.threads() == 1  # never less than one
+        assert share.threads() == 4
+    assert share.threads() == 4
+
+
+def test_a_kernel_call_runs_on_the_threads_its_own_thread_was_given() -> None:
+    import threading
+
+    import torch
+
+    from llmflow.compare import kernels
+
+    seen: list[int] = []
+
+    def library_call(a_ptr, a_bf16, b_ptr, b_bf16, n, row, threads, out_ptr) -> int:
+        seen.append(threads)  # (the compiled function's arguments; it writes nothing here)
+        return 0
+
+    kernel = kernels._wrap(library_call)
+    x = torch.ones(8)
+    with kernels.threads_from(lambda: 3):
+        kernel(x, x)
+        other = threading.Thread(target=kernel, args=(x, x))  # another thread keeps torch's count
+        other.start()
+        other.join()
+        with kernels.threads_from(lambda: 1):
+            kernel(x, x)
+        kernel(x, x)
+    kernel(x, x)
+    assert seen == [3, torch.get_num_threads(), 1, 3, torch.get_num_threads()]
