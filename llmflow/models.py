@@ -24,6 +24,7 @@ Model specs understood by ``load_model``:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -175,6 +176,9 @@ def _load_hf_dir(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    cast = _load_cast_tensor_by_tensor(path, dt)
+    if cast is not None:
+        return cast
     hf_logging.disable_progress_bar()  # llmflow shows its own progress; tqdm bars garble it
     try:
         module = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **_dtype_kwarg(dt))
@@ -182,6 +186,54 @@ def _load_hf_dir(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:
         raise UserError(f"model {str(path)!r}: cannot load a Hugging Face model: "
                         f"{str(exc).splitlines()[0]}") from exc
     return module, _load_tokenizer(path)
+
+
+def _load_cast_tensor_by_tensor(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any] | None:
+    """The model of a Hugging Face directory whose safetensors checkpoint holds floating tensors in
+    another dtype than ``dt``, loaded without ever holding the checkpoint's dtype whole: built on
+    the meta device, then each stored tensor read (memory-mapped), cast to ``dt``, assigned and
+    its mapping dropped, so the load's peak is the model in ``dt`` plus one tensor.
+    (``from_pretrained`` touches every page of the checkpoint while it converts: an fp32
+    checkpoint loaded in bf16 peaks at three times the bf16 weights.)
+
+    The same values as ``from_pretrained``'s: the same casts, tied weights tied, buffers the
+    checkpoint does not store computed as the model computes them. None where this path does not
+    apply and ``from_pretrained`` loads the model: no safetensors, every floating tensor already in
+    ``dt`` (then ``from_pretrained`` maps them without a copy), a quantized config, or a
+    checkpoint transformers converts on load (``match_checkpoint``)."""
+    from llmflow.safetensors_files import SafetensorsFiles, holder_of, match_checkpoint
+
+    if not any(path.glob("*.safetensors")) or not (path / "config.json").is_file():
+        return None
+    try:
+        files = SafetensorsFiles(path)
+        stored = {files.stored_dtype(name) for name in files.stored}
+        if None in stored or not any(d is not None and d.is_floating_point and d != dt for d in stored):
+            return None
+        if "quantization_config" in json.loads((path / "config.json").read_text(encoding="utf-8")):
+            return None
+        module, tokenizer = empty_hf_model(path, dt)
+        match = match_checkpoint(module, files)
+    except (UserError, OSError, ValueError) as exc:
+        log.info("model %s: loading through from_pretrained (%s)", path, exc)
+        return None
+    log.info("model %s: casting the checkpoint to %s tensor by tensor", path, dtype_name(dt))
+    with torch.no_grad():
+        for names, stored_as in match.parameters:
+            param = torch.nn.Parameter(_cast_floating(files.read(stored_as), dt), requires_grad=False)
+            for name in names:
+                holder, attr = holder_of(module, name)
+                holder._parameters[attr] = param
+        for name in match.buffers:
+            holder, attr = holder_of(module, name)
+            holder._buffers[attr] = _cast_floating(files.read(name), dt)
+    return module, tokenizer
+
+
+def _cast_floating(tensor: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """A floating tensor in ``dt`` (a new one; the stored one is unmapped once freed), any
+    other tensor as it is."""
+    return tensor.to(dt) if tensor.is_floating_point() else tensor
 
 
 def _load_tokenizer(path: Path) -> Any:
