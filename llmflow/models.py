@@ -12,7 +12,9 @@ Model specs understood by ``load_model``:
   intermediate, vocab, seed, max_pos``, ``init`` (the weights' init std: 0.2 gives a model whose
   attention is peaked and whose text varies, as a trained model's does) and, for
   mixture-of-experts families, ``experts, top_k``.
-* a local Hugging Face model directory (``local_files_only``);
+* a local Hugging Face model directory (``local_files_only``); one whose safetensors are stored in
+  another dtype than the requested one is cast tensor by tensor (``_load_cast_tensor_by_tensor``)
+  rather than by ``from_pretrained``, which holds the whole stored checkpoint while it converts;
 * ``path/file.py:callable``: ``callable()`` returns a module or ``(module, tokenizer)``. A
   ``note`` attribute on the callable (text) is what a user must know about that model; it becomes
   ``LoadedModel.note``, which the console and the verdict repeat. The demo's target is one:

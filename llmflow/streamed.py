@@ -13,7 +13,9 @@ layer carries a pre-hook and an always-called forward hook that count the layer'
 The weights a layer reads are cast exactly as ``load_model`` casts a whole model (floating tensors
 to the requested dtype, an fp16 checkpoint into an fp32 golden), so a streamed and a whole load
 compute bit-identical results. A layer's tensors are memory-mapped from the files while the layer
-runs and unmapped when it is dropped; nothing is ever copied to disk.
+runs and unmapped when it is dropped; nothing is ever copied to disk. Only a checkpoint stored
+under the model's own parameter names and shapes can be streamed (``match_checkpoint``); one that
+transformers converts on load raises UserError, and the bisect loads that golden whole.
 """
 
 from __future__ import annotations
