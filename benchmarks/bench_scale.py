@@ -433,8 +433,8 @@ def profile_worker(run_dir: str, out_prefix: str, golden_weights: str | None = N
     real_phase, real_load = bisect_mod._Bisect.phase, models_mod.load_model
     real_streamed = streamed_mod.load_streamed
 
-    def phase(self: Any, name: str) -> None:
-        real_phase(self, name)
+    def phase(self: Any, name: str, detail: str = "") -> None:
+        real_phase(self, name, detail)
         st = proc_status(pid)
         phases.append({"phase": name, "end_s": round(time.monotonic() - t0, 2),
                        "peak_rss_gib": gib(st.get("VmHWM", 0)), "rss_at_end_gib": gib(st.get("VmRSS", 0)),
