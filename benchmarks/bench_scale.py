@@ -478,8 +478,8 @@ def profile_worker(run_dir: str, out_prefix: str, golden_weights: str | None = N
     top = dict(sorted(watched.items(), key=lambda kv: -kv[1]["cumulative_s"])[:40])
     Path(out_prefix + ".json").write_text(json.dumps({
         "seconds": round(total, 1), "status": result.status, "headline": result.headline,
-        "golden_weights": result.cost.get("model_runs", {}).get("golden_weights"),
-        "first_bad_module": result.to_json().get("first_bad_module"),
+        "golden_weights": result.cost.model_runs.golden_weights,
+        "first_bad_module": result.first_bad_module,
         "start_rss_gib": gib(start_rss), "phases": phases, "model_loads": loads, "functions": top}, indent=1))
 
 
