@@ -40,6 +40,7 @@ import torch
 
 from llmflow.dtypes import dtype_name
 from llmflow.errors import UserError
+from llmflow.safetensors_files import SafetensorsFiles, holder_of, match_checkpoint
 
 # progress lines of the slow parts (a first GGUF conversion, a model load): the console shows them
 log = logging.getLogger(__name__)
@@ -195,22 +196,20 @@ def _load_cast_tensor_by_tensor(path: Path, dt: torch.dtype) -> tuple[torch.nn.M
     another dtype than ``dt``, loaded without ever holding the checkpoint's dtype whole: built on
     the meta device, then each stored tensor read (memory-mapped), cast to ``dt``, assigned and
     its mapping dropped, so the load's peak is the model in ``dt`` plus one tensor.
-    (``from_pretrained`` touches every page of the checkpoint while it converts: an fp32
-    checkpoint loaded in bf16 peaks at three times the bf16 weights.)
+    (``from_pretrained`` holds every page of the checkpoint it read while it converts: an fp32
+    checkpoint loaded in bf16 peaks at about three times the bf16 weights.)
 
     The same values as ``from_pretrained``'s: the same casts, tied weights tied, buffers the
     checkpoint does not store computed as the model computes them. None where this path does not
     apply and ``from_pretrained`` loads the model: no safetensors, every floating tensor already in
     ``dt`` (then ``from_pretrained`` maps them without a copy), a quantized config, or a
     checkpoint transformers converts on load (``match_checkpoint``)."""
-    from llmflow.safetensors_files import SafetensorsFiles, holder_of, match_checkpoint
-
     if not any(path.glob("*.safetensors")) or not (path / "config.json").is_file():
         return None
     try:
         files = SafetensorsFiles(path)
         stored = {files.stored_dtype(name) for name in files.stored}
-        if None in stored or not any(d is not None and d.is_floating_point and d != dt for d in stored):
+        if None in stored or not any(d.is_floating_point and d != dt for d in stored):
             return None
         if "quantization_config" in json.loads((path / "config.json").read_text(encoding="utf-8")):
             return None
