@@ -221,20 +221,39 @@ def _load_cast_tensor_by_tensor(path: Path, dt: torch.dtype) -> tuple[torch.nn.M
     log.info("model %s: casting the checkpoint to %s tensor by tensor", path, dtype_name(dt))
     with torch.no_grad():
         for names, stored_as in match.parameters:
-            param = torch.nn.Parameter(_cast_floating(files.read(stored_as), dt), requires_grad=False)
+            param = torch.nn.Parameter(_read_cast(files, stored_as, dt), requires_grad=False)
             for name in names:
                 holder, attr = holder_of(module, name)
                 holder._parameters[attr] = param
         for name in match.buffers:
             holder, attr = holder_of(module, name)
-            holder._buffers[attr] = _cast_floating(files.read(name), dt)
+            holder._buffers[attr] = _read_cast(files, name, dt)
     return module, tokenizer
 
 
-def _cast_floating(tensor: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-    """A floating tensor in ``dt`` (a new one; the stored one is unmapped once freed), any
-    other tensor as it is."""
-    return tensor.to(dt) if tensor.is_floating_point() else tensor
+#: the most bytes of a stored tensor mapped at once while casting it: a large tensor (a 128k-token
+#: vocabulary's fp32 embedding is 1 GiB) is cast a slab of rows at a time
+CAST_SLAB_BYTES = 64 * 2**20
+
+
+def _read_cast(files: SafetensorsFiles, name: str, dt: torch.dtype) -> torch.Tensor:
+    """Stored tensor ``name``, floating ones cast to ``dt`` into new memory, a slab of rows at a
+    time, each slab unmapped once cast; a tensor stored in ``dt`` or not floating stays mapped
+    from the file (as ``from_pretrained`` leaves it)."""
+    stored = files.stored[name]
+    dtype = files.stored_dtype(name)
+    if dtype is None or not dtype.is_floating_point or dtype == dt:
+        return files.read(name)
+    size = stored.end - stored.begin
+    if not stored.shape or size <= CAST_SLAB_BYTES:
+        return files.read(name).to(dt)
+    rows = stored.shape[0]
+    per_slab = max(1, CAST_SLAB_BYTES // max(1, size // rows))
+    out = torch.empty(stored.shape, dtype=dt)
+    for start in range(0, rows, per_slab):
+        stop = min(rows, start + per_slab)
+        out[start:stop].copy_(files.read_rows(name, start, stop))
+    return out
 
 
 def _load_tokenizer(path: Path) -> Any:

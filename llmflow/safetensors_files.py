@@ -72,20 +72,32 @@ class SafetensorsFiles:
         kernels sum in an order that depends on the weights' alignment, so only the same
         alignment computes bit-identical results."""
         s = self.stored[name]
+        return self._map(name, s.begin, s.end, s.shape)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``name`` (along its first dimension), mapped as ``read``
+        maps a whole tensor: a part of a large tensor without the rest of its pages."""
+        s = self.stored[name]
+        row_bytes = (s.end - s.begin) // s.shape[0]
+        return self._map(name, s.begin + start * row_bytes, s.begin + stop * row_bytes,
+                         (stop - start, *s.shape[1:]))
+
+    def _map(self, name: str, begin: int, end: int, shape: tuple[int, ...]) -> torch.Tensor:
+        s = self.stored[name]
         dtype = SAFETENSORS_DTYPES.get(s.dtype)
         if dtype is None:
             raise UserError(f"{s.file}: tensor {name!r} has dtype {s.dtype}, which this torch cannot hold")
-        size = s.end - s.begin
+        size = end - begin
         if size == 0:
-            return torch.empty(s.shape, dtype=dtype)
-        first_page = s.begin - s.begin % mmap.ALLOCATIONGRANULARITY
+            return torch.empty(shape, dtype=dtype)
+        first_page = begin - begin % mmap.ALLOCATIONGRANULARITY
         try:
             with open(s.file, "rb") as f:
-                mapped = mmap.mmap(f.fileno(), s.end - first_page, access=mmap.ACCESS_COPY, offset=first_page)
+                mapped = mmap.mmap(f.fileno(), end - first_page, access=mmap.ACCESS_COPY, offset=first_page)
         except (OSError, ValueError) as exc:  # ValueError: the file is shorter than its header says
             raise UserError(f"{s.file}: cannot read tensor {name!r} ({exc})") from exc
-        data = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=s.begin - first_page)
-        return data.view(dtype).reshape(s.shape)
+        data = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=begin - first_page)
+        return data.view(dtype).reshape(shape)
 
     def stored_dtype(self, name: str) -> torch.dtype | None:
         """The torch dtype tensor ``name`` is stored in (None: one this torch cannot hold)."""

@@ -111,6 +111,28 @@ def test_at_most_one_stored_tensor_is_held_while_casting(tmp_path, monkeypatch):
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
 
 
+def test_a_large_tensor_is_cast_a_slab_of_rows_at_a_time(tmp_path, monkeypatch):
+    """With slabs of 4 KiB, no mapping of the checkpoint is larger than one slab, and the model is
+    the same bit for bit (the embedding's 300 rows of 64 fp32 values go 16 rows at a time)."""
+    import llmflow.models as models
+
+    directory = save_tiny(tmp_path / "m", "qwen2", tied=True)
+    monkeypatch.setattr(models, "CAST_SLAB_BYTES", 4096)
+    mapped: list[int] = []
+    for method in ("read", "read_rows"):
+        real = getattr(SafetensorsFiles, method)
+
+        def recording(self, *args, _real=real):
+            tensor = _real(self, *args)
+            mapped.append(tensor.numel() * tensor.element_size())
+            return tensor
+        monkeypatch.setattr(SafetensorsFiles, method, recording)
+    loaded = load_model(str(directory), dtype="bfloat16")
+    embedding = 300 * 64 * 4
+    assert max(mapped) == 4096 and sum(mapped) > embedding  # the embedding came in 19 slabs
+    assert_same_model(loaded.model, from_pretrained(directory, "bfloat16"))
+
+
 def test_a_checkpoint_already_in_the_requested_dtype_loads_through_from_pretrained(tmp_path, caplog):
     directory = save_tiny(tmp_path / "m", "llama", torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="llmflow.models"):
