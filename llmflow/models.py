@@ -195,7 +195,8 @@ def _load_cast_tensor_by_tensor(path: Path, dt: torch.dtype) -> tuple[torch.nn.M
     """The model of a Hugging Face directory whose safetensors checkpoint holds floating tensors in
     another dtype than ``dt``, loaded without ever holding the checkpoint's dtype whole: built on
     the meta device, then each stored tensor read (memory-mapped), cast to ``dt``, assigned and
-    its mapping dropped, so the load's peak is the model in ``dt`` plus one tensor.
+    its mapping dropped, so the load's peak is the model in ``dt`` plus one stored tensor (one
+    slab of ``CAST_SLAB_BYTES`` of a larger one).
     (``from_pretrained`` holds every page of the checkpoint it read while it converts: an fp32
     checkpoint loaded in bf16 peaks at about three times the bf16 weights.)
 
