@@ -188,3 +188,16 @@ def test_smollm2_in_bf16_is_cast_from_its_fp32_copy_bit_identically(caplog):
     ids, logits = generate_logits(loaded.model, 3)
     ref_ids, ref_logits = generate_logits(reference, 3)
     assert ids == ref_ids and all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
+
+
+def test_a_stored_non_persistent_buffer_is_ignored_as_from_pretrained_ignores_it(tmp_path, caplog):
+    """Older Llama checkpoints store rotary ``inv_freq``, which the model computes itself."""
+    directory = save_tiny(tmp_path / "m", "llama")
+    path = directory / "model.safetensors"
+    save_file({**load_file(str(path)), "model.rotary_emb.inv_freq": torch.full((8,), 3.0)}, str(path),
+              metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="llmflow.models"):
+        loaded = load_model(str(directory), dtype="bfloat16")
+    assert CAST_LINE in caplog.text
+    assert not torch.equal(loaded.model.model.rotary_emb.inv_freq, torch.full((8,), 3.0))
+    assert_same_model(loaded.model, from_pretrained(directory, "bfloat16"))
