@@ -14,10 +14,12 @@ depth scaled by 1.1):
     7b-2l   Llama-2-7B's widths (hidden 4096, intermediate 11008, 32 heads), 2 layers   ~666M
     7b-4l   the same, 4 layers (with 7b-2l: the cost of one 7B-wide layer)             ~1.07B
 
-Each size's checkpoint is written once into ``--work-dir`` (config.json + model.safetensors, as
-a user's model directory holds them) and loaded by ``from_pretrained`` in the dtype of the side
-(a generated ``scale_models.py`` whose callables the recipe takes as ``file.py:callable``, with a
-byte-level tokenizer: the checkpoints have no tokenizer files).
+Each size's checkpoint is written once into ``--work-dir`` (config.json + model.safetensors in
+float32 and a byte-level tokenizer, as a user's model directory holds them). The target is that
+directory in bfloat16 (``target_model=DIR``, ``target_dtype=bfloat16``: llmflow's own load, which
+casts the checkpoint tensor by tensor) with the fault planted by ``target_patch``; the golden is
+loaded by ``from_pretrained`` in float32 through a generated ``scale_models.py`` whose callable
+the recipe takes as ``file.py:callable`` (so the bisect holds it whole).
 
 Measured, each ``--repeat`` times:
 
@@ -77,9 +79,9 @@ SIZES: dict[str, dict[str, int]] = {
 }
 DEFAULT_SIZES = ["30m", "300m", "1b", "7b-2l"]
 
-MODEL_FILE = '''"""The models of benchmarks/bench_scale.py: seeded random checkpoints in this folder,
-loaded by from_pretrained in each side's dtype (as a user's model directory would be), with a
-byte-level tokenizer. Written by bench_scale.py."""
+MODEL_FILE = '''"""The golden models and the target's fault of benchmarks/bench_scale.py: seeded random
+checkpoints in this folder, the golden loaded by from_pretrained in float32, with a byte-level
+tokenizer. Written by bench_scale.py."""
 
 import torch
 import transformers
@@ -112,10 +114,6 @@ MODEL_FILE_SIZE = '''
 
 def golden_{ident}():
     return _load("{size}", torch.float32)
-
-
-def target_{ident}():
-    return _load("{size}", torch.bfloat16)
 
 
 fault_{ident} = fault("{size}")
@@ -218,10 +216,12 @@ def run_measured(cmd: list[str], env: dict[str, str], log: Path,
 # -- the models -------------------------------------------------------------------------------------
 
 def write_models(work: Path, sizes: list[str]) -> Path:
-    """The checkpoints (once per size) and scale_models.py."""
+    """The checkpoints (once per size), their tokenizers and scale_models.py."""
     for size in sizes:
         folder = work / size
         if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+            if not (folder / "tokenizer.json").is_file():  # a checkpoint an older version wrote
+                write_tokenizer(folder)
             continue
         print(f"[{size}] writing the seeded random checkpoint ({param_count(size) / 1e6:.0f}M parameters)",
               flush=True)
@@ -253,7 +253,29 @@ def build_checkpoint(size: str, folder: str) -> None:
     tmp = Path(folder + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
+    write_tokenizer(tmp)
     os.replace(tmp, folder)
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A tokenizer that encodes ASCII text as llmflow's ByteTokenizer does (each character's byte,
+    BOS 256 first; EOS 257, PAD 258), so the golden callable and the target directory read the
+    prompt as the same ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from llmflow.models import ByteTokenizer
+
+    vocab = {chr(i): i for i in range(32, 127)} | {"<unk>": 0, "<s>": ByteTokenizer.bos_token_id,
+                                                   "</s>": ByteTokenizer.eos_token_id,
+                                                   "<pad>": ByteTokenizer.pad_token_id}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", vocab["<s>"])])
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(str(folder))
 
 
 # -- 1. plain generations ------------------------------------------------------------------------
@@ -282,7 +304,7 @@ def plain_worker(spec: str, dtype: str, patch: str, out: str) -> None:
 
 def run_plain(work: Path, size: str, side: str, tag: str) -> dict[str, Any]:
     models = work / "scale_models.py"
-    spec = f"{models}:{side}_{ident(size)}"
+    spec = f"{models}:golden_{ident(size)}" if side == "golden" else str(work / size)
     dtype = "float32" if side == "golden" else "bfloat16"
     patch = f"{models}:fault_{ident(size)}" if side == "target" else ""
     out = work / f"plain-{size}-{side}-{tag}.json"
@@ -341,7 +363,7 @@ def run_recipe(work: Path, size: str, tag: str) -> dict[str, Any]:
     run_dir = work / "runs" / f"{size}-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)  # this benchmark's own earlier run
     sets = {"golden_model": f"{models}:golden_{ident(size)}",
-            "target_model": f"{models}:target_{ident(size)}",
+            "target_model": str(work / size), "target_dtype": "bfloat16",
             "target_patch": f"{models}:fault_{ident(size)}", "max_new_tokens": str(TOKENS),
             "prompt": PROMPT, "seed": str(SEED)}
     cmd = [sys.executable, "-m", "llmflow", "run", "llama2_bisect", "--run-dir", str(run_dir),
@@ -456,8 +478,8 @@ def profile_worker(run_dir: str, out_prefix: str, golden_weights: str | None = N
     top = dict(sorted(watched.items(), key=lambda kv: -kv[1]["cumulative_s"])[:40])
     Path(out_prefix + ".json").write_text(json.dumps({
         "seconds": round(total, 1), "status": result.status, "headline": result.headline,
-        "golden_weights": result.cost.get("model_runs", {}).get("golden_weights"),
-        "first_bad_module": result.to_json().get("first_bad_module"),
+        "golden_weights": result.cost.model_runs.golden_weights,
+        "first_bad_module": result.first_bad_module,
         "start_rss_gib": gib(start_rss), "phases": phases, "model_loads": loads, "functions": top}, indent=1))
 
 

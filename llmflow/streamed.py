@@ -13,14 +13,13 @@ layer carries a pre-hook and an always-called forward hook that count the layer'
 The weights a layer reads are cast exactly as ``load_model`` casts a whole model (floating tensors
 to the requested dtype, an fp16 checkpoint into an fp32 golden), so a streamed and a whole load
 compute bit-identical results. A layer's tensors are memory-mapped from the files while the layer
-runs and unmapped when it is dropped; nothing is ever copied to disk.
+runs and unmapped when it is dropped; nothing is ever copied to disk. Only a checkpoint stored
+under the model's own parameter names and shapes can be streamed (``match_checkpoint``); one that
+transformers converts on load raises UserError, and the bisect loads that golden whole.
 """
 
 from __future__ import annotations
 
-import json
-import mmap
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,103 +29,8 @@ from torch import nn
 
 from llmflow.errors import UserError
 from llmflow.models import LoadedModel, checkpoint_dir, empty_hf_model, resolve_device, resolve_dtype
+from llmflow.safetensors_files import SafetensorsFiles, holder_of, match_checkpoint
 from llmflow.structure import find_layer_stack
-
-#: safetensors dtype names -> torch dtypes (the format's spec; F8 types where this torch has them)
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-    **{k: getattr(torch, v) for k, v in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
-       if hasattr(torch, v)},
-}
-
-
-@dataclass(frozen=True)
-class _Stored:
-    """Where one tensor's bytes are: its file, their absolute offsets, its dtype and shape."""
-
-    file: Path
-    begin: int
-    end: int
-    dtype: str
-    shape: tuple[int, ...]
-
-
-class SafetensorsFiles:
-    """The tensors of a checkpoint directory, read one at a time by name.
-
-    The shards are those ``*.safetensors.index.json`` names (its weight map says which holds a
-    tensor), else every ``*.safetensors`` file; each shard's header gives its tensors' offsets.
-    """
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.stored: dict[str, _Stored] = {}
-        for shard in _shards(directory):
-            for name, stored in _header(shard).items():
-                if name in self.stored:
-                    raise UserError(f"{directory}: tensor {name!r} is in two shards: "
-                                    f"{self.stored[name].file.name} and {shard.name}")
-                self.stored[name] = stored
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.stored
-
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` in its stored dtype: a copy-on-write memory mapping of its bytes in
-        the file, unmapped when the tensor is freed (so a dropped layer leaves nothing behind).
-
-        Mapped, not read into fresh memory: the pages come straight from the page cache, and the
-        tensor sits at the address offset a whole ``from_pretrained`` load gives it. CPU matrix
-        kernels sum in an order that depends on the weights' alignment, so only the same
-        alignment computes bit-identical results."""
-        s = self.stored[name]
-        dtype = _SAFETENSORS_DTYPES.get(s.dtype)
-        if dtype is None:
-            raise UserError(f"{s.file}: tensor {name!r} has dtype {s.dtype}, which this torch cannot hold")
-        size = s.end - s.begin
-        if size == 0:
-            return torch.empty(s.shape, dtype=dtype)
-        first_page = s.begin - s.begin % mmap.ALLOCATIONGRANULARITY
-        try:
-            with open(s.file, "rb") as f:
-                mapped = mmap.mmap(f.fileno(), s.end - first_page, access=mmap.ACCESS_COPY, offset=first_page)
-        except (OSError, ValueError) as exc:  # ValueError: the file is shorter than its header says
-            raise UserError(f"{s.file}: cannot read tensor {name!r} ({exc})") from exc
-        data = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=s.begin - first_page)
-        return data.view(dtype).reshape(s.shape)
-
-
-def _shards(directory: Path) -> list[Path]:
-    indexes = sorted(directory.glob("*.safetensors.index.json"))
-    if not indexes:
-        return sorted(directory.glob("*.safetensors"))
-    shards: set[Path] = set()
-    for index in indexes:
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            shards |= {directory / str(f) for f in weight_map.values()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise UserError(f"{index}: not a safetensors shard index (no weight_map: {exc})") from exc
-    missing = [s.name for s in sorted(shards) if not s.is_file()]
-    if missing:
-        raise UserError(f"{indexes[0]}: shard {missing[0]} is missing")
-    return sorted(shards)
-
-
-def _header(shard: Path) -> dict[str, _Stored]:
-    """A safetensors file's table of contents: an 8-byte little-endian length, then that much JSON."""
-    try:
-        with open(shard, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            table = json.loads(f.read(length))
-        start = 8 + length
-        return {name: _Stored(shard, start + int(e["data_offsets"][0]), start + int(e["data_offsets"][1]),
-                              str(e["dtype"]), tuple(int(n) for n in e["shape"]))
-                for name, e in table.items() if name != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as exc:
-        raise UserError(f"{shard}: unreadable safetensors file ({exc})") from exc
 
 
 @dataclass
@@ -208,26 +112,6 @@ class StreamedWeights:
             lw.hooks.clear()
 
 
-def _parameter_groups(model: nn.Module, files: SafetensorsFiles) -> list[list[str]]:
-    """The names of each parameter: tied weights share one parameter (the model ties them as its
-    config says; a checkpoint may store them under either name), unless the checkpoint stores
-    each name, which ``from_pretrained`` then loads untied too."""
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    out: list[list[str]] = []
-    for names in groups.values():
-        out += [[n] for n in names] if len(names) > 1 and all(n in files for n in names) else [names]
-    return out
-
-
-def _holder(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, attr = name.rpartition(".")
-    return (model.get_submodule(path) if path else model), attr
-
-
 def _inside(name: str, layer: str) -> bool:
     return name.startswith(layer + ".")
 
@@ -252,14 +136,15 @@ def load_streamed(model: str, *, device: str = "cpu", dtype: str = "float32", ba
         owners = {next((layer for layer in stack.layers if _inside(n, layer)), None) for n in names}
         return owners.pop() if len(owners) == 1 else None  # shared across layers: held whole
 
-    streamed: dict[str, list[list[str]]] = {layer: [] for layer in stack.layers}
-    whole: list[list[str]] = []
-    for names in _parameter_groups(module, files):
+    match = match_checkpoint(module, files)  # UserError where transformers converts the checkpoint
+    streamed: dict[str, list[tuple[list[str], str]]] = {layer: [] for layer in stack.layers}
+    whole: list[tuple[list[str], str]] = []
+    for names, stored_as in match.parameters:
         layer = layer_of(names)
-        (streamed[layer] if layer is not None else whole).append(names)
+        (streamed[layer] if layer is not None else whole).append((names, stored_as))
 
     with torch.no_grad():
-        _load_whole(module, whole, files, directory)
+        _load_whole(module, whole, match.buffers, files)
         _cast_module(module, dev, dt)
     module.eval()
     module.requires_grad_(False)
@@ -267,11 +152,8 @@ def load_streamed(model: str, *, device: str = "cpu", dtype: str = "float32", ba
     attached = StreamedWeights({})
     for layer, groups in streamed.items():
         slots = []
-        for names in groups:
-            stored_as = next((n for n in names if n in files), None)
-            if stored_as is None:
-                raise UserError(f"{directory}: the checkpoint has no tensor {names[0]!r}")
-            holders = [_holder(module, n) for n in names]
+        for names, stored_as in groups:
+            holders = [holder_of(module, n) for n in names]
             slots.append(_Slot(holders, stored_as, holders[0][0]._parameters[holders[0][1]]))
         weights = LayerWeights(layer, slots, files, dev, dt)
         for sub in module.get_submodule(layer).modules():
@@ -282,22 +164,19 @@ def load_streamed(model: str, *, device: str = "cpu", dtype: str = "float32", ba
     return LoadedModel(module, tokenizer, model, dev, dt)
 
 
-def _load_whole(module: nn.Module, groups: list[list[str]], files: SafetensorsFiles, directory: Path) -> None:
-    """The parameters outside the decoder layers, and every buffer the checkpoint stores, read
-    in whole."""
+def _load_whole(module: nn.Module, groups: list[tuple[list[str], str]], buffers: list[str],
+                files: SafetensorsFiles) -> None:
+    """The parameters outside the decoder layers, and the persistent buffers the checkpoint
+    stores, read in whole."""
     with torch._C.DisableTorchFunction():
-        for names in groups:
-            stored_as = next((n for n in names if n in files), None)
-            if stored_as is None:
-                raise UserError(f"{directory}: the checkpoint has no tensor {names[0]!r}")
+        for names, stored_as in groups:
             param = nn.Parameter(files.read(stored_as), requires_grad=False)
             for name in names:
-                holder, attr = _holder(module, name)
+                holder, attr = holder_of(module, name)
                 holder._parameters[attr] = param
-        for name, _buffer in list(module.named_buffers()):
-            if name in files:
-                holder, attr = _holder(module, name)
-                holder._buffers[attr] = files.read(name)
+        for name in buffers:
+            holder, attr = holder_of(module, name)
+            holder._buffers[attr] = files.read(name)
 
 
 def _cast_module(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -323,5 +202,5 @@ def _cast_module(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
 
 
 def _named_parameter(module: nn.Module, name: str) -> torch.Tensor:
-    holder, attr = _holder(module, name)
+    holder, attr = holder_of(module, name)
     return holder._parameters[attr]

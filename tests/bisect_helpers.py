@@ -369,3 +369,17 @@ def bisect_dumps(dumps: dict, **kwargs) -> dict:
     from llmflow.results.codec import to_json
 
     return to_json(run_bisect(BisectInputs(**dumps, **kwargs), log=lambda _m: None))
+
+
+def save_char_tokenizer(directory: Path) -> None:
+    """A character-level tokenizer (ids as the byte tokenizer's: printable ASCII, BOS 256, EOS 257,
+    PAD 258) saved beside the model, so the recipe's dump stages can encode a prompt."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(32, 127)} | {"<unk>": 0, "<s>": 256, "</s>": 257, "<pad>": 258}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(str(directory))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
-from bisect_helpers import bisect_dumps, make_dumps  # noqa: E402
+from bisect_helpers import bisect_dumps, make_dumps, save_char_tokenizer  # noqa: E402
 
 from llmflow.errors import UserError  # noqa: E402
 from llmflow.models import build_tiny  # noqa: E402
@@ -95,20 +95,6 @@ def test_a_checkpoint_converted_on_load_is_loaded_whole_by_auto_and_refused_by_s
 
 
 # -- the user's way --------------------------------------------------------------------------------
-
-def save_char_tokenizer(directory: Path) -> None:
-    """A character-level tokenizer (ids as the byte tokenizer's: printable ASCII, BOS 256, EOS 257,
-    PAD 258) saved beside the model, so the recipe's dump stages can encode a prompt."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {chr(i): i for i in range(32, 127)} | {"<unk>": 0, "<s>": 256, "</s>": 257, "<pad>": 258}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(str(directory))
-
 
 def llmflow_run(run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "llmflow.cli", "run", "llama2_bisect", "--run-dir", str(run_dir),

@@ -1,0 +1,210 @@
+"""A safetensors checkpoint read one tensor at a time, and which of its tensors fills which
+parameter of a model built without weights.
+
+Both ``models.load_model`` (a Hugging Face directory stored in another dtype than the requested
+one, cast tensor by tensor) and ``streamed.load_streamed`` (a decoder layer's weights read while
+the layer runs) read a checkpoint this way. Both load only a checkpoint whose tensor names and
+shapes are the model's own: where transformers converts a checkpoint on load (Mixtral's per-expert
+tensors fused, keys renamed, a base model's names prefixed) ``match_checkpoint`` says so and the
+caller loads the model through ``from_pretrained`` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmflow.errors import UserError
+
+#: safetensors dtype names -> torch dtypes (the format's spec; F8 types where this torch has them)
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+    **{k: getattr(torch, v) for k, v in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
+       if hasattr(torch, v)},
+}
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where one tensor's bytes are: its file, their absolute offsets, its dtype and shape."""
+
+    file: Path
+    begin: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class SafetensorsFiles:
+    """The tensors of a checkpoint directory, read one at a time by name.
+
+    The shards are those ``*.safetensors.index.json`` names (its weight map says which holds a
+    tensor), else every ``*.safetensors`` file; each shard's header gives its tensors' offsets.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.stored: dict[str, Stored] = {}
+        for shard in _shards(directory):
+            for name, stored in _header(shard).items():
+                if name in self.stored:
+                    raise UserError(f"{directory}: tensor {name!r} is in two shards: "
+                                    f"{self.stored[name].file.name} and {shard.name}")
+                self.stored[name] = stored
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.stored
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` in its stored dtype: a copy-on-write memory mapping of its bytes in
+        the file, unmapped when the tensor is freed (so a dropped tensor leaves nothing behind).
+
+        Mapped, not read into fresh memory: the pages come straight from the page cache, and the
+        tensor sits at the address offset a whole ``from_pretrained`` load gives it. CPU matrix
+        kernels sum in an order that depends on the weights' alignment, so only the same
+        alignment computes bit-identical results."""
+        s = self.stored[name]
+        return self._map(name, s.begin, s.end, s.shape)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``name`` (along its first dimension), mapped as ``read``
+        maps a whole tensor: a part of a large tensor without the rest of its pages."""
+        s = self.stored[name]
+        row_bytes = (s.end - s.begin) // s.shape[0]
+        return self._map(name, s.begin + start * row_bytes, s.begin + stop * row_bytes,
+                         (stop - start, *s.shape[1:]))
+
+    def _map(self, name: str, begin: int, end: int, shape: tuple[int, ...]) -> torch.Tensor:
+        s = self.stored[name]
+        dtype = SAFETENSORS_DTYPES.get(s.dtype)
+        if dtype is None:
+            raise UserError(f"{s.file}: tensor {name!r} has dtype {s.dtype}, which this torch cannot hold")
+        size = end - begin
+        if size == 0:
+            return torch.empty(shape, dtype=dtype)
+        first_page = begin - begin % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open(s.file, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), end - first_page, access=mmap.ACCESS_COPY, offset=first_page)
+        except (OSError, ValueError) as exc:  # ValueError: the file is shorter than its header says
+            raise UserError(f"{s.file}: cannot read tensor {name!r} ({exc})") from exc
+        data = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=begin - first_page)
+        return data.view(dtype).reshape(shape)
+
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        """The torch dtype tensor ``name`` is stored in (None: one this torch cannot hold)."""
+        return SAFETENSORS_DTYPES.get(self.stored[name].dtype)
+
+
+def _shards(directory: Path) -> list[Path]:
+    indexes = sorted(directory.glob("*.safetensors.index.json"))
+    if not indexes:
+        return sorted(directory.glob("*.safetensors"))
+    shards: set[Path] = set()
+    for index in indexes:
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards |= {directory / str(f) for f in weight_map.values()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{index}: not a safetensors shard index (no weight_map: {exc})") from exc
+    missing = [s.name for s in sorted(shards) if not s.is_file()]
+    if missing:
+        raise UserError(f"{indexes[0]}: shard {missing[0]} is missing")
+    return sorted(shards)
+
+
+def _header(shard: Path) -> dict[str, Stored]:
+    """A safetensors file's table of contents: an 8-byte little-endian length, then that much JSON."""
+    try:
+        with open(shard, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            table = json.loads(f.read(length))
+        start = 8 + length
+        return {name: Stored(shard, start + int(e["data_offsets"][0]), start + int(e["data_offsets"][1]),
+                             str(e["dtype"]), tuple(int(n) for n in e["shape"]))
+                for name, e in table.items() if name != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as exc:
+        raise UserError(f"{shard}: unreadable safetensors file ({exc})") from exc
+
+
+@dataclass
+class CheckpointMatch:
+    """Which checkpoint tensor fills each parameter and stored buffer of a model.
+
+    ``parameters``: per parameter, every name it has in the model (tied weights share one
+    parameter) and the checkpoint name it is read from. ``buffers``: the persistent buffers the
+    checkpoint stores (the rest keep the values the model computed when it was built).
+    """
+
+    parameters: list[tuple[list[str], str]]
+    buffers: list[str]
+
+
+def match_checkpoint(model: nn.Module, files: SafetensorsFiles) -> CheckpointMatch:
+    """Each parameter of ``model`` (built without weights) matched to the checkpoint tensor of its
+    name and shape; UserError naming the tensor where the checkpoint is not the model's own as
+    stored: a parameter it lacks, a shape that differs, or a tensor the model has no place for
+    (transformers converts such checkpoints on load: only ``from_pretrained`` reads them)."""
+    directory = files.directory
+    parameters: list[tuple[list[str], str]] = []
+    for names in _parameter_groups(model, files):
+        stored_as = next((n for n in names if n in files), None)
+        if stored_as is None:
+            raise UserError(f"{directory}: the checkpoint has no tensor {names[0]!r}")
+        _check_shape(files, stored_as, holder_of(model, names[0]))
+        parameters.append((names, stored_as))
+    buffers: list[str] = []
+    every_buffer: set[str] = set()
+    for name, _buffer in model.named_buffers(remove_duplicate=False):
+        every_buffer.add(name)
+        module, attr = holder_of(model, name)
+        if name in files and attr not in module._non_persistent_buffers_set:
+            _check_shape(files, name, (module, attr))
+            buffers.append(name)
+    known = {n for names, _ in parameters for n in names} | every_buffer
+    unknown = sorted(n for n in files.stored if n not in known)
+    if unknown:
+        raise UserError(f"{directory}: the checkpoint's tensor {unknown[0]!r} is not a parameter of "
+                        f"the model ({len(unknown)} such tensor(s): transformers converts them on load)")
+    return CheckpointMatch(parameters, buffers)
+
+
+def _check_shape(files: SafetensorsFiles, name: str, holder: tuple[nn.Module, str]) -> None:
+    module, attr = holder
+    tensor = module._parameters.get(attr)
+    if tensor is None:
+        tensor = module._buffers[attr]
+    stored = files.stored[name].shape
+    if tuple(tensor.shape) != stored:
+        raise UserError(f"{files.directory}: tensor {name!r} has shape {list(stored)} in the checkpoint, "
+                        f"{list(tensor.shape)} in the model")
+
+
+def _parameter_groups(model: nn.Module, files: SafetensorsFiles) -> list[list[str]]:
+    """The names of each parameter: tied weights share one parameter (the model ties them as its
+    config says; a checkpoint may store them under either name), unless the checkpoint stores
+    each name, which ``from_pretrained`` then loads untied too."""
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    out: list[list[str]] = []
+    for names in groups.values():
+        out += [[n] for n in names] if len(names) > 1 and all(n in files for n in names) else [names]
+    return out
+
+
+def holder_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The sub-module that holds the parameter or buffer ``name``, and its attribute name there."""
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
+
