@@ -17,9 +17,9 @@ depth scaled by 1.1):
 Each size's checkpoint is written once into ``--work-dir`` (config.json + model.safetensors in
 float32 and a byte-level tokenizer, as a user's model directory holds them). The target is that
 directory in bfloat16 (``target_model=DIR``, ``target_dtype=bfloat16``: llmflow's own load, which
-casts the checkpoint tensor by tensor) with the fault planted by ``target_patch``; the golden is
-loaded by ``from_pretrained`` in float32 through a generated ``scale_models.py`` whose callable
-the recipe takes as ``file.py:callable`` (so the bisect holds it whole).
+casts the checkpoint tensor by tensor) with the fault planted by ``target_patch`` (a callable of a
+generated ``scale_models.py``); the golden is the same directory in float32, which the bisect
+streams layer by layer (``golden_weights: auto``), as it does a user's model directory.
 
 Measured, each ``--repeat`` times:
 
@@ -304,7 +304,7 @@ def plain_worker(spec: str, dtype: str, patch: str, out: str) -> None:
 
 def run_plain(work: Path, size: str, side: str, tag: str) -> dict[str, Any]:
     models = work / "scale_models.py"
-    spec = f"{models}:golden_{ident(size)}" if side == "golden" else str(work / size)
+    spec = str(work / size)
     dtype = "float32" if side == "golden" else "bfloat16"
     patch = f"{models}:fault_{ident(size)}" if side == "target" else ""
     out = work / f"plain-{size}-{side}-{tag}.json"
@@ -362,7 +362,7 @@ def run_recipe(work: Path, size: str, tag: str) -> dict[str, Any]:
     models = work / "scale_models.py"
     run_dir = work / "runs" / f"{size}-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)  # this benchmark's own earlier run
-    sets = {"golden_model": f"{models}:golden_{ident(size)}",
+    sets = {"golden_model": str(work / size),
             "target_model": str(work / size), "target_dtype": "bfloat16",
             "target_patch": f"{models}:fault_{ident(size)}", "max_new_tokens": str(TOKENS),
             "prompt": PROMPT, "seed": str(SEED)}
