@@ -76,7 +76,7 @@ class JumpJudge:
         _, before, before_name = previous
         if error < self.ratio * before:
             return
-        growth = f"{error / before:.3g}x the previous layer's" if before > 0 else \
+        growth = f"is {error / before:.3g}x the previous layer's" if before > 0 else \
             "where the previous layer's is 0"
         jump = f"error jump: {JUMP_METRIC} {error:.3g} {growth} ({before_name}: {before:.3g}; " \
                f"jump_ratio {self.ratio:g})"
