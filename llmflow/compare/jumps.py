@@ -74,11 +74,11 @@ class JumpJudge:
         if previous is None or previous[0] != layer - 1 or row.get("diverged") or row.get("code") != _WARN:
             return
         _, before, before_name = previous
-        if error < self.ratio * before:
+        # (a previous error of 0 is no measure to grow from: the first inexact layer of an
+        # otherwise bit-exact target passes a small error on to the next, from nothing)
+        if before <= 0 or error < self.ratio * before:
             return
-        growth = f"is {error / before:.3g}x the previous layer's" if before > 0 else \
-            "where the previous layer's is 0"
-        jump = f"error jump: {JUMP_METRIC} {error:.3g} {growth} ({before_name}: {before:.3g}; " \
-               f"jump_ratio {self.ratio:g})"
+        jump = f"error jump: {JUMP_METRIC} {error:.3g} is {error / before:.3g}x the previous layer's " \
+               f"({before_name}: {before:.3g}; jump_ratio {self.ratio:g})"
         row.update(verdict="fail", code=Code.ERROR_JUMP.value,
                    reason="; ".join(filter(None, [jump, str(row.get("reason") or "")])))
