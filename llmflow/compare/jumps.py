@@ -7,9 +7,9 @@ softmax scale in one attention layer of a bf16 model), so thresholds alone mark 
 like the bf16 rounding of the last layers, and the first failing row lands on the logits or after
 the texts part.
 
-``JumpJudge`` compares each row of a module inside the layer stack (``model.layers.17``,
+``JumpJudge`` compares each output row of a module inside the layer stack (``model.layers.17``,
 ``model.layers.17.self_attn``) with the same module's row in the previous layer at the same step
-(same rank, kind and index): a row already beyond a warn limit (``threshold_warn``) whose relative
+(same rank and output index): a row already beyond a warn limit (``threshold_warn``) whose relative
 L2 error is ``jump_ratio`` times that row's or more becomes ``error_jump`` (fail), its reason
 naming the ratio and the previous layer. Rows are judged as they stream past in execution order,
 so the previous layer's row of a step has always been seen; rows after the texts part
@@ -59,9 +59,12 @@ class JumpJudge:
         # (step, rank, module type, kind, index) -> (layer, error, name) of the last row seen
         self._last: dict[tuple[Any, ...], tuple[int, float, str]] = {}
 
-    def judge(self, row: dict[str, Any]) -> None:
-        """Record ``row``'s error; turn it into an ``error_jump`` fail when it jumps."""
-        if not self.ratio:
+    def judge(self, levels: tuple[str, ...], row: dict[str, Any]) -> None:
+        """Record ``row``'s error (a module's output: ``levels`` holds ``module``); turn it into an
+        ``error_jump`` fail when it jumps."""
+        # (an input row repeats the previous module's output; an API op's error was not measured
+        # against a clean run's: neither is judged)
+        if not self.ratio or "module" not in levels or row.get("kind") != "output":
             return
         name = row.get("name")
         layer = layer_index(name) if isinstance(name, str) else None

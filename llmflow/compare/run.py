@@ -162,7 +162,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
                                       on_chunk=on_chunk):
             if parted is not None:
                 row["diverged"] = is_diverged(row.get("step"), token)
-            jumps.judge(row)
+            jumps.judge(levels, row)
             for level in levels:
                 if level not in streams:
                     cols = level_columns(level, any_stats, not opts.stats_only, alg_names, sharded)

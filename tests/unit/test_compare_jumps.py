@@ -18,7 +18,7 @@ def _row(layer: int, error: float, *, step: int = 0, code: str = "threshold_warn
 def _judged(ratio: float | None, rows: list[dict]) -> list[str]:
     judge = JumpJudge(ratio)
     for r in rows:
-        judge.judge(r)
+        judge.judge(("module",), r)
     return [r["code"] for r in rows]
 
 
@@ -40,10 +40,20 @@ def test_a_warn_row_ratio_times_the_previous_layers_fails() -> None:
     [_row(0, 0.01), _row(1, 0.05, step=1)],  # another step
     [_row(0, 0.01), _row(1, 0.05, name="model.layers.{}.mlp")],  # another module
     [_row(0, 0.01, name="lm_head"), _row(1, 0.05, name="norm")],  # outside the layer stack
+    [_row(0, 0.01, kind="input"), _row(1, 0.05, kind="input")],  # an input: the previous output
 ])
 def test_rows_an_error_jump_leaves_alone(rows: list[dict]) -> None:
     codes = [r["code"] for r in rows]
     assert _judged(5, rows) == codes
+
+
+def test_api_rows_are_not_judged() -> None:
+    op = "model.layers.{}.mlp/matmul.0"
+    rows = [_row(0, 0.01, name=op), _row(1, 0.05, name=op)]
+    judge = JumpJudge(5)
+    for r in rows:
+        judge.judge(("api",), r)
+    assert [r["code"] for r in rows] == ["threshold_warn", "threshold_warn"]
 
 
 def test_a_row_that_fails_already_keeps_its_code() -> None:
