@@ -70,7 +70,7 @@ class CompareOptions:
     jump_ratio: float | None = option(
         JUMP_RATIO, "A layer's row beyond a warn limit fails (error_jump) when its relative L2 error is "
         "this many times the same module's in the previous layer at the same step: the layer where "
-        "a fault enters, though its error stays below the fail limits (0 or null: off).",
+        "a fault enters, though its error stays below the fail limits (default 5; 0 or null: off).",
         schema={"type": ["number", "null"], "minimum": 0}, flags=("--jump-ratio",), metavar="K")
     executor: str = option(
         "local", "local: this machine (a process pool where there are many small pairs); dask: an "
