@@ -15,6 +15,9 @@ no_finite                 fail        no element is finite on both sides
 nan_inf                   fail        the target has NaN/Inf the golden does not have (a
                                       statistics-only row: NaN/Inf statistics on one side)
 threshold_fail            fail        a metric is beyond its fail limit
+error_jump                fail        beyond a warn limit, and the error is ``jump_ratio`` times
+                                      the same module's in the previous layer or more
+                                      (``llmflow.compare.jumps``)
 dtype_mismatch            warn        integer data on one side, floating on the other
 nan_inf_shared            warn        NaN/Inf on the golden side too (not the target's doing)
 empty_tensor              warn        both sides hold zero elements: nothing to compare
@@ -41,6 +44,7 @@ class Code(str, Enum):
     NO_FINITE = "no_finite"
     NAN_INF = "nan_inf"
     THRESHOLD_FAIL = "threshold_fail"
+    ERROR_JUMP = "error_jump"
     DTYPE_MISMATCH = "dtype_mismatch"
     NAN_INF_SHARED = "nan_inf_shared"
     EMPTY_TENSOR = "empty_tensor"
@@ -58,6 +62,7 @@ SEVERITY: tuple[Code, ...] = tuple(Code)  # declaration order: worst first
 VERDICT: dict[Code, str] = {
     Code.LOAD_ERROR: "fail", Code.SHAPE_MISMATCH: "fail", Code.STATS_MISSING: "fail",
     Code.NO_FINITE: "fail", Code.NAN_INF: "fail", Code.THRESHOLD_FAIL: "fail",
+    Code.ERROR_JUMP: "fail",
     Code.DTYPE_MISMATCH: "warn", Code.NAN_INF_SHARED: "warn", Code.EMPTY_TENSOR: "warn",
     Code.ROUTING_MISMATCH: "warn",    Code.THRESHOLD_WARN: "warn", Code.OK: "pass",
     Code.UNMATCHED_GOLDEN: "unmatched", Code.UNMATCHED_TARGET: "unmatched",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from llmflow.compare.jumps import JUMP_RATIO
 from llmflow.compare.levels import LEVELS
 from llmflow.options import option
 
@@ -66,6 +67,11 @@ class CompareOptions:
         None, "Verdict limits overriding the defaults: {metric: {warn, fail}} or {dtype: {metric: "
         "{warn, fail}}}; on the command line as JSON or a YAML/JSON file.",
         schema={"type": ["object", "null"]}, flags=("--thresholds",), metavar="JSON|FILE")
+    jump_ratio: float | None = option(
+        JUMP_RATIO, "A layer's row beyond a warn limit fails (error_jump) when its relative L2 error is "
+        "this many times the same module's in the previous layer at the same step: the layer where "
+        "a fault enters, though its error stays below the fail limits (default 5; 0 or null: off).",
+        schema={"type": ["number", "null"], "minimum": 0}, flags=("--jump-ratio",), metavar="K")
     executor: str = option(
         "local", "local: this machine (a process pool where there are many small pairs); dask: an "
         "existing dask cluster.",

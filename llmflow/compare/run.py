@@ -3,7 +3,8 @@
 Check the options, open both dumps, pair their steps and tensors and say how (``pairing``), judge
 whether enough paired (``completeness``), find where the texts part (``divergence``: rows of later
 steps are marked diverged), decide the dtype that judges (the model's, recorded in
-the dumps), compute every pair in parallel (``engine``), stream one CSV per level, derive the XLSX
+the dumps), compute every pair in parallel (``engine``), mark the layers whose error jumps over the
+previous layer's (``jumps``), stream one CSV per level, derive the XLSX
 (a sheet per level) from the CSVs and write ``compare_summary.json``: this module is its only
 writer. Memory stays flat: rows go straight to disk, only the summary accumulates.
 """
@@ -20,6 +21,7 @@ from llmflow.compare.algorithms import algorithm_name, load_algorithms
 from llmflow.compare.completeness import assess
 from llmflow.compare.divergence import divergence, is_diverged
 from llmflow.compare.engine import execute
+from llmflow.compare.jumps import JumpJudge, check_jump_ratio
 from llmflow.compare.match import LEVELS
 from llmflow.compare.metrics import known_metrics
 from llmflow.compare.options import CompareOptions
@@ -59,6 +61,7 @@ def check_options(opts: CompareOptions, flags: dict[str, str] | None = None) -> 
     load_algorithms(opts.algorithms, opts.base_dir)  # bad refs fail here
     names = [algorithm_name(a) for a in opts.algorithms]
     check_thresholds(opts.thresholds, known_metrics(names), flags.get("thresholds", "thresholds"))
+    opts.jump_ratio = check_jump_ratio(opts.jump_ratio, flags.get("jump_ratio", "compare: jump_ratio"))
     return names
 
 
@@ -140,6 +143,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     sharded = pairing.matching.tensor_parallel is not None
     streams: dict[str, CsvStream] = {}
     summary = SummaryBuilder()
+    jumps = JumpJudge(opts.jump_ratio)  # (in execution order: a layer's row after the previous one's)
     task = progress("compare", len(pairs)) if progress else None
     done = {"pairs": 0, "bytes": 0}
 
@@ -158,6 +162,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
                                       on_chunk=on_chunk):
             if parted is not None:
                 row["diverged"] = is_diverged(row.get("step"), token)
+            jumps.judge(levels, row)
             for level in levels:
                 if level not in streams:
                     cols = level_columns(level, any_stats, not opts.stats_only, alg_names, sharded)

@@ -111,10 +111,16 @@ def test_the_demo_finds_its_planted_bug_and_the_plain_port_passes(tmp_path):
 
 
 def check_demo_report(run: Path) -> None:
-    """The demo's page in a headless browser leads to the fault: the heat map marks the replayed
-    step and layer 17 and outlines no failing cell after the texts part; the module tree has
-    layer 17's attention outlined; the op panel shows the first bad op of layer 17's attention
-    from its kept tensors."""
+    """The demo's compare and its page lead to the fault. The compare's first failing layer row is
+    layer 17's, before the texts part (its error jumps over layer 16's, below the fail limits).
+    In a headless browser: the heat map marks the replayed step and layer 17 and outlines that
+    row's cell as the first failing one; the module tree has layer 17's attention outlined; the op
+    panel shows the first bad op of layer 17's attention from its kept tensors."""
+    summary = json.loads((run / "compare" / "compare_summary.json").read_text())
+    parted = summary["divergence"]["first_differing_token"]
+    first = summary["levels"]["layer"]["first_fail"]
+    assert first["name"] == "model.layers.17" and first["code"] == "error_jump", first
+    assert parted is None or first["step"] <= parted
     res = run_chromium(run / "report" / "report.html", "--dump-dom")
     if res.returncode != 0:
         raise AssertionError(res.stderr[-2000:])
@@ -124,10 +130,8 @@ def check_demo_report(run: Path) -> None:
     verdict = json.loads((run / "bisect" / "verdict.json").read_text())
     marks = sorted(m.text for m in find(dom, "path", "marker"))
     assert marks == ["first bad layer: 17", f"first bad token (logits): step {verdict['first_bad_token']}"]
-    summary = json.loads((run / "compare" / "compare_summary.json").read_text())
-    parted = summary["divergence"]["first_differing_token"]
-    for cell in find(dom, "rect", "outline"):  # a first failing cell, if any, is before the texts part
-        assert int(cell.text.split("step ")[1].split(",")[0]) <= parted, cell.text
+    (cell,) = find(dom, "rect", "outline")
+    assert cell.text == f"first failing cell: step {first['step']}, layer 17", cell.text
     (chosen,) = find(dom, "li", id="tree-module-chosen")
     assert chosen.attrs["data-name"] == "model.layers.17.self_attn"
     (panel,) = find(dom, "section", id="op-panel")
