@@ -79,27 +79,13 @@ SIZES: dict[str, dict[str, int]] = {
 }
 DEFAULT_SIZES = ["30m", "300m", "1b", "7b-2l"]
 
-MODEL_FILE = '''"""The golden models and the target's fault of benchmarks/bench_scale.py: seeded random
-checkpoints in this folder, the golden loaded by from_pretrained in float32, with a byte-level
-tokenizer. Written by bench_scale.py."""
+MODEL_FILE = '''"""The target's fault of benchmarks/bench_scale.py (``target_patch``): one down_proj
+weight of the layer at 2/3 depth scaled. Written by bench_scale.py."""
 
 import torch
-import transformers
-from pathlib import Path
 
-from llmflow.models import ByteTokenizer
-
-HERE = Path(__file__).resolve().parent
 FAULT_LAYERS = {fault_layers!r}
 FAULT_FACTOR = {factor!r}
-_DTYPE_KEY = "dtype" if tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (4, 56) \\
-    else "torch_dtype"
-
-
-def _load(size, dtype):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(HERE / size), local_files_only=True, **{{_DTYPE_KEY: dtype}})
-    return model, ByteTokenizer()
 
 
 def fault(size):
@@ -111,10 +97,6 @@ def fault(size):
 '''
 
 MODEL_FILE_SIZE = '''
-
-def golden_{ident}():
-    return _load("{size}", torch.float32)
-
 
 fault_{ident} = fault("{size}")
 '''
