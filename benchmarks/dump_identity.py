@@ -58,9 +58,9 @@ def _files(root: Path) -> list[Path]:
     return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
 
 
-def _meta(path: Path) -> dict:
+def _without(path: Path, *keys: str) -> dict:
     meta = json.loads(path.read_text())
-    for key in TIMESTAMPS:
+    for key in keys:
         meta.pop(key, None)
     return meta
 
@@ -90,9 +90,11 @@ def _tensor_bytes(rank_dir: Path) -> dict[str, tuple[str, tuple[int, ...], bytes
     return out
 
 
-def compare_trees(old: Path, new: Path) -> list[str]:
-    """Every difference between two trees of dumps, as lines; empty when they are the same."""
-    problems = []
+def compare_trees(old: Path, new: Path) -> tuple[list[str], list[str]]:
+    """Every difference between two trees of dumps, as lines (none when they are the same), and
+    the dumps whose tensor data the two runs split into files differently."""
+    problems: list[str] = []
+    split_differently: list[str] = []
     for meta in sorted(old.rglob("llmflow_dump.json")):
         a = meta.parent
         rel = a.relative_to(old)
@@ -105,18 +107,22 @@ def compare_trees(old: Path, new: Path) -> list[str]:
             if f not in fa or f not in fb:
                 problems.append(f"{rel / f}: only in {'the old' if f in fa else 'the new'} dump")
             elif f.name == "llmflow_dump.json":
-                if _meta(a / f) != _meta(b / f):
+                if _without(a / f, *TIMESTAMPS) != _without(b / f, *TIMESTAMPS):
                     problems.append(f"{rel / f}: differs (beyond {', '.join(TIMESTAMPS)})")
             elif f.name == "index.jsonl" and not same_split:
                 if _rows_without_data_files(a / f) != _rows_without_data_files(b / f):
                     problems.append(f"{rel / f}: index rows differ")
+            elif f.name == "rank.json" and not same_split:  # (its bytes count each file's header)
+                if _without(a / f, "bytes") != _without(b / f, "bytes"):
+                    problems.append(f"{rel / f}: differs (beyond the bytes of its data files)")
             elif (a / f).read_bytes() != (b / f).read_bytes():
                 problems.append(f"{rel / f}: differs")
         if not same_split:
+            split_differently.append(str(rel))
             for rank_dir in sorted(p for p in a.glob("rank*") if p.is_dir()):
                 if _tensor_bytes(rank_dir) != _tensor_bytes(b / rank_dir.name):
                     problems.append(f"{rel / rank_dir.name}: tensors differ")
-    return problems
+    return problems, split_differently
 
 
 def main() -> None:
@@ -138,10 +144,13 @@ def main() -> None:
             env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
             subprocess.run([sys.executable, __file__, "--dump-worker", a.model, str(a.new_tokens),
                             str(Path(tmp) / side)], env=env, check=True)
-        problems = compare_trees(Path(tmp) / "old", Path(tmp) / "new")
+        problems, split_differently = compare_trees(Path(tmp) / "old", Path(tmp) / "new")
         dumps = len(list((Path(tmp) / "old").rglob("llmflow_dump.json")))
     for line in problems:
         print(line)
+    if split_differently:
+        print(f"data split into files differently (compared row by row, tensor by tensor): "
+              f"{', '.join(split_differently)}")
     print(f"{a.model}: {dumps} dumps ({len(MODES)} modes x {len(WRITERS)} writers), "
           f"{'every file the same' if not problems else f'{len(problems)} differences'}")
     sys.exit(1 if problems else 0)
