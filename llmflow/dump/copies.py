@@ -43,8 +43,7 @@ def host_copy(t: torch.Tensor) -> tuple[torch.Tensor | bytes, Any]:
     A plain contiguous CPU tensor comes back as ``bytes``: its memory in order, which is exactly
     what the data file stores (``write_safetensors``). That is one copy with no tensor object
     made: ~1 us a call less than ``clone``, and nothing the garbage collector tracks while the
-    writer holds a second of them (a tensor-module dump of SmolLM2 holds ~20,000; holding them
-    as tensors set off a full collection of the process's objects, ~0.5 s, once a dump).
+    writer holds a second of them for its next data file (see ``llmflow.dump.writer``).
     Other CPU tensors are cloned (the writer makes them contiguous). On an accelerator the copy is
     a non-blocking one into pinned memory queued on the current stream, so the forward pass does
     not wait for it; kernels queued later (in-place ops included) run after the copy, which keeps
