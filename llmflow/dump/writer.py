@@ -4,7 +4,7 @@ The capture side calls ``submit(row, payload, event)`` with an ``IndexRow`` (the
 index line will hold it); ``event`` (if any) says when an asynchronous device copy has landed.
 ``payload`` is:
 
-* tensor mode: a host copy of the tensor;
+* tensor mode: a host copy of the tensor, or its bytes (``copies.host_copy``);
 * statistics mode: a copy of the tensor on its device (the statistics of a whole batch are
   computed here, see ``stats.batched_stats``);
 * None for a repeat of a tensor captured earlier in the step: ``row.key`` then names the earlier
@@ -40,16 +40,19 @@ close that was requested from inside it (a garbage-collected model's dump).
 from __future__ import annotations
 
 import atexit
+import gc
 import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from llmflow.dump.stats import batched_stats
-from llmflow.formats.llmflow_dump import DumpDirWriter, IndexRow
+from llmflow.formats.llmflow_dump import ROW_FIELDS, DumpDirWriter, IndexRow
 
 _STEP_END = object()
 _CLOSE = object()
@@ -82,8 +85,9 @@ class AsyncWriter:
         self._errors_queued = self._errors_written = 0  # forward failures: handed over, on disk
         self._error: BaseException | None = None
         self._reported = False
-        self._batch: dict[str, torch.Tensor] = {}
-        self._batch_rows: list[IndexRow] = []
+        self._batch: dict[str, torch.Tensor | bytes] = {}
+        # the rows of the tensors in ``_batch`` until their data file is written (``_held``)
+        self._batch_rows: list[tuple] = []
         self._batch_size = 0
         self._files: dict[str, str] = {}  # tensor key -> data file, for repeats after a flush
         self._stats: list[tuple[IndexRow, torch.Tensor]] = []  # statistics-mode rows awaiting stats
@@ -256,11 +260,11 @@ class AsyncWriter:
             if row.key in self._files:  # already flushed: point at its file
                 self._lines.append(row.with_key(f"{self._files[row.key]}:{row.key}"))
             else:  # still in the batch: written with it
-                self._batch_rows.append(row)
+                self._batch_rows.append(_held(row))
         elif row.has_data:
             self._batch[row.key] = payload
-            self._batch_rows.append(row)
-            self._batch_size += payload.nbytes
+            self._batch_rows.append(_held(row))
+            self._batch_size += item[3]  # (the tensor's bytes: a payload may be ``bytes``)
             if self._batch_size >= self.batch_bytes:
                 self._flush()
         else:  # statistics mode: a copy on the tensor's device
@@ -271,6 +275,10 @@ class AsyncWriter:
         return False
 
     def _flush(self, data: bool = True) -> None:
+        with _collections_paused():
+            self._flush_batches(data)
+
+    def _flush_batches(self, data: bool) -> None:
         if self._lines:
             self.disk.append_rows(self._lines)
             self._lines = []
@@ -286,11 +294,45 @@ class AsyncWriter:
             return
         if self._batch_rows:
             keys = list(self._batch)
-            files = self.disk.write_rows(self._batch, self._batch_rows)
+            rows = [r if len(r) == _ROW_LENGTH else (*r, {}) for r in self._batch_rows]  # (see _held)
+            files = self.disk.write_rows(self._batch, rows)
             for key in keys:
                 self._files[key] = files
             self._data_due = time.monotonic() + self.data_seconds
         self._batch, self._batch_rows, self._batch_size = {}, [], 0
+
+
+# Why the writer minds the garbage collector: a full collection visits every object of the
+# process (~390,000 with torch and transformers loaded, ~0.1-0.5 s), and Python runs one once the
+# objects that outlived two young collections add up to a quarter of the old ones. A second of a
+# tensor dump is tens of thousands of rows waiting for their data file, and writing it out makes
+# tens of thousands more at once: held as tracked objects, they set off a full collection every
+# ~35 tokens of a tensor-module dump of SmolLM2. So the writer holds its rows in a form the
+# collector stops tracking (``_held``), and pauses collections while it writes a batch, whose
+# objects are all gone again before the pause ends.
+_ROW_LENGTH = len(ROW_FIELDS)
+_EXTRA_AT = ROW_FIELDS.index("extra")
+
+
+def _held(row: IndexRow) -> tuple:
+    """``row`` as the writer holds it until its data file is written: a plain tuple, which the
+    collector untracks once it holds nothing trackable (a tuple subclass never is), without its
+    ``extra`` when that is empty (a dict, even an empty one, keeps its tuple tracked)."""
+    return row[:_EXTRA_AT] if not row[_EXTRA_AT] else row[:]
+
+
+@contextmanager
+def _collections_paused() -> Iterator[None]:
+    """No garbage collection while the writer puts a batch on disk (see above). A process that
+    has switched collection off keeps it off."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:

@@ -99,12 +99,15 @@ ROW_FIELDS: tuple[str, ...] = IndexRow._fields
 _STATS_AT = ROW_FIELDS.index("stats")
 _VALUE_AT = ROW_FIELDS.index("value")
 _KEY_AT = ROW_FIELDS.index("key")
+_DTYPE_AT, _SHAPE_AT, _HAS_DATA_AT = (ROW_FIELDS.index(f) for f in ("dtype", "shape", "has_data"))
+_json_string = json.encoder.encode_basestring_ascii  # a str as JSON text, as json.dumps writes keys
 _encode = json.JSONEncoder(allow_nan=True, check_circular=False, default=str,
                            separators=(",", ":")).encode
 
 
-def index_line(rows: list[IndexRow], rank: int) -> bytes:
-    """The index line(s) holding ``rows``, all of rank ``rank``: UTF-8 JSON, newline-ended.
+def index_line(rows: list[IndexRow] | list[tuple], rank: int) -> bytes:
+    """The index line(s) holding ``rows`` (IndexRows, or plain tuples in its field order), all of
+    rank ``rank``: UTF-8 JSON, newline-ended.
 
     Rows go through orjson: formatting the statistics' floats is most of the encoding, and the
     standard library took ~3 us an entry (a fifth of a statistics-mode dump's overhead on a small
@@ -125,7 +128,7 @@ def index_line(rows: list[IndexRow], rank: int) -> bytes:
             continue
         # orjson writes plain tuples only (an IndexRow would go to ``default``); a slice of a
         # tuple subclass is a plain tuple, made in C (~55 ns, tuple(row) ~105 ns)
-        fast.append(row[:])
+        fast.append(row if type(row) is tuple else row[:])
     out = b""
     if fast:
         try:
@@ -152,26 +155,38 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     dtype: code for name, code in SAFETENSORS_CODES.items() if (dtype := torch_dtype(name)) is not None}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | bytes],
+                      layouts: dict[str, tuple[str, tuple[int, ...]]] | None = None) -> None:
     """Write CPU tensors as one safetensors file, streaming each tensor's memory (no extra copy).
 
     The same bytes ``safetensors.torch.save_file`` writes, minus its per-tensor ``tobytes`` copy
-    and shared-storage checks (our tensors are private copies).
+    and shared-storage checks (our tensors are private copies). A value may also be ``bytes``: a
+    contiguous tensor's memory as the capture copied it (``dump.copies.host_copy``), whose dtype
+    name and shape ``layouts[key]`` gives.
     """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    # The header is the text ``json.dumps(header, separators=(",", ":"))`` gives, put together
+    # from strings: a dict and two lists per tensor would be tens of thousands of objects for the
+    # garbage collector at once, enough to set off a full collection of the process's objects
+    entries = ['"__metadata__":{"format":"pt"}']
     offset = 0
     for key, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [offset, offset + n]}
+        if type(t) is bytes:
+            dtype, shape = layouts[key]  # type: ignore[index]
+            code, n = SAFETENSORS_CODES[dtype], len(t)
+        else:
+            code, shape, n = SAFETENSORS_DTYPES[t.dtype], t.shape, t.numel() * t.element_size()
+        entries.append(f'{_json_string(key)}:{{"dtype":"{code}","shape":[{",".join(map(str, shape))}],'
+                       f'"data_offsets":[{offset},{offset + n}]}}')
         offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
+    head = ("{" + ",".join(entries) + "}").encode()
     head += b" " * (-len(head) % 8)
     with open(path, "wb") as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
         for t in tensors.values():
-            if t.numel():
+            if type(t) is bytes:
+                f.write(t)
+            elif t.numel():
                 f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
@@ -204,8 +219,11 @@ class DumpDirWriter:
         if rank == 0 or not (self.dump_dir / META_FILE).exists():
             atomic_write_json(self.dump_dir / META_FILE, self.meta)
 
-    def write_rows(self, tensors: dict[str, torch.Tensor], rows: list[IndexRow]) -> str:
+    def write_rows(self, tensors: dict[str, torch.Tensor | bytes], rows: list[IndexRow] | list[tuple]) -> str:
         """Write tensors to the next data file, then append the rows that point at them.
+
+        ``rows``: IndexRows, or plain tuples in IndexRow's field order (what the dump's writer
+        holds while a data file fills, see ``llmflow.dump.writer``).
 
         A row with data holds its tensor's key in ``tensors`` (several rows may share one); its
         index line holds ``rank{R}/data/NNNNNN.safetensors:<key>``. Returns that file's
@@ -217,11 +235,18 @@ class DumpDirWriter:
             self._batch_no += 1
             final = self.rank_dir / "data" / name
             tmp = final.with_name(name + ".tmp")
-            write_safetensors(tmp, tensors)
+            # (the dtype and shape of a tensor the capture copied as bytes: its rows have them)
+            layouts = {r[_KEY_AT]: (r[_DTYPE_AT], r[_SHAPE_AT]) for r in rows if r[_HAS_DATA_AT]}
+            write_safetensors(tmp, tensors, layouts)
             os.replace(tmp, final)  # complete on disk before any index line names it
             self.bytes_written += final.stat().st_size
             rel = f"rank{self.rank}/data/{name}"
-            rows = [r.with_key(f"{rel}:{r.key}") if r.has_data else r for r in rows]
+            # plain tuples, not IndexRows: a second of a tensor dump is tens of thousands of rows,
+            # and the garbage collector untracks plain tuples of plain values (a tuple subclass
+            # would stay tracked, outlive the young collections this list sets off and count
+            # towards a full collection of every object in the process)
+            rows = [(*r[:_KEY_AT], f"{rel}:{r[_KEY_AT]}", *r[_KEY_AT + 1:]) if r[_HAS_DATA_AT] else r
+                    for r in rows]
         self.append_rows(rows)
         return rel
 
@@ -229,7 +254,7 @@ class DumpDirWriter:
         """``write_rows`` for ``Entry`` objects (their ``key``: the tensor's key in ``tensors``)."""
         return self.write_rows(tensors, [IndexRow.of(e) for e in entries])
 
-    def append_rows(self, rows: list[IndexRow]) -> None:
+    def append_rows(self, rows: list[IndexRow] | list[tuple]) -> None:
         """Append index lines: rows without data, or whose data is already on disk."""
         if not rows:
             return

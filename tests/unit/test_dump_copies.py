@@ -1,0 +1,182 @@
+"""A tensor dump's copies as bytes, the data file written from them, and the writer's objects
+against the garbage collector: the same dump, fewer and untracked objects."""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from llmflow.dump import DumpConfig, register_hook
+from llmflow.dump import writer as dump_writer
+from llmflow.dump.copies import host_copy
+from llmflow.formats.llmflow_dump import (
+    SAFETENSORS_DTYPES,
+    DumpDirWriter,
+    IndexRow,
+    LlmflowDumpReader,
+    new_row,
+    write_safetensors,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from dump_helpers import bits_equal  # noqa: E402
+
+
+def _memory(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"1": torch.randn(2, 3, generator=gen), "2": torch.randn(5, generator=gen).to(torch.bfloat16),
+            "3": torch.arange(7, dtype=torch.int64), "4": torch.tensor([True, False]),
+            "5": torch.randn(3, generator=gen).half(), "6": torch.tensor(2.5), "7": torch.empty(0, 4),
+            'k"é': torch.ones(2, dtype=torch.int32)}  # a key JSON must escape
+
+
+@pytest.mark.parametrize("key", list(_tensors()))
+def test_host_copy_of_a_contiguous_cpu_tensor_is_its_memory_as_of_now(key):
+    t = _tensors()[key].clone()
+    want = _memory(t)
+    payload, event = host_copy(t)
+    if t.numel():
+        t.view(-1)[0] = 0  # changed in place after the capture
+    assert event is None and type(payload) is bytes and payload == want
+
+
+def test_views_whose_memory_is_not_their_values_are_cloned():
+    z = torch.complex(torch.tensor([1.0, -2.0]), torch.tensor([3.0, 4.0]))
+    negated = z.conj().imag  # a lazily negated view: its memory holds 3, 4; its values -3, -4
+    assert negated.is_neg()
+    transposed = torch.randn(3, 4).t()
+
+    class Marked(torch.Tensor):
+        pass
+
+    marked = torch.randn(3).as_subclass(Marked)
+    for view in (negated, z.conj(), transposed, marked):
+        payload, _ = host_copy(view)
+        assert isinstance(payload, torch.Tensor)
+        assert torch.equal(payload.resolve_conj().resolve_neg(), view.resolve_conj().resolve_neg())
+
+
+def test_a_negated_view_is_dumped_with_its_values(tmp_path):
+    class Imag(torch.nn.Module):
+        def forward(self, z):
+            return z.conj().imag
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.imag = Imag()
+
+        def forward(self, z):
+            return self.imag(z) * 1
+
+    z = torch.complex(torch.tensor([1.0, -2.0]), torch.tensor([3.0, 4.0]))
+    model = Outer()
+    h = register_hook(model, DumpConfig(dump_path=str(tmp_path / "d")))
+    model(z)
+    h.remove()
+    r = LlmflowDumpReader(h.dumps[0])
+    (out,) = [e for e in r.entries() if e.name == "imag" and e.kind == "output"]
+    assert torch.equal(r.load(out), torch.tensor([-3.0, -4.0]))
+
+
+def test_a_data_file_from_bytes_is_the_file_from_tensors(tmp_path):
+    tensors = _tensors()
+    as_bytes = {k: _memory(t) for k, t in tensors.items()}
+    layouts = {k: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in tensors.items()}
+    write_safetensors(tmp_path / "t.safetensors", tensors)
+    write_safetensors(tmp_path / "b.safetensors", as_bytes, layouts)
+    data = (tmp_path / "t.safetensors").read_bytes()
+    assert (tmp_path / "b.safetensors").read_bytes() == data
+    # the header is the text json.dumps gives for it (what this file format has always held)
+    header = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                     "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    assert data[8:8 + len(head)] == head
+    with safe_open(str(tmp_path / "b.safetensors"), "pt") as f:
+        for k, t in tensors.items():
+            assert bits_equal(f.get_tensor(k), t), k
+
+
+def _rows(n: int, step: int) -> list[IndexRow]:
+    return [new_row(IndexRow, (step, f"model.layers.{i % 30}.mlp", "output", "0", "module", i, "float32",
+                               tuple(torch.Size([1, 1, 8])), "LlamaMLP", None, True, None, None,
+                               str(step * n + i), {})) for i in range(n)]
+
+
+def test_rows_waiting_for_their_data_file_are_not_tracked_by_the_garbage_collector(tmp_path):
+    """A second of a tensor dump is tens of thousands of rows waiting for their data file: tracked,
+    they would add up to a full collection of every object in the process."""
+    w = dump_writer.AsyncWriter(DumpDirWriter(tmp_path / "d"), inline=True, data_seconds=3600.0)
+    payload = _memory(torch.ones(1, 1, 8))
+    w.submit(_rows(1, 0)[0], payload, None, nbytes=len(payload))
+    w.end_step(0)  # the first step end writes its data at once; the later ones wait data_seconds
+    gc.collect()
+    before = {id(o) for o in gc.get_objects()}
+    for step in (1, 2):
+        for row in _rows(1000, step):
+            w.submit(row, payload, None, nbytes=len(payload))
+        w.end_step(step)
+    gc.collect()  # (a row can come before its shape in the collector's pass: untracked at the next)
+    gc.collect()
+    tracked = [o for o in gc.get_objects() if type(o) in (tuple, IndexRow) and id(o) not in before]
+    assert len(tracked) < 20, f"{len(tracked)} tuples tracked while 2000 rows wait for their data file"
+    w.close()
+    r = LlmflowDumpReader(tmp_path / "d")
+    entries = r.entries()
+    assert len(entries) == 2001
+    assert {e.key.split(":")[0] for e in entries[1:]} == {"rank0/data/000001.safetensors"}  # written at close
+    assert all(bits_equal(r.load(e), torch.ones(1, 1, 8)) for e in entries[::250])
+
+
+def test_collections_are_paused_only_while_a_batch_is_written(tmp_path, monkeypatch):
+    w = dump_writer.AsyncWriter(DumpDirWriter(tmp_path / "d"), inline=True)
+    seen = []
+    real = DumpDirWriter.write_rows
+
+    def write_rows(self, tensors, rows):
+        seen.append(gc.isenabled())
+        return real(self, tensors, rows)
+
+    monkeypatch.setattr(DumpDirWriter, "write_rows", write_rows)
+    payload = _memory(torch.ones(3))
+    assert gc.isenabled()
+    w.submit(_rows(1, 0)[0], payload, None, nbytes=len(payload))
+    w.end_step(0)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()  # a process that switched collection off keeps it off
+    try:
+        w.submit(_rows(1, 1)[0], payload, None, nbytes=len(payload))
+        w.close()
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_write_that_fails_leaves_collection_on(tmp_path, monkeypatch):
+    w = dump_writer.AsyncWriter(DumpDirWriter(tmp_path / "d"), inline=True)
+
+    def full_disk(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dump_writer.DumpDirWriter, "write_rows", full_disk)
+    payload = _memory(torch.ones(3))
+    w.submit(_rows(1, 0)[0], payload, None, nbytes=len(payload))
+    with pytest.raises(RuntimeError, match="No space left"):
+        w.end_step(0)
+    assert gc.isenabled()
