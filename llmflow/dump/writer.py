@@ -46,7 +46,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -275,7 +275,9 @@ class AsyncWriter:
         return False
 
     def _flush(self, data: bool = True) -> None:
-        with _collections_paused():
+        # paused only inline, in the forward thread: from the writer thread a pause would cover the
+        # user's code too, and could end a gc.disable() the user made meanwhile
+        with _collections_paused() if self._thread is None else nullcontext():
             self._flush_batches(data)
 
     def _flush_batches(self, data: bool) -> None:
@@ -308,8 +310,8 @@ class AsyncWriter:
 # tensor dump is tens of thousands of rows waiting for their data file, and writing it out makes
 # tens of thousands more at once: held as tracked objects, they set off a full collection every
 # ~35 tokens of a tensor-module dump of SmolLM2. So the writer holds its rows in a form the
-# collector stops tracking (``_held``), and pauses collections while it writes a batch, whose
-# objects are all gone again before the pause ends.
+# collector stops tracking (``_held``), and, writing inline in the forward thread, pauses
+# collections while it writes a batch, whose objects are all gone again before the pause ends.
 _ROW_LENGTH = len(ROW_FIELDS)
 _EXTRA_AT = ROW_FIELDS.index("extra")
 

@@ -168,6 +168,24 @@ def test_collections_are_paused_only_while_a_batch_is_written(tmp_path, monkeypa
         gc.enable()
 
 
+def test_the_writer_thread_never_pauses_the_users_collections(tmp_path, monkeypatch):
+    """From its own thread the writer would pause collection for the user's code too."""
+    w = dump_writer.AsyncWriter(DumpDirWriter(tmp_path / "d"), inline=False)
+    seen = []
+    real = DumpDirWriter.write_rows
+
+    def write_rows(self, tensors, rows):
+        seen.append(gc.isenabled())
+        return real(self, tensors, rows)
+
+    monkeypatch.setattr(DumpDirWriter, "write_rows", write_rows)
+    payload = _memory(torch.ones(3))
+    w.submit(_rows(1, 0)[0], payload, None, nbytes=len(payload))
+    w.end_step(0)
+    w.close()
+    assert seen and all(seen)
+
+
 def test_a_write_that_fails_leaves_collection_on(tmp_path, monkeypatch):
     w = dump_writer.AsyncWriter(DumpDirWriter(tmp_path / "d"), inline=True)
 
