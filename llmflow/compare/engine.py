@@ -148,6 +148,25 @@ class KernelShare:
         return max(1, self.workers // max(1, self._running))
 
 
+
+def _in_order(submit: Callable[[list[Pair]], Future], chunks: list[list[Pair]],
+              ahead: int) -> Iterator[list[Result]]:
+    """Each chunk's results in the chunks' order, with at most ``ahead`` chunks submitted and not
+    yet yielded: a bounded look-ahead, so finished rows wait here in order rather than all at once
+    (the memory of results), and the workers never run dry."""
+    pending: list[Future] = []
+    it = iter(chunks)
+    for chunk in it:
+        pending.append(submit(chunk))
+        if len(pending) >= ahead:
+            break
+    while pending:
+        fut = pending.pop(0)
+        nxt = next(it, None)
+        if nxt is not None:
+            pending.append(submit(nxt))
+        yield interrupts.wait(fut.result, FutureTimeout)  # Ctrl-C gets through (interrupts.py)
+
 def _threaded(job: Job, chunks: list[list[Pair]], threads: int) -> Iterator[list[Result]]:
     """Chunks in ``threads`` threads of this process, each chunk's kernel calls on its share of
     the threads (``KernelShare``).
@@ -173,18 +192,7 @@ def _threaded(job: Job, chunks: list[list[Pair]], threads: int) -> Iterator[list
 
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmflow-compare")
     try:
-        pending: list[Future] = []
-        it = iter(chunks)
-        for chunk in it:  # bounded look-ahead, as in _pool: rows wait here in order, not all at once
-            pending.append(pool.submit(run, chunk))
-            if len(pending) >= 2 * threads:
-                break
-        while pending:
-            fut = pending.pop(0)
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append(pool.submit(run, nxt))
-            yield interrupts.wait(fut.result, FutureTimeout)  # Ctrl-C gets through (interrupts.py)
+        yield from _in_order(lambda chunk: pool.submit(run, chunk), chunks, 2 * threads)
     finally:  # done, interrupted or a chunk failed: no pair starts after this
         stop.set()
         pool.shutdown(wait=False, cancel_futures=True)
@@ -195,20 +203,8 @@ def _pool(job: Job, chunks: list[list[Pair]], n: int) -> Iterator[list[Result]]:
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
                              initargs=(job, os.getpid())) as pool:
-        # bounded look-ahead: submit a few chunks per worker, not all at once (memory of results)
-        pending = []
-        it = iter(chunks)
-        for chunk in it:
-            pending.append(pool.submit(_worker_chunk, chunk))
-            if len(pending) >= 4 * n:
-                break
         try:
-            while pending:
-                fut = pending.pop(0)
-                nxt = next(it, None)
-                if nxt is not None:
-                    pending.append(pool.submit(_worker_chunk, nxt))
-                yield interrupts.wait(fut.result, FutureTimeout)  # Ctrl-C gets through (interrupts.py)
+            yield from _in_order(lambda chunk: pool.submit(_worker_chunk, chunk), chunks, 4 * n)
         except BaseException:  # interrupted (or a chunk failed): the workers stop now, not after their chunks
             _stop_workers(pool)
             raise

@@ -260,15 +260,19 @@ class _Bisect:
         elif not result.replayed and all(r.get("reason") == NO_INPUTS for r in result.rows):
             result.missing = (f"the target dump holds no module inputs at step {t_step} (dump the target "
                               "in module mode with tensor_part 2)")
-        result.ranked = rank_modules(result.replayed, ratio_threshold=self.inp.ratio_threshold,
-                                     stack=self.stack)
-        result.candidate = pick_candidate(result.ranked)
-        self.phase(f"module: isolation from the target dump (step {step})", f"{len(result.rows)} modules")
-        cand = result.candidate
-        self.log(f"bisect: step {step} (target dump, {len(self.target_dump.ranks())} rank(s)): replayed "
-                 f"{len(result.replayed)} of {len(result.rows)} modules; top candidate "
-                 f"{cand['name'] if cand else None} (score {cand['score'] if cand else float('nan'):.2f})")
+        self.rank(result, result.replayed, "module: isolation from the target dump",
+                  f"target dump, {len(self.target_dump.ranks())} rank(s)")
         return result
+
+    def rank(self, result: StepReplay, replayed: list[dict[str, Any]], phase: str, source: str) -> None:
+        """Rank the step's own errors, pick its candidate, end the phase and say what came out."""
+        result.ranked = rank_modules(replayed, ratio_threshold=self.inp.ratio_threshold, stack=self.stack)
+        result.candidate = pick_candidate(result.ranked)
+        self.phase(f"{phase} (step {result.step})", f"{len(result.rows)} modules")
+        cand = result.candidate
+        self.log(f"bisect: step {result.step} ({source}): replayed {len(result.replayed)} of "
+                 f"{len(result.rows)} modules; top candidate {cand['name'] if cand else None} "
+                 f"(score {cand['score'] if cand else float('nan'):.2f})")
 
     # -- 3. one step's isolation replay --------------------------------------------------------
     def replay_step(self, step: int, why: str) -> StepReplay:
@@ -313,14 +317,8 @@ class _Bisect:
         replayed += [{"name": f"{r['name']}{KV_CACHE}", "module_type": "kv cache write",
                       "replayable": True, "rel_l2": r["kv_cache_rel_l2"]}
                      for r in replayed if r.get("kv_cache_rel_l2") is not None]
-        result.ranked = rank_modules(replayed, ratio_threshold=inp.ratio_threshold, stack=self.stack)
-        result.candidate = pick_candidate(result.ranked)
         result.routing = moe.routing_divergences(result.rows, step, self.decode_position(step))
-        self.phase(f"module: isolation replay (step {step})", f"{len(result.rows)} modules")
-        cand = result.candidate
-        self.log(f"bisect: step {step} ({result.source}): replayed {len(result.replayed)} of "
-                 f"{len(result.rows)} modules; top candidate {cand['name'] if cand else None} "
-                 f"(score {cand['score'] if cand else float('nan'):.2f})")
+        self.rank(result, replayed, "module: isolation replay", result.source)
         return result
 
     def decode_position(self, step: int) -> Callable[[int], str]:
