@@ -144,9 +144,9 @@ def test_rows_waiting_for_their_data_file_are_not_tracked_by_the_garbage_collect
     assert all(bits_equal(r.load(e), torch.ones(1, 1, 8)) for e in entries[::250])
 
 
-def test_collections_are_paused_only_while_a_batch_is_written(tmp_path, monkeypatch):
-    w = dump_writer.AsyncWriter(DumpDirWriter(tmp_path / "d"), inline=True)
-    seen = []
+def _collection_during_writes(monkeypatch) -> list[bool]:
+    """Whether garbage collection was on at each data-file write, in order."""
+    seen: list[bool] = []
     real = DumpDirWriter.write_rows
 
     def write_rows(self, tensors, rows):
@@ -154,6 +154,12 @@ def test_collections_are_paused_only_while_a_batch_is_written(tmp_path, monkeypa
         return real(self, tensors, rows)
 
     monkeypatch.setattr(DumpDirWriter, "write_rows", write_rows)
+    return seen
+
+
+def test_collections_are_paused_only_while_a_batch_is_written(tmp_path, monkeypatch):
+    w = dump_writer.AsyncWriter(DumpDirWriter(tmp_path / "d"), inline=True)
+    seen = _collection_during_writes(monkeypatch)
     payload = _memory(torch.ones(3))
     assert gc.isenabled()
     w.submit(_rows(1, 0)[0], payload, None, nbytes=len(payload))
@@ -171,14 +177,7 @@ def test_collections_are_paused_only_while_a_batch_is_written(tmp_path, monkeypa
 def test_the_writer_thread_never_pauses_the_users_collections(tmp_path, monkeypatch):
     """From its own thread the writer would pause collection for the user's code too."""
     w = dump_writer.AsyncWriter(DumpDirWriter(tmp_path / "d"), inline=False)
-    seen = []
-    real = DumpDirWriter.write_rows
-
-    def write_rows(self, tensors, rows):
-        seen.append(gc.isenabled())
-        return real(self, tensors, rows)
-
-    monkeypatch.setattr(DumpDirWriter, "write_rows", write_rows)
+    seen = _collection_during_writes(monkeypatch)
     payload = _memory(torch.ones(3))
     w.submit(_rows(1, 0)[0], payload, None, nbytes=len(payload))
     w.end_step(0)
