@@ -255,8 +255,9 @@ class _Bisect:
                                               target_step=t_step, select=self.select,
                                               advance=task.advance if task is not None else None))
         if not result.rows:
-            result.missing = (f"the target dump holds no module calls at step {t_step} "
-                              "(dump the target in module mode with inputs and outputs: tensor_part 2)")
+            result.missing = (f"the target dump holds no calls of the modules inside the decoder layers at "
+                              f"step {t_step}" + (f", only {len(names)} other module(s)" if names else "")
+                              + " (dump the target in module mode with inputs and outputs: tensor_part 2)")
         elif not result.replayed and all(r.get("reason") == NO_INPUTS for r in result.rows):
             result.missing = (f"the target dump holds no module inputs at step {t_step} (dump the target "
                               "in module mode with tensor_part 2)")

@@ -207,6 +207,9 @@ def qwen2_dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dump_run(target, ids, 3, DumpConfig(dump_path=str(out / "target"), token_range="all"))
     dump_run(target, ids, 3, DumpConfig(dump_path=str(out / "outputs_only"), token_range="all",
                                         tensor_part=1))
+    # what llama2_bisect's dump-npu stage writes: the decoder layers' outputs, nothing inside them
+    dump_run(target, ids, 3, DumpConfig(dump_path=str(out / "layers_only"), token_range="all",
+                                        module_list=["Qwen2DecoderLayer"], tensor_part=1))
     return out
 
 
@@ -225,6 +228,16 @@ def test_a_target_dump_without_module_inputs_is_inconclusive(tmp_path: Path, qwe
     assert lines[-1].startswith("INCONCLUSIVE") and "no module inputs" in lines[-1]
     assert any(line.startswith("next:") and "tensor_part 2" in line for line in lines), lines[-4:]
     assert verdict["status"] == "inconclusive"
+
+
+def test_a_target_dump_of_the_decoder_layers_only_is_inconclusive(tmp_path: Path, qwen2_dumps: Path) -> None:
+    """A recipe's own target dump (the layers' outputs only) given to dump_bisect: nothing inside a
+    layer to isolate, said so, with the layer outputs it did find."""
+    proc, verdict = _run(tmp_path, str(qwen2_dumps / "golden"), str(qwen2_dumps / "layers_only"), QWEN2)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith("INCONCLUSIVE") and "modules inside the decoder layers" in last, last
+    assert "only 3 other module(s)" in last and verdict["status"] == "inconclusive", last  # the 3 layers
 
 
 def test_a_golden_model_that_cannot_load_is_refused_in_one_line(tmp_path: Path, dumps: Path) -> None:
