@@ -39,24 +39,20 @@ def atomic_write_text(path: Path, text: str, *, durable: bool = False) -> None:
     """Write ``text`` (UTF-8) to ``path`` whole or not at all; ``durable`` also syncs it to disk
     before the rename (a state file that must survive a power cut, not only a kill). The file gets
     the mode ``open`` would give it (0666 less the umask)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(text)
             if durable:
                 fh.flush()
                 os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+
+    atomic_write_with(path, write)
 
 
 def atomic_write_with(path: Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` fills a temporary file beside ``path`` (a library that writes to a path
-    name: safetensors), which then replaces ``path`` whole; on any error the temporary file goes."""
+    """``write(tmp)`` fills a temporary file beside ``path`` (made here, so only it is ever removed;
+    a library that writes to a path name: safetensors), which then replaces ``path`` whole with the
+    mode ``open`` would give it (0666 less the umask); on any error the temporary file goes."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:

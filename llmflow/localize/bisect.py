@@ -50,7 +50,6 @@ from llmflow.localize.golden import (
     rerun_fidelity,
 )
 from llmflow.localize.options import BisectInputs
-from llmflow.localize.own_error import own_error
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
 from llmflow.localize.target_dump import raw_errors_joined, replay_target_dump
@@ -143,19 +142,6 @@ def target_dump_dtype(reader: DumpReader) -> str:
     outputs = (e for e in reader.entries() if e.level == "module" and e.kind == "output" and e.dtype)
     found = next(outputs, None)
     return dtype_name(found.dtype) if found is not None else "float32"
-
-
-def raw_errors(golden: DumpReader, target: DumpReader, step: int) -> dict[str, dict[str, float]]:
-    """Output ``"0"`` of every module both dumps hold at ``step``: error metrics (inherited error)."""
-    def outs(reader: DumpReader) -> dict[str, Any]:
-        found: dict[str, Any] = {}
-        for e in reader.entries():
-            if (e.step == step and e.level == "module" and e.kind == "output" and e.index == "0"
-                    and e.has_data and e.is_tensor):
-                found.setdefault(e.name, e)
-        return found
-    g, t = outs(golden), outs(target)
-    return {n: own_error(golden.load(g[n]), target.load(t[n])) for n in g if n in t}
 
 
 class _Bisect:
@@ -280,7 +266,7 @@ class _Bisect:
         if self.isolation == "target_dump":
             return self.replay_from_target_dump(step, why)
         inp, tgt = self.inp, self.target
-        raw = raw_errors(self.golden_dump, self.target_dump, step)
+        raw = raw_errors_joined(self.golden_dump, self.target_dump, step, step)
         result = StepReplay(step=step, why=why, raw=raw)
         if step == 0 and dump_has_layer_inputs(self.golden_dump, 0):
             before = self.stats["recomputed_layers"]

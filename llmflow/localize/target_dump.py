@@ -246,8 +246,9 @@ def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpRe
 
 def raw_errors_joined(golden: DumpReader, target: DumpReader, golden_step: int,
                       target_step: int) -> dict[str, dict[str, float]]:
-    """Output ``"0"`` of every module both dumps hold: error metrics of the target's shards joined
-    (the inherited error, as ``bisect.raw_errors`` for a one-rank target)."""
+    """Output ``"0"`` of every module both dumps hold: error metrics of the target's output, its
+    ranks' shards joined (the inherited error; a one-rank target's output as it is, so a shape that
+    differs from the golden's counts as an infinite error)."""
     def outs(reader: DumpReader, step: int) -> dict[str, dict[int, Entry]]:
         found: dict[str, dict[int, Entry]] = {}
         for e in reader.entries():
@@ -258,11 +259,13 @@ def raw_errors_joined(golden: DumpReader, target: DumpReader, golden_step: int,
     g, t = outs(golden, golden_step), outs(target, target_step)
     raw: dict[str, dict[str, float]] = {}
     for name, by_rank in t.items():
-        if name not in g or 0 not in g[name]:
+        if name not in g:
             continue
+        reference = g[name][min(g[name])]
         shards = [by_rank[r] for r in sorted(by_rank)]
-        merge = merge_of(g[name][0].shape, [s.shape for s in shards])
-        if merge is None:
+        merge = merge_of(reference.shape, [s.shape for s in shards])
+        if merge is None and len(shards) > 1:
             continue
-        raw[name] = own_error(golden.load(g[name][0]), join_tensors(merge, [target.load(s) for s in shards]))
+        tensors = [target.load(s) for s in shards]
+        raw[name] = own_error(golden.load(reference), join_tensors(merge, tensors) if merge else tensors[0])
     return raw

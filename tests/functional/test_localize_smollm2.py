@@ -15,8 +15,8 @@ from bisect_helpers import bisect_dumps, make_dumps  # noqa: E402
 from example_faults import DECODE_FAULTS  # noqa: E402
 
 from llmflow.formats import open_dump  # noqa: E402
-from llmflow.localize.bisect import raw_errors  # noqa: E402
 from llmflow.localize.rank import first_jump  # noqa: E402
+from llmflow.localize.target_dump import raw_errors_joined  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPT = "Tell me a story about a dragon."
@@ -38,7 +38,7 @@ def test_deep_fault_found_by_isolation_missed_by_layer_outputs(golden_dir, tmp_p
     assert v["first_bad_module"] == "model.layers.22.mlp.down_proj"
     assert v["first_bad_op"] == "model.layers.22.mlp.down_proj/mul.0"
     # the layer outputs of the prefill, as a dump comparison sees them
-    errors = raw_errors(open_dump(dumps["golden_dump"]), open_dump(dumps["target_dump"]), 0)
+    errors = raw_errors_joined(open_dump(dumps["golden_dump"]), open_dump(dumps["target_dump"]), 0, 0)
     raw = {int(n.rsplit(".", 1)[1]): m["rel_l2"] for n, m in errors.items()}
     assert len(raw) == 30
     # the layer-output way: a jump detector and a plain 1% threshold both point elsewhere
