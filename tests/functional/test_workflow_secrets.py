@@ -20,12 +20,13 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = "tiny-llama:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64"
 
 #: recorded in env.json by prefix, and redacted there by name
-BY_NAME = {"ASCEND_PIN": "90210", "ATB_AUTH": "atb-auth-value", "HCCL_PASS": "hccl-pass-value",
+BY_NAME = {"ASCEND_PIN": "pin-90210", "ATB_AUTH": "atb-auth-value", "HCCL_PASS": "hccl-pass-value",
            "TORCH_HUB_TOKEN": "hub-token-value", "ASCEND_LICENSE": "lic-value", "ATB_CERT": "cert-value",
            "ASCEND_PRIVATE_KEY": "pk-value", "HCCL_SESSION": "session-value", "ATB_COOKIE": "cookie-value",
            "ASCEND_PASSPHRASE": "passphrase-value", "ATB_Mixed_Pwd": "mixed-pwd-value"}
-#: given to stages through ${env.X}; none carries a recorded prefix (only the reference redacts it)
-BY_REFERENCE = {"HF_TOKEN": "hf_reference_secret", "MY_PIN": "4721",
+#: given to stages through ${env.X}; none carries a recorded prefix (only the reference redacts it).
+#: Every value holds a letter outside hex: a bare number could turn up by chance in a hash or an mtime.
+BY_REFERENCE = {"HF_TOKEN": "hf_reference_secret", "MY_PIN": "pin-4721",
                 "SECRET_PROMPT": "the vault code is 5ab7"}
 URL_PASSWORD = "url-pw-3141"
 EVERY_VALUE = [*BY_NAME.values(), *BY_REFERENCE.values(), URL_PASSWORD]
