@@ -20,6 +20,8 @@ transformers converts on load raises UserError, and the bisect loads that golden
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,22 @@ class StreamedWeights:
             for h in lw.hooks:
                 h.remove()
             lw.hooks.clear()
+
+
+@contextmanager
+def layer_weights_held(model: nn.Module, layer: str) -> Iterator[None]:
+    """Keep a streamed model's ``layer`` in memory across several calls, read once (a layer run
+    step after step); nothing to do for a model held whole."""
+    attached = getattr(model, "streamed_weights", None)
+    weights = attached.layers.get(layer) if isinstance(attached, StreamedWeights) else None
+    if weights is None:
+        yield
+        return
+    weights.enter()
+    try:
+        yield
+    finally:
+        weights.leave()
 
 
 def _inside(name: str, layer: str) -> bool:

@@ -45,6 +45,7 @@ from llmflow.localize.golden import (
     dump_has_layer_inputs,
     golden_call,
     golden_calls,
+    golden_layer_steps,
     golden_rerun,
     golden_rerun_steps,
     rerun_fidelity,
@@ -390,9 +391,7 @@ class _Bisect:
             found = moe.router_of(modules[replayed]) if replayed in modules else None
             if found is not None:
                 wanted.add(f"{replayed}.{found[0]}")
-        calls = golden_rerun_steps(golden, inp.prompt_ids, inp.golden_ids, set(range(steps)),
-                                   lambda n, _m: n in wanted)
-        self.stats["golden_reruns"] += 1
+        calls, source = self.golden_steps(golden, [name, *peers], steps, wanted)
 
         def error(at: dict[str, Any], module_name: str) -> float | None:
             call, module = at.get(module_name), modules.get(module_name)
@@ -409,8 +408,26 @@ class _Bisect:
             rows.append(OwnErrorStep(step=step, own_error=error(at, name),
                                      peer_median=median(peer_errors) if peer_errors else None,
                                      peers=len(peer_errors)))
-        self.phase("module: own error per step", f"{steps} steps x {1 + len(peers)} modules")
-        return OwnErrorSteps(module=name, metric=metric, rows=rows)
+        self.phase("module: own error per step", f"{steps} steps x {1 + len(peers)} modules, {source}")
+        return OwnErrorSteps(module=name, metric=metric, rows=rows, source=source)
+
+    def golden_steps(self, golden: Any, modules: list[str], steps: int,
+                     wanted: set[str]) -> tuple[dict[int, dict[str, Call]], str]:
+        """The ``wanted`` modules' golden calls at steps 0..``steps``-1, and where they came from:
+        the decoder layers of ``modules`` re-run alone from the golden dump where it holds their
+        inputs at every step, else one golden re-run through those steps."""
+        layers = [layer_of(m, self.stack) for m in modules]
+        if all(layers):
+            found = golden_layer_steps(self.golden_dump, golden, list(dict.fromkeys(layers)), steps,
+                                       lambda n, _m: n in wanted)
+            if found.missing is None:
+                self.stats["recomputed_layers"] += len(set(layers)) * steps
+                return found.calls, "dump + layer re-run"
+            self.log(f"bisect: own error per step from a golden re-run: {found.missing}")
+        calls = golden_rerun_steps(golden, self.inp.prompt_ids, self.inp.golden_ids, set(range(steps)),
+                                   lambda n, _m: n in wanted)
+        self.stats["golden_reruns"] += 1
+        return calls, "golden re-run"
 
     # -- 5. cost ---------------------------------------------------------------------------------
     def cost(self, tried: list[StepReplay], chosen: StepReplay) -> Cost:
@@ -427,10 +444,12 @@ class _Bisect:
                                  op_replays=len(chosen.op_rows)),
             bytes_dumped=g_bytes + t_bytes, golden_dump_bytes=g_bytes, target_dump_bytes=t_bytes)
         if inp.estimate_cost and inp.prompt_ids and self.target is not None:
-            n = max(len(inp.golden_ids), 1)
-            sides = [m for m in (self.golden(), self.target) if m is not None]
-            estimates = [cost_mod.estimate_api_dump_bytes(m.model, inp.prompt_ids, n) for m in sides]
-            full = sum(e["total_bytes"] for e in estimates) * 2 // len(sides)
+            # one run of the target estimates both sides: the golden runs the same ops in its dtype
+            tgt, gld = self.target, self.held.get("golden")
+            golden_dtype = gld.dtype if gld is not None else tgt.dtype
+            estimates = cost_mod.api_dump_estimates(tgt.model, inp.prompt_ids, max(len(inp.golden_ids), 1),
+                                                    [None, golden_dtype])
+            full = sum(e["total_bytes"] for e in estimates)
             cost.full_api_dump_bytes_estimate = full
             cost.full_api_dump_estimate_method = estimates[0]["method"]  # "one layer x N": extrapolated
             cost.bytes_fraction_of_full_api_dump = round(cost.bytes_dumped / max(full, 1), 4)

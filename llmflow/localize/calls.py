@@ -80,20 +80,24 @@ def written_kv(before: CacheSnapshot | Any, after: CacheSnapshot | Any, idx: int
 
 # -- calls from a dump ----------------------------------------------------------------------------
 def build_call(name: str, inputs: Iterable[tuple[str, Any]], outputs: Iterable[tuple[str, Any]],
-               *, step: int = 0, module_type: str | None = None) -> Call:
+               *, step: int = 0, module_type: str | None = None, cache: Any = None) -> Call:
     """A Call from ``(index, value)`` pairs as the dump writes them.
 
     ``value`` is a tensor, or a ``(json_value, pytype)`` pair for a non-tensor input. Positional
     indexes are ``"0"``, ``"1.0"``; keyword ones ``"kw:name"``, ``"kw:name.0"``. A KV cache, by
     keyword or by position, is empty at the prefill step (None); at a decode step its contents
-    are not in the dump and the call is not replayable from it.
+    are not in the dump and the call is not replayable from it, unless ``cache`` is given: a cache
+    object the caller keeps filled (a decoder layer re-run step after step from its dumped inputs
+    writes its own keys and values into it), passed where the dump recorded one.
     """
     call = Call(name, module_type)
     leaves: list[tuple[str, Any]] = []
     for index, value in inputs:
         if isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], torch.Tensor):
             json_value, pytype = value
-            if is_cache_type(pytype) and step == 0:
+            if is_cache_type(pytype) and cache is not None:
+                value = cache
+            elif is_cache_type(pytype) and step == 0:
                 value = None  # the prefill step starts with an empty cache
             elif is_cache_type(pytype):
                 call.reason = (f"input {index} is a KV cache ({pytype}) whose contents a dump does not "
@@ -135,9 +139,10 @@ def entry_value(reader: DumpReader, e: Entry) -> Any:
 
 
 def calls_from_dump(reader: DumpReader, step: int = 0, rank: int = 0,
-                    names: set[str] | None = None) -> Iterator[Call]:
+                    names: set[str] | None = None, cache: Any = None) -> Iterator[Call]:
     """The module calls a dump recorded at ``step`` (module level, inputs and outputs), one at a
-    time in execution order, tensors loaded lazily per call. ``names`` restricts which."""
+    time in execution order, tensors loaded lazily per call. ``names`` restricts which; ``cache``
+    stands for a recorded KV cache (``build_call``)."""
     groups: dict[str, list[Entry]] = {}
     for e in reader.entries():
         if e.step == step and e.rank == rank and e.level == "module" and (names is None or e.name in names):
@@ -149,7 +154,7 @@ def calls_from_dump(reader: DumpReader, step: int = 0, rank: int = 0,
         ins, outs = first_call(entries)
         call = build_call(name, [(e.index, entry_value(reader, e)) for e in ins],
                           [(e.index, reader.load(e)) for e in outs if e.is_tensor and e.has_data],
-                          step=step, module_type=entries[0].module_type)
+                          step=step, module_type=entries[0].module_type, cache=cache)
         if any(e.is_tensor and not e.has_data for e in ins):
             call.reason = "inputs dumped as statistics only (dump with data_mode tensor)"
         yield call

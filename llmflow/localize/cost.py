@@ -12,6 +12,11 @@ layers run plain (torch function modes off) and count as the first one's bytes. 
 layers write identical bytes, so that is exact there; an MoE layer's routing (which experts run,
 on how many tokens) differs from layer to layer, so there it is an extrapolation, and the result
 says which (``method``).
+
+The two sides of a port run the same ops on the same shapes; only the dtype differs. So one run
+(the target's) estimates both: ``api_dump_estimates`` counts each tensor's bytes by dtype, and the
+golden's estimate counts the tensors in the target's compute dtype at the golden dtype's size
+(tensors a model keeps in another dtype, such as a norm's float32 internals, stay as they are).
 """
 
 from __future__ import annotations
@@ -51,14 +56,18 @@ class _ByteCounter(Sink):
     def __init__(self, layer: str | None) -> None:
         self.active = False  # inside the model's forward (the dump records nothing between steps)
         self.layer_names = (f"{layer}.", f"{layer}/") if layer else None  # its modules' and its ops' names
-        self.outside: list[int] = []  # per step: bytes of the ops outside ``layer``
-        self.in_layer: list[int] = []  # per step: bytes of ``layer``'s ops
+        # per step: bytes of the ops outside ``layer``, and of ``layer``'s ops, by (dtype, the
+        # dtype it was cast from: a cast's output, which the same op in the other dtype may not make)
+        self.outside: list[dict[tuple[torch.dtype, torch.dtype | None], int]] = []
+        self.in_layer: list[dict[tuple[torch.dtype, torch.dtype | None], int]] = []
         self.seen: list[torch.Tensor] = []  # kept alive so ids stay unique within a step
         self.ids: set[int] = set()
+        self.first_input: torch.Tensor | None = None  # the op's first tensor input, while it runs
+        self.cast_from: torch.dtype | None = None  # the op's output is a cast of it from this dtype
 
     def begin_step(self, step: int) -> None:
-        self.outside.append(0)
-        self.in_layer.append(0)
+        self.outside.append({})
+        self.in_layer.append({})
         self.seen.clear()
         self.ids.clear()
         self.active = True
@@ -67,10 +76,16 @@ class _ByteCounter(Sink):
         self.active = False
 
     def op_inputs(self, name: str, api: str, func: Any, args: tuple, kwargs: dict) -> None:
+        self.first_input = next((a for a in args if isinstance(a, torch.Tensor)), None)
         walk_inputs(self, name, "input", args, kwargs, "api", api, tensors_only=True)
 
     def op_output(self, name: str, api: str, func: Any, output: Any) -> None:
+        src = self.first_input
+        if (isinstance(output, torch.Tensor) and src is not None and output.is_floating_point()
+                and src.is_floating_point() and output.dtype != src.dtype and output.shape == src.shape):
+            self.cast_from = src.dtype
         walk_output(self, name, output, "api", api, tensors_only=True)
+        self.first_input = self.cast_from = None
 
     def tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
                mtype: str | None) -> None:
@@ -79,11 +94,10 @@ class _ByteCounter(Sink):
         self.ids.add(id(t))
         self.seen.append(t)
         if level == "api":  # (the outputs of a layer run plain arrive with level "module": seen only)
-            nbytes = t.numel() * t.element_size()
-            if self.layer_names is not None and name.startswith(self.layer_names):
-                self.in_layer[-1] += nbytes
-            else:
-                self.outside[-1] += nbytes
+            inside = self.layer_names is not None and name.startswith(self.layer_names)
+            part = self.in_layer[-1] if inside else self.outside[-1]
+            key = (t.dtype, self.cast_from)
+            part[key] = part.get(key, 0) + t.numel() * t.element_size()
 
     def other(self, *_a: Any) -> None: ...  # parameters and plain values: no tensor bytes
 
@@ -115,10 +129,20 @@ def _run_plain(layers: list[tuple[str, nn.Module]], counter: _ByteCounter) -> Ca
     return put_back
 
 
-@torch.no_grad()
 def estimate_api_dump_bytes(model: nn.Module, input_ids: list[int], new_tokens: int) -> dict[str, Any]:
+    """Bytes an API-level dump (inputs + outputs of every op) of ``new_tokens`` greedy steps of
+    ``model`` would write: ``api_dump_estimates`` for the model's own dtype."""
+    return api_dump_estimates(model, input_ids, new_tokens, [None])[0]
+
+
+@torch.no_grad()
+def api_dump_estimates(model: nn.Module, input_ids: list[int], new_tokens: int,
+                       dtypes: list[torch.dtype | None]) -> list[dict[str, Any]]:
     """Bytes an API-level dump (inputs + outputs of every op) of ``new_tokens`` greedy steps would
-    write: prefill measured, one decode step measured, the rest extrapolated from it.
+    write, from one run of ``model``: prefill measured, one decode step measured, the rest
+    extrapolated from it; one estimate per entry of ``dtypes``: None for the model itself, a dtype
+    for the same ops run in that dtype (the tensors in the model's parameter dtype counted at its
+    size).
 
     Per step: the ops outside the layer stack plus the first layer's times the number of layers
     (``method`` ``"one layer x N"``, ``layers`` N); a model without a layer stack has every op
@@ -138,11 +162,31 @@ def estimate_api_dump_bytes(model: nn.Module, input_ids: list[int], new_tokens: 
     finally:
         put_back()
         recorder.remove()
-    n_layers = max(len(names), 1)
-    measured = zip(counter.outside[:2], counter.in_layer[:2], strict=True)
-    steps = [outside + layer * n_layers for outside, layer in measured] or [0]
-    decode = steps[1] if len(steps) > 1 else steps[0] / max(len(input_ids), 1)
+    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return [_extrapolate(counter, own, dtype, len(names), len(input_ids), new_tokens) for dtype in dtypes]
+
+
+def _extrapolate(counter: _ByteCounter, own: torch.dtype | None, as_dtype: torch.dtype | None,
+                 n_layers: int, prompt_len: int, new_tokens: int) -> dict[str, Any]:
+    """One estimate from the counted bytes: ``own``'s tensors at ``as_dtype``'s size, and casts
+    between the two dropped (in ``as_dtype`` such a cast returns its input: nothing new to write);
+    ``as_dtype`` None: as counted."""
+    def size(parts: dict[tuple[torch.dtype, torch.dtype | None], int]) -> int:
+        if own is None or as_dtype is None or as_dtype == own:
+            return sum(parts.values())
+        total = 0.0
+        for (dtype, cast_from), nbytes in parts.items():
+            if {dtype, cast_from} == {own, as_dtype}:
+                continue
+            total += nbytes * (as_dtype.itemsize / own.itemsize if dtype == own else 1.0)
+        return int(total)
+
+    outside = [size(part) for part in counter.outside[:2]]
+    in_layer = [size(part) for part in counter.in_layer[:2]]
+    layers = max(n_layers, 1)
+    steps = [o + layer * layers for o, layer in zip(outside, in_layer, strict=True)] or [0]
+    decode = steps[1] if len(steps) > 1 else steps[0] / max(prompt_len, 1)
     total = int(steps[0] + decode * max(new_tokens - 1, 0))
     return {"prefill_bytes": int(steps[0]), "decode_step_bytes": int(decode), "total_bytes": total,
-            "method": "one layer x N" if names else "every op", "layers": n_layers,
-            "outside_layers_bytes": counter.outside[:2], "one_layer_bytes": counter.in_layer[:2]}
+            "method": "one layer x N" if n_layers else "every op", "layers": layers,
+            "outside_layers_bytes": outside, "one_layer_bytes": in_layer}

@@ -18,6 +18,15 @@ cache as that module found it (``golden_rerun``). The re-run's logits are checke
 golden dump's, so a re-run that does not reproduce the golden run is reported, not trusted.
 ``golden_rerun_steps`` does the same for a few modules at several steps in one generation (the
 chosen module's own error per step).
+
+A few modules at several steps need no whole re-run when the golden dump holds their decoder
+layers' inputs at every one of those steps (the recipe's golden dump does):
+``golden_layer_steps`` runs each such layer alone, step after step from its dumped inputs, with
+a KV cache of its own that its own calls fill, so the cache holds exactly what the layer wrote in
+the golden run. That reads those layers' weights once and runs a few layers, not the model. Each
+step's recomputed layer output is checked against the dumped one; where it does not reproduce it
+(a golden on a device that is not deterministic, a cache kind the layer cannot be given alone),
+the caller falls back to the whole re-run.
 """
 
 from __future__ import annotations
@@ -29,10 +38,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmflow.dump.arguments import is_cache_type
 from llmflow.dump.memory import Call, CallRecorder, capture_calls
 from llmflow.formats.base import DumpReader
 from llmflow.localize.calls import calls_from_dump, cast_inputs
+from llmflow.localize.own_error import own_error
+from llmflow.streamed import layer_weights_held
 from llmflow.structure import LayerStack, layer_of
+
+#: how far (rel_l2) a layer re-run alone may land from its dumped output and still stand for the
+#: golden run: far below any own error worth ranking (a bf16 module's is ~1e-3), above the last-bit
+#: noise of a device whose kernels do not reduce in a fixed order
+LAYER_RERUN_TOLERANCE = 1e-5
 
 
 def golden_calls(reader: DumpReader, step: int, load_golden: Callable[[], Any],
@@ -186,6 +203,69 @@ def golden_rerun_steps(golden: Any, prompt_ids: list[int], golden_ids: list[int]
     finally:
         recorder.close()
     return recorder.by_step
+
+
+@dataclass
+class LayerSteps:
+    """``golden_layer_steps``' answer: step -> the selected modules' calls at that step, or why the
+    dump cannot stand for a golden re-run (``missing``); ``fidelity``: the largest rel_l2 between a
+    recomputed layer output and its dumped one."""
+
+    calls: dict[int, dict[str, Call]] = field(default_factory=dict)
+    missing: str | None = None
+    fidelity: float = 0.0
+
+
+#: the KV cache kinds a decoder layer can be given alone, by the type name a dump records
+_LAYER_CACHES = {"DynamicCache"}
+
+
+@torch.no_grad()
+def golden_layer_steps(reader: DumpReader, golden: Any, layers: list[str], steps: int,
+                       select: Callable[[str, nn.Module], bool]) -> LayerSteps:
+    """Each of ``layers`` re-run alone from its dumped inputs at steps 0..``steps``-1, in order,
+    with a KV cache of its own: the calls of its modules ``select`` picks, per step (as
+    ``golden_rerun_steps`` gives them, without running the rest of the model)."""
+    from transformers import DynamicCache
+
+    found = LayerSteps()
+    dumped = {(e.name, e.step) for e in reader.entries()
+              if e.level == "module" and e.kind == "input" and e.name in layers and e.step < steps}
+    lacking = [(n, s) for n in layers for s in range(steps) if (n, s) not in dumped]
+    if lacking:
+        name, step = lacking[0]
+        found.missing = f"the golden dump holds no inputs of {name} at step {step}"
+        return found
+    caches = {e.pytype for e in reader.entries() if e.level == "module" and e.kind == "input"
+              and e.name in layers and is_cache_type(e.pytype)}
+    if caches - _LAYER_CACHES:
+        found.missing = f"the golden run's KV cache is a {sorted(caches - _LAYER_CACHES)[0]}"
+        return found
+    modules = dict(golden.model.named_modules())
+    for layer in layers:
+        module = modules[layer]
+        cache = DynamicCache(config=golden.model.config)
+        with layer_weights_held(golden.model, layer):
+            for step in range(steps):
+                call = next(calls_from_dump(reader, step, names={layer}, cache=cache), None)
+                if call is None or not call.replayable or "0" not in call.outputs:
+                    found.missing = (f"{layer} at step {step} cannot be re-run from the golden dump: "
+                                     f"{call.reason if call is not None else 'not recorded'}")
+                    return found
+                args = cast_inputs(call.args, golden.device, golden.dtype, module)
+                kwargs = cast_inputs(call.kwargs, golden.device, golden.dtype, module)
+                ran: list[Any] = []
+                sub = capture_calls(module, lambda m=module, a=args, k=kwargs, r=ran: r.append(m(*a, **k)),
+                                    prefix=layer, select=lambda n, m, top=layer: n != top and select(n, m))
+                out = ran[0][0] if isinstance(ran[0], (tuple, list)) else ran[0]
+                error = own_error(call.outputs["0"], out)["rel_l2"]
+                found.fidelity = max(found.fidelity, error)
+                if not error <= LAYER_RERUN_TOLERANCE:
+                    found.missing = (f"{layer} re-run alone at step {step} lands {error:.2e} (rel_l2) from "
+                                     "its dumped output")
+                    return found
+                found.calls.setdefault(step, {}).update(sub)
+    return found
 
 
 def rerun_fidelity(rerun: GoldenRerun, reader: DumpReader) -> float | None:

@@ -233,7 +233,9 @@ class ModelRuns:
 
     full_generations: int
     models_loaded_by_bisect: int
-    golden_layers_recomputed: int
+    golden_layers_recomputed: int = field(metadata=_doc(
+        "golden decoder-layer runs from the golden dump's layer inputs: one per layer at an isolation "
+        "replay, one per layer and step for the own error per step"))
     golden_reruns: int
     module_replays: int
     op_replays: int
@@ -249,7 +251,9 @@ class Cost:
     bytes_dumped: int
     golden_dump_bytes: int
     target_dump_bytes: int
-    full_api_dump_bytes_estimate: int | None = None
+    full_api_dump_bytes_estimate: int | None = field(default=None, metadata=_doc(
+        "bytes an API-level dump of every step would write on both sides, from one run of the target (the "
+        "golden runs the same ops in its own dtype)"))
     full_api_dump_estimate_method: str | None = field(
         default=None, metadata=_doc('"one layer x N" (extrapolated from the first layer) or "every op"'))
     bytes_fraction_of_full_api_dump: float | None = None

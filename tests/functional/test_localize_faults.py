@@ -67,9 +67,9 @@ def test_full_golden_dump_and_recomputed_layers_agree(golden_dir, tmp_path):
     # module dump must give exactly the same own errors
     patch = f"plugins/example_faults.py:noisy_q_proj_layer_{LAYER}"
     slim = bisect_dumps(make_dumps(tmp_path / "slim", MODEL, patch=patch, golden_dir=golden_dir),
-                        estimate_cost=False)
+                        estimate_cost=False, own_error_steps=0)
     full_dumps = make_dumps(tmp_path / "full", MODEL, patch=patch, golden_all=True)
-    full = bisect_dumps(full_dumps, estimate_cost=False)
+    full = bisect_dumps(full_dumps, estimate_cost=False, own_error_steps=0)
     assert slim["cost"]["model_runs"]["golden_layers_recomputed"] == 6
     assert full["cost"]["model_runs"]["golden_layers_recomputed"] == 0
     # (the slim dump holds the layers at every step, the full one every module at the prefill)

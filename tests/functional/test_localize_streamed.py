@@ -56,8 +56,9 @@ def test_streamed_golden_gives_the_whole_goldens_verdict(dumps, replay_step):
     runs = {k: v for k, v in streamed["cost"]["model_runs"].items() if k != "golden_weights"}
     assert runs == {k: v for k, v in whole["cost"]["model_runs"].items() if k != "golden_weights"}
     if replay_step:  # replayed from a golden re-run through the decoding loop, with the KV cache
-        # (and one more re-run captures the chosen module at every step for its own error per step)
-        assert streamed["cost"]["model_runs"]["golden_reruns"] == 2
+        # (the chosen module's own error per step comes from its layer re-run on the dump's inputs)
+        assert streamed["cost"]["model_runs"]["golden_reruns"] == 1
+        assert streamed["own_error_steps"]["source"] == "dump + layer re-run"
     else:  # the golden layers recomputed from their dumped inputs, and the op level ran
         assert streamed["cost"]["model_runs"]["golden_layers_recomputed"] > 0 and streamed["first_bad_op"]
 
