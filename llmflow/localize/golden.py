@@ -31,6 +31,7 @@ the caller falls back to the whole re-run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,9 +243,10 @@ def golden_layer_steps(reader: DumpReader, golden: Any, layers: list[str], steps
         found.missing = f"the golden run's KV cache is a {sorted(caches - _LAYER_CACHES)[0]}"
         return found
     modules = dict(golden.model.named_modules())
+    config = getattr(golden.model, "config", None)
     for layer in layers:
         module = modules[layer]
-        cache = DynamicCache(config=golden.model.config)
+        cache = (DynamicCache(config=config) if config is not None else DynamicCache()) if caches else None
         with layer_weights_held(golden.model, layer):
             for step in range(steps):
                 call = next(calls_from_dump(reader, step, names={layer}, cache=cache), None)
@@ -252,13 +254,13 @@ def golden_layer_steps(reader: DumpReader, golden: Any, layers: list[str], steps
                     found.missing = (f"{layer} at step {step} cannot be re-run from the golden dump: "
                                      f"{call.reason if call is not None else 'not recorded'}")
                     return found
-                args = cast_inputs(call.args, golden.device, golden.dtype, module)
-                kwargs = cast_inputs(call.kwargs, golden.device, golden.dtype, module)
-                ran: list[Any] = []
-                sub = capture_calls(module, lambda m=module, a=args, k=kwargs, r=ran: r.append(m(*a, **k)),
-                                    prefix=layer, select=lambda n, m, top=layer: n != top and select(n, m))
-                out = ran[0][0] if isinstance(ran[0], (tuple, list)) else ran[0]
-                error = own_error(call.outputs["0"], out)["rel_l2"]
+                try:  # a layer that cannot run alone (state kept elsewhere in the model): the whole re-run
+                    sub, out = _run_layer(golden, module, layer, call, select)
+                except Exception as exc:
+                    found.missing = (f"{layer} cannot be re-run alone at step {step}: "
+                                     f"{type(exc).__name__}: {exc}")
+                    return found
+                error = own_error(call.outputs["0"], out)["rel_l2"] if out is not None else math.inf
                 found.fidelity = max(found.fidelity, error)
                 if not error <= LAYER_RERUN_TOLERANCE:
                     found.missing = (f"{layer} re-run alone at step {step} lands {error:.2e} (rel_l2) from "
@@ -266,6 +268,19 @@ def golden_layer_steps(reader: DumpReader, golden: Any, layers: list[str], steps
                     return found
                 found.calls.setdefault(step, {}).update(sub)
     return found
+
+
+def _run_layer(golden: Any, module: nn.Module, layer: str, call: Call,
+               select: Callable[[str, nn.Module], bool]) -> tuple[dict[str, Call], torch.Tensor | None]:
+    """One call of a decoder layer on the golden side: the selected sub-modules' calls, and the
+    layer's output 0 (None where it is not a tensor)."""
+    args = cast_inputs(call.args, golden.device, golden.dtype, module)
+    kwargs = cast_inputs(call.kwargs, golden.device, golden.dtype, module)
+    ran: list[Any] = []
+    sub = capture_calls(module, lambda: ran.append(module(*args, **kwargs)), prefix=layer,
+                        select=lambda n, m: n != layer and select(n, m))
+    out = ran[0][0] if isinstance(ran[0], (tuple, list)) else ran[0]
+    return sub, out if isinstance(out, torch.Tensor) else None
 
 
 def rerun_fidelity(rerun: GoldenRerun, reader: DumpReader) -> float | None:

@@ -83,13 +83,17 @@ def test_a_layer_that_no_longer_reproduces_its_dumped_output_is_refused(tmp_path
     assert "from its dumped output" in found.missing and not found.calls
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2-moe"])
+CUSTOM = "tests/fixtures/custom_model.py:build"  # hand-written, no config, no KV cache
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2-moe", "custom"])
 def test_bisect_takes_the_layer_re_run_and_the_whole_re_run_gives_the_same_rows(family, tmp_path,
                                                                                  monkeypatch):
     """A fault in every forward call: own error per step from the layer re-run; the same bisect
     with the layer re-run refused comes back to the whole re-run and the same numbers."""
-    fault = "scale_down_proj_layer_2" if family == "llama" else "scale_attn_out_layer_2"
-    dumps = make_dumps(tmp_path, f"tiny-{family}:{SIZE}", patch=f"plugins/example_faults.py:{fault}")
+    fault = "scale_attn_out_layer_2" if family == "qwen2-moe" else "scale_down_proj_layer_2"
+    model = CUSTOM if family == "custom" else f"tiny-{family}:{SIZE}"
+    dumps = make_dumps(tmp_path, model, patch=f"plugins/example_faults.py:{fault}")
     by_layer = bisect_dumps(dumps, estimate_cost=False, own_error_steps=STEPS)
     own = by_layer["own_error_steps"]
     assert by_layer["status"] == "fail", by_layer["headline"]
