@@ -60,8 +60,9 @@ CACHE_NOT_DUMPED = ("its input {index} is the target's KV cache ({pytype}), whos
 STEPPED_CACHES = {"DynamicCache"}
 #: why an attention's cache cannot be refilled: an earlier step's inputs are not in the dump
 STEP_MISSING = ("its input {index} is the target's KV cache ({pytype}); refilling it needs the module's "
-                "inputs at every step 0..{step}, and the target dump holds none at step {missing}{where}: "
-                "not replayable from the target dump at a decode step (dump with token_range all)")
+                "inputs at every step 0..{step}, and the target dump holds {what} at step {missing}{where}: "
+                "not replayable from the target dump at a decode step (dump with token_range all and "
+                "data_mode tensor)")
 #: why an attention's cache cannot be refilled: a cache kind a private copy cannot stand for
 CACHE_KIND = ("its input {index} is the target's KV cache ({pytype}), whose contents no dump holds, and only "
               "a DynamicCache is refilled from the recorded inputs: not replayable from the target dump at a "
@@ -141,10 +142,10 @@ def _decode_cache(inputs: list[Entry]) -> tuple[str, str] | None:
 
 def _earlier_inputs(name: str, ranks: list[int], target: DumpReader, step: int,
                     earlier: dict[int, dict[int, list[Entry]]] | None
-                    ) -> tuple[dict[int, list[list[Entry]]], tuple[int, int] | None]:
+                    ) -> tuple[dict[int, list[list[Entry]]], tuple[int, int, str] | None]:
     """Each rank's recorded inputs of module ``name`` at steps 0..``step``-1 (its first call per
-    step), from ``earlier`` (rank -> step -> entries) or the dump; the first (step, rank) without
-    inputs, None where every step has them."""
+    step), from ``earlier`` (rank -> step -> entries) or the dump; the first (step, rank, what the
+    dump holds there) without replayable inputs, None where every step has them."""
     if earlier is None:
         earlier = {}
         for e in target.entries():
@@ -154,8 +155,10 @@ def _earlier_inputs(name: str, ranks: list[int], target: DumpReader, step: int,
     for s in range(step):
         for r in ranks:
             ins = first_call(earlier.get(r, {}).get(s, []))[0]
-            if not ins or any(e.is_tensor and not e.has_data for e in ins):
-                return found, (s, r)
+            if not ins:
+                return found, (s, r, "no inputs")
+            if any(e.is_tensor and not e.has_data for e in ins):
+                return found, (s, r, "statistics only")
             found.setdefault(r, []).append(ins)
     return found, None
 
@@ -239,9 +242,10 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
             return _not_replayable(name, module_type, CACHE_SLICED.format(index=cache_index, pytype=pytype))
         history, missing = _earlier_inputs(name, ranks, target, step, earlier)
         if missing is not None:
-            where = f" on rank {missing[1]}" if len(ranks) > 1 else ""
+            missing_step, missing_rank, held = missing
+            where = f" on rank {missing_rank}" if len(ranks) > 1 else ""
             return _not_replayable(name, module_type, STEP_MISSING.format(
-                index=cache_index, pytype=pytype, step=step, missing=missing[0], where=where))
+                index=cache_index, pytype=pytype, step=step, missing=missing_step, what=held, where=where))
     target_outs = [target.load(outs_by_rank[r][index]) for r in ranks]
     try:
         if not sliced:

@@ -124,7 +124,7 @@ def test_a_dump_without_an_earlier_steps_inputs_says_which_step(dumps) -> None:
                                    target_step=3, select=attention))
     assert len(rows) == 4 and not any(r["replayable"] for r in rows)
     assert all("KV cache (DynamicCache)" in r["reason"] and "every step 0..3" in r["reason"]
-               and "none at step 1" in r["reason"] for r in rows), rows[0]["reason"]
+               and "no inputs at step 1" in r["reason"] for r in rows), rows[0]["reason"]
 
 
 def test_a_cache_kind_other_than_dynamic_stays_not_replayable(dumps) -> None:
@@ -152,3 +152,19 @@ def test_dump_bisect_names_a_decode_fault_the_users_way(tmp_path: Path, dumps) -
     verdict = json.loads((run_dir / "bisect" / "verdict.json").read_text())
     assert verdict["isolation"] == "target_dump" and verdict["replay"]["step"] > 0
     assert verdict["candidates"][0]["source"] == f"target dump, steps 0..{verdict['replay']['step']}"
+
+
+def test_a_streamed_golden_gives_the_attention_the_same_own_error(tmp_path: Path, dumps) -> None:
+    """A golden stored as a Hugging Face directory, streamed: the attention's layer is read while it
+    runs over the steps; its own error is the whole golden's, bit for bit."""
+    load_model(spec("llama")).model.save_pretrained(tmp_path / "golden_hf")
+    target = faulty(dumps, "llama", "decode_softmax_scale")
+    errors = {}
+    for weights in ("whole", "streamed"):
+        inp = BisectInputs(golden_dump=golden(dumps, "llama"), target_dump=target, isolate="target_dump",
+                           golden_spec={"model": str(tmp_path / "golden_hf")}, golden_weights=weights)
+        verdict = run_bisect(inp, log=lambda _m: None)
+        assert verdict.cost.model_runs.golden_weights == weights
+        assert verdict.first_bad_module == "model.layers.1.self_attn" and verdict.replay.step > 0
+        errors[weights] = verdict.candidates[0].error
+    assert errors["streamed"] == errors["whole"]
