@@ -119,7 +119,8 @@ def _step_word(step: int) -> str:
 #: what a ranked row (``rank.rank_modules``) carries into the verdict's candidates
 CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", "score", "z", "anomalous",
                     "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
-                    "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note")
+                    "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note",
+                    "source")
 
 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
@@ -241,6 +242,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         from_dump = chosen.source == "target dump"
         alone = ("its output in the target dump, against the golden module run on the same recorded inputs"
                  if from_dump else "replayed alone on the golden inputs")
+        if from_dump and cand.get("source"):  # a KV cache reader, run over every step before this one
+            alone += f" ({cand['source']}, filling a KV cache of its own)"
         what = f"{module}" + (f" (expert {expert})" if expert is not None else "")
         if cand.get("shard_rank") is not None:
             what += f" (rank {cand['shard_rank']}'s shard)"

@@ -22,8 +22,16 @@ golden's input shapes from the golden dump, its output shape from the golden mod
   the all-reduce after the module makes (an all-reduced tensor is the same on every rank).
 
 A rank is named only when its own error stands out from the other ranks' (``shards.standout``).
-A decode step's attention reads the target's KV cache, which no dump holds: it is reported as
-not replayable from the dump.
+
+A decode step's attention also reads the target's KV cache, whose contents no dump holds. A
+dump with the module's inputs at every step 0..t (token_range all) holds what wrote that cache:
+the golden module is run on those inputs step after step with a ``DynamicCache`` of its own
+(one per rank), and its output at step t against the recorded one is the module's own error at
+t. The target's cache was written by the target's own keys and values from the same inputs, so
+only the module's computation differs: a decode-kernel fault stands out at decode steps only.
+Such a row says so (``source``: "target dump, steps 0..t"). Where an earlier step's inputs are
+missing, the cache kind is not a DynamicCache, or the inputs are sliced over the ranks, the
+attention stays not replayable, with the reason.
 """
 
 from __future__ import annotations
@@ -41,10 +49,27 @@ from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.formats.base import DumpReader, Entry
 from llmflow.localize.calls import NO_INPUTS, build_call, cast_inputs, entry_value, first_call
 from llmflow.localize.own_error import own_error
+from llmflow.streamed import layer_weights_held
+from llmflow.structure import layer_of_name
 
 #: why an attention cannot be replayed from the target's dump at a decode step
 CACHE_NOT_DUMPED = ("its input {index} is the target's KV cache ({pytype}), whose contents no dump holds: "
                     "not replayable from the target dump at a decode step")
+#: the KV cache kinds a module can be given a private copy of, refilled step by step from its
+#: recorded inputs (by the type name a dump records)
+STEPPED_CACHES = {"DynamicCache"}
+#: why an attention's cache cannot be refilled: an earlier step's inputs are not in the dump
+STEP_MISSING = ("its input {index} is the target's KV cache ({pytype}); refilling it needs the module's "
+                "inputs at every step 0..{step}, and the target dump holds {what} at step {missing}{where}: "
+                "not replayable from the target dump at a decode step (dump with token_range all and "
+                "data_mode tensor)")
+#: why an attention's cache cannot be refilled: a cache kind a private copy cannot stand for
+CACHE_KIND = ("its input {index} is the target's KV cache ({pytype}), whose contents no dump holds, and only "
+              "a DynamicCache is refilled from the recorded inputs: not replayable from the target dump at a "
+              "decode step")
+#: why an attention's cache cannot be refilled: its inputs are sliced over the ranks
+CACHE_SLICED = ("its input {index} is the target's KV cache ({pytype}) and its inputs are sliced over the "
+                "ranks: not replayable from the target dump at a decode step")
 #: why a row-parallel module's error names no rank
 NO_RANK_REDUCED = ("its inputs are sliced over the ranks and its output reduced (row-parallel): the "
                    "error is the module's, no rank's own")
@@ -56,6 +81,18 @@ def _module_entries(reader: DumpReader, step: int) -> dict[str, dict[int, list[E
     for e in reader.entries():
         if e.step == step and e.level == "module":
             found.setdefault(e.name, {}).setdefault(e.rank, []).append(e)
+    return found
+
+
+def _earlier_entries(reader: DumpReader, step: int) -> dict[str, dict[int, dict[int, list[Entry]]]]:
+    """Module name -> rank -> step -> its entries at the steps before ``step``, for the modules that
+    read a KV cache (one read of the index for all of them)."""
+    readers = {e.name for e in reader.entries() if e.level == "module" and e.step == step
+               and e.kind == "input" and not e.is_tensor and is_cache_type(e.pytype)}
+    found: dict[str, dict[int, dict[int, list[Entry]]]] = {}
+    for e in reader.entries():
+        if e.step < step and e.level == "module" and e.name in readers:
+            found.setdefault(e.name, {}).setdefault(e.rank, {}).setdefault(e.step, []).append(e)
     return found
 
 
@@ -98,6 +135,52 @@ def _call(name: str, module_type: str | None, inputs: list[tuple[str, Any]], out
     return call
 
 
+def _decode_cache(inputs: list[Entry]) -> tuple[str, str] | None:
+    """(index, pytype) of the KV cache among a call's recorded inputs, None where it has none."""
+    return next(((e.index, e.pytype) for e in inputs if not e.is_tensor and is_cache_type(e.pytype)), None)
+
+
+def _earlier_inputs(name: str, ranks: list[int], target: DumpReader, step: int,
+                    earlier: dict[int, dict[int, list[Entry]]] | None
+                    ) -> tuple[dict[int, list[list[Entry]]], tuple[int, int, str] | None]:
+    """Each rank's recorded inputs of module ``name`` at steps 0..``step``-1 (its first call per
+    step), from ``earlier`` (rank -> step -> entries) or the dump; the first (step, rank, what the
+    dump holds there) without replayable inputs, None where every step has them."""
+    if earlier is None:
+        earlier = {}
+        for e in target.entries():
+            if e.name == name and e.level == "module" and e.step < step:
+                earlier.setdefault(e.rank, {}).setdefault(e.step, []).append(e)
+    found: dict[int, list[list[Entry]]] = {}
+    for s in range(step):
+        for r in ranks:
+            ins = first_call(earlier.get(r, {}).get(s, []))[0]
+            if not ins:
+                return found, (s, r, "no inputs")
+            if any(e.is_tensor and not e.has_data for e in ins):
+                return found, (s, r, "statistics only")
+            found.setdefault(r, []).append(ins)
+    return found, None
+
+
+def _golden_over_steps(name: str, module: nn.Module, module_type: str | None,
+                       steps: list[list[tuple[str, Any]]], golden: Any, index: str) -> torch.Tensor | str:
+    """The golden module run on one rank's recorded inputs of steps 0..t in order, with a
+    ``DynamicCache`` of its own that its calls fill (so at step t it holds the keys and values the
+    golden module makes from the target's inputs): its output ``index`` at step t, or why not."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=golden.model.config)
+    out: torch.Tensor | None = None
+    with layer_weights_held(golden.model, layer_of_name(name) or name):  # a streamed layer read once
+        for s, inputs in enumerate(steps):
+            call = build_call(name, inputs, [], step=s, module_type=module_type, cache=cache)
+            if call.reason not in (None, "no output tensor recorded"):
+                return f"step {s}: {call.reason}"
+            out = _run_golden(module, call, golden).get(index)
+    return out if out is not None else f"the golden module gave no output {index}"
+
+
 def _run_golden(module: nn.Module, call: Call, golden: Any) -> dict[str, torch.Tensor]:
     """The golden module's outputs on the call's inputs (cast to the golden's device and dtype)."""
     with torch.no_grad():
@@ -108,11 +191,14 @@ def _run_golden(module: nn.Module, call: Call, golden: Any) -> dict[str, torch.T
 
 def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]], target: DumpReader,
                   golden: Any, step: int, golden_shapes: dict[tuple[str, str], list[int]],
-                  all_ranks: list[int] | None = None) -> dict[str, Any]:
+                  all_ranks: list[int] | None = None,
+                  earlier: dict[int, dict[int, list[Entry]]] | None = None) -> dict[str, Any]:
     """One module's own error from the target dump (see the module docstring): a row as
     ``replay.replay_call`` gives, plus ``sharding`` (how its shards joined), ``rank_errors``
     (each rank's own rel_l2, rank order; empty where no rank has one) and ``shard_rank`` (the rank
-    whose own error stands out, else None)."""
+    whose own error stands out, else None). A module reading a KV cache at a decode step is run
+    over steps 0..``step`` (``earlier``: rank -> step -> its entries before ``step``; None: read
+    from the dump) and its row has ``source``."""
     ranks = sorted(by_rank)
     module_type = by_rank[ranks[0]][0].module_type
     lacking = sorted(set(all_ranks or ranks) - set(ranks))
@@ -145,12 +231,29 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
                 return _not_replayable(name, module_type, f"input {i}: the ranks' shapes "
                                        f"{[e.shape for e in entries]} do not join into the golden's")
             merges[i] = merge
-    target_outs = [target.load(outs_by_rank[r][index]) for r in ranks]
     sliced = sorted({m for m in merges.values() if m.startswith(CONCAT)})
+    cache = _decode_cache(calls[ranks[0]][0]) if step > 0 else None
+    history: dict[int, list[list[Entry]]] | None = None
+    if cache is not None:  # the module reads the target's KV cache: refill a private one, or say why not
+        cache_index, pytype = cache
+        if pytype not in STEPPED_CACHES:
+            return _not_replayable(name, module_type, CACHE_KIND.format(index=cache_index, pytype=pytype))
+        if sliced:
+            return _not_replayable(name, module_type, CACHE_SLICED.format(index=cache_index, pytype=pytype))
+        history, missing = _earlier_inputs(name, ranks, target, step, earlier)
+        if missing is not None:
+            missing_step, missing_rank, held = missing
+            where = f" on rank {missing_rank}" if len(ranks) > 1 else ""
+            return _not_replayable(name, module_type, STEP_MISSING.format(
+                index=cache_index, pytype=pytype, step=step, missing=missing_step, what=held, where=where))
+    target_outs = [target.load(outs_by_rank[r][index]) for r in ranks]
     try:
         if not sliced:
-            return _per_rank(name, module, shards, ranks, target, golden, step, index, target_outs,
-                             module_type)
+            row = _per_rank(name, module, shards, ranks, target, golden, step, index, target_outs,
+                            module_type, history)
+            if history is not None and row["replayable"]:
+                row["source"] = f"target dump, steps 0..{step}"
+            return row
         joined = [(i, join_tensors(merges[i], [target.load(e) for e in entries]) if i in merges
                    else entry_value(target, entries[0])) for i, entries in shards.items()]
         call = _call(name, module_type, joined, {}, step)
@@ -179,13 +282,22 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
 
 def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], ranks: list[int],
               target: DumpReader, golden: Any, step: int, index: str, target_outs: list[torch.Tensor],
-              module_type: str | None) -> dict[str, Any]:
+              module_type: str | None, history: dict[int, list[list[Entry]]] | None = None) -> dict[str, Any]:
     """Inputs whole on every rank: the golden module on each rank's own input (once where the ranks'
-    inputs are equal bit for bit), each rank's output (or slice) against it."""
+    inputs are equal bit for bit), each rank's output (or slice) against it. With ``history`` (rank
+    -> its input entries at steps 0..``step``-1), each rank's golden module runs over those steps
+    first, filling a KV cache of its own."""
     golden_outs: list[torch.Tensor] = []
     seen: list[tuple[list[Any], torch.Tensor]] = []
-    for k, _r in enumerate(ranks):
+    for k, r in enumerate(ranks):
         inputs = [(i, entry_value(target, entries[k])) for i, entries in shards.items()]
+        if history is not None:
+            steps = [[(e.index, entry_value(target, e)) for e in ins] for ins in history[r]]
+            ran = _golden_over_steps(name, module, module_type, [*steps, inputs], golden, index)
+            if isinstance(ran, str):
+                return _not_replayable(name, module_type, ran)
+            golden_outs.append(ran)
+            continue
         tensors = [v for _i, v in inputs if isinstance(v, torch.Tensor)]
         again = next((out for before, out in seen if len(before) == len(tensors)
                       and all(torch.equal(a, b) for a, b in zip(before, tensors, strict=True))), None)
@@ -235,11 +347,13 @@ def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpRe
     modules = dict(golden.model.named_modules())
     shapes = _golden_input_shapes(golden_dump, golden_step)
     ranks = target_dump.ranks()
+    earlier = _earlier_entries(target_dump, target_step)
     for name, by_rank in _module_entries(target_dump, target_step).items():
         module = modules.get(name)
         if module is None or not select(name, module):
             continue
-        yield replay_module(name, module, by_rank, target_dump, golden, target_step, shapes, ranks)
+        yield replay_module(name, module, by_rank, target_dump, golden, target_step, shapes, ranks,
+                            earlier.get(name, {}))
         if advance is not None:
             advance()
 

@@ -104,16 +104,23 @@ def test_a_row_parallel_fault_names_the_module_and_no_rank(dumps: Path) -> None:
     assert "row-parallel" in chosen.rank_note and "No rank is named" in verdict.diagnosis
 
 
-def test_a_decode_step_replays_linears_and_reports_attention_as_not_replayable(dumps: Path) -> None:
-    """At a decode step the k_proj fault is still found (a linear needs no cache); the attention
-    containers read the target's KV cache, which no dump holds: reported, not guessed."""
+def test_a_decode_step_replays_each_ranks_attention_over_the_steps_before(dumps: Path) -> None:
+    """At a decode step the k_proj fault is still found; each rank's attention container reads its
+    own KV cache: the golden attention runs on that rank's recorded inputs of steps 0..2 with a
+    cache of its own. Its output is all-reduced (the same on both ranks), so no rank stands out
+    there, and layer 2's holds its k_proj's error."""
     verdict = _bisect(dumps, "attn_rank0", replay_step=2)
     assert verdict.replay.step == 2 and verdict.status == "fail"
     assert verdict.first_bad_module == "model.layers.2.self_attn.k_proj" and verdict.first_bad_rank == 0
-    attention = [c for c in verdict.candidates if c.name.endswith("self_attn") and not c.replayable]
-    assert len(attention) == 3, [c.name for c in verdict.candidates if not c.replayable]
-    assert all("KV cache" in c.reason and "not replayable from the target dump" in c.reason
-               for c in attention)
+    assert verdict.replay.not_replayable == 0
+    attention = {c.name: c for c in verdict.candidates if c.name.endswith("self_attn")}
+    assert len(attention) == 3, [c.name for c in verdict.candidates]
+    for c in attention.values():
+        assert c.replayable and c.source == "target dump, steps 0..2", c
+        assert c.sharding == "inputs whole, output replicated" and c.shard_rank is None
+        assert len(c.rank_errors) == 2 and c.rank_errors[0] == c.rank_errors[1]
+    layer_1, layer_2 = attention["model.layers.1.self_attn"], attention["model.layers.2.self_attn"]
+    assert layer_2.error > 1e-3 > 1e-6 > layer_1.error
 
 
 def test_a_streamed_golden_runs_its_modules_one_at_a_time(tmp_path: Path, dumps: Path) -> None:

@@ -1,0 +1,170 @@
+"""The bisect from the target's dump at a decode step: an attention reads the target's KV cache,
+which no dump holds, so the golden attention is run on the target's recorded inputs of every step
+0..t with a DynamicCache of its own; its output at step t against the recorded one is the
+attention's own error at t. A decode-kernel fault is named at a decode step on several families,
+a clean port passes, the golden replayed on its own dump is exact, and a dump without an earlier
+step's inputs says which step is missing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
+from example_faults import faulty_module  # noqa: E402
+from workflow_helpers import REPO, llmflow  # noqa: E402
+
+from llmflow.dump.config import DumpConfig  # noqa: E402
+from llmflow.dump.run import dump_run  # noqa: E402
+from llmflow.formats import open_dump  # noqa: E402
+from llmflow.localize.bisect import run_bisect  # noqa: E402
+from llmflow.localize.options import BisectInputs  # noqa: E402
+from llmflow.localize.target_dump import replay_target_dump  # noqa: E402
+from llmflow.models import load_model  # noqa: E402
+from llmflow.results.verdict import Verdict  # noqa: E402
+
+# init=0.2: attention peaked enough that a decode-kernel fault moves the numbers, as in a trained model
+SIZE = "layers=4,hidden=64,intermediate=128,seed=3,init=0.2"
+PROMPT = [256, 104, 101, 108, 108, 111]
+NEW_TOKENS = 5
+WORKFLOW = REPO / "workflows" / "dump_bisect.yaml"
+#: the decode-only faults that change what the attention computes from the inputs it receives
+KERNEL_FAULTS = ("decode_attn_scale", "decode_softmax_scale")
+
+
+def spec(family: str) -> str:
+    return f"tiny-{family}:{SIZE}"
+
+
+def attention(name: str, _module: object) -> bool:
+    return name.endswith("self_attn")
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """(family, name, patch, dtype, token_range) -> a module-mode dump with every module's inputs
+    (tensor_part 2) of that model, made once."""
+    made: dict[tuple, Path] = {}
+
+    def dump(family: str, name: str, patch: str | None = None, dtype: str = "bfloat16",
+             token_range: str | list[int] = "all") -> Path:
+        key = (family, name, patch, dtype, str(token_range))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{family}-{name}")
+            model = load_model(spec(family), dtype=dtype, patch=patch, base_dir=REPO)
+            dump_run(model, PROMPT, NEW_TOKENS, DumpConfig(dump_path=str(out), token_range=token_range))
+            made[key] = out
+        return made[key]
+    return dump
+
+
+def golden(dumps: Callable[..., Path], family: str) -> Path:
+    return dumps(family, "golden", dtype="float32")
+
+
+def faulty(dumps: Callable[..., Path], family: str, fault: str) -> Path:
+    return dumps(family, fault, patch=f"plugins/example_faults.py:{fault}_layer_1")
+
+
+def bisect(dumps: Callable[..., Path], family: str, target: Path, **kwargs) -> Verdict:
+    inp = BisectInputs(golden_dump=golden(dumps, family), target_dump=target,
+                       golden_spec={"model": spec(family)}, isolate="target_dump", **kwargs)
+    return run_bisect(inp, log=lambda _m: None)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("fault", KERNEL_FAULTS)
+def test_a_decode_kernel_fault_names_the_attention_at_a_decode_step(dumps, family: str, fault: str) -> None:
+    verdict = bisect(dumps, family, faulty(dumps, family, fault))
+    want = faulty_module(load_model(spec(family)).model, fault, 1)
+    step = verdict.replay.step
+    assert verdict.status == "fail" and verdict.first_bad_module == want, verdict.headline
+    assert step > 0 and f"decode step {step}" in verdict.headline, verdict.headline
+    top = verdict.candidates[0]
+    assert top.name == want and top.replayable and top.source == f"target dump, steps 0..{step}"
+    assert top.score > 10 and f"target dump, steps 0..{step}, filling a KV cache" in verdict.diagnosis
+    # the same module in the other layers was replayed the same way: the peers the score compares with
+    peers = [c for c in verdict.candidates if c.name.endswith("self_attn") and c.name != want]
+    assert peers and all(c.replayable and c.source == top.source for c in peers)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_clean_port_replays_the_decode_attention_and_names_nothing(dumps, family: str) -> None:
+    verdict = bisect(dumps, family, dumps(family, "clean"), replay_step=2)
+    assert verdict.status == "pass" and verdict.first_bad_module is None, verdict.headline
+    assert verdict.replay.not_replayable == 0
+    replayed = [c for c in verdict.candidates if c.name.endswith("self_attn")]
+    assert replayed and all(c.source == "target dump, steps 0..2" and c.error < 0.05 for c in replayed)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_golden_on_its_own_dump_has_no_own_error_at_decode_steps(dumps, family: str) -> None:
+    """The golden's fp32 dump as the target: each attention run over steps 0..t on its own recorded
+    inputs gives, at every decode step, what the golden's generation recorded, bit for bit."""
+    model = load_model(spec(family))
+    reader = open_dump(golden(dumps, family))
+    for step in range(1, NEW_TOKENS):
+        rows = list(replay_target_dump(model, reader, reader, golden_step=step, target_step=step,
+                                       select=attention))
+        assert len(rows) == 4 and all(r["replayable"] for r in rows), rows
+        assert all(r["rel_l2"] == 0.0 and r["max_abs"] == 0.0 for r in rows), (step, rows)
+        assert all(r["source"] == f"target dump, steps 0..{step}" for r in rows)
+
+
+def test_a_dump_without_an_earlier_steps_inputs_says_which_step(dumps) -> None:
+    model = load_model(spec("llama"))
+    fault = "plugins/example_faults.py:decode_attn_scale_layer_1"
+    target = open_dump(dumps("llama", "steps_0_3", patch=fault, token_range=[0, 3]))
+    rows = list(replay_target_dump(model, open_dump(golden(dumps, "llama")), target, golden_step=3,
+                                   target_step=3, select=attention))
+    assert len(rows) == 4 and not any(r["replayable"] for r in rows)
+    assert all("KV cache (DynamicCache)" in r["reason"] and "every step 0..3" in r["reason"]
+               and "no inputs at step 1" in r["reason"] for r in rows), rows[0]["reason"]
+
+
+def test_a_cache_kind_other_than_dynamic_stays_not_replayable(dumps) -> None:
+    """The fp8-cache fault hands its layer's attention a cache wrapper of its own at decode steps: a
+    private DynamicCache cannot stand for it, so that attention is reported, the others replayed."""
+    verdict = bisect(dumps, "llama", faulty(dumps, "llama", "decode_cache_fp8"), replay_step=2)
+    attn = {c.name: c for c in verdict.candidates if c.name.endswith("self_attn")}
+    lossy = attn["model.layers.1.self_attn"]
+    assert not lossy.replayable and "(_LossyCache)" in lossy.reason and "only a DynamicCache" in lossy.reason
+    assert verdict.replay.not_replayable == 1  # that attention alone; the other layers' among the ranked
+    others = [c for n, c in attn.items() if n != "model.layers.1.self_attn"]
+    assert others and all(c.replayable and c.source == "target dump, steps 0..2" for c in others)
+
+
+def test_dump_bisect_names_a_decode_fault_the_users_way(tmp_path: Path, dumps) -> None:
+    target = faulty(dumps, "llama", "decode_softmax_scale")
+    run_dir = tmp_path / "run"
+    proc = llmflow("run", str(WORKFLOW), "--run-dir", str(run_dir), "--set",
+                   f"golden_dump={golden(dumps, 'llama')}", "--set", f"target_dump={target}",
+                   "--set", f"golden_model={spec('llama')}", timeout=300)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith("FAILED") and "model.layers.1.self_attn is the fault" in last, last
+    assert "decode step" in last, last
+    verdict = json.loads((run_dir / "bisect" / "verdict.json").read_text())
+    assert verdict["isolation"] == "target_dump" and verdict["replay"]["step"] > 0
+    assert verdict["candidates"][0]["source"] == f"target dump, steps 0..{verdict['replay']['step']}"
+
+
+def test_a_streamed_golden_gives_the_attention_the_same_own_error(tmp_path: Path, dumps) -> None:
+    """A golden stored as a Hugging Face directory, streamed: the attention's layer is read while it
+    runs over the steps; its own error is the whole golden's, bit for bit."""
+    load_model(spec("llama")).model.save_pretrained(tmp_path / "golden_hf")
+    target = faulty(dumps, "llama", "decode_softmax_scale")
+    errors = {}
+    for weights in ("whole", "streamed"):
+        inp = BisectInputs(golden_dump=golden(dumps, "llama"), target_dump=target, isolate="target_dump",
+                           golden_spec={"model": str(tmp_path / "golden_hf")}, golden_weights=weights)
+        verdict = run_bisect(inp, log=lambda _m: None)
+        assert verdict.cost.model_runs.golden_weights == weights
+        assert verdict.first_bad_module == "model.layers.1.self_attn" and verdict.replay.step > 0
+        errors[weights] = verdict.candidates[0].error
+    assert errors["streamed"] == errors["whole"]
