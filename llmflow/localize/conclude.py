@@ -55,6 +55,7 @@ class StepReplay:
     call_of: Callable[[str], Any] | None = None
     rerun_diff: float | None = None
     missing: str | None = None  # why this step could not be replayed at all
+    missing_next: str | None = None  # what to give or run next for it, where not the usual
     routing: list[RoutingRow] = field(default_factory=list)
     op_rows: list[OpRow] = field(default_factory=list)
     first_op: str | None = None
@@ -302,7 +303,9 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                     f"{r.detail} (the router's own error does not stand out: rounding picked other "
                     "experts for near-tied tokens)")
     reason, nxt = None, None
-    if missing and not chosen.replayed and chosen.source == "target dump":
+    if missing and not chosen.replayed and chosen.missing_next:
+        reason, nxt = chosen.missing or missing[0], chosen.missing_next
+    elif missing and not chosen.replayed and chosen.source == "target dump":
         reason, nxt = missing[0], ("dump the target again in module mode with each module's inputs and "
                                    "outputs as tensors on every rank (DumpConfig mode module, tensor_part 2, "
                                    "data_mode tensor), and give the golden model (golden_model)")
