@@ -249,7 +249,8 @@ class _Bisect:
                                               advance=task.advance if task is not None else None,
                                               mapping=self.mapping))
         unknown = sorted(names - set(known), key=lambda n: (n.count("."), n))
-        if not result.rows and unknown:  # a port that renamed its modules
+        in_layers = [r for r in result.rows if layer_of(r["name"], self.stack) is not None]
+        if not in_layers and unknown:  # a port that renamed its modules: its final norm or lm_head at most
             by = f" nor one the mapping {self.mapping.name}'s rules give" if self.mapping else ""
             result.missing = (f"no module inside the golden's decoder layers is among the target dump's "
                               f"at step {t_step}: {len(unknown)} of its {len(names)} module names (e.g. "
