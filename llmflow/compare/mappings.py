@@ -156,8 +156,14 @@ class Mapping:
         occurrences: dict[tuple[int, tuple[tuple[str, str], ...]], int] = defaultdict(int)
         for name, module_type in modules:
             for ri, rule in enumerate(self.rules):
-                captures = rule.match_name(name) if len(rule.patterns) == 1 else None
-                if captures is None or not rule.applies("output", "0", module_type):
+                if not rule.applies("output", "0", module_type):
+                    continue
+                if len(rule.patterns) > 1:  # the first matching rule wins, as in the compare
+                    if any(rule.match_name(name, i) is not None for i in range(len(rule.patterns))):
+                        break
+                    continue
+                captures = rule.match_name(name)
+                if captures is None:
                     continue
                 key = (ri, tuple(sorted((k, v) for k, v in captures.items() if k in rule.golden_vars)))
                 golden = rule.golden_name(captures, occurrences[key], self.variables)
