@@ -188,10 +188,12 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
     if merge is None:
         return _not_replayable(name, module_type, f"output {index}: the ranks' shapes do not join into the "
                                                    f"golden's {list(golden_out.shape)}")
+    by_rule = ruled is not None and merge.partition(":")[0] == ruled.partition(":")[0]  # the shapes allow it
     copies_differ = any(not torch.equal(target_outs[0], t) for t in target_outs[1:])
-    if merge == REPLICATED and copies_differ and ruled is None:
+    if merge == REPLICATED and copies_differ and not by_rule:
         merge = SUM  # an all-reduced output is the same on every rank: these are partial products
-    sharding = f"inputs {', '.join(sliced) or 'whole'}, output {merge}" + (" (shards rule)" if ruled else "")
+    sharding = f"inputs {', '.join(sliced) or 'whole'}, output {merge}"
+    sharding += " (shards rule)" if by_rule else ""
     if merge == REPLICATED and copies_differ:  # copies by the rule: each against the golden, the worst kept
         errors = shard_errors(golden_out, merge, target_outs)
         worst = max(range(len(ranks)), key=lambda k: errors[k])
