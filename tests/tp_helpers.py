@@ -19,11 +19,12 @@ TP_FAULTS = {
 }
 
 
-def launch_tp(out: Path, runs: list[str], nproc: int, mode: str = "module") -> None:
+def launch_tp(out: Path, runs: list[str], nproc: int, mode: str = "module", options: tuple[str, ...] = ()
+              ) -> None:
     """One launch of tp_llama.py (``nproc`` > 1: under torchrun, gloo), each of ``runs`` dumped to
-    ``out/NAME``."""
+    ``out/NAME``; ``options``: more of its flags (``--reduce after-mlp``)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(TP_SCRIPT), str(out), *runs, "--mode", mode]
+    cmd = [sys.executable, str(TP_SCRIPT), str(out), *runs, "--mode", mode, *options]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                *cmd[1:]]

@@ -24,6 +24,14 @@ A template may subtract or add a var (``model.layers.{n-layer_base}``); ``Mappin
 reads each var from the target's topology (ATB: ``model/<pid>/*.json``), else from its entries,
 else takes the default.
 
+The bisect from a target dump (``isolate: target_dump``) reads the same rules for module names:
+a target module the golden model does not have (a port that renamed its modules) is the golden
+module its output's rule names (``Mapping.module_names``). Regex captures carry a name's tail::
+
+    rules:
+      - {match: regex, target: 'transformer\\.h\\.(?P<n>\\d+)\\.attn(?P<rest>(\\..+)?)',
+         golden: 'model.layers.{n}.self_attn{rest}'}
+
 A tensor-parallel target's shards join by their shapes (``shards.py``); ``shards`` overrides that
 for the names it matches, e.g. a row-parallel linear's partial products dumped before its
 all-reduce::
@@ -37,6 +45,8 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -135,6 +145,33 @@ class Mapping:
             return True
         have = {e.module_type for e in target.entries() if e.module_type} | _topology_types(target)
         return all(any(fnmatch.fnmatchcase(t, w) for t in have) for w in wanted)
+
+    def module_names(self, modules: Iterable[tuple[str, str | None]]) -> dict[str, str]:
+        """Target module name -> the golden name the rules give it, for ``modules`` ((name, module
+        type), in execution order): the first rule that applies to the module's output ``0`` and
+        whose one pattern matches the whole name, as the compare pairs that output (a
+        ``golden_sequence`` by the same count of occurrences; a many-to-one rule names a sum of
+        tensors, no module). Names no rule maps are left out."""
+        names: dict[str, str] = {}
+        occurrences: dict[tuple[int, tuple[tuple[str, str], ...]], int] = defaultdict(int)
+        for name, module_type in modules:
+            for ri, rule in enumerate(self.rules):
+                if not rule.applies("output", "0", module_type):
+                    continue
+                if len(rule.patterns) > 1:  # the first matching rule wins, as in the compare
+                    if any(rule.match_name(name, i) is not None for i in range(len(rule.patterns))):
+                        break
+                    continue
+                captures = rule.match_name(name)
+                if captures is None:
+                    continue
+                key = (ri, tuple(sorted((k, v) for k, v in captures.items() if k in rule.golden_vars)))
+                golden = rule.golden_name(captures, occurrences[key], self.variables)
+                occurrences[key] += 1
+                if golden is not None:
+                    names[name] = golden
+                break
+        return names
 
     def bind(self, target: Any) -> Mapping:
         """A copy with each var read from ``target`` (a DumpReader): its topology's top-level nodes,

@@ -65,6 +65,11 @@ def merge_of(golden_shape: Sequence[int] | None, shard_shapes: Sequence[Sequence
     return by_shape
 
 
+def rule_merge(name: str, rules: Iterable[ShardRule]) -> str | None:
+    """The merge of the first ``shards`` rule matching this target name, None where none does."""
+    return next((rule.merge for rule in rules if rule.pattern.fullmatch(name)), None)
+
+
 def joined_shape(merge: str, shapes: Sequence[Sequence[int]]) -> list[int]:
     out = list(shapes[0])
     if merge.startswith(CONCAT):

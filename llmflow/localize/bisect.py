@@ -30,6 +30,7 @@ from dataclasses import replace
 from statistics import median
 from typing import Any
 
+from llmflow.compare.mappings import Mapping, load_mapping
 from llmflow.compare.run import recorded_dtype
 from llmflow.dtypes import dtype_name
 from llmflow.dump.memory import Call
@@ -53,7 +54,7 @@ from llmflow.localize.golden import (
 from llmflow.localize.options import BisectInputs
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
-from llmflow.localize.target_dump import raw_errors_joined, replay_target_dump
+from llmflow.localize.target_dump import golden_names, raw_errors_joined, replay_target_dump
 from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, token_rows
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
@@ -155,6 +156,10 @@ class _Bisect:
         self.phases: dict[str, float] = {}
         self.golden_dump, self.target_dump = open_dump(inp.golden_dump), open_dump(inp.target_dump)
         self.isolation = isolation_mode(inp, self.target_dump)
+        # the compare's mapping file, read the compare's way (a bad one: UserError naming the file)
+        self.mapping: Mapping | None = None
+        if inp.mapping and self.isolation == "target_dump":
+            self.mapping = load_mapping(inp.mapping).bind(self.target_dump)
         self.golden_streamed = golden_streamed(inp)
         self.held: dict[str, Any] = {}
         self.golden_error: str | None = None  # why the golden model could not be loaded
@@ -230,18 +235,30 @@ class _Bisect:
     def replay_from_target_dump(self, step: int, why: str) -> StepReplay:
         """Isolation from the target's dump at one step: the golden module on the target's inputs."""
         t_step = self.target_step(step)
-        raw = raw_errors_joined(self.golden_dump, self.target_dump, step, t_step)
+        raw = raw_errors_joined(self.golden_dump, self.target_dump, step, t_step, self.mapping)
         result = StepReplay(step=step, why=why, raw=raw, source="target dump")
         golden = self.held["golden"]  # loaded when the bisect started (one that cannot load: bad input)
         modules = dict(golden.model.named_modules())
         names = {e.name for e in self.target_dump.entries() if e.step == t_step and e.level == "module"}
-        total = sum(1 for n in names if n in modules and self.select(n, modules[n]))
+        known = golden_names(self.target_dump, t_step, modules, self.mapping)
+        total = sum(1 for n in known.values() if self.select(n, modules[n]))
         task = self.progress(f"isolation from the target dump, step {step}", float(total)) \
             if self.progress else None
         result.rows = list(replay_target_dump(golden, self.golden_dump, self.target_dump, golden_step=step,
                                               target_step=t_step, select=self.select,
-                                              advance=task.advance if task is not None else None))
-        if not result.rows:
+                                              advance=task.advance if task is not None else None,
+                                              mapping=self.mapping))
+        unknown = sorted(names - set(known), key=lambda n: (n.count("."), n))
+        in_layers = [r for r in result.rows if layer_of(r["name"], self.stack) is not None]
+        if not in_layers and unknown:  # a port that renamed its modules: its final norm or lm_head at most
+            by = f" nor one the mapping {self.mapping.name}'s rules give" if self.mapping else ""
+            result.missing = (f"no module inside the golden's decoder layers is among the target dump's "
+                              f"at step {t_step}: {len(unknown)} of its {len(names)} module names (e.g. "
+                              f"{unknown[0]}) are no module of the golden model{by}")
+            result.missing_next = ("give the compare's mapping file whose rules map the target's module "
+                                   "names to the golden's (mapping: FILE; regex captures carry the rest of a "
+                                   "name)")
+        elif not result.rows:
             result.missing = (f"the target dump holds no calls of the modules inside the decoder layers at "
                               f"step {t_step}" + (f", only {len(names)} other module(s)" if names else "")
                               + " (dump the target in module mode with inputs and outputs: tensor_part 2)")

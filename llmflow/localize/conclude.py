@@ -54,7 +54,8 @@ class StepReplay:
     candidate: dict[str, Any] | None = None
     call_of: Callable[[str], Any] | None = None
     rerun_diff: float | None = None
-    missing: str | None = None  # why this step could not be replayed at all
+    missing: str | None = None  # why this step could not be replayed (at all, or inside the layers)
+    missing_next: str | None = None  # what to give or run next for it, where not the usual
     routing: list[RoutingRow] = field(default_factory=list)
     op_rows: list[OpRow] = field(default_factory=list)
     first_op: str | None = None
@@ -305,7 +306,9 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                     f"{r.detail} (the router's own error does not stand out: rounding picked other "
                     "experts for near-tied tokens)")
     reason, nxt = None, None
-    if missing and not chosen.replayed and chosen.source == "target dump":
+    if chosen.missing and chosen.missing_next:  # what was missing is known, and what to give
+        reason, nxt = chosen.missing, chosen.missing_next
+    elif missing and not chosen.replayed and chosen.source == "target dump":
         reason, nxt = missing[0], ("dump the target again in module mode with each module's inputs and "
                                    "outputs as tensors on every rank (DumpConfig mode module, tensor_part 2, "
                                    "data_mode tensor), and give the golden model (golden_model)")

@@ -68,6 +68,12 @@ class BisectInputs:
         "dump: no target model loaded, no op level), auto (target_dump when the target dump has more "
         "than one rank or no target model is given, else target_model).",
         schema={"type": "string", "enum": ["auto", "target_model", "target_dump"]})
+    mapping: str | None = option(
+        None, "The compare's op-mapping file (YAML/JSON path, or an llmflow.mappings name) for isolate: "
+        "target_dump: its shards rules say how a tensor-parallel target's module outputs join (over "
+        "their shapes), its name rules which golden module a target module the golden model lacks is "
+        "(a port that renamed its modules); the verdict names the golden's modules; null: names and "
+        "shapes only.", schema={"type": ["string", "null"]})
     top_k: int = option(15, "Candidates listed in the verdict, worst first.")
     golden_weights: str = option(
         "auto", "How the bisect holds the golden model's weights: whole (all loaded at once), streamed "
@@ -88,4 +94,6 @@ class BisectInputs:
         schema={"type": "integer", "minimum": 0})
 
     def __post_init__(self) -> None:
-        self.layers = self.layers or None  # an empty string means none (a workflow's empty default)
+        # an empty string means none (a workflow's empty default)
+        self.layers = self.layers or None
+        self.mapping = self.mapping or None

@@ -21,6 +21,12 @@ golden's input shapes from the golden dump, its output shape from the golden mod
   and where the ranks' outputs of the golden's shape differ they are partial products whose sum
   the all-reduce after the module makes (an all-reduced tensor is the same on every rank).
 
+A mapping file (the compare's, ``BisectInputs.mapping``) overrides the shapes: its ``shards``
+rule matching a module's target name gives that module's output merge (``sum`` is a sum even where
+the ranks' outputs happen to be equal), and a target module the golden model does not have (a port
+that renamed its modules) is replayed as the golden module its name rules give
+(``Mapping.module_names``). Rows, candidates and the raw errors carry the golden's names.
+
 A rank is named only when its own error stands out from the other ranks' (``shards.standout``).
 
 A decode step's attention also reads the target's KV cache, whose contents no dump holds. A
@@ -36,14 +42,14 @@ attention stays not replayable, with the reason.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from llmflow.compare.mappings import CONCAT, REPLICATED, SUM
-from llmflow.compare.shards import join_tensors, merge_of, shard_errors, standout
+from llmflow.compare.mappings import CONCAT, REPLICATED, SUM, Mapping, ShardRule
+from llmflow.compare.shards import join_tensors, merge_of, rule_merge, shard_errors, standout
 from llmflow.dump.arguments import is_cache_type
 from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.formats.base import DumpReader, Entry
@@ -93,6 +99,20 @@ def _earlier_entries(reader: DumpReader, step: int) -> dict[str, dict[int, dict[
     for e in reader.entries():
         if e.step < step and e.level == "module" and e.name in readers:
             found.setdefault(e.name, {}).setdefault(e.rank, {}).setdefault(e.step, []).append(e)
+    return found
+
+
+def golden_names(reader: DumpReader, step: int, golden_modules: Collection[str],
+                 mapping: Mapping | None = None) -> dict[str, str]:
+    """Target module name -> the golden module it is, for the modules ``reader`` recorded at
+    ``step``: the same name where the golden has it, else the name the mapping's rules give (one
+    the golden has). Modules neither names are left out."""
+    recorded = _module_entries(reader, step)
+    found = {name: name for name in recorded if name in golden_modules}
+    if mapping is not None:
+        rest = [(name, by_rank[min(by_rank)][0].module_type) for name, by_rank in recorded.items()
+                if name not in found]
+        found.update({t: g for t, g in mapping.module_names(rest).items() if g in golden_modules})
     return found
 
 
@@ -192,14 +212,17 @@ def _run_golden(module: nn.Module, call: Call, golden: Any) -> dict[str, torch.T
 def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]], target: DumpReader,
                   golden: Any, step: int, golden_shapes: dict[tuple[str, str], list[int]],
                   all_ranks: list[int] | None = None,
-                  earlier: dict[int, dict[int, list[Entry]]] | None = None) -> dict[str, Any]:
+                  earlier: dict[int, dict[int, list[Entry]]] | None = None, *,
+                  rules: Sequence[ShardRule] = (), target_name: str | None = None) -> dict[str, Any]:
     """One module's own error from the target dump (see the module docstring): a row as
     ``replay.replay_call`` gives, plus ``sharding`` (how its shards joined), ``rank_errors``
     (each rank's own rel_l2, rank order; empty where no rank has one) and ``shard_rank`` (the rank
     whose own error stands out, else None). A module reading a KV cache at a decode step is run
     over steps 0..``step`` (``earlier``: rank -> step -> its entries before ``step``; None: read
-    from the dump) and its row has ``source``."""
+    from the dump) and its row has ``source``. ``name`` is the golden module's name,
+    ``target_name`` the target's (default: the same), which the mapping's shards ``rules`` match."""
     ranks = sorted(by_rank)
+    ruled = rule_merge(target_name or name, rules)  # the output merge a shards rule imposes
     module_type = by_rank[ranks[0]][0].module_type
     lacking = sorted(set(all_ranks or ranks) - set(ranks))
     if lacking:  # a shard or copy missing: what the others hold is not the whole tensor
@@ -240,7 +263,7 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
             return _not_replayable(name, module_type, CACHE_KIND.format(index=cache_index, pytype=pytype))
         if sliced:
             return _not_replayable(name, module_type, CACHE_SLICED.format(index=cache_index, pytype=pytype))
-        history, missing = _earlier_inputs(name, ranks, target, step, earlier)
+        history, missing = _earlier_inputs(target_name or name, ranks, target, step, earlier)
         if missing is not None:
             missing_step, missing_rank, held = missing
             where = f" on rank {missing_rank}" if len(ranks) > 1 else ""
@@ -248,9 +271,9 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
                 index=cache_index, pytype=pytype, step=step, missing=missing_step, what=held, where=where))
     target_outs = [target.load(outs_by_rank[r][index]) for r in ranks]
     try:
-        if not sliced:
+        if not sliced and ruled != SUM:  # a sum of partial outputs needs the golden's one whole output
             row = _per_rank(name, module, shards, ranks, target, golden, step, index, target_outs,
-                            module_type, history)
+                            module_type, history, rules, target_name or name)
             if history is not None and row["replayable"]:
                 row["source"] = f"target dump, steps 0..{step}"
             return row
@@ -264,15 +287,24 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
         return _not_replayable(name, module_type, f"replay failed: {type(exc).__name__}: {str(exc)[:160]}")
     if golden_out is None:
         return _not_replayable(name, module_type, f"the golden module gave no output {index}")
-    merge = merge_of(list(golden_out.shape), [list(t.shape) for t in target_outs])
+    merge = merge_of(list(golden_out.shape), [list(t.shape) for t in target_outs], target_name or name, rules)
     if merge is None:
         return _not_replayable(name, module_type, f"output {index}: the ranks' shapes do not join into the "
                                                    f"golden's {list(golden_out.shape)}")
-    if merge == REPLICATED and any(not torch.equal(target_outs[0], t) for t in target_outs[1:]):
+    by_rule = ruled is not None and merge.partition(":")[0] == ruled.partition(":")[0]  # the shapes allow it
+    copies_differ = any(not torch.equal(target_outs[0], t) for t in target_outs[1:])
+    if merge == REPLICATED and copies_differ and not by_rule:
         merge = SUM  # an all-reduced output is the same on every rank: these are partial products
+    sharding = f"inputs {', '.join(sliced) or 'whole'}, output {merge}"
+    sharding += " (shards rule)" if by_rule else ""
+    if merge == REPLICATED and copies_differ:  # copies by the rule: each against the golden, the worst kept
+        errors = shard_errors(golden_out, merge, target_outs)
+        worst = max(range(len(ranks)), key=lambda k: errors[k])
+        row = {"name": name, "module_type": module_type, "replayable": True, "output": index,
+               **own_error(golden_out, target_outs[worst])}
+        return _with_ranks(row, sharding, errors, ranks)
     row: dict[str, Any] = {"name": name, "module_type": module_type, "replayable": True, "output": index,
                            **own_error(golden_out, join_tensors(merge, target_outs))}
-    sharding = f"inputs {', '.join(sliced)}, output {merge}"
     if merge.startswith(CONCAT):  # each rank's slice of the output depends on its own slice of the input
         return _with_ranks(row, sharding, shard_errors(golden_out, merge, target_outs), ranks)
     row.update(sharding=sharding, rank_errors=[], shard_rank=None, rank_note=NO_RANK_REDUCED if len(ranks) > 1
@@ -282,7 +314,8 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
 
 def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], ranks: list[int],
               target: DumpReader, golden: Any, step: int, index: str, target_outs: list[torch.Tensor],
-              module_type: str | None, history: dict[int, list[list[Entry]]] | None = None) -> dict[str, Any]:
+              module_type: str | None, history: dict[int, list[list[Entry]]] | None = None,
+              rules: Sequence[ShardRule] = (), target_name: str = "") -> dict[str, Any]:
     """Inputs whole on every rank: the golden module on each rank's own input (once where the ranks'
     inputs are equal bit for bit), each rank's output (or slice) against it. With ``history`` (rank
     -> its input entries at steps 0..``step``-1), each rank's golden module runs over those steps
@@ -310,7 +343,7 @@ def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], rank
                 return _not_replayable(name, module_type, f"the golden module gave no output {index}")
             seen.append((tensors, again))
         golden_outs.append(again)
-    merge = merge_of(list(golden_outs[0].shape), [list(t.shape) for t in target_outs])
+    merge = merge_of(list(golden_outs[0].shape), [list(t.shape) for t in target_outs], target_name, rules)
     if merge is None:
         return _not_replayable(name, module_type, f"output {index}: the ranks' shapes "
                                f"{[list(t.shape) for t in target_outs]} do not join into the golden's "
@@ -340,29 +373,34 @@ def _with_ranks(row: dict[str, Any], sharding: str, errors: list[float], ranks: 
 
 def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpReader, *, golden_step: int,
                        target_step: int, select: Callable[[str, nn.Module], bool],
-                       advance: Callable[[], None] | None = None) -> Iterator[dict[str, Any]]:
+                       advance: Callable[[], None] | None = None,
+                       mapping: Mapping | None = None) -> Iterator[dict[str, Any]]:
     """One row per selected module the target dump recorded at ``target_step``, in its execution
-    order: the golden model's module of the same name run on the target's inputs (``replay_module``).
-    Modules the golden model does not have are skipped."""
+    order: the golden model's module of the same name, or of the name ``mapping`` gives it, run on
+    the target's inputs (``replay_module``). Modules the golden model does not have are skipped."""
     modules = dict(golden.model.named_modules())
     shapes = _golden_input_shapes(golden_dump, golden_step)
     ranks = target_dump.ranks()
     earlier = _earlier_entries(target_dump, target_step)
-    for name, by_rank in _module_entries(target_dump, target_step).items():
-        module = modules.get(name)
-        if module is None or not select(name, module):
+    names = golden_names(target_dump, target_step, modules, mapping)
+    rules = mapping.shards if mapping is not None else ()
+    for target_name, by_rank in _module_entries(target_dump, target_step).items():
+        name = names.get(target_name)
+        if name is None or not select(name, modules[name]):
             continue
-        yield replay_module(name, module, by_rank, target_dump, golden, target_step, shapes, ranks,
-                            earlier.get(name, {}))
+        yield replay_module(name, modules[name], by_rank, target_dump, golden, target_step, shapes, ranks,
+                            earlier.get(target_name, {}), rules=rules, target_name=target_name)
         if advance is not None:
             advance()
 
 
-def raw_errors_joined(golden: DumpReader, target: DumpReader, golden_step: int,
-                      target_step: int) -> dict[str, dict[str, float]]:
-    """Output ``"0"`` of every module both dumps hold: error metrics of the target's output, its
-    ranks' shards joined (the inherited error; a one-rank target's output as it is, so a shape that
-    differs from the golden's counts as an infinite error)."""
+def raw_errors_joined(golden: DumpReader, target: DumpReader, golden_step: int, target_step: int,
+                      mapping: Mapping | None = None) -> dict[str, dict[str, float]]:
+    """Output ``"0"`` of every module both dumps hold (a target module under the golden name
+    ``mapping``'s rules give it), keyed by the golden's name: error metrics of the target's output,
+    its ranks' shards joined as their shapes or the mapping's shards rules say (the inherited error;
+    a one-rank target's output as it is, so a shape that differs from the golden's counts as an
+    infinite error)."""
     def outs(reader: DumpReader, step: int) -> dict[str, dict[int, Entry]]:
         found: dict[str, dict[int, Entry]] = {}
         for e in reader.entries():
@@ -371,13 +409,16 @@ def raw_errors_joined(golden: DumpReader, target: DumpReader, golden_step: int,
                 found.setdefault(e.name, {}).setdefault(e.rank, e)
         return found
     g, t = outs(golden, golden_step), outs(target, target_step)
+    names = golden_names(target, target_step, g, mapping)
+    rules = mapping.shards if mapping is not None else ()
     raw: dict[str, dict[str, float]] = {}
-    for name, by_rank in t.items():
-        if name not in g:
+    for target_name, by_rank in t.items():
+        name = names.get(target_name)
+        if name is None:
             continue
         reference = g[name][min(g[name])]
         shards = [by_rank[r] for r in sorted(by_rank)]
-        merge = merge_of(reference.shape, [s.shape for s in shards])
+        merge = merge_of(reference.shape, [s.shape for s in shards], target_name, rules)
         if merge is None and len(shards) > 1:
             continue
         tensors = [target.load(s) for s in shards]

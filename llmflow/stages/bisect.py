@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmflow.atomic import atomic_write_json, atomic_write_with
+from llmflow.compare.mappings import resolve_mapping
 from llmflow.errors import UserError
 from llmflow.localize.options import BisectInputs
 from llmflow.options import from_params, required_params, stage_properties
@@ -32,7 +33,7 @@ class BisectStage(Stage):
     """Narrow a divergence down to the first bad token, layer, module and op (isolation replay)."""
 
     type: ClassVar[str] = "bisect"
-    version: ClassVar[str] = "5"
+    version: ClassVar[str] = "6"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
@@ -80,8 +81,10 @@ class BisectStage(Stage):
             if not isinstance(scan, dict) or "first_origin" not in scan:
                 raise UserError(f"bisect: overflow_report: {p['overflow_report']} is not an overflow-scan "
                                 "report (no first_origin)")
+        # a mapping file relative to the workflow, as the compare stage reads it
+        mapping = str(resolve_mapping(p["mapping"], ctx.workflow_dir)) if p.get("mapping") else None
         inputs = from_params(
-            BisectInputs, p,
+            BisectInputs, p, mapping=mapping,
             golden_dump=ctx.resolve_path(p["golden_dump"]), target_dump=ctx.resolve_path(p["target_dump"]),
             golden_spec=p["golden_model_spec"], target_spec=p.get("target_model_spec"),
             golden_ids=list(gen["golden"].get("output_ids") or []),

@@ -249,3 +249,28 @@ def test_schema_copy_is_the_shipped_one() -> None:
     assert json.loads((REPO / "schemas" / "mapping.schema.json").read_text()) == json.loads(
         shipped.read_text()
     )
+
+
+def test_module_names_follow_the_rule_of_each_modules_output(tmp_path: Path) -> None:
+    """The bisect's golden module for a renamed target module: the rule that maps its output "0"
+    (glob captures, a regex tail, a sequence by occurrence); an input-only rule is passed over, a
+    many-to-one rule names no module, and a name no rule matches is left out."""
+    f = tmp_path / "m.yaml"
+    f.write_text(
+        "rules:\n"
+        "  - {kind: input, target: 'transformer.h.{n}.mlp', golden: 'wrong.{n}'}\n"
+        "  - {target: ['transformer.h.{n}.a', 'transformer.h.{n}.b'], golden: 'model.layers.{n}'}\n"
+        "  - {target: 'transformer.h.{n}.ln.*', golden_sequence: ['model.layers.{n}.input_layernorm',"
+        " 'model.layers.{n}.post_attention_layernorm']}\n"
+        "  - {match: regex, target: 'transformer\\.h\\.(?P<n>\\d+)\\.attn(?P<rest>(\\..+)?)',"
+        " golden: 'model.layers.{n}.self_attn{rest}'}\n"
+        "  - {match: regex, kind: any, target: 'transformer\\.h(?P<rest>(\\..+)?)',"
+        " golden: 'model.layers{rest}'}\n")
+    modules = ["transformer.h.0.ln.0", "transformer.h.0.attn", "transformer.h.0.attn.q_proj",
+               "transformer.h.0.ln.1", "transformer.h.0.mlp", "transformer.h.0.a", "lm_head"]
+    assert load_mapping(f).module_names((m, None) for m in modules) == {
+        "transformer.h.0.ln.0": "model.layers.0.input_layernorm",
+        "transformer.h.0.attn": "model.layers.0.self_attn",
+        "transformer.h.0.attn.q_proj": "model.layers.0.self_attn.q_proj",
+        "transformer.h.0.ln.1": "model.layers.0.post_attention_layernorm",
+        "transformer.h.0.mlp": "model.layers.0.mlp"}
