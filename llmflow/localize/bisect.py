@@ -267,6 +267,15 @@ class _Bisect:
                               "in module mode with tensor_part 2)")
         self.rank(result, result.replayed, "module: isolation from the target dump",
                   f"target dump, {len(self.target_dump.ranks())} rank(s)")
+        if result.replayed and not result.anomalous and self.stack is not None:
+            # no module stands out: what a layer does between its modules (its own code, or a change to
+            # what a module receives) shows only in the layer replayed whole
+            layers = set(self.stack.layers)
+            whole = replay_target_dump(golden, self.golden_dump, self.target_dump, golden_step=step,
+                                       target_step=t_step, select=lambda n, _m: n in layers,
+                                       mapping=self.mapping)
+            result.layer_errors = {r["name"]: r["rel_l2"] for r in whole if r.get("replayable")}
+            self.phase("module: decoder layers replayed whole", f"{len(result.layer_errors)} layers")
         return result
 
     def rank(self, result: StepReplay, replayed: list[dict[str, Any]], phase: str, source: str) -> None:

@@ -9,6 +9,7 @@ less is ``inconclusive``, with the reason and what to run next; it never says "m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
@@ -63,6 +64,8 @@ class StepReplay:
     expert: int | None = None
     op_level: OpLevel | None = None  # ops.comparability of the chosen module's two op sequences
     overflow_op: OverflowOp | None = None  # ops.overflow_detail of the op where an overflow starts
+    # isolation from the target dump: each decoder layer's own error, the layer replayed whole
+    layer_errors: dict[str, float] = field(default_factory=dict)
 
     @property
     def replayed(self) -> list[dict[str, Any]]:
@@ -75,6 +78,25 @@ class StepReplay:
     @property
     def anomalous(self) -> bool:
         return bool(self.candidate and self.candidate.get("anomalous"))
+
+
+#: a decoder layer replayed whole stands out at this many times the ranking's ratio_threshold: its
+#: own error is the residual stream's too, so clean layers spread wider (up to ~4x their median on
+#: the tiny families) than a module's
+LAYER_STANDOUT = 2.0
+
+
+def _layer_standing_out(step: StepReplay, ratio: float) -> tuple[str, float] | None:
+    """The decoder layer whose own error (``layer_errors``) is ``ratio`` times the median of the
+    other layers' or more, with that ratio (the largest); None where none is."""
+    errors = {n: e for n, e in step.layer_errors.items() if e is not None and math.isfinite(e)}
+    worst: tuple[str, float] | None = None
+    for name, error in errors.items():
+        others = [e for n, e in errors.items() if n != name]
+        typical = median(others) if others else 0.0
+        if typical > 0 and error / typical >= ratio and (worst is None or error / typical > worst[1]):
+            worst = (name, error / typical)
+    return worst
 
 
 def _reasons(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
@@ -306,8 +328,19 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                     f"{r.detail} (the router's own error does not stand out: rounding picked other "
                     "experts for near-tied tokens)")
     reason, nxt = None, None
+    between = _layer_standing_out(chosen, LAYER_STANDOUT * inp.ratio_threshold)
     if chosen.missing and chosen.missing_next:  # what was missing is known, and what to give
         reason, nxt = chosen.missing, chosen.missing_next
+    elif between is not None:
+        layer, ratio = between
+        reason = (f"{layer}, replayed whole from the target dump, has {ratio:.0f}x the own error of the "
+                  f"other layers at {_step_word(chosen.step)}, but none of its modules' own error stands "
+                  "out: the difference arises between its modules (the layer's own code, or something that "
+                  "changes what a module receives), which a module replayed on its recorded inputs does not "
+                  "see")
+        nxt = ("bisect with the target model (isolate: target_model, target_model_spec), which runs each "
+               f"module as the target runs it, or dump the target in API mode inside {layer} (layer_name) "
+               "and precheck it")
     elif missing and not chosen.replayed and chosen.source == "target dump":
         reason, nxt = missing[0], ("dump the target again in module mode with each module's inputs and "
                                    "outputs as tensors on every rank (DumpConfig mode module, tensor_part 2, "

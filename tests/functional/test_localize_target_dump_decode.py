@@ -93,6 +93,32 @@ def test_a_decode_kernel_fault_names_the_attention_at_a_decode_step(dumps, famil
     assert peers and all(c.replayable and c.source == top.source for c in peers)
 
 
+#: decode-only faults that change what the attention receives (a pre-hook): recorded as its inputs,
+#: so the attention replayed on them reproduces them; only its layer replayed whole shows them
+INPUT_FAULTS = ("decode_rope_shift", "decode_mask_oldest")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("fault", INPUT_FAULTS)
+def test_a_change_between_a_layers_modules_is_inconclusive_naming_the_layer(dumps, family: str,
+                                                                            fault: str) -> None:
+    """Never "no fault": the layer replayed whole stands out where none of its modules does, and
+    the verdict says so, with the bisect that sees it (the target model) as what to run next."""
+    verdict = bisect(dumps, family, faulty(dumps, family, fault))
+    assert verdict.status == "inconclusive", verdict.headline
+    reason = verdict.inconclusive.reason
+    assert reason.startswith("model.layers.1, replayed whole from the target dump, has "), reason
+    assert "none of its modules' own error stands out" in reason
+    assert "isolate: target_model" in verdict.inconclusive.next
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("replay_step", [0, 1, 2, 4])
+def test_a_clean_ports_layers_replayed_whole_do_not_stand_out(dumps, family: str, replay_step: int) -> None:
+    verdict = bisect(dumps, family, dumps(family, "clean"), replay_step=replay_step)
+    assert verdict.status == "pass" and verdict.inconclusive is None, verdict.headline
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_clean_port_replays_the_decode_attention_and_names_nothing(dumps, family: str) -> None:
     verdict = bisect(dumps, family, dumps(family, "clean"), replay_step=2)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
 from llmflow.localize.conclude import StepReplay, conclude
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.results.codec import to_json
@@ -141,3 +143,17 @@ def test_a_fault_where_the_other_layers_have_no_own_error_is_not_a_ratio_to_zero
     assert v.status == "fail" and v.first_bad_module == "model.layers.3.mlp.down_proj"
     assert "0.25" in v.headline and "has none" in v.headline, v.headline
     assert "x the own error" not in v.headline and "adds none" in v.diagnosis
+
+
+def test_a_decoder_layer_replayed_whole_stands_out_only_well_beyond_the_module_threshold():
+    from llmflow.localize.conclude import LAYER_STANDOUT, StepReplay, _layer_standing_out
+
+    step = StepReplay(step=1, why="", layer_errors={f"model.layers.{i}": 0.004 for i in range(6)})
+    assert _layer_standing_out(step, LAYER_STANDOUT * 3.0) is None
+    step.layer_errors["model.layers.2"] = 0.004 * 5.5  # a clean first layer reaches ~4x: not enough
+    assert _layer_standing_out(step, LAYER_STANDOUT * 3.0) is None
+    step.layer_errors["model.layers.4"] = 0.004 * 30
+    name, ratio = _layer_standing_out(step, LAYER_STANDOUT * 3.0)
+    assert name == "model.layers.4" and ratio == pytest.approx(30)
+    step.layer_errors = {"model.layers.0": 0.5, "model.layers.1": 0.0, "model.layers.2": 0.0}
+    assert _layer_standing_out(step, 6.0) is None  # a ratio to a median of 0 says nothing
