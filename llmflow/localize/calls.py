@@ -50,6 +50,16 @@ def cast_inputs(value: Any, device: torch.device, dtype: torch.dtype, module: nn
     return value
 
 
+def fresh_cache(model: nn.Module) -> Any:
+    """An empty transformers ``DynamicCache`` for a module re-run step after step from recorded
+    inputs, filled by its own calls; laid out by the model's config where it has one (the
+    sliding-window layers of Gemma-2, Mistral ...)."""
+    from transformers import DynamicCache
+
+    config = getattr(model, "config", None)
+    return DynamicCache(config=config) if config is not None else DynamicCache()
+
+
 def _written_len(cache: Any, idx: int) -> int | None:
     """How many positions layer ``idx`` of a cache holds (its own count: a static layer's buffer
     is longer than what it holds)."""

@@ -42,7 +42,7 @@ from torch import nn
 from llmflow.dump.arguments import is_cache_type
 from llmflow.dump.memory import Call, CallRecorder, capture_calls
 from llmflow.formats.base import DumpReader
-from llmflow.localize.calls import calls_from_dump, cast_inputs
+from llmflow.localize.calls import calls_from_dump, cast_inputs, fresh_cache
 from llmflow.localize.own_error import own_error
 from llmflow.streamed import layer_weights_held
 from llmflow.structure import LayerStack, layer_of
@@ -227,8 +227,6 @@ def golden_layer_steps(reader: DumpReader, golden: Any, layers: list[str], steps
     """Each of ``layers`` re-run alone from its dumped inputs at steps 0..``steps``-1, in order,
     with a KV cache of its own: the calls of its modules ``select`` picks, per step (as
     ``golden_rerun_steps`` gives them, without running the rest of the model)."""
-    from transformers import DynamicCache
-
     found = LayerSteps()
     dumped = {(e.name, e.step) for e in reader.entries()
               if e.level == "module" and e.kind == "input" and e.name in layers and e.step < steps}
@@ -243,10 +241,9 @@ def golden_layer_steps(reader: DumpReader, golden: Any, layers: list[str], steps
         found.missing = f"the golden run's KV cache is a {sorted(caches - _LAYER_CACHES)[0]}"
         return found
     modules = dict(golden.model.named_modules())
-    config = getattr(golden.model, "config", None)
     for layer in layers:
         module = modules[layer]
-        cache = (DynamicCache(config=config) if config is not None else DynamicCache()) if caches else None
+        cache = fresh_cache(golden.model) if caches else None
         with layer_weights_held(golden.model, layer):
             for step in range(steps):
                 call = next(calls_from_dump(reader, step, names={layer}, cache=cache), None)

@@ -53,7 +53,7 @@ from llmflow.compare.shards import join_tensors, merge_of, rule_merge, shard_err
 from llmflow.dump.arguments import is_cache_type
 from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.formats.base import DumpReader, Entry
-from llmflow.localize.calls import NO_INPUTS, build_call, cast_inputs, entry_value, first_call
+from llmflow.localize.calls import NO_INPUTS, build_call, cast_inputs, entry_value, first_call, fresh_cache
 from llmflow.localize.own_error import own_error
 from llmflow.streamed import layer_weights_held
 from llmflow.structure import layer_of_name
@@ -188,9 +188,7 @@ def _golden_over_steps(name: str, module: nn.Module, module_type: str | None,
     """The golden module run on one rank's recorded inputs of steps 0..t in order, with a
     ``DynamicCache`` of its own that its calls fill (so at step t it holds the keys and values the
     golden module makes from the target's inputs): its output ``index`` at step t, or why not."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=golden.model.config)
+    cache = fresh_cache(golden.model)
     out: torch.Tensor | None = None
     with layer_weights_held(golden.model, layer_of_name(name) or name):  # a streamed layer read once
         for s, inputs in enumerate(steps):
