@@ -271,8 +271,11 @@ class _Bisect:
             # no module stands out: what a layer does between its modules (its own code, or a change to
             # what a module receives) shows only in the layer replayed whole
             layers = set(self.stack.layers)
+            task = self.progress(f"decoder layers replayed whole, step {step}", float(len(layers))) \
+                if self.progress else None
             whole = replay_target_dump(golden, self.golden_dump, self.target_dump, golden_step=step,
                                        target_step=t_step, select=lambda n, _m: n in layers,
+                                       advance=task.advance if task is not None else None,
                                        mapping=self.mapping)
             result.layer_errors = {r["name"]: r["rel_l2"] for r in whole if r.get("replayable")}
             self.phase("module: decoder layers replayed whole", f"{len(result.layer_errors)} layers")

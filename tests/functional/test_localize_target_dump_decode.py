@@ -180,6 +180,19 @@ def test_dump_bisect_names_a_decode_fault_the_users_way(tmp_path: Path, dumps) -
     assert verdict["candidates"][0]["source"] == f"target dump, steps 0..{verdict['replay']['step']}"
 
 
+def test_dump_bisect_says_inconclusive_naming_the_layer_the_users_way(tmp_path: Path, dumps) -> None:
+    """A rotary shift a hook puts into what layer 1's attention receives: exit 3, the layer named,
+    and a next: line saying which bisect sees the module."""
+    target = faulty(dumps, "qwen2", "decode_rope_shift")
+    proc = llmflow("run", str(WORKFLOW), "--run-dir", str(tmp_path / "run"), "--set",
+                   f"golden_dump={golden(dumps, 'qwen2')}", "--set", f"target_dump={target}",
+                   "--set", f"golden_model={spec('qwen2')}", timeout=300)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines[-1].startswith("INCONCLUSIVE: model.layers.1, replayed whole from the target"), lines[-1]
+    assert any(line.startswith("next:") and "isolate: target_model" in line for line in lines)
+
+
 def test_a_streamed_golden_gives_the_attention_the_same_own_error(tmp_path: Path, dumps) -> None:
     """A golden stored as a Hugging Face directory, streamed: the attention's layer is read while it
     runs over the steps; its own error is the whole golden's, bit for bit."""
