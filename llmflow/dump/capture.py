@@ -247,7 +247,8 @@ class DumpSession(Sink):
         value; a torch dtype, device or memory format as its name, ``"torch.float32"``)."""
         if self.stopped is not None:
             return
-        if isinstance(value, torch.nn.Parameter):
+        # (the exact type first: Parameter's own isinstance is Python code, ~1 us a weight an op takes)
+        if type(value) is torch.nn.Parameter or isinstance(value, torch.nn.Parameter):
             # the same every step, so shape and dtype only (dump_weight writes the bytes once)
             extra = {"param_dtype": dtype_name(value.dtype)}
             param = self._param_names.get(id(value))

@@ -325,7 +325,9 @@ def _walk(leaves: Leaves, name: str, kind: str, index: str, value: Any, level: s
           module_type: str | None, tensors_only: bool, depth: int) -> None:
     if type(value) is torch.Tensor:  # the common case first
         leaves.tensor(name, kind, index, value, level, module_type)
-    elif isinstance(value, torch.Tensor):  # (Parameter's own isinstance is Python: asked last)
+    elif type(value) is nn.Parameter:  # a weight handed to an op (Parameter's own isinstance is Python
+        leaves.other(name, kind, index, value, level, module_type)  # code, ~1 us: asked of the rest only)
+    elif isinstance(value, torch.Tensor):
         if isinstance(value, nn.Parameter):
             leaves.other(name, kind, index, value, level, module_type)
         else:
