@@ -53,6 +53,20 @@ from llmflow.structure import LayerStack, layer_of
 LAYER_RERUN_TOLERANCE = 1e-5
 
 
+def _run_layer(golden: Any, module: nn.Module, layer: str, call: Call,
+               select: Callable[[str, nn.Module], bool]) -> tuple[dict[str, Call], torch.Tensor | None]:
+    """One call of a decoder layer on the golden side (inputs cast to the golden's device and
+    dtype): the calls of the sub-modules ``select`` picks, and the layer's output 0 (None where it
+    is not a tensor)."""
+    args = cast_inputs(call.args, golden.device, golden.dtype, module)
+    kwargs = cast_inputs(call.kwargs, golden.device, golden.dtype, module)
+    ran: list[Any] = []
+    sub = capture_calls(module, lambda: ran.append(module(*args, **kwargs)), prefix=layer,
+                        select=lambda n, m: n != layer and select(n, m))
+    out = ran[0][0] if isinstance(ran[0], (tuple, list)) and ran[0] else ran[0]
+    return sub, out if isinstance(out, torch.Tensor) else None
+
+
 def golden_calls(reader: DumpReader, step: int, load_golden: Callable[[], Any],
                  stats: dict[str, int] | None = None, stack: LayerStack | None = None,
                  select: Callable[[str, nn.Module], bool] | None = None) -> Iterator[Call]:
@@ -77,10 +91,7 @@ def golden_calls(reader: DumpReader, step: int, load_golden: Callable[[], Any],
         module = dict(golden.model.named_modules()).get(layer) if golden is not None else None
         if module is None:
             continue
-        args = cast_inputs(call.args, golden.device, golden.dtype, module)
-        kwargs = cast_inputs(call.kwargs, golden.device, golden.dtype, module)
-        sub = capture_calls(module, lambda m=module, a=args, k=kwargs: m(*a, **k), prefix=layer,
-                            select=select or (lambda n, _m, top=layer: n != top))
+        sub, _out = _run_layer(golden, module, layer, call, select or (lambda _n, _m: True))
         stats["recomputed_layers"] += 1
         yield from sub.values()
 
@@ -99,10 +110,7 @@ def golden_call(reader: DumpReader, step: int, name: str, load_golden: Callable[
     if golden is None:
         return dumped
     module = dict(golden.model.named_modules())[layer]
-    args = cast_inputs(layer_call.args, golden.device, golden.dtype, module)
-    kwargs = cast_inputs(layer_call.kwargs, golden.device, golden.dtype, module)
-    sub = capture_calls(module, lambda: module(*args, **kwargs), prefix=layer,
-                        select=lambda n, _m: n == name)
+    sub, _out = _run_layer(golden, module, layer, layer_call, lambda n, _m: n == name)
     return sub.get(name, dumped)
 
 
@@ -265,19 +273,6 @@ def golden_layer_steps(reader: DumpReader, golden: Any, layers: list[str], steps
                     return found
                 found.calls.setdefault(step, {}).update(sub)
     return found
-
-
-def _run_layer(golden: Any, module: nn.Module, layer: str, call: Call,
-               select: Callable[[str, nn.Module], bool]) -> tuple[dict[str, Call], torch.Tensor | None]:
-    """One call of a decoder layer on the golden side: the selected sub-modules' calls, and the
-    layer's output 0 (None where it is not a tensor)."""
-    args = cast_inputs(call.args, golden.device, golden.dtype, module)
-    kwargs = cast_inputs(call.kwargs, golden.device, golden.dtype, module)
-    ran: list[Any] = []
-    sub = capture_calls(module, lambda: ran.append(module(*args, **kwargs)), prefix=layer,
-                        select=lambda n, m: n != layer and select(n, m))
-    out = ran[0][0] if isinstance(ran[0], (tuple, list)) else ran[0]
-    return sub, out if isinstance(out, torch.Tensor) else None
 
 
 def rerun_fidelity(rerun: GoldenRerun, reader: DumpReader) -> float | None:
