@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import mmap
 import re
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import orjson
 import torch
 
+from llmflow.collector import collections_paused
 from llmflow.errors import DumpFormatError
 from llmflow.formats._safe import open_regular, read_json, read_text, regular_file
 from llmflow.formats.base import STAT_KEYS, DumpReader, Entry
@@ -50,24 +52,56 @@ def parse_index_line(obj: Any) -> list[Entry]:
     if type(rank) is not int or not isinstance(rows, list) or not isinstance(fields, list) or \
             not all(type(f) is str for f in fields):
         raise TypeError("expected 'rank' an integer, 'fields' a list of names and 'rows' a list")
+    if not _ENTRY_FIELDS.issuperset(fields) or "rank" in fields:  # a hand-made or future line
+        return [_checked(Entry.from_json({**_row(fields, row), "rank": rank})) for row in rows]
     out = []
-    for row in rows:
-        if type(row) is not list:
-            raise TypeError(f"a row is a {type(row).__name__}, not a list")
-        d = dict(zip(fields, row, strict=True))
-        st = d.get("stats")
-        if type(st) is list:
-            d["stats"] = dict(zip(STAT_KEYS, st, strict=True))
+    for row in rows:  # the writer's own lines: every field an Entry field, built without from_json
+        d = _row(fields, row)
         d["rank"] = rank
-        out.append(_checked(Entry.from_json(d)))
+        shape = d.get("shape")
+        if type(shape) is list:
+            d["shape"] = tuple(shape)
+        out.append(_checked(Entry(**d)))
     return out
 
 
+def _row(fields: list[str], row: Any) -> dict[str, Any]:
+    if type(row) is not list:
+        raise TypeError(f"a row is a {type(row).__name__}, not a list")
+    d = dict(zip(fields, row, strict=True))
+    st = d.get("stats")
+    if type(st) is list:
+        d["stats"] = dict(zip(STAT_KEYS, st, strict=True))
+    return d
+
+
+_ENTRY_FIELDS = frozenset(Entry.__dataclass_fields__)
 _SCALARS = (type(None), bool, int, float, str)
+# the same checks as sets of exact types, tested in C: what JSON decodes is never a subclass
+_SCALAR_TYPES, _STR_OR_NONE, _NUMBER_TYPES = frozenset(_SCALARS), frozenset({str, type(None)}), \
+    frozenset({int, float, type(None)})
+_INT = frozenset({int})
 
 
 def _checked(e: Entry) -> Entry:
     """``e`` when every field has its type (see ``Entry``), else a ``TypeError`` naming the field."""
+    stats, shape, extra = e.stats, e.shape, e.extra
+    if type(e.step) is int and type(e.order) is int and type(e.rank) is int and type(e.name) is str \
+            and type(e.kind) is str and type(e.index) is str and type(e.level) is str \
+            and type(e.key) is str and type(e.dtype) in _STR_OR_NONE and type(e.module_type) in _STR_OR_NONE \
+            and type(e.pytype) in _STR_OR_NONE and type(e.has_data) is bool \
+            and type(e.value) in _SCALAR_TYPES \
+            and (shape is None or (type(shape) is tuple and _INT.issuperset(map(type, shape))
+                                   and min(shape, default=0) >= 0)) \
+            and (stats is None or (type(stats) is dict
+                                   and _NUMBER_TYPES.issuperset(map(type, stats.values())))) \
+            and type(extra) is dict and _SCALAR_TYPES.issuperset(map(type, extra.values())):
+        return e
+    return _refused(e)
+
+
+def _refused(e: Entry) -> Entry:
+    """``_checked``'s slow path: the same checks one by one, to name the field that fails them."""
     if type(e.step) is not int or type(e.order) is not int or type(e.rank) is not int:
         raise TypeError("step, rank and order must be integers")
     for name in ("name", "kind", "index", "level", "key"):
@@ -85,7 +119,7 @@ def _checked(e: Entry) -> Entry:
         raise TypeError("stats must be numbers")
     if not isinstance(e.extra, dict) or not all(isinstance(v, _SCALARS) for v in e.extra.values()):
         raise TypeError("extra must be an object of JSON scalars")
-    return e
+    return e  # (subclasses of the exact types: accepted as before)
 
 
 def _share_repeat_stats(entries: list[Entry]) -> None:
@@ -193,9 +227,10 @@ class LlmflowDumpReader(DumpReader):
         if self._entries is None:
             out: list[Entry] = []
             problems: list[str] = []
-            for rank_dir in self._rank_dirs():
-                out.extend(self._read_index(rank_dir, problems))
-            out.sort(key=lambda e: (e.rank, e.step, e.order))
+            with collections_paused():  # (tens of thousands of entries, no cycles: see collector)
+                for rank_dir in self._rank_dirs():
+                    out.extend(self._read_index(rank_dir, problems))
+            out.sort(key=attrgetter("rank", "step", "order"))
             problems += duplicate_rows(out)
             self._entries, self._index_problems = out, problems
         return self._entries
