@@ -163,11 +163,15 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
             if parted is not None:
                 row["diverged"] = is_diverged(row.get("step"), token)
             jumps.judge(levels, row)
+            line, line_columns = "", None  # a row of several levels is rendered once per set of columns
             for level in levels:
-                if level not in streams:
+                stream = streams.get(level)
+                if stream is None:
                     cols = level_columns(level, any_stats, not opts.stats_only, alg_names, sharded)
-                    streams[level] = CsvStream(out / f"compare_{level}.csv", cols)
-                streams[level].write(row)
+                    stream = streams[level] = CsvStream(out / f"compare_{level}.csv", cols)
+                if stream.columns != line_columns:
+                    line, line_columns = stream.render(row), stream.columns
+                stream.write_line(line)
             summary.add(levels, row)
     finally:
         for s in streams.values():

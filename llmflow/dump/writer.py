@@ -40,17 +40,16 @@ close that was requested from inside it (a garbage-collected model's dump).
 from __future__ import annotations
 
 import atexit
-import gc
 import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from llmflow.collector import collections_paused
 from llmflow.dump.stats import batched_stats
 from llmflow.formats.llmflow_dump import ROW_FIELDS, DumpDirWriter, IndexRow
 
@@ -277,7 +276,7 @@ class AsyncWriter:
     def _flush(self, data: bool = True) -> None:
         # paused only inline, in the forward thread: from the writer thread a pause would cover the
         # user's code too, and could end a gc.disable() the user made meanwhile
-        with _collections_paused() if self._thread is None else nullcontext():
+        with collections_paused() if self._thread is None else nullcontext():
             self._flush_batches(data)
 
     def _flush_batches(self, data: bool) -> None:
@@ -321,20 +320,6 @@ def _held(row: IndexRow) -> tuple:
     collector untracks once it holds nothing trackable (a tuple subclass never is), without its
     ``extra`` when that is empty (a dict, even an empty one, keeps its tuple tracked)."""
     return row[:_EXTRA_AT] if not row[_EXTRA_AT] else row[:]
-
-
-@contextmanager
-def _collections_paused() -> Iterator[None]:
-    """No garbage collection while the writer puts a batch on disk (see above). A process that
-    has switched collection off keeps it off."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:

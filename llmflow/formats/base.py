@@ -73,14 +73,18 @@ class Entry:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Entry:
-        d = dict(d)
-        if d.get("shape") is not None:
-            d["shape"] = tuple(int(x) for x in d["shape"])
-        known = {f for f in cls.__dataclass_fields__}
-        extra = {k: v for k, v in d.items() if k not in known}
-        d = {k: v for k, v in d.items() if k in known}
-        d.setdefault("extra", {}).update(extra)
-        return cls(**d)
+        known = _ENTRY_FIELDS
+        fields = {k: v for k, v in d.items() if k in known}
+        if fields.get("shape") is not None:
+            fields["shape"] = tuple(map(int, fields["shape"]))
+        if len(fields) < len(d):  # keys of no field join ``extra``
+            extra = fields.get("extra", {})
+            if isinstance(extra, dict):  # (anything else is refused where the entry is checked)
+                fields["extra"] = {**extra, **{k: v for k, v in d.items() if k not in known}}
+        return cls(**fields)
+
+
+_ENTRY_FIELDS = frozenset(Entry.__dataclass_fields__)
 
 
 class DumpReader(ABC):

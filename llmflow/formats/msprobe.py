@@ -62,6 +62,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from llmflow.collector import collections_paused
 from llmflow.dtypes import dtype_name
 from llmflow.errors import DumpFormatError
 from llmflow.formats._safe import (
@@ -297,8 +298,9 @@ class MsprobeDumpReader(DumpReader):
             for step, rank, folder in self._layout():
                 by_rank.setdefault(rank, []).append((step, folder))
             out: list[Entry] = []
-            for rank, folders in sorted(by_rank.items()):
-                out.extend(self._rank_entries(rank, sorted(folders, key=lambda x: x[0] or 0)))
+            with collections_paused():  # (a decode step of a 7B model: thousands of entries, no cycles)
+                for rank, folders in sorted(by_rank.items()):
+                    out.extend(self._rank_entries(rank, sorted(folders, key=lambda x: x[0] or 0)))
             out.sort(key=lambda e: (e.rank, e.step, e.order))
             self._entries = out
         return self._entries

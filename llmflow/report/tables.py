@@ -267,6 +267,16 @@ def _sheet_title(name: str, used: set[str]) -> str:
     return title
 
 
+class _LastLine:
+    """The file a ``csv.writer`` writes into when the caller wants the line itself (the writer
+    hands over each row as one string)."""
+
+    text = ""
+
+    def write(self, text: str) -> None:
+        self.text = text
+
+
 class CsvStream:
     """A CSV file written one row at a time with a fixed header (several can be open at once)."""
 
@@ -276,16 +286,28 @@ class CsvStream:
         self.columns = list(columns)
         self.rows = 0
         self._f = self.path.open("w", newline="", encoding="utf-8")
-        self._w = csv.writer(self._f)
+        self._line = _LastLine()
+        self._w = csv.writer(self._line)
         self._w.writerow([_csv_value(c) for c in self.columns])
+        self._f.write(self._line.text)
 
-    def write(self, row: dict[str, Any], _n: frozenset = _NUMBERS, _f: tuple = FORMULA_START) -> None:
+    def render(self, row: dict[str, Any], _n: frozenset = _NUMBERS, _f: tuple = FORMULA_START) -> str:
+        """``row``'s line in this file's columns (a compare row goes to one file per level it
+        belongs to: rendered once, its ~25 floats formatted once)."""
         # numbers, the most cells of a compare row, skip the checks; plain text is checked inline
         # (a function call a cell is most of the cost of a 60-column row)
         self._w.writerow([v if type(v) in _n else (("'" + v if v.startswith(_f) else v) if type(v) is str
                                                    else ("" if v is None else _csv_value(v)))
                           for v in map(row.get, self.columns)])
+        return self._line.text
+
+    def write_line(self, line: str) -> None:
+        """Append a line ``render`` made (for this file's columns)."""
+        self._f.write(line)
         self.rows += 1
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.write_line(self.render(row))
 
     def close(self) -> None:
         self._f.close()
