@@ -12,15 +12,20 @@ caller loads the model through ``from_pretrained`` instead.
 from __future__ import annotations
 
 import json
+import math
 import mmap
-import struct
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 import torch
 from torch import nn
 
-from llmflow.errors import UserError
+from llmflow.errors import DumpFormatError, UserError
+from llmflow.regular_files import open_regular, regular_file
+
+MAX_HEADER = 100 << 20  # the most a safetensors header may take (the library's own limit)
 
 #: safetensors dtype names -> torch dtypes (the format's spec; F8 types where this torch has them)
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -54,7 +59,10 @@ class SafetensorsFiles:
         self.directory = directory
         self.stored: dict[str, Stored] = {}
         for shard in _shards(directory):
-            for name, stored in _header(shard).items():
+            table, why = read_table(shard)
+            if why is not None:
+                raise UserError(f"{shard}: unreadable safetensors file ({why})")
+            for name, stored in table.items():
                 if name in self.stored:
                     raise UserError(f"{directory}: tensor {name!r} is in two shards: "
                                     f"{self.stored[name].file.name} and {shard.name}")
@@ -121,18 +129,55 @@ def _shards(directory: Path) -> list[Path]:
     return sorted(shards)
 
 
-def _header(shard: Path) -> dict[str, Stored]:
-    """A safetensors file's table of contents: an 8-byte little-endian length, then that much JSON."""
+def read_table(path: Path) -> tuple[dict[str, Stored], str | None]:
+    """The tensors of a safetensors file whose bytes are all there, and None; or an empty table
+    and why the file cannot be used (``"missing"``, ``"not a regular file"``, ``"truncated..."``).
+    Each tensor's byte range lies in the file and matches its dtype and shape where the dtype is
+    one torch holds, so a load can map it without further checks. The one reader of a
+    safetensors header: a dump's data files (``formats``) and a checkpoint's shards read theirs
+    here."""
+    st = regular_file(path)
+    if st is None:
+        return {}, "missing" if not os.path.lexists(path) else "not a regular file"
+    size = st.st_size
+    if size < 8:
+        return {}, f"truncated ({size} bytes, not even a safetensors header)"
     try:
-        with open(shard, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            table = json.loads(f.read(length))
-        start = 8 + length
-        return {name: Stored(shard, start + int(e["data_offsets"][0]), start + int(e["data_offsets"][1]),
-                             str(e["dtype"]), tuple(int(n) for n in e["shape"]))
-                for name, e in table.items() if name != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as exc:
-        raise UserError(f"{shard}: unreadable safetensors file ({exc})") from exc
+        with open_regular(path) as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > min(size - 8, MAX_HEADER):
+                return {}, f"truncated or not a safetensors file (a {n}-byte header in {size} bytes)"
+            head = f.read(n)
+    except (OSError, DumpFormatError) as exc:
+        return {}, f"unreadable ({getattr(exc, 'strerror', None) or exc})"
+    try:
+        header = orjson.loads(head)  # (a real dump's data file names thousands of tensors)
+    except orjson.JSONDecodeError:
+        return {}, "not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return {}, "not a safetensors file (its header is not a JSON object)"
+    table: dict[str, Stored] = {}
+    start = 8 + n
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(o) is int and o >= 0 for o in offsets) and offsets[0] <= offsets[1]):
+            return {}, f"not a safetensors file (tensor {key[:60]!r} has no byte range)"
+        dtype, shape = info.get("dtype"), info.get("shape")
+        if type(dtype) is not str or type(shape) is not list or \
+                not all(type(d) is int for d in shape) or (shape and min(shape) < 0):
+            return {}, f"not a safetensors file (tensor {key[:60]!r} has no dtype or shape)"
+        torch_dtype = SAFETENSORS_DTYPES.get(dtype)
+        if torch_dtype is not None and math.prod(shape) * torch_dtype.itemsize != offsets[1] - offsets[0]:
+            return {}, (f"not a safetensors file (tensor {key[:60]!r}: {offsets[1] - offsets[0]} bytes "
+                        f"for {dtype}{shape})")
+        table[key] = Stored(path, start + offsets[0], start + offsets[1], dtype, tuple(shape))
+    end = max((t.end for t in table.values()), default=start)
+    if end > size:
+        return {}, f"truncated ({size} bytes on disk, its header describes {end})"
+    return table, None
 
 
 @dataclass

@@ -19,14 +19,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from llmflow.errors import DumpFormatError
+from llmflow.regular_files import open_regular
 
 MAX_INDEX_BYTES = 512 << 20  # dump.json / statistics.csv / model json: refuse anything larger
 MAX_WALK_DEPTH = 64
@@ -50,28 +50,6 @@ def file_size(path: Path) -> int:
     if not path.is_file():
         raise DumpFormatError(f"{path}: not a regular file")
     return st.st_size
-
-
-def open_regular(path: Path | str) -> BinaryIO:
-    """``open(path, "rb")`` for a regular file only: a ``DumpFormatError`` for anything else.
-
-    The file is opened without blocking and checked on the open descriptor: opening a FIFO for
-    reading would wait for a writer forever, and a ``stat`` before ``open`` leaves a window in
-    which the file can be swapped for one.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except OSError as exc:
-        raise DumpFormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DumpFormatError(f"{path}: not a regular file")
-        if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def read_bounded(path: Path, limit: int = MAX_INDEX_BYTES) -> bytes:
@@ -131,19 +109,6 @@ def check_depth(obj: Any, where: Path | str, limit: int) -> None:
             stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
-
-
-def regular_file(path: Path | str) -> os.stat_result | None:
-    """``stat`` of ``path`` when it is a regular file (symlinks followed), else None.
-
-    Readers check this before opening a data file: opening a FIFO for reading blocks until
-    someone writes to it, and a device file may never end.
-    """
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def path_inside(root: Path, name: str) -> Path:

@@ -41,7 +41,8 @@ import torch
 
 from llmflow.dtypes import dtype_name
 from llmflow.errors import DumpFormatError
-from llmflow.formats._safe import MAX_DIM, MAX_DIMS, expect, file_size, open_regular
+from llmflow.formats._safe import MAX_DIM, MAX_DIMS, expect, file_size
+from llmflow.regular_files import open_regular
 
 MAX_HEADER = 64 << 10
 MAX_LINES = 256

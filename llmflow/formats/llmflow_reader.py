@@ -19,11 +19,12 @@ import torch
 
 from llmflow.collector import collections_paused
 from llmflow.errors import DumpFormatError
-from llmflow.formats._safe import open_regular, read_json, read_text, regular_file
+from llmflow.formats._safe import read_json, read_text
 from llmflow.formats.base import STAT_KEYS, DumpReader, Entry
-from llmflow.formats.llmflow_check import StoredTensor, rank_problems, safetensors_table
+from llmflow.formats.llmflow_check import rank_problems
 from llmflow.formats.llmflow_layout import ENV_FILE, FORMAT, META_FILE, TOPOLOGY_FILE
-from llmflow.safetensors_files import SAFETENSORS_DTYPES
+from llmflow.regular_files import open_regular, regular_file
+from llmflow.safetensors_files import SAFETENSORS_DTYPES, Stored, read_table
 
 _RANK_DIR = re.compile(r"^rank(\d+)$")
 MAX_META_BYTES = 64 << 20  # llmflow_dump.json, rank.json, env.json, topology.json: small files
@@ -163,7 +164,7 @@ class LlmflowDumpReader(DumpReader):
         self._entries: list[Entry] | None = None
         self._index_problems: list[str] = []
         self._handles: dict[str, Any] = {}
-        self._tables: dict[str, dict[str, StoredTensor]] = {}  # data file -> its tensors, read with the index
+        self._tables: dict[str, dict[str, Stored]] = {}  # data file -> its tensors, read with the index
         meta = self._read_json(self.path / META_FILE)  # a damaged manifest fails here, named
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise DumpFormatError(f"{self.path / META_FILE}: not an llmflow dump manifest "
@@ -247,7 +248,7 @@ class LlmflowDumpReader(DumpReader):
             lines = f.read().split(b"\n")
         out: list[Entry] = []
         # data file -> (its tensors, why it cannot be used)
-        files: dict[str, tuple[dict[str, StoredTensor], str | None]] = {}
+        files: dict[str, tuple[dict[str, Stored], str | None]] = {}
         left_out: dict[str, list[Entry]] = {}
         for no, raw in enumerate(lines, 1):
             if not raw.strip():
@@ -266,7 +267,7 @@ class LlmflowDumpReader(DumpReader):
                 if entry.has_data:
                     file_rel, _, key = entry.key.rpartition(":")
                     if file_rel not in files:
-                        files[file_rel] = safetensors_table(self._data_path(file_rel, index, no))
+                        files[file_rel] = read_table(self._data_path(file_rel, index, no))
                         self._tables[file_rel] = files[file_rel][0]
                     table, why = files[file_rel]
                     if why is not None or key not in table:
@@ -317,7 +318,7 @@ class LlmflowDumpReader(DumpReader):
             raise DumpFormatError(f"{self.path / file_rel}: tensor {key!r} is not all there ({exc})") from exc
         return flat.view(stored.shape)
 
-    def _map(self, file_rel: str, rank: int) -> tuple[mmap.mmap, dict[str, StoredTensor]]:
+    def _map(self, file_rel: str, rank: int) -> tuple[mmap.mmap, dict[str, Stored]]:
         """A data file mapped whole (copy-on-write: nothing is ever written back) with its table.
 
         A tensor is a view of the mapping, ~5 us where ``safetensors.safe_open``'s ``get_tensor``
@@ -327,7 +328,7 @@ class LlmflowDumpReader(DumpReader):
         path = self._data_path(file_rel, self.path / f"rank{rank}" / "index.jsonl")
         table = self._tables.get(file_rel)
         if not table:  # (a reader sent to a worker process left its tables behind)
-            table, why = safetensors_table(path)
+            table, why = read_table(path)
             if why is not None:
                 raise DumpFormatError(f"{path}: {why}")
         try:
