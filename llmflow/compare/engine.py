@@ -32,13 +32,13 @@ from llmflow.errors import ComputeError, UserError
 
 CHUNK_PAIRS = 64
 CHUNK_BYTES = 64 << 20
-# A process pool spreads the per-pair Python work (index rows, loading, the row: ~200 us a pair)
+# A process pool spreads the per-pair Python work (index rows, loading, the row: ~150 us a pair)
 # over its workers, but starting them costs ~2 s (torch's import in each); the bytes go as fast
 # in-process, where chunks run in threads (the kernel releases the GIL). So a pool pays when
-# pairs * PAIR_SECONDS * (1 - 1/n) > POOL_START_SECONDS: above ~20,000 pairs on 2 cores, ~11,000 on
-# 8. (Measured on 2 cores: a SmolLM2 module dump's 19,480 small pairs took 4.3 s in-process and
-# 5.0 s on a 2-process pool; 1 GB of 4 MiB pairs, 119 of them, is all kernel either way.)
-PAIR_SECONDS = 200e-6
+# pairs * PAIR_SECONDS * (1 - 1/n) > POOL_START_SECONDS: above ~27,000 pairs on 2 cores, ~15,300 on
+# 8. (Measured on 2 cores: a SmolLM2 module dump's 19,480 small pairs took 3.1 s in-process and
+# 7.8 s on a 2-process pool; 1 GB of 4 MiB pairs, 119 of them, is all kernel either way.)
+PAIR_SECONDS = 150e-6
 POOL_START_SECONDS = 2.0
 
 Result = tuple[tuple[str, ...], dict[str, Any], int]

@@ -10,7 +10,7 @@ def test_a_pool_only_for_enough_pairs_to_repay_its_start() -> None:
     # a SmolLM2 module dump (19,480 pairs) ran faster in-process on 2 cores: no pool there
     assert not engine.use_pool(19_480, 2)
     assert engine.use_pool(60_000, 2)
-    assert engine.use_pool(15_000, 8) and not engine.use_pool(5_000, 8)
+    assert engine.use_pool(16_000, 8) and not engine.use_pool(5_000, 8)
     assert not engine.use_pool(10**7, 1)  # one process is one process
 
 
