@@ -37,7 +37,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # (one per tensor of a data file: no __dict__)
 class Stored:
     """Where one tensor's bytes are: its file, their absolute offsets, its dtype and shape."""
 

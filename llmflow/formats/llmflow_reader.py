@@ -164,14 +164,13 @@ class LlmflowDumpReader(DumpReader):
         self._entries: list[Entry] | None = None
         self._index_problems: list[str] = []
         self._handles: dict[str, Any] = {}
-        self._tables: dict[str, dict[str, Stored]] = {}  # data file -> its tensors, read with the index
         meta = self._read_json(self.path / META_FILE)  # a damaged manifest fails here, named
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise DumpFormatError(f"{self.path / META_FILE}: not an llmflow dump manifest "
                                   f"(expected a JSON object with \"format\": \"{FORMAT}\")")
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_entries": None, "_index_problems": [], "_handles": {}, "_tables": {}}
+        return {"path": self.path, "_entries": None, "_index_problems": [], "_handles": {}}
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -247,8 +246,7 @@ class LlmflowDumpReader(DumpReader):
         with open_regular(index) as f:
             lines = f.read().split(b"\n")
         out: list[Entry] = []
-        # data file -> (its tensors, why it cannot be used)
-        files: dict[str, tuple[dict[str, Stored], str | None]] = {}
+        files: dict[str, tuple[frozenset[str], str | None]] = {}  # data file -> (keys, why unusable)
         left_out: dict[str, list[Entry]] = {}
         for no, raw in enumerate(lines, 1):
             if not raw.strip():
@@ -267,10 +265,10 @@ class LlmflowDumpReader(DumpReader):
                 if entry.has_data:
                     file_rel, _, key = entry.key.rpartition(":")
                     if file_rel not in files:
-                        files[file_rel] = read_table(self._data_path(file_rel, index, no))
-                        self._tables[file_rel] = files[file_rel][0]
-                    table, why = files[file_rel]
-                    if why is not None or key not in table:
+                        table, why = read_table(self._data_path(file_rel, index, no))
+                        files[file_rel] = frozenset(table), why
+                    keys, why = files[file_rel]
+                    if why is not None or key not in keys:
                         left_out.setdefault(file_rel, []).append(entry)
                         continue  # it cannot be loaded: left out, and said so in problems()
                 out.append(entry)
@@ -322,15 +320,13 @@ class LlmflowDumpReader(DumpReader):
         """A data file mapped whole (copy-on-write: nothing is ever written back) with its table.
 
         A tensor is a view of the mapping, ~5 us where ``safetensors.safe_open``'s ``get_tensor``
-        takes ~25 us (a compare of a real dump loads two tensors a pair, at ~250 us a pair). The
-        table is the header the index check reads: every range lies in the file and fits its
-        dtype and shape."""
+        takes ~25 us (a compare of a real dump loads two tensors a pair). The table is the
+        file's header, checked as the index check checks it: every range lies in the file and
+        fits its dtype and shape."""
         path = self._data_path(file_rel, self.path / f"rank{rank}" / "index.jsonl")
-        table = self._tables.get(file_rel)
-        if not table:  # (a reader sent to a worker process left its tables behind)
-            table, why = read_table(path)
-            if why is not None:
-                raise DumpFormatError(f"{path}: {why}")
+        table, why = read_table(path)  # (read again: kept from the index, tables would grow with the dump)
+        if why is not None:
+            raise DumpFormatError(f"{path}: {why}")
         try:
             with open_regular(path) as f:  # (a FIFO would block a plain open)
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
