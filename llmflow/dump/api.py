@@ -104,8 +104,7 @@ class ApiMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        # (called for every torch call, property reads included: what is passed through returns
-        # before anything else is looked up, and without a kwargs dict of its own)
+        kwargs = kwargs or {}
         try:
             name = self._names[func]
         except (KeyError, TypeError):
@@ -114,12 +113,9 @@ class ApiMode(TorchFunctionMode):
                 self._names[func] = name
             except TypeError:  # an unhashable callable: name it every time
                 pass
-        if name is None:
-            return func(*args, **kwargs) if kwargs else func(*args)
-        kwargs = kwargs or {}
         recorder = self.recorder
         sink = recorder.sink
-        if sink is None or not sink.active:
+        if name is None or sink is None or not sink.active:
             return func(*args, **kwargs)
         stack = recorder.stack
         module = stack[-1] if stack else recorder.prefix

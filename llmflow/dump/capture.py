@@ -143,8 +143,6 @@ class DumpSession(Sink):
             disk.update_rank_meta(world_size=world_size())
         self.writer = AsyncWriter(disk, crc32=config.crc32, inline=inline)
         self._op_inputs, self._op_outputs = config.tensor_part != 1, config.tensor_part != 0
-        # asked before every op: the config's own check, one Python call instead of two
-        self.wants_op = config.wants_name  # type: ignore[method-assign]
         self._add_row = self.writer.add_row  # an index row and nothing more, a plain tuple (see above)
         if self.rank == 0 or not (self.dump_dir / TOPOLOGY_FILE).exists():
             disk.write_json(TOPOLOGY_FILE, module_tree(model))
@@ -225,7 +223,7 @@ class DumpSession(Sink):
                       output: Any) -> None:
         walk_output(self, name, output, "module", mtype)
 
-    def wants_op(self, module: str) -> bool:  # (replaced by ``config.wants_name`` in __init__)
+    def wants_op(self, module: str) -> bool:
         return self.config.wants_name(module)
 
     def op_inputs(self, name: str, api: str, func: Any, args: tuple, kwargs: dict) -> None:

@@ -276,9 +276,6 @@ class Leaves(Protocol):
 MAX_DEPTH = 6  # deeper containers are leaves
 _POSITIONAL = tuple(str(i) for i in range(32))  # index labels of positional values
 _KEYWORD: dict[str, str] = {}  # keyword -> "kw:<keyword>" (a module's keywords repeat every call)
-# (module-level names for what every leaf asks: one lookup instead of ``torch`` then its attribute)
-_Tensor, _Parameter, _NoTorchFunction = torch.Tensor, nn.Parameter, torch._C.DisableTorchFunction
-_PLAIN_VALUES = frozenset((type(None), bool, int, float, str))  # leaves of their own, by exact type
 
 
 def walk_inputs(leaves: Leaves, name: str, kind: str, args: tuple, kwargs: dict | None, level: str,
@@ -288,19 +285,19 @@ def walk_inputs(leaves: Leaves, name: str, kind: str, args: tuple, kwargs: dict 
     ``tensors_only`` skips leaves that are neither tensors nor parameters. Runs with torch
     function modes off, so what sinks compute is not itself recorded.
     """
-    # (per call of every module and op: labels come from tables, a plain tensor skips ``_walk``)
+    # (per call of every module: labels come from tables, a plain tensor skips ``_walk``)
     tensor = leaves.tensor
-    labels = _POSITIONAL if len(args) <= len(_POSITIONAL) else [str(i) for i in range(len(args))]
-    with _NoTorchFunction():
-        for label, a in zip(labels, args, strict=False):  # (there may be more labels)
-            if type(a) is _Tensor:
+    with torch._C.DisableTorchFunction():
+        for i, a in enumerate(args):
+            label = _POSITIONAL[i] if i < len(_POSITIONAL) else str(i)
+            if type(a) is torch.Tensor:
                 tensor(name, kind, label, a, level, module_type)
             else:
                 _walk(leaves, name, kind, label, a, level, module_type, tensors_only, 0)
         if kwargs:
             for k, v in kwargs.items():
                 label = _KEYWORD.get(k) or _KEYWORD.setdefault(k, f"kw:{k}")
-                if type(v) is _Tensor:
+                if type(v) is torch.Tensor:
                     tensor(name, kind, label, v, level, module_type)
                 else:
                     _walk(leaves, name, kind, label, v, level, module_type, tensors_only, 0)
@@ -310,12 +307,12 @@ def walk_output(leaves: Leaves, name: str, output: Any, level: str, module_type:
                 tensors_only: bool = False) -> None:
     """Every leaf of a call's output (kind ``output``): a tensor is ``"0"``; tuples ``"0"``,
     ``"1"``...; dicts by key."""
-    with _NoTorchFunction():
-        if type(output) is _Tensor:
+    with torch._C.DisableTorchFunction():
+        if type(output) is torch.Tensor:
             leaves.tensor(name, "output", "0", output, level, module_type)
         elif isinstance(output, (tuple, list)):
-            labels = _POSITIONAL if len(output) <= len(_POSITIONAL) else [str(i) for i in range(len(output))]
-            for label, v in zip(labels, output, strict=False):
+            for i, v in enumerate(output):
+                label = _POSITIONAL[i] if i < len(_POSITIONAL) else str(i)
                 _walk(leaves, name, "output", label, v, level, module_type, tensors_only, 0)
         elif isinstance(output, dict):
             for k, v in output.items():
@@ -326,16 +323,12 @@ def walk_output(leaves: Leaves, name: str, output: Any, level: str, module_type:
 
 def _walk(leaves: Leaves, name: str, kind: str, index: str, value: Any, level: str,
           module_type: str | None, tensors_only: bool, depth: int) -> None:
-    vtype = type(value)
-    if vtype is _Tensor:  # the common case first
+    if type(value) is torch.Tensor:  # the common case first
         leaves.tensor(name, kind, index, value, level, module_type)
-    elif vtype is _Parameter:  # a weight handed to an op (Parameter's own isinstance is Python
+    elif type(value) is nn.Parameter:  # a weight handed to an op (Parameter's own isinstance is Python
         leaves.other(name, kind, index, value, level, module_type)  # code, ~1 us: asked of the rest only)
-    elif vtype in _PLAIN_VALUES:  # None, use_cache=True, dim=-1, an eps: no isinstance to ask
-        if not tensors_only:
-            leaves.other(name, kind, index, value, level, module_type)
-    elif isinstance(value, _Tensor):
-        if isinstance(value, _Parameter):
+    elif isinstance(value, torch.Tensor):
+        if isinstance(value, nn.Parameter):
             leaves.other(name, kind, index, value, level, module_type)
         else:
             leaves.tensor(name, kind, index, value, level, module_type)

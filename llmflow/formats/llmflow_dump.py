@@ -119,23 +119,13 @@ def index_line(rows: list[IndexRow] | list[tuple], rank: int) -> bytes:
     """
     fast: list[tuple] = []
     slow: list[IndexRow] = []
-    # (a loop over every entry of a dump: names are locals, and the statistics' check is spelled
-    # out here rather than a function called per row)
-    stats_at, value_at, finite, stats_length = _STATS_AT, _VALUE_AT, isfinite, len(STAT_KEYS)
     for row in rows:
-        st = row[stats_at]
-        if st is not None:
-            # a STAT_KEYS list whose floats are all finite? (A sum is finite only if every term is;
-            # a sum that overflows on finite terms is a false alarm, which only costs the slow path.)
-            try:
-                plain = type(st) is list and len(st) == stats_length and finite(st[0] + st[1] + st[2] + st[3])
-            except TypeError:  # a None or a string among them
-                plain = False
-            if not plain:
-                slow.append(row)
-                continue
-        value = row[value_at]
-        if type(value) is float and not finite(value):
+        st = row[_STATS_AT]
+        if st is not None and not _finite_stats(st):
+            slow.append(row)
+            continue
+        value = row[_VALUE_AT]
+        if type(value) is float and not isfinite(value):
             slow.append(row)
             continue
         # orjson writes plain tuples only (an IndexRow would go to ``default``); a slice of a
@@ -151,6 +141,15 @@ def index_line(rows: list[IndexRow] | list[tuple], rank: int) -> bytes:
     if slow:
         out += _encode({"rank": rank, "fields": ROW_FIELDS, "rows": slow}).encode() + b"\n"
     return out
+
+
+def _finite_stats(st: Any) -> bool:
+    """Is ``st`` a STAT_KEYS list whose floats are all finite? (A sum is finite only if every term
+    is; a sum that overflows on finite terms is a false alarm, which only costs the slow path.)"""
+    try:
+        return type(st) is list and len(st) == len(STAT_KEYS) and isfinite(st[0] + st[1] + st[2] + st[3])
+    except TypeError:  # a None or a string among them
+        return False
 
 
 #: the safetensors code of every dtype this torch has (the newer ones are missing from older torch)

@@ -460,3 +460,28 @@ def test_plain_values_subclasses_and_parameters_each_get_their_row(tmp_path):
     assert weight.shape == (3, 2) and not weight.has_data
     assert weight.extra == {"param_dtype": "float32", "param": "scale"}
     assert [e.order for e in sorted(rows.values(), key=lambda e: e.order)] == list(range(len(rows)))
+
+
+def test_inference_tensors_are_recorded_each_time_they_are_seen(tmp_path):
+    """Tensors made under ``torch.inference_mode`` have no version counter: a tensor passed on
+    is recorded again with statistics of its own rather than pointed at its first capture."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = torch.nn.Identity()
+            self.second = torch.nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(x))
+
+    model = Twice()
+    handle = register_hook(model, DumpConfig(dump_path=str(tmp_path / "dump"), data_mode="statistics"))
+    with torch.inference_mode():
+        model(torch.arange(6, dtype=torch.float32))
+    handle.remove()
+    rows = [e for e in LlmflowDumpReader(handle.dumps[0]).entries() if e.level == "module"]
+    assert [(e.name, e.kind) for e in rows] == [("first", "input"), ("first", "output"),
+                                                ("second", "input"), ("second", "output")]
+    assert len({e.key for e in rows}) == 4
+    assert all(e.stats["max"] == 5.0 and e.stats["mean"] == 2.5 for e in rows)
