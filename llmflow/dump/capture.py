@@ -287,7 +287,7 @@ class DumpSession(Sink):
                 module_type: str | None, dedup: bool = True, step: int | None = None,
                 always_data: bool = False) -> None:
         # the hot path of every dump (thousands of calls per step): locals, no repeated lookups,
-        # no helper calls for what one line does (version_of, CpuStats.__call__)
+        # no helper call for what one line does (the version counter, CpuStats.__call__)
         if self.stopped is not None:
             return
         if step is None:
