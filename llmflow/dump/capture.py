@@ -28,7 +28,7 @@ import torch
 
 from llmflow.dtypes import dtype_name
 from llmflow.dump.config import DumpConfig
-from llmflow.dump.copies import device_copy, host_copy, version_of
+from llmflow.dump.copies import device_copy, host_copy
 from llmflow.dump.recorder import Sink, walk_inputs, walk_output
 from llmflow.dump.stats import KERNEL_DTYPES, CpuStats
 from llmflow.dump.topology import module_tree
@@ -46,6 +46,9 @@ from llmflow.models import logits_of
 
 log = logging.getLogger("llmflow.dump")
 _SIMPLE = (type(None), bool, int, float, str)
+# the exact types of the values written as they are, and their ``pytype`` (a subclass, an IntEnum
+# say, takes the general path)
+_PLAIN_TYPE_NAMES = {t: t.__name__ for t in (type(None), bool, int, float)}
 # torch values recorded by name ("torch.float32", "cpu"): ``dump.arguments.decode_value`` reads them back
 _NAMED_VALUES = (torch.dtype, torch.device, torch.memory_format, torch.layout)
 _STATS_ENTRY_BYTES = 256  # what a statistics-only entry costs on disk, roughly (index line)
@@ -106,9 +109,12 @@ def inline_writer(model: torch.nn.Module) -> bool:
 
 
 _DTYPE_NAMES = {d: dtype_name(d) for d in SAFETENSORS_DTYPES}
-# Every entry is built here as an ``IndexRow``, positionally: ``new_row(IndexRow, (...))`` (see
-# IndexRow for what that buys). The tuple displays below follow this field order, checked once
-# here so that a change to the row fails loudly at import instead of writing shifted columns.
+# Every entry is built here positionally, as a tuple display in IndexRow's field order: a row
+# that is an index row and nothing more (``_add_row``: most of a statistics dump) stays a plain
+# tuple, which the writer encodes as it is (``index_line``); a row the writer reads back by field
+# (``writer.submit``: data to write, statistics to compute) becomes an ``IndexRow`` through
+# ``new_row(IndexRow, (...))`` (see IndexRow). The field order is checked once here, so that a
+# change to the row fails loudly at import instead of writing shifted columns.
 _ROW_ORDER = ("step", "name", "kind", "index", "level", "order", "dtype", "shape", "module_type",
               "stats", "has_data", "value", "pytype", "key", "extra")
 if ROW_FIELDS != _ROW_ORDER:
@@ -127,14 +133,17 @@ class DumpSession(Sink):
         self.rank = current_rank()
         self.statistics = config.data_mode == "statistics"
         # (CRC32 needs the bytes: those dumps copy every tensor for the writer)
-        self._cpu_stats = CpuStats.create() if self.statistics and not config.crc32 else None
+        cpu_stats = CpuStats.create() if self.statistics and not config.crc32 else None
+        # (the kernel, its output and that output's address, each one lookup on the hot path)
+        self._stats_kernel, self._stats_out, self._stats_address = \
+            (cpu_stats.kernel, cpu_stats.out, cpu_stats.address) if cpu_stats is not None else (None, None, 0)
         disk = DumpDirWriter(self.dump_dir, self.rank,
                              meta={"data_mode": config.data_mode, "config": config.to_json()})
         if world_size() > 1:  # the compare joins a tensor-parallel target's ranks (compare/shards.py)
             disk.update_rank_meta(world_size=world_size())
         self.writer = AsyncWriter(disk, crc32=config.crc32, inline=inline)
         self._op_inputs, self._op_outputs = config.tensor_part != 1, config.tensor_part != 0
-        self._add_row = self.writer.add_row  # an index row and nothing more (see ``_tensor``)
+        self._add_row = self.writer.add_row  # an index row and nothing more, a plain tuple (see above)
         if self.rank == 0 or not (self.dump_dir / TOPOLOGY_FILE).exists():
             disk.write_json(TOPOLOGY_FILE, module_tree(model))
             if env is not None:
@@ -247,55 +256,66 @@ class DumpSession(Sink):
         value; a torch dtype, device or memory format as its name, ``"torch.float32"``)."""
         if self.stopped is not None:
             return
-        # (the exact type first: Parameter's own isinstance is Python code, ~1 us a weight an op takes)
-        if type(value) is torch.nn.Parameter or isinstance(value, torch.nn.Parameter):
+        order = self.order
+        self.order = order + 1
+        self.entries += 1
+        vtype = type(value)
+        pytype = _PLAIN_TYPE_NAMES.get(vtype)
+        if pytype is not None:  # None, a bool, int or float: most of these (use_cache, dim=-1, eps)
+            self._add_row((self.step, name, kind, index, level, order, None, None, module_type, None,
+                           False, value, pytype, "", _NO_EXTRA))
+        # (the exact type first, then the C-level Tensor check: Parameter's own isinstance is
+        # Python code, ~0.3 us, and every plain value would pay it)
+        elif vtype is torch.nn.Parameter or (isinstance(value, torch.Tensor)
+                                             and isinstance(value, torch.nn.Parameter)):
             # the same every step, so shape and dtype only (dump_weight writes the bytes once)
             extra = {"param_dtype": dtype_name(value.dtype)}
             param = self._param_names.get(id(value))
             if param is not None:
                 extra["param"] = param
-            self._add_row(new_row(IndexRow, (
-                self.step, name, kind, index, level, self._next_order(), None, tuple(value.shape),
-                module_type, None, False, None, "Parameter", "", extra)))
+            self._add_row((self.step, name, kind, index, level, order, None, tuple(value.shape),
+                           module_type, None, False, None, "Parameter", "", extra))
         else:
-            pytype = type(value).__name__
+            pytype = vtype.__name__
             if isinstance(value, _NAMED_VALUES):
                 value = str(value)
             simple = isinstance(value, _SIMPLE) and (not isinstance(value, str) or len(value) < 256)
-            self._add_row(new_row(IndexRow, (
-                self.step, name, kind, index, level, self._next_order(), None, None, module_type, None,
-                False, value if simple else None, pytype, "", _NO_EXTRA)))
-        self.entries += 1
+            self._add_row((self.step, name, kind, index, level, order, None, None, module_type, None,
+                           False, value if simple else None, pytype, "", _NO_EXTRA))
 
     def _tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
                 module_type: str | None, dedup: bool = True, step: int | None = None,
                 always_data: bool = False) -> None:
-        # the hot path of every dump (thousands of calls per step): locals, no repeated lookups
+        # the hot path of every dump (thousands of calls per step): locals, no repeated lookups,
+        # no helper call for what one line does (the version counter, CpuStats.__call__)
         if self.stopped is not None:
             return
-        stats_only = self.statistics and not always_data
         if step is None:
             step = self.step
             order = self.order
             self.order = order + 1
         else:
             order = self.entries
-        version = version_of(t)
-        seen = self._seen.get(id(t)) if dedup else None
-        if seen is not None:
-            ref, seen_version, seen_dtype, seen_shape, seen_data, seen_key = seen
-            if ref() is t and seen_version == version:
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor has no version counter
+            version = None
+        if dedup:
+            seen = self._seen.get(id(t))
+            if seen is not None and seen[0]() is t and seen[1] == version:
                 # the same tensor, unchanged (same version counter), already captured this step:
                 # point at the first copy instead of copying again (layer outputs are the next
                 # layer's inputs, q/k/v_proj share one input, cos/sin go to every layer)
+                _, _, seen_dtype, seen_shape, seen_data, seen_key = seen
                 self.entries += 1
-                row = new_row(IndexRow, (step, name, kind, index, level, order, seen_dtype, seen_shape,
-                                         module_type, None, seen_data, None, None, seen_key, _NO_EXTRA))
+                row = (step, name, kind, index, level, order, seen_dtype, seen_shape,
+                       module_type, None, seen_data, None, None, seen_key, _NO_EXTRA)
                 if seen_data:  # tensor mode: the writer resolves the key to the first copy's data file
-                    self.writer.submit(row)
+                    self.writer.submit(new_row(IndexRow, row))
                 else:  # statistics mode: the reader gives it the statistics of the entry with its key
                     self._add_row(row)
                 return
+        stats_only = self.statistics and not always_data
         dtype = t.dtype
         data_bytes = t.nbytes
         nbytes = _STATS_ENTRY_BYTES if stats_only else data_bytes
@@ -311,21 +331,20 @@ class DumpSession(Sink):
         key = str(self.entries)
         has_data = not stats_only
         if has_data and dtype not in SAFETENSORS_DTYPES:  # e.g. complex128: safetensors has no code for it
-            self._add_row(new_row(IndexRow, (step, name, kind, index, level, order, dtype_s, shape,
-                                             module_type, None, False, None, None, key,
-                                             {"not_stored": f"safetensors cannot store {dtype_s}"})))
+            self._add_row((step, name, kind, index, level, order, dtype_s, shape, module_type, None, False,
+                           None, None, key, {"not_stored": f"safetensors cannot store {dtype_s}"}))
             return
         if step >= 0 and version is not None and dedup:
             try:  # keyed by the caller's object: the same tensor object arrives again
                 self._seen[id(t)] = (weakref.ref(t), version, dtype_s, shape, has_data, key)
             except TypeError:  # a tensor type without weak references: no de-duplication
                 pass
-        if stats_only and self._cpu_stats is not None and t.is_cpu and data_bytes:
+        if stats_only and self._stats_kernel is not None and t.is_cpu and data_bytes:
             code = KERNEL_DTYPES.get(dtype)
             if code is not None and t.is_contiguous():  # statistics now: no copy, nothing left to compute
-                self._add_row(new_row(IndexRow, (step, name, kind, index, level, order, dtype_s, shape,
-                                                 module_type, self._cpu_stats(t, code), False, None, None,
-                                                 key, _NO_EXTRA)))
+                self._stats_kernel(t.data_ptr(), code, t.numel(), self._stats_address)
+                self._add_row((step, name, kind, index, level, order, dtype_s, shape, module_type,
+                               self._stats_out[:], False, None, None, key, _NO_EXTRA))
                 return
         row = new_row(IndexRow, (step, name, kind, index, level, order, dtype_s, shape, module_type, None,
                                  has_data, None, None, key, {} if self.config.crc32 else _NO_EXTRA))
@@ -335,10 +354,6 @@ class DumpSession(Sink):
         self.writer.submit(row, payload, event, nbytes=data_bytes)
 
     tensor = _tensor  # the walk's tensor leaf
-
-    def _next_order(self) -> int:
-        self.order += 1
-        return self.order - 1
 
     def _stop(self, reason: str) -> None:
         self.stopped = reason

@@ -3,7 +3,8 @@
 A dump must hold what a call saw, even though later in-place ops may change the tensor: the
 session copies every tensor it keeps at capture, on the tensor's device for statistics
 (``device_copy``) or to the host for its bytes (``host_copy``), and uses the in-place version
-counter (``version_of``) to tell an unchanged tensor seen again from a changed one.
+counter (``t._version``, which an inference tensor lacks) to tell an unchanged tensor seen again
+from a changed one.
 """
 
 from __future__ import annotations
@@ -12,14 +13,6 @@ import ctypes
 from typing import Any
 
 import torch
-
-
-def version_of(t: torch.Tensor) -> int | None:
-    """The tensor's in-place version counter; None for inference tensors, which have none."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 def device_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:

@@ -85,12 +85,15 @@ class CpuStats:
     ``CpuStats.create()`` is None where the kernel cannot be had (then the capture copies the
     tensor and the writer uses ``batched_stats``). One instance per dump session: it owns the
     six doubles the kernel writes into, so it is used from one thread.
+
+    The capture's hot path calls the kernel itself, ``kernel(t.data_ptr(), code, t.numel(),
+    address)`` and then ``out[:]`` (what ``__call__`` does, without its Python frame).
     """
 
     def __init__(self, fn: ctypes._CFuncPtr):
-        self._fn = fn
-        self._out = (ctypes.c_double * len(STAT_KEYS))()
-        self._address = ctypes.addressof(self._out)
+        self.kernel = fn
+        self.out = (ctypes.c_double * len(STAT_KEYS))()
+        self.address = ctypes.addressof(self.out)
 
     @classmethod
     def create(cls) -> CpuStats | None:
@@ -100,8 +103,8 @@ class CpuStats:
     def __call__(self, t: torch.Tensor, code: int) -> list[float]:
         """The statistics of ``t``: contiguous, on the CPU, non-empty, of ``KERNEL_DTYPES[code]``
         (the caller has checked: a wrong pointer or size would read past the tensor)."""
-        self._fn(t.data_ptr(), code, t.numel(), self._address)
-        return self._out[:]
+        self.kernel(t.data_ptr(), code, t.numel(), self.address)
+        return self.out[:]
 
 
 def _load() -> ctypes._CFuncPtr | None:

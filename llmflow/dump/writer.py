@@ -74,8 +74,9 @@ class AsyncWriter:
         self._data_due = 0.0  # (monotonic clock) a step end after this writes the data batch
         self._queue: deque[tuple[Any, Any, Any, int]] = deque()
         # producer side: the current step's rows that are index rows only (most of a
-        # statistics-mode dump): one list append each, handed over at the step's end in one piece
-        self._rows: list[IndexRow] = []
+        # statistics-mode dump): one list append each, handed over at the step's end in one piece;
+        # IndexRows or plain tuples in its field order (what the capture hands over)
+        self._rows: list[IndexRow | tuple] = []
         self.add_row = self._rows.append  # (one list for the writer's life: the bound append stays valid)
         self._cond = threading.Condition()
         self._wake = False
@@ -92,7 +93,7 @@ class AsyncWriter:
         self._stats: list[tuple[IndexRow, torch.Tensor]] = []  # statistics-mode rows awaiting stats
         # index rows that need no data written first (repeats, non-tensors): one write per
         # flush instead of one write and flush() per entry; the reader orders entries itself
-        self._lines: list[IndexRow] = []
+        self._lines: list[IndexRow | tuple] = []
         self._stats_bytes = 0
         # inline: the backlog is worked through in the forward thread at step ends (and every
         # ``wake_bytes``) instead of by a thread; see ``inline_writer`` in capture.py for when

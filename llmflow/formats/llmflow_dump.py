@@ -60,6 +60,8 @@ class IndexRow(NamedTuple):
     display turned into a row by ``tuple.__new__`` in C. ``IndexRow(...)`` gives the same row
     through the generated Python ``__new__``, twice the cost (~160 against ~340 ns measured);
     with a thousand rows a decode step that difference is a visible share of a dump's overhead.
+    A row nothing reads back by field (an index row and nothing more) it leaves a plain tuple
+    in this field order, which ``index_line`` encodes as it is.
     """
 
     step: int

@@ -420,3 +420,68 @@ def test_output_changed_by_an_existing_forward_hook_is_what_gets_dumped(tmp_path
     out = by_name(r.entries(), name="model.layers.1.mlp.down_proj",
                   kind="output", index="0")
     assert len(out) == 1 and float(r.load(out[0]).mean()) > 500.0
+
+
+def test_plain_values_subclasses_and_parameters_each_get_their_row(tmp_path):
+    """Keyword values of an exact plain type (None, bool, int, float), a subclass of one (an
+    IntEnum), text, a torch dtype and a Parameter: each is one row with its value and type name,
+    and a parameter's row holds its shape, dtype and name."""
+    import enum
+
+    class Axis(enum.IntEnum):
+        LAST = -1
+
+    class Inner(torch.nn.Module):
+        def forward(self, x: torch.Tensor, **_values: object) -> torch.Tensor:
+            return x * 2
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Inner()
+            self.scale = torch.nn.Parameter(torch.ones(3, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x, none=None, flag=True, count=3, eps=2.5, axis=Axis.LAST, text="left",
+                              dtype=torch.bfloat16, weight=self.scale)
+
+    model = Outer()
+    handle = register_hook(model, DumpConfig(dump_path=str(tmp_path / "dump"), data_mode="statistics"))
+    model(torch.ones(2, 3))
+    handle.remove()
+    rows = {e.index: e for e in LlmflowDumpReader(handle.dumps[0]).entries()
+            if e.name == "inner" and e.kind == "input"}
+    got = {k: (e.value, e.pytype) for k, e in rows.items() if k != "0"}
+    assert got == {"kw:none": (None, "NoneType"), "kw:flag": (True, "bool"), "kw:count": (3, "int"),
+                   "kw:eps": (2.5, "float"), "kw:axis": (-1, "Axis"), "kw:text": ("left", "str"),
+                   "kw:dtype": ("torch.bfloat16", "dtype"), "kw:weight": (None, "Parameter")}
+    assert type(rows["kw:flag"].value) is bool and type(rows["kw:count"].value) is int
+    weight = rows["kw:weight"]
+    assert weight.shape == (3, 2) and not weight.has_data
+    assert weight.extra == {"param_dtype": "float32", "param": "scale"}
+    assert [e.order for e in sorted(rows.values(), key=lambda e: e.order)] == list(range(len(rows)))
+
+
+def test_inference_tensors_are_recorded_each_time_they_are_seen(tmp_path):
+    """Tensors made under ``torch.inference_mode`` have no version counter: a tensor passed on
+    is recorded again with statistics of its own rather than pointed at its first capture."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = torch.nn.Identity()
+            self.second = torch.nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(x))
+
+    model = Twice()
+    handle = register_hook(model, DumpConfig(dump_path=str(tmp_path / "dump"), data_mode="statistics"))
+    with torch.inference_mode():
+        model(torch.arange(6, dtype=torch.float32))
+    handle.remove()
+    rows = [e for e in LlmflowDumpReader(handle.dumps[0]).entries() if e.level == "module"]
+    assert [(e.name, e.kind) for e in rows] == [("first", "input"), ("first", "output"),
+                                                ("second", "input"), ("second", "output")]
+    assert len({e.key for e in rows}) == 4
+    assert all(e.stats["max"] == 5.0 and e.stats["mean"] == 2.5 for e in rows)

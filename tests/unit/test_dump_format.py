@@ -60,6 +60,8 @@ def test_index_line_round_trips_every_field():
                      extra={1: "int key"})]
     data = index_line([IndexRow.of(e) for e in entries], 3)
     assert isinstance(data, bytes) and data.endswith(b"\n")
+    # the capture hands most rows over as plain tuples in IndexRow's field order: the same line
+    assert index_line([tuple(IndexRow.of(e)) for e in entries], 3) == data
     # rows with NaN/Infinity (which orjson would write as null) and what orjson refuses go to a
     # second line written by the standard library: every line is one JSON object
     back = [e for line in data.splitlines() for e in parse_index_line(json.loads(line))]
