@@ -120,7 +120,7 @@ def _refused(e: Entry) -> Entry:
         raise TypeError("stats must be numbers")
     if not isinstance(e.extra, dict) or not all(isinstance(v, _SCALARS) for v in e.extra.values()):
         raise TypeError("extra must be an object of JSON scalars")
-    return e  # (subclasses of the exact types: accepted as before)
+    return e  # (subclasses of the exact types pass the one-by-one checks)
 
 
 def _share_repeat_stats(entries: list[Entry]) -> None:
