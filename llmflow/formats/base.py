@@ -73,7 +73,7 @@ class Entry:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Entry:
-        known = _ENTRY_FIELDS
+        known = ENTRY_FIELDS
         fields = {k: v for k, v in d.items() if k in known}
         if fields.get("shape") is not None:
             fields["shape"] = tuple(map(int, fields["shape"]))
@@ -84,7 +84,7 @@ class Entry:
         return cls(**fields)
 
 
-_ENTRY_FIELDS = frozenset(Entry.__dataclass_fields__)
+ENTRY_FIELDS = frozenset(Entry.__dataclass_fields__)  # the names an index row's fields may have
 
 
 class DumpReader(ABC):

@@ -1,10 +1,10 @@
 """Cheap checks of whether an llmflow dump is whole: what ``LlmflowDumpReader.problems()`` says.
 
-Nothing here reads tensor data. A data file is checked with ``stat`` and its safetensors header
-(8 bytes giving the header's length, then a JSON object naming every tensor and its byte range):
-that finds a missing, truncated, non-regular (a FIFO) or foreign file, and keys the file does not
-hold, for one small read per data file. The rank folder's own records (``rank.json``) tell of a
-writer that never closed, capture stopped by ``max_bytes`` and steps whose forward raised.
+Nothing here reads tensor data. The reader checks each data file the index names with
+``safetensors_files.read_table`` (``stat`` and the safetensors header: a missing, truncated,
+non-regular (a FIFO) or foreign file, keys the file does not hold, one small read per file). Here:
+the rank folder's own records (``rank.json``), which tell of a writer that never closed, capture
+stopped by ``max_bytes`` and steps whose forward raised.
 """
 
 from __future__ import annotations

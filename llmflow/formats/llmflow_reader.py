@@ -20,7 +20,7 @@ import torch
 from llmflow.collector import collections_paused
 from llmflow.errors import DumpFormatError
 from llmflow.formats._safe import read_json, read_text
-from llmflow.formats.base import STAT_KEYS, DumpReader, Entry
+from llmflow.formats.base import ENTRY_FIELDS, STAT_KEYS, DumpReader, Entry
 from llmflow.formats.llmflow_check import rank_problems
 from llmflow.formats.llmflow_layout import ENV_FILE, FORMAT, META_FILE, TOPOLOGY_FILE
 from llmflow.regular_files import open_regular, regular_file
@@ -53,7 +53,7 @@ def parse_index_line(obj: Any) -> list[Entry]:
     if type(rank) is not int or not isinstance(rows, list) or not isinstance(fields, list) or \
             not all(type(f) is str for f in fields):
         raise TypeError("expected 'rank' an integer, 'fields' a list of names and 'rows' a list")
-    if not _ENTRY_FIELDS.issuperset(fields) or "rank" in fields:  # a hand-made or future line
+    if not ENTRY_FIELDS.issuperset(fields) or "rank" in fields:  # a hand-made or future line
         return [_checked(Entry.from_json({**_row(fields, row), "rank": rank})) for row in rows]
     out = []
     for row in rows:  # the writer's own lines: every field an Entry field, built without from_json
@@ -76,7 +76,6 @@ def _row(fields: list[str], row: Any) -> dict[str, Any]:
     return d
 
 
-_ENTRY_FIELDS = frozenset(Entry.__dataclass_fields__)
 _SCALARS = (type(None), bool, int, float, str)
 # the same checks as sets of exact types, tested in C: what JSON decodes is never a subclass
 _SCALAR_TYPES, _STR_OR_NONE, _NUMBER_TYPES = frozenset(_SCALARS), frozenset({str, type(None)}), \
