@@ -11,8 +11,9 @@ compare_summary.json, all at once when the compare ends. Rows are judged at the 
 dumps record (--target-dtype overrides). Two tensor files (.safetensors, .npy, .pt/.pth) are
 compared directly and their metrics printed.
 
-The last line is PASSED; FAILED when rows fail or the compare is incomplete (most golden rows
-found no partner; exit 1); INCONCLUSIVE when a dump reports problems (exit 3).
+The last line is PASSED; FAILED when rows fail (exit 1); INCONCLUSIVE when no row fails but a dump
+reports problems (exit 3); FAILED when the compare is otherwise incomplete (most golden rows found
+no partner; exit 1).
 """
 
 from __future__ import annotations

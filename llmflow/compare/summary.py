@@ -131,8 +131,9 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
              ) -> tuple[str, str, CompareOutcome]:
     """The compare's conclusion: ``state`` (complete / incomplete), ``verdict`` and ``outcome``.
 
-    Rows that fail make it fail; a compare whose rows mostly found no partner fails too (it did
-    not compare); a dump whose reader reports problems can never pass (inconclusive).
+    Rows that fail make it fail; a dump whose reader reports problems can never pass
+    (inconclusive, also when it lost so much that most rows found no partner); otherwise a
+    compare whose rows mostly found no partner fails (it did not compare).
     """
     problems = {side: p for side, p in problems.items() if p}
     incomplete = coverage.state == "incomplete"
@@ -145,13 +146,16 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
         status, headline = "fail", f"{counts['fail']} of {pairs} rows fail{where}"
         if incomplete:
             headline += "; and the compare is incomplete"
-    elif incomplete:
-        status, headline = "fail", str(coverage.headline)
-    elif problems:
+    elif problems:  # (a damaged dump explains rows without a partner: it lost them)
         side, items = next(iter(problems.items()))
         more = sum(map(len, problems.values())) - 1
         status = "inconclusive"
         headline = f"the {side} dump cannot be trusted: {items[0]}" + (f" (+{more} more)" if more else "")
+        if incomplete:
+            headline += (f"; so the compare is incomplete ({coverage.unpaired} of {coverage.considered} "
+                         "golden rows found no partner)")
+    elif incomplete:
+        status, headline = "fail", str(coverage.headline)
     else:
         status = "pass"
         headline = f"{pairs} rows, {counts['warn']} warn, {counts['unmatched']} unmatched"

@@ -4,6 +4,7 @@ output written all at once, bad -o, bad thresholds, FIFOs, msit's -l."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -317,3 +318,32 @@ def test_an_output_folder_reached_through_a_link_is_written_through_it(tmp_path:
     assert (tmp_path / "out").is_symlink() and (tmp_path / "scratch" / "notes.txt").read_text() == "mine"
     assert (tmp_path / "scratch" / "compare_summary.json").is_file()
     assert not list((tmp_path / "scratch").glob(".llmflow-staging-*"))
+
+
+def test_a_data_file_whose_header_lies_makes_the_compare_inconclusive_naming_it(tmp_path: Path) -> None:
+    """Dumps as a user has them, one data file's header edited to point past the file's end: the
+    CLI in a subprocess compares the rest, names the file, and does not say PASSED (exit 3)."""
+    import struct
+    import subprocess
+
+    from dump_helpers import dump
+
+    dump(tmp_path / "g")
+    dump(tmp_path / "t")
+    victim = sorted((tmp_path / "t" / "dump" / "rank0" / "data").glob("*.safetensors"))[-1]
+    raw = victim.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"] = [o + len(raw) for o in header[key]["data_offsets"]]
+    text = json.dumps(header).encode()
+    victim.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    done = subprocess.run([sys.executable, "-m", "llmflow", "compare", "-gp", str(tmp_path / "g" / "dump"),
+                           "-mp", str(tmp_path / "t" / "dump"), "-o", str(tmp_path / "out"), "--no-xlsx"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          timeout=300)
+    assert done.returncode == 3, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("INCONCLUSIVE")
+    assert victim.name in done.stdout + done.stderr and "truncated" in done.stdout + done.stderr
+    assert (tmp_path / "out" / "compare_module.csv").read_text().count("\n") > 10  # the rest compared
