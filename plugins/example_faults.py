@@ -38,7 +38,19 @@ decode_cache_fp8       the new key and value stored through float8 (a cache writ
 decode_mask_oldest     the 4 oldest cached positions masked out
 =====================  =========================================================================
 
-Reference them as ``plugins/example_faults.py:<name>_layer_<N>``, e.g.
+Outside the decoder layers (one module of the model; no layer number):
+
+=====================  =========================================================================
+scale_embedding        the input embedding's output scaled by 1.3 (an embedding scale applied
+                       twice or dropped, as Gemma's sqrt(hidden) normaliser)
+scale_final_norm       the final norm's output scaled by 1.5 (a final norm whose weight is read
+                       as w where the model means 1 + w)
+scale_lm_head          lm_head's output scaled by 1.3 (a wrong dequant scale of the output
+                       projection)
+=====================  =========================================================================
+
+Reference them as ``plugins/example_faults.py:scale_final_norm``, the others as
+``plugins/example_faults.py:<name>_layer_<N>``, e.g.
 ``llmflow run workflows/llama2_bisect.yaml --set target_model=smollm2 \
 --set target_patch=../plugins/example_faults.py:scale_down_proj_layer_22``
 (relative to the workflow file). Any layer number works (module ``__getattr__`` builds the patch
@@ -450,6 +462,43 @@ def sharpen_attention(layer: int, factor: float = 14.0) -> Patch:
                 if getattr(proj, "bias", None) is not None:
                     proj.bias.mul_(factor)
     return patch
+
+
+# -- faults outside the decoder layers ------------------------------------------------------------
+def final_norm(model: nn.Module) -> tuple[str, nn.Module]:
+    """The model's last norm outside its decoder layers (``model.norm``, GPT-2's ``ln_f``)."""
+    stack = find_layer_stack(model)
+    norms = [(n, m) for n, m in model.named_modules()
+             if n and "norm" in type(m).__name__.lower() and not any(True for _ in m.children())
+             and (stack is None or stack.layer_of(n) is None)]
+    if not norms:
+        raise ValueError(f"example_faults: {type(model).__name__} has no norm outside its decoder layers")
+    return norms[-1]
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+def scale_embedding(model: nn.Module, factor: float = 1.3) -> None:
+    _scale_output(model.get_input_embeddings(), factor)
+
+
+def scale_final_norm(model: nn.Module, factor: float = 1.5) -> None:
+    _scale_output(final_norm(model)[1], factor)
+
+
+def scale_lm_head(model: nn.Module, factor: float = 1.3) -> None:
+    # the output's hook, not the weight: a tied lm_head shares its weight with the embedding
+    _scale_output(model.get_output_embeddings(), factor)
+
+
+#: fault -> the full path of the module it breaks, for the faults outside the decoder layers
+OUTSIDE_FAULTS: dict[str, tuple[Patch, Callable[[nn.Module], str]]] = {
+    "scale_embedding": (scale_embedding, lambda m: _module_name(m, m.get_input_embeddings())),
+    "scale_final_norm": (scale_final_norm, lambda m: final_norm(m)[0]),
+    "scale_lm_head": (scale_lm_head, lambda m: _module_name(m, m.get_output_embeddings())),
+}
 
 
 FAULTS: dict[str, Callable[..., Patch]] = {

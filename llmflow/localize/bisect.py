@@ -23,6 +23,7 @@ its captures in memory.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -55,7 +56,7 @@ from llmflow.localize.options import BisectInputs
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
 from llmflow.localize.target_dump import golden_names, raw_errors_joined, replay_target_dump
-from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, token_rows
+from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, input_difference, token_rows
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
     Cost,
@@ -292,6 +293,27 @@ class _Bisect:
                  f"(score {cand['score'] if cand else float('nan'):.2f})")
 
     # -- 3. one step's isolation replay --------------------------------------------------------
+    def outside_calls(self) -> dict[str, Call]:
+        """The golden's prefill calls of the modules outside the decoder layers that the golden
+        dump lacks (the embedding, the final norm, lm_head, a rotary embedding): a port breaks
+        there too, and a dump of the decoder layers alone holds none of their inputs. One golden
+        prefill re-run captures them; none where the golden cannot load or no prompt is known."""
+        if self.stack is None or not self.inp.prompt_ids or not self.inp.golden_ids:
+            return {}
+        dumped = {e.name for e in self.golden_dump.entries() if e.step == 0 and e.level == "module"}
+        golden = self.golden()
+        if golden is None:
+            return {}
+
+        def outside(name: str, module: Any) -> bool:
+            return layer_of(name, self.stack) is None and name not in dumped and self.select(name, module)
+
+        if not any(outside(n, m) for n, m in golden.model.named_modules() if n):
+            return {}
+        rerun = golden_rerun(golden, self.inp.prompt_ids, self.inp.golden_ids, 0, outside)
+        self.stats["golden_reruns"] += 1
+        return rerun.calls
+
     def replay_step(self, step: int, why: str) -> StepReplay:
         if self.isolation == "target_dump":
             return self.replay_from_target_dump(step, why)
@@ -300,8 +322,12 @@ class _Bisect:
         result = StepReplay(step=step, why=why, raw=raw)
         if step == 0 and dump_has_layer_inputs(self.golden_dump, 0):
             before = self.stats["recomputed_layers"]
-            calls: Any = golden_calls(self.golden_dump, 0, self.golden, self.stats, self.stack, self.select)
-            result.call_of = lambda name: golden_call(self.golden_dump, 0, name, self.golden, self.stack)
+            outside = self.outside_calls()
+            calls: Any = itertools.chain(
+                golden_calls(self.golden_dump, 0, self.golden, self.stats, self.stack, self.select),
+                outside.values())
+            result.call_of = lambda name: outside.get(name) or golden_call(self.golden_dump, 0, name,
+                                                                            self.golden, self.stack)
         else:
             if not inp.prompt_ids or len(inp.golden_ids) <= step:
                 result.missing = (f"step {step} cannot be replayed: the golden generation file lacks "
@@ -520,10 +546,18 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     b.phase("token: logits per step")
 
     step, why = replay_plan(inp, mismatch, bad_token)
-    tried = [b.replay_step(step, why)]
+    differs = input_difference(b.golden_dump, b.target_dump, b.target_step(0))
+    if differs:  # every module error would compare two computations on different tokens: no replay
+        log(f"bisect: the two runs were given different inputs: {differs}")
+        tried = [StepReplay(step=step, why=why, source="none",
+                            missing=f"the golden and the target were not given the same inputs: {differs}",
+                            missing_next=("dump both sides from the same token ids (the same prompt, chat "
+                                          "template, BOS token and tokenizer) and run the bisect again"))]
+    else:
+        tried = [b.replay_step(step, why)]
     first = tried[0]
     found = first.candidate is not None and bool(first.candidate.get("anomalous"))
-    if not found and inp.replay_step is None:
+    if not found and inp.replay_step is None and not differs:
         if step > 0:
             tried.append(b.replay_step(0, f"nothing stands out at step {step}: the prefill, whose KV "
                                           "cache every later step reads"))

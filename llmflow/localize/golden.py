@@ -9,6 +9,8 @@ At the prefill step (0) two sources, used per decoder layer:
     sub-module's call captured. The recipe dumps only the decoder layers' inputs and outputs, a
     few percent of a full module dump (the 1536-wide MLP intermediates dominate that), and lets
     the bisect recompute the rest layer by layer, never holding more than one layer in memory.
+The modules outside the decoder layers (embedding, final norm, lm_head) that such a dump lacks
+come from one golden prefill re-run (``golden_rerun`` at step 0, those modules selected).
 
 At a decode step t > 0 a module also reads state: the KV cache of the steps before, the cache
 position, the rotary angles and the mask. A dump holds no cache contents, so the golden model is

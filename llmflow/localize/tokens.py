@@ -98,3 +98,45 @@ def greedy_ids(reader: DumpReader, rank: int = 0) -> list[int]:
         logits = reader.load(entry).float()
         ids.append(int(logits.reshape(-1, logits.shape[-1])[-1].argmax()))
     return ids
+
+
+_INTEGER_DTYPES = {"int64", "int32", "int16", "uint8", "int8"}
+
+
+def input_difference(golden: DumpReader, target: DumpReader, target_step: int = 0) -> str | None:
+    """Why the two runs were not given the same inputs, or None where nothing says so.
+
+    The first integer tensor the golden's prefill records as an input (the model's token ids, or
+    a decoder layer's positions where only the layers were dumped) against the target's entry of
+    the same module and argument: a different shape or different values mean the two runs read
+    different token ids (another prompt, chat template, BOS token or tokenizer), and every module
+    error after it compares different computations. Nothing is claimed where the target records
+    no such entry (another format, other names) or neither side holds its values or statistics.
+    """
+    first = min((e for e in golden.entries() if e.step == 0 and e.rank == 0 and e.kind == "input"
+                 and e.dtype in _INTEGER_DTYPES and e.shape is not None),
+                key=lambda e: e.order, default=None)
+    if first is None:
+        return None
+    other = next((e for e in target.entries() if e.step == target_step and e.rank == 0
+                  and e.kind == "input" and e.name == first.name and e.index == first.index
+                  and e.shape is not None), None)
+    if other is None:
+        return None
+    what = f"{first.name} input {first.index}"
+    if tuple(first.shape) != tuple(other.shape):
+        return f"{what} has shape {list(first.shape)} in the golden and {list(other.shape)} in the target"
+    if first.has_data and other.has_data:
+        g, t = golden.load(first).to(torch.int64), target.load(other).to(torch.int64)
+        if torch.equal(g, t):
+            return None
+        at = int((g.reshape(-1) != t.reshape(-1)).nonzero()[0])
+        return (f"{what} differs at position {at} of {g.numel()} (golden {g.reshape(-1)[at].item()}, "
+                f"target {t.reshape(-1)[at].item()})")
+    if first.stats and other.stats:
+        differ = [k for k in ("max", "min", "mean") if k in first.stats and k in other.stats
+                  and first.stats[k] != other.stats[k]]
+        if differ:
+            return (f"{what} has other statistics in the two dumps ({differ[0]}: golden "
+                    f"{first.stats[differ[0]]}, target {other.stats[differ[0]]})")
+    return None
