@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+import llmflow
 from llmflow.dtypes import dtype_name
 from llmflow.redaction import redact_env
 
@@ -51,7 +52,9 @@ def collect_env(model: torch.nn.Module | None = None, *, generation: dict[str, A
     versions = {
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": _version("transformers"), "torch_npu": _version("torch_npu"),
-        "llmflow": _version("llmflow"), "cuda": torch.version.cuda,
+        # the code that runs (a checkout on PYTHONPATH, an editable install), not the metadata
+        # an earlier install left behind
+        "llmflow": llmflow.__version__, "cuda": torch.version.cuda,
         "platform": platform.platform(), "executable": sys.executable,
     }
     env_vars = recorded_env_vars()
