@@ -19,6 +19,8 @@ wrong_rope             the attention's rotary sin negated (a fused-attention bug
 scale_expert           MoE: one expert's (expert 1) output weights scaled by 1.5
 scale_experts          MoE: every expert's output weights scaled by 1.1
 wrong_router           MoE: the router's weights for expert 0 scaled by 4 (a wrong gate weight)
+scale_layer_code       the decoder layer's own forward: its output scaled by 1.2 after its modules
+                       ran (a residual add or a scale in the layer's code; no module is wrong)
 hand_attention         the attention re-implemented with other ops, same math (no fault: the op
                        level is not comparable with the golden's)
 hand_attention_mask    the same, its causal mask off by one (each query sees the next position)
@@ -36,6 +38,8 @@ decode_softmax_scale   softmax temperature wrong: scores scaled by 2.5 (a head-d
 decode_rope_shift      rotary angles of the new token one position ahead
 decode_cache_fp8       the new key and value stored through float8 (a cache written in a lower dtype)
 decode_mask_oldest     the 4 oldest cached positions masked out
+decode_layer_code      the decoder layer's output scaled by 1.2 at decode steps (its own code on
+                       the decode path; no module is wrong)
 =====================  =========================================================================
 
 Outside the decoder layers (one module of the model; no layer number):
@@ -450,6 +454,18 @@ def hand_attention_mask(layer: int | None) -> Patch:
     return hand_attention(layer, "mask_off_by_one")
 
 
+def scale_layer_code(layer: int, factor: float = 1.2) -> Patch:
+    def patch(model: nn.Module) -> None:
+        _scale_output(_layer(model, layer)[1], factor)
+    return patch
+
+
+def decode_layer_code(layer: int, factor: float = 1.2) -> Patch:
+    def patch(model: nn.Module) -> None:
+        _scale_output(_layer(model, layer)[1], factor, when=_decoding)
+    return patch
+
+
 def sharpen_attention(layer: int, factor: float = 14.0) -> Patch:
     """Scale layer ``layer``'s query and key projections by ``factor`` each: its attention scores
     grow by ``factor**2`` (a tiny model's scores of ~0.1 become the 17-24 a trained LLM reaches).
@@ -507,7 +523,9 @@ FAULTS: dict[str, Callable[..., Patch]] = {
     "scale_expert": scale_expert, "scale_experts": scale_experts, "wrong_router": wrong_router,
     "decode_attn_scale": decode_attn_scale, "decode_softmax_scale": decode_softmax_scale,
     "decode_rope_shift": decode_rope_shift, "decode_cache_fp8": decode_cache_fp8,
-    "decode_mask_oldest": decode_mask_oldest, "hand_attention": hand_attention,
+    "decode_mask_oldest": decode_mask_oldest, "scale_layer_code": scale_layer_code,
+    "decode_layer_code": decode_layer_code,
+    "hand_attention": hand_attention,
     "hand_attention_overflow": hand_attention_overflow, "hand_attention_mask": hand_attention_mask,
 }
 
@@ -525,6 +543,8 @@ DECODE_FAULTS = ("decode_attn_scale", "decode_softmax_scale", "decode_rope_shift
 def faulty_module(model: nn.Module, name: str, layer: int) -> str:
     """The full path of the module fault ``name`` breaks in ``model`` (any family)."""
     base, _ = _layer(model, layer)
+    if name in ("scale_layer_code", "decode_layer_code"):
+        return base
     if name in ("scale_down_proj",):
         mlp = part(model, layer, "mlp")
         return f"{base}.{part_name(model, layer, 'mlp', 0)}.{_projections(mlp)[-1][0]}"

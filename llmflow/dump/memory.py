@@ -76,12 +76,25 @@ class CacheSnapshot:
         return layer_kv(self.cache, idx)
 
     def materialize(self, module: nn.Module | None, device: torch.device, dtype: torch.dtype) -> Any:
-        if self.idx is not None and getattr(module, "layer_idx", None) == self.idx:
+        if self.idx is not None and cache_layer_index(module) == self.idx:
             out = copy.copy(self.cache)
             out.layers = list(self.cache.layers)
             out.layers[self.idx] = _cast_object(copy.deepcopy(self.cache.layers[self.idx]), device, dtype)
             return out
         return _cast_object(copy.deepcopy(self.cache), device, dtype)
+
+
+def cache_layer_index(module: nn.Module | None) -> int | None:
+    """The KV-cache layer ``module`` reads and writes: its ``layer_idx`` (an attention), else the one
+    its sub-modules name when they agree (a decoder layer holding one attention); None for a module
+    that names none (it gets the whole cache)."""
+    if module is None:
+        return None
+    idx = getattr(module, "layer_idx", None)
+    if isinstance(idx, int):
+        return idx
+    inner = {m.layer_idx for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+    return inner.pop() if len(inner) == 1 else None
 
 
 def layer_kv(cache: Any, idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -185,7 +198,7 @@ class CallRecorder(Sink):
     def module_inputs(self, name: str, mtype: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if name in self.calls:
             return
-        idx = getattr(module, "layer_idx", None)
+        idx = cache_layer_index(module)
         a, k = list(_keep(args, idx)), {key: _keep(v, idx) for key, v in kwargs.items()}
         self.calls[name] = Call(name, mtype, a, k, reason=_opaque_reason(a, k))
 
@@ -197,7 +210,7 @@ class CallRecorder(Sink):
         call.outputs = {k: v.detach().cpu() for k, v in flatten_outputs(output).items()}
         cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
         if cache is not None:
-            call.cache_after = CacheSnapshot(cache, getattr(module, "layer_idx", None))
+            call.cache_after = CacheSnapshot(cache, cache_layer_index(module))
 
     def close(self) -> None:
         self._recorder.remove()

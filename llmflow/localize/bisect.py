@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from statistics import median
 from typing import Any
@@ -41,8 +41,8 @@ from llmflow.formats.base import DumpReader
 from llmflow.localize import cost as cost_mod
 from llmflow.localize import moe
 from llmflow.localize import ops as ops_mod
-from llmflow.localize.calls import NO_INPUTS
-from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude
+from llmflow.localize.calls import NO_INPUTS, calls_from_dump
+from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude, layer_fault
 from llmflow.localize.golden import (
     dump_has_layer_inputs,
     golden_call,
@@ -338,10 +338,14 @@ class _Bisect:
                 result.missing = (f"the golden model cannot be loaded to re-run step {step}: "
                                   f"{self.golden_error}")
                 return result
-            rerun = golden_rerun(golden, inp.prompt_ids, inp.golden_ids, step, self.select)
+            layers = set(self.stack.layers) if self.stack is not None else set()
+            # the decoder layers' calls too: replayed whole where no module stands out
+            rerun = golden_rerun(golden, inp.prompt_ids, inp.golden_ids, step,
+                                 lambda n, m: n in layers or self.select(n, m))
             self.stats["golden_reruns"] += 1
             result.rerun_diff = rerun_fidelity(rerun, self.golden_dump)
-            calls = rerun.calls.values()
+            calls = [c for n, c in rerun.calls.items() if n not in layers]
+            layer_calls = [c for n, c in rerun.calls.items() if n in layers]
             result.call_of = rerun.calls.get
             before = None
         n_modules = sum(1 for n, m in tgt.model.named_modules() if n and self.select(n, m))
@@ -362,7 +366,22 @@ class _Bisect:
                      for r in replayed if r.get("kv_cache_rel_l2") is not None]
         result.routing = moe.routing_divergences(result.rows, step, self.decode_position(step))
         self.rank(result, replayed, "module: isolation replay", result.source)
+        if replayed and not result.anomalous and self.stack is not None:
+            if before is not None:  # the prefill from the dump: its decoder layers' recorded calls
+                layer_calls = calls_from_dump(self.golden_dump, step, names=set(self.stack.layers))
+            self.replay_layers_whole(result, layer_calls)
         return result
+
+    def replay_layers_whole(self, result: StepReplay, calls: Iterable[Call]) -> None:
+        """Each of the target's decoder layers run whole on its golden ``calls`` (the golden dump's
+        at the prefill, the golden re-run's with its KV cache at a decode step), for a step where no
+        module stands out (``result.layer_errors``): a fault in a layer's own code (a residual add,
+        a scale between its modules) shows only there."""
+        layers, tgt = set(self.stack.layers), self.target
+        whole = replay_modules(tgt.model, calls, device=tgt.device, dtype=tgt.dtype,
+                               select=lambda n, _m: n in layers, stack=self.stack)
+        result.layer_errors = {r["name"]: r["rel_l2"] for r in whole if r.get("replayable")}
+        self.phase("module: decoder layers replayed whole", f"{len(result.layer_errors)} layers")
 
     def decode_position(self, step: int) -> Callable[[int], str]:
         """Token text at a position of the sequence seen at ``step`` (prompt, then golden tokens)."""
@@ -556,7 +575,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     else:
         tried = [b.replay_step(step, why)]
     first = tried[0]
-    found = first.candidate is not None and bool(first.candidate.get("anomalous"))
+    found = first.anomalous or layer_fault(first, inp.ratio_threshold) is not None
     if not found and inp.replay_step is None and not differs:
         if step > 0:
             tried.append(b.replay_step(0, f"nothing stands out at step {step}: the prefill, whose KV "
@@ -564,7 +583,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
         elif mismatch is None and bad_token is None and len(inp.golden_ids) > 1:
             tried.append(b.replay_step(1, "nothing diverges: the first decode step too, where the decode "
                                           "kernel runs against the KV cache"))
-    chosen = next((t for t in tried if t.candidate and t.candidate.get("anomalous")), tried[0])
+    chosen = next((t for t in tried if t.anomalous or layer_fault(t, inp.ratio_threshold)), tried[0])
     b.op_level(chosen)
     own_steps = b.own_error_per_step(chosen)
     cost = b.cost(tried, chosen)

@@ -86,6 +86,16 @@ class StepReplay:
 LAYER_STANDOUT = 2.0
 
 
+def layer_fault(step: StepReplay, ratio_threshold: float) -> str | None:
+    """The decoder layer whose own code is the fault: the target's layer, replayed whole on the
+    golden inputs, stands out where none of its modules does. From a target dump that is only a
+    lead (the golden module runs on the target's recorded inputs, after its pre-hooks): None."""
+    if step.anomalous or step.source == "target dump":
+        return None
+    between = _layer_standing_out(step, LAYER_STANDOUT * ratio_threshold)
+    return between[0] if between else None
+
+
 def _layer_standing_out(step: StepReplay, ratio: float) -> tuple[str, float] | None:
     """The decoder layer whose own error (``layer_errors``) is ``ratio`` times the median of the
     other layers' or more, with that ratio (the largest); None where none is."""
@@ -155,6 +165,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     module = cand["name"].removesuffix(KV_CACHE) if chosen.anomalous and cand else None
     expert = chosen.expert if module else None
     shard_rank = cand.get("shard_rank") if module and cand else None
+    if module is None:
+        module = layer_fault(chosen, inp.ratio_threshold)
     layer = layer_of(module, stack) if module else None
     detail = _token_detail(inp, mismatch, rows, decode)
     replay = ReplayInfo(step=chosen.step, why=chosen.why, source=chosen.source,
@@ -260,6 +272,17 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     """(status, headline, diagnosis, inconclusive) from the evidence."""
     cand = chosen.candidate
     steps = " and ".join(_step_word(t.step) for t in tried)
+    between = _layer_standing_out(chosen, LAYER_STANDOUT * inp.ratio_threshold)
+    if module and between and module == between[0]:  # a layer's own code (see conclude)
+        where, ratio = _step_word(chosen.step), between[1]
+        headline = (f"{module}'s own code is the fault: replayed whole on the golden inputs at {where} it "
+                    f"has {ratio:.0f}x the own error of the other layers, while none of its modules' own "
+                    "error stands out")
+        diagnosis = (f"{module} is the fault, between its modules: each of its modules replayed alone on the "
+                     f"golden inputs at {where} is within the usual error, but the layer replayed whole has "
+                     f"{ratio:.0f}x the own error of the other decoder layers. What differs is the layer's "
+                     "forward itself: a residual add, a scale, a reshape, or what it hands a module.")
+        return "fail", headline, diagnosis, None
     if module and cand:
         where = _step_word(chosen.step)
         from_dump = chosen.source == "target dump"
@@ -334,7 +357,6 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                     f"{r.detail} (the router's own error does not stand out: rounding picked other "
                     "experts for near-tied tokens)")
     reason, nxt = None, None
-    between = _layer_standing_out(chosen, LAYER_STANDOUT * inp.ratio_threshold)
     if chosen.missing and chosen.missing_next:  # what was missing is known, and what to give
         reason, nxt = chosen.missing, chosen.missing_next
     elif between is not None:
