@@ -45,8 +45,8 @@ def test_badcase_reads_the_prompts_file_the_workflow_header_shows(tmp_path):
     """``--set prompts=my_prompts.jsonl`` (badcase_bisect.yaml's header) ranks that file's prompts."""
     (tmp_path / "my_prompts.jsonl").write_text('{"prompt": "first of mine"}\n{"prompt": "second of mine"}\n')
     proc = llmflow("run", "badcase_bisect", "--only", "badcase", "--run-dir", "run",
-                   "--set", f"golden_model={TINY}", "--set", f"target_model={TINY}", "--set", "badcase_tokens=2",
-                   "--set", "prompts=my_prompts.jsonl", cwd=tmp_path)
+                   "--set", f"golden_model={TINY}", "--set", f"target_model={TINY}",
+                   "--set", "badcase_tokens=2", "--set", "prompts=my_prompts.jsonl", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ranking = json.loads((tmp_path / "run" / "badcase" / "ranking.json").read_text())
     assert sorted(row["prompt"] for row in ranking) == ["first of mine", "second of mine"]
@@ -66,8 +66,8 @@ def test_a_patch_relative_to_the_users_workflow_file_still_loads(tmp_path):
     }))
     work = tmp_path / "deep" / "work"  # where ../patches names nothing
     work.mkdir(parents=True)
-    proc = llmflow("run", "../../flows/dump.yaml", "--run-dir", "run", "--set", "patch=../patches/mark.py:halve_lm_head",
-                   cwd=work)
+    proc = llmflow("run", "../../flows/dump.yaml", "--run-dir", "run",
+                   "--set", "patch=../patches/mark.py:halve_lm_head", cwd=work)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((work / "run" / "summary.json").read_text())
     assert summary["params"]["patch"] == "../patches/mark.py:halve_lm_head"  # kept as typed
