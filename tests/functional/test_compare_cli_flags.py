@@ -96,6 +96,17 @@ def test_two_multi_tensor_files_pair_by_name_in_a_compact_table(tmp_path, fmt):
     assert "pass" in rows["layers.3.q"] and "unmatched" in rows["only_golden"]
 
 
+def test_two_tensor_files_with_o_say_nothing_is_written_there(tmp_path):
+    save_file({"a": torch.ones(3)}, str(tmp_path / "g.safetensors"))
+    save_file({"a": torch.ones(3)}, str(tmp_path / "t.safetensors"))
+    done = llmflow("compare", "-gp", "g.safetensors", "-mp", "t.safetensors", "-o", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[-2:] == ["-o out: nothing written there; two tensor files are compared on screen only",
+                          "PASSED (1 tensors)"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_file_of_another_kind_is_one_line(tmp_path):
     torch.save({"a": torch.ones(2), "b": 3}, tmp_path / "g.pt")
     torch.save({"a": torch.ones(2)}, tmp_path / "t.pt")
