@@ -107,6 +107,19 @@ def test_two_tensor_files_with_o_say_nothing_is_written_there(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_limits_the_wrong_way_round_are_bad_input_naming_the_metric(tmp_path):
+    """msit's habit of giving cosine as "warn below 0.9, fail below 0.5" written the other way
+    round would fail every row that merely warns: refused, one line, before any work."""
+    g = as_dump(tmp_path, "g", steps=[0])
+    done = llmflow("compare", "-gp", "g", "-mp", "g", "-o", "out", "--thresholds",
+                   '{"cosine_similarity": {"warn": 0.5, "fail": 0.9}}', cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == (
+        "FAILED: --thresholds.cosine_similarity: warn 0.5 is below fail 0.9; higher is better for "
+        "cosine_similarity, so warn >= fail")
+    assert not (tmp_path / "out").exists() and g.is_dir()
+
+
 def test_a_file_of_another_kind_is_one_line(tmp_path):
     torch.save({"a": torch.ones(2), "b": 3}, tmp_path / "g.pt")
     torch.save({"a": torch.ones(2)}, tmp_path / "t.pt")
