@@ -207,7 +207,7 @@ def _clear_previous_rank(rank_dir: Path) -> None:
     for folder in (rank_dir, rank_dir / "data"):
         if folder.is_symlink():
             raise UserError(f"{folder}: is a symbolic link; a dump writes only into a folder of its own "
-                            f"(move the link away or choose another dump_path)")
+                            f"(move the link away or dump elsewhere)")
     if not rank_dir.is_dir():
         return
     for path in rank_dir.iterdir():
