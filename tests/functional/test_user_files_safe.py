@@ -337,7 +337,7 @@ def test_a_signal_mid_dump_stops_the_worker_too_and_a_rerun_dumps_the_same(tmp_p
 
 # -- a dump into a folder that holds an earlier dump ---------------------------------------------
 
-def _dump_workflow(tmp_path: Path) -> Path:
+def _redump_workflow(tmp_path: Path) -> Path:
     """A workflow whose one dump stage writes into ``mydump`` beside it (the stage's dump_dir)."""
     wf = tmp_path / "wf.yaml"
     wf.write_text(json.dumps({"name": "redump", "stages": {
@@ -348,7 +348,7 @@ def _dump_workflow(tmp_path: Path) -> Path:
 
 
 def test_a_new_dump_replaces_the_old_one_and_keeps_the_users_files_beside_it(tmp_path):
-    wf = _dump_workflow(tmp_path)
+    wf = _redump_workflow(tmp_path)
     first = llmflow("run", str(wf), "--run-dir", "run", cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     dump = tmp_path / "mydump"
@@ -367,7 +367,7 @@ def test_a_new_dump_replaces_the_old_one_and_keeps_the_users_files_beside_it(tmp
 
 
 def test_a_dump_refuses_a_rank_folder_that_is_a_link_and_leaves_its_target_alone(tmp_path):
-    wf = _dump_workflow(tmp_path)
+    wf = _redump_workflow(tmp_path)
     elsewhere = tmp_path / "elsewhere"
     user_files(elsewhere)
     before = hashes(elsewhere)
