@@ -24,7 +24,7 @@ import logging
 import sys
 import traceback
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 from llmflow import __version__, interrupts
 from llmflow.errors import EXIT_BAD_INPUT, EXIT_FAILED, ComputeError, UserError, one_line
@@ -56,6 +56,17 @@ def _import_tool(module: str) -> ModuleType | str:
         return f"failed to import: {type(exc).__name__}: {exc}"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse ending a usage error as every command ends: its usage and the error on stderr,
+    then a last ``FAILED:`` line, exit 2 (bad input). Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(f"FAILED: {self.prog}: {message}", flush=True)
+        sys.exit(EXIT_BAD_INPUT)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser; a tool that does not import gets a subcommand that explains why."""
     common = argparse.ArgumentParser(add_help=False)
@@ -65,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="how much to log (debug also shows tracebacks)",
     )
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="llmflow",
         parents=[common],
         description="Find where an LLM's numbers go wrong on new hardware: declarative dump, compare "
@@ -117,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     tool: Any = getattr(args, "_tool", None)
     if tool is None:
         parser.print_help()
-        return 2
+        print("FAILED: no command given", flush=True)
+        return EXIT_BAD_INPUT
     try:
         with interrupts.sigterm_as_interrupt():
             return int(tool.execute(args))

@@ -141,6 +141,8 @@ def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
                      "dtypes": dtypes, "reason": r.get("reason") if r.get("verdict") != "pass" else ""}
             table.add_row(*(_fmt(cells.get(key)) for _, key in FILE_COLUMNS))
     con.print(table)
+    if args.output:  # (a user who gave -o looks for files there: say there are none)
+        print(f"-o {args.output}: nothing written there; two tensor files are compared on screen only")
     fails = [r["name"] for r in rows if r.get("verdict") == "fail"]
     verdict_line(not fails, f"{len(fails)} of {len(rows)} tensors fail" if fails else f"{len(rows)} tensors")
     return EXIT_FAILED if fails else EXIT_PASSED

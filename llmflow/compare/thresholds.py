@@ -51,7 +51,8 @@ def _number(value: Any) -> bool:
 
 def _limit(metric: str, value: Any, where: str) -> dict[str, Any]:
     """One metric's limits ``{warn, fail[, higher_is_better]}``; UserError naming the field."""
-    if _number(value):
+    if _number(value):  # the fail limit, warned at too
+        _check_order(metric, {"warn": float(value), "fail": float(value)}, where, bare=True)
         return {"warn": float(value), "fail": float(value)}
     if not isinstance(value, dict) or not ({"warn", "fail"} & set(value)):
         raise UserError(f"{where}.{metric}: expected a number or {{warn: x, fail: y}}, got {value!r}")
@@ -72,7 +73,31 @@ def _limit(metric: str, value: Any, where: str) -> dict[str, Any]:
             raise UserError(f"{where}.{metric}.higher_is_better: expected true or false, "
                             f"got {value['higher_is_better']!r}")
         out["higher_is_better"] = value["higher_is_better"]
+    _check_order(metric, out, where)
     return out
+
+
+# the built-in metrics bounded on both sides: a limit outside fails (or passes) every row
+_BOUNDS = {"cosine_similarity": (-1.0, 1.0), "one_thousandth_err_ratio": (0.0, 1.0),
+           "five_thousandths_err_ratio": (0.0, 1.0)}
+
+
+def _check_order(metric: str, limits: dict[str, Any], where: str, bare: bool = False) -> None:
+    """A row warns before it fails: the warn limit lies on the good side of the fail limit, and
+    both within the metric's range (UserError naming the field otherwise; ``bare``: one number
+    gave both)."""
+    low, high = _BOUNDS.get(metric, (-math.inf, math.inf))
+    for k in ("warn", "fail"):
+        if not low <= limits[k] <= high:
+            field = f"{where}.{metric}" if bare else f"{where}.{metric}.{k}"
+            raise UserError(f"{field}: {limits[k]:g} lies outside the metric's range [{low:g}, {high:g}]")
+    if limits.get("higher_is_better", metric in HIGHER_IS_BETTER):
+        if limits["warn"] < limits["fail"]:
+            raise UserError(f"{where}.{metric}: warn {limits['warn']:g} is below fail {limits['fail']:g}; "
+                            f"higher is better for {metric}, so warn >= fail")
+    elif limits["warn"] > limits["fail"]:
+        raise UserError(f"{where}.{metric}: warn {limits['warn']:g} is above fail {limits['fail']:g}; "
+                        f"lower is better for {metric}, so warn <= fail")
 
 
 @lru_cache(maxsize=256)

@@ -139,8 +139,8 @@ class DumpSession(Sink):
             (cpu_stats.kernel, cpu_stats.out, cpu_stats.address) if cpu_stats is not None else (None, None, 0)
         disk = DumpDirWriter(self.dump_dir, self.rank,
                              meta={"data_mode": config.data_mode, "config": config.to_json()})
-        if world_size() > 1:  # the compare joins a tensor-parallel target's ranks (compare/shards.py)
-            disk.update_rank_meta(world_size=world_size())
+        # (the reader tells this dump's ranks from those an earlier dump of more ranks left here)
+        disk.update_rank_meta(world_size=world_size())
         self.writer = AsyncWriter(disk, crc32=config.crc32, inline=inline)
         self._op_inputs, self._op_outputs = config.tensor_part != 1, config.tensor_part != 0
         self._add_row = self.writer.add_row  # an index row and nothing more, a plain tuple (see above)

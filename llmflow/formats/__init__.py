@@ -67,6 +67,11 @@ def open_dump(path: str | Path, format: str | None = None) -> DumpReader:
     if found:
         names = ", ".join(f"{d} ({c.format})" for d, c in found)
         raise UserError(f"{p}: holds {len(found)} dumps, name one: {names}")
+    # a rank, step or data folder of a dump: the readers take the dump whole (a rank: --rank/-r)
+    for parent in p.absolute().parents[:2]:
+        if (cls := _detected(parent, types)) is not None:
+            raise UserError(f"{p}: a folder inside the {cls.format} dump {parent}: give the dump itself "
+                            f"(one rank of it: -r/--rank N)")
     broken = "".join(f"; format plugin {name!r} failed to import"
                      for name in broken_plugins("llmflow.formats"))
     raise UserError(f"{p}: not a dump of any known format ({', '.join(types)}), nor a folder holding one"

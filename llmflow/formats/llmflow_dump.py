@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from math import isfinite
 from pathlib import Path
@@ -192,6 +193,33 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | bytes],
                 f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
+# The files a dump writes into its rank{R} folder (the temporaries of its renames included). A
+# new dump of the same rank into the same folder replaces a previous dump, as msit does, by
+# removing exactly these; anything else found there is someone else's and stays.
+RANK_FILES = ("index.jsonl", "order.jsonl", "rank.json")
+_OWN_TEMPORARY = re.compile(r"\.rank\.json\..+\.tmp")  # atomic_write_json's, left by a kill
+_DATA_FILE = re.compile(r"\d{6}\.safetensors(\.tmp)?")
+
+
+def _clear_previous_rank(rank_dir: Path) -> None:
+    """Remove what a previous dump wrote into ``rank_dir`` and nothing else; a link in place of
+    the folder or its ``data`` folder is refused (the dump would write, and clear, its target)."""
+    for folder in (rank_dir, rank_dir / "data"):
+        if folder.is_symlink():
+            raise UserError(f"{folder}: is a symbolic link; a dump writes only into a folder of its own "
+                            f"(move the link away or dump elsewhere)")
+    if not rank_dir.is_dir():
+        return
+    for path in rank_dir.iterdir():
+        if (path.name in RANK_FILES or _OWN_TEMPORARY.fullmatch(path.name)) and not path.is_dir():
+            path.unlink()
+    data = rank_dir / "data"
+    if data.is_dir():
+        for path in data.iterdir():
+            if _DATA_FILE.fullmatch(path.name) and not path.is_dir():
+                path.unlink()
+
+
 class DumpDirWriter:
     """Writes one rank of one dump directory. Not thread-safe: one writer thread owns it."""
 
@@ -201,9 +229,7 @@ class DumpDirWriter:
         self.rank_dir = self.dump_dir / f"rank{rank}"
         try:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
-            if self.rank_dir.exists():  # a previous dump of this rank here: replace it, like msit
-                for old in sorted(self.rank_dir.rglob("*"), reverse=True):
-                    old.rmdir() if old.is_dir() else old.unlink()
+            _clear_previous_rank(self.rank_dir)
             (self.rank_dir / "data").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"dump_path {str(self.dump_dir)!r}: cannot write a dump there: "

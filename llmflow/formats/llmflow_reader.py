@@ -8,6 +8,7 @@ and ``problems()`` (see ``llmflow_check``).
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import re
 from operator import attrgetter
@@ -26,6 +27,7 @@ from llmflow.formats.llmflow_layout import ENV_FILE, FORMAT, META_FILE, TOPOLOGY
 from llmflow.regular_files import open_regular, regular_file
 from llmflow.safetensors_files import SAFETENSORS_DTYPES, Stored, read_table
 
+log = logging.getLogger("llmflow.formats")
 _RANK_DIR = re.compile(r"^rank(\d+)$")
 MAX_META_BYTES = 64 << 20  # llmflow_dump.json, rank.json, env.json, topology.json: small files
 MAX_JSON_DEPTH = 100  # their nesting (a module tree: two levels a module, ~25 deep): deeper is refused
@@ -163,13 +165,15 @@ class LlmflowDumpReader(DumpReader):
         self._entries: list[Entry] | None = None
         self._index_problems: list[str] = []
         self._handles: dict[str, Any] = {}
+        self._leftovers_said = False  # (rank folders of an earlier dump: warned about once)
         meta = self._read_json(self.path / META_FILE)  # a damaged manifest fails here, named
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise DumpFormatError(f"{self.path / META_FILE}: not an llmflow dump manifest "
                                   f"(expected a JSON object with \"format\": \"{FORMAT}\")")
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_entries": None, "_index_problems": [], "_handles": {}}
+        return {"path": self.path, "_entries": None, "_index_problems": [], "_handles": {},
+                "_leftovers_said": True}
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -218,9 +222,52 @@ class LlmflowDumpReader(DumpReader):
         return out + self._index_problems
 
     def _rank_dirs(self) -> list[Path]:
-        found = [(int(m.group(1)), d) for d in self.path.iterdir()
-                 if d.is_dir() and (m := _RANK_DIR.match(d.name))]
-        return [d for _, d in sorted(found)]
+        """This dump's rank folders, in rank order, without those an earlier dump of more ranks
+        left in the folder (``_leftover_ranks``)."""
+        found = sorted((int(m.group(1)), d) for d in self.path.iterdir()
+                       if d.is_dir() and (m := _RANK_DIR.match(d.name)))
+        leftovers = self._leftover_ranks(found)
+        if leftovers and not self._leftovers_said:
+            self._leftovers_said = True
+            log.warning("%s: left out %s: written by an earlier dump of %s ranks into the same folder "
+                        "(this dump's rank 0 records a world of %d)", self.path,
+                        ", ".join(f"rank{rank}" for rank in sorted(leftovers)),
+                        " and ".join(map(str, sorted(set(leftovers.values())))), self._world_of_rank0(found))
+        return [d for rank, d in found if rank not in leftovers]
+
+    def _world_of_rank0(self, found: list[tuple[int, Path]]) -> int | None:
+        """The world size rank 0's rank.json records (None: no rank 0, or a dump of a version
+        that recorded none)."""
+        if not found or found[0][0] != 0:
+            return None
+        try:
+            meta = self._read_json(found[0][1] / "rank.json")
+        except DumpFormatError:
+            return None
+        world = meta.get("world_size") if isinstance(meta, dict) else None
+        return world if type(world) is int and world > 0 else None
+
+    def _leftover_ranks(self, found: list[tuple[int, Path]]) -> dict[int, int]:
+        """Rank -> the world size it records, for each rank folder an earlier dump left here: a new
+        dump replaces only the ranks it writes (a rank's writer clears its own folder), so after a
+        dump of 4 ranks, one of 1 rank into the same folder finds rank1..rank3 beside its rank0.
+        Such a rank is numbered at or beyond the world rank 0 records, and was written in a world
+        of its own that held it (a rank's recorded world larger than its number)."""
+        world = self._world_of_rank0(found)
+        if world is None:
+            return {}
+        out: dict[int, int] = {}
+        for rank, d in found:
+            if rank < world:
+                continue
+            try:
+                meta = self._read_json(d / "rank.json")
+            except DumpFormatError:
+                continue
+            own = meta.get("world_size") if isinstance(meta, dict) else None
+            if type(own) is int and own > rank and own != world:
+                out[rank] = own
+        return out
 
     def entries(self) -> list[Entry]:
         if self._entries is None:

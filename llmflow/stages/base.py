@@ -40,6 +40,15 @@ class Outcome:
             raise ValueError(f"outcome status {self.status!r} is not one of {OUTCOMES}")
 
 
+class ChildCrashed(RuntimeError):
+    """A process the stage ran (the dump worker) crashed. ``details`` is that process's own output
+    (its traceback), shown in place of the stage's traceback, which only says it waited."""
+
+    def __init__(self, message: str, details: str):
+        super().__init__(message)
+        self.details = details
+
+
 class ProgressTask(Protocol):
     """A progress bar owned by one stage: ``advance`` it, or ``update`` its total/description."""
 
@@ -65,6 +74,8 @@ class StageContext:
     run_dir: Path
     workflow_dir: Path
     inputs: dict[str, dict[str, Any]]
+    #: where the runner keeps ``out_dir`` when the stage fails (for messages naming its files)
+    failed_dir: Path | None = None
     summary: dict[str, Any] = field(default_factory=dict)
     log: Callable[[str], None] = print
     progress: Callable[..., ProgressTask] | None = None

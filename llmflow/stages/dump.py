@@ -25,11 +25,12 @@ from llmflow.dump.config import DumpConfig
 from llmflow.errors import UserError
 from llmflow.results.checks import DumpStageBlock, DumpTotals
 from llmflow.results.codec import to_json
-from llmflow.stages.base import Stage, StageContext
+from llmflow.stages.base import ChildCrashed, Stage, StageContext
 
 _NULLABLE_STR = {"type": ["string", "null"], "default": None}
 # the worker's own OSError for a write that found no room (disk full, quota, file size limit)
 _NO_ROOM = re.compile(rf"\[Errno ({errno.ENOSPC}|{errno.EDQUOT}|{errno.EFBIG})\] (.*)")
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)")  # a traceback's last line
 _RESULT_KEYS = ("output_ids", "text", "bytes", "entries", "steps", "truncated")  # the worker's result.json
 
 
@@ -147,7 +148,9 @@ class DumpStage(Stage):
         if rc != 0 and no_room:
             raise OSError(int(no_room[1]), f"the dump worker could not write: {no_room[2].strip()}")
         if rc != 0:
-            raise RuntimeError(f"dump worker exited with status {rc}:\n" + "\n".join(list(tail)[-20:]))
+            log_file = (ctx.failed_dir or ctx.out_dir) / "worker.log"
+            message = f"dump worker exited with status {rc}: {_raised(tail)} (its output: {log_file})"
+            raise ChildCrashed(message, "\n".join(tail) + "\n")
         if not all(key in result for key in _RESULT_KEYS):
             # status 0 without a result: the user's code ended the process (os._exit skips every
             # handler), which is bad input, not a crash of ours
@@ -155,6 +158,14 @@ class DumpStage(Stage):
             raise UserError(f"{ctx.stage_id}: the dump worker exited with status 0 before writing its "
                             f"result: did the {user} call sys.exit or os._exit?")
         return result
+
+
+def _raised(lines: deque[str]) -> str:
+    """What the worker's output says went wrong: the exception line that ends its traceback (a
+    patch or model file that raised: ``RuntimeError: ...``), else its last line."""
+    text = [line.strip() for line in lines if line.strip()]
+    return next((line for line in reversed(text) if _EXCEPTION_LINE.match(line)),
+                text[-1] if text else "no output")
 
 
 def _read_result(path: Path) -> dict[str, Any]:

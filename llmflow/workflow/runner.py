@@ -26,7 +26,7 @@ from typing import Any
 from llmflow import interrupts
 from llmflow.atomic import atomic_write_json
 from llmflow.errors import UserError, one_line
-from llmflow.stages.base import Stage, StageContext
+from llmflow.stages.base import ChildCrashed, Stage, StageContext
 from llmflow.workflow import rundir
 from llmflow.workflow import state as st
 from llmflow.workflow.conclusion import Conclusion, conclude, outcome_record
@@ -164,6 +164,7 @@ class _Run:
             run_dir=self.run_dir,
             workflow_dir=self.wf.directory,
             inputs={d: self.states[d].outputs for d in self.wf.stages[sid].needs},
+            failed_dir=self.run_dir / rundir.FAILED_DIR / sid,
             log=lambda msg, _sid=sid: self.reporter.log(_sid, _unprefixed(_sid, msg)),
             progress=lambda description="", total=None, _sid=sid: self.reporter.task(
                 _sid, _unprefixed(_sid, description), total
@@ -235,7 +236,8 @@ class _Run:
         res = self.results[sid]
         res.user_error = isinstance(exc, UserError)
         res.error = str(exc) if res.user_error else f"{type(exc).__name__}: {exc}"
-        res.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        res.traceback = exc.details if isinstance(exc, ChildCrashed) else \
+            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         log.debug("stage %s failed:\n%s", sid, res.traceback)
         if isinstance(exc, KeyboardInterrupt):
             res.error = "interrupted"

@@ -47,6 +47,9 @@ _PARAM = {
         "enum": {"type": "array", "minItems": 1, "description": "The allowed values."},
         "minimum": {"type": "number", "description": "Smallest allowed number."},
         "maximum": {"type": "number", "description": "Largest allowed number."},
+        "format": {"enum": ["path"], "description": (
+            "path: a file or folder (or file.py:name); a --set value naming one relative to the current "
+            "directory is taken from there, any other relative path from this file's directory.")},
     },
 }
 

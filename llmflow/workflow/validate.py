@@ -14,13 +14,14 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
 
 from llmflow.errors import UserError, one_line
-from llmflow.plugins import suggest
+from llmflow.plugins import is_file_ref, suggest
 from llmflow.redaction import Redactor, secret_env_values
 from llmflow.stages.base import Stage, fill_defaults
 from llmflow.workflow import dag
@@ -133,7 +134,24 @@ def _check_params(wf: Workflow, set_params: SetParams, checked: Checked) -> None
         except jsonschema.ValidationError as exc:
             checked.errors.append(ValidationError(f"--set {name}={one_line(raw, 80)}: {exc.message}"))
             continue
+        if wf.params[name].get("format") == "path":
+            value = path_from_current_dir(value)
         checked.params[name] = value
+
+
+def path_from_current_dir(value: Any) -> Any:
+    """A ``--set`` value of a ``format: path`` param, typed in a shell: when it names a file or
+    folder relative to the current directory (a ``file.py:name`` reference: its file), that one,
+    made absolute. Otherwise the value as given: a name (``smollm2``, ``tiny-llama``, a mapping's)
+    or a path relative to the workflow file, as values in the YAML are; a shipped workflow run
+    by name lies inside the package, where a user's relative path never points."""
+    if not isinstance(value, str) or not value.strip():
+        return value
+    text, sep, attr = value.rpartition(":") if is_file_ref(value) else (value, "", "")
+    path = Path(text).expanduser()
+    if path.is_absolute() or not path.exists():
+        return value
+    return os.path.abspath(path) + sep + attr
 
 
 def _check_stages(wf: Workflow, checked: Checked, trust_plugins: bool) -> None:

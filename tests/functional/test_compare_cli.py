@@ -257,6 +257,14 @@ def test_a_bad_output_directory_is_one_line(tmp_path: Path, capsys: pytest.Captu
     ('{"bf16": {"rmse": {"fail": null}}}', "--thresholds.bf16.rmse.fail: expected a number, got None"),
     ('{"rmse": {"warn": 1, "tolerance": 2}}', "--thresholds.rmse: unknown field 'tolerance'"),
     ("[1, 2]", "--thresholds: expected a mapping"),
+    ('{"cosine_similarity": {"warn": 0.5, "fail": 0.9}}', "--thresholds.cosine_similarity: warn 0.5 is below "
+                                                          "fail 0.9; higher is better for cosine_similarity"),
+    ('{"bf16": {"rmse": {"warn": 0.5, "fail": 0.1}}}', "--thresholds.bf16.rmse: warn 0.5 is above fail 0.1; "
+                                                       "lower is better for rmse"),
+    ('{"cosine_similarity": {"warn": 2}}',
+     "--thresholds.cosine_similarity.warn: 2 lies outside the metric's range [-1, 1]"),
+    ('{"one_thousandth_err_ratio": 99}',
+     "--thresholds.one_thousandth_err_ratio: 99 lies outside the metric's range [0, 1]"),
 ])
 def test_bad_thresholds_are_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                     value: str, message: str) -> None:

@@ -96,12 +96,50 @@ def test_two_multi_tensor_files_pair_by_name_in_a_compact_table(tmp_path, fmt):
     assert "pass" in rows["layers.3.q"] and "unmatched" in rows["only_golden"]
 
 
+def test_two_tensor_files_with_o_say_nothing_is_written_there(tmp_path):
+    save_file({"a": torch.ones(3)}, str(tmp_path / "g.safetensors"))
+    save_file({"a": torch.ones(3)}, str(tmp_path / "t.safetensors"))
+    done = llmflow("compare", "-gp", "g.safetensors", "-mp", "t.safetensors", "-o", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[-2:] == ["-o out: nothing written there; two tensor files are compared on screen only",
+                          "PASSED (1 tensors)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_limits_the_wrong_way_round_are_bad_input_naming_the_metric(tmp_path):
+    """msit's habit of giving cosine as "warn below 0.9, fail below 0.5" written the other way
+    round would fail every row that merely warns: refused, one line, before any work."""
+    g = as_dump(tmp_path, "g", steps=[0])
+    done = llmflow("compare", "-gp", "g", "-mp", "g", "-o", "out", "--thresholds",
+                   '{"cosine_similarity": {"warn": 0.5, "fail": 0.9}}', cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == (
+        "FAILED: --thresholds.cosine_similarity: warn 0.5 is below fail 0.9; higher is better for "
+        "cosine_similarity, so warn >= fail")
+    assert not (tmp_path / "out").exists() and g.is_dir()
+
+
 def test_a_file_of_another_kind_is_one_line(tmp_path):
     torch.save({"a": torch.ones(2), "b": 3}, tmp_path / "g.pt")
     torch.save({"a": torch.ones(2)}, tmp_path / "t.pt")
     done = llmflow("compare", "-gp", "g.pt", "-mp", "t.pt", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip() == "error: g.pt: expected a tensor or dicts/lists of tensors, found int at b"
+
+
+@pytest.mark.parametrize("part", ["rank0", "rank0/data"])
+def test_a_folder_inside_a_dump_names_the_dump_and_the_rank_flag(tmp_path, part):
+    g, t = as_dump(tmp_path, "g", steps=[0]), as_dump(tmp_path, "t", steps=[0])
+    done = llmflow("compare", "-gp", str(g), "-mp", f"t/{part}", "-o", "out", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == (f"FAILED: t/{part}: a folder inside the llmflow dump {t}: "
+                    "give the dump itself (one rank of it: -r/--rank N)")
+    assert not (tmp_path / "out").exists()
+    # what it says works
+    done = llmflow("compare", "-gp", str(g), "-mp", "t", "-r", "0", "-o", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_progress_bar_is_up_from_the_start(tmp_path):

@@ -191,3 +191,28 @@ def test_user_code_that_ends_the_worker_is_named_in_one_line(tmp_path, setting, 
     assert message in out and "Traceback" not in out and "KeyError" not in out
     assert out.strip().splitlines()[-1].startswith("FAILED")
     assert not (tmp_path / "run" / "dump").exists()
+
+
+def test_a_patch_that_raises_is_named_by_its_exception_and_the_log_holding_its_traceback(tmp_path):
+    """``llmflow run`` with a patch that raises: the stage crashed (exit 1), the last line says
+    what the patch raised and where the worker's output is kept."""
+    (tmp_path / "user.py").write_text("def unsupported(model):\n"
+                                      "    raise RuntimeError('kernel not supported')\n")
+    (tmp_path / "wf.yaml").write_text(json.dumps({
+        "name": "raising-patch",
+        "stages": {"dump": {"uses": "dump", "with": {"model": TINY, "patch": "user.py:unsupported",
+                                                     "prompt": "hi", "max_new_tokens": 1}}},
+    }))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "llmflow", "run", "wf.yaml", "--run-dir", "run"],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    log = tmp_path / "run" / ".failed" / "dump" / "worker.log"
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("FAILED: stage 'dump' failed: ")
+    assert f"exited with status 1: RuntimeError: kernel not supported (its output: {log})" in last
+    assert "raise RuntimeError('kernel not supported')" in log.read_text()
+    # the traceback shown is the patch's, from the worker, not llmflow's waiting for it
+    assert "raise RuntimeError('kernel not supported')" in proc.stderr and "runner.py" not in proc.stderr

@@ -196,3 +196,44 @@ model.model.layers[4].register_forward_pre_hook(kill)
             assert r.load(e).shape == e.shape
             loaded += 1
     assert loaded > 0  # step 0's tensors reached disk with its end
+
+
+RANKED = """\
+import sys
+import torch
+from llmflow import DumpConfig, register_hook
+from llmflow.models import build_tiny
+
+model = build_tiny("llama", "layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64," + sys.argv[2])
+register_hook(model, DumpConfig(dump_path=sys.argv[1], token_range=[0, 1]))
+model.generate(torch.tensor([[256, 104, 105]]), max_new_tokens=2, do_sample=False, pad_token_id=258)
+"""
+
+
+def test_a_one_rank_dump_over_a_two_rank_one_leaves_the_old_rank_out(tmp_path: Path) -> None:
+    """A tensor-parallel dump (RANK 0 and 1 of WORLD_SIZE 2), then a one-process dump of another
+    model into the same dump_path: the new dump reads as one rank, the old rank1 is named and left
+    out (kept on disk), and it compares with a one-process dump of the same model as the same run."""
+    script = tmp_path / "dump.py"
+    script.write_text(RANKED)
+
+    def dump(where: str, seed: int, **env: str) -> None:
+        run_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+        proc = subprocess.run([sys.executable, str(script), where, f"seed={seed}"], capture_output=True,
+                              text=True, cwd=tmp_path, env={**run_env, "PYTHONPATH": str(ROOT), **env},
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+    dump("shared", 1, RANK="0", WORLD_SIZE="2")  # an earlier model
+    dump("shared", 1, RANK="1", WORLD_SIZE="2")
+    ranks = {e.rank for e in LlmflowDumpReader(tmp_path / "shared" / "llmflow_dump").entries()}
+    assert ranks == {0, 1}
+    dump("shared", 2)  # the model of today, twice
+    dump("alone", 2)
+    cli = [sys.executable, "-m", "llmflow", "compare", "-gp", "alone", "-mp", "shared", "-o", "cmp"]
+    proc = subprocess.run(cli, capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("PASSED") and "0 unmatched" in proc.stdout
+    assert "left out rank1: written by an earlier dump of 2 ranks into the same folder" in proc.stderr
+    assert (tmp_path / "shared" / "llmflow_dump" / "rank1" / "rank.json").is_file()  # never deleted

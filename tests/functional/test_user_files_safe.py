@@ -335,6 +335,49 @@ def test_a_signal_mid_dump_stops_the_worker_too_and_a_rerun_dumps_the_same(tmp_p
     _same_dump(rd / "dump" / "dump", tmp_path / "reference" / "dump" / "dump")
 
 
+# -- a dump into a folder that holds an earlier dump ---------------------------------------------
+
+def _redump_workflow(tmp_path: Path) -> Path:
+    """A workflow whose one dump stage writes into ``mydump`` beside it (the stage's dump_dir)."""
+    wf = tmp_path / "wf.yaml"
+    wf.write_text(json.dumps({"name": "redump", "stages": {
+        "dump": {"uses": "dump", "with": {"model": TINY, "prompt": "hello", "max_new_tokens": 2,
+                                          "dump_dir": "mydump"}},
+    }}))
+    return wf
+
+
+def test_a_new_dump_replaces_the_old_one_and_keeps_the_users_files_beside_it(tmp_path):
+    wf = _redump_workflow(tmp_path)
+    first = llmflow("run", str(wf), "--run-dir", "run", cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    dump = tmp_path / "mydump"
+    old_files = {p.relative_to(dump) for p in (dump / "rank0").rglob("*")}
+    # the user's notes next to the earlier dump, inside its rank folder and its data folder
+    (dump / "rank0" / "notes.txt").write_text("this dump was taken on the NPU\n")
+    user_files(dump / "rank0" / "data")
+    before = {k: v for k, v in hashes(dump).items() if "notes" in k or "sub" in k or "hidden" in k}
+    rerun = llmflow("run", str(wf), "--run-dir", "run", "--force", cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert_kept(before, dump)
+    assert {p.relative_to(dump) for p in (dump / "rank0").rglob("*")} == old_files | {Path(k) for k in before}
+    reader = LlmflowDumpReader(dump)
+    assert reader.meta()["complete"] and reader.problems() == []
+    assert reader.steps() == [0, 1]
+
+
+def test_a_dump_refuses_a_rank_folder_that_is_a_link_and_leaves_its_target_alone(tmp_path):
+    wf = _redump_workflow(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    user_files(elsewhere)
+    before = hashes(elsewhere)
+    (tmp_path / "mydump").mkdir()
+    (tmp_path / "mydump" / "rank0").symlink_to(elsewhere)
+    proc = llmflow("run", str(wf), "--run-dir", "run", cwd=tmp_path)
+    assert_bad_input(proc, "mydump/rank0", "symbolic link")
+    assert hashes(elsewhere) == before
+
+
 # -- a full disk ---------------------------------------------------------------------------------
 
 @pytest.fixture

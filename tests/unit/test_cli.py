@@ -164,3 +164,23 @@ def test_every_tool_has_the_contract(tool):
 
     mod = importlib.import_module(TOOLS[tool])
     assert mod.__doc__ and callable(mod.configure) and callable(mod.execute)
+
+
+@pytest.mark.parametrize(("args", "last"), [
+    (["compare", "golden", "target"],  # msit's paths given without -gp/-mp
+     "FAILED: llmflow compare: the following arguments are required: -gp/--golden-path, -mp/--my-path"),
+    (["compare", "-gp", "g", "-mp", "t", "--prefill-offset", "one"],
+     "FAILED: llmflow compare: argument --prefill-offset: invalid int value: 'one'"),
+    (["run", "hello", "--set"], "FAILED: llmflow run: argument --set: expected one argument"),
+    (["bisect"], "FAILED: llmflow: argument COMMAND: invalid choice: 'bisect' (choose from "),
+    ([], "FAILED: no command given"),
+])
+def test_a_usage_error_ends_with_a_failed_line_and_exit_2(tmp_path, args, last):
+    proc = subprocess.run([sys.executable, "-m", "llmflow", *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith(last)  # (the choices as this Python lists them)
+    assert "Traceback" not in proc.stderr
+    if args:  # argparse's own words stay on stderr, after the usage
+        prog, _, message = last.removeprefix("FAILED: ").partition(": ")
+        assert proc.stderr.startswith("usage: ") and f"{prog}: error: {message}" in proc.stderr

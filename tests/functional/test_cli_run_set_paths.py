@@ -1,0 +1,86 @@
+"""A relative path given with ``--set`` to a shipped workflow run by name, as a user types it in
+the folder holding the files: it names the file in the current directory (the shipped workflow
+lies inside the package, where such a path never points); a path relative to the workflow file,
+as the README's ``--set target_patch=../plugins/...`` is, still works."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from compare_helpers import as_dump  # noqa: E402
+from workflow_helpers import llmflow  # noqa: E402
+
+from llmflow.workflow.validate import path_from_current_dir  # noqa: E402
+
+TINY = "tiny-llama:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64"
+
+
+def test_compare_dumps_by_name_reads_dumps_named_relative_to_the_current_directory(tmp_path):
+    as_dump(tmp_path, "gpu_dump")
+    as_dump(tmp_path, "npu_dump", noise=1e-3)
+    proc = llmflow("run", "compare_dumps", "--set", "golden_dump=gpu_dump", "--set", "target_dump=./npu_dump",
+                   "--run-dir", "cmp", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("PASSED")
+    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert summary["params"]["golden_dump"] == str(tmp_path / "gpu_dump")
+    assert summary["params"]["target_dump"] == str(tmp_path / "npu_dump")
+    assert summary["stages"]["compare"]["status"] == "done"
+
+
+def test_a_missing_dump_is_bad_input_naming_it(tmp_path):
+    proc = llmflow("run", "compare_dumps", "--set", "golden_dump=gpu_dump", "--set", "target_dump=npu_dump",
+                   "--run-dir", "cmp", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("FAILED: ") and "gpu_dump" in last and "Traceback" not in proc.stderr
+
+
+def test_badcase_reads_the_prompts_file_the_workflow_header_shows(tmp_path):
+    """``--set prompts=my_prompts.jsonl`` (badcase_bisect.yaml's header) ranks that file's prompts."""
+    (tmp_path / "my_prompts.jsonl").write_text('{"prompt": "first of mine"}\n{"prompt": "second of mine"}\n')
+    proc = llmflow("run", "badcase_bisect", "--only", "badcase", "--run-dir", "run",
+                   "--set", f"golden_model={TINY}", "--set", f"target_model={TINY}",
+                   "--set", "badcase_tokens=2", "--set", "prompts=my_prompts.jsonl", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranking = json.loads((tmp_path / "run" / "badcase" / "ranking.json").read_text())
+    assert sorted(row["prompt"] for row in ranking) == ["first of mine", "second of mine"]
+
+
+def test_a_patch_relative_to_the_users_workflow_file_still_loads(tmp_path):
+    """The workflow in a folder of its own, its patch beside it named from there (``../``)."""
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches" / "mark.py").write_text(
+        "def halve_lm_head(model):\n    model.lm_head.weight.data.mul_(0.5)\n")
+    (tmp_path / "flows").mkdir()
+    (tmp_path / "flows" / "dump.yaml").write_text(json.dumps({
+        "name": "patched-dump",
+        "params": {"patch": {"type": "string", "format": "path", "default": ""}},
+        "stages": {"dump": {"uses": "dump", "with": {"model": TINY, "prompt": "hi", "max_new_tokens": 1,
+                                                     "patch": "${params.patch}"}}},
+    }))
+    work = tmp_path / "deep" / "work"  # where ../patches names nothing
+    work.mkdir(parents=True)
+    proc = llmflow("run", "../../flows/dump.yaml", "--run-dir", "run",
+                   "--set", "patch=../patches/mark.py:halve_lm_head", cwd=work)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((work / "run" / "summary.json").read_text())
+    assert summary["params"]["patch"] == "../patches/mark.py:halve_lm_head"  # kept as typed
+
+
+@pytest.mark.parametrize("value", ["smollm2", "tiny-llama:layers=2", "atb-llama", "", "/abs/path"])
+def test_names_and_absolute_paths_are_kept_as_typed(tmp_path, monkeypatch, value):
+    monkeypatch.chdir(tmp_path)
+    assert path_from_current_dir(value) == value
+
+
+def test_a_file_reference_in_the_current_directory_is_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "faults.py").write_text("def f(model):\n    pass\n")
+    assert path_from_current_dir("faults.py:f") == f"{tmp_path}/faults.py:f"
+    assert path_from_current_dir("other.py:f") == "other.py:f"
