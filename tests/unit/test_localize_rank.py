@@ -124,3 +124,26 @@ def test_below_an_overflow_only_an_overflowing_descendant_is_picked():
         if r["name"] == "model.layers.4.self_attn.q_proj":
             r.update(rel_l2=float("inf"), nonfinite=3, numel=64)
     assert pick_candidate(rank_modules(rows))["name"] == "model.layers.4.self_attn.q_proj"
+
+
+def _sized_rows(norms: list[float], rel: list[float]) -> list[dict]:
+    """One module type over the layers: output norm ``norms[i]``, relative error ``rel[i]``."""
+    return [{"name": f"model.layers.{i}.self_attn.q_proj", "rel_l2": e, "l2": e * n, "norm": n}
+            for i, (n, e) in enumerate(zip(norms, rel, strict=True))]
+
+
+def test_outputs_growing_layer_by_layer_keep_their_own_relative_error():
+    # no norm before the attention: its projections see the residual stream, 50x larger by the
+    # last layer; the same bf16 rounding everywhere must stand out nowhere
+    ranked = rank_modules(_sized_rows([0.7, 2.7, 15.6, 37.0], [0.0029, 0.0031, 0.0027, 0.0030]))
+    assert not any(r["anomalous"] for r in ranked), [(r["name"], r["score"]) for r in ranked]
+    errors = {r["name"]: r["error"] for r in ranked}
+    kept = [round(errors[f"model.layers.{i}.self_attn.q_proj"], 4) for i in (1, 2, 3)]
+    assert kept == [0.0031, 0.0027, 0.0030]
+
+
+def test_an_output_of_almost_nothing_does_not_divide_by_almost_nothing():
+    # a gate's output near 0 in one layer: its rounding is measured against its type's size
+    ranked = rank_modules(_sized_rows([1.0, 1.2, 1e-4, 0.9, 1.1], [0.003, 0.003, 0.3, 0.003, 0.003]))
+    tiny = next(r for r in ranked if r["name"] == "model.layers.2.self_attn.q_proj")
+    assert tiny["error"] < 0.003 and not tiny["anomalous"]
