@@ -152,7 +152,12 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
         fn = load_file_ref(patch, base_dir) if is_file_ref(patch) else None
         if not callable(fn):
             raise UserError(f"patch {patch!r}: expected file.py:callable")
-        patched = fn(module)
+        try:
+            patched = fn(module)
+        except Exception as exc:  # a patch that does not fit this model: its message, not a traceback
+            message = (str(exc).splitlines() or [""])[0]
+            raise UserError(f"patch {patch!r} failed on {type(module).__name__}: "
+                            f"{type(exc).__name__}: {message}") from exc
         if patched is not None:
             if not isinstance(patched, torch.nn.Module):
                 raise UserError(f"patch {patch!r}: returned {type(patched).__name__}, not a "

@@ -66,13 +66,18 @@ def test_load_model_bad_inputs(tmp_path):
         "def none():\n    return 42\n"
         "def good():\n    return torch.nn.Linear(2, 2), None\n"
         "def patch_none(model):\n    model.weight.data.zero_()\n"
-        "def patch_bad(model):\n    return 'nope'\n")
+        "def patch_bad(model):\n    return 'nope'\n"
+        "def patch_raises(model):\n    raise ValueError('no such part in Linear\\nsecond line')\n")
     with pytest.raises(UserError, match=r"model 'm.py:none': returned int, not a torch.nn.Module"):
         load_model("m.py:none", base_dir=tmp_path)
     lm = load_model("m.py:good", base_dir=tmp_path, patch="m.py:patch_none")
     assert isinstance(lm.model, torch.nn.Linear) and lm.model.weight.abs().sum() == 0
     with pytest.raises(UserError, match=r"patch 'm.py:patch_bad'"):
         load_model("m.py:good", base_dir=tmp_path, patch="m.py:patch_bad")
+    with pytest.raises(UserError) as raised:  # a patch that does not fit the model: its message, one line
+        load_model("m.py:good", base_dir=tmp_path, patch="m.py:patch_raises")
+    want = "patch 'm.py:patch_raises' failed on Linear: ValueError: no such part in Linear"
+    assert str(raised.value) == want
     with pytest.raises(UserError, match="device 'npu'"):
         load_model(TINY, device="npu")
 
