@@ -10,9 +10,11 @@ Prefill and decode (faults that act on every forward call):
 =====================  =========================================================================
 name                   what it breaks (in decoder layer N)
 =====================  =========================================================================
-scale_down_proj        the MLP's output projection scaled by 0.5 (a wrong dequant/scale factor)
+scale_down_proj        the MLP's output projection scaled by 0.5 (a wrong dequant/scale factor);
+                       in a mixture-of-experts layer, its shared expert's
 wrong_eps              the block's last norm: epsilon -> 0.5 (a wrong config value)
-wrong_act              the MLP's activation -> ReLU (a wrong activation kernel)
+wrong_act              the MLP's activation -> ReLU (a wrong activation kernel); in a
+                       mixture-of-experts layer, its shared expert's
 noisy_q_proj           the attention's first projection + 5% Gaussian noise (a flaky kernel)
 scale_attn_out         the attention's output scaled by 1.5 (a wrong output scale)
 wrong_rope             the attention's rotary sin negated (a fused-attention bug, no leaf module)
@@ -102,12 +104,39 @@ def _projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
             and "norm" not in type(c).__name__.lower() and "embedding" not in type(c).__name__.lower()]
 
 
-def _activation(module: nn.Module) -> str:
+def _activation_name(module: nn.Module) -> str | None:
+    """The direct child of ``module`` that is its activation function, or None."""
     for n, c in module.named_children():
         cls = type(c).__name__.lower()
         if "act" in n or any(w in cls for w in ("gelu", "silu", "relu", "activation", "tanh")):
             return n
-    raise ValueError(f"example_faults: no activation module in {type(module).__name__}")
+    return None
+
+
+def _activation(module: nn.Module) -> str:
+    name = _activation_name(module)
+    if name is None:
+        raise ValueError(f"example_faults: no activation module in {type(module).__name__}")
+    return name
+
+
+def _dense_mlp(model: nn.Module, layer: int) -> tuple[str, nn.Module]:
+    """The MLP every token of decoder layer ``layer`` runs through (its path and module): the
+    layer's MLP, or in a mixture-of-experts block its shared expert (a child with projections and
+    an activation of its own; the router and the routed experts have none). A block of routed
+    experts alone has no such MLP: its faults are scale_expert, scale_experts and wrong_router."""
+    base, block = _layer(model, layer)
+    roles = block_roles(block, base)
+    modules = dict(model.named_modules())
+    if roles.get("mlp"):
+        return roles["mlp"][0], modules[roles["mlp"][0]]
+    for moe in roles.get("moe", []):
+        for attr, child in modules[moe].named_children():
+            if len(_projections(child)) >= 2 and _activation_name(child) is not None:
+                return f"{moe}.{attr}", child
+    raise ValueError(f"example_faults: layer {layer} ({type(block).__name__}) has no dense MLP: its "
+                     "mixture of experts has no shared expert (its faults: scale_expert, scale_experts, "
+                     "wrong_router)")
 
 
 def _first_tensor(out: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
@@ -129,8 +158,7 @@ def _scale_output(module: nn.Module, factor: float, when: Callable[..., bool] | 
 # -- faults on every call -------------------------------------------------------------------------
 def scale_down_proj(layer: int, factor: float = 0.5) -> Patch:
     def patch(model: nn.Module) -> None:
-        mlp = part(model, layer, "mlp")
-        _scale_output(_projections(mlp)[-1][1], factor)
+        _scale_output(_projections(_dense_mlp(model, layer)[1])[-1][1], factor)
     return patch
 
 
@@ -153,7 +181,7 @@ def wrong_eps(layer: int, eps: float = 0.5) -> Patch:
 
 def wrong_act(layer: int) -> Patch:
     def patch(model: nn.Module) -> None:
-        mlp = part(model, layer, "mlp")
+        mlp = _dense_mlp(model, layer)[1]
         setattr(mlp, _activation(mlp), nn.ReLU())
     return patch
 
@@ -476,11 +504,12 @@ DECODE_FAULTS = ("decode_attn_scale", "decode_softmax_scale", "decode_rope_shift
 def faulty_module(model: nn.Module, name: str, layer: int) -> str:
     """The full path of the module fault ``name`` breaks in ``model`` (any family)."""
     base, _ = _layer(model, layer)
-    if name in ("scale_down_proj",):
-        mlp = part(model, layer, "mlp")
-        return f"{base}.{part_name(model, layer, 'mlp', 0)}.{_projections(mlp)[-1][0]}"
+    if name == "scale_down_proj":
+        path, mlp = _dense_mlp(model, layer)
+        return f"{path}.{_projections(mlp)[-1][0]}"
     if name == "wrong_act":
-        return f"{base}.{part_name(model, layer, 'mlp', 0)}.{_activation(part(model, layer, 'mlp'))}"
+        path, mlp = _dense_mlp(model, layer)
+        return f"{path}.{_activation(mlp)}"
     if name == "wrong_eps":
         return _norm_name(model, layer)
     if name == "noisy_q_proj":
