@@ -51,6 +51,19 @@ def test_tiny_llama_is_seeded_and_configurable():
             build_tiny("llama", bad)
 
 
+def test_tiny_options_reach_each_familys_own_config_names():
+    ds = build_tiny("deepseek-v3", "layers=3,experts=6,top_k=3,intermediate=96")
+    assert (ds.config.n_routed_experts, ds.config.num_experts_per_tok) == (6, 3)
+    assert ds.config.intermediate_size == ds.config.moe_intermediate_size == 96  # dense and expert MLPs
+    assert ds.config.num_key_value_heads == ds.config.num_attention_heads == 4  # latent attention
+    assert type(ds.model.layers[0].mlp).__name__ == "DeepseekV3MLP"  # a dense first layer, then MoE
+    assert ds.model.layers[1].mlp.shared_experts is not None
+    ernie = build_tiny("ernie4.5-moe", "layers=2,experts=6")
+    assert (ernie.config.moe_num_experts, ernie.config.moe_k) == (6, 2)
+    qwen = build_tiny("qwen2-moe", "layers=1,intermediate=96")
+    assert qwen.config.moe_intermediate_size == qwen.config.shared_expert_intermediate_size == 96
+
+
 def test_load_model_dtype_eval_no_grad():
     lm = load_model(TINY, dtype="bfloat16")
     p = next(lm.model.parameters())
