@@ -293,7 +293,13 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                 diagnosis += (f" Consistent with this, {_scan_sentence(origin)}." if agrees else
                               f" Note: {_scan_sentence(origin)}, elsewhere.")
         else:
-            if cand["typical"]:
+            if cand["typical"] and cand.get("peers", 1) == 0:  # a module no other layer has
+                headline = (f"{what} is the fault: {cand['score']:.0f}x the median own error of the "
+                            f"model's modules (no other layer has this module), at {where}{op}")
+                diagnosis = (f"{what} is the fault: {alone} at {where} it adds "
+                             f"{cand['error']:.3g} relative error, {cand['score']:.0f}x the "
+                             f"{cand['typical']:.2g} the median module adds (no other layer has this module)")
+            elif cand["typical"]:
                 headline = (f"{what} is the fault: {cand['score']:.0f}x the own error of the same module in "
                             f"the other layers, at {where}{op}")
                 diagnosis = (f"{what} is the fault: {alone} at {where} it adds "

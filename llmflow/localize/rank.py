@@ -79,6 +79,7 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
       ``typical``: the median own error of the *other* modules of the same type (leave-one-out,
       so with two layers the faulty one is compared with the healthy one); for a type seen once,
       the median over all modules (the dtype's overall noise level);
+      ``peers``: how many other modules of its type there are (0: ``typical`` is all modules');
       ``score``: ``error / typical`` (how many times the usual error for this kind of module);
       ``z``: robust z-score of log(error) within the type (median/MAD), None when undefined;
       ``anomalous``: ``score >= ratio_threshold`` (times SINGLETON_MARGIN for a type seen once; for
@@ -120,6 +121,7 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
             typical = median(others) if others else global_typical
             r = rows[i]
             r["typical"] = typical
+            r["peers"] = len(others)
             r["score"] = r["error"] / max(typical, tiny) if r["error"] > 0 else 0.0
             r["z"] = (logs[pos] - log_med) / mad if mad > 0 else None
             small = (r.get("numel") or SMALL_OUTPUT) < SMALL_OUTPUT and r["error"] < SMALL_OUTPUT_MIN_ERROR

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import random
+from statistics import median
+
+import pytest
 
 from llmflow.localize.rank import (
     first_jump,
@@ -147,3 +150,11 @@ def test_an_output_of_almost_nothing_does_not_divide_by_almost_nothing():
     ranked = rank_modules(_sized_rows([1.0, 1.2, 1e-4, 0.9, 1.1], [0.003, 0.003, 0.3, 0.003, 0.003]))
     tiny = next(r for r in ranked if r["name"] == "model.layers.2.self_attn.q_proj")
     assert tiny["error"] < 0.003 and not tiny["anomalous"]
+
+
+def test_a_module_no_other_layer_has_is_ranked_against_all_modules():
+    rows = _table(4) + [{"name": "model.layers.0.mlp.dense_only", "rel_l2": 0.5}]  # a dense first layer
+    ranked = rank_modules(rows)
+    assert ranked[0]["name"] == "model.layers.0.mlp.dense_only" and ranked[0]["peers"] == 0
+    assert ranked[0]["anomalous"] and ranked[0]["typical"] == pytest.approx(median(r["rel_l2"] for r in rows))
+    assert {r["peers"] for r in ranked if r["name"].endswith("mlp.down_proj")} == {3}
