@@ -56,8 +56,8 @@ TINY_DEFAULTS = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermed
 #: MoE family's dense and expert MLP sizes), to none is not set (DeepSeek's latent attention has as
 #: many key/value heads as query heads); ``experts`` and ``top_k`` reach only the families that
 #: rename them, the mixture-of-experts ones. The own values fit every tiny size: head dims that do
-#: not follow hidden/heads, DeepSeek's latent ranks, one shared expert and a dense first layer (as
-#: the released DeepSeek and GLM-4.5 checkpoints have).
+#: not follow hidden/heads, DeepSeek's latent ranks, one shared expert and a dense first layer (the
+#: released DeepSeek and GLM-4.5 checkpoints start with dense layers too).
 TINY_FAMILIES: dict[str, tuple[str, dict[str, str | tuple[str, ...]], dict[str, Any]]] = {
     "llama": ("llama", {}, {}), "qwen2": ("qwen2", {}, {}), "qwen3": ("qwen3", {}, {}),
     "mistral": ("mistral", {}, {}), "phi": ("phi", {}, {}), "phi3": ("phi3", {}, {}),

@@ -82,8 +82,6 @@ def part(model: nn.Module, index: int, role: str, which: int = 0) -> nn.Module:
     router, experts: see ``llmflow.structure.block_roles``)."""
     name, block = _layer(model, index)
     names = block_roles(block, name).get(role, [])
-    if role == "mlp" and not names:
-        names = block_roles(block, name).get("moe", [])
     if not names:
         raise ValueError(f"example_faults: layer {index} ({type(block).__name__}) has no {role}")
     return dict(model.named_modules())[names[which]]
@@ -92,9 +90,7 @@ def part(model: nn.Module, index: int, role: str, which: int = 0) -> nn.Module:
 def part_name(model: nn.Module, index: int, role: str, which: int = -1) -> str:
     """The module path ``part`` returns, relative to the decoder layer."""
     name, block = _layer(model, index)
-    names = block_roles(block, name).get(role, []) or (block_roles(block, name).get("moe", [])
-                                                         if role == "mlp" else [])
-    return names[which][len(name) + 1:]
+    return block_roles(block, name).get(role, [])[which][len(name) + 1:]
 
 
 def _projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
