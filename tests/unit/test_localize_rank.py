@@ -158,3 +158,12 @@ def test_a_module_no_other_layer_has_is_ranked_against_all_modules():
     assert ranked[0]["name"] == "model.layers.0.mlp.dense_only" and ranked[0]["peers"] == 0
     assert ranked[0]["anomalous"] and ranked[0]["typical"] == pytest.approx(median(r["rel_l2"] for r in rows))
     assert {r["peers"] for r in ranked if r["name"].endswith("mlp.down_proj")} == {3}
+
+
+def test_a_one_value_output_is_measured_against_its_types_usual_size():
+    # a one-value gate at a decode step sits near 0 in one layer: its rounding over that value is
+    # one draw, measured against the gate's usual size, not against almost nothing
+    sized = _sized_rows([1.0, 1.2, 0.05, 0.9, 1.1], [0.003, 0.003, 0.3, 0.003, 0.003])
+    rows = [{**r, "numel": 1} for r in sized]
+    gate = next(r for r in rank_modules(rows) if r["name"] == "model.layers.2.self_attn.q_proj")
+    assert gate["error"] == pytest.approx(0.3 * 0.05 / 1.0) and not gate["anomalous"]
