@@ -450,6 +450,11 @@ def hand_attention(layer: int | None, mode: str = "exact") -> Patch:
         n = len(stack.layers) if stack else 0
         for index in range(n) if layer is None else [layer]:
             attention = part(model, index, "attention")
+            missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+                       if not isinstance(getattr(attention, n, None), nn.Module)]
+            if missing:  # a latent (DeepSeek) or fused (GPT-2's c_attn) attention has no such parts
+                raise ValueError(f"example_faults: hand_attention re-implements Llama-style attention; "
+                                 f"layer {index}'s {type(attention).__name__} has no {', '.join(missing)}")
             attention.forward = types.MethodType(_hand_attention_forward(mode), attention)
     return patch
 

@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
 from bisect_helpers import bisect_dumps, golden_maker, make_dumps, save_char_tokenizer  # noqa: E402
-from example_faults import faulty_module  # noqa: E402
+from example_faults import faulty_module, make_fault  # noqa: E402
 
 from llmflow.models import build_tiny, load_model  # noqa: E402
 
@@ -104,6 +104,16 @@ def test_a_fault_in_a_module_no_other_layer_has_says_what_it_was_compared_with(m
     assert v["status"] == "fail" and v["first_bad_module"] == "model.layers.0.mlp.down_proj", v["headline"]
     assert "median own error of the model's modules (no other layer has this module)" in v["headline"]
     assert "same module in the other layers" not in v["headline"] + v["diagnosis"]
+
+
+@pytest.mark.parametrize(("family", "fault", "says"), [
+    ("deepseek-v3", "hand_attention", "DeepseekV3Attention has no q_proj, k_proj, v_proj"),
+    ("gpt-oss", "wrong_act", "has no dense MLP: its mixture of experts has no shared expert"),
+])
+def test_a_fault_that_does_not_fit_the_family_says_why_before_anything_runs(family, fault, says, model_dirs):
+    model = load_model(str(model_dirs(family))).model
+    with pytest.raises(ValueError, match=says):
+        make_fault(fault, LAYER)(model)
 
 
 # -- the user's way --------------------------------------------------------------------------------
