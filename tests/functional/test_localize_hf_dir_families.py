@@ -141,15 +141,16 @@ def _user_runs(model: Path, family: str, run_dir: Path) -> list[subprocess.Compl
     return runs
 
 
-@pytest.fixture(scope="module", autouse=True)
-def user_runs(model_dirs, tmp_path_factory):
-    """family -> its `llmflow run`s, started when the module starts and run two at a time beside the
-    library cases: each run is three Python processes importing transformers (~20 s of CPU), the
-    bulk of this file's time."""
+@pytest.fixture(scope="module")
+def user_runs(request, model_dirs, tmp_path_factory):
+    """family -> its `llmflow run`s, for the families whose test is selected, run two at a time: each
+    run is three Python processes importing transformers (~20 s of CPU), the bulk of this file."""
+    selected = [item.callspec.params["family"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_llmflow_run_names_the_fault"]
     with ThreadPoolExecutor(max_workers=2) as pool:
         yield {family: pool.submit(_user_runs, model_dirs(family), family,
                                    tmp_path_factory.mktemp(f"run-{family}") / "run")
-               for family in FAULTS}
+               for family in selected}
 
 
 @pytest.mark.parametrize("family", list(FAULTS))
