@@ -11,7 +11,8 @@ Model specs understood by ``load_model``:
   with a seeded init, with a byte-level tokenizer; keys ``layers, hidden, heads, kv_heads,
   intermediate, vocab, seed, max_pos``, ``init`` (the weights' init std: 0.2 gives a model whose
   attention is peaked and whose text varies, as a trained model's does) and, for
-  mixture-of-experts families, ``experts, top_k``.
+  mixture-of-experts families (``mixtral``, ``qwen2-moe``, ``qwen3-moe``, ``granite-moe``,
+  ``gpt-oss``, ``ernie4.5-moe``, ``glm4-moe``, ``deepseek-v3``), ``experts, top_k``.
 * a local Hugging Face model directory (``local_files_only``); one whose safetensors are stored in
   another dtype than the requested one is cast tensor by tensor (``_load_cast_tensor_by_tensor``)
   rather than by ``from_pretrained``, which holds the whole stored checkpoint while it converts;
@@ -49,20 +50,44 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_DEFAULTS = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128,
                  "vocab": 300, "seed": 0, "max_pos": 512, "experts": 4, "top_k": 2, "init": 0.02}
-#: family -> (transformers model_type, config keys that differ from the common names). The common
-#: names (num_hidden_layers, hidden_size, ...) reach every family, GPT-2's through its attribute map.
-TINY_FAMILIES: dict[str, tuple[str, dict[str, str]]] = {
-    "llama": ("llama", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}), "mistral": ("mistral", {}),
-    "phi": ("phi", {}), "phi3": ("phi3", {}), "gemma": ("gemma", {}), "gemma2": ("gemma2", {}),
-    "gemma3": ("gemma3_text", {}), "olmo": ("olmo", {}), "falcon": ("falcon", {}),
-    "gpt2": ("gpt2", {"intermediate": "n_inner"}), "gpt-neox": ("gpt_neox", {}),
-    "mixtral": ("mixtral", {"experts": "num_local_experts", "top_k": "num_experts_per_tok"}),
+#: family -> (transformers model_type, where an option goes when not under its common config name,
+#: config values of the family's own). The common names (num_hidden_layers, hidden_size, ...) reach
+#: every family, GPT-2's through its attribute map. An option renamed to several keys sets each (an
+#: MoE family's dense and expert MLP sizes), to none is not set (DeepSeek's latent attention has as
+#: many key/value heads as query heads); ``experts`` and ``top_k`` reach only the families that
+#: rename them, the mixture-of-experts ones. The own values fit every tiny size: head dims that do
+#: not follow hidden/heads, DeepSeek's latent ranks, one shared expert and a dense first layer (the
+#: released DeepSeek and GLM-4.5 checkpoints start with dense layers too).
+TINY_FAMILIES: dict[str, tuple[str, dict[str, str | tuple[str, ...]], dict[str, Any]]] = {
+    "llama": ("llama", {}, {}), "qwen2": ("qwen2", {}, {}), "qwen3": ("qwen3", {}, {}),
+    "mistral": ("mistral", {}, {}), "phi": ("phi", {}, {}), "phi3": ("phi3", {}, {}),
+    "gemma": ("gemma", {}, {}), "gemma2": ("gemma2", {}, {}), "gemma3": ("gemma3_text", {}, {}),
+    "olmo": ("olmo", {}, {}), "olmo2": ("olmo2", {}, {}), "falcon": ("falcon", {}, {}),
+    "gpt2": ("gpt2", {"intermediate": "n_inner"}, {}), "gpt-neox": ("gpt_neox", {}, {}),
+    "starcoder2": ("starcoder2", {}, {}), "glm4": ("glm4", {}, {"head_dim": 16}),
+    "mixtral": ("mixtral", {"experts": "num_local_experts", "top_k": "num_experts_per_tok"}, {}),
     "qwen2-moe": ("qwen2_moe", {"experts": "num_experts", "top_k": "num_experts_per_tok",
-                                "intermediate": "moe_intermediate_size"}),
+                                "intermediate": ("moe_intermediate_size", "shared_expert_intermediate_size")},
+                  {}),
     "qwen3-moe": ("qwen3_moe", {"experts": "num_experts", "top_k": "num_experts_per_tok",
-                                "intermediate": "moe_intermediate_size"}),
+                                "intermediate": "moe_intermediate_size"}, {}),
+    "granite-moe": ("granitemoe", {"experts": "num_local_experts", "top_k": "num_experts_per_tok"}, {}),
+    "gpt-oss": ("gpt_oss", {"experts": "num_local_experts", "top_k": "num_experts_per_tok"},
+                {"head_dim": 16}),
+    "ernie4.5-moe": ("ernie4_5_moe", {"experts": "moe_num_experts", "top_k": "moe_k",
+                                      "intermediate": ("intermediate_size", "moe_intermediate_size")},
+                     {"moe_num_shared_experts": 1, "moe_layer_start_index": 1}),
+    "glm4-moe": ("glm4_moe", {"experts": "n_routed_experts", "top_k": "num_experts_per_tok",
+                              "intermediate": ("intermediate_size", "moe_intermediate_size")},
+                 {"head_dim": 16, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                  "topk_group": 1}),
+    "deepseek-v3": ("deepseek_v3", {"experts": "n_routed_experts", "top_k": "num_experts_per_tok",
+                                    "intermediate": ("intermediate_size", "moe_intermediate_size"),
+                                    "heads": ("num_attention_heads", "num_key_value_heads"), "kv_heads": ()},
+                    {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                     "v_head_dim": 16, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                     "topk_group": 1}),
 }
-_MOE_FAMILIES = {"mixtral", "qwen2-moe", "qwen3-moe"}
 
 
 @dataclass
@@ -152,7 +177,12 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
         fn = load_file_ref(patch, base_dir) if is_file_ref(patch) else None
         if not callable(fn):
             raise UserError(f"patch {patch!r}: expected file.py:callable")
-        patched = fn(module)
+        try:
+            patched = fn(module)
+        except Exception as exc:  # a patch that does not fit this model: its message, not a traceback
+            message = (str(exc).splitlines() or [""])[0]
+            raise UserError(f"patch {patch!r} failed on {type(module).__name__}: "
+                            f"{type(exc).__name__}: {message}") from exc
         if patched is not None:
             if not isinstance(patched, torch.nn.Module):
                 raise UserError(f"patch {patch!r}: returned {type(patched).__name__}, not a "
@@ -394,17 +424,16 @@ def build_tiny(family: str = "llama", options: str = "") -> torch.nn.Module:
 
     if family not in TINY_FAMILIES:
         raise UserError(f"model 'tiny-{family}': unknown family (known: {', '.join(TINY_FAMILIES)})")
-    model_type, renames = TINY_FAMILIES[family]
+    model_type, renames, own = TINY_FAMILIES[family]
     o = parse_tiny_spec(options, family)
     common = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
               "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size",
               "vocab": "vocab_size", "max_pos": "max_position_embeddings"}
-    if family in _MOE_FAMILIES:
-        common.update(experts="experts", top_k="top_k")
-    kwargs: dict[str, Any] = {renames.get(k, name): o[k] for k, name in common.items()}
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("experts", "top_k")}
-    if family == "qwen2-moe":
-        kwargs["shared_expert_intermediate_size"] = o["intermediate"]
+    kwargs: dict[str, Any] = dict(own)
+    for option in (*common, "experts", "top_k"):
+        keys = renames.get(option, common.get(option, ()))
+        for key in (keys,) if isinstance(keys, str) else keys:
+            kwargs[key] = o[option]
     tok = ByteTokenizer
     config = AutoConfig.for_model(model_type, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                   pad_token_id=tok.pad_token_id, tie_word_embeddings=False,

@@ -10,9 +10,11 @@ Prefill and decode (faults that act on every forward call):
 =====================  =========================================================================
 name                   what it breaks (in decoder layer N)
 =====================  =========================================================================
-scale_down_proj        the MLP's output projection scaled by 0.5 (a wrong dequant/scale factor)
+scale_down_proj        the MLP's output projection scaled by 0.5 (a wrong dequant/scale factor);
+                       in a mixture-of-experts layer, its shared expert's
 wrong_eps              the block's last norm: epsilon -> 0.5 (a wrong config value)
-wrong_act              the MLP's activation -> ReLU (a wrong activation kernel)
+wrong_act              the MLP's activation -> ReLU (a wrong activation kernel); in a
+                       mixture-of-experts layer, its shared expert's
 noisy_q_proj           the attention's first projection + 5% Gaussian noise (a flaky kernel)
 scale_attn_out         the attention's output scaled by 1.5 (a wrong output scale)
 wrong_rope             the attention's rotary sin negated (a fused-attention bug, no leaf module)
@@ -96,8 +98,6 @@ def part(model: nn.Module, index: int, role: str, which: int = 0) -> nn.Module:
     router, experts: see ``llmflow.structure.block_roles``)."""
     name, block = _layer(model, index)
     names = block_roles(block, name).get(role, [])
-    if role == "mlp" and not names:
-        names = block_roles(block, name).get("moe", [])
     if not names:
         raise ValueError(f"example_faults: layer {index} ({type(block).__name__}) has no {role}")
     return dict(model.named_modules())[names[which]]
@@ -106,9 +106,7 @@ def part(model: nn.Module, index: int, role: str, which: int = 0) -> nn.Module:
 def part_name(model: nn.Module, index: int, role: str, which: int = -1) -> str:
     """The module path ``part`` returns, relative to the decoder layer."""
     name, block = _layer(model, index)
-    names = block_roles(block, name).get(role, []) or (block_roles(block, name).get("moe", [])
-                                                         if role == "mlp" else [])
-    return names[which][len(name) + 1:]
+    return block_roles(block, name).get(role, [])[which][len(name) + 1:]
 
 
 def _projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -118,12 +116,39 @@ def _projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
             and "norm" not in type(c).__name__.lower() and "embedding" not in type(c).__name__.lower()]
 
 
-def _activation(module: nn.Module) -> str:
+def _activation_name(module: nn.Module) -> str | None:
+    """The direct child of ``module`` that is its activation function, or None."""
     for n, c in module.named_children():
         cls = type(c).__name__.lower()
         if "act" in n or any(w in cls for w in ("gelu", "silu", "relu", "activation", "tanh")):
             return n
-    raise ValueError(f"example_faults: no activation module in {type(module).__name__}")
+    return None
+
+
+def _activation(module: nn.Module) -> str:
+    name = _activation_name(module)
+    if name is None:
+        raise ValueError(f"example_faults: no activation module in {type(module).__name__}")
+    return name
+
+
+def _dense_mlp(model: nn.Module, layer: int) -> tuple[str, nn.Module]:
+    """The MLP every token of decoder layer ``layer`` runs through (its path and module): the
+    layer's MLP, or in a mixture-of-experts block its shared expert (a child with projections and
+    an activation of its own; the router and the routed experts have none). A block of routed
+    experts alone has no such MLP: its faults are scale_expert, scale_experts and wrong_router."""
+    base, block = _layer(model, layer)
+    roles = block_roles(block, base)
+    modules = dict(model.named_modules())
+    if roles.get("mlp"):
+        return roles["mlp"][0], modules[roles["mlp"][0]]
+    for moe in roles.get("moe", []):
+        for attr, child in modules[moe].named_children():
+            if len(_projections(child)) >= 2 and _activation_name(child) is not None:
+                return f"{moe}.{attr}", child
+    raise ValueError(f"example_faults: layer {layer} ({type(block).__name__}) has no dense MLP: its "
+                     "mixture of experts has no shared expert (its faults: scale_expert, scale_experts, "
+                     "wrong_router)")
 
 
 def _first_tensor(out: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
@@ -145,8 +170,7 @@ def _scale_output(module: nn.Module, factor: float, when: Callable[..., bool] | 
 # -- faults on every call -------------------------------------------------------------------------
 def scale_down_proj(layer: int, factor: float = 0.5) -> Patch:
     def patch(model: nn.Module) -> None:
-        mlp = part(model, layer, "mlp")
-        _scale_output(_projections(mlp)[-1][1], factor)
+        _scale_output(_projections(_dense_mlp(model, layer)[1])[-1][1], factor)
     return patch
 
 
@@ -169,7 +193,7 @@ def wrong_eps(layer: int, eps: float = 0.5) -> Patch:
 
 def wrong_act(layer: int) -> Patch:
     def patch(model: nn.Module) -> None:
-        mlp = part(model, layer, "mlp")
+        mlp = _dense_mlp(model, layer)[1]
         setattr(mlp, _activation(mlp), nn.ReLU())
     return patch
 
@@ -442,6 +466,11 @@ def hand_attention(layer: int | None, mode: str = "exact") -> Patch:
         n = len(stack.layers) if stack else 0
         for index in range(n) if layer is None else [layer]:
             attention = part(model, index, "attention")
+            missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+                       if not isinstance(getattr(attention, n, None), nn.Module)]
+            if missing:  # a latent (DeepSeek) or fused (GPT-2's c_attn) attention has no such parts
+                raise ValueError(f"example_faults: hand_attention re-implements Llama-style attention; "
+                                 f"layer {index}'s {type(attention).__name__} has no {', '.join(missing)}")
             attention.forward = types.MethodType(_hand_attention_forward(mode), attention)
     return patch
 
@@ -545,11 +574,12 @@ def faulty_module(model: nn.Module, name: str, layer: int) -> str:
     base, _ = _layer(model, layer)
     if name in ("scale_layer_code", "decode_layer_code"):
         return base
-    if name in ("scale_down_proj",):
-        mlp = part(model, layer, "mlp")
-        return f"{base}.{part_name(model, layer, 'mlp', 0)}.{_projections(mlp)[-1][0]}"
+    if name == "scale_down_proj":
+        path, mlp = _dense_mlp(model, layer)
+        return f"{path}.{_projections(mlp)[-1][0]}"
     if name == "wrong_act":
-        return f"{base}.{part_name(model, layer, 'mlp', 0)}.{_activation(part(model, layer, 'mlp'))}"
+        path, mlp = _dense_mlp(model, layer)
+        return f"{path}.{_activation(mlp)}"
     if name == "wrong_eps":
         return _norm_name(model, layer)
     if name == "noisy_q_proj":

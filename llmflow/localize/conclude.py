@@ -316,12 +316,12 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                 diagnosis += (f" Consistent with this, {_scan_sentence(origin)}." if agrees else
                               f" Note: {_scan_sentence(origin)}, elsewhere.")
         else:
-            if cand["typical"] and cand.get("peers") == 0:  # one of a kind: the final norm, lm_head ...
+            if cand["typical"] and cand.get("peers", 1) == 0:  # one of a kind: the final norm, lm_head ...
                 headline = (f"{what} is the fault: {cand['score']:.0f}x the median own error of the "
-                            f"model's modules, at {where}{op}")
+                            f"model's modules (no other layer has this module), at {where}{op}")
                 diagnosis = (f"{what} is the fault: {alone} at {where} it adds {cand['error']:.3g} relative "
                              f"error, {cand['score']:.0f}x the {cand['typical']:.2g} the model's modules add "
-                             "at the median (it has no copy in other layers to compare with)")
+                             "at the median (no other layer has this module to compare it with)")
             elif cand["typical"]:
                 headline = (f"{what} is the fault: {cand['score']:.0f}x the own error of the same module in "
                             f"the other layers, at {where}{op}")

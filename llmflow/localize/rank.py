@@ -38,6 +38,14 @@ SINGLETON_MARGIN = 3.0
 #: error that is one draw of the rounding, not a statistic: 3x another layer's draw is chance.
 #: Such a module is anomalous only when its error is also large in itself.
 SMALL_OUTPUT, SMALL_OUTPUT_MIN_ERROR = 32, 0.05
+#: A module's relative error divides by its output's norm, floored so that an output of almost
+#: nothing is not divided by almost nothing. An output of fewer than SMALL_OUTPUT values (a
+#: one-value gate at a decode step, near 0 in some layer) is floored at the median norm of its
+#: type; a larger one at this fraction of it: its outputs legitimately differ in size between
+#: layers (a family without a norm before its attention projects the residual stream, which grows
+#: layer by layer), and a floor at the median itself would shrink the first layers' errors and
+#: make the later layers' ordinary rounding stand out.
+NORM_FLOOR_FRACTION = 0.1
 
 
 def is_descendant(name: str, ancestor: str) -> bool:
@@ -66,9 +74,10 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
     Adds to a copy of every row:
       ``module_type``, ``layer``;
       ``error``: ``row[key]``; where a row also carries ``l2`` and ``norm`` (||t - g||, ||g||), the
-      error is ``l2 / max(norm, median norm of its type)``: a module whose output happens to be
-      tiny in one layer (a one-value gate at a decode step) would otherwise divide by almost
-      nothing and stand out on rounding alone;
+      error is ``l2 / max(norm, median norm of its type)`` for an output of fewer than SMALL_OUTPUT
+      values, ``l2 / max(norm, NORM_FLOOR_FRACTION x that median)`` for a larger one: a module whose
+      output happens to be tiny in one layer (a one-value gate at a decode step) would otherwise
+      divide by almost nothing and stand out on rounding alone;
       ``typical``: the median own error of the *other* modules of the same type (leave-one-out,
       so with two layers the faulty one is compared with the healthy one); for a type seen once,
       the median over all modules (the dtype's overall noise level);
@@ -91,13 +100,15 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
         r["module_type"] = module_type(r["name"], stack)
         if finite_or_none(r.get("norm")) is not None:
             norms[r["module_type"]].append(float(r["norm"]))
-    floor = {t: median(v) for t, v in norms.items()}
+    median_norm = {t: median(v) for t, v in norms.items()}
     for i, r in enumerate(rows):
         r["layer"] = layer_of(r["name"], stack)
         err = finite_or_none(r.get(key))
         l2, norm = finite_or_none(r.get("l2")), finite_or_none(r.get("norm"))
         if err is not None and key == "rel_l2" and l2 is not None and norm is not None:
-            err = l2 / max(norm, floor.get(r["module_type"], 0.0), 1e-30)
+            few = (r.get("numel") or SMALL_OUTPUT) < SMALL_OUTPUT
+            floor = median_norm.get(r["module_type"], 0.0) * (1.0 if few else NORM_FLOOR_FRACTION)
+            err = l2 / max(norm, floor, 1e-30)
         r["error"] = err
         if err is not None:
             by_type[r["module_type"]].append(i)

@@ -51,6 +51,19 @@ def test_tiny_llama_is_seeded_and_configurable():
             build_tiny("llama", bad)
 
 
+def test_tiny_options_reach_each_familys_own_config_names():
+    ds = build_tiny("deepseek-v3", "layers=3,experts=6,top_k=3,intermediate=96")
+    assert (ds.config.n_routed_experts, ds.config.num_experts_per_tok) == (6, 3)
+    assert ds.config.intermediate_size == ds.config.moe_intermediate_size == 96  # dense and expert MLPs
+    assert ds.config.num_key_value_heads == ds.config.num_attention_heads == 4  # latent attention
+    assert type(ds.model.layers[0].mlp).__name__ == "DeepseekV3MLP"  # a dense first layer, then MoE
+    assert ds.model.layers[1].mlp.shared_experts is not None
+    ernie = build_tiny("ernie4.5-moe", "layers=2,experts=6")
+    assert (ernie.config.moe_num_experts, ernie.config.moe_k) == (6, 2)
+    qwen = build_tiny("qwen2-moe", "layers=1,intermediate=96")
+    assert qwen.config.moe_intermediate_size == qwen.config.shared_expert_intermediate_size == 96
+
+
 def test_load_model_dtype_eval_no_grad():
     lm = load_model(TINY, dtype="bfloat16")
     p = next(lm.model.parameters())
@@ -66,13 +79,18 @@ def test_load_model_bad_inputs(tmp_path):
         "def none():\n    return 42\n"
         "def good():\n    return torch.nn.Linear(2, 2), None\n"
         "def patch_none(model):\n    model.weight.data.zero_()\n"
-        "def patch_bad(model):\n    return 'nope'\n")
+        "def patch_bad(model):\n    return 'nope'\n"
+        "def patch_raises(model):\n    raise ValueError('no such part in Linear\\nsecond line')\n")
     with pytest.raises(UserError, match=r"model 'm.py:none': returned int, not a torch.nn.Module"):
         load_model("m.py:none", base_dir=tmp_path)
     lm = load_model("m.py:good", base_dir=tmp_path, patch="m.py:patch_none")
     assert isinstance(lm.model, torch.nn.Linear) and lm.model.weight.abs().sum() == 0
     with pytest.raises(UserError, match=r"patch 'm.py:patch_bad'"):
         load_model("m.py:good", base_dir=tmp_path, patch="m.py:patch_bad")
+    with pytest.raises(UserError) as raised:  # a patch that does not fit the model: its message, one line
+        load_model("m.py:good", base_dir=tmp_path, patch="m.py:patch_raises")
+    want = "patch 'm.py:patch_raises' failed on Linear: ValueError: no such part in Linear"
+    assert str(raised.value) == want
     with pytest.raises(UserError, match="device 'npu'"):
         load_model(TINY, device="npu")
 

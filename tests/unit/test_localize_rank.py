@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import random
+from statistics import median
+
+import pytest
 
 from llmflow.localize.rank import (
     first_jump,
@@ -124,3 +127,43 @@ def test_below_an_overflow_only_an_overflowing_descendant_is_picked():
         if r["name"] == "model.layers.4.self_attn.q_proj":
             r.update(rel_l2=float("inf"), nonfinite=3, numel=64)
     assert pick_candidate(rank_modules(rows))["name"] == "model.layers.4.self_attn.q_proj"
+
+
+def _sized_rows(norms: list[float], rel: list[float]) -> list[dict]:
+    """One module type over the layers: output norm ``norms[i]``, relative error ``rel[i]``."""
+    return [{"name": f"model.layers.{i}.self_attn.q_proj", "rel_l2": e, "l2": e * n, "norm": n}
+            for i, (n, e) in enumerate(zip(norms, rel, strict=True))]
+
+
+def test_outputs_growing_layer_by_layer_keep_their_own_relative_error():
+    # no norm before the attention: its projections see the residual stream, 50x larger by the
+    # last layer; the same bf16 rounding everywhere must stand out nowhere
+    ranked = rank_modules(_sized_rows([0.7, 2.7, 15.6, 37.0], [0.0029, 0.0031, 0.0027, 0.0030]))
+    assert not any(r["anomalous"] for r in ranked), [(r["name"], r["score"]) for r in ranked]
+    errors = {r["name"]: r["error"] for r in ranked}
+    kept = [round(errors[f"model.layers.{i}.self_attn.q_proj"], 4) for i in (1, 2, 3)]
+    assert kept == [0.0031, 0.0027, 0.0030]
+
+
+def test_an_output_of_almost_nothing_does_not_divide_by_almost_nothing():
+    # a gate's output near 0 in one layer: its rounding is measured against its type's size
+    ranked = rank_modules(_sized_rows([1.0, 1.2, 1e-4, 0.9, 1.1], [0.003, 0.003, 0.3, 0.003, 0.003]))
+    tiny = next(r for r in ranked if r["name"] == "model.layers.2.self_attn.q_proj")
+    assert tiny["error"] < 0.003 and not tiny["anomalous"]
+
+
+def test_a_module_no_other_layer_has_is_ranked_against_all_modules():
+    rows = _table(4) + [{"name": "model.layers.0.mlp.dense_only", "rel_l2": 0.5}]  # a dense first layer
+    ranked = rank_modules(rows)
+    assert ranked[0]["name"] == "model.layers.0.mlp.dense_only" and ranked[0]["peers"] == 0
+    assert ranked[0]["anomalous"] and ranked[0]["typical"] == pytest.approx(median(r["rel_l2"] for r in rows))
+    assert {r["peers"] for r in ranked if r["name"].endswith("mlp.down_proj")} == {3}
+
+
+def test_a_one_value_output_is_measured_against_its_types_usual_size():
+    # a one-value gate at a decode step sits near 0 in one layer: its rounding over that value is
+    # one draw, measured against the gate's usual size, not against almost nothing
+    sized = _sized_rows([1.0, 1.2, 0.05, 0.9, 1.1], [0.003, 0.003, 0.3, 0.003, 0.003])
+    rows = [{**r, "numel": 1} for r in sized]
+    gate = next(r for r in rank_modules(rows) if r["name"] == "model.layers.2.self_attn.q_proj")
+    assert gate["error"] == pytest.approx(0.3 * 0.05 / 1.0) and not gate["anomalous"]
