@@ -31,7 +31,9 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,7 +181,9 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
             raise UserError(f"patch {patch!r}: expected file.py:callable")
         try:
             patched = fn(module)
-        except Exception as exc:  # a patch that does not fit this model: its message, not a traceback
+        except Exception as exc:  # a patch that does not fit this model: bad input, in one line;
+            # its traceback goes to stderr (a dump worker's log) for the patch's author
+            traceback.print_exc(file=sys.stderr)
             message = (str(exc).splitlines() or [""])[0]
             raise UserError(f"patch {patch!r} failed on {type(module).__name__}: "
                             f"{type(exc).__name__}: {message}") from exc
