@@ -38,7 +38,7 @@ import torch
 
 from llmflow.atomic import atomic_write_json
 from llmflow.dtypes import SAFETENSORS_CODES, torch_dtype
-from llmflow.errors import UserError
+from llmflow.errors import DumpFormatError, UserError
 from llmflow.formats.base import STAT_KEYS, Entry
 from llmflow.formats.llmflow_layout import FORMAT, META_FILE, VERSION
 
@@ -194,30 +194,51 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | bytes],
 
 
 # The files a dump writes into its rank{R} folder (the temporaries of its renames included). A
-# new dump of the same rank into the same folder replaces a previous dump, as msit does, by
-# removing exactly these; anything else found there is someone else's and stays.
+# new dump of the same rank into the same folder replaces a previous llmflow dump, as msit does, by
+# removing exactly these; anything else found there is someone else's and stays, and these names
+# in a folder no llmflow dump wrote are refused rather than removed or overwritten.
 RANK_FILES = ("index.jsonl", "order.jsonl", "rank.json")
 _OWN_TEMPORARY = re.compile(r"\.rank\.json\..+\.tmp")  # atomic_write_json's, left by a kill
 _DATA_FILE = re.compile(r"\d{6}\.safetensors(\.tmp)?")
 
 
-def _clear_previous_rank(rank_dir: Path) -> None:
-    """Remove what a previous dump wrote into ``rank_dir`` and nothing else; a link in place of
-    the folder or its ``data`` folder is refused (the dump would write, and clear, its target)."""
+def _written_by_llmflow(dump_dir: Path, rank_dir: Path, rank: int) -> bool:
+    """Is ``rank_dir`` rank ``rank`` of an llmflow dump (its manifest and its rank.json say so)?"""
+    def json_object(path: Path) -> dict[str, Any] | None:
+        try:  # the reader's bounded, FIFO-safe read
+            value = LlmflowDumpReader._read_json(path)
+        except DumpFormatError:
+            return None
+        return value if isinstance(value, dict) else None
+
+    manifest, rank_meta = json_object(dump_dir / META_FILE), json_object(rank_dir / "rank.json")
+    return (manifest is not None and manifest.get("format") == FORMAT
+            and rank_meta is not None and rank_meta.get("rank") == rank)
+
+
+def _clear_previous_rank(dump_dir: Path, rank_dir: Path, rank: int) -> None:
+    """Remove what a previous llmflow dump wrote into ``rank_dir`` and nothing else. A link in
+    place of the folder or its ``data`` folder is refused (the dump would write, and clear, its
+    target), and so is a folder holding a dump's file names that no llmflow dump wrote."""
     for folder in (rank_dir, rank_dir / "data"):
         if folder.is_symlink():
             raise UserError(f"{folder}: is a symbolic link; a dump writes only into a folder of its own "
                             f"(move the link away or dump elsewhere)")
     if not rank_dir.is_dir():
         return
-    for path in rank_dir.iterdir():
-        if (path.name in RANK_FILES or _OWN_TEMPORARY.fullmatch(path.name)) and not path.is_dir():
-            path.unlink()
     data = rank_dir / "data"
+    ours = [path for path in rank_dir.iterdir()
+            if (path.name in RANK_FILES or _OWN_TEMPORARY.fullmatch(path.name)) and not path.is_dir()]
     if data.is_dir():
-        for path in data.iterdir():
-            if _DATA_FILE.fullmatch(path.name) and not path.is_dir():
-                path.unlink()
+        ours += [path for path in data.iterdir() if _DATA_FILE.fullmatch(path.name) and not path.is_dir()]
+    if not ours:
+        return
+    if not _written_by_llmflow(dump_dir, rank_dir, rank):
+        raise UserError(f"{ours[0]}: not written by an llmflow dump ({dump_dir / META_FILE} and "
+                        f"{rank_dir / 'rank.json'} do not say so); a dump there would replace it: "
+                        "dump elsewhere or move it away")
+    for path in ours:
+        path.unlink()
 
 
 class DumpDirWriter:
@@ -229,7 +250,7 @@ class DumpDirWriter:
         self.rank_dir = self.dump_dir / f"rank{rank}"
         try:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
-            _clear_previous_rank(self.rank_dir)
+            _clear_previous_rank(self.dump_dir, self.rank_dir, rank)
             (self.rank_dir / "data").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"dump_path {str(self.dump_dir)!r}: cannot write a dump there: "

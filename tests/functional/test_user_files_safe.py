@@ -378,6 +378,20 @@ def test_a_dump_refuses_a_rank_folder_that_is_a_link_and_leaves_its_target_alone
     assert hashes(elsewhere) == before
 
 
+def test_a_dump_refuses_a_rank_folder_with_a_dumps_file_names_no_llmflow_dump_wrote(tmp_path):
+    """Files named as a dump names its own (another tool's ``rank0/index.jsonl``, a data file)
+    in a folder without llmflow's manifest: bad input naming one, every file kept as it was."""
+    wf = _redump_workflow(tmp_path)
+    rank = tmp_path / "mydump" / "rank0"
+    (rank / "data").mkdir(parents=True)
+    (rank / "index.jsonl").write_text('{"their": "index"}\n')
+    (rank / "data" / "000001.safetensors").write_bytes(b"their bytes")
+    before = hashes(tmp_path / "mydump")
+    proc = llmflow("run", str(wf), "--run-dir", "run", cwd=tmp_path)
+    assert_bad_input(proc, "mydump/rank0", "not written by an llmflow dump")
+    assert hashes(tmp_path / "mydump") == before
+
+
 # -- a full disk ---------------------------------------------------------------------------------
 
 @pytest.fixture
