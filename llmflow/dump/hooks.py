@@ -20,6 +20,7 @@ module it came through) is recorded in ``rank.json``, and the next forward goes 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable
@@ -46,6 +47,11 @@ class DumpHandle:
     def __init__(self, model: torch.nn.Module, config: DumpConfig, *, exact_dir: str | Path | None = None,
                  env_factory: Callable[[], dict[str, Any]] | None = None):
         self.model = model
+        if "auto" in config.module_list:  # the decoder-layer classes, found from the model's structure
+            from llmflow.structure import resolve_module_classes
+
+            names = [m if isinstance(m, str) else m.__name__ for m in config.module_list]
+            config = dataclasses.replace(config, module_list=resolve_module_classes(model, names))
         self.config = config
         self.exact_dir = Path(exact_dir) if exact_dir is not None else None
         self.env_factory = env_factory
@@ -171,12 +177,6 @@ def register_hook(model: torch.nn.Module, config: DumpConfig, hook_type: str = "
         from llmflow.seeding import seed_all
 
         seed_all(config.seed)
-    if "auto" in config.module_list:  # the decoder-layer classes, found from the model's structure
-        from llmflow.structure import resolve_module_classes
-
-        names = [m if isinstance(m, str) else m.__name__ for m in config.module_list]
-        config.module_list = resolve_module_classes(model, names)
-        config.__post_init__()
     return DumpHandle(model, config)
 
 

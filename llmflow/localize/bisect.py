@@ -55,7 +55,12 @@ from llmflow.localize.golden import (
 from llmflow.localize.options import BisectInputs
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
-from llmflow.localize.target_dump import golden_names, raw_errors_joined, replay_target_dump
+from llmflow.localize.target_dump import (
+    golden_names,
+    outside_layer_rows,
+    raw_errors_joined,
+    replay_target_dump,
+)
 from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, input_difference, token_rows
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
@@ -249,6 +254,24 @@ class _Bisect:
                                               target_step=t_step, select=self.select,
                                               advance=task.advance if task is not None else None,
                                               mapping=self.mapping))
+        layers = set(self.stack.layers) if self.stack is not None else set()
+        whole = not result.rows and bool(layers & set(known.values()))
+        if whole:  # the decoder layers and nothing inside them (module_list auto): the layers are the rows
+            task = self.progress(f"decoder layers replayed whole, step {step}", float(len(layers))) \
+                if self.progress else None
+            rows = list(replay_target_dump(
+                golden, self.golden_dump, self.target_dump, golden_step=step, target_step=t_step,
+                select=lambda n, _m: n in layers, advance=task.advance if task is not None else None,
+                mapping=self.mapping))
+            whole = any(r.get("replayable") for r in rows)  # none: the layers' outputs alone, said below
+            result.rows = rows if whole else []
+        if self.stack is not None and result.rows:  # a dump of the decoder layers alone: their ends too
+            ends, notes = outside_layer_rows(golden, self.golden_dump, self.target_dump, golden_step=step,
+                                             target_step=t_step, stack=self.stack, held=known)
+            result.rows += ends
+            result.ends_not_replayed = notes
+            for note in notes:
+                self.log(f"bisect: outside the decoder layers, not replayed: {note}")
         unknown = sorted(names - set(known), key=lambda n: (n.count("."), n))
         in_layers = [r for r in result.rows if layer_of(r["name"], self.stack) is not None]
         if not in_layers and unknown:  # a port that renamed its modules: its final norm or lm_head at most
@@ -268,10 +291,9 @@ class _Bisect:
                               "in module mode with tensor_part 2)")
         self.rank(result, result.replayed, "module: isolation from the target dump",
                   f"target dump, {len(self.target_dump.ranks())} rank(s)")
-        if result.replayed and not result.anomalous and self.stack is not None:
+        if result.replayed and not result.anomalous and self.stack is not None and not whole:
             # no module stands out: what a layer does between its modules (its own code, or a change to
             # what a module receives) shows only in the layer replayed whole
-            layers = set(self.stack.layers)
             task = self.progress(f"decoder layers replayed whole, step {step}", float(len(layers))) \
                 if self.progress else None
             whole = replay_target_dump(golden, self.golden_dump, self.target_dump, golden_step=step,

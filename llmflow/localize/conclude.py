@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
+from llmflow.localize.target_dump import HEAD_UNVERIFIED
 from llmflow.results.codec import from_json
 from llmflow.results.verdict import (
     Candidate,
@@ -66,6 +67,9 @@ class StepReplay:
     overflow_op: OverflowOp | None = None  # ops.overflow_detail of the op where an overflow starts
     # isolation from the target dump: each decoder layer's own error, the layer replayed whole
     layer_errors: dict[str, float] = field(default_factory=dict)
+    # isolation from the target dump: why the code before or after the decoder layers, which the
+    # dumps do not hold, was not replayed (``target_dump.outside_layer_rows``)
+    ends_not_replayed: list[str] = field(default_factory=list)
 
     @property
     def replayed(self) -> list[dict[str, Any]]:
@@ -153,7 +157,7 @@ def _step_word(step: int) -> str:
 CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", "score", "z", "anomalous",
                     "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
                     "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note",
-                    "source")
+                    "source", "covers")
 
 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
@@ -163,6 +167,10 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     """The verdict of a bisect from what each replayed step showed."""
     cand = chosen.candidate
     module = cand["name"].removesuffix(KV_CACHE) if chosen.anomalous and cand else None
+    # the hidden states entering the first layer, from dumps without the token ids: a lead only
+    lead = cand if module and cand and cand.get("inputs_unverified") else None
+    if lead is not None:
+        module = None
     expert = chosen.expert if module else None
     shard_rank = cand.get("shard_rank") if module and cand else None
     if module is None:
@@ -175,8 +183,11 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
                         ratio_threshold=inp.ratio_threshold, device=device, dtype=dtype,
                         golden_rerun_max_abs_diff=chosen.rerun_diff)
     routing = [r for t in tried for r in t.routing]
-    status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
-                                                  problems, routing, stack, dtype)
+    if lead is not None:
+        status, headline, diagnosis, why_not = _head_lead(lead, chosen.step)
+    else:
+        status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
+                                                      problems, routing, stack, dtype)
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
         diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard has the error of its own "
@@ -266,6 +277,20 @@ def overflow_evidence(inp: Any, chosen: StepReplay, module: str | None) -> Overf
     )
 
 
+def _head_lead(lead: dict[str, Any], step: int) -> tuple[str, str, str, Inconclusive]:
+    """Inconclusive, pointing at the code before the first decoder layer (``lead``: the row of the
+    hidden states entering it, golden against target, from dumps that lack the token ids)."""
+    reason = (f"the hidden states entering the first decoder layer differ from the golden's, "
+              f"{lead['score']:.0f}x the median own error of the model's modules at {_step_word(step)}: "
+              f"the embedding ({lead['name']}) or the model's code before the first decoder layer is the "
+              f"likely fault, but {HEAD_UNVERIFIED}")
+    nxt = (f"check that both runs read the same token ids, or dump both sides with {lead['name']} too "
+           "(module mode with its inputs and output) and bisect again")
+    diagnosis = (f"No module inside the decoder layers stands out; {reason}. Inconclusive: the evidence "
+                 "points at the embedding without proving it.")
+    return "inconclusive", reason, diagnosis, Inconclusive(reason, nxt)
+
+
 def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | None, expert: int | None,
            mismatch: int | None, bad_token: int | None, problems: list[str], routing: list[RoutingRow],
            stack: LayerStack | None, dtype: str) -> tuple[str, str, str, Inconclusive | None]:
@@ -291,6 +316,10 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         if from_dump and cand.get("source"):  # a KV cache reader, run over every step before this one
             alone += f" ({cand['source']}, filling a KV cache of its own)"
         what = f"{module}" + (f" (expert {expert})" if expert is not None else "")
+        if len(cand.get("covers") or ()) > 1:  # the final norm and lm_head, replayed as one
+            what = " and ".join(cand["covers"])
+            alone = ("the target's logits, against the golden's " + what + " run on the target's recorded "
+                     "output of the last decoder layer (the dumps hold no output between them)")
         if cand.get("shard_rank") is not None:
             what += f" (rank {cand['shard_rank']}'s shard)"
         if cand["name"].endswith(KV_CACHE):
@@ -317,11 +346,12 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                               f" Note: {_scan_sentence(origin)}, elsewhere.")
         else:
             if cand["typical"] and cand.get("peers", 1) == 0:  # one of a kind: the final norm, lm_head ...
-                headline = (f"{what} is the fault: {cand['score']:.0f}x the median own error of the "
+                are = "are" if len(cand.get("covers") or ()) > 1 else "is"
+                headline = (f"{what} {are} the fault: {cand['score']:.0f}x the median own error of the "
                             f"model's modules (no other layer has this module), at {where}{op}")
-                diagnosis = (f"{what} is the fault: {alone} at {where} it adds {cand['error']:.3g} relative "
-                             f"error, {cand['score']:.0f}x the {cand['typical']:.2g} the model's modules add "
-                             "at the median (no other layer has this module to compare it with)")
+                diagnosis = (f"{what} {are} the fault: {alone} at {where} it adds {cand['error']:.3g} "
+                             f"relative error, {cand['score']:.0f}x the {cand['typical']:.2g} the model's "
+                             "modules add at the median (no other layer has this module to compare it with)")
             elif cand["typical"]:
                 headline = (f"{what} is the fault: {cand['score']:.0f}x the own error of the same module in "
                             f"the other layers, at {where}{op}")
@@ -340,6 +370,10 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         if level is not None and not level.comparable:
             ops = ", ".join(o.name.rsplit("/", 1)[-1] for o in level.target_ops_around)
             diagnosis += f" The op level is not comparable: {level.reason} (target ops there: {ops})."
+        if from_dump and stack is not None and module in stack.layers:  # the dumps hold the layers whole
+            diagnosis += (f" The dumps hold no module inside {module}: dump the target with its modules "
+                          f"(layer_name: {module}.*, module mode with inputs and outputs) and bisect again "
+                          "to name the one.")
         if chosen.step > 0 and not from_dump:
             diagnosis += (f" Step {chosen.step} was replayed ({chosen.why}) with the golden KV cache, so the "
                           "fault lives on the decode path.")
@@ -388,6 +422,9 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                   f"stands out when replayed at {steps}: the fault may live in state carried between steps "
                   "(a KV cache written wrong at earlier steps), in a module the replay cannot isolate, or "
                   "be spread over many layers")
+        ends = [n for t in tried for n in t.ends_not_replayed]
+        if ends:  # named: the modules outside the layers this evidence leaves out
+            reason += f"; outside the decoder layers, not replayed: {ends[0]}"
         if all(t.step != bad_token for t in tried):
             nxt = (f"replay the step whose logits fail: bisect replay_step: {bad_token} (in the recipe: "
                    f"--set replay_step={bad_token}), or leave replay_step unset to let the bisect choose")

@@ -422,3 +422,114 @@ def raw_errors_joined(golden: DumpReader, target: DumpReader, golden_step: int, 
         tensors = [target.load(s) for s in shards]
         raw[name] = own_error(golden.load(reference), join_tensors(merge, tensors) if merge else tensors[0])
     return raw
+
+
+#: how close the golden's final norm and lm_head, run on its own last decoder layer's output, must
+#: come to its recorded logits for them to be its whole tail (a softcap or a scale in the model's
+#: forward between them and the logits leaves them further off, and the tail is not replayed)
+TAIL_CHECK_REL_L2 = 1e-3
+#: why the code before the first decoder layer is a lead, not a finding, from dumps of the layers
+HEAD_UNVERIFIED = ("the dumps do not record the token ids, so a run given other ids (another prompt, "
+                   "chat template or BOS token) looks the same")
+
+
+def _held_tensor(reader: DumpReader, step: int, name: str, kind: str, index: str | None) -> Entry | None:
+    """The first tensor with data ``name`` records as ``kind`` at ``step`` on the lowest rank
+    (``index`` None: its first floating input), or None."""
+    found = [e for e in reader.entries() if e.step == step and e.name == name and e.kind == kind
+             and e.is_tensor and e.has_data and (index is None or e.index == index)]
+    if index is None:
+        found = [e for e in found if e.dtype and e.dtype.startswith(("float", "bfloat"))]
+    return min(found, key=lambda e: (e.rank, e.order), default=None)
+
+
+def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
+    if module is None:
+        return None
+    return next((n for n, m in model.named_modules() if m is module and n), None)
+
+
+def _final_norm(model: nn.Module, stack: Any) -> str | None:
+    """The one norm beside the decoder-layer list (``model.norm``, ``transformer.ln_f``), or None."""
+    parent = stack.path.rpartition(".")[0]
+    owner = model.get_submodule(parent) if parent else model
+    norms = [f"{parent}.{n}" if parent else n for n, m in owner.named_children()
+             if "norm" in type(m).__name__.lower()]
+    return norms[0] if len(norms) == 1 else None
+
+
+def outside_layer_rows(golden: Any, golden_dump: DumpReader, target_dump: DumpReader, *, golden_step: int,
+                       target_step: int, stack: Any, held: dict[str, str]) -> tuple[list[dict[str, Any]],
+                                                                                     list[str]]:
+    """Rows for the model's code before its first decoder layer and after its last, where the
+    target dump holds neither's modules (a dump of the decoder layers alone); and why a side was
+    left out. ``held``: target module name -> golden name, of the modules the target dump holds.
+
+    * After the layers (``covers``: the final norm and lm_head): the golden's final norm and
+      lm_head run on the target's recorded output of its last decoder layer, against the target's
+      recorded logits: the tail's own error, as any module's. First they are run on the golden's
+      own last-layer output, which must give the golden's logits: where the model's forward does
+      more between them (a logit softcap, a scale), the tail is not replayed.
+    * Before the layers: the hidden states entering the first decoder layer, golden against
+      target. Given the same token ids that is the embedding's own error (its input is the ids
+      themselves), but the dumps do not record the ids: the row carries ``inputs_unverified`` and
+      can point at the embedding, not convict it.
+    """
+    model = golden.model
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    golden_held = set(held.values())
+    by_golden = {g: t for t, g in held.items()}
+    first, last = stack.layers[0], stack.layers[-1]
+    embed = _module_name(model, model.get_input_embeddings())
+    if embed is not None and embed not in golden_held and first in by_golden:
+        g = _held_tensor(golden_dump, golden_step, first, "input", None)
+        t = _held_tensor(target_dump, target_step, by_golden[first], "input", g.index if g else None)
+        if g is None or t is None:
+            notes.append(f"{embed}: {first}'s input is not in both dumps")
+        elif g.shape != t.shape:
+            notes.append(f"{embed}: {first}'s input has shape {list(g.shape)} in the golden and "
+                         f"{list(t.shape)} in the target")
+        else:
+            rows.append({"name": embed, "module_type": type(model.get_submodule(embed)).__name__,
+                         "replayable": True, "output": "0", "covers": [embed], "inputs_unverified": True,
+                         **own_error(golden_dump.load(g), target_dump.load(t))})
+    head = model.get_output_embeddings()
+    lm_head = _module_name(model, head)
+    if lm_head is None or lm_head in golden_held or last not in by_golden:
+        return rows, notes
+    tail = [n for n in (_final_norm(model, stack), lm_head) if n is not None]
+    h_g = _held_tensor(golden_dump, golden_step, last, "output", "0")
+    h_t = _held_tensor(target_dump, target_step, by_golden[last], "output", "0")
+    l_g = _held_tensor(golden_dump, golden_step, "logits", "output", "0")
+    l_t = _held_tensor(target_dump, target_step, "logits", "output", "0")
+    if h_g is None or h_t is None or l_g is None or l_t is None:
+        notes.append(f"{' and '.join(tail)}: {last}'s output or the logits are not in both dumps")
+        return rows, notes
+
+    def run_tail(hidden: torch.Tensor) -> torch.Tensor:
+        p = next(head.parameters())
+        x = hidden.to(p.device, p.dtype)[..., -1:, :] if hidden.dim() >= 2 else hidden.to(p.device, p.dtype)
+        with torch.no_grad():
+            for name in tail:
+                x = model.get_submodule(name)(x)
+        return x.reshape(-1).float().cpu()
+
+    try:
+        check = own_error(golden_dump.load(l_g), run_tail(golden_dump.load(h_g)))
+        replayed = run_tail(target_dump.load(h_t))
+    except Exception as exc:  # a tail that needs more than the hidden states: reported, not fatal
+        notes.append(f"{' and '.join(tail)}: replay failed: {type(exc).__name__}: {str(exc)[:160]}")
+        return rows, notes
+    if not check["rel_l2"] <= TAIL_CHECK_REL_L2:
+        notes.append(f"{' and '.join(tail)}: run on the golden's own {last} output they are "
+                     f"{check['rel_l2']:.2g} from its logits (the model's forward does more between them)")
+        return rows, notes
+    target_logits = target_dump.load(l_t).reshape(-1)
+    if target_logits.numel() != replayed.numel():
+        notes.append(f"{' and '.join(tail)}: the target's logits hold {target_logits.numel()} values, the "
+                     f"golden's {replayed.numel()}")
+        return rows, notes
+    rows.append({"name": lm_head, "module_type": type(head).__name__, "replayable": True, "output": "0",
+                 "covers": tail, **own_error(replayed, target_logits)})
+    return rows, notes

@@ -132,6 +132,9 @@ class Candidate:
     source: str | None = field(default=None, metadata=_doc(
         'where its replay differs from the step\'s: "target dump, steps 0..T" (a module reading a KV cache '
         "at decode step T, run on the target's recorded inputs of every step to fill a cache of its own)"))
+    covers: list[str] = field(default_factory=list, metadata=_doc(
+        "the modules one row stands for, where the dumps hold no output between them (the final norm "
+        "and lm_head, replayed together on the last decoder layer's output); empty: the row's own"))
 
 
 @dataclass

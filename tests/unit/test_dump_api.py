@@ -164,3 +164,22 @@ def test_top_level_names_are_msit_compatible():
     from llmflow import set_dump_path as sdp
 
     assert (D, rh, s, sdp) == (DumpConfig, register_hook, save, set_dump_path)
+
+
+def test_module_list_auto_dumps_the_decoder_layers_through_dump_run_and_register_hook(tmp_path):
+    """``module_list=["auto"]`` means the decoder-layer classes whichever way the dump is taken,
+    and the caller's config is left as given."""
+    reader, _ = dump(tmp_path, module_list=["auto"])
+    names = {e.name for e in reader.entries() if e.level == "module"}
+    assert names and all(n.startswith("model.layers.") and n.count(".") == 2 for n in names), sorted(names)
+    config = DumpConfig(dump_path=str(tmp_path / "hooked"), module_list=["auto"])
+    loaded = tiny()
+    handle = register_hook(loaded.model, config)
+    try:
+        greedy_generate(loaded.model, prompt_ids(), 1)
+    finally:
+        handle.remove()
+    assert config.module_list == ["auto"]
+    hooked = LlmflowDumpReader(handle.dumps[0])
+    assert {e.name for e in hooked.entries() if e.level == "module" and e.step == 0} == \
+        {e.name for e in reader.entries() if e.level == "module" and e.step == 0}
