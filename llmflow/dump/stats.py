@@ -116,11 +116,23 @@ def _load() -> ctypes._CFuncPtr | None:
     if _kernel is None:
         with _lock:
             if _kernel is None:
-                # pointers as int64: converting a Python int takes ~0.2 us less than c_void_p
-                argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-                fn = native.STATS.function("llmflow_stats", argtypes, None, lambda f: _agrees(CpuStats(f)))
+                fn = for_target(None)
                 _kernel = fn if fn is not None else False
     return _kernel or None
+
+
+def for_target(target: native.Target | None) -> ctypes._CFuncPtr | None:
+    """The kernel built for ``target`` (None: the best this CPU runs), checked as ``_load``'s is,
+    or None: for measuring the builds side by side (``benchmarks/bench_dump.py --targets``)."""
+    # pointers as int64: converting a Python int takes ~0.2 us less than c_void_p
+    argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return native.STATS.function("llmflow_stats", argtypes, None, lambda f: _agrees(CpuStats(f)), target)
+
+
+def use_kernel(fn: ctypes._CFuncPtr | None) -> None:
+    """Make ``fn`` the kernel later dump sessions call (None: none, the copy-and-batch path)."""
+    global _kernel
+    _kernel = fn if fn is not None else False
 
 
 def _agrees(stats: CpuStats) -> bool:
