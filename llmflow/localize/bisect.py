@@ -255,16 +255,16 @@ class _Bisect:
                                               advance=task.advance if task is not None else None,
                                               mapping=self.mapping))
         layers = set(self.stack.layers) if self.stack is not None else set()
-        whole = not result.rows and bool(layers & set(known.values()))
-        if whole:  # the decoder layers and nothing inside them (module_list auto): the layers are the rows
+        layers_whole = not result.rows and bool(layers & set(known.values()))
+        if layers_whole:  # the decoder layers and nothing inside them (module_list auto): the rows
             task = self.progress(f"decoder layers replayed whole, step {step}", float(len(layers))) \
                 if self.progress else None
             rows = list(replay_target_dump(
                 golden, self.golden_dump, self.target_dump, golden_step=step, target_step=t_step,
                 select=lambda n, _m: n in layers, advance=task.advance if task is not None else None,
                 mapping=self.mapping))
-            whole = any(r.get("replayable") for r in rows)  # none: the layers' outputs alone, said below
-            result.rows = rows if whole else []
+            layers_whole = any(r.get("replayable") for r in rows)  # none: their outputs alone, said below
+            result.rows = rows if layers_whole else []
         if self.stack is not None and result.rows:  # a dump of the decoder layers alone: their ends too
             ends, notes = outside_layer_rows(golden, self.golden_dump, self.target_dump, golden_step=step,
                                              target_step=t_step, stack=self.stack, held=known)
@@ -291,7 +291,7 @@ class _Bisect:
                               "in module mode with tensor_part 2)")
         self.rank(result, result.replayed, "module: isolation from the target dump",
                   f"target dump, {len(self.target_dump.ranks())} rank(s)")
-        if result.replayed and not result.anomalous and self.stack is not None and not whole:
+        if result.replayed and not result.anomalous and self.stack is not None and not layers_whole:
             # no module stands out: what a layer does between its modules (its own code, or a change to
             # what a module receives) shows only in the layer replayed whole
             task = self.progress(f"decoder layers replayed whole, step {step}", float(len(layers))) \
