@@ -57,6 +57,7 @@ from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
 from llmflow.localize.target_dump import (
     golden_names,
+    layer_updates,
     outside_layer_rows,
     raw_errors_joined,
     replay_target_dump,
@@ -264,6 +265,11 @@ class _Bisect:
                 select=lambda n, _m: n in layers, advance=task.advance if task is not None else None,
                 mapping=self.mapping))
             layers_whole = any(r.get("replayable") for r in rows)  # none: their outputs alone, said below
+            by_golden = {g: t for t, g in known.items() if g in layers}
+            updates = layer_updates(self.target_dump, t_step, by_golden)
+            for r in rows:  # a layer must stand out against what it adds, too (rank._update_scores)
+                if r["name"] in updates:
+                    r["update"] = updates[r["name"]]
             result.rows = rows if layers_whole else []
         if self.stack is not None and result.rows:  # a dump of the decoder layers alone: their ends too
             ends, notes = outside_layer_rows(golden, self.golden_dump, self.target_dump, golden_step=step,

@@ -443,6 +443,19 @@ def _held_tensor(reader: DumpReader, step: int, name: str, kind: str, index: str
     return min(found, key=lambda e: (e.rank, e.order), default=None)
 
 
+def layer_updates(target: DumpReader, step: int, layers: dict[str, str]) -> dict[str, float]:
+    """Golden layer name -> the norm of what the target's layer added to the residual stream at
+    ``step`` (its recorded output "0" less its first floating input), for the layers the dump
+    holds both of in one shape (``layers``: golden name -> target name)."""
+    updates: dict[str, float] = {}
+    for name, target_name in layers.items():
+        out = _held_tensor(target, step, target_name, "output", "0")
+        inp = _held_tensor(target, step, target_name, "input", None)
+        if out is not None and inp is not None and out.shape == inp.shape:
+            updates[name] = float((target.load(out).double() - target.load(inp).double()).norm())
+    return updates
+
+
 def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
     if module is None:
         return None
