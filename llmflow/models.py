@@ -89,6 +89,17 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, str | tuple[str, ...]], dict[str, 
                     {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                      "v_head_dim": 16, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
                      "topk_group": 1}),
+    # hybrids: decoder layers of two kinds, told apart by the config's layer_types (linear or
+    # convolutional layers keep a recurrent state or a conv window in the cache, not keys and values)
+    "qwen3-next": ("qwen3_next", {"experts": "num_experts", "top_k": "num_experts_per_tok",
+                                  "intermediate": ("intermediate_size", "moe_intermediate_size",
+                                                   "shared_expert_intermediate_size")},
+                   {"head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                    "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    "minimax": ("minimax", {"experts": "num_local_experts", "top_k": "num_experts_per_tok"},
+                {"head_dim": 16}),
+    "hunyuan-moe": ("hunyuan_v1_moe", {"experts": "num_experts", "top_k": "moe_topk"}, {"head_dim": 16}),
+    "lfm2": ("lfm2", {}, {"full_attn_idxs": [1, 3], "block_auto_adjust_ff_dim": False}),
 }
 
 

@@ -42,7 +42,7 @@ from llmflow.localize import cost as cost_mod
 from llmflow.localize import moe
 from llmflow.localize import ops as ops_mod
 from llmflow.localize.calls import NO_INPUTS, calls_from_dump
-from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude, layer_fault
+from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude, stands_out
 from llmflow.localize.golden import (
     dump_has_layer_inputs,
     golden_call,
@@ -597,7 +597,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     else:
         tried = [b.replay_step(step, why)]
     first = tried[0]
-    found = first.anomalous or layer_fault(first, inp.ratio_threshold) is not None
+    found = stands_out(first, inp.ratio_threshold)
     if not found and inp.replay_step is None and not differs:
         if step > 0:
             tried.append(b.replay_step(0, f"nothing stands out at step {step}: the prefill, whose KV "
@@ -605,7 +605,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
         elif mismatch is None and bad_token is None and len(inp.golden_ids) > 1:
             tried.append(b.replay_step(1, "nothing diverges: the first decode step too, where the decode "
                                           "kernel runs against the KV cache"))
-    chosen = next((t for t in tried if t.anomalous or layer_fault(t, inp.ratio_threshold)), tried[0])
+    chosen = next((t for t in tried if stands_out(t, inp.ratio_threshold)), tried[0])
     b.op_level(chosen)
     own_steps = b.own_error_per_step(chosen)
     cost = b.cost(tried, chosen)

@@ -64,6 +64,8 @@ def _written_len(cache: Any, idx: int) -> int | None:
     """How many positions layer ``idx`` of a cache holds (its own count: a static layer's buffer
     is longer than what it holds)."""
     layers = (cache.cache if isinstance(cache, CacheSnapshot) else cache).layers
+    if idx >= len(layers):  # a cache that adds its layers as they first write (MiniMax's): none yet
+        return 0
     count = getattr(layers[idx], "get_seq_length", None)
     try:
         return int(count()) if callable(count) else None

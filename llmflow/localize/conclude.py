@@ -100,6 +100,13 @@ def layer_fault(step: StepReplay, ratio_threshold: float) -> str | None:
     return between[0] if between else None
 
 
+def stands_out(step: StepReplay, ratio_threshold: float) -> bool:
+    """Did the step's replay find something: a module standing out, or a decoder layer replayed
+    whole standing out where none of its modules does (a fault from the target model, a lead from
+    a target dump: either is the step the verdict must speak of, never a quiet one)."""
+    return step.anomalous or _layer_standing_out(step, LAYER_STANDOUT * ratio_threshold) is not None
+
+
 def _layer_standing_out(step: StepReplay, ratio: float) -> tuple[str, float] | None:
     """The decoder layer whose own error (``layer_errors``) is ``ratio`` times the median of the
     other layers' or more, with that ratio (the largest); None where none is."""
