@@ -443,6 +443,16 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         reason = (f"{len(chosen.not_replayable)} module(s) could not be replayed at "
                   f"{_step_word(chosen.step)}{_reason_list(chosen)}: the fault may be among them")
         nxt = "dump those modules on both sides in module mode and compare them (llmflow compare)"
+    elif unchecked := next((t for t in tried if t is not chosen and t.not_replayable), None):
+        # the other step tried (a decode step, where a fault on the decode path alone shows) is not
+        # covered: "no fault" would speak for modules nobody ran there
+        reason = (f"{len(unchecked.not_replayable)} module(s) could not be replayed at "
+                  f"{_step_word(unchecked.step)}{_reason_list(unchecked)}: a fault on that step's path "
+                  "may be among them")
+        nxt = (f"dump those modules on both sides in module mode at step {unchecked.step} and compare them "
+               "(llmflow compare)" + (", or bisect with the target model (isolate: target_model, "
+                                      "target_model_spec), which replays them on a golden re-run"
+                                      if unchecked.source.startswith("target dump") else ""))
     elif mismatch is not None and inp.replay_step is not None and mismatch != chosen.step:
         reason = (f"the texts part at step {mismatch}, but step {chosen.step} was replayed (replay_step): "
                   "the evidence does not cover the step where the divergence starts")

@@ -31,12 +31,13 @@ A rank is named only when its own error stands out from the other ranks' (``shar
 
 A decode step's attention also reads the target's KV cache, whose contents no dump holds. A
 dump with the module's inputs at every step 0..t (token_range all) holds what wrote that cache:
-the golden module is run on those inputs step after step with a ``DynamicCache`` of its own
-(one per rank), and its output at step t against the recorded one is the module's own error at
-t. The target's cache was written by the target's own keys and values from the same inputs, so
-only the module's computation differs: a decode-kernel fault stands out at decode steps only.
-Such a row says so (``source``: "target dump, steps 0..t"). Where an earlier step's inputs are
-missing, the cache kind is not a DynamicCache, or the inputs are sliced over the ranks, the
+the golden module is run on those inputs step after step with a ``DynamicCache`` of its own (or
+the model family's own subclass of it; one per rank), and its output at step t against the
+recorded one is the module's own error at t. The target's cache was written by the target's own
+keys and values from the same inputs, so only the module's computation differs: a decode-kernel
+fault stands out at decode steps only. Such a row says so (``source``: "target dump, steps
+0..t"). Where an earlier step's inputs are missing, the cache kind is not one
+``calls.cache_class`` can make empty, or the inputs are sliced over the ranks, the
 attention stays not replayable, with the reason.
 """
 
@@ -53,7 +54,15 @@ from llmflow.compare.shards import join_tensors, merge_of, rule_merge, shard_err
 from llmflow.dump.arguments import is_cache_type
 from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.formats.base import DumpReader, Entry
-from llmflow.localize.calls import NO_INPUTS, build_call, cast_inputs, entry_value, first_call, fresh_cache
+from llmflow.localize.calls import (
+    NO_INPUTS,
+    build_call,
+    cache_class,
+    cast_inputs,
+    entry_value,
+    first_call,
+    fresh_cache,
+)
 from llmflow.localize.own_error import own_error
 from llmflow.streamed import layer_weights_held
 from llmflow.structure import layer_of_name
@@ -61,9 +70,6 @@ from llmflow.structure import layer_of_name
 #: why an attention cannot be replayed from the target's dump at a decode step
 CACHE_NOT_DUMPED = ("its input {index} is the target's KV cache ({pytype}), whose contents no dump holds: "
                     "not replayable from the target dump at a decode step")
-#: the KV cache kinds a module can be given a private copy of, refilled step by step from its
-#: recorded inputs (by the type name a dump records)
-STEPPED_CACHES = {"DynamicCache"}
 #: why an attention's cache cannot be refilled: an earlier step's inputs are not in the dump
 STEP_MISSING = ("its input {index} is the target's KV cache ({pytype}); refilling it needs the module's "
                 "inputs at every step 0..{step}, and the target dump holds {what} at step {missing}{where}: "
@@ -71,8 +77,8 @@ STEP_MISSING = ("its input {index} is the target's KV cache ({pytype}); refillin
                 "data_mode tensor)")
 #: why an attention's cache cannot be refilled: a cache kind a private copy cannot stand for
 CACHE_KIND = ("its input {index} is the target's KV cache ({pytype}), whose contents no dump holds, and only "
-              "a DynamicCache is refilled from the recorded inputs: not replayable from the target dump at a "
-              "decode step")
+              "a DynamicCache (or the model family's own subclass of it) is refilled from the recorded "
+              "inputs: not replayable from the target dump at a decode step")
 #: why an attention's cache cannot be refilled: its inputs are sliced over the ranks
 CACHE_SLICED = ("its input {index} is the target's KV cache ({pytype}) and its inputs are sliced over the "
                 "ranks: not replayable from the target dump at a decode step")
@@ -188,7 +194,9 @@ def _golden_over_steps(name: str, module: nn.Module, module_type: str | None,
     """The golden module run on one rank's recorded inputs of steps 0..t in order, with a
     ``DynamicCache`` of its own that its calls fill (so at step t it holds the keys and values the
     golden module makes from the target's inputs): its output ``index`` at step t, or why not."""
-    cache = fresh_cache(golden.model)
+    kind = next((v[1] for _i, v in steps[-1] if isinstance(v, tuple) and len(v) == 2
+                 and not isinstance(v[0], torch.Tensor) and is_cache_type(v[1])), "DynamicCache")
+    cache = fresh_cache(golden.model, kind)
     out: torch.Tensor | None = None
     with layer_weights_held(golden.model, layer_of_name(name) or name):  # a streamed layer read once
         for s, inputs in enumerate(steps):
@@ -257,7 +265,7 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
     history: dict[int, list[list[Entry]]] | None = None
     if cache is not None:  # the module reads the target's KV cache: refill a private one, or say why not
         cache_index, pytype = cache
-        if pytype not in STEPPED_CACHES:
+        if cache_class(golden.model, pytype) is None:
             return _not_replayable(name, module_type, CACHE_KIND.format(index=cache_index, pytype=pytype))
         if sliced:
             return _not_replayable(name, module_type, CACHE_SLICED.format(index=cache_index, pytype=pytype))
