@@ -100,6 +100,17 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, str | tuple[str, ...]], dict[str, 
                 {"head_dim": 16}),
     "hunyuan-moe": ("hunyuan_v1_moe", {"experts": "num_experts", "top_k": "moe_topk"}, {"head_dim": 16}),
     "lfm2": ("lfm2", {}, {"full_attn_idxs": [1, 3], "block_auto_adjust_ff_dim": False}),
+    "qwen3.5": ("qwen3_5_text", {}, {"head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                                     "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    "qwen3.5-moe": ("qwen3_5_moe_text", {"experts": "num_experts", "top_k": "num_experts_per_tok",
+                                         "intermediate": ("moe_intermediate_size",
+                                                          "shared_expert_intermediate_size")},
+                    {"head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    "falcon-h1": ("falcon_h1", {}, {"head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8,
+                                    "mamba_d_state": 16, "mamba_chunk_size": 16}),
+    "bamba": ("bamba", {}, {"attn_layer_indices": [1, 3], "mamba_n_heads": 8, "mamba_d_head": 16,
+                            "mamba_d_state": 16, "mamba_chunk_size": 16}),
 }
 
 
