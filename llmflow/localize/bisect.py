@@ -23,6 +23,7 @@ its captures in memory.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -33,7 +34,7 @@ from typing import Any
 
 from llmflow.compare.mappings import Mapping, load_mapping
 from llmflow.compare.run import recorded_dtype
-from llmflow.dtypes import dtype_name
+from llmflow.dtypes import dtype_name, torch_dtype
 from llmflow.dump.memory import Call
 from llmflow.errors import UserError
 from llmflow.formats import open_dump
@@ -53,13 +54,16 @@ from llmflow.localize.golden import (
     rerun_fidelity,
 )
 from llmflow.localize.options import BisectInputs
+from llmflow.localize.own_error import relative_to_update
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
 from llmflow.localize.target_dump import (
     golden_names,
+    layer_updates,
     outside_layer_rows,
     raw_errors_joined,
     replay_target_dump,
+    target_routing,
 )
 from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, input_difference, token_rows
 from llmflow.results.verdict import (
@@ -255,14 +259,24 @@ class _Bisect:
                                               advance=task.advance if task is not None else None,
                                               mapping=self.mapping))
         layers = set(self.stack.layers) if self.stack is not None else set()
+
+        @functools.cache
+        def routing_found() -> Callable[[str], Any]:  # made once, where a layer is replayed whole
+            return target_routing(golden, self.golden_dump, self.target_dump, t_step, layers,
+                                  torch_dtype(target_dump_dtype(self.target_dump)))
+
+        def routing(name: str) -> Any:
+            return routing_found()(name)
         whole = not result.rows and bool(layers & set(known.values()))
         if whole:  # the decoder layers and nothing inside them (module_list auto): the layers are the rows
             task = self.progress(f"decoder layers replayed whole, step {step}", float(len(layers))) \
                 if self.progress else None
-            rows = list(replay_target_dump(
-                golden, self.golden_dump, self.target_dump, golden_step=step, target_step=t_step,
-                select=lambda n, _m: n in layers, advance=task.advance if task is not None else None,
-                mapping=self.mapping))
+            updates = layer_updates(self.golden_dump, step, layers)
+            with moe.routing_forced(golden.model, layers, routing):
+                rows = [relative_to_update(r, updates.get(r["name"])) for r in replay_target_dump(
+                    golden, self.golden_dump, self.target_dump, golden_step=step, target_step=t_step,
+                    select=lambda n, _m: n in layers, advance=task.advance if task is not None else None,
+                    mapping=self.mapping)]
             whole = any(r.get("replayable") for r in rows)  # none: the layers' outputs alone, said below
             result.rows = rows if whole else []
         if self.stack is not None and result.rows:  # a dump of the decoder layers alone: their ends too
@@ -296,11 +310,16 @@ class _Bisect:
             # what a module receives) shows only in the layer replayed whole
             task = self.progress(f"decoder layers replayed whole, step {step}", float(len(layers))) \
                 if self.progress else None
-            whole = replay_target_dump(golden, self.golden_dump, self.target_dump, golden_step=step,
-                                       target_step=t_step, select=lambda n, _m: n in layers,
-                                       advance=task.advance if task is not None else None,
-                                       mapping=self.mapping)
-            result.layer_errors = {r["name"]: r["rel_l2"] for r in whole if r.get("replayable")}
+            # the target's recorded routing forced into the golden routers: near-tied experts its
+            # rounding routed elsewhere are not the layer's own error
+            with moe.routing_forced(golden.model, layers, routing):
+                whole = list(replay_target_dump(golden, self.golden_dump, self.target_dump, golden_step=step,
+                                                target_step=t_step, select=lambda n, _m: n in layers,
+                                                advance=task.advance if task is not None else None,
+                                                mapping=self.mapping))
+            updates = layer_updates(self.golden_dump, step, layers)
+            result.layer_errors = {r["name"]: relative_to_update(r, updates.get(r["name"]))["rel_l2"]
+                                   for r in whole if r.get("replayable")}
             self.phase("module: decoder layers replayed whole", f"{len(result.layer_errors)} layers")
         return result
 
@@ -400,8 +419,9 @@ class _Bisect:
         module stands out (``result.layer_errors``): a fault in a layer's own code (a residual add,
         a scale between its modules) shows only there."""
         layers, tgt = set(self.stack.layers), self.target
-        whole = replay_modules(tgt.model, calls, device=tgt.device, dtype=tgt.dtype,
-                               select=lambda n, _m: n in layers, stack=self.stack)
+        with moe.routing_forced(tgt.model, layers, result.call_of or (lambda _name: None)):
+            whole = replay_modules(tgt.model, calls, device=tgt.device, dtype=tgt.dtype,
+                                   select=lambda n, _m: n in layers, stack=self.stack)
         result.layer_errors = {r["name"]: r["rel_l2"] for r in whole if r.get("replayable")}
         self.phase("module: decoder layers replayed whole", f"{len(result.layer_errors)} layers")
 

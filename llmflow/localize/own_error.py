@@ -4,6 +4,7 @@ inputs, lies from the golden output. Every replay (module, MoE expert, op) is ra
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -37,3 +38,19 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     return {"rel_l2": l2 / max(gn, tiny), "max_abs": max_abs,
             "max_rel": max_abs / max(float(g.abs().max()), tiny) if d.numel() else 0.0,
             "cos_dist": max(0.0, 1.0 - cos), "l2": l2, "norm": gn, "numel": g.numel(), "nonfinite": 0}
+
+
+def relative_to_update(row: dict[str, Any], update_norm: float | None) -> dict[str, Any]:
+    """A decoder layer replayed whole, its own error relative to what the layer adds to the residual
+    stream (``update_norm``: ||output - input|| of the golden layer) rather than to its output.
+
+    The residual stream passes through a layer exactly on both sides, so the difference between
+    the outputs is the layer's computation alone; divided by the whole output it shrinks with the
+    stream's size, and the first layer (whose input is the bare embedding) would stand out from
+    the later ones on rounding alone. ``rel_l2`` and ``norm`` (what the ranking divides ``l2`` by)
+    become the update's; a row without a finite ``l2`` or an update of zero is kept as it is."""
+    l2 = row.get("l2")
+    if (not row.get("replayable") or not update_norm or not math.isfinite(update_norm)
+            or not isinstance(l2, float) or not math.isfinite(l2)):
+        return row
+    return {**row, "rel_l2": l2 / update_norm, "norm": update_norm}

@@ -44,6 +44,8 @@ attention stays not replayable, with the reason.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Sequence
+from copy import deepcopy as copy_module
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -63,6 +65,7 @@ from llmflow.localize.calls import (
     first_call,
     fresh_cache,
 )
+from llmflow.localize.moe import router_of
 from llmflow.localize.own_error import own_error
 from llmflow.streamed import layer_weights_held
 from llmflow.structure import layer_of_name
@@ -398,6 +401,75 @@ def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpRe
                             earlier.get(target_name, {}), rules=rules, target_name=target_name)
         if advance is not None:
             advance()
+
+
+def recorded_outputs(reader: DumpReader, step: int) -> Callable[[str], Call | None]:
+    """Module name -> a Call holding the outputs ``reader`` recorded for it at ``step`` (rank 0, its
+    first call), None where it recorded none: the target's routing, which ``moe.routing_forced``
+    gives the golden routers of a decoder layer replayed whole on the target's inputs."""
+    def call_of(name: str) -> Call | None:
+        entries = [e for e in reader.entries() if e.step == step and e.rank == 0 and e.level == "module"
+                   and e.name == name]
+        outs = {e.index: reader.load(e) for e in first_call(entries)[1] if e.is_tensor and e.has_data}
+        return Call(name, outputs=outs) if outs else None
+    return call_of
+
+
+def target_routing(golden: Any, golden_dump: DumpReader, target_dump: DumpReader, step: int,
+                   layers: Collection[str], dtype: torch.dtype) -> Callable[[str], Call | None]:
+    """Router name -> a Call holding the routing the target chose at ``step`` (``moe.routing_forced``
+    gives it to the golden routers of a decoder layer replayed whole): the router's outputs the
+    target dump recorded; where it recorded none (a dump of the decoder layers alone), the routing
+    a copy of the golden layer in the target's ``dtype`` picks on the target's recorded inputs
+    (one rank; a faithful port's rounding routes near-tied experts as that copy does). None for a
+    router neither gives."""
+    recorded = recorded_outputs(target_dump, step)
+    modules = dict(golden.model.named_modules())
+    routers = {layer: [f"{n}.{found[0]}" for n, m in modules.items()
+                       if n.startswith(layer + ".") and (found := router_of(m)) is not None]
+               for layer in layers}
+    estimated: dict[str, Call] = {}
+    unrecorded = [layer for layer, names in routers.items() if names and recorded(names[0]) is None]
+    if unrecorded and len(target_dump.ranks()) == 1:
+        entries = _module_entries(target_dump, step)
+        shapes, earlier = _golden_input_shapes(golden_dump, step), _earlier_entries(target_dump, step)
+        in_dtype = replace(golden, dtype=dtype)
+        for layer in (name for name in unrecorded if name in entries):
+            with layer_weights_held(golden.model, layer):
+                copy = copy_module(modules[layer]).to(dtype)
+            seen: dict[str, Any] = {}
+            hooks = [copy.get_submodule(name[len(layer) + 1:]).register_forward_hook(
+                lambda _m, _a, out, name=name, seen=seen: seen.__setitem__(name, out))
+                for name in routers[layer]]
+            try:  # over steps 0..step at a decode step: each router's last output is the step's
+                replay_module(layer, copy, entries[layer], target_dump, in_dtype, step, shapes,
+                              earlier=earlier.get(layer, {}))
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            estimated.update({name: Call(name, outputs=flatten_outputs(out)) for name, out in seen.items()})
+
+    def call_of(name: str) -> Call | None:
+        return recorded(name) or estimated.get(name)
+    return call_of
+
+
+def layer_updates(golden_dump: DumpReader, step: int, layers: Collection[str]) -> dict[str, float]:
+    """Decoder layer -> ||output - input|| of its hidden states in the golden dump at ``step`` (rank
+    0): what the golden layer adds to the residual stream, the scale its own error is measured
+    against (``own_error.relative_to_update``). Layers without both tensors of one shape are left out."""
+    found: dict[str, dict[str, Entry]] = {}
+    for e in golden_dump.entries():
+        if (e.step == step and e.rank == 0 and e.level == "module" and e.name in layers and e.is_tensor
+                and e.has_data and (e.kind, e.index) in (("input", "0"), ("input", "kw:hidden_states"),
+                                                         ("output", "0"))):
+            found.setdefault(e.name, {}).setdefault(e.kind, e)
+    updates: dict[str, float] = {}
+    for name, ends in found.items():
+        if "input" in ends and "output" in ends and ends["input"].shape == ends["output"].shape:
+            before, after = (golden_dump.load(ends[k]).to(torch.float64) for k in ("input", "output"))
+            updates[name] = float((after - before).norm())
+    return updates
 
 
 def raw_errors_joined(golden: DumpReader, target: DumpReader, golden_step: int, target_step: int,
