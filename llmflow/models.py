@@ -12,7 +12,10 @@ Model specs understood by ``load_model``:
   intermediate, vocab, seed, max_pos``, ``init`` (the weights' init std: 0.2 gives a model whose
   attention is peaked and whose text varies, as a trained model's does) and, for
   mixture-of-experts families (``mixtral``, ``qwen2-moe``, ``qwen3-moe``, ``granite-moe``,
-  ``gpt-oss``, ``ernie4.5-moe``, ``glm4-moe``, ``deepseek-v3``), ``experts, top_k``.
+  ``gpt-oss``, ``ernie4.5-moe``, ``glm4-moe``, ``deepseek-v3``, ``hunyuan-moe``, ``qwen3-next``,
+  ``qwen3.5-moe``, ``minimax``), ``experts, top_k``. The hybrids mix attention layers with linear
+  attention (``qwen3-next``, ``qwen3.5``, ``qwen3.5-moe``, ``minimax``), short convolutions
+  (``lfm2``) or Mamba mixers (``falcon-h1``, ``bamba``).
 * a local Hugging Face model directory (``local_files_only``); one whose safetensors are stored in
   another dtype than the requested one is cast tensor by tensor (``_load_cast_tensor_by_tensor``)
   rather than by ``from_pretrained``, which holds the whole stored checkpoint while it converts;
