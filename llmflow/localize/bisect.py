@@ -54,7 +54,7 @@ from llmflow.localize.golden import (
     rerun_fidelity,
 )
 from llmflow.localize.options import BisectInputs
-from llmflow.localize.own_error import relative_to_update
+from llmflow.localize.own_error import relative_to_update, update_norm
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
 from llmflow.localize.target_dump import (
@@ -419,10 +419,13 @@ class _Bisect:
         module stands out (``result.layer_errors``): a fault in a layer's own code (a residual add,
         a scale between its modules) shows only there."""
         layers, tgt = set(self.stack.layers), self.target
+        calls = [c for c in calls if c.name in layers]
         with moe.routing_forced(tgt.model, layers, result.call_of or (lambda _name: None)):
             whole = replay_modules(tgt.model, calls, device=tgt.device, dtype=tgt.dtype,
                                    select=lambda n, _m: n in layers, stack=self.stack)
-        result.layer_errors = {r["name"]: r["rel_l2"] for r in whole if r.get("replayable")}
+        updates = {c.name: update_norm(c) for c in calls}
+        result.layer_errors = {r["name"]: relative_to_update(r, updates.get(r["name"]))["rel_l2"]
+                               for r in whole if r.get("replayable")}
         self.phase("module: decoder layers replayed whole", f"{len(result.layer_errors)} layers")
 
     def decode_position(self, step: int) -> Callable[[int], str]:

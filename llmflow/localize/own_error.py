@@ -41,16 +41,32 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
 
 
 def relative_to_update(row: dict[str, Any], update_norm: float | None) -> dict[str, Any]:
-    """A decoder layer replayed whole, its own error relative to what the layer adds to the residual
-    stream (``update_norm``: ||output - input|| of the golden layer) rather than to its output.
+    """A decoder layer replayed whole, its own error relative to its output plus what it adds to the
+    residual stream (``update_norm``: ||output - input|| of the golden layer), not to its output
+    alone.
 
-    The residual stream passes through a layer exactly on both sides, so the difference between
-    the outputs is the layer's computation alone; divided by the whole output it shrinks with the
-    stream's size, and the first layer (whose input is the bare embedding) would stand out from
-    the later ones on rounding alone. ``rel_l2`` and ``norm`` (what the ranking divides ``l2`` by)
-    become the update's; a row without a finite ``l2`` or an update of zero is kept as it is."""
-    l2 = row.get("l2")
-    if (not row.get("replayable") or not update_norm or not math.isfinite(update_norm)
-            or not isinstance(l2, float) or not math.isfinite(l2)):
+    Its rounding has two parts: the residual add rounds at the size of the stream (the output),
+    the layer's computation at the size of what it computes (the update). Divided by the output
+    alone, a layer whose update is most of its output (the first, fed the bare embedding) stood
+    out from the later ones on rounding alone; divided by the update alone, a layer adding little
+    to a large stream did. ``rel_l2`` and ``norm`` (what the ranking divides ``l2`` by) become
+    ``l2 / (||output|| + update)`` and that sum; a row without a finite ``l2`` or ``norm`` is kept
+    as it is."""
+    l2, norm = row.get("l2"), row.get("norm")
+    if (not row.get("replayable") or update_norm is None or not math.isfinite(update_norm)
+            or not isinstance(l2, float) or not math.isfinite(l2)
+            or not isinstance(norm, float) or not math.isfinite(norm) or norm + update_norm <= 0):
         return row
-    return {**row, "rel_l2": l2 / update_norm, "norm": update_norm}
+    scale = norm + update_norm
+    return {**row, "rel_l2": l2 / scale, "norm": scale}
+
+
+def update_norm(call: Any) -> float | None:
+    """||output - input|| of a decoder layer's recorded call (a ``dump.memory.Call``): what the
+    layer added to the residual stream, its hidden states being its first positional input or
+    ``hidden_states``; None where they are not there or differ in shape from output ``"0"``."""
+    hidden = call.args[0] if call.args else call.kwargs.get("hidden_states")
+    out = call.outputs.get("0")
+    if not isinstance(hidden, torch.Tensor) or not isinstance(out, torch.Tensor) or hidden.shape != out.shape:
+        return None
+    return float((out.detach().to("cpu", torch.float64) - hidden.detach().to("cpu", torch.float64)).norm())
