@@ -456,8 +456,9 @@ def target_routing(golden: Any, golden_dump: DumpReader, target_dump: DumpReader
 
 def layer_updates(golden_dump: DumpReader, step: int, layers: Collection[str]) -> dict[str, float]:
     """Decoder layer -> ||output - input|| of its hidden states in the golden dump at ``step`` (rank
-    0): what the golden layer adds to the residual stream, the scale its own error is measured
-    against (``own_error.relative_to_update``). Layers without both tensors of one shape are left out."""
+    0): what the golden layer adds to the residual stream, part of the scale its own error is
+    measured against (``own_error.relative_to_update``). Layers without both tensors of one shape
+    are left out."""
     found: dict[str, dict[str, Entry]] = {}
     for e in golden_dump.entries():
         if (e.step == step and e.rank == 0 and e.level == "module" and e.name in layers and e.is_tensor
