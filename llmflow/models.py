@@ -12,7 +12,10 @@ Model specs understood by ``load_model``:
   intermediate, vocab, seed, max_pos``, ``init`` (the weights' init std: 0.2 gives a model whose
   attention is peaked and whose text varies, as a trained model's does) and, for
   mixture-of-experts families (``mixtral``, ``qwen2-moe``, ``qwen3-moe``, ``granite-moe``,
-  ``gpt-oss``, ``ernie4.5-moe``, ``glm4-moe``, ``deepseek-v3``), ``experts, top_k``.
+  ``gpt-oss``, ``ernie4.5-moe``, ``glm4-moe``, ``deepseek-v3``, ``hunyuan-moe``, ``qwen3-next``,
+  ``qwen3.5-moe``, ``minimax``), ``experts, top_k``. The hybrids mix attention layers with linear
+  attention (``qwen3-next``, ``qwen3.5``, ``qwen3.5-moe``, ``minimax``), short convolutions
+  (``lfm2``) or Mamba mixers (``falcon-h1``, ``bamba``).
 * a local Hugging Face model directory (``local_files_only``); one whose safetensors are stored in
   another dtype than the requested one is cast tensor by tensor (``_load_cast_tensor_by_tensor``)
   rather than by ``from_pretrained``, which holds the whole stored checkpoint while it converts;
@@ -89,6 +92,28 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, str | tuple[str, ...]], dict[str, 
                     {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                      "v_head_dim": 16, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
                      "topk_group": 1}),
+    # hybrids: decoder layers of two kinds, told apart by the config's layer_types (linear or
+    # convolutional layers keep a recurrent state or a conv window in the cache, not keys and values)
+    "qwen3-next": ("qwen3_next", {"experts": "num_experts", "top_k": "num_experts_per_tok",
+                                  "intermediate": ("intermediate_size", "moe_intermediate_size",
+                                                   "shared_expert_intermediate_size")},
+                   {"head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                    "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    "minimax": ("minimax", {"experts": "num_local_experts", "top_k": "num_experts_per_tok"},
+                {"head_dim": 16}),
+    "hunyuan-moe": ("hunyuan_v1_moe", {"experts": "num_experts", "top_k": "moe_topk"}, {"head_dim": 16}),
+    "lfm2": ("lfm2", {}, {"full_attn_idxs": [1, 3], "block_auto_adjust_ff_dim": False}),
+    "qwen3.5": ("qwen3_5_text", {}, {"head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                                     "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    "qwen3.5-moe": ("qwen3_5_moe_text", {"experts": "num_experts", "top_k": "num_experts_per_tok",
+                                         "intermediate": ("moe_intermediate_size",
+                                                          "shared_expert_intermediate_size")},
+                    {"head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    "falcon-h1": ("falcon_h1", {}, {"head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8,
+                                    "mamba_d_state": 16, "mamba_chunk_size": 16}),
+    "bamba": ("bamba", {}, {"attn_layer_indices": [1, 3], "mamba_n_heads": 8, "mamba_d_head": 16,
+                            "mamba_d_state": 16, "mamba_chunk_size": 16}),
 }
 
 

@@ -11,7 +11,8 @@ A module's layer is then exact (``LayerStack.layer_of``); names alone (a dump wi
 fall back to the first all-digit path segment (``layer_of_name``), which every family above
 satisfies. Both live here so that "layer" has one definition.
 
-Inside a block, ``block_roles`` names the attention, the MLP (or MoE block), the norms and, for an
+Inside a block, ``block_roles`` names the attention (in a hybrid family its other token mixer:
+linear attention, a convolution, a state space), the MLP (or MoE block), the norms and, for an
 MoE block, its router and experts, by class and attribute name: what fault injection and the
 MoE-aware replay need. ``find_cache`` finds the KV cache a call reads, by type: its keyword has
 changed across transformers releases.
@@ -31,6 +32,9 @@ from llmflow.errors import UserError
 # The first all-digit dotted segment is the layer index: model.layers.7.mlp -> model.layers.7
 _LAYER_RE = re.compile(r"^((?:[^./]+\.)*?\d+)(?=\.|$)")
 _ATTENTION_ATTRS = ("self_attn", "attn", "attention", "self_attention", "mixer", "token_mixer")
+#: class-name words of a block's token mixer: attention, or in a hybrid family the layers that mix
+#: tokens otherwise (Gated DeltaNet linear attention, a short convolution, a Mamba state space)
+_ATTENTION_WORDS = ("attention", "attn", "mixer", "deltanet", "shortconv", "mamba")
 _MLP_WORDS = ("mlp", "feedforward", "feed_forward", "ffn", "moe", "sparse", "mixture")
 
 
@@ -207,7 +211,7 @@ def _role_of(attr: str, cls: str) -> str | None:
     a, c = attr.lower(), cls.lower()
     if "dropout" in c or c == "identity":
         return None  # no arithmetic of its own
-    if "attention" in c or "attn" in c or "mixer" in c or a in _ATTENTION_ATTRS:
+    if any(w in c for w in _ATTENTION_WORDS) or a in _ATTENTION_ATTRS:
         return "attention"
     if "norm" in c or "norm" in a or re.fullmatch(r"ln(_\w*|\d*|f)", a):
         return "norm"

@@ -62,6 +62,9 @@ class CacheSnapshot:
         self.type = type(cache).__name__
         layers = getattr(cache, "layers", None)
         ok = isinstance(layers, list) and isinstance(layer_idx, int) and 0 <= layer_idx < len(layers)
+        # a cache that keeps state beside its layers (MiniMax's linear-attention states in a list of
+        # its own) would share that state with later steps' writes: copied whole
+        ok = ok and not _holds_tensors({k: v for k, v in vars(cache).items() if k != "layers"})
         self.idx = layer_idx if ok else None
         if self.idx is not None:
             snap = copy.copy(cache)
@@ -82,6 +85,19 @@ class CacheSnapshot:
             out.layers[self.idx] = _cast_object(copy.deepcopy(self.cache.layers[self.idx]), device, dtype)
             return out
         return _cast_object(copy.deepcopy(self.cache), device, dtype)
+
+
+def _holds_tensors(value: Any, depth: int = 0) -> bool:
+    """Does ``value`` (a dict, list or tuple of them, nested a few levels) hold a tensor?"""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth > 3:
+        return False
+    if isinstance(value, dict):
+        return any(_holds_tensors(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(v, depth + 1) for v in value)
+    return False
 
 
 def cache_layer_index(module: nn.Module | None) -> int | None:

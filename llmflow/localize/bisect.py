@@ -23,6 +23,7 @@ its captures in memory.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -33,7 +34,7 @@ from typing import Any
 
 from llmflow.compare.mappings import Mapping, load_mapping
 from llmflow.compare.run import recorded_dtype
-from llmflow.dtypes import dtype_name
+from llmflow.dtypes import dtype_name, torch_dtype
 from llmflow.dump.memory import Call
 from llmflow.errors import UserError
 from llmflow.formats import open_dump
@@ -42,7 +43,7 @@ from llmflow.localize import cost as cost_mod
 from llmflow.localize import moe
 from llmflow.localize import ops as ops_mod
 from llmflow.localize.calls import NO_INPUTS, calls_from_dump
-from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude, layer_fault
+from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude, stands_out
 from llmflow.localize.golden import (
     dump_has_layer_inputs,
     golden_call,
@@ -53,6 +54,7 @@ from llmflow.localize.golden import (
     rerun_fidelity,
 )
 from llmflow.localize.options import BisectInputs
+from llmflow.localize.own_error import relative_to_update, update_norm
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
 from llmflow.localize.target_dump import (
@@ -61,6 +63,7 @@ from llmflow.localize.target_dump import (
     outside_layer_rows,
     raw_errors_joined,
     replay_target_dump,
+    target_routing,
 )
 from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, input_difference, token_rows
 from llmflow.results.verdict import (
@@ -256,20 +259,25 @@ class _Bisect:
                                               advance=task.advance if task is not None else None,
                                               mapping=self.mapping))
         layers = set(self.stack.layers) if self.stack is not None else set()
+
+        @functools.cache
+        def routing_found() -> Callable[[str], Any]:  # made once, where a layer is replayed whole
+            return target_routing(golden, self.golden_dump, self.target_dump, t_step, layers,
+                                  torch_dtype(target_dump_dtype(self.target_dump)))
+
+        def routing(name: str) -> Any:
+            return routing_found()(name)
         layers_whole = not result.rows and bool(layers & set(known.values()))
         if layers_whole:  # the decoder layers and nothing inside them (module_list auto): the rows
             task = self.progress(f"decoder layers replayed whole, step {step}", float(len(layers))) \
                 if self.progress else None
-            rows = list(replay_target_dump(
-                golden, self.golden_dump, self.target_dump, golden_step=step, target_step=t_step,
-                select=lambda n, _m: n in layers, advance=task.advance if task is not None else None,
-                mapping=self.mapping))
+            updates = self.layer_updates(step, t_step, known)
+            with moe.routing_forced(golden.model, layers, routing):
+                rows = [relative_to_update(r, updates.get(r["name"])) for r in replay_target_dump(
+                    golden, self.golden_dump, self.target_dump, golden_step=step, target_step=t_step,
+                    select=lambda n, _m: n in layers, advance=task.advance if task is not None else None,
+                    mapping=self.mapping)]
             layers_whole = any(r.get("replayable") for r in rows)  # none: their outputs alone, said below
-            by_golden = {g: t for t, g in known.items() if g in layers}
-            updates = layer_updates(self.target_dump, t_step, by_golden)
-            for r in rows:  # a layer must stand out against what it adds, too (rank._update_scores)
-                if r["name"] in updates:
-                    r["update"] = updates[r["name"]]
             result.rows = rows if layers_whole else []
         if self.stack is not None and result.rows:  # a dump of the decoder layers alone: their ends too
             ends, notes = outside_layer_rows(golden, self.golden_dump, self.target_dump, golden_step=step,
@@ -302,13 +310,27 @@ class _Bisect:
             # what a module receives) shows only in the layer replayed whole
             task = self.progress(f"decoder layers replayed whole, step {step}", float(len(layers))) \
                 if self.progress else None
-            whole = replay_target_dump(golden, self.golden_dump, self.target_dump, golden_step=step,
-                                       target_step=t_step, select=lambda n, _m: n in layers,
-                                       advance=task.advance if task is not None else None,
-                                       mapping=self.mapping)
-            result.layer_errors = {r["name"]: r["rel_l2"] for r in whole if r.get("replayable")}
+            # the target's recorded routing forced into the golden routers: near-tied experts its
+            # rounding routed elsewhere are not the layer's own error
+            with moe.routing_forced(golden.model, layers, routing):
+                whole = list(replay_target_dump(golden, self.golden_dump, self.target_dump, golden_step=step,
+                                                target_step=t_step, select=lambda n, _m: n in layers,
+                                                advance=task.advance if task is not None else None,
+                                                mapping=self.mapping))
+            updates = self.layer_updates(step, t_step, known)
+            result.layer_errors = {r["name"]: relative_to_update(r, updates.get(r["name"]))["rel_l2"]
+                                   for r in whole if r.get("replayable")}
             self.phase("module: decoder layers replayed whole", f"{len(result.layer_errors)} layers")
         return result
+
+    def layer_updates(self, step: int, t_step: int, known: dict[str, str]) -> dict[str, float]:
+        """Decoder layer -> what it adds to the residual stream at the step: the golden dump's
+        layer where it holds the layer's input and output, else the target dump's (whose inputs a
+        replay from it needs anyway)."""
+        layers = set(self.stack.layers) if self.stack is not None else set()
+        updates = layer_updates(self.golden_dump, step, {n: n for n in layers})
+        missing = {g: t for t, g in known.items() if g in layers and g not in updates}
+        return {**layer_updates(self.target_dump, t_step, missing), **updates} if missing else updates
 
     def rank(self, result: StepReplay, replayed: list[dict[str, Any]], phase: str, source: str) -> None:
         """Rank the step's own errors, pick its candidate, end the phase and say what came out."""
@@ -406,9 +428,13 @@ class _Bisect:
         module stands out (``result.layer_errors``): a fault in a layer's own code (a residual add,
         a scale between its modules) shows only there."""
         layers, tgt = set(self.stack.layers), self.target
-        whole = replay_modules(tgt.model, calls, device=tgt.device, dtype=tgt.dtype,
-                               select=lambda n, _m: n in layers, stack=self.stack)
-        result.layer_errors = {r["name"]: r["rel_l2"] for r in whole if r.get("replayable")}
+        calls = [c for c in calls if c.name in layers]
+        with moe.routing_forced(tgt.model, layers, result.call_of or (lambda _name: None)):
+            whole = replay_modules(tgt.model, calls, device=tgt.device, dtype=tgt.dtype,
+                                   select=lambda n, _m: n in layers, stack=self.stack)
+        updates = {c.name: update_norm(c) for c in calls}
+        result.layer_errors = {r["name"]: relative_to_update(r, updates.get(r["name"]))["rel_l2"]
+                               for r in whole if r.get("replayable")}
         self.phase("module: decoder layers replayed whole", f"{len(result.layer_errors)} layers")
 
     def decode_position(self, step: int) -> Callable[[int], str]:
@@ -603,7 +629,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     else:
         tried = [b.replay_step(step, why)]
     first = tried[0]
-    found = first.anomalous or layer_fault(first, inp.ratio_threshold) is not None
+    found = stands_out(first, inp.ratio_threshold)
     if not found and inp.replay_step is None and not differs:
         if step > 0:
             tried.append(b.replay_step(0, f"nothing stands out at step {step}: the prefill, whose KV "
@@ -611,7 +637,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
         elif mismatch is None and bad_token is None and len(inp.golden_ids) > 1:
             tried.append(b.replay_step(1, "nothing diverges: the first decode step too, where the decode "
                                           "kernel runs against the KV cache"))
-    chosen = next((t for t in tried if t.anomalous or layer_fault(t, inp.ratio_threshold)), tried[0])
+    chosen = next((t for t in tried if stands_out(t, inp.ratio_threshold)), tried[0])
     b.op_level(chosen)
     own_steps = b.own_error_per_step(chosen)
     cost = b.cost(tried, chosen)

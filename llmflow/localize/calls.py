@@ -17,6 +17,7 @@ marks the call not replayable, with the reason.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -50,20 +51,43 @@ def cast_inputs(value: Any, device: torch.device, dtype: torch.dtype, module: nn
     return value
 
 
-def fresh_cache(model: nn.Module) -> Any:
-    """An empty transformers ``DynamicCache`` for a module re-run step after step from recorded
-    inputs, filled by its own calls; laid out by the model's config where it has one (the
-    sliding-window layers of Gemma-2, Mistral ...)."""
+def cache_class(model: nn.Module, kind: str) -> type | None:
+    """The KV-cache class named ``kind`` (the type name a dump records) that a module re-run step
+    after step from recorded inputs can be given empty, to fill with its own calls: transformers'
+    ``DynamicCache``, or a subclass of it that the model's family defines beside its modeling code
+    (MiniMax's keeps its linear-attention states in a list of its own). None for any other kind."""
     from transformers import DynamicCache
 
+    if kind == "DynamicCache":
+        return DynamicCache
+    for cls in type(model).__mro__:
+        found = getattr(sys.modules.get(cls.__module__), kind, None)
+        if isinstance(found, type) and issubclass(found, DynamicCache):
+            return found
+    return None
+
+
+def fresh_cache(model: nn.Module, kind: str = "DynamicCache") -> Any:
+    """An empty cache of ``kind`` (see ``cache_class``; a ``DynamicCache`` where the model defines
+    no such kind) for a module re-run step after step from recorded inputs, filled by its own
+    calls; laid out by the model's config where the class takes one (the sliding-window layers of
+    Gemma-2, Mistral ..., the linear-attention and convolution layers of the hybrid families)."""
+    from transformers import DynamicCache
+
+    cls = cache_class(model, kind) or DynamicCache
     config = getattr(model, "config", None)
-    return DynamicCache(config=config) if config is not None else DynamicCache()
+    try:
+        return cls(config=config) if config is not None else cls()
+    except TypeError:  # a family's own cache built without a config (MiniMax's)
+        return cls()
 
 
 def _written_len(cache: Any, idx: int) -> int | None:
     """How many positions layer ``idx`` of a cache holds (its own count: a static layer's buffer
     is longer than what it holds)."""
     layers = (cache.cache if isinstance(cache, CacheSnapshot) else cache).layers
+    if idx >= len(layers):  # a cache that adds its layers as they first write (MiniMax's): none yet
+        return 0
     count = getattr(layers[idx], "get_seq_length", None)
     try:
         return int(count()) if callable(count) else None

@@ -100,6 +100,13 @@ def layer_fault(step: StepReplay, ratio_threshold: float) -> str | None:
     return between[0] if between else None
 
 
+def stands_out(step: StepReplay, ratio_threshold: float) -> bool:
+    """Did the step's replay find something: a module standing out, or a decoder layer replayed
+    whole standing out where none of its modules does (a fault from the target model, a lead from
+    a target dump: either is the step the verdict must speak of, never a quiet one)."""
+    return step.anomalous or _layer_standing_out(step, LAYER_STANDOUT * ratio_threshold) is not None
+
+
 def _layer_standing_out(step: StepReplay, ratio: float) -> tuple[str, float] | None:
     """The decoder layer whose own error (``layer_errors``) is ``ratio`` times the median of the
     other layers' or more, with that ratio (the largest); None where none is."""
@@ -436,6 +443,16 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         reason = (f"{len(chosen.not_replayable)} module(s) could not be replayed at "
                   f"{_step_word(chosen.step)}{_reason_list(chosen)}: the fault may be among them")
         nxt = "dump those modules on both sides in module mode and compare them (llmflow compare)"
+    elif unchecked := next((t for t in tried if t is not chosen and t.not_replayable), None):
+        # the other step tried (a decode step, where a fault on the decode path alone shows) is not
+        # covered: "no fault" would speak for modules nobody ran there
+        reason = (f"{len(unchecked.not_replayable)} module(s) could not be replayed at "
+                  f"{_step_word(unchecked.step)}{_reason_list(unchecked)}: a fault on that step's path "
+                  "may be among them")
+        nxt = (f"dump those modules on both sides in module mode at step {unchecked.step} and compare them "
+               "(llmflow compare)" + (", or bisect with the target model (isolate: target_model, "
+                                      "target_model_spec), which replays them on a golden re-run"
+                                      if unchecked.source.startswith("target dump") else ""))
     elif mismatch is not None and inp.replay_step is not None and mismatch != chosen.step:
         reason = (f"the texts part at step {mismatch}, but step {chosen.step} was replayed (replay_step): "
                   "the evidence does not cover the step where the divergence starts")

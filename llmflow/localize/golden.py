@@ -44,7 +44,7 @@ from torch import nn
 from llmflow.dump.arguments import is_cache_type
 from llmflow.dump.memory import Call, CallRecorder, capture_calls
 from llmflow.formats.base import DumpReader
-from llmflow.localize.calls import calls_from_dump, cast_inputs, fresh_cache
+from llmflow.localize.calls import cache_class, calls_from_dump, cast_inputs, fresh_cache
 from llmflow.localize.own_error import own_error
 from llmflow.streamed import layer_weights_held
 from llmflow.structure import LayerStack, layer_of
@@ -227,10 +227,6 @@ class LayerSteps:
     fidelity: float = 0.0
 
 
-#: the KV cache kinds a decoder layer can be given alone, by the type name a dump records
-_LAYER_CACHES = {"DynamicCache"}
-
-
 @torch.no_grad()
 def golden_layer_steps(reader: DumpReader, golden: Any, layers: list[str], steps: int,
                        select: Callable[[str, nn.Module], bool]) -> LayerSteps:
@@ -247,13 +243,14 @@ def golden_layer_steps(reader: DumpReader, golden: Any, layers: list[str], steps
         return found
     caches = {e.pytype for e in reader.entries() if e.level == "module" and e.kind == "input"
               and e.name in layers and is_cache_type(e.pytype)}
-    if caches - _LAYER_CACHES:
-        found.missing = f"the golden run's KV cache is a {sorted(caches - _LAYER_CACHES)[0]}"
+    other = sorted(c for c in caches if cache_class(golden.model, c) is None)
+    if other or len(caches) > 1:
+        found.missing = f"the golden run's KV cache is a {(other or sorted(caches))[0]}"
         return found
     modules = dict(golden.model.named_modules())
     for layer in layers:
         module = modules[layer]
-        cache = fresh_cache(golden.model) if caches else None
+        cache = fresh_cache(golden.model, next(iter(caches))) if caches else None
         with layer_weights_held(golden.model, layer):
             for step in range(steps):
                 call = next(calls_from_dump(reader, step, names={layer}, cache=cache), None)

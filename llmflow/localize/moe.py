@@ -11,13 +11,14 @@ for that. So:
   the same block replayed with the target's own routing shows what a flip costs: tokens whose
     expert choice differs, and how much the output moves. A flip that moves the output far beyond
     the block's own rounding is a routing divergence, reported with the tokens it hit;
+  a decoder layer replayed whole has the same routing forced into its routers (``routing_forced``);
   fused experts (one module holding every expert's weights, called with the routing) are split by
     expert: each expert's contribution alone, golden against target, names the faulty one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from statistics import median
 from typing import Any
@@ -77,6 +78,43 @@ def _like(golden: Any, target: Any) -> Any:
     if isinstance(golden, tuple) and isinstance(target, (tuple, list)) and len(golden) == len(target):
         return tuple(_like(g, t) for g, t in zip(golden, target, strict=True))
     return target
+
+
+@contextmanager
+def routing_forced(model: nn.Module, layers: Collection[str],
+                   router_call: Callable[[str], Call | None]) -> Iterator[int]:
+    """While inside: every MoE block's router inside ``layers`` of ``model`` gives the output of
+    ``router_call(its name)`` (a recorded call of that router) wherever the shapes agree, so a
+    decoder layer replayed whole is judged on its arithmetic, not on near-tied experts that its
+    rounding routed elsewhere (the routers' own replays judge the routing). Yields how many
+    routers were forced."""
+    handles = []
+    for name, module in model.named_modules():
+        found = router_of(module)
+        if found is None or not any(name.startswith(layer + ".") for layer in layers):
+            continue
+        attr, router = found
+        call = router_call(f"{name}.{attr}")
+        forced = _rebuild(call.outputs) if call is not None and call.outputs else None
+        if forced is None:
+            continue
+
+        def hook(_m: nn.Module, _args: Any, out: Any, forced: Any = forced) -> Any:
+            return _like(forced, out) if _same_shapes(forced, out) else None
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield len(handles)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _same_shapes(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape
+    if isinstance(a, tuple) and isinstance(b, (tuple, list)) and len(a) == len(b):
+        return all(_same_shapes(x, y) for x, y in zip(a, b, strict=True))
+    return False
 
 
 def _choices(out: Any) -> torch.Tensor | None:

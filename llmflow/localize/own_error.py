@@ -4,6 +4,7 @@ inputs, lies from the golden output. Every replay (module, MoE expert, op) is ra
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -37,3 +38,35 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     return {"rel_l2": l2 / max(gn, tiny), "max_abs": max_abs,
             "max_rel": max_abs / max(float(g.abs().max()), tiny) if d.numel() else 0.0,
             "cos_dist": max(0.0, 1.0 - cos), "l2": l2, "norm": gn, "numel": g.numel(), "nonfinite": 0}
+
+
+def relative_to_update(row: dict[str, Any], update_norm: float | None) -> dict[str, Any]:
+    """A decoder layer replayed whole, its own error relative to its output plus what it adds to the
+    residual stream (``update_norm``: ||output - input|| of the golden layer), not to its output
+    alone.
+
+    Its rounding has two parts: the residual add rounds at the size of the stream (the output),
+    the layer's computation at the size of what it computes (the update). Divided by the output
+    alone, a layer whose update is most of its output (the first, fed the bare embedding) stood
+    out from the later ones on rounding alone; divided by the update alone, a layer adding little
+    to a large stream did. ``rel_l2`` and ``norm`` (what the ranking divides ``l2`` by) become
+    ``l2 / (||output|| + update)`` and that sum; a row without a finite ``l2`` or ``norm`` is kept
+    as it is."""
+    l2, norm = row.get("l2"), row.get("norm")
+    if (not row.get("replayable") or update_norm is None or not math.isfinite(update_norm)
+            or not isinstance(l2, float) or not math.isfinite(l2)
+            or not isinstance(norm, float) or not math.isfinite(norm) or norm + update_norm <= 0):
+        return row
+    scale = norm + update_norm
+    return {**row, "rel_l2": l2 / scale, "norm": scale}
+
+
+def update_norm(call: Any) -> float | None:
+    """||output - input|| of a decoder layer's recorded call (a ``dump.memory.Call``): what the
+    layer added to the residual stream, its hidden states being its first positional input or
+    ``hidden_states``; None where they are not there or differ in shape from output ``"0"``."""
+    hidden = call.args[0] if call.args else call.kwargs.get("hidden_states")
+    out = call.outputs.get("0")
+    if not isinstance(hidden, torch.Tensor) or not isinstance(out, torch.Tensor) or hidden.shape != out.shape:
+        return None
+    return float((out.detach().to("cpu", torch.float64) - hidden.detach().to("cpu", torch.float64)).norm())

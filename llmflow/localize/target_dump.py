@@ -31,18 +31,21 @@ A rank is named only when its own error stands out from the other ranks' (``shar
 
 A decode step's attention also reads the target's KV cache, whose contents no dump holds. A
 dump with the module's inputs at every step 0..t (token_range all) holds what wrote that cache:
-the golden module is run on those inputs step after step with a ``DynamicCache`` of its own
-(one per rank), and its output at step t against the recorded one is the module's own error at
-t. The target's cache was written by the target's own keys and values from the same inputs, so
-only the module's computation differs: a decode-kernel fault stands out at decode steps only.
-Such a row says so (``source``: "target dump, steps 0..t"). Where an earlier step's inputs are
-missing, the cache kind is not a DynamicCache, or the inputs are sliced over the ranks, the
+the golden module is run on those inputs step after step with a ``DynamicCache`` of its own (or
+the model family's own subclass of it; one per rank), and its output at step t against the
+recorded one is the module's own error at t. The target's cache was written by the target's own
+keys and values from the same inputs, so only the module's computation differs: a decode-kernel
+fault stands out at decode steps only. Such a row says so (``source``: "target dump, steps
+0..t"). Where an earlier step's inputs are missing, the cache kind is not one
+``calls.cache_class`` can make empty, or the inputs are sliced over the ranks, the
 attention stays not replayable, with the reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Sequence
+from copy import deepcopy as copy_module
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -53,7 +56,16 @@ from llmflow.compare.shards import join_tensors, merge_of, rule_merge, shard_err
 from llmflow.dump.arguments import is_cache_type
 from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.formats.base import DumpReader, Entry
-from llmflow.localize.calls import NO_INPUTS, build_call, cast_inputs, entry_value, first_call, fresh_cache
+from llmflow.localize.calls import (
+    NO_INPUTS,
+    build_call,
+    cache_class,
+    cast_inputs,
+    entry_value,
+    first_call,
+    fresh_cache,
+)
+from llmflow.localize.moe import router_of
 from llmflow.localize.own_error import own_error
 from llmflow.streamed import layer_weights_held
 from llmflow.structure import layer_of_name
@@ -61,9 +73,6 @@ from llmflow.structure import layer_of_name
 #: why an attention cannot be replayed from the target's dump at a decode step
 CACHE_NOT_DUMPED = ("its input {index} is the target's KV cache ({pytype}), whose contents no dump holds: "
                     "not replayable from the target dump at a decode step")
-#: the KV cache kinds a module can be given a private copy of, refilled step by step from its
-#: recorded inputs (by the type name a dump records)
-STEPPED_CACHES = {"DynamicCache"}
 #: why an attention's cache cannot be refilled: an earlier step's inputs are not in the dump
 STEP_MISSING = ("its input {index} is the target's KV cache ({pytype}); refilling it needs the module's "
                 "inputs at every step 0..{step}, and the target dump holds {what} at step {missing}{where}: "
@@ -71,8 +80,8 @@ STEP_MISSING = ("its input {index} is the target's KV cache ({pytype}); refillin
                 "data_mode tensor)")
 #: why an attention's cache cannot be refilled: a cache kind a private copy cannot stand for
 CACHE_KIND = ("its input {index} is the target's KV cache ({pytype}), whose contents no dump holds, and only "
-              "a DynamicCache is refilled from the recorded inputs: not replayable from the target dump at a "
-              "decode step")
+              "a DynamicCache (or the model family's own subclass of it) is refilled from the recorded "
+              "inputs: not replayable from the target dump at a decode step")
 #: why an attention's cache cannot be refilled: its inputs are sliced over the ranks
 CACHE_SLICED = ("its input {index} is the target's KV cache ({pytype}) and its inputs are sliced over the "
                 "ranks: not replayable from the target dump at a decode step")
@@ -188,7 +197,9 @@ def _golden_over_steps(name: str, module: nn.Module, module_type: str | None,
     """The golden module run on one rank's recorded inputs of steps 0..t in order, with a
     ``DynamicCache`` of its own that its calls fill (so at step t it holds the keys and values the
     golden module makes from the target's inputs): its output ``index`` at step t, or why not."""
-    cache = fresh_cache(golden.model)
+    kind = next((v[1] for _i, v in steps[-1] if isinstance(v, tuple) and len(v) == 2
+                 and not isinstance(v[0], torch.Tensor) and is_cache_type(v[1])), "DynamicCache")
+    cache = fresh_cache(golden.model, kind)
     out: torch.Tensor | None = None
     with layer_weights_held(golden.model, layer_of_name(name) or name):  # a streamed layer read once
         for s, inputs in enumerate(steps):
@@ -257,7 +268,7 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
     history: dict[int, list[list[Entry]]] | None = None
     if cache is not None:  # the module reads the target's KV cache: refill a private one, or say why not
         cache_index, pytype = cache
-        if pytype not in STEPPED_CACHES:
+        if cache_class(golden.model, pytype) is None:
             return _not_replayable(name, module_type, CACHE_KIND.format(index=cache_index, pytype=pytype))
         if sliced:
             return _not_replayable(name, module_type, CACHE_SLICED.format(index=cache_index, pytype=pytype))
@@ -392,6 +403,57 @@ def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpRe
             advance()
 
 
+def recorded_outputs(reader: DumpReader, step: int) -> Callable[[str], Call | None]:
+    """Module name -> a Call holding the outputs ``reader`` recorded for it at ``step`` (rank 0, its
+    first call), None where it recorded none: the target's routing, which ``moe.routing_forced``
+    gives the golden routers of a decoder layer replayed whole on the target's inputs."""
+    def call_of(name: str) -> Call | None:
+        entries = [e for e in reader.entries() if e.step == step and e.rank == 0 and e.level == "module"
+                   and e.name == name]
+        outs = {e.index: reader.load(e) for e in first_call(entries)[1] if e.is_tensor and e.has_data}
+        return Call(name, outputs=outs) if outs else None
+    return call_of
+
+
+def target_routing(golden: Any, golden_dump: DumpReader, target_dump: DumpReader, step: int,
+                   layers: Collection[str], dtype: torch.dtype) -> Callable[[str], Call | None]:
+    """Router name -> a Call holding the routing the target chose at ``step`` (``moe.routing_forced``
+    gives it to the golden routers of a decoder layer replayed whole): the router's outputs the
+    target dump recorded; where it recorded none (a dump of the decoder layers alone), the routing
+    a copy of the golden layer in the target's ``dtype`` picks on the target's recorded inputs
+    (one rank; a faithful port's rounding routes near-tied experts as that copy does). None for a
+    router neither gives."""
+    recorded = recorded_outputs(target_dump, step)
+    modules = dict(golden.model.named_modules())
+    routers = {layer: [f"{n}.{found[0]}" for n, m in modules.items()
+                       if n.startswith(layer + ".") and (found := router_of(m)) is not None]
+               for layer in layers}
+    estimated: dict[str, Call] = {}
+    unrecorded = [layer for layer, names in routers.items() if names and recorded(names[0]) is None]
+    if unrecorded and len(target_dump.ranks()) == 1:
+        entries = _module_entries(target_dump, step)
+        shapes, earlier = _golden_input_shapes(golden_dump, step), _earlier_entries(target_dump, step)
+        in_dtype = replace(golden, dtype=dtype)
+        for layer in (name for name in unrecorded if name in entries):
+            with layer_weights_held(golden.model, layer):
+                copy = copy_module(modules[layer]).to(dtype)
+            seen: dict[str, Any] = {}
+            hooks = [copy.get_submodule(name[len(layer) + 1:]).register_forward_hook(
+                lambda _m, _a, out, name=name, seen=seen: seen.__setitem__(name, out))
+                for name in routers[layer]]
+            try:  # over steps 0..step at a decode step: each router's last output is the step's
+                replay_module(layer, copy, entries[layer], target_dump, in_dtype, step, shapes,
+                              earlier=earlier.get(layer, {}))
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            estimated.update({name: Call(name, outputs=flatten_outputs(out)) for name, out in seen.items()})
+
+    def call_of(name: str) -> Call | None:
+        return recorded(name) or estimated.get(name)
+    return call_of
+
+
 def raw_errors_joined(golden: DumpReader, target: DumpReader, golden_step: int, target_step: int,
                       mapping: Mapping | None = None) -> dict[str, dict[str, float]]:
     """Output ``"0"`` of every module both dumps hold (a target module under the golden name
@@ -443,16 +505,17 @@ def _held_tensor(reader: DumpReader, step: int, name: str, kind: str, index: str
     return min(found, key=lambda e: (e.rank, e.order), default=None)
 
 
-def layer_updates(target: DumpReader, step: int, layers: dict[str, str]) -> dict[str, float]:
-    """Golden layer name -> the norm of what the target's layer added to the residual stream at
-    ``step`` (its recorded output "0" less its first floating input), for the layers the dump
-    holds both of in one shape (``layers``: golden name -> target name)."""
+def layer_updates(reader: DumpReader, step: int, layers: dict[str, str]) -> dict[str, float]:
+    """Golden layer name -> ||output - input|| of its hidden states in ``reader`` at ``step``
+    (lowest rank; ``layers``: golden name -> the name ``reader`` records it under): what the layer
+    adds to the residual stream, part of the scale its own error is measured against
+    (``own_error.relative_to_update``). Layers without both tensors of one shape are left out."""
     updates: dict[str, float] = {}
-    for name, target_name in layers.items():
-        out = _held_tensor(target, step, target_name, "output", "0")
-        inp = _held_tensor(target, step, target_name, "input", None)
+    for name, recorded in layers.items():
+        out = _held_tensor(reader, step, recorded, "output", "0")
+        inp = _held_tensor(reader, step, recorded, "input", None)
         if out is not None and inp is not None and out.shape == inp.shape:
-            updates[name] = float((target.load(out).double() - target.load(inp).double()).norm())
+            updates[name] = float((reader.load(out).double() - reader.load(inp).double()).norm())
     return updates
 
 

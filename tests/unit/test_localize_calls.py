@@ -67,3 +67,43 @@ def test_a_cache_by_position_is_empty_at_the_prefill_and_its_contents_missing_af
     assert prefill.replayable and prefill.args == [x, None]
     decode = build_call("transformer.h.0", [("0", x), ("1", (None, "DynamicCache"))], [("0", x)], step=2)
     assert not decode.replayable and "KV cache (DynamicCache)" in decode.reason
+
+
+def test_a_cache_with_state_beside_its_layers_is_snapshotted_whole():
+    """MiniMax's cache keeps its linear-attention states in a list of its own: a snapshot shares
+    none of it with later writes, and a private copy for a replay is cast as a whole."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    cache = MiniMaxCache()
+    cache.update(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4), 0)
+    cache.set_linear_cache(1, torch.ones(1, 2, 4, 4))
+    snap = CacheSnapshot(cache, layer_idx=0)
+    cache.set_linear_cache(1, torch.full((1, 2, 4, 4), 7.0))  # a later step's write
+    assert torch.equal(snap.cache.linear_cache[1], torch.ones(1, 2, 4, 4))
+    copy = snap.materialize(Attn(), torch.device("cpu"), torch.bfloat16)
+    assert copy.linear_cache[1].dtype == torch.bfloat16 and copy.layers[0].keys.dtype == torch.bfloat16
+
+
+def test_a_fresh_cache_is_the_model_familys_own_kind_where_it_has_one():
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    from llmflow.localize.calls import cache_class, fresh_cache
+
+    minimax, llama = build_tiny("minimax", "layers=2"), build_tiny("llama", "layers=2")
+    assert cache_class(minimax, "MiniMaxCache") is MiniMaxCache
+    assert type(fresh_cache(minimax, "MiniMaxCache")) is MiniMaxCache
+    assert cache_class(llama, "MiniMaxCache") is None and cache_class(llama, "StaticCache") is None
+    assert type(fresh_cache(llama)) is DynamicCache
+
+
+def test_a_cache_layer_not_yet_written_holds_nothing():
+    """A cache that adds its layers as they first write: the keys written into layer 1 by its first
+    call are those after it, none before."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    before = MiniMaxCache()
+    after = MiniMaxCache()
+    for layer in range(2):
+        after.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), layer)
+    written = written_kv(before, after, 1)
+    assert written is not None and written.shape == (1, 1, 3, 8)

@@ -53,6 +53,34 @@ def test_matching_tokens_and_nothing_standing_out_passes():
     assert v.status == "pass" and "matches" in v.headline and v.inconclusive is None
 
 
+def test_a_decode_step_tried_whose_modules_could_not_be_replayed_is_no_pass():
+    """The prefill shows nothing and decode step 1, where a fault on the decode path alone shows,
+    could not replay its attentions: never "no fault" for modules nobody ran there."""
+    decode = replay(1, unreplayable=2)
+    decode.source = "target dump"
+    v = verdict([replay(0), decode])
+    assert v.status == "inconclusive", v.headline
+    assert v.inconclusive.reason.startswith("2 module(s) could not be replayed at decode step 1: 2x input 1 "
+                                            "is an opaque Foo (e.g. model.layers.0.self_attn)")
+    assert "isolate: target_model" in v.inconclusive.next
+
+
+def test_a_layer_standing_out_at_the_decode_step_tried_is_the_step_chosen():
+    """From a target dump a layer replayed whole that stands out where none of its modules does is a
+    lead: the step where it does is the one the verdict speaks of."""
+    from llmflow.localize.conclude import stands_out
+
+    quiet, lead = replay(0), replay(1)
+    lead.layer_errors = {f"model.layers.{i}": 0.004 for i in range(5)} | {"model.layers.2": 0.2}
+    lead.source = "target dump"
+    assert not stands_out(quiet, 3.0) and stands_out(lead, 3.0)
+    v = conclude(Inputs(), [quiet, lead], lead, rows=[], mismatch=None, bad_token=None, stack=None,
+                 decode=str, dtype="bfloat16", device="cpu", problems=[])
+    assert v.status == "inconclusive" and v.inconclusive.reason.startswith(
+        "model.layers.2, replayed whole from the target dump, has 50x the own error of the other layers at "
+        "decode step 1"), v.headline
+
+
 def test_texts_that_part_with_nothing_standing_out_is_rounding():
     inp = Inputs(target_ids=[1, 2, 9, 9])
     v = verdict([replay(2), replay(0)], mismatch=2, inp=inp)
