@@ -278,6 +278,9 @@ class _Bisect:
                     select=lambda n, _m: n in layers, advance=task.advance if task is not None else None,
                     mapping=self.mapping)]
             layers_whole = any(r.get("replayable") for r in rows)  # none: their outputs alone, said below
+            for r in rows:  # ranked against its update alone as well (rank._update_scores)
+                if r["name"] in updates:
+                    r["update"] = updates[r["name"]]
             result.rows = rows if layers_whole else []
         if self.stack is not None and result.rows:  # a dump of the decoder layers alone: their ends too
             ends, notes = outside_layer_rows(golden, self.golden_dump, self.target_dump, golden_step=step,

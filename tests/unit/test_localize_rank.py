@@ -169,6 +169,33 @@ def test_a_one_value_output_is_measured_against_its_types_usual_size():
     assert gate["error"] == pytest.approx(0.3 * 0.05 / 1.0) and not gate["anomalous"]
 
 
+def _layers(errors: list[float], updates: list[float]) -> list[dict]:
+    """Decoder layers replayed whole: own error ``errors[i]`` of an output of norm 1, the layer
+    adding ``updates[i]`` to the residual stream."""
+    return [{"name": f"model.layers.{i}", "rel_l2": e, "l2": e, "norm": 1.0, "update": u}
+            for i, (e, u) in enumerate(zip(errors, updates, strict=True))]
+
+
+def test_a_layer_adding_much_to_the_stream_is_not_blamed_for_rounding_it():
+    # a clean layer that adds ten times the others' share rounds ten times as much: its error
+    # stands out against its output, not against what it adds
+    ranked = rank_modules(_layers([0.001, 0.001, 0.01, 0.001, 0.001], [0.1, 0.1, 1.0, 0.1, 0.1]))
+    top = pick_candidate(ranked)
+    assert top["name"] == "model.layers.2" and top["score"] > 3 and not top["anomalous"]
+    assert top["update_score"] == pytest.approx(1.0)
+
+
+def test_a_layer_adding_little_is_not_blamed_for_the_streams_rounding():
+    ranked = rank_modules(_layers([0.001, 0.001, 0.001, 0.001, 0.001], [0.1, 0.1, 0.01, 0.1, 0.1]))
+    assert not any(r["anomalous"] for r in ranked)
+
+
+def test_a_faulty_layer_stands_out_both_ways():
+    ranked = rank_modules(_layers([0.001, 0.001, 0.05, 0.001, 0.001], [0.1, 0.1, 0.1, 0.1, 0.1]))
+    top = pick_candidate(ranked)
+    assert top["name"] == "model.layers.2" and top["anomalous"] and top["update_score"] == pytest.approx(50)
+
+
 def test_an_anomalous_module_ranks_before_a_peerless_one_scoring_higher_without_standing_out():
     # lm_head at 8x the median is under the 3 x SINGLETON_MARGIN a module without peers needs;
     # a down_proj at 5x its peers stands out: the step's candidate is the down_proj
