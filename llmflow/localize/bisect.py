@@ -54,7 +54,7 @@ from llmflow.localize.golden import (
     rerun_fidelity,
 )
 from llmflow.localize.options import BisectInputs
-from llmflow.localize.own_error import relative_to_update, update_norm
+from llmflow.localize.own_error import relative_to_update, update_errors, update_norm
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
 from llmflow.localize.target_dump import (
@@ -323,6 +323,7 @@ class _Bisect:
             updates = self.layer_updates(step, t_step, known)
             result.layer_errors = {r["name"]: relative_to_update(r, updates.get(r["name"]))["rel_l2"]
                                    for r in whole if r.get("replayable")}
+            result.layer_update_errors = update_errors(whole, updates)
             self.phase("module: decoder layers replayed whole", f"{len(result.layer_errors)} layers")
         return result
 
@@ -438,6 +439,7 @@ class _Bisect:
         updates = {c.name: update_norm(c) for c in calls}
         result.layer_errors = {r["name"]: relative_to_update(r, updates.get(r["name"]))["rel_l2"]
                                for r in whole if r.get("replayable")}
+        result.layer_update_errors = update_errors(whole, updates)
         self.phase("module: decoder layers replayed whole", f"{len(result.layer_errors)} layers")
 
     def decode_position(self, step: int) -> Callable[[int], str]:

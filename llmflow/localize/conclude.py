@@ -67,6 +67,9 @@ class StepReplay:
     overflow_op: OverflowOp | None = None  # ops.overflow_detail of the op where an overflow starts
     # isolation from the target dump: each decoder layer's own error, the layer replayed whole
     layer_errors: dict[str, float] = field(default_factory=dict)
+    # the same layers' own error against what each adds to the residual stream alone
+    # (``own_error.update_errors``): a layer stands out only where it does here too
+    layer_update_errors: dict[str, float] = field(default_factory=dict)
     # isolation from the target dump: why the code before or after the decoder layers, which the
     # dumps do not hold, was not replayed (``target_dump.outside_layer_rows``)
     ends_not_replayed: list[str] = field(default_factory=list)
@@ -109,15 +112,26 @@ def stands_out(step: StepReplay, ratio_threshold: float) -> bool:
 
 def _layer_standing_out(step: StepReplay, ratio: float) -> tuple[str, float] | None:
     """The decoder layer whose own error (``layer_errors``) is ``ratio`` times the median of the
-    other layers' or more, with that ratio (the largest); None where none is."""
-    errors = {n: e for n, e in step.layer_errors.items() if e is not None and math.isfinite(e)}
+    other layers' or more, with that ratio (the largest), and where it is known, its error against
+    its update alone (``layer_update_errors``) as well; None where none is."""
     worst: tuple[str, float] | None = None
-    for name, error in errors.items():
-        others = [e for n, e in errors.items() if n != name]
-        typical = median(others) if others else 0.0
-        if typical > 0 and error / typical >= ratio and (worst is None or error / typical > worst[1]):
-            worst = (name, error / typical)
+    update_ratios = _ratios_to_others(step.layer_update_errors)
+    for name, r in _ratios_to_others(step.layer_errors).items():
+        if r >= ratio and update_ratios.get(name, r) >= ratio and (worst is None or r > worst[1]):
+            worst = (name, r)
     return worst
+
+
+def _ratios_to_others(errors: dict[str, float]) -> dict[str, float]:
+    """Each finite error over the median of the others' (where that median is above 0)."""
+    finite = {n: e for n, e in errors.items() if e is not None and math.isfinite(e)}
+    out: dict[str, float] = {}
+    for name, error in finite.items():
+        others = [e for n, e in finite.items() if n != name]
+        typical = median(others) if others else 0.0
+        if typical > 0:
+            out[name] = error / typical
+    return out
 
 
 def _reasons(rows: list[dict[str, Any]]) -> dict[str, list[str]]:

@@ -70,3 +70,15 @@ def update_norm(call: Any) -> float | None:
     if not isinstance(hidden, torch.Tensor) or not isinstance(out, torch.Tensor) or hidden.shape != out.shape:
         return None
     return float((out.detach().to("cpu", torch.float64) - hidden.detach().to("cpu", torch.float64)).norm())
+
+
+def update_errors(rows: list[dict[str, Any]], updates: dict[str, float | None]) -> dict[str, float]:
+    """Decoder layer -> its own error against what it adds to the residual stream alone (``l2 /
+    update``), for the replayed rows with a finite ``l2`` and a non-zero update: a layer standing
+    out against its output plus update must stand out here too (``conclude``'s layer checks)."""
+    out: dict[str, float] = {}
+    for r in rows:
+        l2, update = r.get("l2"), updates.get(r["name"])
+        if r.get("replayable") and isinstance(l2, float) and math.isfinite(l2) and update:
+            out[r["name"]] = l2 / update
+    return out

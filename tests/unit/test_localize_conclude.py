@@ -185,3 +185,19 @@ def test_a_decoder_layer_replayed_whole_stands_out_only_well_beyond_the_module_t
     assert name == "model.layers.4" and ratio == pytest.approx(30)
     step.layer_errors = {"model.layers.0": 0.5, "model.layers.1": 0.0, "model.layers.2": 0.0}
     assert _layer_standing_out(step, 6.0) is None  # a ratio to a median of 0 says nothing
+
+
+def test_a_layer_standing_out_must_stand_out_against_its_update_alone_too():
+    """Clean SmolLM2 in bf16: its busiest layer is 6x the others against output plus update but
+    1.9x against its update alone, so it is not the fault; a faulty layer is both."""
+    from llmflow.localize.conclude import LAYER_STANDOUT, StepReplay, _layer_standing_out
+
+    layers = [f"model.layers.{i}" for i in range(6)]
+    step = StepReplay(step=0, why="", layer_errors={n: 0.001 for n in layers} | {"model.layers.4": 0.0065},
+                      layer_update_errors={n: 0.004 for n in layers} | {"model.layers.4": 0.0076})
+    assert _layer_standing_out(step, LAYER_STANDOUT * 3.0) is None
+    step.layer_update_errors["model.layers.4"] = 0.004 * 40
+    name, ratio = _layer_standing_out(step, LAYER_STANDOUT * 3.0)
+    assert name == "model.layers.4" and ratio == pytest.approx(6.5)
+    step.layer_update_errors = {}  # no update known: the output-based measure alone
+    assert _layer_standing_out(step, LAYER_STANDOUT * 3.0)[0] == "model.layers.4"
