@@ -383,3 +383,31 @@ def save_char_tokenizer(directory: Path) -> None:
     tok.decoder = decoders.Fuse()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                             unk_token="<unk>").save_pretrained(str(directory))
+
+
+def user_dump(directory: Path, model: str, scope: dict, *, dtype: str = "float32", patch: str | None = None,
+              prompt: str = "Tell me a story.", max_new_tokens: int = 5) -> Path:
+    """What a user's own script writes: ``dump_run`` with every step's tensors, inputs and outputs,
+    over ``scope`` (``{}``: every module; ``{"module_list": ["auto"]}``: the decoder layers)."""
+    from llmflow.dump.config import DumpConfig
+    from llmflow.dump.run import dump_run
+    from llmflow.models import encode_prompt, load_model
+
+    loaded = load_model(model, dtype=dtype, patch=patch)
+    ids = encode_prompt(loaded.tokenizer, prompt)
+    dump_run(loaded, ids, max_new_tokens,
+             DumpConfig(dump_path=str(directory), token_range="all", tensor_part=2, **scope))
+    return directory
+
+
+def user_golden_maker(factory) -> Callable[[str, dict], Path]:
+    """A function (model spec, scope) -> its fp32 ``user_dump``, made once per pair (``factory`` is
+    pytest's ``tmp_path_factory``)."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def golden(model: str, scope: dict) -> Path:
+        key = (model, repr(scope))
+        if key not in made:
+            made[key] = user_dump(factory.mktemp("golden"), model, scope)
+        return made[key]
+    return golden

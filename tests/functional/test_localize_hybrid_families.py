@@ -25,11 +25,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
-from bisect_helpers import bisect_dumps, golden_maker, make_dumps  # noqa: E402
+from bisect_helpers import bisect_dumps, golden_maker, make_dumps, user_dump, user_golden_maker  # noqa: E402
 from example_faults import OUTSIDE_FAULTS, faulty_module  # noqa: E402
 
-from llmflow.dump import DumpConfig, dump_run  # noqa: E402
-from llmflow.models import encode_prompt, load_model  # noqa: E402
+from llmflow.models import load_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 FAULTS_FILE = REPO / "plugins" / "example_faults.py"
@@ -113,29 +112,15 @@ EVERY_MODULE: dict = {}
 LAYERS_ONLY = {"module_list": ["auto"]}
 
 
-def user_dump(directory: Path, family: str, scope: dict, dtype: str, patch: str | None) -> Path:
-    """What a user's own script writes: ``dump_run`` with every step's tensors and inputs."""
-    model = load_model(spec(family), dtype=dtype, patch=patch)
-    ids = encode_prompt(model.tokenizer, PROMPT)
-    dump_run(model, ids, 5, DumpConfig(dump_path=str(directory), token_range="all", tensor_part=2, **scope))
-    return directory
-
-
 @pytest.fixture(scope="module")
 def dump_goldens(tmp_path_factory):
-    made: dict[tuple[str, str], Path] = {}
-
-    def golden(family: str, scope: dict) -> Path:
-        key = (family, repr(scope))
-        if key not in made:
-            made[key] = user_dump(tmp_path_factory.mktemp(f"golden-{family}"), family, scope, "float32", None)
-        return made[key]
-    return golden
+    return user_golden_maker(tmp_path_factory)
 
 
 def bisect_target_dump(family: str, fault: str, scope: dict, dump_goldens, tmp_path: Path) -> dict:
-    target = user_dump(tmp_path / "target", family, scope, "bfloat16", patch_of(family, fault))
-    return bisect_dumps({"golden_dump": dump_goldens(family, scope), "target_dump": target,
+    target = user_dump(tmp_path / "target", spec(family), scope, dtype="bfloat16",
+                       patch=patch_of(family, fault))
+    return bisect_dumps({"golden_dump": dump_goldens(spec(family), scope), "target_dump": target,
                          "golden_spec": {"model": spec(family), "device": "cpu", "dtype": "float32"}},
                         isolate="target_dump", estimate_cost=False)
 
@@ -205,7 +190,7 @@ def test_dump_bisect_on_a_users_dumps_names_the_layer_of_a_decode_fault(tmp_path
     values): the golden layers are replayed over the target's recorded steps with one of their own."""
     for side, dtype, patch in (("golden", "float32", None),
                                ("target", "bfloat16", patch_of("minimax", "decode_layer_code"))):
-        user_dump(tmp_path / side, "minimax", LAYERS_ONLY, dtype, patch)
+        user_dump(tmp_path / side, spec("minimax"), LAYERS_ONLY, dtype=dtype, patch=patch)
     done, last = llmflow_run(tmp_path, "dump_bisect.yaml", "golden_dump=golden", "target_dump=target",
                              f"golden_model={spec('minimax')}")
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]

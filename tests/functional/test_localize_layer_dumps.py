@@ -21,10 +21,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
-from bisect_helpers import bisect_dumps  # noqa: E402
+from bisect_helpers import bisect_dumps, user_dump, user_golden_maker  # noqa: E402
 
-from llmflow.dump import DumpConfig, dump_run  # noqa: E402
-from llmflow.models import encode_prompt, load_model  # noqa: E402
+from llmflow.models import load_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 FAULTS = REPO / "plugins" / "example_faults.py"
@@ -37,28 +36,14 @@ def spec(family: str) -> str:
     return f"tiny-{family}:{SIZE}"
 
 
-def _dump(directory: Path, model_spec: str, scope: dict, *, dtype: str = "float32",
-          patch: str | None = None) -> Path:
-    model = load_model(model_spec, dtype=dtype, patch=f"{FAULTS}:{patch}" if patch else None)
-    ids = encode_prompt(model.tokenizer, PROMPT)
-    dump_run(model, ids, 5, DumpConfig(dump_path=str(directory), token_range="all", tensor_part=2, **scope))
-    return directory
-
-
 @pytest.fixture(scope="module")
 def goldens(tmp_path_factory):
-    made: dict[tuple[str, str], Path] = {}
-
-    def golden(model_spec: str, scope: dict = LAYERS_ONLY) -> Path:
-        key = (model_spec, repr(scope))
-        if key not in made:
-            made[key] = _dump(tmp_path_factory.mktemp("golden"), model_spec, scope)
-        return made[key]
-    return golden
+    return user_golden_maker(tmp_path_factory)
 
 
 def _bisect(tmp_path: Path, model_spec: str, goldens, patch: str | None, scope: dict = LAYERS_ONLY) -> dict:
-    target = _dump(tmp_path / "target", model_spec, scope, dtype="bfloat16", patch=patch)
+    target = user_dump(tmp_path / "target", model_spec, scope, dtype="bfloat16",
+                       patch=f"{FAULTS}:{patch}" if patch else None)
     return bisect_dumps({"golden_dump": goldens(model_spec, scope), "target_dump": target,
                          "golden_spec": {"model": model_spec, "device": "cpu", "dtype": "float32"}},
                         isolate="target_dump", estimate_cost=False)
@@ -135,8 +120,9 @@ def test_the_recipe_names_the_tail_from_a_users_layer_dumps(goldens, tmp_path):
     subprocess.run([sys.executable, str(script), "target"], cwd=tmp_path, env=env, check=True, timeout=300)
     done = subprocess.run(
         [sys.executable, "-m", "llmflow", "run", str(REPO / "workflows" / "dump_bisect.yaml"),
-         "--run-dir", "run", "--progress", "plain", "--set", f"golden_dump={goldens(spec('llama'))}",
-         "--set", "target_dump=target", "--set", f"golden_model={spec('llama')}"],
+         "--run-dir", "run", "--progress", "plain",
+         "--set", f"golden_dump={goldens(spec('llama'), LAYERS_ONLY)}", "--set", "target_dump=target",
+         "--set", f"golden_model={spec('llama')}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     last = done.stdout.strip().splitlines()[-1]
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
