@@ -141,3 +141,25 @@ def test_smollm2_layer_dumps_blame_no_clean_layer_and_name_a_faulty_one(fault, s
         assert v["status"] != "fail" and "model.layers." not in v["headline"], v["headline"]
     else:
         assert v["status"] == "fail" and v["first_bad_module"] == "model.layers.5", v["headline"]
+
+
+def test_a_tensor_parallel_target_dumped_by_layers_names_the_layer(tmp_path):
+    """Two ranks under torchrun, each dumping its decoder layers alone: the layer holding a faulty
+    shard is named (its output is all-reduced: the same on both ranks, so no rank), a clean port
+    is not failed."""
+    from tp_helpers import TP_FAULTS, TP_GOLDEN_MODEL, launch_tp
+
+    from llmflow.localize.bisect import run_bisect
+    from llmflow.localize.options import BisectInputs
+
+    layers_only = ("--module-list", "auto")
+    launch_tp(tmp_path, ["golden"], 1, options=layers_only)
+    launch_tp(tmp_path, ["clean", f"mlp_rank1={TP_FAULTS['mlp_rank1']}"], 2, options=layers_only)
+    verdicts = {name: run_bisect(BisectInputs(golden_dump=str(tmp_path / "golden" / "llmflow_dump"),
+                                              target_dump=str(tmp_path / name / "llmflow_dump"),
+                                              golden_spec={"model": TP_GOLDEN_MODEL}), log=lambda _m: None)
+                for name in ("clean", "mlp_rank1")}
+    assert verdicts["clean"].status != "fail", verdicts["clean"].headline
+    faulty = verdicts["mlp_rank1"]
+    assert faulty.status == "fail" and faulty.first_bad_module == "model.layers.1", faulty.headline
+    assert faulty.replay.source == "target dump"
