@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from llmflow.localize.target_dump import HEAD_UNVERIFIED
 from llmflow.results.codec import from_json
 from llmflow.results.verdict import (
     Candidate,
@@ -296,6 +295,11 @@ def overflow_evidence(inp: Any, chosen: StepReplay, module: str | None) -> Overf
         scan_origin=origin,
         scan_agrees=(_related(origin.name, module) if origin and module else None),
     )
+
+
+#: why the code before the first decoder layer is a lead, not a finding, from dumps of the layers
+HEAD_UNVERIFIED = ("the dumps do not record the token ids, so a run given other ids (another prompt, "
+                   "chat template or BOS token) looks the same")
 
 
 def _head_lead(lead: dict[str, Any], step: int) -> tuple[str, str, str, Inconclusive]:

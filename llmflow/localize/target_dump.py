@@ -490,18 +490,23 @@ def raw_errors_joined(golden: DumpReader, target: DumpReader, golden_step: int, 
 #: come to its recorded logits for them to be its whole tail (a softcap or a scale in the model's
 #: forward between them and the logits leaves them further off, and the tail is not replayed)
 TAIL_CHECK_REL_L2 = 1e-3
-#: why the code before the first decoder layer is a lead, not a finding, from dumps of the layers
-HEAD_UNVERIFIED = ("the dumps do not record the token ids, so a run given other ids (another prompt, "
-                   "chat template or BOS token) looks the same")
 
 
-def _held_tensor(reader: DumpReader, step: int, name: str, kind: str, index: str | None) -> Entry | None:
-    """The first tensor with data ``name`` records as ``kind`` at ``step`` on the lowest rank
-    (``index`` None: its first floating input), or None."""
-    found = [e for e in reader.entries() if e.step == step and e.name == name and e.kind == kind
-             and e.is_tensor and e.has_data and (index is None or e.index == index)]
-    if index is None:
-        found = [e for e in found if e.dtype and e.dtype.startswith(("float", "bfloat"))]
+def _step_tensors(reader: DumpReader, step: int, names: Collection[str]) -> dict[str, list[Entry]]:
+    """Name -> the tensors with data ``reader`` records for it at ``step`` (one pass over the
+    index, however many names: a 70B dump's step holds ~10^5 entries)."""
+    found: dict[str, list[Entry]] = {}
+    for e in reader.entries():
+        if e.step == step and e.name in names and e.is_tensor and e.has_data:
+            found.setdefault(e.name, []).append(e)
+    return found
+
+
+def _held_tensor(entries: list[Entry], kind: str, index: str | None) -> Entry | None:
+    """Of one name's ``entries`` (``_step_tensors``), the first ``kind`` on the lowest rank with
+    ``index`` (None: the first floating input), or None."""
+    found = [e for e in entries if e.kind == kind and (index is None or e.index == index)
+             and (index is not None or (e.dtype or "").startswith(("float", "bfloat")))]
     return min(found, key=lambda e: (e.rank, e.order), default=None)
 
 
@@ -510,10 +515,11 @@ def layer_updates(reader: DumpReader, step: int, layers: dict[str, str]) -> dict
     (lowest rank; ``layers``: golden name -> the name ``reader`` records it under): what the layer
     adds to the residual stream, part of the scale its own error is measured against
     (``own_error.relative_to_update``). Layers without both tensors of one shape are left out."""
+    held = _step_tensors(reader, step, set(layers.values()))
     updates: dict[str, float] = {}
     for name, recorded in layers.items():
-        out = _held_tensor(reader, step, recorded, "output", "0")
-        inp = _held_tensor(reader, step, recorded, "input", None)
+        out = _held_tensor(held.get(recorded, []), "output", "0")
+        inp = _held_tensor(held.get(recorded, []), "input", None)
         if out is not None and inp is not None and out.shape == inp.shape:
             updates[name] = float((reader.load(out).double() - reader.load(inp).double()).norm())
     return updates
@@ -558,9 +564,12 @@ def outside_layer_rows(golden: Any, golden_dump: DumpReader, target_dump: DumpRe
     by_golden = {g: t for t, g in held.items()}
     first, last = stack.layers[0], stack.layers[-1]
     embed = _module_name(model, model.get_input_embeddings())
+    g_held = _step_tensors(golden_dump, golden_step, {first, last, "logits"})
+    t_held = _step_tensors(target_dump, target_step,
+                           {by_golden[n] for n in (first, last) if n in by_golden} | {"logits"})
     if embed is not None and embed not in golden_held and first in by_golden:
-        g = _held_tensor(golden_dump, golden_step, first, "input", None)
-        t = _held_tensor(target_dump, target_step, by_golden[first], "input", g.index if g else None)
+        g = _held_tensor(g_held.get(first, []), "input", None)
+        t = _held_tensor(t_held.get(by_golden[first], []), "input", g.index if g else None)
         if g is None or t is None:
             notes.append(f"{embed}: {first}'s input is not in both dumps")
         elif g.shape != t.shape:
@@ -575,10 +584,10 @@ def outside_layer_rows(golden: Any, golden_dump: DumpReader, target_dump: DumpRe
     if lm_head is None or lm_head in golden_held or last not in by_golden:
         return rows, notes
     tail = [n for n in (_final_norm(model, stack), lm_head) if n is not None]
-    h_g = _held_tensor(golden_dump, golden_step, last, "output", "0")
-    h_t = _held_tensor(target_dump, target_step, by_golden[last], "output", "0")
-    l_g = _held_tensor(golden_dump, golden_step, "logits", "output", "0")
-    l_t = _held_tensor(target_dump, target_step, "logits", "output", "0")
+    h_g = _held_tensor(g_held.get(last, []), "output", "0")
+    h_t = _held_tensor(t_held.get(by_golden[last], []), "output", "0")
+    l_g = _held_tensor(g_held.get("logits", []), "output", "0")
+    l_t = _held_tensor(t_held.get("logits", []), "output", "0")
     if h_g is None or h_t is None or l_g is None or l_t is None:
         notes.append(f"{' and '.join(tail)}: {last}'s output or the logits are not in both dumps")
         return rows, notes
