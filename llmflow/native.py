@@ -1,4 +1,5 @@
-"""C++ kernels compiled on this machine on first use, cached, and loaded through ctypes.
+"""C++ compiled on this machine on first use, cached, and loaded: kernels through ctypes, and the
+dump's capture as a Python extension module.
 
 llmflow's hot loops that torch serves badly are a few hundred lines of plain C++ (GCC/Clang
 vector extensions, no intrinsics, no Python headers): the compare's one-pass metrics
@@ -20,6 +21,14 @@ Why ctypes and a compiler at run time rather than a wheel or a torch extension: 
 pure Python (one wheel for every platform), each CPU gets the vector ISA it has, ctypes releases
 the GIL during the call, and a missing compiler costs speed, never correctness.
 
+One source is not a kernel but Python's own work done in C: the dump's capture
+(``dump/capture.cpp``: the walk over each recorded call's values, the index entries, API mode's
+dispatch), where a ctypes call (~1-2 us) would cost more than the work. It is built against this
+interpreter's headers (``sysconfig``), once per Python version (the flags, and so the build's
+hash, name the ABI), for the baseline target only (it has no vector code), and loaded with
+``extension()``; where there is no compiler or no Python headers, its callers keep their Python
+methods, which define what it does (tests check that both write the same dump).
+
 A build goes into ``<llmflow cache>/kernels/<machine>-<target>-<hash>/`` where the hash covers
 what the build depends on: the source, the flags and the compiler (its resolved path, size and
 time). No build depends on the CPU it was made on, so a cache shared by a cluster's machines
@@ -27,7 +36,8 @@ time). No build depends on the CPU it was made on, so a cache shared by a cluste
 that worked; a failed build is written to ``build-failed.txt`` so later processes pass over it at
 once instead of running the compiler again; ``build(force=True)`` tries again: the install step
 runs ``python -m llmflow.native``, which builds every library in ``LIBRARIES`` for the best
-target. ``LLMFLOW_FUSED=0`` turns every kernel off. ``CXX`` picks the compiler.
+target. ``LLMFLOW_FUSED=0`` turns every kernel and the compiled capture off. ``CXX`` picks the
+compiler.
 """
 
 from __future__ import annotations
@@ -35,11 +45,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,19 +116,24 @@ def supported_targets() -> tuple[Target, ...]:
 class NativeLibrary:
     """One C++ source built into one shared library per target, in the llmflow cache."""
 
-    def __init__(self, source: Path, what: str, flags: tuple[str, ...] = ()):
+    def __init__(self, source: Path, what: str, flags: tuple[str, ...] = (), openmp: bool = True,
+                 per_target: bool = True):
         self.source = source
+        self.per_target = per_target  # built per instruction set (vector code), or for the baseline only
         self.what = what  # for messages: "compare kernel"
         self.flags = flags  # for every target, after the target's own
+        self.openmp = openmp  # try OPENMP_CHOICES (vector kernels), or build without OpenMP
         self.name = source.stem + ".so"
         self.target: Target | None = None  # the build ``function`` returned last
+        self._extensions: dict[str, Any] = {}  # module name -> the loaded module (None: unavailable)
 
     def library_dir(self, target: Target | None = None) -> Path:
         """Where this source's build for ``target`` (by default the best this CPU runs) lives."""
         from llmflow.models import cache_dir
 
         target = target or self._best()
-        key = _build_key(self.source, target, self.flags, _compiler_identity())
+        flags = self.flags if self.openmp else (*self.flags, "(no OpenMP)")
+        key = _build_key(self.source, target, flags, _compiler_identity())
         return cache_dir() / "kernels" / f"{machine()}-{target.name}-{key}"
 
     def compiled(self, target: Target | None = None) -> bool:
@@ -128,8 +147,8 @@ class NativeLibrary:
         Raises ``RuntimeError`` with the compiler's message when it does not compile; the failure
         is remembered (``build-failed.txt``), so later calls raise at once until ``force``.
         """
-        if target is not None:
-            return self._build(target, force)
+        if target is not None or not self.per_target:
+            return self._build(target or BASELINE, force)
         errors = []
         for candidate in supported_targets():
             try:
@@ -154,7 +173,7 @@ class NativeLibrary:
             fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=final)
             os.close(fd)
             try:
-                for openmp in OPENMP_CHOICES:
+                for openmp in OPENMP_CHOICES if self.openmp else ((),):
                     flags = [*_BASE_FLAGS, *target.flags, *self.flags, *openmp]
                     cmd = [cxx, *flags, str(self.source), "-o", tmp]
                     try:
@@ -205,7 +224,32 @@ class NativeLibrary:
                      "; ".join(reasons) or "no build target runs on this CPU")
         return None
 
+    def extension(self, module: str) -> Any | None:
+        """The source as the Python extension module ``module`` (its ``PyInit_<module>``), built
+        for this interpreter with the compiler's baseline target, or None with one warning where
+        it cannot be built or loaded (the caller then keeps its Python path). Loaded once per
+        process: every caller gets the same module (and types)."""
+        if module in self._extensions:
+            return self._extensions[module]
+        self._extensions[module] = None
+        try:
+            path = self.build()
+            loader = importlib.machinery.ExtensionFileLoader(module, str(path))
+            spec = importlib.util.spec_from_loader(module, loader)
+            if spec is None:
+                raise ImportError(f"no module spec for {path}")
+            found = importlib.util.module_from_spec(spec)
+            loader.exec_module(found)
+            self.target = BASELINE
+            self._extensions[module] = found
+            return found
+        except Exception as exc:  # no compiler, no Python headers, an odd platform ...
+            _log.warning("%s unavailable (%s); using its Python path (slower)", self.what, exc)
+            return None
+
     def _best(self) -> Target:
+        if not self.per_target:
+            return BASELINE
         supported = supported_targets()
         return supported[0] if supported else BASELINE
 
@@ -255,7 +299,21 @@ PASS1 = NativeLibrary(_PACKAGE / "compare" / "pass1.cpp", "compare kernel")
 # FMAs or not by the CPU it tunes for (not on AMD Zen): products rounded apart, the statistics a
 # dump writes have the same bits whatever the CPU and the target
 STATS = NativeLibrary(_PACKAGE / "dump" / "stats.cpp", "dump statistics kernel", flags=("-ffp-contract=off",))
-LIBRARIES = (PASS1, STATS)
+
+
+def _python_extension_flags() -> tuple[str, ...]:
+    """What a build against this interpreter's C API needs: its headers, and (the build key
+    covers the flags) its ABI, so each Python version gets a build of its own."""
+    flags = [f"-I{sysconfig.get_paths()['include']}", f"-DLLMFLOW_PYTHON_ABI={sys.implementation.cache_tag}"]
+    if sys.platform == "darwin":  # the interpreter provides the C API's symbols when it loads the module
+        flags += ["-undefined", "dynamic_lookup"]
+    return tuple(flags)
+
+
+# the dump's capture in C (a Python extension module: see capture.cpp)
+CAPTURE = NativeLibrary(_PACKAGE / "dump" / "capture.cpp", "dump capture in C",
+                        flags=_python_extension_flags(), openmp=False, per_target=False)
+LIBRARIES = (PASS1, STATS, CAPTURE)
 
 
 if __name__ == "__main__":  # python -m llmflow.native: build every kernel now (install time)

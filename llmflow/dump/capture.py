@@ -18,6 +18,7 @@ to ``rank.json`` (``errors``) at once; the reader reports it among the dump's pr
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import weakref
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from llmflow import native
 from llmflow.dtypes import dtype_name
 from llmflow.dump.config import DumpConfig
 from llmflow.dump.copies import device_copy, host_copy
@@ -122,8 +124,16 @@ if ROW_FIELDS != _ROW_ORDER:
                       "rows DumpSession builds")
 _NO_EXTRA: dict[str, Any] = {}  # shared by the rows nothing writes into (only crc32 rows get their own)
 
+# The walks and the entries of the common leaves in C (``capture.cpp``'s ``Entries``: a repeat, a
+# contiguous CPU tensor's statistics, a plain value, a Parameter; ~1 us a row against ~3.5 us
+# here, most of an API dump's overhead). It is DumpSession's base, holding the counters both
+# paths share, and hands every other leaf to ``_tensor`` / ``_other`` below, which define what an
+# entry is. Without a compiler or Python headers, or with LLMFLOW_FUSED=0, the methods here do all.
+_NATIVE = None if native.disabled() else native.CAPTURE.extension("llmflow_capture")
+_ENTRIES_BASE: type = _NATIVE.Entries if _NATIVE is not None else object
 
-class DumpSession(Sink):
+
+class DumpSession(Sink, _ENTRIES_BASE):
     """Writes one dump directory; the hooks drive it step by step."""
 
     def __init__(self, dump_dir: str | Path, config: DumpConfig, model: torch.nn.Module,
@@ -167,6 +177,13 @@ class DumpSession(Sink):
         # id -> full name of the model's parameters: an op's Parameter argument is recorded by
         # name, so a precheck can load it from the weights a dump_weight dump writes once
         self._param_names = {id(p): n for n, p in model.named_parameters()}
+        if _NATIVE is not None:
+            kernel = ctypes.cast(self._stats_kernel, ctypes.c_void_p).value if self._stats_kernel else 0
+            self._setup_entries(self._seen, self._add_row, _DTYPE_NAMES, KERNEL_DTYPES, _NO_EXTRA,
+                                torch.Tensor, torch.nn.Parameter, torch.dtype, self._param_names,
+                                torch._C.DisableTorchFunction, kernel or 0,
+                                -1 if config.max_bytes is None else config.max_bytes,
+                                not isinstance(self._seen, _NoRepeats), self._op_inputs, self._op_outputs)
         if config.dump_weight:
             self._write_weights(model)
 
@@ -215,23 +232,24 @@ class DumpSession(Sink):
                           truncated=self.stopped is not None, stop_reason=self.stopped)
 
     # -- the recorder's sink (see recorder.py) ------------------------------------------------
-    def module_inputs(self, name: str, mtype: str, module: torch.nn.Module, args: tuple,
-                      kwargs: dict) -> None:
+    # (module_inputs, module_output, op_inputs and op_output: in C where it is built, see below)
+    def _module_inputs(self, name: str, mtype: str, module: torch.nn.Module, args: tuple,
+                       kwargs: dict) -> None:
         walk_inputs(self, name, "input", args, kwargs, "module", mtype)
 
-    def module_output(self, name: str, mtype: str, module: torch.nn.Module, args: tuple, kwargs: dict,
-                      output: Any) -> None:
+    def _module_output(self, name: str, mtype: str, module: torch.nn.Module, args: tuple, kwargs: dict,
+                       output: Any) -> None:
         walk_output(self, name, output, "module", mtype)
 
     def wants_op(self, module: str) -> bool:
         return self.config.wants_name(module)
 
-    def op_inputs(self, name: str, api: str, func: Any, args: tuple, kwargs: dict) -> None:
+    def _op_inputs_walk(self, name: str, api: str, func: Any, args: tuple, kwargs: dict) -> None:
         if self._op_inputs:
             # scalars too (dim=-1, an eps, a dtype): replaying the call from the dump needs them
             walk_inputs(self, name, "input", args, kwargs, "api", api)
 
-    def op_output(self, name: str, api: str, func: Any, output: Any) -> None:
+    def _op_output_walk(self, name: str, api: str, func: Any, output: Any) -> None:
         if self._op_outputs:
             walk_output(self, name, output, "api", api, tensors_only=True)
 
@@ -250,8 +268,8 @@ class DumpSession(Sink):
                          always_data=True)
 
     # -- index rows (the walk's leaves) -------------------------------------------------------
-    def other(self, name: str, kind: str, index: str, value: Any, level: str,
-              module_type: str | None) -> None:
+    def _other(self, name: str, kind: str, index: str, value: Any, level: str,
+               module_type: str | None) -> None:
         """A parameter handed to a call (shape, dtype and name only) or a plain value (its JSON
         value; a torch dtype, device or memory format as its name, ``"torch.float32"``)."""
         if self.stopped is not None:
@@ -353,7 +371,17 @@ class DumpSession(Sink):
         payload, event = device_copy(src) if stats_only else host_copy(src)
         self.writer.submit(row, payload, event, nbytes=data_bytes)
 
-    tensor = _tensor  # the walk's tensor leaf
+    # The recorder's sink methods and the walk's leaves: in C where it is built (capture.cpp walks
+    # each call's values as recorder.py's walks do, and hands the leaves it does not take to
+    # ``_tensor`` and ``_other``); here otherwise.
+    if _NATIVE is not None:
+        module_inputs, module_output = _NATIVE.Entries.module_inputs, _NATIVE.Entries.module_output
+        op_inputs, op_output = _NATIVE.Entries.op_inputs, _NATIVE.Entries.op_output
+        tensor, other = _NATIVE.Entries.tensor, _NATIVE.Entries.other
+    else:
+        module_inputs, module_output = _module_inputs, _module_output
+        op_inputs, op_output = _op_inputs_walk, _op_output_walk
+        tensor, other = _tensor, _other
 
     def _stop(self, reason: str) -> None:
         self.stopped = reason

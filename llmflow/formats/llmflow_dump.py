@@ -74,7 +74,8 @@ class IndexRow(NamedTuple):
     dtype: str | None
     shape: tuple[int, ...] | None
     module_type: str | None
-    stats: list[float] | dict[str, float] | None  # a list in STAT_KEYS order (a dict: a partial set)
+    # STAT_KEYS order: a list (a tuple from dump/capture.cpp; a dict: a partial set)
+    stats: list[float] | dict[str, float] | None
     has_data: bool
     value: Any  # a non-tensor input's JSON value (None, bool, int, float, short str)
     pytype: str | None
@@ -145,10 +146,12 @@ def index_line(rows: list[IndexRow] | list[tuple], rank: int) -> bytes:
 
 
 def _finite_stats(st: Any) -> bool:
-    """Is ``st`` a STAT_KEYS list whose floats are all finite? (A sum is finite only if every term
-    is; a sum that overflows on finite terms is a false alarm, which only costs the slow path.)"""
+    """Is ``st`` a STAT_KEYS list (or tuple: the compiled capture's) whose floats are all finite?
+    (A sum is finite only if every term is; a sum that overflows on finite terms is a false
+    alarm, which only costs the slow path.)"""
     try:
-        return type(st) is list and len(st) == len(STAT_KEYS) and isfinite(st[0] + st[1] + st[2] + st[3])
+        return ((type(st) is list or type(st) is tuple) and len(st) == len(STAT_KEYS)
+                and isfinite(st[0] + st[1] + st[2] + st[3]))
     except TypeError:  # a None or a string among them
         return False
 

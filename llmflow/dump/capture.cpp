@@ -1,0 +1,993 @@
+// The dump's capture hot path in C: a Python extension module (llmflow_capture) of two types,
+// each the C half of a Python class that derives from it.
+//
+// A statistics dump makes one index row per leaf of every call it records: ~1,200 a decode step
+// of SmolLM2 by modules, ~4,100 by torch API. In Python each row is a dozen attribute reads, a
+// dictionary look-up, a kernel call through ctypes and a tuple of fifteen fields (~3.5 us), each
+// call's values are walked by a Python loop, and API mode's __torch_function__ runs for every
+// torch call. Here the same work is ~3x faster; an API statistics dump of SmolLM2 measured ~1.5x
+// of plain generation against ~1.65x with the Python methods (docs/benchmarks.md).
+//
+// Entries (capture.py's DumpSession derives from it): the session's counters (step, order,
+// entries, bytes, stopped: plain attributes from Python), the recorder's sink methods
+// (module_inputs, module_output, op_inputs, op_output), which walk a call's values exactly as
+// recorder.py's walk_inputs / walk_output / _walk do, label for label, and the walk's leaves:
+//   tensor: a plain torch.Tensor seen again unchanged this step (same object, same version
+//     counter) whose first capture kept no data: an index row pointing at that capture's key;
+//     in a statistics dump, a contiguous CPU tensor of a kernel dtype (stats.cpp): its
+//     statistics now, from the statistics kernel (called directly, not through ctypes), and its
+//     index row;
+//   other: None, a bool, an int or a float as its value; a torch dtype by its name; a Parameter
+//     by shape, dtype and name.
+// Every other leaf (a tensor subclass or one without a version counter, tensor data, another
+// device or dtype, a view that is not contiguous, the max_bytes limit, any other value) goes to
+// the session's own Python method (_tensor / _other) before anything here has changed, so the
+// Python methods stay the one definition of an entry; tests check that both write the same dump
+// byte for byte (tests/unit/test_dump_native_capture.py).
+//
+// Dispatch (api.py's ApiMode derives from it, and from torch's TorchFunctionMode): its
+// __torch_function__, the same steps as ApiMode._dispatch.
+//
+// Built by llmflow.native against this interpreter's headers (once per Python version), loaded
+// as an extension module; where it cannot be built, the Python methods do everything.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <cstdint>
+
+namespace {
+
+typedef void (*StatsKernel)(const void *, int, int64_t, double *);
+
+constexpr long long STATS_ENTRY_BYTES = 256;  // capture.py's _STATS_ENTRY_BYTES
+constexpr int N_STATS = 6;                   // STAT_KEYS
+
+PyObject *s_version, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_numel, *s_data_ptr, *s_shape,
+    *s_tensor_slow, *s_other_slow, *s_empty, *s_param_dtype, *s_param, *s_parameter, *s_enter, *s_exit,
+    *s_input, *s_output, *s_module, *s_api;
+PyObject *pytype_none, *pytype_bool, *pytype_int, *pytype_float, *pytype_dtype;
+
+struct Entries {
+    PyObject_HEAD
+    long long step, order, entries, bytes;
+    PyObject *stopped;       // None, or why capture stopped (max_bytes)
+    PyObject *seen;          // id(tensor) -> (weakref, version, dtype, shape, has_data, key)
+    PyObject *add_row;       // the writer's add_row: an index row and nothing more
+    PyObject *dtype_names;   // torch.dtype -> its name in the index
+    PyObject *kernel_codes;  // torch.dtype -> stats.cpp's code
+    PyObject *no_extra;      // the shared empty ``extra`` dict
+    PyObject *tensor_type;   // torch.Tensor
+    PyObject *parameter_type;  // torch.nn.Parameter
+    PyObject *dtype_type;    // torch.dtype
+    PyObject *param_names;   // id(parameter) -> its name in the model
+    PyObject *disable_torch_function;  // torch._C.DisableTorchFunction
+    int op_inputs, op_outputs;  // an API dump records the ops' inputs / outputs (tensor_part)
+    StatsKernel kernel;      // null: no statistics here (tensor mode, no kernel, CRC32)
+    long long max_bytes;     // -1: no limit
+    int record_repeats;      // register first captures in ``seen`` (a plain dict; not _NoRepeats)
+    double out[N_STATS];
+};
+
+// Calls the session's Python method ``slow`` with the six arguments: the leaf this file leaves.
+// 0 done, -1 error.
+int deferred(Entries *self, PyObject *slow, PyObject *const *args) {
+    PyObject *call[7] = {reinterpret_cast<PyObject *>(self), args[0], args[1], args[2], args[3], args[4], args[5]};
+    PyObject *done = PyObject_VectorcallMethod(slow, call, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    if (done == nullptr) return -1;
+    Py_DECREF(done);
+    return 0;
+}
+
+PyObject *attr_call(PyObject *obj, PyObject *name) {
+    return PyObject_VectorcallMethod(name, &obj, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+}
+
+// Nothing this file makes can be part of a reference cycle (rows hold strings, numbers, None,
+// the shared empty dict and tuples of numbers; the repeat table's tuples hold a weak reference
+// without a callback), so each is taken off the garbage collector's list when made. Left on it,
+// the ~8,000 objects an API dump makes a step set off a young collection every ~700 of them and
+// outlive it into the older generations, whose collections then visit them again: ~3 ms a
+// decode step of SmolLM2. (CPython itself untracks such tuples, but only when a collection
+// visits them.)
+template <class T>
+T *untracked(T *obj) {
+    if (obj != nullptr) PyObject_GC_UnTrack(obj);
+    return obj;
+}
+
+// the row: a plain tuple in IndexRow's field order, handed to add_row; steals nothing
+PyObject *emit(Entries *self, PyObject *const *fields) {
+    PyObject *row = untracked(PyTuple_New(15));
+    if (row == nullptr) return nullptr;
+    for (int i = 0; i < 15; i++) {
+        Py_INCREF(fields[i]);
+        PyTuple_SET_ITEM(row, i, fields[i]);
+    }
+    PyObject *done = PyObject_CallOneArg(self->add_row, row);
+    Py_DECREF(row);
+    return done;
+}
+
+// The object a weak reference points at, as a new reference (None when it is gone), or null
+// with an error set.
+PyObject *referent(PyObject *ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj;
+    if (PyWeakref_GetRef(ref, &obj) < 0) return nullptr;
+    if (obj == nullptr) Py_RETURN_NONE;
+    return obj;
+#else
+    PyObject *obj = PyWeakref_GetObject(ref);
+    if (obj == nullptr) return nullptr;
+    Py_INCREF(obj);
+    return obj;
+#endif
+}
+
+// A repeat (the same tensor, unchanged, captured already this step, without data): its row, or
+// 0 when ``t`` is not one (``*handled`` stays false), -1 on error.
+int repeat_row(Entries *self, PyObject *const *args, PyObject *id, PyObject *version, bool *handled) {
+    PyObject *seen = PyDict_GetItemWithError(self->seen, id);  // borrowed
+    if (seen == nullptr) return PyErr_Occurred() ? -1 : 0;
+    if (!PyTuple_CheckExact(seen) || PyTuple_GET_SIZE(seen) != 6) return 0;
+    PyObject *ref = PyTuple_GET_ITEM(seen, 0);
+    if (!PyWeakref_CheckRef(ref)) return 0;
+    PyObject *obj = referent(ref);
+    if (obj == nullptr) return -1;
+    bool same = obj == args[3];
+    Py_DECREF(obj);
+    if (!same) return 0;
+    int equal = PyObject_RichCompareBool(PyTuple_GET_ITEM(seen, 1), version, Py_EQ);
+    if (equal <= 0) return equal;
+    if (PyTuple_GET_ITEM(seen, 4) != Py_False) return 0;  // its data is written: the Python path
+    PyObject *step = PyLong_FromLongLong(self->step), *order = PyLong_FromLongLong(self->order);
+    if (step == nullptr || order == nullptr) {
+        Py_XDECREF(step);
+        Py_XDECREF(order);
+        return -1;
+    }
+    self->order++;
+    self->entries++;
+    PyObject *fields[15] = {step, args[0], args[1], args[2], args[4], order, PyTuple_GET_ITEM(seen, 2),
+                            PyTuple_GET_ITEM(seen, 3), args[5], Py_None, Py_False, Py_None, Py_None,
+                            PyTuple_GET_ITEM(seen, 5), self->no_extra};
+    PyObject *done = emit(self, fields);
+    Py_DECREF(step);
+    Py_DECREF(order);
+    if (done == nullptr) return -1;
+    Py_DECREF(done);
+    *handled = true;
+    return 0;
+}
+
+// The kernel's statistics of a contiguous CPU tensor and its row: 1 done, 0 not this file's
+// leaf (nothing changed), -1 error.
+int statistics_row(Entries *self, PyObject *const *args, PyObject *id, PyObject *version) {
+    PyObject *t = args[3];
+    if (self->kernel == nullptr) return 0;
+    if (self->max_bytes >= 0 && self->bytes + STATS_ENTRY_BYTES > self->max_bytes) return 0;
+    int result = -1;
+    long long numel = 0, code = 0;
+    void *data = nullptr;
+    PyObject *dtype = nullptr, *code_obj, *dtype_name, *flag = nullptr, *n = nullptr, *ptr = nullptr,
+             *size = nullptr, *shape = nullptr, *key = nullptr, *step = nullptr, *order = nullptr,
+             *stats = nullptr, *done = nullptr;
+    if ((dtype = PyObject_GetAttr(t, s_dtype)) == nullptr) goto out;
+    code_obj = PyDict_GetItemWithError(self->kernel_codes, dtype);  // borrowed
+    dtype_name = code_obj ? PyDict_GetItemWithError(self->dtype_names, dtype) : nullptr;
+    if (code_obj == nullptr || dtype_name == nullptr) {
+        result = PyErr_Occurred() ? -1 : 0;
+        goto out;
+    }
+    code = PyLong_AsLongLong(code_obj);
+    if ((flag = PyObject_GetAttr(t, s_is_cpu)) == nullptr) goto out;
+    if (flag != Py_True) { result = 0; goto out; }
+    Py_CLEAR(flag);
+    if ((flag = attr_call(t, s_is_contiguous)) == nullptr) goto out;
+    if (flag != Py_True) { result = 0; goto out; }
+    if ((n = attr_call(t, s_numel)) == nullptr) goto out;
+    numel = PyLong_AsLongLong(n);
+    if (numel == -1 && PyErr_Occurred()) goto out;
+    if (numel <= 0) { result = 0; goto out; }  // an empty tensor: EMPTY statistics, the Python path
+    if ((ptr = attr_call(t, s_data_ptr)) == nullptr) goto out;
+    data = PyLong_AsVoidPtr(ptr);
+    if (data == nullptr) {
+        result = PyErr_Occurred() ? -1 : 0;
+        goto out;
+    }
+    if ((size = PyObject_GetAttr(t, s_shape)) == nullptr || (shape = untracked(PySequence_Tuple(size))) == nullptr)
+        goto out;
+    // from here on the entry is this file's: the same steps, in order, as DumpSession._tensor
+    if ((step = PyLong_FromLongLong(self->step)) == nullptr || (order = PyLong_FromLongLong(self->order)) == nullptr
+        || (key = PyUnicode_FromFormat("%lld", self->entries + 1)) == nullptr
+        || (stats = untracked(PyTuple_New(N_STATS))) == nullptr)
+        goto out;
+    self->order++;
+    self->bytes += STATS_ENTRY_BYTES;
+    self->entries++;
+    if (self->step >= 0 && version != Py_None && self->record_repeats) {
+        PyObject *ref = untracked(PyWeakref_NewRef(t, nullptr));
+        if (ref == nullptr) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) goto out;
+            PyErr_Clear();  // a tensor type without weak references: no de-duplication
+        } else {
+            PyObject *seen = untracked(PyTuple_Pack(6, ref, version, dtype_name, shape, Py_False, key));
+            Py_DECREF(ref);
+            if (seen == nullptr) goto out;
+            int set = PyDict_SetItem(self->seen, id, seen);
+            Py_DECREF(seen);
+            if (set < 0) goto out;
+        }
+    }
+    self->kernel(data, static_cast<int>(code), numel, self->out);
+    for (int i = 0; i < N_STATS; i++) {
+        PyObject *v = PyFloat_FromDouble(self->out[i]);
+        if (v == nullptr) goto out;
+        PyTuple_SET_ITEM(stats, i, v);
+    }
+    {
+        PyObject *fields[15] = {step, args[0], args[1], args[2], args[4], order, dtype_name, shape, args[5],
+                                stats, Py_False, Py_None, Py_None, key, self->no_extra};
+        if ((done = emit(self, fields)) == nullptr) goto out;
+    }
+    result = 1;
+out:
+    Py_XDECREF(dtype);
+    Py_XDECREF(flag);
+    Py_XDECREF(n);
+    Py_XDECREF(ptr);
+    Py_XDECREF(size);
+    Py_XDECREF(shape);
+    Py_XDECREF(key);
+    Py_XDECREF(step);
+    Py_XDECREF(order);
+    Py_XDECREF(stats);
+    Py_XDECREF(done);
+    return result;
+}
+
+// The walk's tensor leaf: args = name, kind, index, t, level, module_type. 0 done, -1 error.
+int tensor_leaf(Entries *self, PyObject *const *args) {
+    if (self->stopped != nullptr && self->stopped != Py_None) return 0;
+    PyObject *t = args[3];
+    if (Py_TYPE(t) != reinterpret_cast<PyTypeObject *>(self->tensor_type) || self->seen == nullptr)
+        return deferred(self, s_tensor_slow, args);
+    PyObject *version = PyObject_GetAttr(t, s_version);
+    if (version == nullptr) {  // an inference tensor has no version counter: the Python path
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) return -1;
+        PyErr_Clear();
+        return deferred(self, s_tensor_slow, args);
+    }
+    PyObject *id = PyLong_FromVoidPtr(t);
+    if (id == nullptr) {
+        Py_DECREF(version);
+        return -1;
+    }
+    bool handled = false;
+    int done = repeat_row(self, args, id, version, &handled);
+    if (done == 0 && !handled) {
+        done = statistics_row(self, args, id, version);
+        handled = done == 1;
+    }
+    Py_DECREF(id);
+    Py_DECREF(version);
+    if (done < 0) return -1;
+    return handled ? 0 : deferred(self, s_tensor_slow, args);
+}
+
+// A Parameter handed to a call: its shape, dtype and name (DumpSession._other's rows).
+int parameter_row(Entries *self, PyObject *const *args, bool *handled) {
+    PyObject *value = args[3], *dtype = nullptr, *size = nullptr, *shape = nullptr, *extra = nullptr,
+             *id = nullptr, *step = nullptr, *order = nullptr, *done = nullptr, *dtype_name, *param;
+    int result = -1;
+    if ((dtype = PyObject_GetAttr(value, s_dtype)) == nullptr) goto out;
+    if ((dtype_name = PyDict_GetItemWithError(self->dtype_names, dtype)) == nullptr) {
+        result = PyErr_Occurred() ? -1 : 0;  // a dtype the table lacks: the Python path names it
+        goto out;
+    }
+    if ((size = PyObject_GetAttr(value, s_shape)) == nullptr || (shape = untracked(PySequence_Tuple(size))) == nullptr
+        || (id = PyLong_FromVoidPtr(value)) == nullptr || (extra = PyDict_New()) == nullptr
+        || PyDict_SetItem(extra, s_param_dtype, dtype_name) < 0)
+        goto out;
+    if ((param = PyDict_GetItemWithError(self->param_names, id)) != nullptr) {
+        if (PyDict_SetItem(extra, s_param, param) < 0) goto out;
+    } else if (PyErr_Occurred()) {
+        goto out;
+    }
+    if ((step = PyLong_FromLongLong(self->step)) == nullptr || (order = PyLong_FromLongLong(self->order)) == nullptr)
+        goto out;
+    self->order++;
+    self->entries++;
+    {
+        PyObject *fields[15] = {step, args[0], args[1], args[2], args[4], order, Py_None, shape, args[5],
+                                Py_None, Py_False, Py_None, s_parameter, s_empty, extra};
+        if ((done = emit(self, fields)) == nullptr) goto out;
+    }
+    *handled = true;
+    result = 0;
+out:
+    Py_XDECREF(dtype);
+    Py_XDECREF(size);
+    Py_XDECREF(shape);
+    Py_XDECREF(extra);
+    Py_XDECREF(id);
+    Py_XDECREF(step);
+    Py_XDECREF(order);
+    Py_XDECREF(done);
+    return result;
+}
+
+// The walk's other leaf: None, a bool, int or float as its value; a torch dtype by its name
+// ("torch.float32"); a Parameter by shape, dtype and name. 0 done, -1 error.
+int other_leaf(Entries *self, PyObject *const *args) {
+    if (self->stopped != nullptr && self->stopped != Py_None) return 0;
+    PyObject *value = args[3], *pytype, *stored = value, *named = nullptr;
+    if (value == Py_None) pytype = pytype_none;
+    else if (PyBool_Check(value)) pytype = pytype_bool;
+    else if (PyLong_CheckExact(value)) pytype = pytype_int;
+    else if (PyFloat_CheckExact(value)) pytype = pytype_float;
+    else if (Py_TYPE(value) == reinterpret_cast<PyTypeObject *>(self->parameter_type)) {
+        bool handled = false;
+        if (parameter_row(self, args, &handled) < 0) return -1;
+        return handled ? 0 : deferred(self, s_other_slow, args);
+    } else if (Py_TYPE(value) == reinterpret_cast<PyTypeObject *>(self->dtype_type)) {
+        pytype = pytype_dtype;
+        if ((named = PyObject_Str(value)) == nullptr) return -1;
+        if (PyUnicode_GET_LENGTH(named) >= 256) {  // (never: the Python path's rule, kept exactly)
+            Py_DECREF(named);
+            return deferred(self, s_other_slow, args);
+        }
+        stored = named;
+    } else {
+        return deferred(self, s_other_slow, args);
+    }
+    PyObject *step = PyLong_FromLongLong(self->step), *order = PyLong_FromLongLong(self->order);
+    PyObject *done = nullptr;
+    if (step != nullptr && order != nullptr) {
+        self->order++;
+        self->entries++;
+        PyObject *fields[15] = {step, args[0], args[1], args[2], args[4], order, Py_None, Py_None, args[5],
+                                Py_None, Py_False, stored, pytype, s_empty, self->no_extra};
+        done = emit(self, fields);
+    }
+    Py_XDECREF(named);
+    Py_XDECREF(step);
+    Py_XDECREF(order);
+    if (done == nullptr) return -1;
+    Py_DECREF(done);
+    return 0;
+}
+
+PyObject *leaf_method(PyObject *op, PyObject *const *args, Py_ssize_t nargs, int (*leaf)(Entries *, PyObject *const *)) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "a leaf takes name, kind, index, value, level, module_type");
+        return nullptr;
+    }
+    if (leaf(reinterpret_cast<Entries *>(op), args) < 0) return nullptr;
+    Py_RETURN_NONE;
+}
+
+PyObject *Entries_tensor(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
+    return leaf_method(op, args, nargs, tensor_leaf);
+}
+
+PyObject *Entries_other(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
+    return leaf_method(op, args, nargs, other_leaf);
+}
+
+// -- the walk over a call's values: recorder.py's walk_inputs / walk_output / _walk, label for
+// label, its leaves the two above -------------------------------------------------------------
+constexpr int MAX_DEPTH = 6;  // recorder.MAX_DEPTH
+constexpr int N_POSITIONAL = 32;
+PyObject *positional[N_POSITIONAL];  // "0" .. "31"
+PyObject *keyword_labels;            // keyword -> "kw:<keyword>"
+
+PyObject *position_label(Py_ssize_t i) {
+    if (i < N_POSITIONAL) {
+        Py_INCREF(positional[i]);
+        return positional[i];
+    }
+    return PyUnicode_FromFormat("%zd", i);
+}
+
+struct Walk {
+    Entries *self;
+    PyObject *name, *kind, *level, *module_type;
+    bool tensors_only;
+
+    int leaf(int (*fn)(Entries *, PyObject *const *), PyObject *index, PyObject *value) {
+        PyObject *args[6] = {name, kind, index, value, level, module_type};
+        return fn(self, args);
+    }
+
+    int children(PyObject *index, PyObject *value, int depth, bool mapping) {
+        PyObject *items = mapping ? (PyDict_CheckExact(value) ? PyDict_Items(value)
+                                                              : PyObject_CallMethod(value, "items", nullptr))
+                                  : PySequence_Fast(value, "a walked sequence");
+        if (items == nullptr) return -1;
+        PyObject *seq = mapping ? PySequence_Fast(items, "a mapping's items") : items;
+        if (mapping) Py_DECREF(items);
+        if (seq == nullptr) return -1;
+        int result = 0;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        for (Py_ssize_t i = 0; i < n && result == 0; i++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *child = item, *label;
+            if (mapping) {
+                PyObject *pair = PySequence_Fast(item, "an item");
+                if (pair == nullptr || PySequence_Fast_GET_SIZE(pair) != 2) {
+                    Py_XDECREF(pair);
+                    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a mapping item is not a pair");
+                    result = -1;
+                    break;
+                }
+                PyObject *key = PyUnicode_FromString("");
+                PyObject *text = key ? PyObject_Format(PySequence_Fast_GET_ITEM(pair, 0), key) : nullptr;
+                Py_XDECREF(key);
+                label = text ? PyUnicode_FromFormat("%U.%U", index, text) : nullptr;
+                Py_XDECREF(text);
+                child = PySequence_Fast_GET_ITEM(pair, 1);
+                Py_INCREF(child);
+                Py_DECREF(pair);
+            } else {
+                label = PyUnicode_FromFormat("%U.%zd", index, i);
+                Py_INCREF(child);
+            }
+            result = label ? value_at(label, child, depth + 1) : -1;
+            Py_XDECREF(label);
+            Py_DECREF(child);
+        }
+        Py_DECREF(seq);
+        return result;
+    }
+
+    // recorder._walk
+    int value_at(PyObject *index, PyObject *value, int depth) {
+        PyTypeObject *type = Py_TYPE(value);
+        if (type == reinterpret_cast<PyTypeObject *>(self->tensor_type)) return leaf(tensor_leaf, index, value);
+        if (type == reinterpret_cast<PyTypeObject *>(self->parameter_type)) return leaf(other_leaf, index, value);
+        int is = PyObject_IsInstance(value, self->tensor_type);
+        if (is < 0) return -1;
+        if (is) {
+            int param = PyObject_IsInstance(value, self->parameter_type);
+            if (param < 0) return -1;
+            return leaf(param ? other_leaf : tensor_leaf, index, value);
+        }
+        if ((PyTuple_Check(value) || PyList_Check(value)) && depth < MAX_DEPTH)
+            return children(index, value, depth, false);
+        if (PyDict_Check(value) && depth < MAX_DEPTH) return children(index, value, depth, true);
+        return tensors_only ? 0 : leaf(other_leaf, index, value);
+    }
+
+    // recorder.walk_inputs
+    int inputs(PyObject *args, PyObject *kwargs) {
+        if (!PyTuple_Check(args)) {
+            PyErr_SetString(PyExc_TypeError, "a call's positional inputs are a tuple");
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
+            PyObject *label = position_label(i);
+            if (label == nullptr) return -1;
+            int done = value_at(label, PyTuple_GET_ITEM(args, i), 0);
+            Py_DECREF(label);
+            if (done < 0) return -1;
+        }
+        if (kwargs == Py_None || (PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) == 0)) return 0;
+        PyObject *items = PyDict_CheckExact(kwargs) ? PyDict_Items(kwargs) : PyObject_CallMethod(kwargs, "items", nullptr);
+        PyObject *seq = items ? PySequence_Fast(items, "keyword items") : nullptr;
+        Py_XDECREF(items);
+        if (seq == nullptr) return -1;
+        int result = 0;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && result == 0; i++) {
+            PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
+            if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+                PyErr_SetString(PyExc_TypeError, "a keyword item is not a pair");
+                result = -1;
+                break;
+            }
+            PyObject *key = PyTuple_GET_ITEM(pair, 0);
+            PyObject *label = PyDict_GetItemWithError(keyword_labels, key);  // borrowed
+            if (label == nullptr) {
+                if (PyErr_Occurred() || (label = PyUnicode_FromFormat("kw:%S", key)) == nullptr) {
+                    result = -1;
+                    break;
+                }
+                int set = PyDict_SetItem(keyword_labels, key, label);
+                Py_DECREF(label);  // (the table holds it)
+                if (set < 0) {
+                    result = -1;
+                    break;
+                }
+            }
+            Py_INCREF(label);
+            result = value_at(label, PyTuple_GET_ITEM(pair, 1), 0);
+            Py_DECREF(label);
+        }
+        Py_DECREF(seq);
+        return result;
+    }
+
+    // recorder.walk_output
+    int output(PyObject *value) {
+        if (Py_TYPE(value) == reinterpret_cast<PyTypeObject *>(self->tensor_type))
+            return leaf(tensor_leaf, positional[0], value);
+        if (PyTuple_Check(value) || PyList_Check(value)) {
+            PyObject *seq = PySequence_Fast(value, "an output sequence");
+            if (seq == nullptr) return -1;
+            int result = 0;
+            for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && result == 0; i++) {
+                PyObject *label = position_label(i), *item = PySequence_Fast_GET_ITEM(seq, i);
+                if (label == nullptr) {
+                    result = -1;
+                    break;
+                }
+                Py_INCREF(item);
+                result = value_at(label, item, 0);
+                Py_DECREF(item);
+                Py_DECREF(label);
+            }
+            Py_DECREF(seq);
+            return result;
+        }
+        if (PyDict_Check(value)) {
+            PyObject *items = PyDict_CheckExact(value) ? PyDict_Items(value) : PyObject_CallMethod(value, "items", nullptr);
+            PyObject *seq = items ? PySequence_Fast(items, "output items") : nullptr;
+            Py_XDECREF(items);
+            if (seq == nullptr) return -1;
+            int result = 0;
+            for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && result == 0; i++) {
+                PyObject *pair = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, i), "an item");
+                if (pair == nullptr || PySequence_Fast_GET_SIZE(pair) != 2) {
+                    Py_XDECREF(pair);
+                    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "an output item is not a pair");
+                    result = -1;
+                    break;
+                }
+                PyObject *label = PyObject_Str(PySequence_Fast_GET_ITEM(pair, 0));
+                result = label ? value_at(label, PySequence_Fast_GET_ITEM(pair, 1), 0) : -1;
+                Py_XDECREF(label);
+                Py_DECREF(pair);
+            }
+            Py_DECREF(seq);
+            return result;
+        }
+        return value_at(positional[0], value, 0);
+    }
+};
+
+// Runs ``walk`` with torch functions off (torch._C.DisableTorchFunction), as recorder.py's walks
+// do, so that nothing the leaves read or compute is itself recorded.
+template <class F>
+PyObject *without_torch_functions(Entries *self, F walk) {
+    PyObject *guard = PyObject_CallNoArgs(self->disable_torch_function);
+    if (guard == nullptr) return nullptr;
+    PyObject *entered = attr_call(guard, s_enter);
+    if (entered == nullptr) {
+        Py_DECREF(guard);
+        return nullptr;
+    }
+    Py_DECREF(entered);
+    int done = walk();
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    PyObject *exit_args[4] = {guard, Py_None, Py_None, Py_None};
+    PyObject *exited = PyObject_VectorcallMethod(s_exit, exit_args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    Py_DECREF(guard);
+    if (exited == nullptr) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(trace);
+        return nullptr;
+    }
+    Py_DECREF(exited);
+    PyErr_Restore(type, value, trace);
+    if (done < 0) return nullptr;
+    Py_RETURN_NONE;
+}
+
+bool wrong_count(Py_ssize_t nargs, Py_ssize_t want, const char *what) {
+    if (nargs == want) return false;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments, got %zd", what, want, nargs);
+    return true;
+}
+
+// the recorder's sink methods (DumpSession's, see capture.py)
+PyObject *Entries_module_inputs(PyObject *op, PyObject *const *a, Py_ssize_t nargs) {  // name, mtype, module, args, kwargs
+    if (wrong_count(nargs, 5, "module_inputs")) return nullptr;
+    Entries *self = reinterpret_cast<Entries *>(op);
+    Walk w{self, a[0], s_input, s_module, a[1], false};
+    return without_torch_functions(self, [&] { return w.inputs(a[3], a[4]); });
+}
+
+PyObject *Entries_module_output(PyObject *op, PyObject *const *a, Py_ssize_t nargs) {  // ..., output
+    if (wrong_count(nargs, 6, "module_output")) return nullptr;
+    Entries *self = reinterpret_cast<Entries *>(op);
+    Walk w{self, a[0], s_output, s_module, a[1], false};
+    return without_torch_functions(self, [&] { return w.output(a[5]); });
+}
+
+PyObject *Entries_op_inputs(PyObject *op, PyObject *const *a, Py_ssize_t nargs) {  // name, api, func, args, kwargs
+    if (wrong_count(nargs, 5, "op_inputs")) return nullptr;
+    Entries *self = reinterpret_cast<Entries *>(op);
+    if (!self->op_inputs) Py_RETURN_NONE;
+    Walk w{self, a[0], s_input, s_api, a[1], false};
+    return without_torch_functions(self, [&] { return w.inputs(a[3], a[4]); });
+}
+
+PyObject *Entries_op_output(PyObject *op, PyObject *const *a, Py_ssize_t nargs) {  // name, api, func, output
+    if (wrong_count(nargs, 4, "op_output")) return nullptr;
+    Entries *self = reinterpret_cast<Entries *>(op);
+    if (!self->op_outputs) Py_RETURN_NONE;
+    Walk w{self, a[0], s_output, s_api, a[1], true};
+    return without_torch_functions(self, [&] { return w.output(a[3]); });
+}
+
+// -- API mode's dispatch: api.py's ApiMode.__torch_function__ ----------------------------------
+// ApiMode derives from this type too (with torch's TorchFunctionMode): every torch call made while
+// the mode is entered comes here, ~2,000 a decode step of SmolLM2, most of them recorded.
+PyObject *s_recorder_sink, *s_recorder_stack, *s_recorder_prefix, *s_op_counts, *s_active, *s_wants_op,
+    *s_exec_order, *s_op_inputs, *s_op_outputs;
+
+struct Dispatch {
+    PyObject_HEAD
+    PyObject *recorder;  // the recorder: sink, stack, prefix, op_counts
+    PyObject *names;     // callable -> recorded name (None: passed through)
+    PyObject *api_name;  // api.api_name
+};
+
+PyObject *call_func(PyObject *func, PyObject *args, PyObject *kwargs) {
+    return PyObject_Call(func, args, kwargs != nullptr && kwargs != Py_None ? kwargs : nullptr);
+}
+
+// the recorded name of func: from the table, else api_name(func) (kept when func is hashable)
+PyObject *op_name(Dispatch *self, PyObject *func) {
+    PyObject *name = PyDict_GetItemWithError(self->names, func);
+    if (name != nullptr) {
+        Py_INCREF(name);
+        return name;
+    }
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) return nullptr;
+        PyErr_Clear();  // an unhashable callable: named every time
+        return PyObject_CallOneArg(self->api_name, func);
+    }
+    name = PyObject_CallOneArg(self->api_name, func);
+    if (name != nullptr && PyDict_SetItem(self->names, func, name) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+            Py_DECREF(name);
+            return nullptr;
+        }
+        PyErr_Clear();
+    }
+    return name;
+}
+
+// __torch_function__(func, types, args=(), kwargs=None)
+PyObject *Dispatch_torch_function(PyObject *op, PyObject *const *a, Py_ssize_t nargs, PyObject *kwnames) {
+    Dispatch *self = reinterpret_cast<Dispatch *>(op);
+    if (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) > 0) {  // (torch passes all four by position)
+        PyErr_SetString(PyExc_TypeError, "__torch_function__() takes its arguments by position");
+        return nullptr;
+    }
+    if (nargs < 2 || nargs > 4) {
+        PyErr_SetString(PyExc_TypeError, "__torch_function__(func, types, args=(), kwargs=None)");
+        return nullptr;
+    }
+    PyObject *func = a[0], *args = nargs > 2 ? a[2] : nullptr, *kwargs = nargs > 3 ? a[3] : nullptr;
+    PyObject *empty = nullptr;
+    if (args == nullptr || !PyTuple_Check(args)) {
+        if (args != nullptr && args != Py_None) {
+            args = PySequence_Tuple(args);
+            if (args == nullptr) return nullptr;
+            empty = args;  // (ours to release)
+        } else {
+            args = empty = PyTuple_New(0);
+            if (args == nullptr) return nullptr;
+        }
+    }
+    PyObject *result = nullptr, *name = nullptr, *sink = nullptr, *stack = nullptr, *module = nullptr,
+             *wants = nullptr, *key = nullptr, *counts = nullptr, *count = nullptr, *full = nullptr,
+             *order = nullptr, *own_kwargs = nullptr, *done = nullptr;
+    long long n = 0;
+    int flag;
+    if (kwargs == nullptr || kwargs == Py_None) kwargs = own_kwargs = PyDict_New();  // (kwargs or {})
+    if (kwargs == nullptr) goto out;
+    if ((name = op_name(self, func)) == nullptr) goto out;
+    if ((sink = PyObject_GetAttr(self->recorder, s_recorder_sink)) == nullptr) goto out;
+    if (name == Py_None || sink == Py_None) goto pass_through;
+    {
+        PyObject *active = PyObject_GetAttr(sink, s_active);
+        if (active == nullptr) goto out;
+        flag = PyObject_IsTrue(active);
+        Py_DECREF(active);
+        if (flag < 0) goto out;
+        if (!flag) goto pass_through;
+    }
+    if ((stack = PyObject_GetAttr(self->recorder, s_recorder_stack)) == nullptr) goto out;
+    if (PyList_Check(stack) && PyList_GET_SIZE(stack) > 0) {
+        module = PyList_GET_ITEM(stack, PyList_GET_SIZE(stack) - 1);
+        Py_INCREF(module);
+    } else if (!PyList_Check(stack) && PyObject_IsTrue(stack) == 1) {
+        PyObject *minus_one = PyLong_FromLong(-1);
+        module = minus_one ? PyObject_GetItem(stack, minus_one) : nullptr;
+        Py_XDECREF(minus_one);
+    } else {
+        module = PyObject_GetAttr(self->recorder, s_recorder_prefix);
+    }
+    if (module == nullptr) goto out;
+    {
+        PyObject *call[2] = {sink, module};
+        if ((wants = PyObject_VectorcallMethod(s_wants_op, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)) == nullptr)
+            goto out;
+    }
+    if ((flag = PyObject_IsTrue(wants)) < 0) goto out;
+    if (!flag) goto pass_through;
+    if ((key = PyUnicode_FromFormat("%U/%U", module, name)) == nullptr) goto out;
+    if ((counts = PyObject_GetAttr(self->recorder, s_op_counts)) == nullptr) goto out;
+    if ((count = PyDict_GetItemWithError(counts, key)) != nullptr) {
+        n = PyLong_AsLongLong(count);
+        if (n == -1 && PyErr_Occurred()) goto out;
+    } else if (PyErr_Occurred()) {
+        goto out;
+    }
+    count = nullptr;
+    if ((count = PyLong_FromLongLong(n + 1)) == nullptr || PyDict_SetItem(counts, key, count) < 0) goto out;
+    if ((full = PyUnicode_FromFormat("%U.%lld", key, n)) == nullptr) goto out;
+    if ((order = PyObject_GetAttr(sink, s_exec_order)) == nullptr) goto out;
+    if (order != Py_None) {
+        if (PyList_CheckExact(order) ? PyList_Append(order, full) < 0
+                                     : (done = PyObject_CallMethod(order, "append", "O", full)) == nullptr)
+            goto out;
+        Py_CLEAR(done);
+    }
+    {
+        PyObject *call[6] = {sink, full, name, func, args, kwargs};
+        if ((done = PyObject_VectorcallMethod(s_op_inputs, call, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)) == nullptr)
+            goto out;
+        Py_CLEAR(done);
+    }
+    if ((result = call_func(func, args, kwargs)) == nullptr) goto out;
+    {
+        PyObject *call[5] = {sink, full, name, func, result};
+        if ((done = PyObject_VectorcallMethod(s_op_outputs, call, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)) == nullptr)
+            Py_CLEAR(result);
+    }
+    goto out;
+pass_through:
+    result = call_func(func, args, kwargs);
+out:
+    Py_XDECREF(empty);
+    Py_XDECREF(own_kwargs);
+    Py_XDECREF(name);
+    Py_XDECREF(sink);
+    Py_XDECREF(stack);
+    Py_XDECREF(module);
+    Py_XDECREF(wants);
+    Py_XDECREF(key);
+    Py_XDECREF(counts);
+    Py_XDECREF(count);
+    Py_XDECREF(full);
+    Py_XDECREF(order);
+    Py_XDECREF(done);
+    return result;
+}
+
+// _setup_dispatch(recorder, names, api_name)
+PyObject *Dispatch_setup(PyObject *op, PyObject *const *a, Py_ssize_t nargs) {
+    Dispatch *self = reinterpret_cast<Dispatch *>(op);
+    if (wrong_count(nargs, 3, "_setup_dispatch")) return nullptr;
+    if (!PyDict_CheckExact(a[1])) {
+        PyErr_SetString(PyExc_TypeError, "_setup_dispatch(): names is a dict");
+        return nullptr;
+    }
+    PyObject **slots[3] = {&self->recorder, &self->names, &self->api_name};
+    for (int i = 0; i < 3; i++) {
+        Py_INCREF(a[i]);
+        Py_XSETREF(*slots[i], a[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+int Dispatch_traverse(PyObject *op, visitproc visit, void *arg) {
+    Dispatch *self = reinterpret_cast<Dispatch *>(op);
+    Py_VISIT(self->recorder);
+    Py_VISIT(self->names);
+    Py_VISIT(self->api_name);
+    return 0;
+}
+
+int Dispatch_clear(PyObject *op) {
+    Dispatch *self = reinterpret_cast<Dispatch *>(op);
+    Py_CLEAR(self->recorder);
+    Py_CLEAR(self->names);
+    Py_CLEAR(self->api_name);
+    return 0;
+}
+
+void Dispatch_dealloc(PyObject *op) {
+    PyObject_GC_UnTrack(op);
+    Dispatch_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+PyMethodDef Dispatch_methods[] = {
+    {"__torch_function__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Dispatch_torch_function)),
+     METH_FASTCALL | METH_KEYWORDS, "api.py's ApiMode.__torch_function__, in C."},
+    {"_setup_dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Dispatch_setup)), METH_FASTCALL,
+     "What the dispatch reads, set once by the mode."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject DispatchType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// _setup_entries(seen, add_row, dtype_names, kernel_codes, no_extra, tensor_type, parameter_type,
+//                dtype_type, param_names, disable_torch_function, kernel_address, max_bytes,
+//                record_repeats, op_inputs, op_outputs): what the fast path reads, set once by the session
+PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
+    Entries *self = reinterpret_cast<Entries *>(op);
+    if (nargs != 15) {
+        PyErr_SetString(PyExc_TypeError, "_setup_entries() takes 15 arguments");
+        return nullptr;
+    }
+    if (!PyDict_Check(args[0]) || !PyDict_CheckExact(args[2]) || !PyDict_CheckExact(args[3])
+        || !PyDict_CheckExact(args[4]) || !PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyType_Check(args[7])
+        || !PyDict_CheckExact(args[8])) {
+        PyErr_SetString(PyExc_TypeError, "_setup_entries(): seen, dtype_names, kernel_codes, no_extra and "
+                                         "param_names are dicts, tensor_type, parameter_type and dtype_type types");
+        return nullptr;
+    }
+    long long address = PyLong_AsLongLong(args[10]), max_bytes = PyLong_AsLongLong(args[11]);
+    if (PyErr_Occurred()) return nullptr;
+    PyObject **slots[10] = {&self->seen, &self->add_row, &self->dtype_names, &self->kernel_codes, &self->no_extra,
+                            &self->tensor_type, &self->parameter_type, &self->dtype_type, &self->param_names,
+                            &self->disable_torch_function};
+    for (int i = 0; i < 10; i++) {
+        Py_INCREF(args[i]);
+        Py_XSETREF(*slots[i], args[i]);
+    }
+    self->kernel = reinterpret_cast<StatsKernel>(static_cast<intptr_t>(address));
+    self->max_bytes = max_bytes;
+    self->record_repeats = PyObject_IsTrue(args[12]) == 1 && PyDict_CheckExact(args[0]);
+    self->op_inputs = PyObject_IsTrue(args[13]) == 1;
+    self->op_outputs = PyObject_IsTrue(args[14]) == 1;
+    Py_RETURN_NONE;
+}
+
+int Entries_traverse(PyObject *op, visitproc visit, void *arg) {
+    Entries *self = reinterpret_cast<Entries *>(op);
+    Py_VISIT(self->stopped);
+    Py_VISIT(self->seen);
+    Py_VISIT(self->add_row);
+    Py_VISIT(self->dtype_names);
+    Py_VISIT(self->kernel_codes);
+    Py_VISIT(self->no_extra);
+    Py_VISIT(self->tensor_type);
+    Py_VISIT(self->parameter_type);
+    Py_VISIT(self->dtype_type);
+    Py_VISIT(self->param_names);
+    Py_VISIT(self->disable_torch_function);
+    return 0;
+}
+
+int Entries_clear(PyObject *op) {
+    Entries *self = reinterpret_cast<Entries *>(op);
+    Py_CLEAR(self->stopped);
+    Py_CLEAR(self->seen);
+    Py_CLEAR(self->add_row);
+    Py_CLEAR(self->dtype_names);
+    Py_CLEAR(self->kernel_codes);
+    Py_CLEAR(self->no_extra);
+    Py_CLEAR(self->tensor_type);
+    Py_CLEAR(self->parameter_type);
+    Py_CLEAR(self->dtype_type);
+    Py_CLEAR(self->param_names);
+    Py_CLEAR(self->disable_torch_function);
+    self->kernel = nullptr;
+    return 0;
+}
+
+void Entries_dealloc(PyObject *op) {
+    PyObject_GC_UnTrack(op);
+    Entries_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+PyObject *Entries_new(PyTypeObject *type, PyObject *, PyObject *) {
+    Entries *self = reinterpret_cast<Entries *>(type->tp_alloc(type, 0));
+    if (self == nullptr) return nullptr;
+    self->step = -1;
+    self->max_bytes = -1;
+    Py_INCREF(Py_None);
+    self->stopped = Py_None;
+    return reinterpret_cast<PyObject *>(self);
+}
+
+PyMethodDef Entries_methods[] = {
+    {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Entries_tensor)), METH_FASTCALL,
+     "The walk's tensor leaf (see the file's comment)."},
+    {"other", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Entries_other)), METH_FASTCALL,
+     "The walk's other leaf (see the file's comment)."},
+    {"module_inputs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Entries_module_inputs)),
+     METH_FASTCALL, "The recorder's sink: a module's inputs, walked."},
+    {"module_output", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Entries_module_output)),
+     METH_FASTCALL, "The recorder's sink: a module's output, walked."},
+    {"op_inputs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Entries_op_inputs)), METH_FASTCALL,
+     "The recorder's sink: an op's inputs, walked."},
+    {"op_output", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Entries_op_output)), METH_FASTCALL,
+     "The recorder's sink: an op's output, walked (tensors only)."},
+    {"_setup_entries", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Entries_setup)),
+     METH_FASTCALL, "What the fast path reads, set once by the session."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyMemberDef Entries_members[] = {
+    {const_cast<char *>("step"), T_LONGLONG, offsetof(Entries, step), 0, nullptr},
+    {const_cast<char *>("order"), T_LONGLONG, offsetof(Entries, order), 0, nullptr},
+    {const_cast<char *>("entries"), T_LONGLONG, offsetof(Entries, entries), 0, nullptr},
+    {const_cast<char *>("bytes"), T_LONGLONG, offsetof(Entries, bytes), 0, nullptr},
+    {const_cast<char *>("stopped"), T_OBJECT, offsetof(Entries, stopped), 0, nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyTypeObject EntriesType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "llmflow_capture",
+                          "A dump's index entries for the common leaves (see capture.cpp).", -1,
+                          nullptr, nullptr, nullptr, nullptr, nullptr};
+
+PyObject *intern(const char *s) { return PyUnicode_InternFromString(s); }
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_llmflow_capture(void) {
+    EntriesType.tp_name = "llmflow_capture.Entries";
+    EntriesType.tp_basicsize = sizeof(Entries);
+    EntriesType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+    EntriesType.tp_doc = "A dump session's counters and its entries for the common leaves.";
+    EntriesType.tp_new = Entries_new;
+    EntriesType.tp_dealloc = Entries_dealloc;
+    EntriesType.tp_traverse = Entries_traverse;
+    EntriesType.tp_clear = Entries_clear;
+    EntriesType.tp_methods = Entries_methods;
+    EntriesType.tp_members = Entries_members;
+    if (PyType_Ready(&EntriesType) < 0) return nullptr;
+    DispatchType.tp_name = "llmflow_capture.Dispatch";
+    DispatchType.tp_basicsize = sizeof(Dispatch);
+    DispatchType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+    DispatchType.tp_doc = "API mode's dispatch of torch calls to its recorder's sink.";
+    DispatchType.tp_new = PyType_GenericNew;
+    DispatchType.tp_dealloc = Dispatch_dealloc;
+    DispatchType.tp_traverse = Dispatch_traverse;
+    DispatchType.tp_clear = Dispatch_clear;
+    DispatchType.tp_methods = Dispatch_methods;
+    if (PyType_Ready(&DispatchType) < 0) return nullptr;
+    if (!(s_version = intern("_version")) || !(s_dtype = intern("dtype")) || !(s_is_cpu = intern("is_cpu"))
+        || !(s_is_contiguous = intern("is_contiguous")) || !(s_numel = intern("numel"))
+        || !(s_data_ptr = intern("data_ptr")) || !(s_shape = intern("shape")) || !(s_tensor_slow = intern("_tensor"))
+        || !(s_other_slow = intern("_other")) || !(s_empty = intern("")) || !(pytype_none = intern("NoneType"))
+        || !(pytype_bool = intern("bool")) || !(pytype_int = intern("int")) || !(pytype_float = intern("float"))
+        || !(pytype_dtype = intern("dtype")) || !(s_param_dtype = intern("param_dtype")) || !(s_param = intern("param"))
+        || !(s_parameter = intern("Parameter")) || !(s_enter = intern("__enter__")) || !(s_exit = intern("__exit__"))
+        || !(s_input = intern("input")) || !(s_output = intern("output")) || !(s_module = intern("module"))
+        || !(s_api = intern("api")) || !(keyword_labels = PyDict_New()) || !(s_recorder_sink = intern("sink"))
+        || !(s_recorder_stack = intern("stack")) || !(s_recorder_prefix = intern("prefix"))
+        || !(s_op_counts = intern("op_counts")) || !(s_active = intern("active")) || !(s_wants_op = intern("wants_op"))
+        || !(s_exec_order = intern("exec_order")) || !(s_op_inputs = intern("op_inputs"))
+        || !(s_op_outputs = intern("op_output")))
+        return nullptr;
+    for (int i = 0; i < N_POSITIONAL; i++)
+        if (!(positional[i] = PyUnicode_FromFormat("%d", i))) return nullptr;
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == nullptr) return nullptr;
+    Py_INCREF(&EntriesType);
+    if (PyModule_AddObject(m, "Entries", reinterpret_cast<PyObject *>(&EntriesType)) < 0) {
+        Py_DECREF(&EntriesType);
+        Py_DECREF(m);
+        return nullptr;
+    }
+    Py_INCREF(&DispatchType);
+    if (PyModule_AddObject(m, "Dispatch", reinterpret_cast<PyObject *>(&DispatchType)) < 0) {
+        Py_DECREF(&DispatchType);
+        Py_DECREF(m);
+        return nullptr;
+    }
+    return m;
+}

@@ -1,0 +1,278 @@
+"""The dump's entries in C (``llmflow/dump/capture.cpp``) write exactly the dump the session's
+Python methods write: the same index rows, statistics, keys and tensors, for every mode, family,
+dtype and the paths that leave a leaf to Python (views, inference tensors, tensor subclasses,
+max_bytes, distributed runs without de-duplication)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llmflow import native
+from llmflow.dump import DumpConfig, capture, dump_run, register_hook
+from llmflow.dump.api import ApiMode
+from llmflow.dump.capture import DumpSession
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from dump_helpers import prompt_ids, tiny  # noqa: E402
+
+NATIVE = capture._NATIVE
+needs_native = pytest.mark.skipif(NATIVE is None, reason="no C++ compiler or Python headers here")
+
+MODES = {
+    "statistics module": {"data_mode": "statistics", "mode": "module"},
+    "statistics api": {"data_mode": "statistics", "mode": "api"},
+    "tensor module": {"data_mode": "tensor", "mode": "module"},
+    "tensor api": {"data_mode": "tensor", "mode": "api"},
+    "statistics crc32": {"data_mode": "statistics", "mode": "module", "crc32": True},
+    "statistics max_bytes": {"data_mode": "statistics", "mode": "api", "max_bytes": 150_000},
+    "statistics api inputs": {"data_mode": "statistics", "mode": "api", "tensor_part": 0},
+    "tensor api outputs": {"data_mode": "tensor", "mode": "api", "tensor_part": 1},
+}
+FAMILIES = {
+    "llama": "tiny-llama:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64",
+    "gpt2": "tiny-gpt2:layers=2,hidden=32,heads=4",
+    "qwen2-bf16": "tiny-qwen2:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64",
+}
+
+
+PYTHON_METHODS = {"module_inputs": "_module_inputs", "module_output": "_module_output",
+                  "op_inputs": "_op_inputs_walk", "op_output": "_op_output_walk", "tensor": "_tensor",
+                  "other": "_other"}
+
+
+def _python_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call walked and every leaf made by the session's Python methods, as where
+    capture.cpp is not built."""
+    for method, python in PYTHON_METHODS.items():
+        monkeypatch.setattr(DumpSession, method, getattr(DumpSession, python))
+    monkeypatch.setattr(ApiMode, "__torch_function__", ApiMode._dispatch)
+
+
+def _index_rows(dump_dir: Path) -> list[list[Any]]:
+    """Every index row of every rank, in file order, with the data file's name left out of keys
+    (the writer starts data files by the clock)."""
+    rows = []
+    for index in sorted(dump_dir.glob("rank*/index.jsonl")):
+        for line in index.read_bytes().splitlines():
+            batch = json.loads(line)
+            key_at = batch["fields"].index("key")
+            for row in batch["rows"]:
+                row[key_at] = row[key_at].split(":")[-1]
+                rows.append(row)
+    return rows
+
+
+def _tensors(dump_dir: Path) -> dict[str, bytes]:
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(dump_dir.glob("rank*/data/*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                t = f.get_tensor(key).contiguous()
+                out[key] = bytes(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+    return out
+
+
+def _meta(dump_dir: Path) -> dict[str, Any]:
+    meta = json.loads((dump_dir / "llmflow_dump.json").read_text())
+    meta.pop("created", None)
+    rank = json.loads((dump_dir / "rank0" / "rank.json").read_text())
+    rank.pop("bytes", None)
+    return {"dump": meta, "rank": rank}
+
+
+def _assert_same_dump(a: Path, b: Path) -> None:
+    rows_a, rows_b = _index_rows(a), _index_rows(b)
+    assert len(rows_a) == len(rows_b) and rows_a, (len(rows_a), len(rows_b))
+    for i, (x, y) in enumerate(zip(rows_a, rows_b, strict=True)):
+        assert x == y, f"row {i}: {x} != {y}"
+    assert _meta(a) == _meta(b)
+    assert sorted(_tensors(a).items()) == sorted(_tensors(b).items())
+
+
+def _dump_both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: str, dtype: str,
+               config: dict[str, Any], run=None) -> tuple[Path, Path]:
+    loaded = tiny(spec, dtype)
+    ids = prompt_ids()
+    runner = run or (lambda out: dump_run(loaded, ids, 3, DumpConfig(dump_path=str(out), token_range="all",
+                                                                     **config)))
+    runner(tmp_path / "c")
+    with monkeypatch.context() as m:
+        _python_entries(m)
+        runner(tmp_path / "python")
+    return tmp_path / "c", tmp_path / "python"
+
+
+@needs_native
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_c_entries_write_the_python_entries_dump(tmp_path, monkeypatch, family, mode):
+    dtype = "bfloat16" if family.endswith("bf16") else "float32"
+    c, py = _dump_both(tmp_path, monkeypatch, FAMILIES[family], dtype, MODES[mode])
+    _assert_same_dump(c, py)
+
+
+@needs_native
+def test_the_c_entries_take_most_leaves_and_leave_views_to_python(tmp_path, monkeypatch):
+    """A statistics API dump of Llama: contiguous tensors, repeats and plain values are made in
+    C; the rotary embedding's sliced halves (views that are not contiguous) and Parameters reach
+    the Python methods, which copy the view and name the weight."""
+    reached: dict[str, int] = {"tensor": 0, "other": 0}
+    python_tensor, python_other = DumpSession._tensor, DumpSession._other
+
+    def counting(kind, method):
+        def leaf(self, *args, **kwargs):
+            reached[kind] += 1
+            return method(self, *args, **kwargs)
+        return leaf
+
+    monkeypatch.setattr(DumpSession, "_tensor", counting("tensor", python_tensor))
+    monkeypatch.setattr(DumpSession, "_other", counting("other", python_other))
+    out = tmp_path / "dump"
+    config = DumpConfig(dump_path=str(out), token_range="all", data_mode="statistics", mode="api")
+    dump_run(tiny(), prompt_ids(), 3, config)
+    rows = _index_rows(out)
+    logits = sum(1 for r in rows if r[1] == "logits")
+    assert 0 < reached["tensor"] - logits < len(rows) / 5
+    assert 0 < reached["other"] < len(rows) / 5
+
+
+@needs_native
+def test_inference_tensors_and_subclasses_take_the_python_path(tmp_path, monkeypatch):
+    """Inference tensors have no version counter and a subclass may override anything: both are
+    left to Python, and the dumps match."""
+    class Tagged(torch.Tensor):
+        pass
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+            self.outer = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.inner(x)
+            return self.outer(h.as_subclass(Tagged))
+
+    torch.manual_seed(0)
+    model = Model()
+
+    def run(out: Path) -> None:
+        handle = register_hook(model, DumpConfig(dump_path=str(out), data_mode="statistics"))
+        torch.manual_seed(1)
+        with torch.inference_mode():
+            model(torch.randn(2, 4))
+        model(torch.randn(2, 4))
+        handle.remove()
+
+    c, py = _dump_both(tmp_path, monkeypatch, FAMILIES["llama"], "float32", {}, run=run)
+    _assert_same_dump(c / "llmflow_dump", py / "llmflow_dump")  # (register_hook's folder in dump_path)
+
+
+@needs_native
+@pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
+def test_every_kind_of_value_is_walked_and_labelled_the_same(tmp_path, monkeypatch, data_mode):
+    """Nested tuples, lists, dicts (int keys too), a named tuple, an OrderedDict, containers deeper
+    than the walk goes, dtypes, devices, long strings, objects of no known kind, Parameters,
+    integer and boolean tensors, an empty tensor, a transposed view: one dump each way, the same."""
+    from collections import OrderedDict, namedtuple
+
+    Pair = namedtuple("Pair", "first second")
+
+    class Inner(torch.nn.Module):
+        def forward(self, x, spec, *, options=None, flag=True):
+            return {"out": x * 2, 3: [x.t(), (x.sum(), None)], "pair": Pair(x[0], x.argmax())}
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+            self.weight = torch.nn.Parameter(torch.ones(3, 3))
+
+        def forward(self, x):
+            deep = [[[[[[[[x]]]]]]]]
+            out = self.inner(x, (x, [x + 1, {"k": x, 7: torch.dtype}], deep), options=OrderedDict(
+                a=torch.float16, b=torch.device("cpu"), c="s" * 300, d=object(), e=self.weight,
+                f=torch.zeros(0), g=torch.arange(4), h=torch.ones(2, dtype=torch.bool), i=2.5, j=None))
+            return out["out"] @ self.weight, out
+
+    torch.manual_seed(0)
+    model = Outer()
+
+    def run(out: Path) -> None:
+        handle = register_hook(model, DumpConfig(dump_path=str(out), data_mode=data_mode, mode="all"))
+        torch.manual_seed(1)
+        model(torch.randn(3, 3))
+        handle.remove()
+
+    c, py = _dump_both(tmp_path, monkeypatch, FAMILIES["llama"], "float32", {}, run=run)
+    _assert_same_dump(c / "llmflow_dump", py / "llmflow_dump")
+    indexes = {r[3] for r in _index_rows(c / "llmflow_dump")}
+    assert {"1.1.1.k", "1.1.1.7", "kw:options.c", "kw:options.e", "3.1.0", "pair.1"} <= indexes
+
+
+@needs_native
+def test_a_distributed_rank_keeps_every_capture_in_c_as_in_python(tmp_path, monkeypatch):
+    """In a distributed run nothing is indexed as a repeat (collectives rewrite tensors in place
+    without a version bump): the C entries register no first captures either."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    c, py = _dump_both(tmp_path, monkeypatch, FAMILIES["llama"], "float32",
+                       {"data_mode": "statistics", "mode": "module"})
+    _assert_same_dump(c, py)
+    keys = [r[13] for r in _index_rows(c) if r[6] is not None]
+    assert len(keys) == len(set(keys))  # every tensor entry its own key: no repeats
+
+
+@needs_native
+def test_the_counters_are_shared_attributes():
+    """The counters both paths update are the C type's members, plain attributes in Python."""
+    assert issubclass(DumpSession, NATIVE.Entries)
+    session = DumpSession.__new__(DumpSession)
+    counters = (session.step, session.order, session.entries, session.bytes, session.stopped)
+    assert counters == (-1, 0, 0, 0, None)
+    session.order += 5
+    session.stopped = "max_bytes"
+    assert (session.order, session.stopped) == (5, "max_bytes")
+    with pytest.raises(TypeError):
+        session.tensor("a", "input", "0", torch.ones(2))  # the leaf takes six arguments
+
+
+def test_without_the_c_entries_every_leaf_is_python(tmp_path):
+    """LLMFLOW_FUSED=0 (as on a machine without a compiler): the session is plain Python and the
+    dump is complete."""
+    code = ("import llmflow.dump.capture as c; from llmflow.dump.capture import DumpSession as S; "
+            "assert c._NATIVE is None and S.tensor is S._tensor and S.other is S._other; print('ok')")
+    env = {"LLMFLOW_FUSED": "0", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_build_that_fails_leaves_the_python_path_with_one_warning(tmp_path, monkeypatch, caplog):
+    """No compiler (CXX names none): ``extension`` warns once and returns None."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    library = native.NativeLibrary(native.CAPTURE.source, native.CAPTURE.what, flags=native.CAPTURE.flags,
+                                   openmp=False, per_target=False)
+    monkeypatch.setattr(library, "library_dir", lambda target=None: tmp_path / "kernels")
+    assert library.extension("llmflow_capture") is None
+    assert library.extension("llmflow_capture") is None  # (asked again: the answer is kept)
+    assert caplog.text.count("dump capture in C unavailable") == 1
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no compiler")
+def test_the_extension_is_built_against_this_interpreters_headers():
+    flags = native.CAPTURE.flags
+    assert f"-I{sysconfig.get_paths()['include']}" in flags
+    assert any(sys.implementation.cache_tag in f for f in flags)  # one build per Python version
+    assert not native.CAPTURE.per_target
