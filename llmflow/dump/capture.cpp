@@ -36,6 +36,7 @@
 #include <structmember.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 namespace {
 
@@ -44,7 +45,8 @@ typedef void (*StatsKernel)(const void *, int, int64_t, double *);
 constexpr long long STATS_ENTRY_BYTES = 256;  // capture.py's _STATS_ENTRY_BYTES
 constexpr int N_STATS = 6;                   // STAT_KEYS
 
-PyObject *s_version, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_numel, *s_data_ptr, *s_shape,
+PyObject *s_version, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_numel, *s_data_ptr, *s_shape, *s_layout,
+    *s_is_neg, *s_is_conj, *s_nbytes,
     *s_tensor_slow, *s_other_slow, *s_empty, *s_param_dtype, *s_param, *s_parameter, *s_enter, *s_exit,
     *s_input, *s_output, *s_module, *s_api;
 PyObject *pytype_none, *pytype_bool, *pytype_int, *pytype_float, *pytype_dtype;
@@ -55,6 +57,9 @@ struct Entries {
     PyObject *stopped;       // None, or why capture stopped (max_bytes)
     PyObject *seen;          // id(tensor) -> (weakref, version, dtype, shape, has_data, key)
     PyObject *add_row;       // the writer's add_row: an index row and nothing more
+    PyObject *submit;        // the writer's submit: a row with data (IndexRow, payload, event, nbytes)
+    PyObject *index_row;     // IndexRow (the rows submit takes)
+    PyObject *strided;       // torch.strided
     PyObject *dtype_names;   // torch.dtype -> its name in the index
     PyObject *kernel_codes;  // torch.dtype -> stats.cpp's code
     PyObject *no_extra;      // the shared empty ``extra`` dict
@@ -67,6 +72,7 @@ struct Entries {
     StatsKernel kernel;      // null: no statistics here (tensor mode, no kernel, CRC32)
     long long max_bytes;     // -1: no limit
     int record_repeats;      // register first captures in ``seen`` (a plain dict; not _NoRepeats)
+    int data;                // a tensor dump without CRC32: contiguous CPU tensors' bytes copied here
     double out[N_STATS];
 };
 
@@ -110,6 +116,29 @@ PyObject *emit(Entries *self, PyObject *const *fields) {
     return done;
 }
 
+// an IndexRow of the fields, handed to the writer's submit with the tensor's bytes (or, for a
+// repeat, alone); steals nothing
+PyObject *submit_row(Entries *self, PyObject *const *fields, PyObject *payload, long long nbytes) {
+    PyTypeObject *type = reinterpret_cast<PyTypeObject *>(self->index_row);
+    PyObject *row = untracked(type->tp_alloc(type, 15));
+    if (row == nullptr) return nullptr;
+    for (int i = 0; i < 15; i++) {
+        Py_INCREF(fields[i]);
+        PyTuple_SET_ITEM(row, i, fields[i]);
+    }
+    PyObject *done;
+    if (payload == nullptr) {
+        done = PyObject_CallOneArg(self->submit, row);
+    } else {
+        PyObject *size = PyLong_FromLongLong(nbytes);
+        PyObject *call[4] = {row, payload, Py_None, size};
+        done = size ? PyObject_Vectorcall(self->submit, call, 4, nullptr) : nullptr;
+        Py_XDECREF(size);
+    }
+    Py_DECREF(row);
+    return done;
+}
+
 // The object a weak reference points at, as a new reference (None when it is gone), or null
 // with an error set.
 PyObject *referent(PyObject *ref) {
@@ -126,7 +155,7 @@ PyObject *referent(PyObject *ref) {
 #endif
 }
 
-// A repeat (the same tensor, unchanged, captured already this step, without data): its row, or
+// A repeat (the same tensor, unchanged, captured already this step): its row, or
 // 0 when ``t`` is not one (``*handled`` stays false), -1 on error.
 int repeat_row(Entries *self, PyObject *const *args, PyObject *id, PyObject *version, bool *handled) {
     PyObject *seen = PyDict_GetItemWithError(self->seen, id);  // borrowed
@@ -141,7 +170,8 @@ int repeat_row(Entries *self, PyObject *const *args, PyObject *id, PyObject *ver
     if (!same) return 0;
     int equal = PyObject_RichCompareBool(PyTuple_GET_ITEM(seen, 1), version, Py_EQ);
     if (equal <= 0) return equal;
-    if (PyTuple_GET_ITEM(seen, 4) != Py_False) return 0;  // its data is written: the Python path
+    PyObject *has_data = PyTuple_GET_ITEM(seen, 4);
+    if (has_data != Py_False && has_data != Py_True) return 0;
     PyObject *step = PyLong_FromLongLong(self->step), *order = PyLong_FromLongLong(self->order);
     if (step == nullptr || order == nullptr) {
         Py_XDECREF(step);
@@ -151,9 +181,11 @@ int repeat_row(Entries *self, PyObject *const *args, PyObject *id, PyObject *ver
     self->order++;
     self->entries++;
     PyObject *fields[15] = {step, args[0], args[1], args[2], args[4], order, PyTuple_GET_ITEM(seen, 2),
-                            PyTuple_GET_ITEM(seen, 3), args[5], Py_None, Py_False, Py_None, Py_None,
+                            PyTuple_GET_ITEM(seen, 3), args[5], Py_None, has_data, Py_None, Py_None,
                             PyTuple_GET_ITEM(seen, 5), self->no_extra};
-    PyObject *done = emit(self, fields);
+    // (with data: the writer resolves the key to the first copy's data file; without: the reader
+    // gives it the statistics of the entry with its key)
+    PyObject *done = has_data == Py_True ? submit_row(self, fields, nullptr, 0) : emit(self, fields);
     Py_DECREF(step);
     Py_DECREF(order);
     if (done == nullptr) return -1;
@@ -162,35 +194,57 @@ int repeat_row(Entries *self, PyObject *const *args, PyObject *id, PyObject *ver
     return 0;
 }
 
-// The kernel's statistics of a contiguous CPU tensor and its row: 1 done, 0 not this file's
-// leaf (nothing changed), -1 error.
-int statistics_row(Entries *self, PyObject *const *args, PyObject *id, PyObject *version) {
+// A tensor's first capture this step, where this file takes it: in a statistics dump, a
+// contiguous CPU tensor of a kernel dtype (its statistics now, and its index row); in a tensor
+// dump without CRC32, a contiguous CPU tensor (its bytes copied now, and its row to the writer,
+// as capture.py's host_copy and writer.submit). 1 done, 0 not this file's leaf (nothing
+// changed), -1 error.
+int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *version) {
     PyObject *t = args[3];
-    if (self->kernel == nullptr) return 0;
-    if (self->max_bytes >= 0 && self->bytes + STATS_ENTRY_BYTES > self->max_bytes) return 0;
+    const bool statistics = self->kernel != nullptr;
+    if (!statistics && !self->data) return 0;
     int result = -1;
-    long long numel = 0, code = 0;
+    long long numel = 0, code = 0, nbytes = 0, entry_bytes = STATS_ENTRY_BYTES;
     void *data = nullptr;
-    PyObject *dtype = nullptr, *code_obj, *dtype_name, *flag = nullptr, *n = nullptr, *ptr = nullptr,
+    PyObject *dtype = nullptr, *code_obj = nullptr, *dtype_name, *flag = nullptr, *n = nullptr, *ptr = nullptr,
              *size = nullptr, *shape = nullptr, *key = nullptr, *step = nullptr, *order = nullptr,
-             *stats = nullptr, *done = nullptr;
+             *stats = nullptr, *payload = nullptr, *done = nullptr;
     if ((dtype = PyObject_GetAttr(t, s_dtype)) == nullptr) goto out;
-    code_obj = PyDict_GetItemWithError(self->kernel_codes, dtype);  // borrowed
-    dtype_name = code_obj ? PyDict_GetItemWithError(self->dtype_names, dtype) : nullptr;
-    if (code_obj == nullptr || dtype_name == nullptr) {
+    if (statistics && (code_obj = PyDict_GetItemWithError(self->kernel_codes, dtype)) == nullptr) {
         result = PyErr_Occurred() ? -1 : 0;
         goto out;
     }
-    code = PyLong_AsLongLong(code_obj);
+    if ((dtype_name = PyDict_GetItemWithError(self->dtype_names, dtype)) == nullptr) {  // borrowed
+        result = PyErr_Occurred() ? -1 : 0;  // a dtype safetensors cannot store: the Python path
+        goto out;
+    }
+    if (statistics) code = PyLong_AsLongLong(code_obj);
     if ((flag = PyObject_GetAttr(t, s_is_cpu)) == nullptr) goto out;
     if (flag != Py_True) { result = 0; goto out; }
     Py_CLEAR(flag);
     if ((flag = attr_call(t, s_is_contiguous)) == nullptr) goto out;
     if (flag != Py_True) { result = 0; goto out; }
+    Py_CLEAR(flag);
+    if (!statistics) {  // its memory is its values: a plain strided tensor, not a lazy negation or conjugate
+        if ((flag = PyObject_GetAttr(t, s_layout)) == nullptr) goto out;
+        if (flag != self->strided) { result = 0; goto out; }
+        for (PyObject *lazy : {s_is_neg, s_is_conj}) {
+            Py_CLEAR(flag);
+            if ((flag = attr_call(t, lazy)) == nullptr) goto out;
+            if (flag != Py_False) { result = 0; goto out; }
+        }
+    }
     if ((n = attr_call(t, s_numel)) == nullptr) goto out;
     numel = PyLong_AsLongLong(n);
     if (numel == -1 && PyErr_Occurred()) goto out;
-    if (numel <= 0) { result = 0; goto out; }  // an empty tensor: EMPTY statistics, the Python path
+    if (numel <= 0) { result = 0; goto out; }  // an empty tensor: the Python path
+    if (!statistics) {
+        Py_CLEAR(n);
+        if ((n = PyObject_GetAttr(t, s_nbytes)) == nullptr) goto out;
+        nbytes = entry_bytes = PyLong_AsLongLong(n);
+        if (nbytes == -1 && PyErr_Occurred()) goto out;
+    }
+    if (self->max_bytes >= 0 && self->bytes + entry_bytes > self->max_bytes) { result = 0; goto out; }
     if ((ptr = attr_call(t, s_data_ptr)) == nullptr) goto out;
     data = PyLong_AsVoidPtr(ptr);
     if (data == nullptr) {
@@ -201,11 +255,10 @@ int statistics_row(Entries *self, PyObject *const *args, PyObject *id, PyObject 
         goto out;
     // from here on the entry is this file's: the same steps, in order, as DumpSession._tensor
     if ((step = PyLong_FromLongLong(self->step)) == nullptr || (order = PyLong_FromLongLong(self->order)) == nullptr
-        || (key = PyUnicode_FromFormat("%lld", self->entries + 1)) == nullptr
-        || (stats = untracked(PyTuple_New(N_STATS))) == nullptr)
+        || (key = PyUnicode_FromFormat("%lld", self->entries + 1)) == nullptr)
         goto out;
     self->order++;
-    self->bytes += STATS_ENTRY_BYTES;
+    self->bytes += entry_bytes;
     self->entries++;
     if (self->step >= 0 && version != Py_None && self->record_repeats) {
         PyObject *ref = untracked(PyWeakref_NewRef(t, nullptr));
@@ -213,7 +266,8 @@ int statistics_row(Entries *self, PyObject *const *args, PyObject *id, PyObject 
             if (!PyErr_ExceptionMatches(PyExc_TypeError)) goto out;
             PyErr_Clear();  // a tensor type without weak references: no de-duplication
         } else {
-            PyObject *seen = untracked(PyTuple_Pack(6, ref, version, dtype_name, shape, Py_False, key));
+            PyObject *has_data = statistics ? Py_False : Py_True;
+            PyObject *seen = untracked(PyTuple_Pack(6, ref, version, dtype_name, shape, has_data, key));
             Py_DECREF(ref);
             if (seen == nullptr) goto out;
             int set = PyDict_SetItem(self->seen, id, seen);
@@ -221,16 +275,22 @@ int statistics_row(Entries *self, PyObject *const *args, PyObject *id, PyObject 
             if (set < 0) goto out;
         }
     }
-    self->kernel(data, static_cast<int>(code), numel, self->out);
-    for (int i = 0; i < N_STATS; i++) {
-        PyObject *v = PyFloat_FromDouble(self->out[i]);
-        if (v == nullptr) goto out;
-        PyTuple_SET_ITEM(stats, i, v);
-    }
-    {
+    if (statistics) {
+        if ((stats = untracked(PyTuple_New(N_STATS))) == nullptr) goto out;
+        self->kernel(data, static_cast<int>(code), numel, self->out);
+        for (int i = 0; i < N_STATS; i++) {
+            PyObject *v = PyFloat_FromDouble(self->out[i]);
+            if (v == nullptr) goto out;
+            PyTuple_SET_ITEM(stats, i, v);
+        }
         PyObject *fields[15] = {step, args[0], args[1], args[2], args[4], order, dtype_name, shape, args[5],
                                 stats, Py_False, Py_None, Py_None, key, self->no_extra};
         if ((done = emit(self, fields)) == nullptr) goto out;
+    } else {
+        if ((payload = PyBytes_FromStringAndSize(static_cast<const char *>(data), nbytes)) == nullptr) goto out;
+        PyObject *fields[15] = {step, args[0], args[1], args[2], args[4], order, dtype_name, shape, args[5],
+                                Py_None, Py_True, Py_None, Py_None, key, self->no_extra};
+        if ((done = submit_row(self, fields, payload, nbytes)) == nullptr) goto out;
     }
     result = 1;
 out:
@@ -244,6 +304,7 @@ out:
     Py_XDECREF(step);
     Py_XDECREF(order);
     Py_XDECREF(stats);
+    Py_XDECREF(payload);
     Py_XDECREF(done);
     return result;
 }
@@ -268,7 +329,7 @@ int tensor_leaf(Entries *self, PyObject *const *args) {
     bool handled = false;
     int done = repeat_row(self, args, id, version, &handled);
     if (done == 0 && !handled) {
-        done = statistics_row(self, args, id, version);
+        done = first_capture(self, args, id, version);
         handled = done == 1;
     }
     Py_DECREF(id);
@@ -820,36 +881,37 @@ PyMethodDef Dispatch_methods[] = {
 
 PyTypeObject DispatchType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-// _setup_entries(seen, add_row, dtype_names, kernel_codes, no_extra, tensor_type, parameter_type,
-//                dtype_type, param_names, disable_torch_function, kernel_address, max_bytes,
-//                record_repeats, op_inputs, op_outputs): what the fast path reads, set once by the session
+// _setup_entries(seen, add_row, submit, dtype_names, kernel_codes, no_extra, tensor_type,
+//                parameter_type, dtype_type, index_row, strided, param_names,
+//                disable_torch_function, kernel_address, max_bytes, record_repeats, data,
+//                op_inputs, op_outputs): what the capture reads, set once by the session
 PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     Entries *self = reinterpret_cast<Entries *>(op);
-    if (nargs != 15) {
-        PyErr_SetString(PyExc_TypeError, "_setup_entries() takes 15 arguments");
-        return nullptr;
-    }
-    if (!PyDict_Check(args[0]) || !PyDict_CheckExact(args[2]) || !PyDict_CheckExact(args[3])
-        || !PyDict_CheckExact(args[4]) || !PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyType_Check(args[7])
-        || !PyDict_CheckExact(args[8])) {
+    if (wrong_count(nargs, 19, "_setup_entries")) return nullptr;
+    if (!PyDict_Check(args[0]) || !PyDict_CheckExact(args[3]) || !PyDict_CheckExact(args[4])
+        || !PyDict_CheckExact(args[5]) || !PyType_Check(args[6]) || !PyType_Check(args[7]) || !PyType_Check(args[8])
+        || !PyType_Check(args[9]) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(args[9]), &PyTuple_Type)
+        || !PyDict_CheckExact(args[11])) {
         PyErr_SetString(PyExc_TypeError, "_setup_entries(): seen, dtype_names, kernel_codes, no_extra and "
-                                         "param_names are dicts, tensor_type, parameter_type and dtype_type types");
+                                         "param_names are dicts; tensor_type, parameter_type, dtype_type types; "
+                                         "index_row a tuple type");
         return nullptr;
     }
-    long long address = PyLong_AsLongLong(args[10]), max_bytes = PyLong_AsLongLong(args[11]);
+    long long address = PyLong_AsLongLong(args[13]), max_bytes = PyLong_AsLongLong(args[14]);
     if (PyErr_Occurred()) return nullptr;
-    PyObject **slots[10] = {&self->seen, &self->add_row, &self->dtype_names, &self->kernel_codes, &self->no_extra,
-                            &self->tensor_type, &self->parameter_type, &self->dtype_type, &self->param_names,
-                            &self->disable_torch_function};
-    for (int i = 0; i < 10; i++) {
+    PyObject **slots[13] = {&self->seen, &self->add_row, &self->submit, &self->dtype_names, &self->kernel_codes,
+                            &self->no_extra, &self->tensor_type, &self->parameter_type, &self->dtype_type,
+                            &self->index_row, &self->strided, &self->param_names, &self->disable_torch_function};
+    for (int i = 0; i < 13; i++) {
         Py_INCREF(args[i]);
         Py_XSETREF(*slots[i], args[i]);
     }
     self->kernel = reinterpret_cast<StatsKernel>(static_cast<intptr_t>(address));
     self->max_bytes = max_bytes;
-    self->record_repeats = PyObject_IsTrue(args[12]) == 1 && PyDict_CheckExact(args[0]);
-    self->op_inputs = PyObject_IsTrue(args[13]) == 1;
-    self->op_outputs = PyObject_IsTrue(args[14]) == 1;
+    self->record_repeats = PyObject_IsTrue(args[15]) == 1 && PyDict_CheckExact(args[0]);
+    self->data = PyObject_IsTrue(args[16]) == 1;
+    self->op_inputs = PyObject_IsTrue(args[17]) == 1;
+    self->op_outputs = PyObject_IsTrue(args[18]) == 1;
     Py_RETURN_NONE;
 }
 
@@ -858,6 +920,9 @@ int Entries_traverse(PyObject *op, visitproc visit, void *arg) {
     Py_VISIT(self->stopped);
     Py_VISIT(self->seen);
     Py_VISIT(self->add_row);
+    Py_VISIT(self->submit);
+    Py_VISIT(self->index_row);
+    Py_VISIT(self->strided);
     Py_VISIT(self->dtype_names);
     Py_VISIT(self->kernel_codes);
     Py_VISIT(self->no_extra);
@@ -874,6 +939,9 @@ int Entries_clear(PyObject *op) {
     Py_CLEAR(self->stopped);
     Py_CLEAR(self->seen);
     Py_CLEAR(self->add_row);
+    Py_CLEAR(self->submit);
+    Py_CLEAR(self->index_row);
+    Py_CLEAR(self->strided);
     Py_CLEAR(self->dtype_names);
     Py_CLEAR(self->kernel_codes);
     Py_CLEAR(self->no_extra);
@@ -961,7 +1029,8 @@ PyMODINIT_FUNC PyInit_llmflow_capture(void) {
     if (PyType_Ready(&DispatchType) < 0) return nullptr;
     if (!(s_version = intern("_version")) || !(s_dtype = intern("dtype")) || !(s_is_cpu = intern("is_cpu"))
         || !(s_is_contiguous = intern("is_contiguous")) || !(s_numel = intern("numel"))
-        || !(s_data_ptr = intern("data_ptr")) || !(s_shape = intern("shape")) || !(s_tensor_slow = intern("_tensor"))
+        || !(s_data_ptr = intern("data_ptr")) || !(s_shape = intern("shape")) || !(s_layout = intern("layout"))
+        || !(s_is_neg = intern("is_neg")) || !(s_is_conj = intern("is_conj")) || !(s_nbytes = intern("nbytes")) || !(s_tensor_slow = intern("_tensor"))
         || !(s_other_slow = intern("_other")) || !(s_empty = intern("")) || !(pytype_none = intern("NoneType"))
         || !(pytype_bool = intern("bool")) || !(pytype_int = intern("int")) || !(pytype_float = intern("float"))
         || !(pytype_dtype = intern("dtype")) || !(s_param_dtype = intern("param_dtype")) || !(s_param = intern("param"))

@@ -1,4 +1,4 @@
-"""The dump's entries in C (``llmflow/dump/capture.cpp``) write exactly the dump the session's
+"""The dump's capture in C (``llmflow/dump/capture.cpp``) writes exactly the dump the session's
 Python methods write: the same index rows, statistics, keys and tensors, for every mode, family,
 dtype and the paths that leave a leaf to Python (views, inference tensors, tensor subclasses,
 max_bytes, distributed runs without de-duplication)."""
@@ -123,10 +123,11 @@ def test_c_entries_write_the_python_entries_dump(tmp_path, monkeypatch, family, 
 
 
 @needs_native
-def test_the_c_entries_take_most_leaves_and_leave_views_to_python(tmp_path, monkeypatch):
-    """A statistics API dump of Llama: contiguous tensors, repeats and plain values are made in
-    C; the rotary embedding's sliced halves (views that are not contiguous) and Parameters reach
-    the Python methods, which copy the view and name the weight."""
+@pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
+def test_the_c_entries_take_most_leaves_and_leave_views_to_python(tmp_path, monkeypatch, data_mode):
+    """An API dump of Llama: contiguous tensors (their statistics or bytes), repeats, plain
+    values, dtypes and Parameters are made in C; the rotary embedding's sliced halves (views that
+    are not contiguous) and values of other kinds (a torch.device) reach the Python methods."""
     reached: dict[str, int] = {"tensor": 0, "other": 0}
     python_tensor, python_other = DumpSession._tensor, DumpSession._other
 
@@ -139,7 +140,7 @@ def test_the_c_entries_take_most_leaves_and_leave_views_to_python(tmp_path, monk
     monkeypatch.setattr(DumpSession, "_tensor", counting("tensor", python_tensor))
     monkeypatch.setattr(DumpSession, "_other", counting("other", python_other))
     out = tmp_path / "dump"
-    config = DumpConfig(dump_path=str(out), token_range="all", data_mode="statistics", mode="api")
+    config = DumpConfig(dump_path=str(out), token_range="all", data_mode=data_mode, mode="api")
     dump_run(tiny(), prompt_ids(), 3, config)
     rows = _index_rows(out)
     logits = sum(1 for r in rows if r[1] == "logits")
