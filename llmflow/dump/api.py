@@ -143,4 +143,16 @@ class ApiMode(TorchFunctionMode, _DISPATCH_BASE):
         sink.op_output(full, name, func, out)
         return out
 
-    __torch_function__ = _NATIVE.Dispatch.__torch_function__ if _NATIVE is not None else _dispatch
+    __torch_function__ = _dispatch  # (the compiled one where it is built: ``use_compiled_dispatch``)
+
+
+def use_compiled_dispatch(on: bool = True) -> bool:
+    """API mode's ``__torch_function__``: the compiled dispatch (``on``, where it is built: the
+    default) or ``ApiMode._dispatch``; returns whether the compiled one is in use now (see
+    ``capture.use_compiled_capture``, which switches both)."""
+    compiled = on and _NATIVE is not None
+    ApiMode.__torch_function__ = _NATIVE.Dispatch.__torch_function__ if compiled else ApiMode._dispatch
+    return compiled
+
+
+use_compiled_dispatch(True)

@@ -29,6 +29,7 @@ import torch
 
 from llmflow import native
 from llmflow.dtypes import dtype_name
+from llmflow.dump.api import use_compiled_dispatch
 from llmflow.dump.config import DumpConfig
 from llmflow.dump.copies import device_copy, host_copy
 from llmflow.dump.recorder import Sink, walk_inputs, walk_output
@@ -373,17 +374,12 @@ class DumpSession(Sink, _ENTRIES_BASE):
         payload, event = device_copy(src) if stats_only else host_copy(src)
         self.writer.submit(row, payload, event, nbytes=data_bytes)
 
-    # The recorder's sink methods and the walk's leaves: in C where it is built (capture.cpp walks
-    # each call's values as recorder.py's walks do, and hands the leaves it does not take to
-    # ``_tensor`` and ``_other``); here otherwise.
-    if _NATIVE is not None:
-        module_inputs, module_output = _NATIVE.Entries.module_inputs, _NATIVE.Entries.module_output
-        op_inputs, op_output = _NATIVE.Entries.op_inputs, _NATIVE.Entries.op_output
-        tensor, other = _NATIVE.Entries.tensor, _NATIVE.Entries.other
-    else:
-        module_inputs, module_output = _module_inputs, _module_output
-        op_inputs, op_output = _op_inputs_walk, _op_output_walk
-        tensor, other = _tensor, _other
+    # The recorder's sink methods and the walk's leaves: replaced by the compiled capture's where
+    # it is built (``use_compiled_capture`` below: capture.cpp walks each call's values as
+    # recorder.py's walks do, and hands the leaves it does not take to ``_tensor`` and ``_other``)
+    module_inputs, module_output = _module_inputs, _module_output
+    op_inputs, op_output = _op_inputs_walk, _op_output_walk
+    tensor, other = _tensor, _other
 
     def _stop(self, reason: str) -> None:
         self.stopped = reason
@@ -397,6 +393,29 @@ class DumpSession(Sink, _ENTRIES_BASE):
                 if self.config.wants_name(name):
                     self._tensor(name, "weight", "0", p, "weight", None, step=-1)
         self.writer.end_step(-1)
+
+
+# DumpSession's methods the compiled capture replaces, and the Python method each replaces
+_COMPILED_METHODS = {"module_inputs": "_module_inputs", "module_output": "_module_output",
+                     "op_inputs": "_op_inputs_walk", "op_output": "_op_output_walk", "tensor": "_tensor",
+                     "other": "_other"}
+
+
+def use_compiled_capture(on: bool = True) -> bool:
+    """Make dump sessions, and API mode's dispatch, use the compiled capture (``on``, where it is
+    built) or the Python methods; returns whether the compiled one is in use now. The compiled
+    capture is the default; the Python methods are for measuring the two side by side
+    (``benchmarks/bench_dump.py --capture``) and for the tests that check both write the same
+    dump. Sessions read the choice when their steps call them, so switch between dumps."""
+    compiled = on and _NATIVE is not None
+    for method, python in _COMPILED_METHODS.items():
+        chosen = getattr(_NATIVE.Entries, method) if compiled else getattr(DumpSession, python)
+        setattr(DumpSession, method, chosen)
+    use_compiled_dispatch(compiled)
+    return compiled
+
+
+use_compiled_capture(True)
 
 
 def _close_unattended(session: DumpSession) -> None:

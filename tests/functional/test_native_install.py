@@ -1,6 +1,6 @@
 """`python -m llmflow.native`, the install step, builds every compiled kernel (the compare's and
-the dump's statistics) and the dump's compiled capture on a machine whose cache is empty (an earlier install step once printed
-"unavailable" there and left every compare on eager torch)."""
+the dump's statistics) and the dump's compiled capture on a machine whose cache is empty (an
+earlier install step once printed "unavailable" there and left every compare on eager torch)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def test_a_fresh_process_loads_the_capture_the_install_step_built(tmp_path: Path
     if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
         pytest.skip("no C++ compiler: llmflow runs on eager torch here")
     env = {**os.environ, "LLMFLOW_CACHE": str(tmp_path), "LLMFLOW_FUSED": "1"}
-    subprocess.run([sys.executable, "-m", "llmflow.native"], env=env, capture_output=True, timeout=300, check=True)
+    subprocess.run([sys.executable, "-m", "llmflow.native"], env=env, capture_output=True, timeout=300,
+                   check=True)
     (built,) = tmp_path.glob("kernels/*/capture.so")
     before = built.stat().st_mtime_ns
     code = "import llmflow.dump.capture as c; print(c._NATIVE.__file__)"

@@ -44,19 +44,6 @@ FAMILIES = {
 }
 
 
-PYTHON_METHODS = {"module_inputs": "_module_inputs", "module_output": "_module_output",
-                  "op_inputs": "_op_inputs_walk", "op_output": "_op_output_walk", "tensor": "_tensor",
-                  "other": "_other"}
-
-
-def _python_entries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every call walked and every leaf made by the session's Python methods, as where
-    capture.cpp is not built."""
-    for method, python in PYTHON_METHODS.items():
-        monkeypatch.setattr(DumpSession, method, getattr(DumpSession, python))
-    monkeypatch.setattr(ApiMode, "__torch_function__", ApiMode._dispatch)
-
-
 def _index_rows(dump_dir: Path) -> list[list[Any]]:
     """Every index row of every rank, in file order, with the data file's name left out of keys
     (the writer starts data files by the clock)."""
@@ -100,31 +87,33 @@ def _assert_same_dump(a: Path, b: Path) -> None:
     assert sorted(_tensors(a).items()) == sorted(_tensors(b).items())
 
 
-def _dump_both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: str, dtype: str,
+def _dump_both(tmp_path: Path, spec: str, dtype: str,
                config: dict[str, Any], run=None) -> tuple[Path, Path]:
     loaded = tiny(spec, dtype)
     ids = prompt_ids()
     runner = run or (lambda out: dump_run(loaded, ids, 3, DumpConfig(dump_path=str(out), token_range="all",
                                                                      **config)))
     runner(tmp_path / "c")
-    with monkeypatch.context() as m:
-        _python_entries(m)
+    capture.use_compiled_capture(False)  # every call walked and every leaf made in Python
+    try:
         runner(tmp_path / "python")
+    finally:
+        assert capture.use_compiled_capture(True)
     return tmp_path / "c", tmp_path / "python"
 
 
 @needs_native
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_c_entries_write_the_python_entries_dump(tmp_path, monkeypatch, family, mode):
+def test_the_compiled_capture_writes_the_dump_the_python_methods_write(tmp_path, family, mode):
     dtype = "bfloat16" if family.endswith("bf16") else "float32"
-    c, py = _dump_both(tmp_path, monkeypatch, FAMILIES[family], dtype, MODES[mode])
+    c, py = _dump_both(tmp_path, FAMILIES[family], dtype, MODES[mode])
     _assert_same_dump(c, py)
 
 
 @needs_native
 @pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
-def test_the_c_entries_take_most_leaves_and_leave_views_to_python(tmp_path, monkeypatch, data_mode):
+def test_the_compiled_capture_takes_most_leaves_and_leaves_views_to_python(tmp_path, monkeypatch, data_mode):
     """An API dump of Llama: contiguous tensors (their statistics or bytes), repeats, plain
     values, dtypes and Parameters are made in C; the rotary embedding's sliced halves (views that
     are not contiguous) and values of other kinds (a torch.device) reach the Python methods."""
@@ -149,7 +138,7 @@ def test_the_c_entries_take_most_leaves_and_leave_views_to_python(tmp_path, monk
 
 
 @needs_native
-def test_inference_tensors_and_subclasses_take_the_python_path(tmp_path, monkeypatch):
+def test_inference_tensors_and_subclasses_take_the_python_path(tmp_path):
     """Inference tensors have no version counter and a subclass may override anything: both are
     left to Python, and the dumps match."""
     class Tagged(torch.Tensor):
@@ -176,13 +165,13 @@ def test_inference_tensors_and_subclasses_take_the_python_path(tmp_path, monkeyp
         model(torch.randn(2, 4))
         handle.remove()
 
-    c, py = _dump_both(tmp_path, monkeypatch, FAMILIES["llama"], "float32", {}, run=run)
+    c, py = _dump_both(tmp_path, FAMILIES["llama"], "float32", {}, run=run)
     _assert_same_dump(c / "llmflow_dump", py / "llmflow_dump")  # (register_hook's folder in dump_path)
 
 
 @needs_native
 @pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
-def test_every_kind_of_value_is_walked_and_labelled_the_same(tmp_path, monkeypatch, data_mode):
+def test_every_kind_of_value_is_walked_and_labelled_the_same(tmp_path, data_mode):
     """Nested tuples, lists, dicts (int keys too), a named tuple, an OrderedDict, containers deeper
     than the walk goes, dtypes, devices, long strings, objects of no known kind, Parameters,
     integer and boolean tensors, an empty tensor, a transposed view: one dump each way, the same."""
@@ -216,19 +205,19 @@ def test_every_kind_of_value_is_walked_and_labelled_the_same(tmp_path, monkeypat
         model(torch.randn(3, 3))
         handle.remove()
 
-    c, py = _dump_both(tmp_path, monkeypatch, FAMILIES["llama"], "float32", {}, run=run)
+    c, py = _dump_both(tmp_path, FAMILIES["llama"], "float32", {}, run=run)
     _assert_same_dump(c / "llmflow_dump", py / "llmflow_dump")
     indexes = {r[3] for r in _index_rows(c / "llmflow_dump")}
     assert {"1.1.1.k", "1.1.1.7", "kw:options.c", "kw:options.e", "3.1.0", "pair.1"} <= indexes
 
 
 @needs_native
-def test_a_distributed_rank_keeps_every_capture_in_c_as_in_python(tmp_path, monkeypatch):
+def test_a_distributed_rank_keeps_every_capture_compiled_as_in_python(tmp_path, monkeypatch):
     """In a distributed run nothing is indexed as a repeat (collectives rewrite tensors in place
     without a version bump): the C entries register no first captures either."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    c, py = _dump_both(tmp_path, monkeypatch, FAMILIES["llama"], "float32",
+    c, py = _dump_both(tmp_path, FAMILIES["llama"], "float32",
                        {"data_mode": "statistics", "mode": "module"})
     _assert_same_dump(c, py)
     keys = [r[13] for r in _index_rows(c) if r[6] is not None]
@@ -277,3 +266,19 @@ def test_the_extension_is_built_against_this_interpreters_headers():
     assert f"-I{sysconfig.get_paths()['include']}" in flags
     assert any(sys.implementation.cache_tag in f for f in flags)  # one build per Python version
     assert not native.CAPTURE.per_target
+
+
+@needs_native
+def test_the_switch_puts_back_every_method_it_replaces():
+    """``use_compiled_capture(False)`` puts the Python methods on DumpSession and ApiMode, and
+    ``True`` the compiled ones again (benchmarks time the two side by side in one process)."""
+    try:
+        assert capture.use_compiled_capture(False) is False
+        assert DumpSession.tensor is DumpSession._tensor
+        assert DumpSession.op_inputs is DumpSession._op_inputs_walk
+        assert ApiMode.__torch_function__ is ApiMode._dispatch
+    finally:
+        assert capture.use_compiled_capture(True) is True
+    assert DumpSession.tensor is NATIVE.Entries.tensor
+    assert DumpSession.module_output is NATIVE.Entries.module_output
+    assert ApiMode.__torch_function__ is NATIVE.Dispatch.__torch_function__
