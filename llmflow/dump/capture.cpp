@@ -483,9 +483,8 @@ struct Walk {
                     result = -1;
                     break;
                 }
-                PyObject *key = PyUnicode_FromString("");
-                PyObject *text = key ? PyObject_Format(PySequence_Fast_GET_ITEM(pair, 0), key) : nullptr;
-                Py_XDECREF(key);
+                // f"{index}.{key}": the key as format() gives it
+                PyObject *text = PyObject_Format(PySequence_Fast_GET_ITEM(pair, 0), s_empty);
                 label = text ? PyUnicode_FromFormat("%U.%U", index, text) : nullptr;
                 Py_XDECREF(text);
                 child = PySequence_Fast_GET_ITEM(pair, 1);
@@ -727,15 +726,23 @@ PyObject *op_name(Dispatch *self, PyObject *func) {
 // __torch_function__(func, types, args=(), kwargs=None)
 PyObject *Dispatch_torch_function(PyObject *op, PyObject *const *a, Py_ssize_t nargs, PyObject *kwnames) {
     Dispatch *self = reinterpret_cast<Dispatch *>(op);
-    if (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) > 0) {  // (torch passes all four by position)
-        PyErr_SetString(PyExc_TypeError, "__torch_function__() takes its arguments by position");
-        return nullptr;
+    nargs = PyVectorcall_NARGS(nargs);
+    PyObject *by_name[2] = {nullptr, nullptr};  // args=, kwargs= (torch passes all four by position)
+    for (Py_ssize_t i = 0; kwnames != nullptr && i < PyTuple_GET_SIZE(kwnames); i++) {
+        PyObject *keyword = PyTuple_GET_ITEM(kwnames, i);
+        int which = PyUnicode_CompareWithASCIIString(keyword, "args") == 0 ? 0
+                    : PyUnicode_CompareWithASCIIString(keyword, "kwargs") == 0 ? 1 : -1;
+        if (which < 0 || nargs > 2 + which) {
+            PyErr_Format(PyExc_TypeError, "__torch_function__() got an unexpected or repeated argument %R", keyword);
+            return nullptr;
+        }
+        by_name[which] = a[nargs + i];
     }
     if (nargs < 2 || nargs > 4) {
         PyErr_SetString(PyExc_TypeError, "__torch_function__(func, types, args=(), kwargs=None)");
         return nullptr;
     }
-    PyObject *func = a[0], *args = nargs > 2 ? a[2] : nullptr, *kwargs = nargs > 3 ? a[3] : nullptr;
+    PyObject *func = a[0], *args = nargs > 2 ? a[2] : by_name[0], *kwargs = nargs > 3 ? a[3] : by_name[1];
     PyObject *empty = nullptr;
     if (args == nullptr || !PyTuple_Check(args)) {
         if (args != nullptr && args != Py_None) {

@@ -86,7 +86,7 @@ def test_the_wheel_holds_every_shipped_file(wheel):
         assert missing == set(), f"{folder}/ files missing from the wheel"
     package = {f"llmflow/{f}" for f in _files(REPO / "llmflow")}
     assert package - names == set()
-    assert {"llmflow/compare/pass1.cpp", "llmflow/dump/stats.cpp"} <= names
+    assert {"llmflow/compare/pass1.cpp", "llmflow/dump/stats.cpp", "llmflow/dump/capture.cpp"} <= names
 
 
 @pytest.mark.slow
@@ -98,11 +98,17 @@ def test_installed_wheel_runs_the_bisect_recipe_by_name_from_an_empty_directory(
     assert Path(package_file).is_relative_to(venv) and Path(workflows).is_relative_to(venv), where.stderr
     assert Path(workflows).parent.name == "_shipped"
 
-    # the C++ kernels compile from the sources in the wheel
+    # the C++ kernels, and the dump's capture where the venv's Python has its headers, compile from
+    # the sources in the wheel
     built = _run([bin_ / "python", "-m", "llmflow.native"], cwd=tmp_path, env=user_env)
     assert built.returncode == 0, built.stderr
     if any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
-        assert len(list((tmp_path / "cache").glob("kernels/*/*.so"))) == 2, built.stdout
+        has_headers = ("import sysconfig, pathlib; "
+                       "print(pathlib.Path(sysconfig.get_paths()['include'], 'Python.h').is_file())")
+        headers = _run([bin_ / "python", "-c", has_headers], cwd=tmp_path, env=user_env)
+        names = {p.name for p in (tmp_path / "cache").glob("kernels/*/*.so")}
+        assert names == {"pass1.so", "stats.so", *(("capture.so",) if "True" in headers.stdout else ())}, \
+            built.stdout
 
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -282,3 +282,20 @@ def test_the_switch_puts_back_every_method_it_replaces():
     assert DumpSession.tensor is NATIVE.Entries.tensor
     assert DumpSession.module_output is NATIVE.Entries.module_output
     assert ApiMode.__torch_function__ is NATIVE.Dispatch.__torch_function__
+
+
+@needs_native
+def test_the_compiled_dispatch_takes_args_and_kwargs_by_name_too(tmp_path):
+    """torch passes __torch_function__'s four arguments by position; a caller that names args and
+    kwargs (as Python allows for ApiMode._dispatch) gets the same call."""
+    model = tiny().model
+    handle = register_hook(model, DumpConfig(dump_path=str(tmp_path), mode="api", data_mode="statistics"))
+    try:
+        mode = handle.recorder.ops_mode
+        x = torch.ones(2, 3)
+        got = mode.__torch_function__(torch.add, (torch.Tensor,), args=(x, x), kwargs={"alpha": 2})
+        assert torch.equal(got, x * 3)
+        with pytest.raises(TypeError):
+            mode.__torch_function__(torch.add, (), (x, x), args=(x, x))
+    finally:
+        handle.remove()
