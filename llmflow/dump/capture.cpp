@@ -36,6 +36,7 @@
 #include <structmember.h>
 
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 
 namespace {
@@ -453,6 +454,15 @@ PyObject *position_label(Py_ssize_t i) {
     return PyUnicode_FromFormat("%zd", i);
 }
 
+// A mapping's items as a sequence of pairs (a dict's own; anything else through its items()).
+PyObject *items_of(PyObject *mapping) {
+    PyObject *items = PyDict_CheckExact(mapping) ? PyDict_Items(mapping) : PyObject_CallMethod(mapping, "items", nullptr);
+    if (items == nullptr) return nullptr;
+    PyObject *seq = PySequence_Fast(items, "a mapping's items");
+    Py_DECREF(items);
+    return seq;
+}
+
 struct Walk {
     Entries *self;
     PyObject *name, *kind, *level, *module_type;
@@ -464,12 +474,7 @@ struct Walk {
     }
 
     int children(PyObject *index, PyObject *value, int depth, bool mapping) {
-        PyObject *items = mapping ? (PyDict_CheckExact(value) ? PyDict_Items(value)
-                                                              : PyObject_CallMethod(value, "items", nullptr))
-                                  : PySequence_Fast(value, "a walked sequence");
-        if (items == nullptr) return -1;
-        PyObject *seq = mapping ? PySequence_Fast(items, "a mapping's items") : items;
-        if (mapping) Py_DECREF(items);
+        PyObject *seq = mapping ? items_of(value) : PySequence_Fast(value, "a walked sequence");
         if (seq == nullptr) return -1;
         int result = 0;
         Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -534,9 +539,7 @@ struct Walk {
             if (done < 0) return -1;
         }
         if (kwargs == Py_None || (PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) == 0)) return 0;
-        PyObject *items = PyDict_CheckExact(kwargs) ? PyDict_Items(kwargs) : PyObject_CallMethod(kwargs, "items", nullptr);
-        PyObject *seq = items ? PySequence_Fast(items, "keyword items") : nullptr;
-        Py_XDECREF(items);
+        PyObject *seq = items_of(kwargs);
         if (seq == nullptr) return -1;
         int result = 0;
         for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && result == 0; i++) {
@@ -591,9 +594,7 @@ struct Walk {
             return result;
         }
         if (PyDict_Check(value)) {
-            PyObject *items = PyDict_CheckExact(value) ? PyDict_Items(value) : PyObject_CallMethod(value, "items", nullptr);
-            PyObject *seq = items ? PySequence_Fast(items, "output items") : nullptr;
-            Py_XDECREF(items);
+            PyObject *seq = items_of(value);
             if (seq == nullptr) return -1;
             int result = 0;
             for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && result == 0; i++) {
@@ -773,13 +774,13 @@ PyObject *Dispatch_torch_function(PyObject *op, PyObject *const *a, Py_ssize_t n
         if (!flag) goto pass_through;
     }
     if ((stack = PyObject_GetAttr(self->recorder, s_recorder_stack)) == nullptr) goto out;
-    if (PyList_Check(stack) && PyList_GET_SIZE(stack) > 0) {
+    if (!PyList_Check(stack)) {
+        PyErr_SetString(PyExc_TypeError, "the recorder's stack is a list (api.OpNamer)");
+        goto out;
+    }
+    if (PyList_GET_SIZE(stack) > 0) {  // the innermost running module, else the recorder's prefix
         module = PyList_GET_ITEM(stack, PyList_GET_SIZE(stack) - 1);
         Py_INCREF(module);
-    } else if (!PyList_Check(stack) && PyObject_IsTrue(stack) == 1) {
-        PyObject *minus_one = PyLong_FromLong(-1);
-        module = minus_one ? PyObject_GetItem(stack, minus_one) : nullptr;
-        Py_XDECREF(minus_one);
     } else {
         module = PyObject_GetAttr(self->recorder, s_recorder_prefix);
     }
@@ -1005,63 +1006,66 @@ PyMemberDef Entries_members[] = {
 PyTypeObject EntriesType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "llmflow_capture",
-                          "A dump's index entries for the common leaves (see capture.cpp).", -1,
+                          "The dump's capture hot path in C (see capture.cpp).", -1,
                           nullptr, nullptr, nullptr, nullptr, nullptr};
 
-PyObject *intern(const char *s) { return PyUnicode_InternFromString(s); }
+// every interned name above, and its text
+struct Name {
+    PyObject **slot;
+    const char *text;
+};
+const Name NAMES[] = {
+    {&s_version, "_version"}, {&s_dtype, "dtype"}, {&s_is_cpu, "is_cpu"}, {&s_is_contiguous, "is_contiguous"},
+    {&s_numel, "numel"}, {&s_data_ptr, "data_ptr"}, {&s_shape, "shape"}, {&s_layout, "layout"},
+    {&s_is_neg, "is_neg"}, {&s_is_conj, "is_conj"}, {&s_nbytes, "nbytes"}, {&s_tensor_slow, "_tensor"},
+    {&s_other_slow, "_other"}, {&s_empty, ""}, {&pytype_none, "NoneType"}, {&pytype_bool, "bool"},
+    {&pytype_int, "int"}, {&pytype_float, "float"}, {&pytype_dtype, "dtype"}, {&s_param_dtype, "param_dtype"},
+    {&s_param, "param"}, {&s_parameter, "Parameter"}, {&s_enter, "__enter__"}, {&s_exit, "__exit__"},
+    {&s_input, "input"}, {&s_output, "output"}, {&s_module, "module"}, {&s_api, "api"},
+    {&s_recorder_sink, "sink"}, {&s_recorder_stack, "stack"}, {&s_recorder_prefix, "prefix"},
+    {&s_op_counts, "op_counts"}, {&s_active, "active"}, {&s_wants_op, "wants_op"},
+    {&s_exec_order, "exec_order"}, {&s_op_inputs, "op_inputs"}, {&s_op_outputs, "op_output"}};
+
+// A garbage-collected type Python classes may derive from, readied and added to the module as
+// ``name``: 0, or -1 with an error set.
+int add_type(PyObject *module, PyTypeObject &type, const char *name, Py_ssize_t size, const char *doc,
+             newfunc make, destructor dealloc, traverseproc traverse, inquiry clear, PyMethodDef *methods,
+             PyMemberDef *members) {
+    type.tp_name = name;
+    type.tp_basicsize = size;
+    type.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+    type.tp_doc = doc;
+    type.tp_new = make;
+    type.tp_dealloc = dealloc;
+    type.tp_traverse = traverse;
+    type.tp_clear = clear;
+    type.tp_methods = methods;
+    type.tp_members = members;
+    if (PyType_Ready(&type) < 0) return -1;
+    Py_INCREF(&type);
+    if (PyModule_AddObject(module, std::strrchr(name, '.') + 1, reinterpret_cast<PyObject *>(&type)) < 0) {
+        Py_DECREF(&type);
+        return -1;
+    }
+    return 0;
+}
 
 }  // namespace
 
 PyMODINIT_FUNC PyInit_llmflow_capture(void) {
-    EntriesType.tp_name = "llmflow_capture.Entries";
-    EntriesType.tp_basicsize = sizeof(Entries);
-    EntriesType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
-    EntriesType.tp_doc = "A dump session's counters and its entries for the common leaves.";
-    EntriesType.tp_new = Entries_new;
-    EntriesType.tp_dealloc = Entries_dealloc;
-    EntriesType.tp_traverse = Entries_traverse;
-    EntriesType.tp_clear = Entries_clear;
-    EntriesType.tp_methods = Entries_methods;
-    EntriesType.tp_members = Entries_members;
-    if (PyType_Ready(&EntriesType) < 0) return nullptr;
-    DispatchType.tp_name = "llmflow_capture.Dispatch";
-    DispatchType.tp_basicsize = sizeof(Dispatch);
-    DispatchType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
-    DispatchType.tp_doc = "API mode's dispatch of torch calls to its recorder's sink.";
-    DispatchType.tp_new = PyType_GenericNew;
-    DispatchType.tp_dealloc = Dispatch_dealloc;
-    DispatchType.tp_traverse = Dispatch_traverse;
-    DispatchType.tp_clear = Dispatch_clear;
-    DispatchType.tp_methods = Dispatch_methods;
-    if (PyType_Ready(&DispatchType) < 0) return nullptr;
-    if (!(s_version = intern("_version")) || !(s_dtype = intern("dtype")) || !(s_is_cpu = intern("is_cpu"))
-        || !(s_is_contiguous = intern("is_contiguous")) || !(s_numel = intern("numel"))
-        || !(s_data_ptr = intern("data_ptr")) || !(s_shape = intern("shape")) || !(s_layout = intern("layout"))
-        || !(s_is_neg = intern("is_neg")) || !(s_is_conj = intern("is_conj")) || !(s_nbytes = intern("nbytes")) || !(s_tensor_slow = intern("_tensor"))
-        || !(s_other_slow = intern("_other")) || !(s_empty = intern("")) || !(pytype_none = intern("NoneType"))
-        || !(pytype_bool = intern("bool")) || !(pytype_int = intern("int")) || !(pytype_float = intern("float"))
-        || !(pytype_dtype = intern("dtype")) || !(s_param_dtype = intern("param_dtype")) || !(s_param = intern("param"))
-        || !(s_parameter = intern("Parameter")) || !(s_enter = intern("__enter__")) || !(s_exit = intern("__exit__"))
-        || !(s_input = intern("input")) || !(s_output = intern("output")) || !(s_module = intern("module"))
-        || !(s_api = intern("api")) || !(keyword_labels = PyDict_New()) || !(s_recorder_sink = intern("sink"))
-        || !(s_recorder_stack = intern("stack")) || !(s_recorder_prefix = intern("prefix"))
-        || !(s_op_counts = intern("op_counts")) || !(s_active = intern("active")) || !(s_wants_op = intern("wants_op"))
-        || !(s_exec_order = intern("exec_order")) || !(s_op_inputs = intern("op_inputs"))
-        || !(s_op_outputs = intern("op_output")))
-        return nullptr;
+    for (const Name &name : NAMES)
+        if ((*name.slot = PyUnicode_InternFromString(name.text)) == nullptr) return nullptr;
+    if ((keyword_labels = PyDict_New()) == nullptr) return nullptr;
     for (int i = 0; i < N_POSITIONAL; i++)
-        if (!(positional[i] = PyUnicode_FromFormat("%d", i))) return nullptr;
+        if ((positional[i] = PyUnicode_FromFormat("%d", i)) == nullptr) return nullptr;
     PyObject *m = PyModule_Create(&module_def);
     if (m == nullptr) return nullptr;
-    Py_INCREF(&EntriesType);
-    if (PyModule_AddObject(m, "Entries", reinterpret_cast<PyObject *>(&EntriesType)) < 0) {
-        Py_DECREF(&EntriesType);
-        Py_DECREF(m);
-        return nullptr;
-    }
-    Py_INCREF(&DispatchType);
-    if (PyModule_AddObject(m, "Dispatch", reinterpret_cast<PyObject *>(&DispatchType)) < 0) {
-        Py_DECREF(&DispatchType);
+    if (add_type(m, EntriesType, "llmflow_capture.Entries", sizeof(Entries),
+                 "A dump session's counters, walks and entries for the common leaves.", Entries_new,
+                 Entries_dealloc, Entries_traverse, Entries_clear, Entries_methods, Entries_members) < 0
+        || add_type(m, DispatchType, "llmflow_capture.Dispatch", sizeof(Dispatch),
+                    "API mode's dispatch of torch calls to its recorder's sink.", PyType_GenericNew,
+                    Dispatch_dealloc, Dispatch_traverse, Dispatch_clear, Dispatch_methods, nullptr) < 0) {
         Py_DECREF(m);
         return nullptr;
     }
