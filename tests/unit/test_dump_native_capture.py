@@ -6,6 +6,7 @@ max_bytes, distributed runs without de-duplication)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -299,3 +300,34 @@ def test_the_compiled_dispatch_takes_args_and_kwargs_by_name_too(tmp_path):
             mode.__torch_function__(torch.add, (), (x, x), args=(x, x))
     finally:
         handle.remove()
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["qwen2", "phi3"])
+def test_a_users_quick_start_script_dumps_the_same_with_and_without_the_compiled_capture(tmp_path, family):
+    """msit's quick start as a user runs it (a script of their own in a subprocess: register_hook,
+    generate with decode steps, the process just ends), on families the capture was not written
+    against, in tensor mode at module and API level: the script with the compiled capture and the
+    same script with LLMFLOW_FUSED=0 (no compiled code at all) write the same rows and bytes."""
+    script = tmp_path / "user_dump.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from llmflow import DumpConfig, register_hook\n"
+        "from llmflow.models import build_tiny\n"
+        f"model = build_tiny({family!r}, 'layers=2,hidden=64')\n"
+        "register_hook(model, DumpConfig(dump_path=sys.argv[1], mode='all', data_mode='tensor',\n"
+        "                                token_range='all'))\n"
+        "model.generate(torch.tensor([[5, 17, 42, 9]]), max_new_tokens=4, do_sample=False, pad_token_id=0)\n")
+    root = Path(__file__).resolve().parents[2]
+    dumps = {}
+    for fused in ("1", "0"):
+        out = tmp_path / f"dump_fused{fused}"
+        env = {**os.environ, "PYTHONPATH": str(root), "LLMFLOW_FUSED": fused}
+        done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        dumps[fused] = out / "llmflow_dump"
+    _assert_same_dump(dumps["1"], dumps["0"])
+    rows = _index_rows(dumps["1"])
+    assert {r[0] for r in rows} >= {0, 1, 2, 3}  # the prefill and the decode steps
+    assert any(r[4] == "api" for r in rows) and any(r[4] == "module" for r in rows)
