@@ -23,7 +23,9 @@ fails to import stops only what needs it: ``load_group`` (every dump format, tri
 format detection) leaves it out with one warning naming it, and asking for it by name
 (``load_plugin``, ``open_dump(format=...)``) gives its import error. The same name
 declared twice (an editable install beside a stale egg-info, two packages) is an error that names
-both sources.
+both sources. llmflow's own plugins are declared the same way, in its pyproject.toml; run from a
+source checkout that was never installed (``PYTHONPATH=path/to/llmflow``), they are read from
+that file, so the checkout still knows its formats and stages.
 """
 
 from __future__ import annotations
@@ -70,30 +72,54 @@ class PluginRef:
 
 @cache
 def find_group(group: str) -> dict[str, PluginRef]:
-    """Name -> PluginRef for one group, from installed distributions' metadata. Imports nothing."""
+    """Name -> PluginRef for one group, from installed distributions' metadata (and llmflow's own
+    pyproject.toml where llmflow runs uninstalled). Imports nothing."""
     found: dict[str, PluginRef] = {}
+    declared: list[tuple[str, str, str]] = []  # (name, "module:attr", source)
     for ep in entry_points(group=group):
         dist = getattr(ep, "dist", None)
         source = f"{dist.name} {dist.version}" if dist is not None else "unknown distribution"
         if dist is not None and getattr(dist, "_path", None) is not None:
             source += f" at {dist._path}"
-        ref = PluginRef(group, ep.name, ep.value.replace(" ", ""), source)
-        old = found.get(ep.name)
+        declared.append((ep.name, ep.value, source))
+    if not any(source.split(" ")[0] == "llmflow" for _, _, source in declared):
+        declared += _checkout_entry_points(group)
+    for name, target, source in declared:
+        ref = PluginRef(group, name, target.replace(" ", ""), source)
+        old = found.get(name)
         if old is not None:
             if old.target == ref.target and old.source.split(" at ")[0] == ref.source.split(" at ")[0]:
                 # the same distribution seen twice on sys.path (editable install + stale egg-info)
                 if old.source != ref.source:
                     raise UserError(
-                        f"plugin {ep.name!r} ({group}) is registered twice: by {old.source} and by "
+                        f"plugin {name!r} ({group}) is registered twice: by {old.source} and by "
                         f"{ref.source}; remove the stale install (often a leftover *.egg-info)"
                     )
                 continue
             raise UserError(
-                f"plugin {ep.name!r} ({group}) is registered twice: {old.target} by {old.source} "
+                f"plugin {name!r} ({group}) is registered twice: {old.target} by {old.source} "
                 f"and {ref.target} by {ref.source}"
             )
-        found[ep.name] = ref
+        found[name] = ref
     return found
+
+
+def _checkout_entry_points(group: str) -> list[tuple[str, str, str]]:
+    """llmflow's own entry points of ``group`` from the pyproject.toml beside the package, when
+    llmflow runs from a source checkout that no installed distribution declares."""
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: install llmflow (pip install -e .) to use a checkout
+        return []
+    try:
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    except (OSError, ValueError):
+        return []
+    if project.get("name") != "llmflow":
+        return []
+    source = f"llmflow source checkout at {pyproject.parent}"
+    return [(name, target, source) for name, target in project.get("entry-points", {}).get(group, {}).items()]
 
 
 #: (group, name) -> the import error of a plugin ``load_group`` left out (each warned about once)

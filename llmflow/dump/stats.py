@@ -12,7 +12,7 @@ model captures ~1000 small tensors. Two ways keep it cheap:
   the forward pass takes a copy of each tensor and the writer computes the statistics of many
   tensors at once (``batched_stats``): tensors of one (device, dtype, shape) are stacked and
   reduced along one axis, a handful of ops per group instead of five per tensor, all on the
-  tensors' own device, read back once per group (no synchronisation per tensor). NaN/Inf are
+  tensors' own device, read back once per device (no synchronisation per tensor or per group). NaN/Inf are
   counted only for tensors whose sum is not finite: a finite sum proves there is no NaN and no Inf.
 
 Reductions accumulate in float32 at least (a bf16 sum of 10^5 values would round badly), float64
@@ -54,7 +54,10 @@ def batched_stats(tensors: list[torch.Tensor]) -> list[list[float]]:
         else:
             # get_device() (-1 on the CPU) and the Size itself: no device object or tuple per tensor
             groups[(t.get_device(), t.dtype, t.shape)].append(i)
-    for (_, dtype, _), idx in groups.items():
+    # each group's (max, min, sum, norm) rows, kept on the device; read back at the end, once per
+    # device (every read-back waits for the device: one per group was one wait per shape)
+    reduced: dict[int, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = defaultdict(list)
+    for (device, dtype, _), idx in groups.items():
         wide = _wide(dtype)
         x = torch.stack([tensors[i] for i in idx]).reshape(len(idx), -1)
         if x.is_complex():
@@ -64,13 +67,21 @@ def batched_stats(tensors: list[torch.Tensor]) -> list[list[float]]:
         mn, mx = x.amin(dim=1), x.amax(dim=1)  # aminmax(dim=1) measured 6x slower on CPU
         total = x.sum(dim=1)
         norm = torch.linalg.vector_norm(x, dim=1)
-        rows = torch.stack([mx, mn, total, norm], dim=1).tolist()
-        n = x.shape[1]
-        for j, (i, (vmax, vmin, vsum, vnorm)) in enumerate(zip(idx, rows, strict=True)):
-            nan = inf = 0
-            if not math.isfinite(vsum):
-                nan, inf = int(torch.isnan(x[j]).sum()), int(torch.isinf(x[j]).sum())
-            out[i] = [vmax, vmin, vsum / n, vnorm, nan, inf]
+        reduced[device].append((idx, x, torch.stack([mx, mn, total, norm], dim=1)))
+    for parts in reduced.values():
+        # float64 holds every float32 exactly: the values read back are those of each group's own
+        both = [r if r.dtype == torch.float64 else r.to(torch.float64) for _, _, r in parts]
+        rows = (torch.cat(both) if len(both) > 1 else both[0]).tolist()
+        at = 0
+        for idx, x, _ in parts:
+            n = x.shape[1]
+            for j, i in enumerate(idx):
+                vmax, vmin, vsum, vnorm = rows[at + j]
+                nan = inf = 0
+                if not math.isfinite(vsum):
+                    nan, inf = int(torch.isnan(x[j]).sum()), int(torch.isinf(x[j]).sum())
+                out[i] = [vmax, vmin, vsum / n, vnorm, nan, inf]
+            at += len(idx)
     return out  # type: ignore[return-value]
 
 

@@ -1,7 +1,12 @@
 """The background writer: the forward pass hands over copies, this thread puts them on disk.
 
 The capture side calls ``submit(row, payload, event)`` with an ``IndexRow`` (the entry as its
-index line will hold it); ``event`` (if any) says when an asynchronous device copy has landed.
+index line will hold it); ``event`` says when an asynchronous device copy has landed: None on the
+CPU, an event of its own on most accelerators, and on CUDA the stream the copy was queued on
+(``copies.StreamKey``). For those, the producer records one event per stream (``copies.fence``)
+at each step end, at close and after every ``wake_bytes`` of copies, and the writer reads none of
+the copies before the next such fence has passed (no data file, no statistics). An event per copy
+cost the forward thread ~14 us of a step's ~430 tensors each on an H100; a stream's key, 0.4 us.
 ``payload`` is:
 
 * tensor mode: a host copy of the tensor, or its bytes (``copies.host_copy``);
@@ -50,12 +55,14 @@ from typing import Any
 import torch
 
 from llmflow.collector import collections_paused
+from llmflow.dump.copies import StreamKey, fence
 from llmflow.dump.stats import batched_stats
 from llmflow.formats.llmflow_dump import ROW_FIELDS, DumpDirWriter, IndexRow
 
 _STEP_END = object()
 _CLOSE = object()
 _ROWS = object()  # a list of rows that are index rows only
+_FENCE = object()  # events: the device copies queued before them have landed once they have passed
 _THREADED: set[AsyncWriter] = set()  # writers whose thread runs (removed once it has finished)
 
 
@@ -95,6 +102,11 @@ class AsyncWriter:
         # flush instead of one write and flush() per entry; the reader orders entries itself
         self._lines: list[IndexRow | tuple] = []
         self._stats_bytes = 0
+        # producer side: the CUDA streams with copies queued since the last fence; consumer side:
+        # whether a copy handled since the last fence may not have landed (nothing is read then)
+        self._unfenced: set[StreamKey] = set()
+        self._unfenced_bytes = 0
+        self._awaiting_fence = False
         # inline: the backlog is worked through in the forward thread at step ends (and every
         # ``wake_bytes``) instead of by a thread; see ``inline_writer`` in capture.py for when
         self._thread: threading.Thread | None = None
@@ -111,6 +123,11 @@ class AsyncWriter:
             self._raise_error()
             return  # reported already: nothing more is queued for a writer that has failed
         self._queue.append((row, payload, event, nbytes))
+        if type(event) is tuple:  # (a fence every ``wake_bytes`` bounds what waits for one)
+            self._unfenced.add(event)
+            self._unfenced_bytes += nbytes
+            if self._unfenced_bytes > self.wake_bytes:
+                self._fence()
         if nbytes:
             self._produced += nbytes
             pending = self._produced - self._consumed
@@ -131,6 +148,7 @@ class AsyncWriter:
             self._raise_error()
             return  # reported already: the dump is abandoned, not continued
         self._hand_over_rows()
+        self._fence()
         self._queue.append((_STEP_END, step, (order, error), 0))
         if self._thread is None:  # inline
             self._drain_inline()
@@ -160,6 +178,7 @@ class AsyncWriter:
         self.closing = True
         if self._error is None:  # (after a failure nothing is written, complete stays false)
             self._hand_over_rows()
+            self._fence()
             self._queue.append((_CLOSE, complete, meta, 0))
             if thread is None:  # inline
                 self._drain_inline()
@@ -174,6 +193,12 @@ class AsyncWriter:
         if self._rows:
             self._queue.append((_ROWS, self._rows.copy(), None, 0))
             self._rows.clear()
+
+    def _fence(self) -> None:
+        if self._unfenced:
+            self._queue.append((_FENCE, fence(self._unfenced), None, 0))
+            self._unfenced.clear()
+            self._unfenced_bytes = 0
 
     def _notify(self) -> None:
         with self._cond:
@@ -237,6 +262,13 @@ class AsyncWriter:
         if head is _ROWS:
             self._lines.extend(item[1])
             return False
+        if head is _FENCE:
+            for event in item[1]:
+                event.synchronize()
+            self._awaiting_fence = False
+            if self._batch_size >= self.batch_bytes or self._stats_bytes >= self.batch_bytes:
+                self._flush()  # (held back for this fence)
+            return False
         if head is _STEP_END:
             self._flush(data=time.monotonic() >= self._data_due)
             self._files.clear()
@@ -254,7 +286,9 @@ class AsyncWriter:
             self.disk.close(complete=item[1], **item[2])
             return True
         row, payload, event, _ = item
-        if event is not None:
+        if type(event) is tuple:  # a copy on a CUDA stream: read after the next fence
+            self._awaiting_fence = True
+        elif event is not None:
             event.synchronize()  # the asynchronous device copy has landed
         if payload is None:  # a repeat of a tensor of this step
             if row.key in self._files:  # already flushed: point at its file
@@ -265,12 +299,12 @@ class AsyncWriter:
             self._batch[row.key] = payload
             self._batch_rows.append(_held(row))
             self._batch_size += item[3]  # (the tensor's bytes: a payload may be ``bytes``)
-            if self._batch_size >= self.batch_bytes:
+            if self._batch_size >= self.batch_bytes and not self._awaiting_fence:
                 self._flush()
         else:  # statistics mode: a copy on the tensor's device
             self._stats.append((row, payload))
             self._stats_bytes += payload.nbytes
-            if self._stats_bytes >= self.batch_bytes:
+            if self._stats_bytes >= self.batch_bytes and not self._awaiting_fence:
                 self._flush()
         return False
 

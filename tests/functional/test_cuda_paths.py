@@ -8,6 +8,7 @@ machine: docs/benchmarks.md has the figures of a run on an H100).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -16,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmflow.dump import capture as dump_capture
 from llmflow.dump.stats import batched_stats
+from llmflow.dump.writer import AsyncWriter
 from llmflow.formats.base import STAT_KEYS
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 from llmflow.models import greedy_generate, load_model
@@ -31,8 +34,18 @@ from example_faults import FAULT_MODULES  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
 
 
+@pytest.fixture(params=["batches", "small batches"])
+def batches(request, monkeypatch):
+    """The writer's default batches, or batches of a few KiB: a fence every 2 KiB of copies and a
+    data file at most fences, the mid-step path a big model's dump takes."""
+    if request.param == "small batches":
+        monkeypatch.setattr(dump_capture, "AsyncWriter",
+                            functools.partial(AsyncWriter, batch_bytes=4096, wake_bytes=2048))
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_dump_equals_what_a_forward_hook_sees(tmp_path, writer_mode, dtype):
+def test_cuda_dump_equals_what_a_forward_hook_sees(tmp_path, writer_mode, dtype, batches):
     lm = load_model(TINY, device="cuda", dtype=dtype)
     seen: dict[tuple[int, str, str], torch.Tensor] = {}
     calls = {"n": -1}
@@ -74,8 +87,16 @@ def test_cuda_copy_is_taken_at_capture_time(tmp_path, writer_mode):
     assert_copies_taken_at_capture(tmp_path, torch.randn(2048, 2048, device="cuda"), additions=20, amount=1.0)
 
 
+def test_cuda_copies_queued_on_a_side_stream_are_waited_for(tmp_path, writer_mode):
+    """A forward on a stream of its own: the writer waits on that stream, not the default one."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.randn(2048, 2048, device="cuda")
+        assert_copies_taken_at_capture(tmp_path, x, additions=20, amount=1.0)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_statistics_are_those_of_the_dumped_tensors(tmp_path, writer_mode, dtype):
+def test_cuda_statistics_are_those_of_the_dumped_tensors(tmp_path, writer_mode, dtype, batches):
     """Statistics reduced on the GPU (statistics mode) against the CPU's of the same tensors
     dumped in full from the same greedy run."""
     lm = load_model(TINY, device="cuda", dtype=dtype)

@@ -338,14 +338,17 @@ def test_remove_restores_every_forward_including_one_another_tool_set(tmp_path):
 
 
 def test_writer_choice_auto_env_and_bad_value(monkeypatch):
-    """auto: inline where torch's threads take every core of a CPU model, else a thread."""
+    """auto: inline where torch's threads take every core of a CPU model and for a model on an
+    accelerator (launch-bound: the thread would take the GIL from it), else a thread."""
     model = tiny().model
+    on_device = torch.nn.Linear(2, 2, device="meta")  # (any device but the CPU)
     monkeypatch.delenv("LLMFLOW_DUMP_WRITER", raising=False)
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
-    assert inline_writer(model)
+    assert inline_writer(model) and inline_writer(on_device)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores + 4)))
     assert not inline_writer(model)
+    assert inline_writer(on_device)
     monkeypatch.setenv("LLMFLOW_DUMP_WRITER", "inline")
     assert inline_writer(model)
     monkeypatch.setenv("LLMFLOW_DUMP_WRITER", "threads")

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one command, for a machine where torch sees one:
+#   1. the dump benchmark on SmolLM2's shapes, the writer thread and inline side by side
+#      (and, with BASELINE=DIR, the llmflow checkout in DIR timed with the thread in the same run);
+#   2. the CUDA tests (tests/functional/test_cuda_paths.py);
+#   3. msprobe's dumps at the module level beside llmflow's, where msprobe imports.
+# Usage: benchmarks/gpu_checks.sh [OUTDIR]    (PYTHON=python3 by default; logs and tables in OUTDIR)
+# Each step has its own time limit (seconds: BENCH_S, TESTS_S, MSPROBE_S), so a short lease still
+# brings back what finished.
+set -u
+out=${1:-gpu-checks}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+here=$PWD
+with_path() { PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" "${@:2}"; }
+bench=(benchmarks/bench_dump.py --device cuda --models smollm2-shape)
+
+"$py" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' | tee "$out/env.txt"
+with_path "$here" "$py" -m llmflow.native 2>&1 | tail -3 | tee -a "$out/env.txt"
+
+with_path "$here" timeout "${BENCH_S:-150}" "$py" "${bench[@]}" --writer thread inline --repeat 3 \
+    2>&1 | tee "$out/bench_dump.md"
+if [ -n "${BASELINE:-}" ]; then
+    echo "## baseline: $BASELINE" | tee "$out/bench_dump_baseline.md"
+    with_path "$BASELINE" timeout "${BENCH_S:-150}" "$py" "${bench[@]}" --writer thread --repeat 3 \
+        2>&1 | tee -a "$out/bench_dump_baseline.md"
+fi
+with_path "$here" timeout "${TESTS_S:-150}" "$py" -m pytest -q -p no:cacheprovider \
+    tests/functional/test_cuda_paths.py 2>&1 | tee "$out/cuda_tests.log" | tail -15
+with_path "$here" timeout "${MSPROBE_S:-150}" "$py" "${bench[@]}" --msprobe --repeat 1 \
+    --modes "statistics module" "tensor module" 2>&1 | tee "$out/bench_dump_msprobe.md"
