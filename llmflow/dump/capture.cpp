@@ -13,17 +13,19 @@
 // (module_inputs, module_output, op_inputs, op_output), which walk a call's values exactly as
 // recorder.py's walk_inputs / walk_output / _walk do, label for label, and the walk's leaves:
 //   tensor: a plain torch.Tensor seen again unchanged this step (same object, same version
-//     counter) whose first capture kept no data: an index row pointing at that capture's key;
-//     in a statistics dump, a contiguous CPU tensor of a kernel dtype (stats.cpp): its
-//     statistics now, from the statistics kernel (called directly, not through ctypes), and its
-//     index row;
+//     counter): an index row pointing at that capture's key; in a statistics dump, a contiguous
+//     CPU tensor of a kernel dtype (stats.cpp): its statistics now, from the statistics kernel
+//     (called directly, not through ctypes), and its index row; in a tensor dump without CRC32,
+//     a contiguous CPU tensor: its bytes now, and its row to the writer; any other plain tensor
+//     (a view that is not contiguous, a tensor on an accelerator, a dtype the kernel lacks): its
+//     row, and a copy from copies.py's device_copy / host_copy to the writer;
 //   other: None, a bool, an int or a float as its value; a torch dtype by its name; a Parameter
 //     by shape, dtype and name.
-// Every other leaf (a tensor subclass or one without a version counter, tensor data, another
-// device or dtype, a view that is not contiguous, the max_bytes limit, any other value) goes to
-// the session's own Python method (_tensor / _other) before anything here has changed, so the
-// Python methods stay the one definition of an entry; tests check that both write the same dump
-// byte for byte (tests/unit/test_dump_native_capture.py).
+// Every other leaf (a tensor subclass or one without a version counter, an empty tensor, one
+// that requires grad, a dtype safetensors cannot store, a CRC32 dump's copies, the max_bytes
+// limit, any other value) goes to the session's own Python method (_tensor / _other) before
+// anything here has changed, so the Python methods stay the one definition of an entry; tests
+// check that both write the same dump byte for byte (tests/unit/test_dump_native_capture.py).
 //
 // Dispatch (api.py's ApiMode derives from it, and from torch's TorchFunctionMode): its
 // __torch_function__, the same steps as ApiMode._dispatch.
@@ -47,7 +49,7 @@ constexpr long long STATS_ENTRY_BYTES = 256;  // capture.py's _STATS_ENTRY_BYTES
 constexpr int N_STATS = 6;                   // STAT_KEYS
 
 PyObject *s_version, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_numel, *s_data_ptr, *s_shape, *s_layout,
-    *s_is_neg, *s_is_conj, *s_nbytes,
+    *s_is_neg, *s_is_conj, *s_nbytes, *s_requires_grad,
     *s_tensor_slow, *s_other_slow, *s_empty, *s_param_dtype, *s_param, *s_parameter, *s_enter, *s_exit,
     *s_input, *s_output, *s_module, *s_api;
 PyObject *pytype_none, *pytype_bool, *pytype_int, *pytype_float, *pytype_dtype;
@@ -69,8 +71,10 @@ struct Entries {
     PyObject *dtype_type;    // torch.dtype
     PyObject *param_names;   // id(parameter) -> its name in the model
     PyObject *disable_torch_function;  // torch._C.DisableTorchFunction
+    PyObject *copy;          // copies.device_copy / host_copy: (payload, event) of a tensor; None: none here (CRC32)
     int op_inputs, op_outputs;  // an API dump records the ops' inputs / outputs (tensor_part)
     StatsKernel kernel;      // null: no statistics here (tensor mode, no kernel, CRC32)
+    int statistics;          // a statistics dump
     long long max_bytes;     // -1: no limit
     int record_repeats;      // register first captures in ``seen`` (a plain dict; not _NoRepeats)
     int data;                // a tensor dump without CRC32: contiguous CPU tensors' bytes copied here
@@ -119,7 +123,7 @@ PyObject *emit(Entries *self, PyObject *const *fields) {
 
 // an IndexRow of the fields, handed to the writer's submit with the tensor's bytes (or, for a
 // repeat, alone); steals nothing
-PyObject *submit_row(Entries *self, PyObject *const *fields, PyObject *payload, long long nbytes) {
+PyObject *submit_row(Entries *self, PyObject *const *fields, PyObject *payload, PyObject *event, long long nbytes) {
     PyTypeObject *type = reinterpret_cast<PyTypeObject *>(self->index_row);
     PyObject *row = untracked(type->tp_alloc(type, 15));
     if (row == nullptr) return nullptr;
@@ -132,7 +136,7 @@ PyObject *submit_row(Entries *self, PyObject *const *fields, PyObject *payload, 
         done = PyObject_CallOneArg(self->submit, row);
     } else {
         PyObject *size = PyLong_FromLongLong(nbytes);
-        PyObject *call[4] = {row, payload, Py_None, size};
+        PyObject *call[4] = {row, payload, event, size};
         done = size ? PyObject_Vectorcall(self->submit, call, 4, nullptr) : nullptr;
         Py_XDECREF(size);
     }
@@ -186,7 +190,7 @@ int repeat_row(Entries *self, PyObject *const *args, PyObject *id, PyObject *ver
                             PyTuple_GET_ITEM(seen, 5), self->no_extra};
     // (with data: the writer resolves the key to the first copy's data file; without: the reader
     // gives it the statistics of the entry with its key)
-    PyObject *done = has_data == Py_True ? submit_row(self, fields, nullptr, 0) : emit(self, fields);
+    PyObject *done = has_data == Py_True ? submit_row(self, fields, nullptr, nullptr, 0) : emit(self, fields);
     Py_DECREF(step);
     Py_DECREF(order);
     if (done == nullptr) return -1;
@@ -195,62 +199,82 @@ int repeat_row(Entries *self, PyObject *const *args, PyObject *id, PyObject *ver
     return 0;
 }
 
-// A tensor's first capture this step, where this file takes it: in a statistics dump, a
-// contiguous CPU tensor of a kernel dtype (its statistics now, and its index row); in a tensor
-// dump without CRC32, a contiguous CPU tensor (its bytes copied now, and its row to the writer,
-// as capture.py's host_copy and writer.submit). 1 done, 0 not this file's leaf (nothing
-// changed), -1 error.
+// Whether a tensor's first capture takes the fast path: in a statistics dump, a contiguous CPU
+// tensor of a kernel dtype (its statistics now); in a tensor dump without CRC32, a contiguous CPU
+// tensor whose memory is its values (a plain strided tensor, not a lazy negation or conjugate:
+// its bytes copied now). 1 yes, 0 no, -1 error.
+int fast_path(Entries *self, PyObject *t, PyObject *dtype, long long *code) {
+    if (self->statistics ? self->kernel == nullptr : !self->data) return 0;
+    if (self->statistics) {
+        PyObject *code_obj = PyDict_GetItemWithError(self->kernel_codes, dtype);  // borrowed
+        if (code_obj == nullptr) return PyErr_Occurred() ? -1 : 0;
+        if ((*code = PyLong_AsLongLong(code_obj)) == -1 && PyErr_Occurred()) return -1;
+    }
+    PyObject *flag = PyObject_GetAttr(t, s_is_cpu);
+    if (flag == nullptr) return -1;
+    bool yes = flag == Py_True;
+    Py_DECREF(flag);
+    if (!yes) return 0;
+    if ((flag = attr_call(t, s_is_contiguous)) == nullptr) return -1;
+    yes = flag == Py_True;
+    Py_DECREF(flag);
+    if (!yes || self->statistics) return yes ? 1 : 0;
+    if ((flag = PyObject_GetAttr(t, s_layout)) == nullptr) return -1;
+    yes = flag == self->strided;
+    Py_DECREF(flag);
+    for (PyObject *lazy : {s_is_neg, s_is_conj}) {
+        if (!yes) return 0;
+        if ((flag = attr_call(t, lazy)) == nullptr) return -1;
+        yes = flag == Py_False;
+        Py_DECREF(flag);
+    }
+    return yes ? 1 : 0;
+}
+
+// A tensor's first capture this step, where this file takes it: the fast path above (its
+// statistics, or its bytes, now), or else a copy for the writer (``copy``: a CPU view that is not
+// contiguous, a tensor on an accelerator, a dtype the kernel lacks), as DumpSession._tensor does.
+// Left to that method: CRC32 dumps' copies, a tensor that requires grad, an empty tensor, a dtype
+// safetensors cannot store, the entry that would pass max_bytes. 1 done, 0 not this file's leaf
+// (nothing changed), -1 error.
 int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *version) {
     PyObject *t = args[3];
-    const bool statistics = self->kernel != nullptr;
-    if (!statistics && !self->data) return 0;
-    int result = -1;
+    int result = -1, fast = 0;
     long long numel = 0, code = 0, nbytes = 0, entry_bytes = STATS_ENTRY_BYTES;
     void *data = nullptr;
-    PyObject *dtype = nullptr, *code_obj = nullptr, *dtype_name, *flag = nullptr, *n = nullptr, *ptr = nullptr,
-             *size = nullptr, *shape = nullptr, *key = nullptr, *step = nullptr, *order = nullptr,
-             *stats = nullptr, *payload = nullptr, *done = nullptr;
+    PyObject *dtype = nullptr, *dtype_name, *flag = nullptr, *n = nullptr, *ptr = nullptr, *size = nullptr,
+             *shape = nullptr, *key = nullptr, *step = nullptr, *order = nullptr, *stats = nullptr,
+             *payload = nullptr, *copied = nullptr, *done = nullptr;
     if ((dtype = PyObject_GetAttr(t, s_dtype)) == nullptr) goto out;
-    if (statistics && (code_obj = PyDict_GetItemWithError(self->kernel_codes, dtype)) == nullptr) {
-        result = PyErr_Occurred() ? -1 : 0;
-        goto out;
-    }
     if ((dtype_name = PyDict_GetItemWithError(self->dtype_names, dtype)) == nullptr) {  // borrowed
         result = PyErr_Occurred() ? -1 : 0;  // a dtype safetensors cannot store: the Python path
         goto out;
     }
-    if (statistics) code = PyLong_AsLongLong(code_obj);
-    if ((flag = PyObject_GetAttr(t, s_is_cpu)) == nullptr) goto out;
-    if (flag != Py_True) { result = 0; goto out; }
-    Py_CLEAR(flag);
-    if ((flag = attr_call(t, s_is_contiguous)) == nullptr) goto out;
-    if (flag != Py_True) { result = 0; goto out; }
-    Py_CLEAR(flag);
-    if (!statistics) {  // its memory is its values: a plain strided tensor, not a lazy negation or conjugate
-        if ((flag = PyObject_GetAttr(t, s_layout)) == nullptr) goto out;
-        if (flag != self->strided) { result = 0; goto out; }
-        for (PyObject *lazy : {s_is_neg, s_is_conj}) {
-            Py_CLEAR(flag);
-            if ((flag = attr_call(t, lazy)) == nullptr) goto out;
-            if (flag != Py_False) { result = 0; goto out; }
-        }
+    if ((fast = fast_path(self, t, dtype, &code)) < 0) goto out;
+    if (!fast) {
+        if (self->copy == nullptr || self->copy == Py_None) { result = 0; goto out; }
+        if ((flag = PyObject_GetAttr(t, s_requires_grad)) == nullptr) goto out;
+        if (flag != Py_False) { result = 0; goto out; }  // (its copy is taken detached: the Python path)
     }
     if ((n = attr_call(t, s_numel)) == nullptr) goto out;
     numel = PyLong_AsLongLong(n);
     if (numel == -1 && PyErr_Occurred()) goto out;
     if (numel <= 0) { result = 0; goto out; }  // an empty tensor: the Python path
-    if (!statistics) {
+    if (!fast || !self->statistics) {
         Py_CLEAR(n);
         if ((n = PyObject_GetAttr(t, s_nbytes)) == nullptr) goto out;
-        nbytes = entry_bytes = PyLong_AsLongLong(n);
+        nbytes = PyLong_AsLongLong(n);
         if (nbytes == -1 && PyErr_Occurred()) goto out;
+        if (!self->statistics) entry_bytes = nbytes;
     }
     if (self->max_bytes >= 0 && self->bytes + entry_bytes > self->max_bytes) { result = 0; goto out; }
-    if ((ptr = attr_call(t, s_data_ptr)) == nullptr) goto out;
-    data = PyLong_AsVoidPtr(ptr);
-    if (data == nullptr) {
-        result = PyErr_Occurred() ? -1 : 0;
-        goto out;
+    if (fast) {
+        if ((ptr = attr_call(t, s_data_ptr)) == nullptr) goto out;
+        data = PyLong_AsVoidPtr(ptr);
+        if (data == nullptr) {
+            result = PyErr_Occurred() ? -1 : 0;
+            goto out;
+        }
     }
     if ((size = PyObject_GetAttr(t, s_shape)) == nullptr || (shape = untracked(PySequence_Tuple(size))) == nullptr)
         goto out;
@@ -267,7 +291,7 @@ int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *
             if (!PyErr_ExceptionMatches(PyExc_TypeError)) goto out;
             PyErr_Clear();  // a tensor type without weak references: no de-duplication
         } else {
-            PyObject *has_data = statistics ? Py_False : Py_True;
+            PyObject *has_data = self->statistics ? Py_False : Py_True;
             PyObject *seen = untracked(PyTuple_Pack(6, ref, version, dtype_name, shape, has_data, key));
             Py_DECREF(ref);
             if (seen == nullptr) goto out;
@@ -276,7 +300,7 @@ int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *
             if (set < 0) goto out;
         }
     }
-    if (statistics) {
+    if (fast && self->statistics) {
         if ((stats = untracked(PyTuple_New(N_STATS))) == nullptr) goto out;
         self->kernel(data, static_cast<int>(code), numel, self->out);
         for (int i = 0; i < N_STATS; i++) {
@@ -288,10 +312,22 @@ int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *
                                 stats, Py_False, Py_None, Py_None, key, self->no_extra};
         if ((done = emit(self, fields)) == nullptr) goto out;
     } else {
-        if ((payload = PyBytes_FromStringAndSize(static_cast<const char *>(data), nbytes)) == nullptr) goto out;
+        PyObject *event = Py_None;
+        if (fast) {
+            if ((payload = PyBytes_FromStringAndSize(static_cast<const char *>(data), nbytes)) == nullptr) goto out;
+        } else {  // (payload, event): a copy on the tensor's device, or on the host, and what to wait on
+            if ((copied = PyObject_CallOneArg(self->copy, t)) == nullptr) goto out;
+            if (!PyTuple_CheckExact(copied) || PyTuple_GET_SIZE(copied) != 2) {
+                PyErr_SetString(PyExc_TypeError, "the capture's copy must return (payload, event)");
+                goto out;
+            }
+            payload = Py_NewRef(PyTuple_GET_ITEM(copied, 0));
+            event = PyTuple_GET_ITEM(copied, 1);
+        }
+        PyObject *has_data = self->statistics ? Py_False : Py_True;
         PyObject *fields[15] = {step, args[0], args[1], args[2], args[4], order, dtype_name, shape, args[5],
-                                Py_None, Py_True, Py_None, Py_None, key, self->no_extra};
-        if ((done = submit_row(self, fields, payload, nbytes)) == nullptr) goto out;
+                                Py_None, has_data, Py_None, Py_None, key, self->no_extra};
+        if ((done = submit_row(self, fields, payload, event, nbytes)) == nullptr) goto out;
     }
     result = 1;
 out:
@@ -306,6 +342,7 @@ out:
     Py_XDECREF(order);
     Py_XDECREF(stats);
     Py_XDECREF(payload);
+    Py_XDECREF(copied);
     Py_XDECREF(done);
     return result;
 }
@@ -891,11 +928,12 @@ PyTypeObject DispatchType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // _setup_entries(seen, add_row, submit, dtype_names, kernel_codes, no_extra, tensor_type,
 //                parameter_type, dtype_type, index_row, strided, param_names,
-//                disable_torch_function, kernel_address, max_bytes, record_repeats, data,
-//                op_inputs, op_outputs): what the capture reads, set once by the session
+//                disable_torch_function, copy, kernel_address, max_bytes, record_repeats,
+//                statistics, data, op_inputs, op_outputs): what the capture reads, set once by
+//                the session
 PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     Entries *self = reinterpret_cast<Entries *>(op);
-    if (wrong_count(nargs, 19, "_setup_entries")) return nullptr;
+    if (wrong_count(nargs, 21, "_setup_entries")) return nullptr;
     if (!PyDict_Check(args[0]) || !PyDict_CheckExact(args[3]) || !PyDict_CheckExact(args[4])
         || !PyDict_CheckExact(args[5]) || !PyType_Check(args[6]) || !PyType_Check(args[7]) || !PyType_Check(args[8])
         || !PyType_Check(args[9]) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(args[9]), &PyTuple_Type)
@@ -905,21 +943,27 @@ PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
                                          "index_row a tuple type");
         return nullptr;
     }
-    long long address = PyLong_AsLongLong(args[13]), max_bytes = PyLong_AsLongLong(args[14]);
+    if (args[13] != Py_None && !PyCallable_Check(args[13])) {
+        PyErr_SetString(PyExc_TypeError, "_setup_entries(): copy is a callable or None");
+        return nullptr;
+    }
+    long long address = PyLong_AsLongLong(args[14]), max_bytes = PyLong_AsLongLong(args[15]);
     if (PyErr_Occurred()) return nullptr;
-    PyObject **slots[13] = {&self->seen, &self->add_row, &self->submit, &self->dtype_names, &self->kernel_codes,
+    PyObject **slots[14] = {&self->seen, &self->add_row, &self->submit, &self->dtype_names, &self->kernel_codes,
                             &self->no_extra, &self->tensor_type, &self->parameter_type, &self->dtype_type,
-                            &self->index_row, &self->strided, &self->param_names, &self->disable_torch_function};
-    for (int i = 0; i < 13; i++) {
+                            &self->index_row, &self->strided, &self->param_names, &self->disable_torch_function,
+                            &self->copy};
+    for (int i = 0; i < 14; i++) {
         Py_INCREF(args[i]);
         Py_XSETREF(*slots[i], args[i]);
     }
     self->kernel = reinterpret_cast<StatsKernel>(static_cast<intptr_t>(address));
     self->max_bytes = max_bytes;
-    self->record_repeats = PyObject_IsTrue(args[15]) == 1 && PyDict_CheckExact(args[0]);
-    self->data = PyObject_IsTrue(args[16]) == 1;
-    self->op_inputs = PyObject_IsTrue(args[17]) == 1;
-    self->op_outputs = PyObject_IsTrue(args[18]) == 1;
+    self->record_repeats = PyObject_IsTrue(args[16]) == 1 && PyDict_CheckExact(args[0]);
+    self->statistics = PyObject_IsTrue(args[17]) == 1;
+    self->data = PyObject_IsTrue(args[18]) == 1;
+    self->op_inputs = PyObject_IsTrue(args[19]) == 1;
+    self->op_outputs = PyObject_IsTrue(args[20]) == 1;
     Py_RETURN_NONE;
 }
 
@@ -939,6 +983,7 @@ int Entries_traverse(PyObject *op, visitproc visit, void *arg) {
     Py_VISIT(self->dtype_type);
     Py_VISIT(self->param_names);
     Py_VISIT(self->disable_torch_function);
+    Py_VISIT(self->copy);
     return 0;
 }
 
@@ -958,6 +1003,7 @@ int Entries_clear(PyObject *op) {
     Py_CLEAR(self->dtype_type);
     Py_CLEAR(self->param_names);
     Py_CLEAR(self->disable_torch_function);
+    Py_CLEAR(self->copy);
     self->kernel = nullptr;
     return 0;
 }
@@ -1017,7 +1063,7 @@ struct Name {
 const Name NAMES[] = {
     {&s_version, "_version"}, {&s_dtype, "dtype"}, {&s_is_cpu, "is_cpu"}, {&s_is_contiguous, "is_contiguous"},
     {&s_numel, "numel"}, {&s_data_ptr, "data_ptr"}, {&s_shape, "shape"}, {&s_layout, "layout"},
-    {&s_is_neg, "is_neg"}, {&s_is_conj, "is_conj"}, {&s_nbytes, "nbytes"}, {&s_tensor_slow, "_tensor"},
+    {&s_is_neg, "is_neg"}, {&s_is_conj, "is_conj"}, {&s_nbytes, "nbytes"}, {&s_requires_grad, "requires_grad"}, {&s_tensor_slow, "_tensor"},
     {&s_other_slow, "_other"}, {&s_empty, ""}, {&pytype_none, "NoneType"}, {&pytype_bool, "bool"},
     {&pytype_int, "int"}, {&pytype_float, "float"}, {&pytype_dtype, "dtype"}, {&s_param_dtype, "param_dtype"},
     {&s_param, "param"}, {&s_parameter, "Parameter"}, {&s_enter, "__enter__"}, {&s_exit, "__exit__"},

@@ -129,8 +129,9 @@ if ROW_FIELDS != _ROW_ORDER:
 _NO_EXTRA: dict[str, Any] = {}  # shared by the rows nothing writes into (only crc32 rows get their own)
 
 # The walks and the entries of the common leaves in C (``capture.cpp``'s ``Entries``: a repeat, a
-# contiguous CPU tensor's statistics or bytes, a plain value, a Parameter; ~1 us a row against
-# ~3.5 us here, most of an API dump's overhead). It is DumpSession's base, holding the counters both
+# contiguous CPU tensor's statistics or bytes, any other plain tensor's row with its copy from
+# ``copies``, a plain value, a Parameter; ~1 us a row against ~3.5 us here, most of an API dump's
+# overhead). It is DumpSession's base, holding the counters both
 # paths share, and hands every other leaf to ``_tensor`` / ``_other`` below, which define what an
 # entry is. Without a compiler or Python headers, or with LLMFLOW_FUSED=0, the methods here do all.
 _NATIVE = None if native.disabled() else native.CAPTURE.extension("llmflow_capture")
@@ -183,11 +184,13 @@ class DumpSession(Sink, _ENTRIES_BASE):
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         if _NATIVE is not None:
             kernel = ctypes.cast(self._stats_kernel, ctypes.c_void_p).value if self._stats_kernel else 0
+            # (the copies for the writer: a CRC32 row's ``extra`` is a dict of its own, made here)
+            copy = None if config.crc32 else device_copy if self.statistics else host_copy
             self._setup_entries(self._seen, self._add_row, self.writer.submit, _DTYPE_NAMES, KERNEL_DTYPES,
                                 _NO_EXTRA, torch.Tensor, torch.nn.Parameter, torch.dtype, IndexRow,
-                                torch.strided, self._param_names, torch._C.DisableTorchFunction, kernel or 0,
-                                -1 if config.max_bytes is None else config.max_bytes,
-                                not isinstance(self._seen, _NoRepeats),
+                                torch.strided, self._param_names, torch._C.DisableTorchFunction, copy,
+                                kernel or 0, -1 if config.max_bytes is None else config.max_bytes,
+                                not isinstance(self._seen, _NoRepeats), self.statistics,
                                 not self.statistics and not config.crc32,  # tensor data copied in C
                                 self._op_inputs, self._op_outputs)
         if config.dump_weight:

@@ -12,8 +12,9 @@ model captures ~1000 small tensors. Two ways keep it cheap:
   the forward pass takes a copy of each tensor and the writer computes the statistics of many
   tensors at once (``batched_stats``): tensors of one (device, dtype, shape) are stacked and
   reduced along one axis, a handful of ops per group instead of five per tensor, all on the
-  tensors' own device, read back once per device (no synchronisation per tensor or per group). NaN/Inf are
-  counted only for tensors whose sum is not finite: a finite sum proves there is no NaN and no Inf.
+  tensors' own device, read back once per device (no synchronisation per tensor or per group).
+  NaN/Inf are counted only for tensors whose sum is not finite: a finite sum proves there is no
+  NaN and no Inf.
 
 Reductions accumulate in float32 at least (a bf16 sum of 10^5 values would round badly), float64
 for float64 and integer tensors. An empty tensor gets NaN statistics and zero counts.

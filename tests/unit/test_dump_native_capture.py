@@ -19,6 +19,7 @@ import torch
 
 from llmflow import native
 from llmflow.dump import DumpConfig, capture, dump_run, register_hook
+from llmflow.dump import stats as dump_stats
 from llmflow.dump.api import ApiMode
 from llmflow.dump.capture import DumpSession
 
@@ -113,29 +114,52 @@ def test_the_compiled_capture_writes_the_dump_the_python_methods_write(tmp_path,
 
 
 @needs_native
+@pytest.mark.parametrize("mode", ["module", "api"])
+def test_a_statistics_dump_without_the_kernel_is_the_same_in_c_and_python(tmp_path, monkeypatch, mode):
+    """Without the statistics kernel (a machine where it failed its check), every tensor is copied
+    for the writer's batched statistics: in C through copies.py, as the Python methods do."""
+    monkeypatch.setattr(dump_stats, "_kernel", False)
+    c, py = _dump_both(tmp_path, FAMILIES["llama"], "float32", {"data_mode": "statistics", "mode": mode})
+    _assert_same_dump(c, py)
+
+
+@needs_native
 @pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
-def test_the_compiled_capture_takes_most_leaves_and_leaves_views_to_python(tmp_path, monkeypatch, data_mode):
+def test_the_compiled_capture_takes_every_plain_tensor_and_copies_views_through_copies_py(
+        tmp_path, monkeypatch, data_mode):
     """An API dump of Llama: contiguous tensors (their statistics or bytes), repeats, plain
     values, dtypes and Parameters are made in C; the rotary embedding's sliced halves (views that
-    are not contiguous) and values of other kinds (a torch.device) reach the Python methods."""
-    reached: dict[str, int] = {"tensor": 0, "other": 0}
+    are not contiguous) are made in C too, with their copy from ``copies.py`` (what an accelerator's
+    tensors take); only the logits, empty tensors and values of other kinds (a torch.device)
+    reach the Python methods."""
+    reached: dict[str, list] = {"tensor": [], "other": []}
+    copied: list[bool] = []
     python_tensor, python_other = DumpSession._tensor, DumpSession._other
 
     def counting(kind, method):
         def leaf(self, *args, **kwargs):
-            reached[kind] += 1
+            reached[kind].append(args)
             return method(self, *args, **kwargs)
         return leaf
 
+    def copying(copy):
+        def take(t):
+            copied.append(t.is_contiguous())
+            return copy(t)
+        return take
+
     monkeypatch.setattr(DumpSession, "_tensor", counting("tensor", python_tensor))
     monkeypatch.setattr(DumpSession, "_other", counting("other", python_other))
+    monkeypatch.setattr(capture, "device_copy", copying(capture.device_copy))
+    monkeypatch.setattr(capture, "host_copy", copying(capture.host_copy))
     out = tmp_path / "dump"
     config = DumpConfig(dump_path=str(out), token_range="all", data_mode=data_mode, mode="api")
     dump_run(tiny(), prompt_ids(), 3, config)
     rows = _index_rows(out)
-    logits = sum(1 for r in rows if r[1] == "logits")
-    assert 0 < reached["tensor"] - logits < len(rows) / 5
-    assert 0 < reached["other"] < len(rows) / 5
+    assert all(name == "logits" or t.numel() == 0 for name, _, _, t, *_ in reached["tensor"])
+    assert 0 < len(reached["other"]) < len(rows) / 5
+    # every view's copy was asked for by the C code (the Python methods saw none of them)
+    assert copied.count(False) >= 20
 
 
 @needs_native
