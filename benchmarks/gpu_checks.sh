@@ -2,9 +2,13 @@
 # The checks that need a CUDA GPU, in one command, for a machine where torch sees one:
 #   1. the dump benchmark on SmolLM2's shapes, the writer thread and inline side by side
 #      (and, with BASELINE=DIR, the llmflow checkout in DIR timed with the thread in the same run);
-#   2. the CUDA tests (tests/functional/test_cuda_paths.py);
+#   2. the CUDA tests (tests/functional/test_cuda_paths.py), and what each per-tensor step of the
+#      capture costs (benchmarks/bench_cuda_capture_costs.py);
 #   3. msprobe's dumps at the module level beside llmflow's, where msprobe imports.
 # Usage: benchmarks/gpu_checks.sh [OUTDIR]    (PYTHON=python3 by default; logs and tables in OUTDIR)
+# Runs from this checkout without installing it; PYTHON must import torch with CUDA, llmflow's
+# dependencies (pyyaml, jsonschema, numpy, rich, openpyxl, safetensors, transformers, orjson,
+# jinja2) and, for step 3, mindstudio-probe.
 # Each step has its own time limit (seconds: BENCH_S, TESTS_S, MSPROBE_S), so a short lease still
 # brings back what finished.
 set -u
@@ -28,5 +32,6 @@ if [ -n "${BASELINE:-}" ]; then
 fi
 with_path "$here" timeout "${TESTS_S:-150}" "$py" -m pytest -q -p no:cacheprovider \
     tests/functional/test_cuda_paths.py 2>&1 | tee "$out/cuda_tests.log" | tail -15
+with_path "$here" timeout 120 "$py" benchmarks/bench_cuda_capture_costs.py 2>&1 | tee "$out/capture_costs.md"
 with_path "$here" timeout "${MSPROBE_S:-150}" "$py" "${bench[@]}" --msprobe --repeat 1 \
     --modes "statistics module" "tensor module" 2>&1 | tee "$out/bench_dump_msprobe.md"

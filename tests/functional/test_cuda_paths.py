@@ -36,8 +36,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 @pytest.fixture(params=["batches", "small batches"])
 def batches(request, monkeypatch):
-    """The writer's default batches, or batches of a few KiB: a fence every 2 KiB of copies and a
-    data file at most fences, the mid-step path a big model's dump takes."""
+    """The writer's default batches, or batches of a few KiB: a fence every 2 KiB of copies and
+    data files written at those fences, the mid-step path a big model's dump takes."""
     if request.param == "small batches":
         monkeypatch.setattr(dump_capture, "AsyncWriter",
                             functools.partial(AsyncWriter, batch_bytes=4096, wake_bytes=2048))
