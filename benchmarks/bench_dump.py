@@ -287,9 +287,21 @@ def kernel_builds(ap: argparse.ArgumentParser, names: list[str]) -> tuple[tuple[
     return tuple(builds)
 
 
+def model_spec(name: str) -> str:
+    """A ``--models`` name as the model spec it stands for (a spec itself stays as it is)."""
+    if name in MODELS:
+        return MODELS[name]
+    if name.startswith("tiny-"):
+        return name
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(MODELS)} or a tiny-<family>[:k=v,...] spec")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2", "tiny"], choices=list(MODELS))
+    # (a list default is not passed through ``type``: it holds the specs themselves)
+    ap.add_argument("--models", nargs="+", default=[MODELS["smollm2"], MODELS["tiny"]], type=model_spec,
+                    metavar="MODEL", help=f"{', '.join(MODELS)}, or a spec of llmflow.models "
+                                          "(tiny-llama:layers=4,hidden=4096,...)")
     ap.add_argument("--new-tokens", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--msprobe", action="store_true", help="also time msprobe's PrecisionDebugger")
@@ -323,17 +335,17 @@ def main() -> None:
     where = torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {where}")
     for key in a.models:
-        lm = load_model(MODELS[key], device=a.device, dtype=a.dtype)
+        lm = load_model(key, device=a.device, dtype=a.dtype)
         ids = encode_prompt(lm.tokenizer, a.prompt)
         # greedy generation may stop early at EOS: report how many tokens were really generated
         n = len(greedy_generate(lm.model, ids, a.new_tokens))
-        title = f"{MODELS[key]}: {len(ids)} prompt tokens, {n} new tokens, {a.device} {a.dtype}"
+        title = f"{key}: {len(ids)} prompt tokens, {n} new tokens, {a.device} {a.dtype}"
         with tempfile.TemporaryDirectory(prefix="llmflow-bench-") as tmp:
             rows = bench_llmflow(lm, ids, a.new_tokens, a.repeat, Path(tmp), tuple(a.writer),
                                  tuple(a.modes), kernels, tuple(a.capture))
             print_table(title, rows)  # before msprobe, which takes many times longer
             if a.msprobe:
-                theirs = bench_msprobe(MODELS[key], a.device, a.dtype, a.prompt, a.new_tokens, a.repeat,
+                theirs = bench_msprobe(key, a.device, a.dtype, a.prompt, a.new_tokens, a.repeat,
                                        Path(tmp), tuple(GOALS[m][1] for m in a.modes))
                 print_table(f"{title}, msprobe", theirs)
                 rows += theirs

@@ -97,10 +97,11 @@ def inline_writer(model: torch.nn.Module) -> bool:
     gives it no core: the thread then preempts one of torch's OpenMP threads (every parallel
     region waits for it) and contends for the GIL: on 2 cores SmolLM2's tensor-module dump
     measured 1.56x with the thread against 1.37x inline, the tiny model's API dumps 3.05x against
-    2.53x. A model on an accelerator is launch-bound: its forward thread runs Python all the time,
-    and the thread's statistics and copies take the GIL from it: on an H100, SmolLM2's shapes
-    measured 1.73x inline against 2.01x with the thread (statistics module), 2.02x against 2.60x
-    (tensor module). Only models on fewer CPU threads than cores keep the thread.
+    2.53x. A model on an accelerator whose steps are launch-bound (decode steps of models the
+    size measured) keeps its forward thread running Python all the time, and the thread's
+    statistics and copies take the GIL from it: on an H100, SmolLM2's shapes measured 1.73x
+    inline against 2.01x with the thread (statistics module), 2.02x against 2.60x (tensor
+    module). Only models on fewer CPU threads than cores keep the thread.
     ``LLMFLOW_DUMP_WRITER`` (``thread`` or ``inline``) overrides the choice.
     """
     choice = os.environ.get("LLMFLOW_DUMP_WRITER", "auto").strip().lower() or "auto"
