@@ -37,6 +37,7 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -80,6 +81,34 @@ struct Entries {
     int data;                // a tensor dump without CRC32: contiguous CPU tensors' bytes copied here
     double out[N_STATS];
 };
+
+// The objects a type holds, each type's listed once (ENTRIES_HELD, DISPATCH_HELD): its traverse,
+// clear and dealloc go through the list, so a field added to the type is added in one place.
+template <class T, size_t N>
+int visit_held(PyObject *op, PyObject *T::*const (&held)[N], visitproc visit, void *arg) {
+    T *self = reinterpret_cast<T *>(op);
+    for (PyObject *T::*field : held) Py_VISIT(self->*field);
+    return 0;
+}
+
+template <class T, size_t N>
+void clear_held(PyObject *op, PyObject *T::*const (&held)[N]) {
+    T *self = reinterpret_cast<T *>(op);
+    for (PyObject *T::*field : held) Py_CLEAR(self->*field);
+}
+
+template <int (*clear)(PyObject *)>
+void dealloc_held(PyObject *op) {
+    PyObject_GC_UnTrack(op);
+    clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+constexpr PyObject *Entries::*const ENTRIES_HELD[] = {
+    &Entries::stopped, &Entries::seen, &Entries::add_row, &Entries::submit, &Entries::index_row, &Entries::strided,
+    &Entries::dtype_names, &Entries::kernel_codes, &Entries::no_extra, &Entries::tensor_type,
+    &Entries::parameter_type, &Entries::dtype_type, &Entries::param_names, &Entries::disable_torch_function,
+    &Entries::copy};
 
 // Calls the session's Python method ``slow`` with the six arguments: the leaf this file leaves.
 // 0 done, -1 error.
@@ -895,26 +924,13 @@ PyObject *Dispatch_setup(PyObject *op, PyObject *const *a, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
-int Dispatch_traverse(PyObject *op, visitproc visit, void *arg) {
-    Dispatch *self = reinterpret_cast<Dispatch *>(op);
-    Py_VISIT(self->recorder);
-    Py_VISIT(self->names);
-    Py_VISIT(self->api_name);
-    return 0;
-}
+constexpr PyObject *Dispatch::*const DISPATCH_HELD[] = {&Dispatch::recorder, &Dispatch::names, &Dispatch::api_name};
+
+int Dispatch_traverse(PyObject *op, visitproc visit, void *arg) { return visit_held(op, DISPATCH_HELD, visit, arg); }
 
 int Dispatch_clear(PyObject *op) {
-    Dispatch *self = reinterpret_cast<Dispatch *>(op);
-    Py_CLEAR(self->recorder);
-    Py_CLEAR(self->names);
-    Py_CLEAR(self->api_name);
+    clear_held(op, DISPATCH_HELD);
     return 0;
-}
-
-void Dispatch_dealloc(PyObject *op) {
-    PyObject_GC_UnTrack(op);
-    Dispatch_clear(op);
-    Py_TYPE(op)->tp_free(op);
 }
 
 PyMethodDef Dispatch_methods[] = {
@@ -967,51 +983,12 @@ PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
-int Entries_traverse(PyObject *op, visitproc visit, void *arg) {
-    Entries *self = reinterpret_cast<Entries *>(op);
-    Py_VISIT(self->stopped);
-    Py_VISIT(self->seen);
-    Py_VISIT(self->add_row);
-    Py_VISIT(self->submit);
-    Py_VISIT(self->index_row);
-    Py_VISIT(self->strided);
-    Py_VISIT(self->dtype_names);
-    Py_VISIT(self->kernel_codes);
-    Py_VISIT(self->no_extra);
-    Py_VISIT(self->tensor_type);
-    Py_VISIT(self->parameter_type);
-    Py_VISIT(self->dtype_type);
-    Py_VISIT(self->param_names);
-    Py_VISIT(self->disable_torch_function);
-    Py_VISIT(self->copy);
-    return 0;
-}
+int Entries_traverse(PyObject *op, visitproc visit, void *arg) { return visit_held(op, ENTRIES_HELD, visit, arg); }
 
 int Entries_clear(PyObject *op) {
-    Entries *self = reinterpret_cast<Entries *>(op);
-    Py_CLEAR(self->stopped);
-    Py_CLEAR(self->seen);
-    Py_CLEAR(self->add_row);
-    Py_CLEAR(self->submit);
-    Py_CLEAR(self->index_row);
-    Py_CLEAR(self->strided);
-    Py_CLEAR(self->dtype_names);
-    Py_CLEAR(self->kernel_codes);
-    Py_CLEAR(self->no_extra);
-    Py_CLEAR(self->tensor_type);
-    Py_CLEAR(self->parameter_type);
-    Py_CLEAR(self->dtype_type);
-    Py_CLEAR(self->param_names);
-    Py_CLEAR(self->disable_torch_function);
-    Py_CLEAR(self->copy);
-    self->kernel = nullptr;
+    clear_held(op, ENTRIES_HELD);
+    reinterpret_cast<Entries *>(op)->kernel = nullptr;
     return 0;
-}
-
-void Entries_dealloc(PyObject *op) {
-    PyObject_GC_UnTrack(op);
-    Entries_clear(op);
-    Py_TYPE(op)->tp_free(op);
 }
 
 PyObject *Entries_new(PyTypeObject *type, PyObject *, PyObject *) {
@@ -1108,10 +1085,10 @@ PyMODINIT_FUNC PyInit_llmflow_capture(void) {
     if (m == nullptr) return nullptr;
     if (add_type(m, EntriesType, "llmflow_capture.Entries", sizeof(Entries),
                  "A dump session's counters, walks and entries for the common leaves.", Entries_new,
-                 Entries_dealloc, Entries_traverse, Entries_clear, Entries_methods, Entries_members) < 0
+                 dealloc_held<Entries_clear>, Entries_traverse, Entries_clear, Entries_methods, Entries_members) < 0
         || add_type(m, DispatchType, "llmflow_capture.Dispatch", sizeof(Dispatch),
                     "API mode's dispatch of torch calls to its recorder's sink.", PyType_GenericNew,
-                    Dispatch_dealloc, Dispatch_traverse, Dispatch_clear, Dispatch_methods, nullptr) < 0) {
+                    dealloc_held<Dispatch_clear>, Dispatch_traverse, Dispatch_clear, Dispatch_methods, nullptr) < 0) {
         Py_DECREF(m);
         return nullptr;
     }
