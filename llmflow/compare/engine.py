@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -248,13 +248,16 @@ def _dask(job: Job, chunks: list[list[Pair]], address: str | None, client: Any) 
         for i, fut in enumerate(futures):
             try:
                 yield fut.result()
-            except KilledWorker as exc:
+            except (KilledWorker, CancelledError) as exc:
+                # (a chunk whose workers keep dying either errs with KilledWorker or, once the
+                # scheduler has forgotten it or the job its workers held, comes back cancelled)
                 first = next((e for e in (chunks[i][0].golden, *chunks[i][0].targets) if e), None)
+                how = "died each time it ran" if isinstance(exc, KilledWorker) else \
+                    "lost it: the scheduler cancelled it, as it does when they died each time it ran"
                 raise ComputeError(
                     f"compare: the dask workers running chunk {i + 1} of {len(chunks)} ({len(chunks[i])} "
-                    f"pairs from step {chunks[i][0].golden_step} {first.name if first else '?'}) died "
-                    f"each time it ran ({exc}); "
-                    f"the rows from there on are missing") from None
+                    f"pairs from step {chunks[i][0].golden_step} {first.name if first else '?'}) {how} "
+                    f"({exc}); the rows from there on are missing") from None
             fut.release()
     finally:
         if own:

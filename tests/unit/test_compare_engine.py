@@ -1,9 +1,15 @@
-"""How the compare engine chooses between one process and a pool, and how it batches pairs."""
+"""How the compare engine chooses between one process and a pool, how it batches pairs, and how a
+dask chunk lost to dying workers fails."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+
 from llmflow.compare import engine
 from llmflow.compare.match import Pair
+from llmflow.errors import ComputeError
 
 
 def test_a_pool_only_for_enough_pairs_to_repay_its_start() -> None:
@@ -63,3 +69,46 @@ def test_a_kernel_call_runs_on_the_threads_its_own_thread_was_given() -> None:
         kernel(x, x)
     kernel(x, x)
     assert seen == [3, counts[0], 1, 3, torch.get_num_threads()]
+
+
+@pytest.mark.parametrize("lost", ["killed", "cancelled"])
+def test_a_dask_chunk_lost_to_dying_workers_fails_by_name(lost: str) -> None:
+    """Workers that keep dying make a chunk's future err with KilledWorker or, once the scheduler
+    has forgotten it, come back cancelled: either is a ComputeError naming the chunk, never a
+    traceback or a silent gap in the rows."""
+    distributed = pytest.importorskip("distributed")
+    from distributed.client import FutureCancelledError
+
+    worker = SimpleNamespace(address="tcp://127.0.0.1:1")
+    error = distributed.KilledWorker("run_chunk-1", worker, 3) if lost == "killed" else \
+        FutureCancelledError("run_chunk-1", reason="already forgotten")
+
+    class Future:
+        def __init__(self, chunk):
+            self.chunk = chunk
+
+        def result(self):
+            if self.chunk[0].golden_step == 1:
+                raise error
+            return [("row", self.chunk[0].golden_step)]
+
+        def release(self):
+            pass
+
+    class Client:
+        def scatter(self, job, broadcast):
+            return job
+
+        def submit(self, fn, job, chunk, pure, retries):
+            return Future(chunk)
+
+    def pair(step):
+        return SimpleNamespace(golden=SimpleNamespace(name=f"layer{step}"), targets=(), golden_step=step)
+
+    rows = engine._dask(object(), [[pair(0)], [pair(1), pair(1)]], None, Client())
+    assert next(rows) == [("row", 0)]
+    with pytest.raises(ComputeError) as failed:
+        next(rows)
+    message = str(failed.value)
+    assert message.startswith("compare: the dask workers running chunk 2 of 2 (2 pairs from step 1 layer1)")
+    assert "died each time it ran" in message and message.endswith("the rows from there on are missing")
