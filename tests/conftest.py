@@ -23,3 +23,18 @@ def writer_mode(request, monkeypatch):
     """Both ways of writing a dump: a background thread, or in the forward thread at step ends."""
     monkeypatch.setenv("LLMFLOW_DUMP_WRITER", request.param)
     return request.param
+
+
+@pytest.fixture(params=["batches", "small batches"])
+def batches(request, monkeypatch):
+    """The dump writer's default batches, or batches of a few KiB: a fence every 2 KiB of copies
+    and data files written at those fences, the mid-step path a big model's dump takes."""
+    if request.param == "small batches":
+        import functools
+
+        from llmflow.dump import capture
+        from llmflow.dump.writer import AsyncWriter
+
+        monkeypatch.setattr(capture, "AsyncWriter", functools.partial(AsyncWriter, batch_bytes=4096,
+                                                                      wake_bytes=2048))
+    return request.param

@@ -29,9 +29,10 @@ import torch
 
 from llmflow import native
 from llmflow.dtypes import dtype_name
+from llmflow.dump import copies
 from llmflow.dump.api import use_compiled_dispatch
 from llmflow.dump.config import DumpConfig
-from llmflow.dump.copies import device_copy, host_copy
+from llmflow.dump.copies import TensorKeeper, device_copy, host_copy
 from llmflow.dump.recorder import Sink, walk_inputs, walk_output
 from llmflow.dump.stats import KERNEL_DTYPES, CpuStats
 from llmflow.dump.topology import module_tree
@@ -87,6 +88,12 @@ class _NoRepeats(dict):
 
     def __setitem__(self, key: int, value: Any) -> None:
         return None
+
+
+def _holds_on(model: torch.nn.Module) -> bool:
+    """Does ``model`` compute where the dump may hold tensors instead of copying them (CUDA)?"""
+    p = next(model.parameters(), None)
+    return p is not None and (p.is_cuda or (copies.HOLD_CPU and p.is_cpu))
 
 
 def inline_writer(model: torch.nn.Module) -> bool:
@@ -157,7 +164,18 @@ class DumpSession(Sink, _ENTRIES_BASE):
                              meta={"data_mode": config.data_mode, "config": config.to_json()})
         # (the reader tells this dump's ranks from those an earlier dump of more ranks left here)
         disk.update_rank_meta(world_size=world_size())
-        self.writer = AsyncWriter(disk, crc32=config.crc32, inline=inline)
+        # id(tensor) -> (weakref, version, dtype, shape, has_data, key) of the tensors captured
+        # this step
+        self._seen: dict[int, tuple[Any, int | None, str, tuple[int, ...], bool, str]] = \
+            _NoRepeats() if world_size() > 1 else {}
+        # the copies the writer reads, or the tensors themselves where nothing changes them
+        # (``copies.TensorKeeper``: read in the forward thread, one process, no CRC32)
+        self._keeper = TensorKeeper(
+            device_copy if self.statistics else host_copy,
+            may_hold=(inline and not config.crc32 and not isinstance(self._seen, _NoRepeats)
+                      and copies.copies_setting() == "auto" and _holds_on(model)))
+        self._keep = self._keeper.keep if self._keeper.may_hold else self._keeper.copy
+        self.writer = AsyncWriter(disk, crc32=config.crc32, inline=inline, keeper=self._keeper)
         self._op_inputs, self._op_outputs = config.tensor_part != 1, config.tensor_part != 0
         self._add_row = self.writer.add_row  # an index row and nothing more, a plain tuple (see above)
         if self.rank == 0 or not (self.dump_dir / TOPOLOGY_FILE).exists():
@@ -173,10 +191,6 @@ class DumpSession(Sink, _ENTRIES_BASE):
         self.stopped: str | None = None  # why capture stopped early (max_bytes)
         self.closed = False
         self.in_step = False  # between begin_step and end_step
-        # id(tensor) -> (weakref, version, dtype, shape, has_data, key) of the tensors captured
-        # this step
-        self._seen: dict[int, tuple[Any, int | None, str, tuple[int, ...], bool, str]] = \
-            _NoRepeats() if world_size() > 1 else {}
         # finishes the dump when the model is garbage-collected or the interpreter exits (the
         # session holds no reference to the model, so this does not keep it alive)
         self._finalizer = weakref.finalize(model, _close_unattended, self)
@@ -186,13 +200,14 @@ class DumpSession(Sink, _ENTRIES_BASE):
         if _NATIVE is not None:
             kernel = ctypes.cast(self._stats_kernel, ctypes.c_void_p).value if self._stats_kernel else 0
             # (the copies for the writer: a CRC32 row's ``extra`` is a dict of its own, made here)
-            copy = None if config.crc32 else device_copy if self.statistics else host_copy
+            copy = None if config.crc32 else self._keep
             self._setup_entries(self._seen, self._add_row, self.writer.submit, _DTYPE_NAMES, KERNEL_DTYPES,
                                 _NO_EXTRA, torch.Tensor, torch.nn.Parameter, torch.dtype, IndexRow,
                                 torch.strided, self._param_names, torch._C.DisableTorchFunction, copy,
                                 kernel or 0, -1 if config.max_bytes is None else config.max_bytes,
                                 not isinstance(self._seen, _NoRepeats), self.statistics,
-                                not self.statistics and not config.crc32,  # tensor data copied in C
+                                # tensor data copied in C (not where CPU tensors are held: tests)
+                                not self.statistics and not config.crc32 and not copies.HOLD_CPU,
                                 self._op_inputs, self._op_outputs)
         if config.dump_weight:
             self._write_weights(model)
@@ -378,7 +393,8 @@ class DumpSession(Sink, _ENTRIES_BASE):
                                  has_data, None, None, key, {} if self.config.crc32 else _NO_EXTRA))
         # a copy must not join the autograd graph (generate runs without one: no detach needed)
         src = t.detach() if t.requires_grad else t
-        payload, event = device_copy(src) if stats_only else host_copy(src)
+        # (the dump's own kind of copy, or a held tensor; a statistics dump's logits: their bytes)
+        payload, event = self._keep(src) if stats_only == self.statistics else host_copy(src)
         self.writer.submit(row, payload, event, nbytes=data_bytes)
 
     # The recorder's sink methods and the walk's leaves: replaced by the compiled capture's where

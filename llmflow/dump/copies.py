@@ -1,10 +1,11 @@
-"""Copies of a tensor as it is at capture time, for the dump's writer.
+"""Copies of a tensor as it is at capture time, for the dump's writer, or the tensor itself.
 
 A dump must hold what a call saw, even though later in-place ops may change the tensor: the
 session copies every tensor it keeps at capture, on the tensor's device for statistics
 (``device_copy``) or to the host for its bytes (``host_copy``), and uses the in-place version
 counter (``t._version``, which an inference tensor lacks) to tell an unchanged tensor seen again
-from a changed one.
+from a changed one. On CUDA, where nothing changes the model's tensors after their capture, the
+writer reads the tensors themselves instead (``TensorKeeper``, below).
 
 A copy on an accelerator is only queued when the forward thread moves on. On CUDA the copy comes
 back with its stream (``StreamKey``) rather than an event: the writer records one event per stream
@@ -17,10 +18,13 @@ copy.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from llmflow.errors import UserError
 
 #: a CUDA stream as torch names it, without making a stream object: (stream id, device index,
 #: device type), what ``torch.cuda.current_stream`` builds its ``Stream`` from
@@ -86,3 +90,127 @@ def host_copy(t: torch.Tensor) -> tuple[torch.Tensor | bytes, Any]:
     buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     buf.copy_(t, non_blocking=True)
     return buf, _after_copy(t)
+
+
+# -- holding a tensor instead of copying it ----------------------------------------------------
+#
+# The copy at capture is most of what a module dump costs a model on a GPU (~11 us a clone, ~16
+# us a pinned buffer and its copy, against ~0.3 us to hold a reference and its version counter,
+# on an H100; ~430 tensors a decode step of SmolLM2's shapes). A tensor that nothing changes
+# before the writer reads it needs no copy: the writer can read the tensor itself. Whether
+# anything does is the model's business, so ``TensorKeeper`` finds out before it holds anything:
+#
+# * learning: the first ``LEARNING_STEPS`` steps that capture a CUDA tensor copy every tensor as
+#   before and also hand the writer the tensor itself with its version (``Checked``); when the
+#   writer reads the copies it checks that each tensor still has its version counter and the
+#   copy's values. A tensor changed in place after its capture (a ``+=`` on a layer's output, an
+#   in-place activation, an op's input in an API dump) or written behind torch's back (a
+#   collective, a kernel writing through a raw pointer: the values differ, the version not) sends
+#   the keeper to copying for the rest of the dump;
+# * holding: the tensor itself, read by the writer at its next flush, in the forward thread
+#   (``inline``: with a writer thread, an in-place op could be queued between the writer's
+#   version check and its read), after checking its version counter. A tensor found changed is
+#   recorded as not stored (never a value it did not have at capture), and the keeper copies from
+#   then on.
+#
+# Held tensors stay alive until the writer's next flush, as their copies would have: the writer's
+# byte limits bound both. Holding is for CUDA tensors on the default stream (a copy on a side
+# stream keeps its copy and fence), with one process per dump (collectives write in place without
+# the version counter), and ``LLMFLOW_DUMP_COPIES=always`` turns it off.
+
+LEARNING_STEPS = 2  # a prefill step and a decode step: the two code paths of generation
+HOLD_CPU = False  # CUDA tensors are held; tests hold CPU tensors too, to run the writer's side
+
+
+class Checked:
+    """A learning step's copy's marker for the writer: what to wait on (``after``) and the
+    tensor itself with its version at capture, to check the copy against when it is read."""
+
+    __slots__ = ("after", "original", "version")
+
+    def __init__(self, after: Any, original: torch.Tensor, version: int):
+        self.after, self.original, self.version = after, original, version
+
+
+def copies_setting() -> str:
+    """``LLMFLOW_DUMP_COPIES``: ``auto`` (hold tensors where the learning steps allow) or
+    ``always`` (copy every tensor at capture)."""
+    choice = os.environ.get("LLMFLOW_DUMP_COPIES", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "always"):
+        raise UserError(f"LLMFLOW_DUMP_COPIES: expected 'auto' or 'always', got {choice!r}")
+    return choice
+
+
+class TensorKeeper:
+    """What the capture hands the writer for a tensor it does not reduce itself: a copy (``copy``,
+    ``device_copy`` or ``host_copy``), or the tensor itself (see above). ``keep`` is the capture's
+    ``copy``; the writer reports what it found with ``found_changed`` and ``step_checked``."""
+
+    def __init__(self, copy: Callable[[torch.Tensor], tuple[Any, Any]], may_hold: bool):
+        self.copy = copy
+        self.may_hold = may_hold
+        self.learning = may_hold  # copying, and checking what holding would have read
+        self.holding = False
+        self.learned_steps = 0
+        self.why_copying: str | None = None if may_hold else "holding is off for this dump"
+
+    def keep(self, t: torch.Tensor) -> tuple[Any, Any]:
+        """(payload, event) for the writer: a copy and what to wait on (``copies``), a copy and a
+        ``Checked`` while learning, or the tensor itself and its version counter (an int)."""
+        if (self.holding or self.learning) and (t.is_cuda or (HOLD_CPU and t.is_cpu)):
+            try:
+                version = t._version
+            except RuntimeError:  # an inference tensor has no version counter: copied
+                return self.copy(t)
+            if not t.is_cuda or torch._C._cuda_getCurrentStream(t.get_device())[0] == 0:
+                if self.holding:
+                    return t, version
+                payload, after = self.copy(t)
+                return payload, Checked(after, t, version)
+        return self.copy(t)
+
+    def step_checked(self) -> None:
+        """A step's copies were all checked and held nothing back from holding."""
+        if self.learning:
+            self.learned_steps += 1
+            if self.learned_steps >= LEARNING_STEPS:
+                self.learning, self.holding = False, True
+
+    def found_changed(self, why: str) -> None:
+        """A tensor changed after its capture: copy every tensor from now on."""
+        if self.why_copying is None:
+            self.why_copying = why
+        self.learning = self.holding = False
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[memoryview]:
+    """The bytes of held ``tensors`` as the data file stores them (each tensor's values in order),
+    in order: the tensors of one device and dtype flattened into one tensor there by one call
+    (torch's ``flatten_dense_tensors``, in C++: no Python step per tensor) and brought over in one
+    transfer (one wait for the device, not one per tensor), read after every kernel queued so far
+    on their device's default stream, where holding takes them (``TensorKeeper.keep``)."""
+    out: list[memoryview | None] = [None] * len(tensors)
+    groups: dict[tuple[int, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.get_device(), t.dtype), []).append(i)
+    after_default_streams(tensors)
+    for idx in groups.values():
+        flat = torch._utils._flatten_dense_tensors([tensors[i] for i in idx]).cpu()
+        raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+        at = 0
+        for i in idx:
+            n = tensors[i].nbytes
+            out[i] = raw[at:at + n]
+            at += n
+    return out  # type: ignore[return-value]
+
+
+def after_default_streams(tensors: Iterable[torch.Tensor]) -> None:
+    """Make each CUDA device's current stream wait for its default stream, where they differ and
+    ``tensors`` (held ones) live: the writer reads held tensors on the current stream, and
+    holding takes only tensors made on the default one. A read that ends in a transfer to the
+    host (``tolist``, ``cpu``) then has nothing left to race with."""
+    for device in {t.get_device() for t in tensors if t.is_cuda}:
+        if torch._C._cuda_getCurrentStream(device)[0] != 0:
+            torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
+

@@ -12,6 +12,10 @@ cost the forward thread ~14 us of a step's ~430 tensors each on an H100; a strea
 * tensor mode: a host copy of the tensor, or its bytes (``copies.host_copy``);
 * statistics mode: a copy of the tensor on its device (the statistics of a whole batch are
   computed here, see ``stats.batched_stats``);
+* either mode, on CUDA: the tensor itself, with its version counter as ``event`` (an int), which
+  the writer checks when it reads the tensor, by the step's end; or a copy with a
+  ``copies.Checked`` as ``event`` while ``copies.TensorKeeper`` learns whether the model changes
+  its tensors after their capture;
 * None for a repeat of a tensor captured earlier in the step: ``row.key`` then names the earlier
   tensor's key, whose data the repeat shares.
 
@@ -55,7 +59,7 @@ from typing import Any
 import torch
 
 from llmflow.collector import collections_paused
-from llmflow.dump.copies import StreamKey, fence
+from llmflow.dump.copies import Checked, StreamKey, TensorKeeper, after_default_streams, fence, to_host
 from llmflow.dump.stats import batched_stats
 from llmflow.formats.llmflow_dump import ROW_FIELDS, DumpDirWriter, IndexRow
 
@@ -71,8 +75,11 @@ class AsyncWriter:
 
     def __init__(self, disk: DumpDirWriter, *, crc32: bool = False, batch_bytes: int = 64 << 20,
                  wake_bytes: int = 16 << 20, max_pending_bytes: int = 512 << 20, data_seconds: float = 1.0,
-                 inline: bool = False):
+                 inline: bool = False, keeper: TensorKeeper | None = None):
         self.disk = disk
+        # the capture's copies, or held tensors (``copies.TensorKeeper``): told what the writer
+        # finds when it reads them
+        self.keeper = keeper
         self.crc32 = crc32
         self.batch_bytes = batch_bytes
         self.wake_bytes = wake_bytes
@@ -92,12 +99,18 @@ class AsyncWriter:
         self._errors_queued = self._errors_written = 0  # forward failures: handed over, on disk
         self._error: BaseException | None = None
         self._reported = False
-        self._batch: dict[str, torch.Tensor | bytes] = {}
+        self._batch: dict[str, torch.Tensor | bytes | memoryview] = {}
         # the rows of the tensors in ``_batch`` until their data file is written (``_held``)
         self._batch_rows: list[tuple] = []
         self._batch_size = 0
         self._files: dict[str, str] = {}  # tensor key -> data file, for repeats after a flush
-        self._stats: list[tuple[IndexRow, torch.Tensor]] = []  # statistics-mode rows awaiting stats
+        # statistics-mode rows awaiting stats: (row, tensor on its device, (tensor captured,
+        # its version) where that tensor is held or a learning copy's original, else None)
+        self._stats: list[tuple[IndexRow, torch.Tensor, tuple[torch.Tensor, int] | None]] = []
+        # tensor mode: key -> (tensor captured, its version) of the ``_batch`` entries that are
+        # held tensors or learning copies (see ``copies.TensorKeeper``), read by the step's end
+        self._batch_held: dict[str, tuple[torch.Tensor, int]] = {}
+        self._learned = False  # learning copies were checked this step (see ``TensorKeeper``)
         # index rows that need no data written first (repeats, non-tensors): one write per
         # flush instead of one write and flush() per entry; the reader orders entries itself
         self._lines: list[IndexRow | tuple] = []
@@ -122,9 +135,22 @@ class AsyncWriter:
         if self._error is not None:
             self._raise_error()
             return  # reported already: nothing more is queued for a writer that has failed
+        if type(event) is int and self._thread is None and row.has_data is False:
+            # a held tensor of a statistics dump, written inline: straight into the statistics
+            # batch the next flush reads, as ``_handle`` would put it (no queue item: ~2 us of
+            # the forward thread's time a tensor); the batch's size bounds it as the queue's would
+            self._stats.append((row, payload, (payload, event)))
+            self._stats_bytes += nbytes
+            if self._stats_bytes >= self.batch_bytes:
+                self._fence()
+                self._drain_inline()  # (a fence passed here flushes the batch)
+                if self._stats and not self._awaiting_fence and self._error is None:
+                    self._flush()
+            return
         self._queue.append((row, payload, event, nbytes))
-        if type(event) is tuple:  # (a fence every ``wake_bytes`` bounds what waits for one)
-            self._unfenced.add(event)
+        stream = event.after if type(event) is Checked else event
+        if type(stream) is tuple:  # (a fence every ``wake_bytes`` bounds what waits for one)
+            self._unfenced.add(stream)
             self._unfenced_bytes += nbytes
             if self._unfenced_bytes > self.wake_bytes:
                 self._fence()
@@ -271,6 +297,9 @@ class AsyncWriter:
             return False
         if head is _STEP_END:
             self._flush(data=time.monotonic() >= self._data_due)
+            if self._learned:  # (the step's copies checked, at this flush or earlier ones)
+                self._learned = False
+                self.keeper.step_checked()
             self._files.clear()
             order, error = item[2]
             if order is not None:
@@ -286,6 +315,11 @@ class AsyncWriter:
             self.disk.close(complete=item[1], **item[2])
             return True
         row, payload, event, _ = item
+        held = None
+        if type(event) is int:  # the tensor itself and its version (copies.TensorKeeper)
+            held, event = (payload, event), None
+        elif type(event) is Checked:  # a learning step's copy, and what it copied
+            held, event = (event.original, event.version), event.after
         if type(event) is tuple:  # a copy on a CUDA stream: read after the next fence
             self._awaiting_fence = True
         elif event is not None:
@@ -297,12 +331,14 @@ class AsyncWriter:
                 self._batch_rows.append(_held(row))
         elif row.has_data:
             self._batch[row.key] = payload
+            if held is not None:
+                self._batch_held[row.key] = held
             self._batch_rows.append(_held(row))
             self._batch_size += item[3]  # (the tensor's bytes: a payload may be ``bytes``)
             if self._batch_size >= self.batch_bytes and not self._awaiting_fence:
                 self._flush()
         else:  # statistics mode: a copy on the tensor's device
-            self._stats.append((row, payload))
+            self._stats.append((row, payload, held))
             self._stats_bytes += payload.nbytes
             if self._stats_bytes >= self.batch_bytes and not self._awaiting_fence:
                 self._flush()
@@ -315,17 +351,12 @@ class AsyncWriter:
             self._flush_batches(data)
 
     def _flush_batches(self, data: bool) -> None:
-        if self._lines:
-            self.disk.append_rows(self._lines)
-            self._lines = []
+        self._write_lines()
         if self._stats:
-            stats = batched_stats([t for _, t in self._stats])
-            if self.crc32:  # (the capture gives these rows an ``extra`` dict of their own)
-                for (row, t) in self._stats:
-                    row.extra["crc32"] = zlib.crc32(_raw_bytes(t))
-            self.disk.append_rows([row.with_stats(st)
-                                   for (row, _), st in zip(self._stats, stats, strict=True)])
-            self._stats, self._stats_bytes = [], 0
+            self._flush_stats()
+        if self._batch_held:  # every held tensor is read by its step's end, whenever its file is due
+            self._read_held()
+            self._write_lines()  # (the rows of held tensors found changed: no values)
         if not data:
             return
         if self._batch_rows:
@@ -337,6 +368,94 @@ class AsyncWriter:
             self._data_due = time.monotonic() + self.data_seconds
         self._batch, self._batch_rows, self._batch_size = {}, [], 0
 
+    def _write_lines(self) -> None:
+        if self._lines:
+            self.disk.append_rows(self._lines)
+            self._lines = []
+
+    def _flush_stats(self) -> None:
+        entries, self._stats, self._stats_bytes = self._stats, [], 0
+        rows, tensors, kept_held, checked, originals, lost = [], [], [], [], [], []
+        for row, t, held in entries:
+            if held is not None:
+                original, version = held
+                if original._version != version:
+                    why = f"{_entry(row)} was changed in place after its capture"
+                    self.keeper.found_changed(why)
+                    if t is original:  # held: what it was at capture is gone
+                        lost.append(_not_stored(row, why))
+                        continue
+                elif t is not original:  # a learning copy: its values are checked against the tensor's
+                    checked.append(len(tensors))
+                    originals.append(original)
+            rows.append(row)
+            tensors.append(t)
+            kept_held.append(held is not None and t is held[0])
+        after_default_streams(t for t, held in zip(tensors, kept_held, strict=True) if held)
+        stats = batched_stats(tensors)
+        if originals:
+            self._learned = True
+            for i, st in zip(checked, batched_stats(originals), strict=True):
+                if not _same(st, stats[i]):
+                    self.keeper.found_changed(f"{_entry(rows[i])} changed after its capture without its "
+                                              "version counter changing (a write outside torch's ops)")
+        if self.crc32:  # (the capture gives these rows an ``extra`` dict of their own)
+            for row, t in zip(rows, tensors, strict=True):
+                row.extra["crc32"] = zlib.crc32(_raw_bytes(t))
+        self.disk.append_rows([row.with_stats(st) for row, st in zip(rows, stats, strict=True)] + lost)
+
+    def _read_held(self) -> None:
+        """Bring the batch's held tensors to the host, and check the learning copies against the
+        tensors they copied; a held tensor changed since its capture is recorded as not stored."""
+        held, self._batch_held = self._batch_held, {}
+        lost: dict[str, str] = {}
+        read = []
+        for key, (original, version) in held.items():
+            if original._version == version:
+                read.append(key)
+                continue
+            why = f"tensor {key} was changed in place after its capture"
+            self.keeper.found_changed(why)
+            if self._batch[key] is original:
+                lost[key] = why
+        for key, host in zip(read, to_host([held[k][0] for k in read]), strict=True):
+            copy = self._batch[key]
+            if copy is held[key][0]:
+                self._batch[key] = host
+                continue
+            self._learned = True
+            # (as bytes: a memoryview compares item by item, ~100x slower)
+            if bytes(host) != (copy if type(copy) is bytes else _raw_bytes(copy)):
+                self.keeper.found_changed(f"tensor {key} changed after its capture without its version "
+                                          "counter changing (a write outside torch's ops)")
+        if lost:
+            for key in lost:
+                del self._batch[key]
+            kept = []
+            for r in self._batch_rows:
+                if r[_KEY_AT] in lost:  # (its repeats too: they share its data)
+                    extra = r[_EXTRA_AT] if len(r) == _ROW_LENGTH else {}
+                    self._lines.append(_not_stored(IndexRow(*r[:_EXTRA_AT], extra), lost[r[_KEY_AT]]))
+                else:
+                    kept.append(r)
+            self._batch_rows = kept
+
+
+def _entry(row: IndexRow) -> str:
+    return f"{row.name} {row.kind} {row.index} of step {row.step}"
+
+
+def _not_stored(row: IndexRow, why: str) -> IndexRow:
+    """``row`` without data or statistics, saying why; ``lost``: the reader lists it among the
+    dump's problems."""
+    return IndexRow(*row[:_STATS_AT], None, False, row.value, row.pytype, row.key,
+                    {**row.extra, "not_stored": why, "lost": True})
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    """Two tensors' statistics are the same (NaN the same as NaN)."""
+    return all(x == y or (x != x and y != y) for x, y in zip(a, b, strict=True))
+
 
 # Why the writer minds the garbage collector: a full collection visits every object of the
 # process (~390,000 with torch and transformers loaded, ~0.1-0.5 s), and Python runs one once the
@@ -347,7 +466,7 @@ class AsyncWriter:
 # collector stops tracking (``_held``), and, writing inline in the forward thread, pauses
 # collections while it writes a batch, whose objects are all gone again before the pause ends.
 _ROW_LENGTH = len(ROW_FIELDS)
-_EXTRA_AT = ROW_FIELDS.index("extra")
+_EXTRA_AT, _KEY_AT, _STATS_AT = (ROW_FIELDS.index(f) for f in ("extra", "key", "stats"))
 
 
 def _held(row: IndexRow) -> tuple:

@@ -161,14 +161,15 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     dtype: code for name, code in SAFETENSORS_CODES.items() if (dtype := torch_dtype(name)) is not None}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | bytes],
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | bytes | memoryview],
                       layouts: dict[str, tuple[str, tuple[int, ...]]] | None = None) -> None:
     """Write CPU tensors as one safetensors file, streaming each tensor's memory (no extra copy).
 
     The same bytes ``safetensors.torch.save_file`` writes, minus its per-tensor ``tobytes`` copy
     and shared-storage checks (our tensors are private copies). A value may also be ``bytes``: a
-    contiguous tensor's memory as the capture copied it (``dump.copies.host_copy``), whose dtype
-    name and shape ``layouts[key]`` gives.
+    contiguous tensor's memory as the capture copied it (``dump.copies.host_copy``), or a 1-D
+    byte ``memoryview`` of it (``dump.copies.to_host``), whose dtype name and shape
+    ``layouts[key]`` gives.
     """
     # The header is the text ``json.dumps(header, separators=(",", ":"))`` gives, put together
     # from strings: a dict and two lists per tensor would be tens of thousands of objects for the
@@ -176,7 +177,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | bytes],
     entries = ['"__metadata__":{"format":"pt"}']
     offset = 0
     for key, t in tensors.items():
-        if type(t) is bytes:
+        if type(t) is bytes or type(t) is memoryview:
             dtype, shape = layouts[key]  # type: ignore[index]
             code, n = SAFETENSORS_CODES[dtype], len(t)
         else:
@@ -190,7 +191,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | bytes],
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
         for t in tensors.values():
-            if type(t) is bytes:
+            if type(t) is bytes or type(t) is memoryview:
                 f.write(t)
             elif t.numel():
                 f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
@@ -271,7 +272,8 @@ class DumpDirWriter:
         if rank == 0 or not (self.dump_dir / META_FILE).exists():
             atomic_write_json(self.dump_dir / META_FILE, self.meta)
 
-    def write_rows(self, tensors: dict[str, torch.Tensor | bytes], rows: list[IndexRow] | list[tuple]) -> str:
+    def write_rows(self, tensors: dict[str, torch.Tensor | bytes | memoryview],
+                   rows: list[IndexRow] | list[tuple]) -> str:
         """Write tensors to the next data file, then append the rows that point at them.
 
         ``rows``: IndexRows, or plain tuples in IndexRow's field order (what the dump's writer

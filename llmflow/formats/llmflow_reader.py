@@ -219,6 +219,13 @@ class LlmflowDumpReader(DumpReader):
             out += rank_problems(rank_dir, rank_meta)
         if not meta.get("complete") and not any("complete: false" in line for line in out):
             out.append(f"{self.path / META_FILE}: complete: false (the writer never closed this dump)")
+        lost = [e for e in self.entries() if e.extra.get("lost")]
+        if lost:
+            e = lost[0]
+            out.append(f"{self.path}: {len(lost)} tensor {'entry has' if len(lost) == 1 else 'entries have'} "
+                       "no values: changed in place after "
+                       f"their capture, before the dump read them (first: {e.name} {e.kind} {e.index} at "
+                       f"step {e.step}); dump again with LLMFLOW_DUMP_COPIES=always to copy every tensor")
         return out + self._index_problems
 
     def _rank_dirs(self) -> list[Path]:

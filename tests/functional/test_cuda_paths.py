@@ -8,7 +8,6 @@ machine: docs/benchmarks.md has the figures of a run on an H100).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import sys
@@ -17,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmflow.dump import capture as dump_capture
+from llmflow.dump import DumpConfig, dump_run
 from llmflow.dump.stats import batched_stats
-from llmflow.dump.writer import AsyncWriter
 from llmflow.formats.base import STAT_KEYS
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 from llmflow.models import greedy_generate, load_model
@@ -27,21 +25,12 @@ from llmflow.workflow import run_workflow
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the holding tests' model
 from bisect_helpers import bisect_dumps, make_dumps  # noqa: E402
 from dump_helpers import TINY, assert_copies_taken_at_capture, bits_equal, dump, prompt_ids  # noqa: E402
 from example_faults import FAULT_MODULES  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
-
-
-@pytest.fixture(params=["batches", "small batches"])
-def batches(request, monkeypatch):
-    """The writer's default batches, or batches of a few KiB: a fence every 2 KiB of copies and
-    data files written at those fences, the mid-step path a big model's dump takes."""
-    if request.param == "small batches":
-        monkeypatch.setattr(dump_capture, "AsyncWriter",
-                            functools.partial(AsyncWriter, batch_bytes=4096, wake_bytes=2048))
-    return request.param
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -175,3 +164,79 @@ def test_dump_stage_on_cuda(tmp_path):
     assert r.env()["versions"]["cuda"] == torch.version.cuda
     assert {e.dtype for e in r.entries() if e.level == "module" and e.kind == "output"} >= {"bfloat16"}
     assert len([e for e in r.entries() if e.level == "logits"]) == 3
+
+
+@pytest.fixture
+def keepers(monkeypatch) -> list:
+    """The dumps' ``copies.TensorKeeper``s, as made (the writer inline: where holding runs)."""
+    from llmflow.dump import copies
+
+    monkeypatch.setenv("LLMFLOW_DUMP_WRITER", "inline")
+    made = []
+    init = copies.TensorKeeper.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(copies.TensorKeeper, "__init__", record)
+    return made
+
+
+HOLDING_FAMILIES = {
+    "llama": ("tiny-llama:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64", "float32"),
+    "qwen2-bf16": ("tiny-qwen2:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64", "bfloat16"),
+    "gpt2": ("tiny-gpt2:layers=2,hidden=32,heads=4", "float32"),
+}
+
+
+@pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
+@pytest.mark.parametrize("family", list(HOLDING_FAMILIES))
+def test_cuda_held_tensors_dump_what_copies_dump(tmp_path, monkeypatch, keepers, family, data_mode, batches):
+    """Module dumps on the GPU hold the tensors themselves after two learning steps: the dump is
+    the one ``LLMFLOW_DUMP_COPIES=always`` writes, byte for byte (its index lines may come in
+    another order: held tensors are read at flushes, copies at fences; the reader sorts them)."""
+    from test_dump_native_capture import _assert_same_dump
+
+    spec, dtype = HOLDING_FAMILIES[family]
+    lm = load_model(spec, device="cuda", dtype=dtype)
+    ids = prompt_ids()
+    for out, copies in (("held", "auto"), ("copied", "always")):
+        monkeypatch.setenv("LLMFLOW_DUMP_COPIES", copies)
+        dump_run(lm, ids, 5, DumpConfig(dump_path=str(tmp_path / out), token_range="all",
+                                        data_mode=data_mode))
+    held, always = keepers
+    assert held.holding and held.why_copying is None, held.why_copying
+    assert not always.holding
+    _assert_same_dump(tmp_path / "held", tmp_path / "copied", any_order=True)
+
+
+@pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
+def test_cuda_a_held_tensor_changed_later_is_not_stored(tmp_path, keepers, data_mode):
+    from test_dump_holding import Model, _assert_dumped, _steps
+
+    seen = _steps(Model(change_from=3).cuda(), tmp_path / "d", data_mode, device="cuda")
+    (keeper,) = keepers
+    assert not keeper.holding and "changed in place" in keeper.why_copying
+    _assert_dumped(tmp_path / "d", seen, data_mode, lost=frozenset({3}))
+
+
+@pytest.mark.parametrize("how", ["inplace", "data"])
+def test_cuda_a_change_in_the_learning_steps_keeps_copies(tmp_path, keepers, how):
+    from test_dump_holding import Model, _assert_dumped, _steps
+
+    seen = _steps(Model(change_from=0, how=how).cuda(), tmp_path / "d", "tensor", device="cuda")
+    (keeper,) = keepers
+    assert not keeper.holding and keeper.why_copying
+    _assert_dumped(tmp_path / "d", seen, "tensor")
+
+
+def test_cuda_holding_waits_for_a_side_stream(tmp_path, keepers):
+    """A forward on a side stream keeps its copies (holding takes the default stream's tensors)."""
+    from test_dump_holding import Model, _assert_dumped, _steps
+
+    with torch.cuda.stream(torch.cuda.Stream()):
+        seen = _steps(Model(change_from=10**6).cuda(), tmp_path / "d", "tensor", device="cuda")
+    (keeper,) = keepers
+    assert keeper.learning and not keeper.holding  # nothing was held: nothing learned either
+    _assert_dumped(tmp_path / "d", seen, "tensor")

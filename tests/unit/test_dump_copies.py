@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from llmflow.dump import DumpConfig, register_hook
 from llmflow.dump import writer as dump_writer
-from llmflow.dump.copies import host_copy
+from llmflow.dump.copies import host_copy, to_host
 from llmflow.formats.llmflow_dump import (
     SAFETENSORS_DTYPES,
     DumpDirWriter,
@@ -197,3 +197,24 @@ def test_a_write_that_fails_leaves_collection_on(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="No space left"):
         w.end_step(0)
     assert gc.isenabled()
+
+
+def test_a_data_file_from_memoryviews_is_the_file_from_tensors(tmp_path):
+    """Held tensors reach the data file as byte views of one host buffer (``copies.to_host``)."""
+    tensors = _tensors()
+    views = to_host(list(tensors.values()))
+    assert all(type(v) is memoryview for v in views)
+    layouts = {k: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in tensors.items()}
+    write_safetensors(tmp_path / "t.safetensors", tensors)
+    write_safetensors(tmp_path / "m.safetensors", dict(zip(tensors, views, strict=True)), layouts)
+    assert (tmp_path / "m.safetensors").read_bytes() == (tmp_path / "t.safetensors").read_bytes()
+
+
+def test_to_host_gives_each_tensors_values_in_order():
+    """Every dtype, views that are not contiguous, a 0-d and an empty tensor: each one's bytes
+    are its values in order, as its contiguous copy holds them."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = [base.t(), base[:, 1::2], torch.tensor(3.5), torch.empty(0, 3), base.to(torch.bfloat16).t(),
+               torch.tensor([True, False, True]), torch.arange(5, dtype=torch.int64)[::2], base]
+    for t, got in zip(tensors, to_host(tensors), strict=True):
+        assert bytes(got) == _memory(t.contiguous()), t
