@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one command, for a machine where torch sees one:
-#   1. the dump benchmark on SmolLM2's shapes, the writer thread and inline side by side
-#      (and, with BASELINE=DIR, the llmflow checkout in DIR timed with the thread in the same run);
+#   1. the dump benchmark on SmolLM2's shapes: held tensors against copies, and the writer thread
+#      against inline, side by side (and, with BASELINE=DIR, the llmflow checkout in DIR timed in
+#      the same run);
 #   2. the CUDA tests (tests/functional/test_cuda_paths.py), and what each per-tensor step of the
 #      capture costs (benchmarks/bench_cuda_capture_costs.py);
 #   3. msprobe's dumps at the module level beside llmflow's, where msprobe imports.
@@ -23,8 +24,10 @@ bench=(benchmarks/bench_dump.py --device cuda --models smollm2-shape)
 "$py" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' | tee "$out/env.txt"
 with_path "$here" "$py" -m llmflow.native 2>&1 | tail -3 | tee -a "$out/env.txt"
 
-with_path "$here" timeout "${BENCH_S:-150}" "$py" "${bench[@]}" --writer thread inline --repeat 3 \
+with_path "$here" timeout "${BENCH_S:-150}" "$py" "${bench[@]}" --copies auto always --repeat 3 \
     2>&1 | tee "$out/bench_dump.md"
+with_path "$here" timeout "${BENCH_S:-150}" "$py" "${bench[@]}" --writer thread inline --repeat 3 \
+    --modes "statistics module" "tensor module" 2>&1 | tee "$out/bench_dump_writers.md"
 if [ -n "${BASELINE:-}" ]; then
     echo "## baseline: $BASELINE" | tee "$out/bench_dump_baseline.md"
     with_path "$BASELINE" timeout "${BENCH_S:-150}" "$py" "${bench[@]}" --writer thread --repeat 3 \
