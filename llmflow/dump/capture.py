@@ -393,8 +393,10 @@ class DumpSession(Sink, _ENTRIES_BASE):
                                  has_data, None, None, key, {} if self.config.crc32 else _NO_EXTRA))
         # a copy must not join the autograd graph (generate runs without one: no detach needed)
         src = t.detach() if t.requires_grad else t
-        # (the dump's own kind of copy, or a held tensor; a statistics dump's logits: their bytes)
-        payload, event = self._keep(src) if stats_only == self.statistics else host_copy(src)
+        if step >= 0 and stats_only == self.statistics:  # the dump's own kind of copy, or the tensor
+            payload, event = self._keep(src)
+        else:  # the weights (step -1: read once, nothing to learn from), a statistics dump's logits
+            payload, event = device_copy(src) if stats_only else host_copy(src)
         self.writer.submit(row, payload, event, nbytes=data_bytes)
 
     # The recorder's sink methods and the walk's leaves: replaced by the compiled capture's where

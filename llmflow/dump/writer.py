@@ -368,6 +368,11 @@ class AsyncWriter:
             self._data_due = time.monotonic() + self.data_seconds
         self._batch, self._batch_rows, self._batch_size = {}, [], 0
 
+    def _entry_of(self, key: str) -> str:
+        """The entry whose data is ``key`` in the batch (for messages: a rare lookup)."""
+        row = next((r for r in self._batch_rows if r[_KEY_AT] == key), None)
+        return _entry(row) if row is not None else f"tensor {key}"
+
     def _write_lines(self) -> None:
         if self._lines:
             self.disk.append_rows(self._lines)
@@ -414,7 +419,7 @@ class AsyncWriter:
             if original._version == version:
                 read.append(key)
                 continue
-            why = f"tensor {key} was changed in place after its capture"
+            why = f"{self._entry_of(key)} was changed in place after its capture"
             self.keeper.found_changed(why)
             if self._batch[key] is original:
                 lost[key] = why
@@ -426,8 +431,8 @@ class AsyncWriter:
             self._learned = True
             # (as bytes: a memoryview compares item by item, ~100x slower)
             if bytes(host) != (copy if type(copy) is bytes else _raw_bytes(copy)):
-                self.keeper.found_changed(f"tensor {key} changed after its capture without its version "
-                                          "counter changing (a write outside torch's ops)")
+                self.keeper.found_changed(f"{self._entry_of(key)} changed after its capture without its "
+                                          "version counter changing (a write outside torch's ops)")
         if lost:
             for key in lost:
                 del self._batch[key]
@@ -441,8 +446,10 @@ class AsyncWriter:
             self._batch_rows = kept
 
 
-def _entry(row: IndexRow) -> str:
-    return f"{row.name} {row.kind} {row.index} of step {row.step}"
+def _entry(row: IndexRow | tuple) -> str:
+    """The entry ``row`` (an IndexRow or a plain tuple in its field order) names, for messages."""
+    step, name, kind, index = row[:4]
+    return f"{name} {kind} {index} of step {step}"
 
 
 def _not_stored(row: IndexRow, why: str) -> IndexRow:

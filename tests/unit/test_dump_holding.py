@@ -78,6 +78,66 @@ def test_a_held_dump_is_the_dump_of_copies(tmp_path, monkeypatch, keepers, famil
         assert first.holding or "changed in place" in (first.why_copying or "")
 
 
+# families that change tensors in place inside their modules: mixture of experts (the router's
+# top-k weights normalised in place), short convolutions and Mamba mixers filling their states,
+# Gemma 2's sliding-window cache. Their API dumps see those ops' inputs change and keep copies;
+# their module dumps are held.
+MORE_FAMILIES = {
+    "mixtral": "tiny-mixtral:layers=2,hidden=64,intermediate=128,seed=3",
+    "lfm2": "tiny-lfm2:layers=2,hidden=64,seed=0",
+    "gemma2": "tiny-gemma2:layers=2,hidden=64,seed=0",
+    "falcon-h1": "tiny-falcon-h1:layers=2,hidden=64,seed=0",
+}
+
+
+@pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
+@pytest.mark.parametrize("family", list(MORE_FAMILIES))
+def test_held_module_dumps_of_more_families_are_the_dumps_of_copies(tmp_path, monkeypatch, keepers, family,
+                                                                   data_mode):
+    loaded = tiny(MORE_FAMILIES[family])
+
+    def run(out: Path) -> None:
+        dump_run(loaded, prompt_ids(), 5, DumpConfig(dump_path=str(out), token_range="all",
+                                                     data_mode=data_mode))
+
+    held, copied = _both(tmp_path, monkeypatch, run)
+    _assert_same_dump(held, copied, any_order=True)
+    first, _ = keepers
+    assert first.holding, first.why_copying
+
+
+def test_an_api_dump_of_a_router_that_normalises_in_place_keeps_its_copies(tmp_path, monkeypatch, keepers):
+    """Mixtral's router divides its top-k weights in place after ``topk`` returned them: the
+    learning step sees the captured output change and the dump copies, the same dump as always."""
+    loaded = tiny(MORE_FAMILIES["mixtral"])
+
+    def run(out: Path) -> None:
+        dump_run(loaded, prompt_ids(), 4, DumpConfig(dump_path=str(out), token_range="all", mode="api"))
+
+    held, copied = _both(tmp_path, monkeypatch, run)
+    _assert_same_dump(held, copied, any_order=True)
+    first, _ = keepers
+    assert not first.holding and "topk" in first.why_copying and "changed in place" in first.why_copying
+
+
+@pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
+def test_the_weights_written_first_are_copies_and_teach_nothing(tmp_path, keepers, data_mode):
+    """``dump_weight`` writes the parameters once, before the first step: copied, and not a step
+    the keeper learns from (the prefill and a decode step are)."""
+    loaded = tiny(FAMILIES["llama"])
+    dump_run(loaded, prompt_ids(), 1, DumpConfig(dump_path=str(tmp_path / "d"), token_range="all",
+                                                 data_mode=data_mode, dump_weight=True))
+    (keeper,) = keepers
+    assert keeper.learning and keeper.learned_steps == 1  # the prefill only
+    r = LlmflowDumpReader(tmp_path / "d")
+    weights = {e.name: e for e in r.entries() if e.kind == "weight"}
+    for name, p in loaded.model.named_parameters():
+        if data_mode == "tensor":
+            assert torch.equal(r.load(weights[name]), p.detach()), name
+        else:
+            assert math.isclose(weights[name].stats["max"], float(p.max()), rel_tol=1e-6), name
+
+
 class Doubler(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 2
