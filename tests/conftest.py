@@ -38,3 +38,21 @@ def batches(request, monkeypatch):
         monkeypatch.setattr(capture, "AsyncWriter", functools.partial(AsyncWriter, batch_bytes=4096,
                                                                       wake_bytes=2048))
     return request.param
+
+
+@pytest.fixture
+def keepers(monkeypatch) -> list:
+    """The dumps' ``copies.TensorKeeper``s, as the sessions make them, with the writer inline
+    (where a dump may hold tensors instead of copying them)."""
+    from llmflow.dump import copies
+
+    monkeypatch.setenv("LLMFLOW_DUMP_WRITER", "inline")
+    made = []
+    init = copies.TensorKeeper.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(copies.TensorKeeper, "__init__", record)
+    return made

@@ -166,23 +166,6 @@ def test_dump_stage_on_cuda(tmp_path):
     assert len([e for e in r.entries() if e.level == "logits"]) == 3
 
 
-@pytest.fixture
-def keepers(monkeypatch) -> list:
-    """The dumps' ``copies.TensorKeeper``s, as made (the writer inline: where holding runs)."""
-    from llmflow.dump import copies
-
-    monkeypatch.setenv("LLMFLOW_DUMP_WRITER", "inline")
-    made = []
-    init = copies.TensorKeeper.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(copies.TensorKeeper, "__init__", record)
-    return made
-
-
 HOLDING_FAMILIES = {
     "llama": ("tiny-llama:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64", "float32"),
     "qwen2-bf16": ("tiny-qwen2:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64", "bfloat16"),

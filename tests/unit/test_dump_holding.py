@@ -32,21 +32,12 @@ from test_dump_native_capture import FAMILIES, _assert_same_dump  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def keepers(monkeypatch) -> list[copies.TensorKeeper]:
-    """Hold CPU tensors, write inline, no statistics kernel; the dumps' keepers, as made."""
+@pytest.fixture(autouse=True)
+def holding_cpu(monkeypatch) -> None:
+    """Hold CPU tensors, with no statistics kernel (every tensor copied or held, as on a GPU);
+    the ``keepers`` fixture (tests/conftest.py) writes inline and collects the dumps' keepers."""
     monkeypatch.setattr(copies, "HOLD_CPU", True)
     monkeypatch.setattr(dump_stats, "_kernel", False)
-    monkeypatch.setenv("LLMFLOW_DUMP_WRITER", "inline")
-    made: list[copies.TensorKeeper] = []
-    init = copies.TensorKeeper.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(copies.TensorKeeper, "__init__", record)
-    return made
 
 
 def _both(tmp_path: Path, monkeypatch, run) -> tuple[Path, Path]:
