@@ -396,7 +396,7 @@ class AsyncWriter:
             rows.append(row)
             tensors.append(t)
             kept_held.append(held is not None and t is held[0])
-        after_default_streams(t for t, held in zip(tensors, kept_held, strict=True) if held)
+        after_default_streams([t for t, held in zip(tensors, kept_held, strict=True) if held] + originals)
         stats = batched_stats(tensors)
         if originals:
             self._learned = True
