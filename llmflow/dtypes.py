@@ -60,7 +60,8 @@ def torch_dtype(name: Any) -> Any:
 #   tensor's metrics (cosine similarity, relative Euclidean distance) against its golden, by
 #   dtype class. Loose: a tensor at the end of a layer carries the rounding of every op before it.
 # * OP_ERROR_FLOOR (the op bisection, localize/ops.py): the relative error ONE correct op shows in
-#   the target dtype, about half an ulp times a margin; an op's own error is read in units of it.
+#   the target dtype, about half an ulp times a margin; an op's own error is read in units of it,
+#   and a module's own error under it is never a fault (localize/rank.py).
 # * SMALL_VALUE, SMALL_VALUE_ATOL (the op precheck, checks/precheck.py; msprobe's small-value
 #   rule): |x| below which a value counts as small, and the absolute error a small value may
 #   carry, since a relative error of a value near zero says nothing.

@@ -34,7 +34,7 @@ from typing import Any
 
 from llmflow.compare.mappings import Mapping, load_mapping
 from llmflow.compare.run import recorded_dtype
-from llmflow.dtypes import dtype_name, torch_dtype
+from llmflow.dtypes import OP_ERROR_FLOOR, dtype_name, torch_dtype
 from llmflow.dump.memory import Call
 from llmflow.errors import UserError
 from llmflow.formats import open_dump
@@ -229,6 +229,14 @@ class _Bisect:
     def golden_weights(self) -> str:
         return "streamed" if self.golden_streamed else "whole"
 
+    def op_floor(self) -> float:
+        """The error one correct op shows in the coarser of the dtypes the golden and the target
+        compute in: an own error below it is rounding, never a fault (``rank_modules``)."""
+        golden, target = self.held.get("golden"), self.target
+        names = [dtype_name(target.dtype) if target is not None else target_dump_dtype(self.target_dump)]
+        names += [dtype_name(golden.dtype)] if golden is not None else []
+        return max(OP_ERROR_FLOOR.get(name, 0.0) for name in names)
+
     def select(self, name: str, module: Any) -> bool:
         return is_branch(name, module, self.stack)
 
@@ -338,7 +346,8 @@ class _Bisect:
 
     def rank(self, result: StepReplay, replayed: list[dict[str, Any]], phase: str, source: str) -> None:
         """Rank the step's own errors, pick its candidate, end the phase and say what came out."""
-        result.ranked = rank_modules(replayed, ratio_threshold=self.inp.ratio_threshold, stack=self.stack)
+        result.ranked = rank_modules(replayed, ratio_threshold=self.inp.ratio_threshold, stack=self.stack,
+                                     op_floor=self.op_floor())
         result.candidate = pick_candidate(result.ranked)
         self.phase(f"{phase} (step {result.step})", f"{len(result.rows)} modules")
         cand = result.candidate

@@ -68,7 +68,7 @@ def overflow_reason(row: dict[str, Any]) -> str:
 
 def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
                  ratio_threshold: float = DEFAULT_RATIO_THRESHOLD,
-                 stack: LayerStack | None = None) -> list[dict[str, Any]]:
+                 stack: LayerStack | None = None, op_floor: float = 0.0) -> list[dict[str, Any]]:
     """Score each row (one module with its own error ``row[key]``) and sort, worst first.
 
     Adds to a copy of every row:
@@ -85,7 +85,11 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
       ``score``: ``error / typical`` (how many times the usual error for this kind of module);
       ``z``: robust z-score of log(error) within the type (median/MAD), None when undefined;
       ``anomalous``: ``score >= ratio_threshold`` (times SINGLETON_MARGIN for a type seen once; for
-      an output of fewer than SMALL_OUTPUT elements, also an error of SMALL_OUTPUT_MIN_ERROR);
+      an output of fewer than SMALL_OUTPUT elements, also an error of SMALL_OUTPUT_MIN_ERROR),
+      and an error of at least ``op_floor``: the error one correct op shows in the coarser dtype
+      the two sides compute in (``dtypes.OP_ERROR_FLOOR``), since a module is at least one op.
+      Where the other modules match exactly (typical 0) any error is a large ratio: an fp32
+      lm_head split over two ranks, whose GEMM sums in another order, differs by 1e-8;
       ``update_score``: for a row that carries ``update`` (a decoder layer replayed whole: the norm
       of what it adds to the residual stream), ``l2 / update`` over the same of its type's other
       rows; such a row is anomalous only where this stands out as well (``_update_scores``).
@@ -136,7 +140,7 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
             r["z"] = (logs[pos] - log_med) / mad if mad > 0 else None
             small = (r.get("numel") or SMALL_OUTPUT) < SMALL_OUTPUT and r["error"] < SMALL_OUTPUT_MIN_ERROR
             margin = 1.0 if others else SINGLETON_MARGIN
-            r["anomalous"] = not small and r["score"] >= ratio_threshold * margin
+            r["anomalous"] = not small and r["error"] >= op_floor and r["score"] >= ratio_threshold * margin
             if r.get("update_score") is not None:
                 r["anomalous"] = r["anomalous"] and r["update_score"] >= ratio_threshold * margin
     for r in rows:
@@ -148,8 +152,9 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
         r.setdefault("score", None)
         r.setdefault("z", None)
         r.setdefault("anomalous", False)
+    # (a tie, as a container and the one module inside it that does all its work: the inner first)
     rows.sort(key=lambda r: (id(r) not in overflows, overflows.get(id(r), 0), not r["anomalous"],
-                             r["score"] is None, -(r["score"] or 0.0), r["name"]))
+                             r["score"] is None, -(r["score"] or 0.0), -r["name"].count("."), r["name"]))
     for rank, r in enumerate(rows, 1):
         r["rank"] = rank
     return rows

@@ -205,3 +205,32 @@ def test_an_anomalous_module_ranks_before_a_peerless_one_scoring_higher_without_
     head = next(r for r in ranked if r["name"] == "lm_head")
     assert not head["anomalous"] and head["score"] > 5
     assert pick_candidate(ranked)["name"] == "model.layers.3.mlp.down_proj"
+
+
+def test_an_error_under_one_ops_rounding_is_never_a_fault_where_the_rest_match_exactly():
+    """A clean fp32 tensor-parallel port: every module matches the golden bit for bit but lm_head,
+    whose vocabulary split sums its GEMM in another order (1.3e-8 relative, measured on a Xeon
+    with AMX). Against a typical error of 0 any error is a huge ratio; under the error one fp32 op
+    shows (dtypes.OP_ERROR_FLOOR) it is rounding, not a fault. A real fault still stands out."""
+    from llmflow.dtypes import OP_ERROR_FLOOR
+
+    rows = [{"name": f"model.layers.{i}.mlp", "rel_l2": 0.0} for i in range(4)]
+    rows.append({"name": "lm_head", "rel_l2": 1.28e-8})
+    assert rank_modules(rows)[0]["anomalous"]  # (what a ratio to 0 alone says)
+    ranked = rank_modules(rows, op_floor=OP_ERROR_FLOOR["float32"])
+    assert not any(r["anomalous"] for r in ranked)
+    faulty = [*rows[:-1], {"name": "lm_head", "rel_l2": 0.05}]
+    top = rank_modules(faulty, op_floor=OP_ERROR_FLOOR["float32"])[0]
+    assert top["name"] == "lm_head" and top["anomalous"]
+
+
+def test_a_tie_ranks_the_inner_module_before_its_container():
+    """A container whose one module does all its work has that module's error to the bit: the
+    inner module is listed first (it is the more specific answer), not the name that sorts first."""
+    rows = [{"name": f"model.layers.{i}.mlp{part}", "rel_l2": 1e-3 * (1 + i % 2)}
+            for i in range(1, 4) for part in ("", ".down_proj")]
+    rows += [{"name": "model.layers.0.mlp", "rel_l2": 0.34},
+             {"name": "model.layers.0.mlp.down_proj", "rel_l2": 0.34}]
+    ranked = rank_modules(rows)
+    assert [r["name"] for r in ranked[:2]] == ["model.layers.0.mlp.down_proj", "model.layers.0.mlp"]
+    assert pick_candidate(ranked)["name"] == "model.layers.0.mlp.down_proj"
