@@ -380,7 +380,7 @@ class AsyncWriter:
 
     def _flush_stats(self) -> None:
         entries, self._stats, self._stats_bytes = self._stats, [], 0
-        rows, tensors, kept_held, checked, originals, lost = [], [], [], [], [], []
+        rows, tensors, held_now, checked, originals, lost = [], [], [], [], [], []
         for row, t, held in entries:
             if held is not None:
                 original, version = held
@@ -393,10 +393,11 @@ class AsyncWriter:
                 elif t is not original:  # a learning copy: its values are checked against the tensor's
                     checked.append(len(tensors))
                     originals.append(original)
+                else:  # held: read now
+                    held_now.append(t)
             rows.append(row)
             tensors.append(t)
-            kept_held.append(held is not None and t is held[0])
-        after_default_streams([t for t, held in zip(tensors, kept_held, strict=True) if held] + originals)
+        after_default_streams(held_now + originals)
         stats = batched_stats(tensors)
         if originals:
             self._learned = True

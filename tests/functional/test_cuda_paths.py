@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the hol
 from bisect_helpers import bisect_dumps, make_dumps  # noqa: E402
 from dump_helpers import TINY, assert_copies_taken_at_capture, bits_equal, dump, prompt_ids  # noqa: E402
 from example_faults import FAULT_MODULES  # noqa: E402
+from test_dump_native_capture import FAMILIES, _assert_same_dump  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
 
@@ -166,23 +167,14 @@ def test_dump_stage_on_cuda(tmp_path):
     assert len([e for e in r.entries() if e.level == "logits"]) == 3
 
 
-HOLDING_FAMILIES = {
-    "llama": ("tiny-llama:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64", "float32"),
-    "qwen2-bf16": ("tiny-qwen2:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64", "bfloat16"),
-    "gpt2": ("tiny-gpt2:layers=2,hidden=32,heads=4", "float32"),
-}
-
-
 @pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
-@pytest.mark.parametrize("family", list(HOLDING_FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_cuda_held_tensors_dump_what_copies_dump(tmp_path, monkeypatch, keepers, family, data_mode, batches):
     """Module dumps on the GPU hold the tensors themselves after two learning steps: the dump is
     the one ``LLMFLOW_DUMP_COPIES=always`` writes, byte for byte (its index lines may come in
     another order: held tensors are read at flushes, copies at fences; the reader sorts them)."""
-    from test_dump_native_capture import _assert_same_dump
-
-    spec, dtype = HOLDING_FAMILIES[family]
-    lm = load_model(spec, device="cuda", dtype=dtype)
+    dtype = "bfloat16" if family.endswith("bf16") else "float32"
+    lm = load_model(FAMILIES[family], device="cuda", dtype=dtype)
     ids = prompt_ids()
     for out, copies in (("held", "auto"), ("copied", "always")):
         monkeypatch.setenv("LLMFLOW_DUMP_COPIES", copies)
