@@ -215,3 +215,36 @@ def test_cuda_holding_waits_for_a_side_stream(tmp_path, keepers):
     (keeper,) = keepers
     assert keeper.learning and not keeper.holding  # nothing was held: nothing learned either
     _assert_dumped(tmp_path / "d", seen, "tensor")
+
+
+def test_cuda_a_users_quick_start_script_holds_and_dumps_what_copies_dump(tmp_path):
+    """msit's quick start on a GPU, run as the user runs it (a script in its own process, the hook
+    never removed, the process just ends), once holding tensors (the default) and once with
+    ``LLMFLOW_DUMP_COPIES=always``: the same dump, complete, with no problems."""
+    import os
+    import subprocess
+    import textwrap
+
+    from llmflow.formats import open_dump
+
+    script = tmp_path / "quick_start.py"
+    script.write_text(textwrap.dedent("""\
+        import sys
+        import torch
+        from llmflow import DumpConfig, register_hook
+        from llmflow.models import build_tiny
+
+        model = build_tiny("llama", "layers=4,hidden=256").cuda()
+        register_hook(model, DumpConfig(dump_path=sys.argv[1], token_range=list(range(8))))
+        ids = torch.tensor([[256, 104, 101, 108, 108, 111]], device="cuda")
+        model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=258)
+        """))
+    root = Path(__file__).resolve().parents[2]
+    for out, copies in (("held", "auto"), ("copied", "always")):
+        env = {**os.environ, "PYTHONPATH": str(root), "LLMFLOW_DUMP_COPIES": copies}
+        done = subprocess.run([sys.executable, str(script), str(tmp_path / out)], capture_output=True,
+                              text=True, env=env, cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        reader = open_dump(tmp_path / out / "llmflow_dump")
+        assert reader.problems() == [] and reader.meta()["complete"] is True
+    _assert_same_dump(*(tmp_path / out / "llmflow_dump" for out in ("held", "copied")), any_order=True)
