@@ -24,7 +24,16 @@ from llmflow.compare.codes import Code
 from llmflow.compare.mappings import REPLICATED, SUM
 from llmflow.compare.match import Pair
 from llmflow.compare.metrics import compare_tensors, judge
-from llmflow.compare.shards import join_tensors, joined_shape, joined_stats, shard_errors, standout
+from llmflow.compare.shards import (
+    PARTS_JOIN,
+    join_tensors,
+    joined_shape,
+    joined_stats,
+    shard_errors,
+    shards_label,
+    standout,
+    worst_copy_note,
+)
 from llmflow.compare.statistics import STATS, compare_stats
 from llmflow.compare.thresholds import coarser
 from llmflow.dtypes import dtype_class
@@ -96,7 +105,7 @@ def base_row(p: Pair, job: Job | None = None) -> dict[str, Any]:
     row = {
         "step": p.golden_step, "target_step": p.target_step, "rank": p.rank,
         "name": g.name if g else None,
-        "target_name": ("+".join(t.name for t in p.targets) if several and not p.merge else t0.name)
+        "target_name": (PARTS_JOIN.join(t.name for t in p.targets) if several and not p.merge else t0.name)
         if t0 else None,
         "kind": ref.kind, "index": ref.index, "order": ref.order, "match": p.match,
         "module_type": ref.module_type,
@@ -106,12 +115,13 @@ def base_row(p: Pair, job: Job | None = None) -> dict[str, Any]:
     }
     if p.merge:
         row["target_shape"] = joined_shape(p.merge, [t.shape or () for t in p.targets])
-        row["shards"] = f"{len(p.targets)} ranks, {p.merge}"
+        row["shards"] = shards_label(len(p.targets), p.merge)
     if job is not None:
         gp, tp = job.prefixes()
         row["golden_data_path"] = locator(job.golden, g, gp) if g else ""
-        row["target_data_path"] = ("+".join(filter(None, (locator(job.target, t, tp) for t in p.targets)))
-                                   if several else locator(job.target, t0, tp) if t0 else "")
+        row["target_data_path"] = (
+            PARTS_JOIN.join(filter(None, (locator(job.target, t, tp) for t in p.targets))) if several
+            else locator(job.target, t0, tp) if t0 else "")
     return row
 
 
@@ -239,7 +249,7 @@ def _joined_target(job: Job, p: Pair, g: torch.Tensor, row: dict[str, Any]
         row["shards"] += f"; rank {found[0]} stands out (relative distance {found[1]:.3g})"
     if p.merge == REPLICATED:  # the ranks' copies differ: the worst one is the row
         worst = max(range(len(errors)), key=lambda i: (errors[i] != errors[i], errors[i]))
-        row["shards"] += f"; the ranks' copies differ, the worst is rank {ranks[worst]}'s"
+        row["shards"] += worst_copy_note(ranks[worst])
         return shards[worst], found
     return join_tensors(p.merge, shards), found
 

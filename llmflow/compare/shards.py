@@ -22,6 +22,7 @@ tensor. How the shards join comes from the shapes:
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -35,6 +36,36 @@ from llmflow.formats.base import Entry
 # a shard "stands out" when its own error is this many times the median of the other shards':
 # the rank with a wrong kernel or a corrupt shard, not a rank that is merely a little worse
 STANDS_OUT = 4.0
+
+# a row of several target tensors (a sharded target's ranks in rank order, or a many-to-one
+# mapping's terms) lists their names (``target_name``) and locators (``target_data_path``) joined
+# by this; a sharded pair's ``shards`` column starts with how the ranks joined (``shards_label``),
+# which a reader of the rows (the report's op panel) parses back with ``label_join`` to join the
+# same tensors
+PARTS_JOIN = "+"
+_LABEL = re.compile(r"(\d+) ranks, (concat:\d+|sum|replicated)(?:;|$)")
+_WORST_COPY = re.compile(r"; the ranks' copies differ, the worst is rank (\d+)'s")
+
+
+def shards_label(ranks: int, merge: str) -> str:
+    """The head of a joined pair's ``shards`` column: how many ranks, joined how."""
+    return f"{ranks} ranks, {merge}"
+
+
+def worst_copy_note(rank: int) -> str:
+    """What a replicated pair's ``shards`` column adds when the ranks' copies differ (the row
+    compares the worst copy)."""
+    return f"; the ranks' copies differ, the worst is rank {rank}'s"
+
+
+def label_join(label: object) -> tuple[int, str, int | None] | None:
+    """From a row's ``shards`` column: the number of ranks, the merge, and for replicated copies
+    that differ the rank whose copy the row compared; None when the row joined no ranks."""
+    m = _LABEL.match(label) if isinstance(label, str) else None
+    if m is None:
+        return None
+    worst = _WORST_COPY.search(label)
+    return int(m.group(1)), m.group(2), int(worst.group(1)) if worst else None
 
 
 def merge_of(golden_shape: Sequence[int] | None, shard_shapes: Sequence[Sequence[int] | None],

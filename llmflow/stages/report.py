@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -269,22 +269,24 @@ def _op_panel(ctx: StageContext, tap: _RowTap, golden_dump: str, target_dump: st
         return None
     row, which = picked
     dumps = {"golden": ctx.resolve_path(golden_dump), "target": ctx.resolve_path(target_dump)}
-    tensors = {}
+    tensors, locators = {}, {}
     try:
         for side, dump in dumps.items():
             reader = open_dump(dump)
-            entry = find_entries(reader, str(row[f"{side}_data_path"]), step=None)[0]
-            tensors[side] = reader.load(entry)
+            locators[side], join = _row_parts(row, side)
+            loaded = [reader.load(find_entries(reader, loc, step=None)[0]) for loc in locators[side]]
+            tensors[side] = join(loaded)
     except Exception as exc:  # a damaged or moved dump: the page goes on without the panel
         ctx.log(f"{ctx.stage_id}: no op panel: {row.get('name')} step {row.get('step')}: {exc}")
         return None
+    what = _WHAT[which] + _joined_note(row, len(locators["target"]))
     name = str(row.get("name"))
     by_step = {s: float(r["relative_euclidean_distance"]) for s, r in tap.rows.get(name, {}).items()
                if isinstance(r.get("relative_euclidean_distance"), (int, float))}
     parted = [s for s, r in tap.rows.get(name, {}).items() if r.get("diverged")]
-    return op_panel(tensors["golden"], tensors["target"], name=name, step=row.get("step"), what=_WHAT[which],
-                    commands=[inspect_command(str(dumps[side]), str(row[f"{side}_data_path"]))
-                              for side in ("golden", "target")],
+    return op_panel(tensors["golden"], tensors["target"], name=name, step=row.get("step"), what=what,
+                    commands=[inspect_command(str(dumps[side]), loc)
+                              for side in ("golden", "target") for loc in locators[side]],
                     heads=_heads(envs),
                     golden_dtype=str(row.get("golden_dtype") or ""),
                     target_dtype=str(row.get("target_dtype") or ""),
@@ -292,6 +294,40 @@ def _op_panel(ctx: StageContext, tap: _RowTap, golden_dump: str, target_dump: st
                     per_step_label=f"raw error of {name}'s output per step "
                                    "(compare rows; grey: after the texts part)",
                     diverged_after=min(parted) - 1 if parted else None)
+
+
+def _row_parts(row: dict[str, Any], side: str) -> tuple[list[str], Callable[[list[Any]], Any]]:
+    """The locators of one side of a compare row, and how their tensors make the tensor the row
+    compared: one tensor as it is; a sharded target's ranks joined as the compare joined them
+    (``shards`` column); a many-to-one mapping's terms summed."""
+    from llmflow.compare.mappings import SUM
+    from llmflow.compare.shards import PARTS_JOIN, join_tensors, label_join
+
+    path = str(row[f"{side}_data_path"])
+    joined = label_join(row.get("shards")) if side == "target" else None
+    if joined is None:
+        names = str(row.get("target_name") or "").split(PARTS_JOIN) if side == "target" else []
+        parts = path.split(PARTS_JOIN)
+        if len(parts) > 1 and len(parts) == len(names):  # a mapping's terms, compared as their sum
+            return parts, lambda tensors: join_tensors(SUM, tensors)
+        return [path], lambda tensors: tensors[0]
+    ranks, merge, worst = joined
+    parts = path.split(PARTS_JOIN)
+    if len(parts) != ranks:
+        raise ValueError(f"the row joins {ranks} ranks but lists {len(parts)} locators: {path!r}")
+    if worst is not None:  # replicated copies that differ: the row compared the worst rank's
+        return [parts[min(worst, ranks - 1)]], lambda tensors: tensors[0]
+    return parts, lambda tensors: join_tensors(merge, tensors)
+
+
+def _joined_note(row: dict[str, Any], parts: int) -> str:
+    """What the panel's description adds when the target's tensor joins several."""
+    from llmflow.compare.shards import label_join
+
+    joined = label_join(row.get("shards"))
+    if joined is not None and parts > 1:
+        return f", the target's {joined[0]} ranks joined as the compare joins them ({joined[1]})"
+    return f", the target's {parts} mapped tensors summed" if parts > 1 else ""
 
 
 def _topology(ctx: StageContext, dumps: list[str | None]) -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ from llmflow.results.codec import from_json, to_json
 from llmflow.results.verdict import Verdict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from bisect_helpers import find, parse_dom  # noqa: E402
 from tp_helpers import TP_FAULTS, TP_GOLDEN_MODEL, launch_tp  # noqa: E402
 from workflow_helpers import REPO, llmflow  # noqa: E402
 
@@ -79,6 +80,14 @@ def test_a_column_parallel_fault_names_its_module_and_rank_through_the_workflow(
     assert summary["verdict"]["first_bad_rank"] == 1
     html = (tmp_path / "run" / "report" / "report.html").read_text(encoding="utf-8")
     assert "first bad rank" in html and "the golden modules on the target dump&#39;s recorded inputs" in html
+    # the op panel shows the module's output as the compare joined it from the two ranks' shards
+    dom = parse_dom(html)
+    (panel,) = find(dom, "section", id="op-panel")
+    assert "model.layers.1.mlp.up_proj" in panel.text and "2 ranks joined" in panel.text, panel.text
+    commands = [b.attrs["data-copy"] for b in find(dom, "button", "copy")
+                if b.within("section", id="op-panel")]
+    assert len(commands) == 3 and all("llmflow inspect" in c for c in commands)
+    assert [c.split()[-1].split("/")[0] for c in commands[1:]] == ["rank0", "rank1"], commands
 
 
 def test_a_clean_tp_port_passes_through_the_workflow(tmp_path: Path, dumps: Path) -> None:

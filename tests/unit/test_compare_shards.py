@@ -69,3 +69,20 @@ def test_the_rank_whose_own_shard_error_stands_out() -> None:
     assert standout([0.01, 0.5, 0.011, 0.009], [0, 1, 2, 3])[0] == 1
     assert standout([0.0, 0.0], [0, 1]) is None
     assert shard_errors(g, "sum", shards) == []
+
+
+@pytest.mark.parametrize("merge", ["concat:2", "concat:0", "sum", "replicated"])
+@pytest.mark.parametrize("note", ["", "; rank 1 stands out (relative distance 0.25)", "worst"])
+def test_a_rows_shards_column_reads_back_as_the_join_it_says(merge: str, note: str) -> None:
+    from llmflow.compare.shards import label_join, shards_label, worst_copy_note
+
+    label = shards_label(4, merge) + (worst_copy_note(3) if note == "worst" else note)
+    assert label_join(label) == (4, merge, 3 if note == "worst" else None)
+
+
+@pytest.mark.parametrize("label", [None, "", 3, "4 ranks", "4 ranks, concat", "two ranks, sum",
+                                   "4 ranks, sums"])
+def test_a_column_that_names_no_join_reads_back_as_none(label: object) -> None:
+    from llmflow.compare.shards import label_join
+
+    assert label_join(label) is None

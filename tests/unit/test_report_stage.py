@@ -192,3 +192,32 @@ def test_a_sampled_kept_op_is_not_split_by_channel_and_says_it_was_sampled(tmp_p
     assert not [e for e in find(dom, "p", "small") if e.within("section", id="op-panel")
                 and e.text.startswith("Worst:")]
     assert len([r for r in find(dom, "tr") if r.within("table", **{"class": "worst"})]) > 5
+
+
+@pytest.mark.parametrize(("row", "locators", "expected"), [
+    ({"target_data_path": "a:1"}, ["a:1"], [1.0, 2.0]),
+    ({"target_data_path": "rank0/a:1+rank1/a:1", "shards": "2 ranks, concat:0"},
+     ["rank0/a:1", "rank1/a:1"], [1.0, 2.0, 10.0, 20.0]),
+    ({"target_data_path": "rank0/a:1+rank1/a:1", "shards": "2 ranks, sum; rank 1 stands out (x)"},
+     ["rank0/a:1", "rank1/a:1"], [11.0, 22.0]),
+    ({"target_data_path": "rank0/a:1+rank1/a:1", "shards": "2 ranks, replicated"},
+     ["rank0/a:1", "rank1/a:1"], [1.0, 2.0]),
+    ({"target_data_path": "rank0/a:1+rank1/a:1",
+      "shards": "2 ranks, replicated; the ranks' copies differ, the worst is rank 1's"},
+     ["rank1/a:1"], [1.0, 2.0]),
+    ({"target_data_path": "a:1+b:2", "target_name": "x.q+x.k"}, ["a:1", "b:2"], [11.0, 22.0]),
+])
+def test_the_panel_joins_a_rows_target_tensors_as_the_compare_did(row, locators, expected):
+    from llmflow.stages.report import _row_parts
+
+    got, join = _row_parts(row, "target")
+    assert got == locators
+    tensors = [torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])][:len(got)]
+    assert join(tensors).tolist() == expected
+
+
+def test_a_row_whose_locators_do_not_match_its_ranks_is_refused():
+    from llmflow.stages.report import _row_parts
+
+    with pytest.raises(ValueError, match="joins 3 ranks but lists 2 locators"):
+        _row_parts({"target_data_path": "rank0/a:1+rank1/a:1", "shards": "3 ranks, sum"}, "target")
