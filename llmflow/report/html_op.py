@@ -85,16 +85,18 @@ def op_panel(golden: Any, target: Any, *, name: str, step: Any, what: str,
              commands: Sequence[str] = (), heads: int | None = None,
              golden_dtype: str = "", target_dtype: str = "",
              per_step: Mapping[int, float] | None = None, per_step_label: str = "",
-             diverged_after: int | None = None) -> dict[str, Any]:
+             diverged_after: int | None = None, title: str = "The first bad op in detail"
+             ) -> dict[str, Any]:
     """What the op panel draws for one tensor pair (torch tensors of one shape).
 
     ``what``: which tensor this is, in words (the first bad op's output, or the closest tensor the
-    dumps hold). ``heads``: the model's attention heads (per-head error when the last dimension
-    is a multiple). ``per_step``: step -> error of the chosen module, drawn as bars."""
+    dumps hold); ``title``: the panel's heading. ``heads``: the model's attention heads (per-head
+    error when the last dimension is a multiple). ``per_step``: step -> error of the chosen module,
+    drawn as bars."""
     import torch
 
-    out: dict[str, Any] = {"name": name, "step": step, "what": what, "commands": list(commands),
-                           "notes": []}
+    out: dict[str, Any] = {"name": name, "step": step, "title": title, "what": what,
+                           "commands": list(commands), "notes": []}
     g = golden.detach().to("cpu")
     t = target.detach().to("cpu")
     if g.shape != t.shape:

@@ -12,6 +12,7 @@ so the run directory can be moved or zipped whole and the links still work.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -169,16 +170,27 @@ def _env(ctx: StageContext, source: str) -> dict[str, Any] | None:
         return None
 
 
+# what the op panel shows, in words and as its heading: the verdict's first bad op, module, layer,
+# or the compare's first failing row
+_TITLE = ("The first bad op in detail", "The chosen module's output in detail",
+          "The first bad layer's output in detail", "The first failing tensor in detail")
+_WHAT = ("the first bad op's output", "the chosen module's output (the dumps hold no tensors of its ops)",
+         "the first bad layer's output (the dumps hold no tensors of the chosen module or its ops)",
+         "the first failing compare row before the texts part")
+
+
 class _RowTap:
     """Keeps, while the compare rows stream past, the rows the op panel may show: every step of
-    the first bad op, module and layer (the finest the dumps hold is shown), and the first
-    failing row before the texts part (shown when the dumps hold none of those)."""
+    the first bad op, module and layer (the finest the dumps hold is shown), and the compare's
+    first failing row before the texts part (the earliest by step, rank and execution order, as
+    the compare's headline names it; shown when the dumps hold none of those)."""
 
     def __init__(self, verdict: Verdict | None):
         finest_first = (verdict.first_bad_op, verdict.first_bad_module, verdict.first_bad_layer) \
-            if verdict is not None else ()
-        self.wanted = [n for n in finest_first if n]
-        self.rows: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in self.wanted}
+            if verdict is not None else (None, None, None)
+        # each name the verdict gives, with the index in _WHAT that says what it is
+        self.wanted = [(n, i) for i, n in enumerate(finest_first) if n]
+        self.rows: dict[str, dict[int, dict[str, Any]]] = {n: {} for n, _ in self.wanted}
         self.first_fail: dict[str, Any] | None = None
         # the replayed step: the one the panel shows when it can
         self.step = verdict.replay.step if verdict is not None else None
@@ -191,21 +203,25 @@ class _RowTap:
         name = str(row.get("name"))
         if name in self.rows and isinstance(row.get("step"), int):
             self.rows[name].setdefault(row["step"], row)
-        if self.first_fail is None and row.get("verdict") == "fail" and not row.get("diverged"):
+        if row.get("verdict") == "fail" and not row.get("diverged") and \
+                (self.first_fail is None or _row_place(row) < _row_place(self.first_fail)):
             self.first_fail = row
 
     def pick(self, step: Any) -> tuple[dict[str, Any], int] | None:
-        """The row to show, and which of wanted it is (len(wanted): the first failing row)."""
-        for i, name in enumerate(self.wanted):
+        """The row to show, and the index in _WHAT that says what it is."""
+        for name, what in self.wanted:
             by_step = self.rows[name]
             if by_step:
-                return by_step.get(step) or by_step[min(by_step)], i
-        return (self.first_fail, len(self.wanted)) if self.first_fail else None
+                return by_step.get(step) or by_step[min(by_step)], what
+        return (self.first_fail, len(_WHAT) - 1) if self.first_fail else None
 
 
-_WHAT = ("the first bad op's output", "the chosen module's output (the dumps hold no tensors of its ops)",
-         "the first bad layer's output (the dumps hold no tensors of the chosen module or its ops)",
-         "the first failing compare row before the texts part")
+def _row_place(row: dict[str, Any]) -> tuple[float, float, float]:
+    """Where a row lies in the run: its step, rank and execution order (missing: last)."""
+    def number(key: str) -> float:
+        value = row.get(key)
+        return float(value) if isinstance(value, (int, float)) else math.inf
+    return number("step"), number("rank"), number("order")
 
 
 _NOT_KEPT = ("the verdict keeps no tensors of the first bad op (no op level ran, or a verdict written before "
@@ -293,7 +309,7 @@ def _op_panel(ctx: StageContext, tap: _RowTap, golden_dump: str, target_dump: st
                     per_step=by_step if len(by_step) > 1 else None,
                     per_step_label=f"raw error of {name}'s output per step "
                                    "(compare rows; grey: after the texts part)",
-                    diverged_after=min(parted) - 1 if parted else None)
+                    diverged_after=min(parted) - 1 if parted else None, title=_TITLE[which])
 
 
 def _row_parts(row: dict[str, Any], side: str) -> tuple[list[str], Callable[[list[Any]], Any]]:

@@ -2,7 +2,8 @@
 Megatron-style TP=2 tiny Llama under torchrun over gloo: ``step{N}/rank{R}`` folders as msprobe
 writes them) against its one-process golden (``step{N}/proc{pid}``): the ranks' shards join into
 the golden's tensors, a clean port passes with every tensor paired, and a fault in rank 1's shard
-of a column-parallel linear is named with its module and rank."""
+of a column-parallel linear is named with its module and rank, and the compare workflow's page
+shows that module's output joined from the two ranks as the compare joined it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytest.importorskip("msprobe.pytorch", reason="mindstudio-probe is not installed
                                               "pip install mindstudio-probe)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from bisect_helpers import find, parse_dom  # noqa: E402
 from workflow_helpers import REPO, llmflow  # noqa: E402
 
 SCRIPT = REPO / "tests" / "fixtures" / "tp_llama.py"
@@ -64,3 +66,22 @@ def test_a_faulty_msprobe_shard_names_its_module_and_rank(tmp_path, dumps):
     first = summary["levels"]["module"]["first_fail"]
     assert first["name"] == "model.layers.1.mlp.up_proj" and first["step"] == 0
     assert "rank 1's shard stands out" in first["reason"]
+
+
+def test_the_compare_workflows_page_shows_the_first_failing_tensor_joined_from_the_ranks(tmp_path, dumps):
+    run_dir = tmp_path / "run"
+    proc = llmflow("run", "compare_dumps", "--run-dir", str(run_dir),
+                   "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / 'bad'}")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "first: model.layers.1.mlp.up_proj" in proc.stdout.strip().splitlines()[-1]
+    dom = parse_dom((run_dir / "report" / "report.html").read_text(encoding="utf-8"))
+    (panel,) = find(dom, "section", id="op-panel")
+    (heading,) = [h for h in find(dom, "h2") if h.within("section", id="op-panel")]
+    assert heading.text == "The first failing tensor in detail"
+    (name,) = [c for c in find(dom, "code", "opname") if c.within("section", id="op-panel")]
+    assert name.text == "model.layers.1.mlp.up_proj"
+    assert "the first failing compare row" in panel.text and "2 ranks joined" in panel.text
+    assert "concat" in panel.text
+    commands = [b.attrs["data-copy"] for b in find(dom, "button", "copy")
+                if b.within("section", id="op-panel")]
+    assert [c.split()[-1].split("/")[1] for c in commands[1:]] == ["rank0", "rank1"], commands

@@ -221,3 +221,45 @@ def test_a_row_whose_locators_do_not_match_its_ranks_is_refused():
 
     with pytest.raises(ValueError, match="joins 3 ranks but lists 2 locators"):
         _row_parts({"target_data_path": "rank0/a:1+rank1/a:1", "shards": "3 ranks, sum"}, "target")
+
+
+def _row(name: str, *, step: int, order: int, verdict: str = "fail", rank: int = 0) -> dict:
+    return {"name": name, "step": step, "rank": rank, "order": order, "kind": "output", "index": 0,
+            "verdict": verdict, "golden_data_path": "g", "target_data_path": "t"}
+
+
+def test_without_a_verdict_the_panel_shows_the_compares_first_failing_row_whatever_the_csv_order():
+    from llmflow.stages.report import _TITLE, _WHAT, _RowTap
+
+    tap = _RowTap(None)
+    # the layer CSV streams first; its failing row lies after the module's in execution order
+    for row in (_row("model.layers.1", step=0, order=40),
+                _row("model.layers.0", step=0, order=9, verdict="pass"),
+                _row("model.layers.1.mlp.up_proj", step=0, order=31),
+                _row("model.layers.2.mlp", step=1, order=2)):
+        tap.see(row)
+    row, which = tap.pick(None)
+    assert row["name"] == "model.layers.1.mlp.up_proj"
+    assert _WHAT[which].startswith("the first failing compare row")
+    assert _TITLE[which] == "The first failing tensor in detail"
+
+
+@pytest.mark.parametrize(("names", "shown", "what"), [
+    (("op.0", "model.layers.1.mlp", "model.layers.1"), "op.0", "the first bad op's output"),
+    ((None, "model.layers.1.mlp", "model.layers.1"), "model.layers.1.mlp", "the chosen module's output"),
+    ((None, None, "model.layers.1"), "model.layers.1", "the first bad layer's output"),
+    ((None, "model.layers.9.mlp", "model.layers.9"), "model.layers.1.mlp.up_proj",
+     "the first failing compare row"),
+])
+def test_the_panel_says_which_of_the_verdicts_names_it_shows(names, shown, what):
+    from llmflow.stages.report import _WHAT, _RowTap
+
+    v = synthetic_verdict()
+    v.first_bad_op, v.first_bad_module, v.first_bad_layer = names
+    tap = _RowTap(v)
+    for row in (_row("op.0", step=0, order=35), _row("model.layers.1.mlp", step=0, order=33),
+                _row("model.layers.1", step=0, order=40),
+                _row("model.layers.1.mlp.up_proj", step=0, order=31)):
+        tap.see(row)
+    row, which = tap.pick(0)
+    assert row["name"] == shown and _WHAT[which].startswith(what)
