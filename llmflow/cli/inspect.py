@@ -7,7 +7,8 @@ NAME is a module path (``model.layers.3.mlp``), ``logits``, an API name, or a lo
 compare row (``golden_data_path``/``target_data_path``: ``rank0/data/000003.safetensors:12``, an
 msit ``.pth`` or ATB ``.bin`` path). Several entries matching are listed; one is shown: dtype,
 shape, where it lies, the statistics its dump recorded and those of the loaded tensor, and its
-values (summarised; ``--full`` prints every value).
+values (summarised; ``--full`` prints every value). A row that joins several target tensors (a
+tensor-parallel target's ranks, a mapping's terms: ``rank0/...:12+rank1/...:12``) shows each.
 
   llmflow inspect FILE.safetensors [KEY] [--full]
 
@@ -68,7 +69,14 @@ def execute(args: argparse.Namespace) -> int:
             con.print(f"problem: {p}")
         verdict_line(True, f"{s['entries']} entries in {len(s['levels'])} levels")
         return EXIT_PASSED
-    found = find_entries(reader, args.name, step=args.step, index=args.index, kind=args.kind, rank=args.rank)
+    try:
+        found = find_entries(reader, args.name, step=args.step, index=args.index, kind=args.kind,
+                             rank=args.rank)
+    except UserError:
+        parts = _joined_parts(args.name)
+        if not parts:
+            raise
+        return _show_parts(con, reader, parts, full=args.full)
     same_data = len({(e.key, e.rank) for e in found}) == 1 and found[0].has_data
     if len(found) > 1 and not same_data:
         con.print(f"{len(found)} entries match {args.name!r} (--step, --index, --kind pick one):")
@@ -83,6 +91,27 @@ def execute(args: argparse.Namespace) -> int:
     if len(found) > 1:  # one tensor recorded as several entries (an unchanged repeat)
         con.print("the same tensor is also: " + ", ".join(f"{e.name} {e.kind} {e.index}" for e in found[1:]))
     verdict_line(True, f"{d['name']} {d['kind']} {d['index']}, step {d['step']}")
+    return EXIT_PASSED
+
+
+def _joined_parts(name: str) -> list[str]:
+    """The locators a compare row joins with ``+`` (empty when ``name`` joins none)."""
+    from llmflow.compare.shards import PARTS_JOIN
+
+    parts = name.split(PARTS_JOIN)
+    return parts if len(parts) > 1 and all(parts) else []
+
+
+def _show_parts(con: Any, reader: Any, parts: list[str], *, full: bool) -> int:
+    """Each tensor of a compare row's joined locator, in the row's order."""
+    from llmflow.formats.describe import describe, find_entries
+
+    found = [find_entries(reader, part)[0] for part in parts]  # every part found before any is shown
+    for i, entry in enumerate(found):
+        con.print(f"part {i + 1} of {len(parts)}:")
+        _show(con, describe(reader, entry), full=full)
+    verdict_line(True, f"{len(parts)} tensors a compare row joins (its shards column says how: concatenated, "
+                       "summed or replicated; a mapping's terms are summed)")
     return EXIT_PASSED
 
 

@@ -85,3 +85,22 @@ def test_the_compare_workflows_page_shows_the_first_failing_tensor_joined_from_t
     commands = [b.attrs["data-copy"] for b in find(dom, "button", "copy")
                 if b.within("section", id="op-panel")]
     assert [c.split()[-1].split("/")[1] for c in commands[1:]] == ["rank0", "rank1"], commands
+
+
+def test_inspect_shows_each_rank_of_a_joined_rows_locator_and_refuses_a_wrong_one(tmp_path, dumps):
+    import csv
+
+    out = tmp_path / "out"
+    llmflow("compare", "-gp", str(dumps / "golden"), "-mp", str(dumps / "bad"), "-o", str(out), "--no-xlsx")
+    with open(out / "compare_module.csv", newline="", encoding="utf-8") as fh:
+        row = next(r for r in csv.DictReader(fh) if r["name"] == "model.layers.1.mlp.up_proj"
+                   and r["kind"] == "output")
+    proc = llmflow("inspect", str(dumps / "bad"), row["target_data_path"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "part 1 of 2" in proc.stdout and "part 2 of 2" in proc.stdout
+    assert "(step 0, rank 0," in proc.stdout and "(step 0, rank 1," in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("PASSED (2 tensors a compare row joins")
+    wrong = row["target_data_path"].replace("rank1", "rank7")
+    proc = llmflow("inspect", str(dumps / "bad"), wrong)
+    assert proc.returncode == 2 and proc.stdout.strip().splitlines()[-1].startswith("FAILED")
+    assert "rank7" in proc.stderr and "Traceback" not in proc.stderr
