@@ -68,13 +68,19 @@ def test_a_faulty_msprobe_shard_names_its_module_and_rank(tmp_path, dumps):
     assert "rank 1's shard stands out" in first["reason"]
 
 
-def test_the_compare_workflows_page_shows_the_first_failing_tensor_joined_from_the_ranks(tmp_path, dumps):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def workflow_run(tmp_path_factory, dumps) -> Path:
+    """The compare_dumps workflow on the faulty target: its run directory."""
+    run_dir = tmp_path_factory.mktemp("compare_dumps") / "run"
     proc = llmflow("run", "compare_dumps", "--run-dir", str(run_dir),
                    "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / 'bad'}")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "first: model.layers.1.mlp.up_proj" in proc.stdout.strip().splitlines()[-1]
-    dom = parse_dom((run_dir / "report" / "report.html").read_text(encoding="utf-8"))
+    return run_dir
+
+
+def test_the_compare_workflows_page_shows_the_first_failing_tensor_joined_from_the_ranks(workflow_run):
+    dom = parse_dom((workflow_run / "report" / "report.html").read_text(encoding="utf-8"))
     (panel,) = find(dom, "section", id="op-panel")
     (heading,) = [h for h in find(dom, "h2") if h.within("section", id="op-panel")]
     assert heading.text == "The first failing tensor in detail"
@@ -87,12 +93,10 @@ def test_the_compare_workflows_page_shows_the_first_failing_tensor_joined_from_t
     assert [c.split()[-1].split("/")[1] for c in commands[1:]] == ["rank0", "rank1"], commands
 
 
-def test_inspect_shows_each_rank_of_a_joined_rows_locator_and_refuses_a_wrong_one(tmp_path, dumps):
+def test_inspect_shows_each_rank_of_a_joined_rows_locator_and_refuses_a_wrong_one(workflow_run, dumps):
     import csv
 
-    out = tmp_path / "out"
-    llmflow("compare", "-gp", str(dumps / "golden"), "-mp", str(dumps / "bad"), "-o", str(out), "--no-xlsx")
-    with open(out / "compare_module.csv", newline="", encoding="utf-8") as fh:
+    with open(workflow_run / "compare" / "compare_module.csv", newline="", encoding="utf-8") as fh:
         row = next(r for r in csv.DictReader(fh) if r["name"] == "model.layers.1.mlp.up_proj"
                    and r["kind"] == "output")
     proc = llmflow("inspect", str(dumps / "bad"), row["target_data_path"])

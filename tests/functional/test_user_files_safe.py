@@ -305,8 +305,18 @@ def _same_dump(a: Path, b: Path) -> None:
             assert torch.equal(ra.load(x), rb.load(y)), x.name
 
 
+@pytest.fixture(scope="module")
+def reference_dump(tmp_path_factory) -> Path:
+    """The dump workflow run once, uninterrupted: what a rerun after a signal must dump."""
+    tmp = tmp_path_factory.mktemp("reference")
+    wf = _dump_workflow(tmp)
+    reference = llmflow("run", str(wf), "--run-dir", str(tmp / "run"), cwd=tmp)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    return tmp / "run" / "dump" / "dump"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_a_signal_mid_dump_stops_the_worker_too_and_a_rerun_dumps_the_same(tmp_path, sig):
+def test_a_signal_mid_dump_stops_the_worker_too_and_a_rerun_dumps_the_same(tmp_path, sig, reference_dump):
     wf = _dump_workflow(tmp_path)
     rd = tmp_path / "run"
     hold = tmp_path / "hold"
@@ -330,9 +340,7 @@ def test_a_signal_mid_dump_stops_the_worker_too_and_a_rerun_dumps_the_same(tmp_p
     hold.unlink()
     rerun = llmflow("run", str(wf), "--run-dir", str(rd), cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    reference = llmflow("run", str(wf), "--run-dir", str(tmp_path / "reference"), cwd=tmp_path)
-    assert reference.returncode == 0, reference.stdout + reference.stderr
-    _same_dump(rd / "dump" / "dump", tmp_path / "reference" / "dump" / "dump")
+    _same_dump(rd / "dump" / "dump", reference_dump)
 
 
 # -- a dump into a folder that holds an earlier dump ---------------------------------------------
