@@ -217,11 +217,12 @@ class _RowTap:
 
 
 def _row_place(row: dict[str, Any]) -> tuple[float, float, float]:
-    """Where a row lies in the run: its step, rank and execution order (missing: last)."""
-    def number(key: str) -> float:
+    """Where a row lies in the run: its step, rank and execution order, the order in which the
+    compare's summary picks its first failing row (``compare.summary.conclude``; no order: 0)."""
+    def number(key: str, missing: float) -> float:
         value = row.get(key)
-        return float(value) if isinstance(value, (int, float)) else math.inf
-    return number("step"), number("rank"), number("order")
+        return float(value) if isinstance(value, (int, float)) else missing
+    return number("step", math.inf), number("rank", math.inf), number("order", 0.0)
 
 
 _NOT_KEPT = ("the verdict keeps no tensors of the first bad op (no op level ran, or a verdict written before "
