@@ -2,8 +2,9 @@
 Megatron-style TP=2 tiny Llama under torchrun over gloo: ``step{N}/rank{R}`` folders as msprobe
 writes them) against its one-process golden (``step{N}/proc{pid}``): the ranks' shards join into
 the golden's tensors, a clean port passes with every tensor paired, and a fault in rank 1's shard
-of a column-parallel linear is named with its module and rank, and the compare workflow's page
-shows that module's output joined from the two ranks as the compare joined it."""
+of a column-parallel linear is named with its module and rank (by the compare, and by the
+dump_bisect workflow's golden modules on the target's recorded inputs), and the workflows' pages
+show that module's output joined from the two ranks as the compare joined it."""
 
 from __future__ import annotations
 
@@ -108,3 +109,23 @@ def test_inspect_shows_each_rank_of_a_joined_rows_locator_and_refuses_a_wrong_on
     proc = llmflow("inspect", str(dumps / "bad"), wrong)
     assert proc.returncode == 2 and proc.stdout.strip().splitlines()[-1].startswith("FAILED")
     assert "rank7" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_dump_bisect_workflow_names_the_module_and_rank_of_msprobes_rank_folders(tmp_path, dumps):
+    """The bisect without a target model, on msprobe's own rank folders: each golden module replayed
+    on the target's recorded inputs names the column-parallel linear and the rank whose shard is
+    wrong; the page's panel shows that module's output joined from both ranks."""
+    run_dir = tmp_path / "run"
+    proc = llmflow("run", "dump_bisect", "--run-dir", str(run_dir),
+                   "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / 'bad'}",
+                   "--set", f"golden_model={SCRIPT}:golden_model")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith("FAILED: model.layers.1.mlp.up_proj (rank 1's shard) is the fault"), last
+    verdict = json.loads((run_dir / "bisect" / "verdict.json").read_text())
+    assert verdict["isolation"] == "target_dump" and verdict["first_bad_rank"] == 1
+    dom = parse_dom((run_dir / "report" / "report.html").read_text(encoding="utf-8"))
+    (heading,) = [h for h in find(dom, "h2") if h.within("section", id="op-panel")]
+    assert heading.text == "The chosen module's output in detail"
+    (panel,) = find(dom, "section", id="op-panel")
+    assert "model.layers.1.mlp.up_proj" in panel.text and "2 ranks joined" in panel.text
