@@ -257,18 +257,25 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
 # the goals on the CPU: ratio to no dump per mode, and the msprobe level each mode is held against
 GOALS = {"statistics module": (1.1, "L0 statistics"), "tensor module": (1.3, "L0 tensor"),
          "statistics api": (1.5, "L1 statistics"), "tensor api": (2.0, "L1 tensor")}
+# on an accelerator, where plain generation is kernel launches and every captured tensor costs a
+# copy or a read-back: the module dumps' goal (API dumps have none there)
+DEVICE_GOALS = {"statistics module": 1.3, "tensor module": 1.3}
 
 
-def print_goals(rows: list[dict[str, Any]]) -> None:
-    """Each measured ratio against its goal, and the overhead (ratio - 1) against msprobe's at
-    the same level (goal: at least 10x less), from this run's rows."""
+def print_goals(rows: list[dict[str, Any]], device: str = "cpu") -> None:
+    """Each measured ratio against its goal on ``device``, and the overhead (ratio - 1) against
+    msprobe's at the same level (goal: at least 10x less), from this run's rows."""
     by = {(r["tool"], r["mode"]): r for r in rows}
     print()
     for ours in (r for r in rows if r["tool"] == "llmflow"):
         label = ours["mode"]
-        goal, level = GOALS[label.split(" [")[0]]
-        met = "met" if ours["ratio"] <= goal else "missed"
-        line = f"{label}: {ours['ratio']:.2f}x (goal <= {goal}x: {met})"
+        mode = label.split(" [")[0]
+        goal, level = GOALS[mode]
+        if device != "cpu":
+            goal = DEVICE_GOALS.get(mode)
+        line = f"{label}: {ours['ratio']:.2f}x"
+        if goal is not None:
+            line += f" (goal <= {goal}x: {'met' if ours['ratio'] <= goal else 'missed'})"
         theirs = by.get(("msprobe", level))
         if theirs is not None and ours["ratio"] > 1:
             less = (theirs["ratio"] - 1) / (ours["ratio"] - 1)
@@ -358,7 +365,7 @@ def main() -> None:
                                        Path(tmp), tuple(GOALS[m][1] for m in a.modes))
                 print_table(f"{title}, msprobe", theirs)
                 rows += theirs
-        print_goals(rows)
+        print_goals(rows, a.device.split(":")[0])
 
 
 if __name__ == "__main__":

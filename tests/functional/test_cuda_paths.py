@@ -241,7 +241,9 @@ def test_cuda_a_users_quick_start_script_holds_and_dumps_what_copies_dump(tmp_pa
         """))
     root = Path(__file__).resolve().parents[2]
     for out, copies in (("held", "auto"), ("copied", "always")):
-        env = {**os.environ, "PYTHONPATH": str(root), "LLMFLOW_DUMP_COPIES": copies}
+        # (the user's own PYTHONPATH kept after the checkout: their packages may live there)
+        path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "LLMFLOW_DUMP_COPIES": copies}
         done = subprocess.run([sys.executable, str(script), str(tmp_path / out)], capture_output=True,
                               text=True, env=env, cwd=tmp_path, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
