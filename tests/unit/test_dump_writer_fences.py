@@ -126,3 +126,21 @@ def test_copies_with_an_event_of_their_own_need_no_fence(tmp_path: Path, monkeyp
     w.end_step(0)
     w.close()
     assert log.fences == [] and log.events == ["own event", "write"]
+
+
+def test_inline_host_copies_skip_the_queue_only_when_nothing_waits_ahead_of_them(tmp_path: Path, monkeypatch):
+    log = Log(monkeypatch)
+    w = AsyncWriter(DumpDirWriter(tmp_path / "d", 0), batch_bytes=16, wake_bytes=1 << 20, inline=True)
+    log.spy_on(w)
+    # nothing queued: straight into the data batch, which is full at once and written
+    w.submit(_row(1, 0, True), torch.full((4,), 1.0), None, nbytes=16)
+    assert not w._queue and log.events == ["write"]
+    # a copy on a stream waits for its fence, and a host copy after it waits behind it
+    w.submit(_row(2, 0, True), torch.full((4,), 2.0), STREAM_A, nbytes=16)
+    w.submit(_row(3, 0, True), torch.full((4,), 3.0), None, nbytes=16)
+    assert len(w._queue) == 2 and log.events == ["write"]
+    w.end_step(0)
+    w.close()
+    assert log.events[1] == "sync" and log.events.count("write") >= 2
+    r = LlmflowDumpReader(tmp_path / "d")
+    assert sorted(float(r.load(e)[0]) for e in r.entries()) == [1.0, 2.0, 3.0]
