@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -74,7 +74,7 @@ class ReportStage(Stage):
 
         def rows_of(path: Path) -> Iterator[dict[str, Any]]:
             for row in _csv_rows(path, ctx.stage_id):
-                tap.see(row)
+                tap.see(row, path)
                 yield row
             task.advance()
 
@@ -192,20 +192,31 @@ class _RowTap:
         self.wanted = [(n, i) for i, n in enumerate(finest_first) if n]
         self.rows: dict[str, dict[int, dict[str, Any]]] = {n: {} for n, _ in self.wanted}
         self.first_fail: dict[str, Any] | None = None
+        self.first_fail_source: Path | None = None  # the CSV it came from
         # the replayed step: the one the panel shows when it can
         self.step = verdict.replay.step if verdict is not None else None
 
-    def see(self, row: dict[str, Any]) -> None:
-        if not row.get("golden_data_path") or not row.get("target_data_path"):
-            return
-        if str(row.get("kind") or "output") != "output" or row.get("index") not in (0, None):
+    def see(self, row: dict[str, Any], source: Path | None = None) -> None:
+        if not _shown(row):
             return
         name = str(row.get("name"))
         if name in self.rows and isinstance(row.get("step"), int):
             self.rows[name].setdefault(row["step"], row)
         if row.get("verdict") == "fail" and not row.get("diverged") and \
                 (self.first_fail is None or _row_place(row) < _row_place(self.first_fail)):
-            self.first_fail = row
+            self.first_fail, self.first_fail_source = row, source
+
+    def gather_first_fail(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Every step's row of the first failing tensor (same name and rank) from ``rows``, its
+        CSV read again: which tensor that is was known only once every row had streamed past."""
+        if self.first_fail is None:
+            return
+        name, rank = str(self.first_fail.get("name")), self.first_fail.get("rank")
+        by_step = self.rows.setdefault(name, {})
+        for row in rows:
+            if str(row.get("name")) == name and row.get("rank") == rank and isinstance(row.get("step"), int) \
+                    and _shown(row):
+                by_step.setdefault(row["step"], row)
 
     def pick(self, step: Any) -> tuple[dict[str, Any], int] | None:
         """The row to show, and the index in _WHAT that says what it is."""
@@ -214,6 +225,12 @@ class _RowTap:
             if by_step:
                 return by_step.get(step) or by_step[min(by_step)], what
         return (self.first_fail, len(_WHAT) - 1) if self.first_fail else None
+
+
+def _shown(row: dict[str, Any]) -> bool:
+    """Is ``row`` one the op panel can show: a tensor's first output, with data on both sides?"""
+    return bool(row.get("golden_data_path") and row.get("target_data_path")) \
+        and str(row.get("kind") or "output") == "output" and row.get("index") in (0, None)
 
 
 def _row_place(row: dict[str, Any]) -> tuple[float, float, float]:
@@ -285,6 +302,8 @@ def _op_panel(ctx: StageContext, tap: _RowTap, golden_dump: str, target_dump: st
     if picked is None:
         return None
     row, which = picked
+    if which == len(_WHAT) - 1 and tap.first_fail_source is not None:  # (its per-step chart)
+        tap.gather_first_fail(_csv_rows(tap.first_fail_source, ctx.stage_id))
     dumps = {"golden": ctx.resolve_path(golden_dump), "target": ctx.resolve_path(target_dump)}
     tensors, locators = {}, {}
     try:

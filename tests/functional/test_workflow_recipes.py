@@ -67,3 +67,33 @@ def test_badcase_bisect_bisects_the_worst_prompt(tmp_path):
     generation = json.loads(Path(s["stages"]["dump-golden"]["outputs"]["generation_file"]).read_text())
     assert generation["prompt"] == worst
     assert s["verdict"]["first_bad_module"] == "model.layers.2.mlp.act_fn"
+
+
+def test_compare_dumps_page_charts_the_first_failing_tensor_over_the_steps(tmp_path):
+    """Dumps made elsewhere (here by the bisect recipe's dump stages, a fault in layer 2's
+    activation), compared the user's way with ``llmflow run compare_dumps``: no verdict, so the
+    page's panel shows the compare's first failing tensor, with its error at every step."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from bisect_helpers import find, parse_dom
+    from workflow_helpers import llmflow
+
+    sets = [f"golden_model={TINY}", f"target_model={TINY}", "max_new_tokens=3",
+            "target_patch=../plugins/example_faults.py:wrong_act_layer_2"]
+    run_workflow(REPO / "workflows" / "llama2_bisect.yaml", set_params=sets, run_dir=tmp_path / "bisect",
+                 only=["seed", "dump-golden", "dump-npu"])
+    g, t = tmp_path / "bisect" / "dump-golden" / "dump", tmp_path / "bisect" / "dump-npu" / "dump"
+    proc = llmflow("run", "compare_dumps", "--run-dir", str(tmp_path / "cmp"), "--set", f"golden_dump={g}",
+                   "--set", f"target_dump={t}")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    dom = parse_dom((tmp_path / "cmp" / "report" / "report.html").read_text(encoding="utf-8"))
+    (heading,) = [h for h in find(dom, "h2") if h.within("section", id="op-panel")]
+    assert heading.text == "The first failing tensor in detail"
+    (name,) = [c.text for c in find(dom, "code", "opname") if c.within("section", id="op-panel")]
+    assert name.startswith("model.layers.2"), name
+    (chart,) = [f for f in find(dom, "figure") if f.within("section", id="op-panel")
+                and f.text.startswith(f"raw error of {name}'s output per step")]
+    steps = {b.text.split(":")[0] for b in find(dom, "title") if b.within("section", id="op-panel")
+             and b.text.startswith("step ")}
+    assert len(steps) >= 3, (chart.text, steps)  # the prompt's step and the decode steps

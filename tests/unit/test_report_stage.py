@@ -263,3 +263,20 @@ def test_the_panel_says_which_of_the_verdicts_names_it_shows(names, shown, what)
         tap.see(row)
     row, which = tap.pick(0)
     assert row["name"] == shown and _WHAT[which].startswith(what)
+
+
+def test_the_first_failing_tensors_steps_are_gathered_for_its_chart():
+    from llmflow.stages.report import _RowTap
+
+    tap = _RowTap(None)
+    rows = [_row("model.layers.1.mlp", step=0, order=31, verdict="pass"),
+            _row("model.layers.1.mlp", step=1, order=31),
+            _row("model.layers.1.mlp", step=1, order=31, rank=1),  # another rank's tensor
+            _row("model.layers.0.mlp", step=2, order=9),
+            _row("model.layers.1.mlp", step=2, order=31)]
+    for row in rows:
+        tap.see(row, Path("compare_module.csv"))
+    assert tap.first_fail is rows[1] and tap.first_fail_source == Path("compare_module.csv")
+    assert "model.layers.1.mlp" not in tap.rows  # which tensor fails first was not known while streaming
+    tap.gather_first_fail(rows)
+    assert tap.rows["model.layers.1.mlp"] == {0: rows[0], 1: rows[1], 2: rows[4]}
