@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from path_helpers import checkout_path
+
 REPO = Path(__file__).resolve().parents[1]
 TP_SCRIPT = REPO / "tests" / "fixtures" / "tp_llama.py"
 #: the unsharded model of the fixture, as a model spec the bisect loads as its golden
@@ -23,7 +25,7 @@ def launch_tp(out: Path, runs: list[str], nproc: int, mode: str = "module", opti
               ) -> None:
     """One launch of tp_llama.py (``nproc`` > 1: under torchrun, gloo), each of ``runs`` dumped to
     ``out/NAME``; ``options``: more of its flags (``--reduce after-mlp``)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": checkout_path(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(TP_SCRIPT), str(out), *runs, "--mode", mode, *options]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),

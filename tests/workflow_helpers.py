@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+from path_helpers import checkout_path
+
 from llmflow.errors import UserError
 from llmflow.stages.base import Stage, StageContext
 
@@ -33,7 +35,7 @@ def llmflow(*args: str, cwd: Path | None = None, umask: int | None = None, timeo
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m llmflow.cli ARGS`` as a user runs it (this checkout first on the path; ``env``
     added to the environment)."""
-    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": checkout_path(REPO)}
     return subprocess.run([sys.executable, "-m", "llmflow.cli", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=timeout,
                           preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)

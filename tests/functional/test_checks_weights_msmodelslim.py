@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from path_helpers import checkout_path
 
 pytest.importorskip("msmodelslim", reason="msmodelslim (the test extra) is not installed")
 
@@ -236,7 +237,7 @@ def test_corrupted_scale_ranks_worst_and_fails(scheme, save_type, channel, facto
 def test_weight_check_cli_fails_a_mis_scaled_layer_and_passes_the_honest_one(quantized, golden, tmp_path):
     honest = quantized("w4a16_group_sym", "ascendV1")
     bad = _corrupt(honest, tmp_path / "bad", None, 1.25)
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": checkout_path(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
     def run(target: Path, run_dir: Path) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "llmflow", "run", "weight_check",

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 from llmflow.models import encode_prompt, load_model
 
@@ -34,7 +35,7 @@ def test_a_two_line_prompt_stays_two_lines(tmp_path: Path, typed: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "llmflow.cli", "run", str(workflow(tmp_path)), "--run-dir",
                            str(run), "--progress", "plain", "--set", f"prompt={typed}"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     generation = json.loads((run / "dump" / "generation.json").read_text())
     assert generation["prompt"] == TWO_LINES

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from path_helpers import checkout_path
 from safetensors.torch import save_file
 
 from llmflow import formats
@@ -205,7 +206,7 @@ def test_a_killed_compare_leaves_the_old_output_whole(tmp_path: Path) -> None:
 
     proc = subprocess.Popen([sys.executable, "-m", "llmflow.cli", "compare", "-gp", str(g), "-mp", str(t),
                              "-o", str(out), "-alg", "slow.py:slow", "--workers", "1"], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": checkout_path(REPO)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
@@ -300,7 +301,7 @@ def test_a_fifo_named_like_a_tensor_file_is_refused_by_name(tmp_path: Path) -> N
     for args in (["-gp", "g.pth", "-mp", "fifo.pth"], ["-gp", "fifo.pth", "-mp", "g.pth"]):
         done = subprocess.run([sys.executable, "-m", "llmflow.cli", "compare", *args], cwd=tmp_path,
                               timeout=60, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+                              env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
         flag = args[args.index("fifo.pth") - 1]
         assert done.returncode == 2 and done.stderr.strip() == (
             f"error: {flag} fifo.pth: a FIFO, not a regular file or directory"), done.stderr
@@ -348,8 +349,8 @@ def test_a_data_file_whose_header_lies_makes_the_compare_inconclusive_naming_it(
     victim.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
     done = subprocess.run([sys.executable, "-m", "llmflow", "compare", "-gp", str(tmp_path / "g" / "dump"),
                            "-mp", str(tmp_path / "t" / "dump"), "-o", str(tmp_path / "out"), "--no-xlsx"],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
     assert done.returncode == 3, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith("INCONCLUSIVE")

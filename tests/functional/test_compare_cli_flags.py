@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from path_helpers import checkout_path
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 def llmflow(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "llmflow", *args], capture_output=True, text=True,
                           timeout=120, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1", **env})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO), "NO_COLOR": "1", **env})
 
 
 def test_w_points_to_the_weight_check_workflow(tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from path_helpers import checkout_path
 
 from llmflow.cli import main
 from llmflow.dump import DumpConfig, register_hook
@@ -58,7 +59,8 @@ def hook_dump(dump_path: Path, prompts: tuple[str, ...] = ("hello world",), new_
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "llmflow.cli", "compare", *args], capture_output=True,
-                          text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
 
 
 def test_names_that_do_not_pair_fail_as_incomplete(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 pytest.importorskip("distributed")
 
@@ -74,7 +75,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
     die_dir = tmp_path_factory.mktemp("die")
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "LLMFLOW_TEST_DIE_DIR": str(die_dir),
+    env = {**os.environ, "PYTHONPATH": checkout_path(REPO), "LLMFLOW_TEST_DIE_DIR": str(die_dir),
            # a chunk whose worker died twice is given up (the default, 3, only makes the test slower)
            "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "1"}
     logs = tmp_path_factory.mktemp("dask-logs")

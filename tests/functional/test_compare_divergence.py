@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+from path_helpers import checkout_path
 
 from llmflow.compare.divergence import divergence, first_mismatch
 from llmflow.compare.run import CompareOptions, compare_dumps
@@ -93,7 +94,7 @@ def test_cli_compare_says_where_the_texts_part(tmp_path: Path) -> None:
     g, t = _dumps(tmp_path, [1, 2, 3, 4, 5], [1, 2, 9, 9, 9])
     done = subprocess.run([sys.executable, "-m", "llmflow", "compare", "-gp", str(g), "-mp", str(t), "-o",
                            str(tmp_path / "out"), "--workers", "1"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1",
+                          timeout=120, env={**os.environ, "PYTHONPATH": checkout_path(REPO), "NO_COLOR": "1",
                                             "COLUMNS": "200"})
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()

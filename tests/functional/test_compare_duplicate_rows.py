@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 
@@ -24,7 +25,7 @@ def compare_cli(golden: Path, target: Path, out: Path) -> subprocess.CompletedPr
     return subprocess.run([sys.executable, "-m", "llmflow.cli", "compare", "-gp", str(golden),
                            "-mp", str(target), "-o", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
 
 
 @pytest.fixture(scope="module")

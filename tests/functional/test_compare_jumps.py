@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from bisect_helpers import make_dumps  # noqa: E402
@@ -30,7 +31,8 @@ FAULT = f"plugins/example_faults.py:wrong_act_layer_{LAYER}"
 
 def llmflow(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "llmflow", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"})
+                          timeout=300, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO), "NO_COLOR": "1"})
 
 
 def _rows(path: str | Path) -> list[dict[str, str]]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from path_helpers import checkout_path
 
 from llmflow import native
 from llmflow.formats.base import Entry
@@ -38,7 +39,7 @@ def compare(tmp: Path, out: str, **env: str) -> tuple[subprocess.CompletedProces
     done = subprocess.run([sys.executable, "-m", "llmflow", "compare", "-gp", str(tmp / "g"), "-mp",
                            str(tmp / "t"), "-o", str(tmp / out), "--no-xlsx"],
                           capture_output=True, text=True, timeout=300, cwd=tmp,
-                          env={**os.environ, "PYTHONPATH": str(REPO), **env})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO), **env})
     return done, {p.name: p.read_bytes() for p in sorted((tmp / out).glob("*.csv"))}
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from path_helpers import checkout_path
 
 from llmflow.cli import main
 from llmflow.compare.run import CompareOptions, compare_dumps
@@ -66,7 +67,7 @@ def make_dump(fmt: str, tmp: Path) -> Path:
         pytest.importorskip("msprobe.pytorch", reason="mindstudio-probe is not installed (optional)")
         (tmp / "run.py").write_text(MSPROBE)
         done = subprocess.run([sys.executable, "run.py"], cwd=tmp, capture_output=True, text=True,
-                              timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                              timeout=300, env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
         assert done.returncode == 0, done.stderr[-3000:]
         return tmp / "dump"
     tokens, types = capture(tiny_model(), steps=2)
@@ -105,7 +106,7 @@ def test_rows_carry_statistics_and_locators_inspect_opens(tmp_path: Path, fmt: s
     for query in (loc, str(Path(summary["golden_dump"]) / loc)):
         done = subprocess.run([sys.executable, "-m", "llmflow.cli", "inspect", summary["golden_dump"], query],
                               capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+                              env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
         lines = done.stdout.strip().splitlines()
         assert done.returncode == 0, done.stdout + done.stderr
         assert lines[-1].startswith(f"PASSED ({row['name']} {row['kind']} {row['index']}, step {row['step']}")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from path_helpers import checkout_path
 
 from llmflow.compare.run import CompareOptions, compare_dumps
 from llmflow.formats.base import Entry
@@ -56,7 +57,7 @@ def compare_cli(tmp: Path, out: str, *args: str) -> tuple[subprocess.CompletedPr
     done = subprocess.run([sys.executable, "-m", "llmflow", "compare", "-gp", str(tmp / "g"), "-mp",
                            str(tmp / "t"), "-o", str(tmp / out), "--no-xlsx", *args],
                           capture_output=True, text=True, timeout=300, cwd=tmp,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO), "NO_COLOR": "1"})
     return done, {p.name: p.read_bytes() for p in sorted((tmp / out).glob("*.csv"))}
 
 
@@ -122,7 +123,7 @@ def test_sigterm_ends_a_threaded_compare_after_the_pairs_in_progress(dumps: Path
             "--no-xlsx", "-alg", "slow.py:slow", "--workers", "2"]
     proc = subprocess.Popen([sys.executable, "-m", "llmflow", *args], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1",
+                            env={**os.environ, "PYTHONPATH": checkout_path(REPO), "NO_COLOR": "1",
                                  "SLOW_STARTED": str(started)})
     try:
         deadline = time.monotonic() + 120

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the hol
 from bisect_helpers import bisect_dumps, make_dumps  # noqa: E402
 from dump_helpers import TINY, assert_copies_taken_at_capture, bits_equal, dump, prompt_ids  # noqa: E402
 from example_faults import FAULT_MODULES  # noqa: E402
+from path_helpers import checkout_path  # noqa: E402
 from test_dump_native_capture import FAMILIES, _assert_same_dump  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
@@ -241,9 +242,7 @@ def test_cuda_a_users_quick_start_script_holds_and_dumps_what_copies_dump(tmp_pa
         """))
     root = Path(__file__).resolve().parents[2]
     for out, copies in (("held", "auto"), ("copied", "always")):
-        # (the user's own PYTHONPATH kept after the checkout: their packages may live there)
-        path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, "PYTHONPATH": path, "LLMFLOW_DUMP_COPIES": copies}
+        env = {**os.environ, "PYTHONPATH": checkout_path(root), "LLMFLOW_DUMP_COPIES": copies}
         done = subprocess.run([sys.executable, str(script), str(tmp_path / out)], capture_output=True,
                               text=True, env=env, cwd=tmp_path, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 from llmflow.stages.dump import DumpStage
@@ -185,7 +186,7 @@ def test_user_code_that_ends_the_worker_is_named_in_one_line(tmp_path, setting, 
     cmd = [sys.executable, "-m", "llmflow.cli", "run", str(tmp_path / "wf.yaml"), "--set", setting,
            "--run-dir", str(tmp_path / "run")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+                          env={**os.environ, "PYTHONPATH": checkout_path(root)}, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert message in out and "Traceback" not in out and "KeyError" not in out
@@ -206,7 +207,7 @@ def test_a_patch_that_raises_is_bad_input_named_by_its_exception_with_its_traceb
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-m", "llmflow", "run", "wf.yaml", "--run-dir", "run"],
                           capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+                          env={**os.environ, "PYTHONPATH": checkout_path(root)}, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     last = proc.stdout.strip().splitlines()[-1]

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 from llmflow.formats import open_dump
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
@@ -45,7 +46,7 @@ def _run(script: str, tmp: Path, name: str, writer: str = "thread"
     path = tmp / f"{name}.py"
     path.write_text(textwrap.dedent(script))
     out = tmp / f"{name}_dump"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LLMFLOW_DUMP_WRITER": writer}
+    env = {**os.environ, "PYTHONPATH": checkout_path(ROOT), "LLMFLOW_DUMP_WRITER": writer}
     proc = subprocess.run([sys.executable, str(path), str(out)], capture_output=True, text=True, env=env,
                           cwd=tmp, timeout=300)
     return proc, out / "llmflow_dump"
@@ -113,7 +114,7 @@ def test_a_collected_model_finishes_its_dump_while_the_process_lives_on(tmp_path
     path = tmp_path / "gc_script.py"
     path.write_text(textwrap.dedent(script))
     out = tmp_path / "gc_dump"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LLMFLOW_DUMP_WRITER": writer}
+    env = {**os.environ, "PYTHONPATH": checkout_path(ROOT), "LLMFLOW_DUMP_WRITER": writer}
     proc = subprocess.Popen([sys.executable, str(path), str(out)], env=env, cwd=tmp_path,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -220,7 +221,8 @@ def test_a_one_rank_dump_over_a_two_rank_one_leaves_the_old_rank_out(tmp_path: P
     def dump(where: str, seed: int, **env: str) -> None:
         run_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
         proc = subprocess.run([sys.executable, str(script), where, f"seed={seed}"], capture_output=True,
-                              text=True, cwd=tmp_path, env={**run_env, "PYTHONPATH": str(ROOT), **env},
+                              text=True, cwd=tmp_path,
+                              env={**run_env, "PYTHONPATH": checkout_path(ROOT), **env},
                               timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -232,7 +234,7 @@ def test_a_one_rank_dump_over_a_two_rank_one_leaves_the_old_rank_out(tmp_path: P
     dump("alone", 2)
     cli = [sys.executable, "-m", "llmflow", "compare", "-gp", "alone", "-mp", "shared", "-o", "cmp"]
     proc = subprocess.run(cli, capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+                          env={**os.environ, "PYTHONPATH": checkout_path(ROOT)}, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("PASSED") and "0 unmatched" in proc.stdout
     assert "left out rank1: written by an earlier dump of 2 ranks into the same folder" in proc.stderr

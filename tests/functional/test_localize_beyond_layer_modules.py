@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
@@ -46,7 +47,7 @@ def _run_recipe(tmp_path: Path, model: str, patch: str) -> tuple[subprocess.Comp
            "--set", f"target_model={model}", "--set", "max_new_tokens=4",
            "--set", f"target_patch={REPO / 'plugins' / 'example_faults.py'}:{patch}"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
     return done, done.stdout.strip().splitlines()[-1]
 
 

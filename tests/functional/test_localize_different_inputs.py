@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
 from example_faults import scale_embedding  # noqa: E402
@@ -46,7 +47,7 @@ def _dump_bisect(golden: Path, target: Path, cwd: Path) -> subprocess.CompletedP
            "--run-dir", str(cwd / "run"), "--progress", "plain", "--set", f"golden_dump={golden}",
            "--set", f"target_dump={target}", "--set", f"golden_model={MODEL}"]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
 
 
 @pytest.mark.parametrize(("prompt", "said"), [

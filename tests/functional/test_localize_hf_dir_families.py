@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
@@ -124,7 +125,7 @@ def llmflow_run(run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
     for s in sets:
         args += ["--set", s]
     return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=run_dir.parent,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
 
 
 def _patch(fault: str) -> str:

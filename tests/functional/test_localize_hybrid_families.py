@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
@@ -171,7 +172,7 @@ def llmflow_run(cwd: Path, workflow: str, *sets: str) -> tuple[subprocess.Comple
     for value in sets:
         cmd += ["--set", value]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
     out = done.stdout + done.stderr
     assert "Traceback" not in out, out[-3000:]
     return done, done.stdout.strip().splitlines()[-1]

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from bisect_helpers import bisect_dumps, user_dump, user_golden_maker  # noqa: E402
@@ -116,7 +117,7 @@ def test_the_recipe_names_the_tail_from_a_users_layer_dumps(goldens, tmp_path):
         f"m = load_model({spec('llama')!r}, dtype='bfloat16', patch={str(FAULTS) + ':scale_final_norm'!r})\n"
         f"ids = encode_prompt(m.tokenizer, {PROMPT!r})\n"
         "dump_run(m, ids, 5, DumpConfig(dump_path=sys.argv[1], token_range='all', module_list=['auto']))\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": checkout_path(REPO)}
     subprocess.run([sys.executable, str(script), "target"], cwd=tmp_path, env=env, check=True, timeout=300)
     done = subprocess.run(
         [sys.executable, "-m", "llmflow", "run", str(REPO / "workflows" / "dump_bisect.yaml"),

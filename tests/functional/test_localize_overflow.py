@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from bisect_helpers import bisect_dumps, make_dumps  # noqa: E402
@@ -93,7 +94,7 @@ stages:
     for s in sets:
         cmd += ["--set", s]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith(f"FAILED: {ATTENTION} overflows"), last

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 pytest.importorskip("msprobe.pytorch", reason="mindstudio-probe is not installed (optional: "
                                               "pip install mindstudio-probe)")
@@ -109,7 +110,7 @@ def dumps(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("msprobe_runs")
     (d / "run.py").write_text(SCRIPT)
     proc = subprocess.run([sys.executable, "run.py", BAD_MODULE], cwd=d, capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=900, env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return d
 
@@ -117,7 +118,7 @@ def dumps(tmp_path_factory) -> Path:
 def _cli_compare(golden: Path, target: Path, out: Path) -> subprocess.CompletedProcess:
     args = ["compare", "-gp", str(golden), "-mp", str(target), "-o", str(out)]
     return subprocess.run([sys.executable, "-m", "llmflow.cli", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=300, env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

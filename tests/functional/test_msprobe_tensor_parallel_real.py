@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 pytest.importorskip("msprobe.pytorch", reason="mindstudio-probe is not installed (optional: "
                                               "pip install mindstudio-probe)")
@@ -28,7 +29,7 @@ FAULT = "1:model.layers.1.mlp.up_proj.weight:1.5"
 
 
 def _launch(out: Path, runs: list[str], nproc: int) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": checkout_path(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [str(SCRIPT), str(out), *runs, "--tool", "msprobe"]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     launcher = launcher if nproc > 1 else []

@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 pytest.importorskip("msprobe.pytorch", reason="mindstudio-probe is not installed (optional: "
                                               "pip install mindstudio-probe)")
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+ENV = {**os.environ, "PYTHONPATH": checkout_path(REPO)}
 # msprobe keeps API hook state across the debuggers of one process (an L1 debugger records a
 # later debugger's API calls too): the mix dumps come first
 RUNS = (("mix", "clean"), ("mix", "lossy"), ("L1", "clean"), ("L1", "lossy"))

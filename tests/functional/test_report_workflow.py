@@ -18,6 +18,7 @@ from pathlib import Path
 import openpyxl
 import pytest
 import torch
+from path_helpers import checkout_path
 
 from llmflow.stages.base import StageContext
 from llmflow.stages.report import ReportStage
@@ -166,7 +167,8 @@ def test_the_report_leads_to_a_decode_attention_fault(tmp_path):
         argv = shlex.split(button.attrs["data-copy"])
         assert argv[:2] == ["llmflow", "inspect"]
         shown = subprocess.run([sys.executable, "-m", "llmflow", *argv[1:]], capture_output=True, text=True,
-                               timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"})
+                               timeout=120,
+                               env={**os.environ, "PYTHONPATH": checkout_path(REPO), "NO_COLOR": "1"})
         assert shown.returncode == 0, shown.stderr
         assert shown.stdout.strip().splitlines()[-1].startswith("PASSED")
         assert argv[2].endswith("first_bad_op.safetensors") and argv[3].endswith(".output.0")

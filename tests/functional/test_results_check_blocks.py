@@ -18,6 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from path_helpers import checkout_path
 
 from llmflow.errors import UserError
 from llmflow.results.checks import (
@@ -39,7 +40,7 @@ from llmflow.results.summary import RunSummary, read_run_summary, run_summary_fr
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+ENV = {**os.environ, "PYTHONPATH": checkout_path(REPO)}
 SMALL = "layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64"
 
 sys.path.insert(0, str(TESTS))  # tests/ holds the area's helpers

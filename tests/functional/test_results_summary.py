@@ -16,6 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from path_helpers import checkout_path
 
 from llmflow.errors import UserError
 from llmflow.results.codec import from_json, to_json
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the
 from compare_helpers import model_items, write_dump  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+ENV = {**os.environ, "PYTHONPATH": checkout_path(REPO)}
 
 
 def llmflow(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:

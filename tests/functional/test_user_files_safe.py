@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from path_helpers import checkout_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compare_helpers import as_dump  # noqa: E402
@@ -161,7 +162,7 @@ def _no_process_mentions(text: str, timeout: float = 10) -> list[str]:
 
 def _popen(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "llmflow.cli", *args], cwd=cwd,
-                            env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)},
+                            env={**os.environ, **(env or {}), "PYTHONPATH": checkout_path(REPO)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -518,7 +519,7 @@ def test_a_signalled_compare_takes_its_pool_workers_along(tmp_path, dumps, sig):
     out = tmp_path / "out"
     args = ["compare", "-gp", str(g), "-mp", str(t), "-o", str(out), "-alg", "slow.py:slow", "--workers", "2"]
     proc = subprocess.Popen([sys.executable, "pooled.py", *args], cwd=tmp_path, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": checkout_path(REPO)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     _wait_for(lambda: len(_children(proc.pid)) >= 2 and list(out.glob(".llmflow-staging-*/compare_*.csv")),
               "the pool never started", proc)

@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from path_helpers import checkout_path
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workflow_helpers import REPO, ran, write_workflow  # noqa: E402
 
@@ -36,7 +38,7 @@ def _ctrl_c_as_in_a_terminal() -> None:
 
 
 def llmflow(*args: str, cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": checkout_path(REPO)}
     return subprocess.Popen(
         [sys.executable, "-m", "llmflow.cli", *args],
         cwd=cwd,
@@ -131,7 +133,7 @@ def test_ctrl_c_that_lands_on_a_stage_thread_still_stops_the_run(tmp_path):
         print("never interrupted")
     """), encoding="utf-8")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=50,
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)}, timeout=50,
                           preexec_fn=_ctrl_c_as_in_a_terminal)
     assert proc.returncode == 130, proc.stdout + proc.stderr
     seconds = float(proc.stdout.split("interrupted after ")[1].split()[0])

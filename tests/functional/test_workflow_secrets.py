@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 from llmflow.models import encode_prompt, load_model
 
@@ -71,7 +72,7 @@ def llmflow_run(tmp: Path, environ: dict[str, str]) -> subprocess.CompletedProce
     return subprocess.run([sys.executable, "-m", "llmflow.cli", "run", str(tmp / "wf.yaml"), "--run-dir",
                            str(tmp / "run"), "--progress", "plain", "--set", f"mirror={mirror}"],
                           capture_output=True, text=True, timeout=300, cwd=tmp,
-                          env={**os.environ, "PYTHONPATH": str(REPO), **environ,
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO), **environ,
                                "TORCH_HUB_MIRROR": f"https://bob:{URL_PASSWORD}@hub.example.com"})
 
 

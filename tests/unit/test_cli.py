@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 import llmflow.workflow
 from llmflow.cli import TOOLS, main
@@ -139,7 +140,7 @@ def test_schema_command_writes_and_checks(tmp_path, capsys, monkeypatch):
 
 
 def test_python_dash_m_entry_point(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": checkout_path(REPO)}
     proc = subprocess.run(
         [sys.executable, "-m", "llmflow.cli", "--help"],
         capture_output=True,
@@ -177,7 +178,7 @@ def test_every_tool_has_the_contract(tool):
 ])
 def test_a_usage_error_ends_with_a_failed_line_and_exit_2(tmp_path, args, last):
     proc = subprocess.run([sys.executable, "-m", "llmflow", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=60)
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)}, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith(last)  # (the choices as this Python lists them)
     assert "Traceback" not in proc.stderr

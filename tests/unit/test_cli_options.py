@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from path_helpers import checkout_path
 
 from llmflow.cli import compare as compare_cli
 from llmflow.compare.options import CompareOptions
@@ -115,7 +116,8 @@ def test_bisect_stage_defaults_build_the_dataclass_defaults():
 def test_compare_help_shows_each_flag_with_its_help_text(tmp_path):
     done = subprocess.run([sys.executable, "-m", "llmflow", "compare", "--help"], capture_output=True,
                           text=True, timeout=60, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1", "COLUMNS": "400"})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO), "NO_COLOR": "1",
+                               "COLUMNS": "400"})
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())
     for f in declared(CompareOptions):

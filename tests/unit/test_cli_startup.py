@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 REPO = Path(__file__).resolve().parents[2]
 BISECT = str(REPO / "workflows" / "llama2_bisect.yaml")
@@ -18,7 +19,8 @@ BISECT = str(REPO / "workflows" / "llama2_bisect.yaml")
 def imported_modules(*args: str) -> tuple[int, set[str]]:
     """The exit code of ``llmflow ARGS`` and every module it imported."""
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "llmflow", *args], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
     modules = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
                if line.startswith("import time:") and line.count("|") == 2}
     return done.returncode, modules
@@ -39,5 +41,5 @@ def test_the_dump_api_still_imports_from_the_top():
               "from llmflow import DumpConfig, register_hook; "
               "print(d.DumpConfig is DumpConfig, callable(register_hook), 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
     assert done.stdout.split() == ["True", "True", "True"], done.stderr

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from path_helpers import checkout_path
 
 from llmflow.dump import DumpConfig, copies, dump_run, register_hook
 from llmflow.dump import stats as dump_stats
@@ -259,7 +260,7 @@ def test_a_bad_copies_setting_is_one_line_naming_it(tmp_path):
     script = ("from llmflow.dump import DumpConfig, register_hook\nimport torch\n"
               f"m = torch.nn.Linear(2, 2)\nregister_hook(m, DumpConfig(dump_path={str(tmp_path / 'd')!r}))\n"
               "m(torch.ones(2))\n")
-    env = {"PYTHONPATH": str(ROOT), "LLMFLOW_DUMP_COPIES": "sometimes", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": checkout_path(ROOT), "LLMFLOW_DUMP_COPIES": "sometimes", "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode != 0
     assert "LLMFLOW_DUMP_COPIES: expected 'auto' or 'always', got 'sometimes'" in done.stderr
@@ -308,7 +309,7 @@ def test_a_compare_against_a_dump_with_a_lost_entry_is_inconclusive(tmp_path, ke
     done = subprocess.run([sys.executable, "-m", "llmflow", "compare", "-gp", str(tmp_path / "golden"),
                            "-mp", str(tmp_path / "target"), "-o", str(tmp_path / "out"), "--no-xlsx"],
                           capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": checkout_path(ROOT)})
     out = done.stdout + done.stderr
     assert done.returncode == 3, out
     assert out.strip().splitlines()[-1].startswith("INCONCLUSIVE"), out

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from path_helpers import checkout_path
 
 from llmflow import native
 from llmflow.dump import DumpConfig, capture, dump_run, register_hook
@@ -350,7 +351,7 @@ def test_a_users_quick_start_script_dumps_the_same_with_and_without_the_compiled
     dumps = {}
     for fused in ("1", "0"):
         out = tmp_path / f"dump_fused{fused}"
-        env = {**os.environ, "PYTHONPATH": str(root), "LLMFLOW_FUSED": fused}
+        env = {**os.environ, "PYTHONPATH": checkout_path(root), "LLMFLOW_FUSED": fused}
         done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True,
                               env=env, cwd=tmp_path, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]

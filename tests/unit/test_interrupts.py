@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
@@ -43,7 +44,7 @@ SCRIPT = textwrap.dedent("""
 
 def _run(mode: str) -> str:
     done = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=30,
-                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+                          cwd=REPO, env={"PYTHONPATH": checkout_path(REPO), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -86,7 +87,7 @@ def test_a_child_that_calls_die_with_parent_ends_when_its_parent_is_killed(tmp_p
     import time
 
     parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True,
-                              cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+                              cwd=REPO, env={"PYTHONPATH": checkout_path(REPO), "PATH": "/usr/bin:/bin"})
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     assert parent.stdout.readline().strip() == "armed"
@@ -121,5 +122,5 @@ def test_sigterm_raises_terminated_inside_the_block_only():
         print("restored", signal.getsignal(signal.SIGTERM) == before)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
-                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+                          cwd=REPO, env={"PYTHONPATH": checkout_path(REPO), "PATH": "/usr/bin:/bin"})
     assert done.stdout.split() == ["terminated", "True", "restored", "True"], done.stderr

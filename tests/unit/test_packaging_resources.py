@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from path_helpers import checkout_path
 
 from llmflow.errors import UserError
 from llmflow.resources import (
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": checkout_path(REPO)}
     return subprocess.run([sys.executable, "-m", "llmflow.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
