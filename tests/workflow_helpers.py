@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from path_helpers import checkout_path
-
 from llmflow.errors import UserError
 from llmflow.stages.base import Stage, StageContext
 
@@ -35,6 +33,9 @@ def llmflow(*args: str, cwd: Path | None = None, umask: int | None = None, timeo
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m llmflow.cli ARGS`` as a user runs it (this checkout first on the path; ``env``
     added to the environment)."""
+    # (imported here: workflows load this file as a stage file, where tests/ is not on the path)
+    from path_helpers import checkout_path
+
     env = {**os.environ, **(env or {}), "PYTHONPATH": checkout_path(REPO)}
     return subprocess.run([sys.executable, "-m", "llmflow.cli", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=timeout,
