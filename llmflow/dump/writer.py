@@ -149,16 +149,11 @@ class AsyncWriter:
                 if self._stats and not self._awaiting_fence and self._error is None:
                     self._flush()
             return
-        if event is None and self._thread is None and not self._queue and row.has_data \
-                and payload is not None:
-            # a host copy written inline with nothing queued before it (every CPU tensor of a
-            # tensor dump): straight into the data batch, as ``_handle`` would put it, without
-            # the queue item and the drain's dispatch (~2 us a tensor)
-            self._batch[row.key] = payload
-            self._batch_rows.append(_held(row))
-            self._batch_size += nbytes
-            if self._batch_size >= self.batch_bytes and not self._awaiting_fence:
-                self._flush()
+        if event is None and self._thread is None and not self._queue and (payload is None or row.has_data):
+            # a host copy, or a repeat, written inline with nothing queued before it (every CPU
+            # tensor of a tensor dump): straight into the data batch, as ``_handle`` puts it,
+            # without the queue item and the drain's dispatch (~2 us a tensor)
+            self._take_data(row, payload, None, nbytes)
             return
         self._queue.append((row, payload, event, nbytes))
         stream = event.after if type(event) is Checked else event
@@ -337,25 +332,33 @@ class AsyncWriter:
             self._awaiting_fence = True
         elif event is not None:
             event.synchronize()  # the asynchronous device copy has landed
-        if payload is None:  # a repeat of a tensor of this step
-            if row.key in self._files:  # already flushed: point at its file
-                self._lines.append(row.with_key(f"{self._files[row.key]}:{row.key}"))
-            else:  # still in the batch: written with it
-                self._batch_rows.append(_held(row))
-        elif row.has_data:
-            self._batch[row.key] = payload
-            if held is not None:
-                self._batch_held[row.key] = held
-            self._batch_rows.append(_held(row))
-            self._batch_size += item[3]  # (the tensor's bytes: a payload may be ``bytes``)
-            if self._batch_size >= self.batch_bytes and not self._awaiting_fence:
-                self._flush()
+        if payload is None or row.has_data:
+            self._take_data(row, payload, held, item[3])
         else:  # statistics mode: a copy on the tensor's device
             self._stats.append((row, payload, held))
             self._stats_bytes += payload.nbytes
             if self._stats_bytes >= self.batch_bytes and not self._awaiting_fence:
                 self._flush()
         return False
+
+    def _take_data(self, row: IndexRow, payload: Any, held: tuple[torch.Tensor, int] | None,
+                   nbytes: int) -> None:
+        """A tensor's row and data into the data batch (``held``: the tensor captured and its
+        version, where ``payload`` is that tensor or a learning copy of it), or a repeat's row
+        (``payload`` None) beside the data it shares."""
+        if payload is None:  # a repeat of a tensor of this step
+            if row.key in self._files:  # already flushed: point at its file
+                self._lines.append(row.with_key(f"{self._files[row.key]}:{row.key}"))
+            else:  # still in the batch: written with it
+                self._batch_rows.append(_held(row))
+            return
+        self._batch[row.key] = payload
+        if held is not None:
+            self._batch_held[row.key] = held
+        self._batch_rows.append(_held(row))
+        self._batch_size += nbytes  # (the tensor's bytes: a payload may be ``bytes``)
+        if self._batch_size >= self.batch_bytes and not self._awaiting_fence:
+            self._flush()
 
     def _flush(self, data: bool = True) -> None:
         # paused only inline, in the forward thread: from the writer thread a pause would cover the

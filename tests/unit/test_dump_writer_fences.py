@@ -135,6 +135,11 @@ def test_inline_host_copies_skip_the_queue_only_when_nothing_waits_ahead_of_them
     # nothing queued: straight into the data batch, which is full at once and written
     w.submit(_row(1, 0, True), torch.full((4,), 1.0), None, nbytes=16)
     assert not w._queue and log.events == ["write"]
+    # a repeat of it (no data of its own: the key of the data it shares) takes the same way
+    repeat = IndexRow.of(Entry(0, 9, "r1", "output", "0", "module", 9, dtype="float32", shape=(4,),
+                               key="1", has_data=True))
+    w.submit(repeat, None, None)
+    assert not w._queue
     # a copy on a stream waits for its fence, and a host copy after it waits behind it
     w.submit(_row(2, 0, True), torch.full((4,), 2.0), STREAM_A, nbytes=16)
     w.submit(_row(3, 0, True), torch.full((4,), 3.0), None, nbytes=16)
@@ -143,4 +148,5 @@ def test_inline_host_copies_skip_the_queue_only_when_nothing_waits_ahead_of_them
     w.close()
     assert log.events[1] == "sync" and log.events.count("write") >= 2
     r = LlmflowDumpReader(tmp_path / "d")
-    assert sorted(float(r.load(e)[0]) for e in r.entries()) == [1.0, 2.0, 3.0]
+    assert sorted(float(r.load(e)[0]) for e in r.entries()) == [1.0, 1.0, 2.0, 3.0]
+    assert float(r.load(next(e for e in r.entries() if e.name == "r1"))[0]) == 1.0
