@@ -29,7 +29,8 @@ reads float32 and bfloat16, either side, as they are; float16 is converted first
 the kernel, one call per span of rows. Per row, a
 first loop reads both sides from memory for the maxima and every sum that needs no maximum; a
 second loop reads the row again from cache for the softmax sums and each side's minimum and
-plain sum (there they ride on the exp's latency; in the first loop they cost ~15%). The
+plain sum (there they ride on the exp's latency; in the first loop they cost ~15%); meanwhile
+each thread fetches its next row into cache, so that memory and arithmetic overlap. The
 element-wise work is fp32 (exact for bf16/fp16/fp32 data) with no function calls: exp(x <= 0)
 is a degree-6 polynomial scaled by 2^n, phi(d) a series for |d| < 1 and exp(b - max b) * exp(max b - max a) -
 exp(a - max a) * (1 + d) beyond. The first loop's max |d| picks the second loop's form per row:

@@ -19,6 +19,9 @@
 #include <cstring>
 #include <initializer_list>
 #include <utility>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -160,20 +163,21 @@ inline vf phi_series(vf d) {
     return p;
 }
 
-struct Pass1 {  // maxima, exact quadratic sums, counts
-    vd aa{}, bb{}, ab{}, dd{}, sad{}, srel{};
-    vf block_ad{}, block_rel{}, mad{}, mrel{};
+// The first pass's sums, in two parts that a build sweeps together or one after the other: each
+// accumulator sees the same terms in the same order either way, so the bits do not depend on it.
+// Together they hold 12 accumulators a step; with the step's temporaries that is more than the
+// 16 registers of a 128- or 256-bit build, whose compiler then keeps some sums in memory, a load
+// and a store on the sum's dependency chain every step (the x86-64-v3 build's first pass took
+// ~1.25x the time of the two parts apart, in cache). Apart, each part fits, and the second
+// sweep reads the row from cache; a 512-bit build's 32 registers hold them together.
+struct Quadratic {  // the maxima and the exact quadratic sums
+    vd aa{}, bb{}, ab{}, dd{};
     vf ma = splat(-INFINITY), mb = splat(-INFINITY);
-    vi c1{}, c5{};
 
     template <bool TAIL>
     void step(vf x, vf y, vi valid) {
-        vf d = y - x, ad = vabs(d), ag = vabs(x);
-        vf rel = ag > EPS ? ad / ag : splat(0.0f);
-        vi v1 = rel < 1e-3f, v5 = rel < 5e-3f;
         if (TAIL) {  // lanes past the end: 0 adds nothing; the maxima ignore them
             const vf zero = splat(0.0f), ninf = splat(-INFINITY);
-            ad = valid ? ad : zero; rel = valid ? rel : zero; v1 &= valid; v5 &= valid;
             ma = vmax(ma, valid ? x : ninf); mb = vmax(mb, valid ? y : ninf);
             x = valid ? x : zero; y = valid ? y : zero;
         } else {
@@ -182,6 +186,24 @@ struct Pass1 {  // maxima, exact quadratic sums, counts
         vd xl = half(x, 0), xh = half(x, 1), yl = half(y, 0), yh = half(y, 1);
         vd dl = yl - xl, dh = yh - xh;
         aa += xl * xl + xh * xh; bb += yl * yl + yh * yh; ab += xl * yl + xh * yh; dd += dl * dl + dh * dh;
+    }
+    void flush() {}
+};
+
+struct Errors {  // |d| and the relative error: maxima, sums, counts
+    vd sad{}, srel{};
+    vf block_ad{}, block_rel{}, mad{}, mrel{};
+    vi c1{}, c5{};
+
+    template <bool TAIL>
+    void step(vf x, vf y, vi valid) {
+        vf d = y - x, ad = vabs(d), ag = vabs(x);
+        vf rel = ag > EPS ? ad / ag : splat(0.0f);
+        vi v1 = rel < 1e-3f, v5 = rel < 5e-3f;
+        if (TAIL) {
+            const vf zero = splat(0.0f);
+            ad = valid ? ad : zero; rel = valid ? rel : zero; v1 &= valid; v5 &= valid;
+        }
         block_ad += ad; block_rel += rel; c1 -= v1; c5 -= v5;
         mad = vmax(mad, ad); mrel = vmax(mrel, rel);
     }
@@ -190,6 +212,20 @@ struct Pass1 {  // maxima, exact quadratic sums, counts
         block_ad = block_rel = vf{};
     }
 };
+
+struct Both {  // the two parts in one sweep
+    Quadratic q;
+    Errors e;
+
+    template <bool TAIL>
+    void step(vf x, vf y, vi valid) {
+        q.template step<TAIL>(x, y, valid);
+        e.template step<TAIL>(x, y, valid);
+    }
+    void flush() { e.flush(); }
+};
+constexpr bool FIRST_PASS_APART = NB < 64;
+constexpr int FIRST_SWEEPS = FIRST_PASS_APART ? 2 * SWEEPS : SWEEPS;
 
 // The second pass's form, by the row's largest |d| (the first pass's max): every |d| < 1 means
 // exp(d) = 1 + d + phi(d) converges, so exp(b - mb) = exp(a - ma) * exp(d) * exp(ma - mb) costs 3
@@ -270,14 +306,36 @@ int64_t count(const P *p, vi P::*c) {
     return t;
 }
 
+// The next row's bytes, fetched into L2 a few cache lines a block while this row's sweeps run.
+// Only a row's first sweep reads memory; the others read the row from cache while the memory
+// bus idles. One core streams memory at about the speed of the arithmetic, so without this the
+// first sweep of every row waits on memory and the rest of the row's work waits on nothing:
+// fetching ahead overlaps the two (docs/benchmarks.md). Hints only: no result depends on them,
+// and a prefetch of an address not mapped yet is dropped, never a fault.
+struct Ahead {
+    const char *a = nullptr, *b = nullptr;
+    int64_t a_bytes = 0, b_bytes = 0, done = 0, per_block = 0;  // done: bytes of each side fetched so far
+
+    void block() {  // the next per_block lines of each side
+        for (int64_t k = 0; k < per_block && (done < a_bytes || done < b_bytes); k++, done += 64) {
+            if (done < a_bytes) __builtin_prefetch(a + done, 0, 2);
+            if (done < b_bytes) __builtin_prefetch(b + done, 0, 2);
+        }
+    }
+};
+
 // sweep s of a row: its lanes of every step
 template <class P, class A, class B>
-void sweep(P &p, const A *a, const B *b, int64_t n, int s) {
+void sweep(P &out, const A *a, const B *b, int64_t n, int s, Ahead &ahead) {
+    // The sums live in a local copy: `out` is memory that a float load from a or b might alias,
+    // so summing into it directly makes the compiler store every accumulator at every step.
+    P p = out;
     int64_t full = n - n % W;
     for (int64_t i0 = 0; i0 < full; i0 += BLOCK * W) {
         int64_t end = i0 + BLOCK * W < full ? i0 + BLOCK * W : full;
         for (int64_t i = i0; i < end; i += W) p.template step<false>(load(a + i, s), load(b + i, s), vi{});
         p.flush();
+        ahead.block();
     }
     if (full < n) {  // the last n % W elements, from a zero-padded copy (no read past the end)
         A ta[W] = {};
@@ -289,35 +347,54 @@ void sweep(P &p, const A *a, const B *b, int64_t n, int s) {
         p.template step<true>(load(ta, s), load(tb, s), valid);
         p.flush();
     }
+    out = p;
 }
 
 template <class P, class A, class B>
-void second_pass(const P &start, const A *a, const B *b, int64_t n, double *t) {
+void second_pass(const P &start, const A *a, const B *b, int64_t n, double *t, Ahead &ahead) {
     P p[SWEEPS];
     for (int s = 0; s < SWEEPS; s++) {
         p[s] = start;
-        sweep(p[s], a, b, n, s);
+        sweep(p[s], a, b, n, s, ahead);
     }
     t[0] = hsum(p, &P::sa); t[1] = hsum(p, &P::sb); t[2] = hsum(p, &P::y); t[3] = hsum(p, &P::z);
     t[4] = hmin(p, &P::na); t[5] = hsum(p, &P::s_a); t[6] = hmin(p, &P::nb); t[7] = hsum(p, &P::s_b);
 }
 
-// one row: its N_ROW values (the first loop reads a and b from memory, the second from cache)
+// one row: its N_ROW values (the first loop reads a and b from memory, the second from cache),
+// fetching the next row's `next` elements (0: none) into cache meanwhile
 template <class A, class B>
-void one_row(const A *a, const B *b, int64_t n, double *r) {
-    Pass1 p[SWEEPS];
-    for (int s = 0; s < SWEEPS; s++) sweep(p[s], a, b, n, s);
-    float ma = hmax(p, &Pass1::ma), mb = hmax(p, &Pass1::mb), spread = hmax(p, &Pass1::mad);
+void one_row(const A *a, const B *b, int64_t n, int64_t next, double *r) {
+    Ahead ahead{reinterpret_cast<const char *>(a + n), reinterpret_cast<const char *>(b + n),
+                next * int64_t(sizeof(A)), next * int64_t(sizeof(B))};
+    int64_t lines = ((ahead.a_bytes > ahead.b_bytes ? ahead.a_bytes : ahead.b_bytes) + 63) / 64;
+    int64_t blocks = (FIRST_SWEEPS + SWEEPS) * ((n + BLOCK * W - 1) / (BLOCK * W));  // every sweep's blocks
+    ahead.per_block = (lines + blocks - 1) / blocks;
+    Quadratic q[SWEEPS];
+    Errors e[SWEEPS];
+    for (int s = 0; s < SWEEPS; s++) {
+        if constexpr (FIRST_PASS_APART) {
+            sweep(q[s], a, b, n, s, ahead);
+        } else {
+            Both both;
+            sweep(both, a, b, n, s, ahead);
+            q[s] = both.q;
+            e[s] = both.e;
+        }
+    }
+    if constexpr (FIRST_PASS_APART)
+        for (int s = 0; s < SWEEPS; s++) sweep(e[s], a, b, n, s, ahead);
+    float ma = hmax(q, &Quadratic::ma), mb = hmax(q, &Quadratic::mb), spread = hmax(e, &Errors::mad);
     const vf va = splat(ma), vb = splat(mb);
     const vf scale_b = splat(std::exp(mb - ma)), scale_ab = splat(std::exp(ma - mb));
     double t[8];
-    if (spread < 0.0625f) second_pass(Pass2<SMALL>{va, vb, scale_b, scale_ab}, a, b, n, t);
-    else if (spread < 1.0f) second_pass(Pass2<UNDER_ONE>{va, vb, scale_b, scale_ab}, a, b, n, t);
-    else second_pass(Pass2<ANY>{va, vb, scale_b, scale_ab}, a, b, n, t);
-    const double v[N_ROW] = {hsum(p, &Pass1::aa), hsum(p, &Pass1::bb), hsum(p, &Pass1::ab),
-                             hsum(p, &Pass1::dd), hmax(p, &Pass1::mad), hsum(p, &Pass1::sad),
-                             hmax(p, &Pass1::mrel), hsum(p, &Pass1::srel), double(count(p, &Pass1::c1)),
-                             double(count(p, &Pass1::c5)), ma, t[0], mb, t[1], t[2], t[3], t[4], t[5],
+    if (spread < 0.0625f) second_pass(Pass2<SMALL>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
+    else if (spread < 1.0f) second_pass(Pass2<UNDER_ONE>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
+    else second_pass(Pass2<ANY>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
+    const double v[N_ROW] = {hsum(q, &Quadratic::aa), hsum(q, &Quadratic::bb), hsum(q, &Quadratic::ab),
+                             hsum(q, &Quadratic::dd), hmax(e, &Errors::mad), hsum(e, &Errors::sad),
+                             hmax(e, &Errors::mrel), hsum(e, &Errors::srel), double(count(e, &Errors::c1)),
+                             double(count(e, &Errors::c5)), ma, t[0], mb, t[1], t[2], t[3], t[4], t[5],
                              t[6], t[7]};
     std::memcpy(r, v, sizeof v);
 }
@@ -325,11 +402,22 @@ void one_row(const A *a, const B *b, int64_t n, double *r) {
 template <class A, class B>
 void all_rows(const void *a, const void *b, int64_t n, int64_t row, int64_t rows, int threads, double *r) {
     (void)threads;  // without OpenMP (-fopenmp refused): one thread
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
-    for (int64_t i = 0; i < rows; i++) {
-        int64_t start = i * row, stop = start + row < n ? start + row : n;
-        one_row(static_cast<const A *>(a) + start, static_cast<const B *>(b) + start, stop - start,
-                r + i * N_ROW);
+    // Each thread takes a run of consecutive rows (as schedule(static) would), so that the row
+    // it fetches ahead is the one it reads next.
+#pragma omp parallel num_threads(threads) if (rows > 1)
+    {
+        int64_t first = 0, last = rows;
+#ifdef _OPENMP
+        int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        first = rows * me / team;
+        last = rows * (me + 1) / team;
+#endif
+        for (int64_t i = first; i < last; i++) {
+            int64_t start = i * row, stop = start + row < n ? start + row : n;
+            int64_t next = i + 1 < last ? (stop + row < n ? stop + row : n) - stop : 0;
+            one_row(static_cast<const A *>(a) + start, static_cast<const B *>(b) + start, stop - start, next,
+                    r + i * N_ROW);
+        }
     }
 }
 
