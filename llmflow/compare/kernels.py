@@ -76,14 +76,39 @@ EPS = float(torch.finfo(torch.float32).eps)
 N_VALUES = 20
 FUSED_CHUNK = 1 << 16  # elements per kernel row: 256 KiB per side in fp32, read twice from L2
 FUSED_SPAN = 64 * FUSED_CHUNK  # fp32 elements per kernel call (rows in parallel)
+SUM_BLOCK = 4096  # elements each thread sums on its own in fixed_sum
 LIBRARY = native.PASS1
 _lock = threading.Lock()
 _fused: Callable | None | bool = None  # None: not tried yet; False: unavailable
 _this_thread = threading.local()  # .threads: what ``threads_from`` set in this thread, if anything
 
 
+def fixed_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of a 1-D tensor, added in an order that does not depend on torch's thread count.
+
+    torch's own ``sum`` and ``dot`` split a long tensor among its threads, so their last bits
+    change with the thread count, and with which thread happens to take which part: two runs of
+    one compare would write rows that differ in the last digits. Here each block of
+    ``SUM_BLOCK`` elements is summed by one thread (a reduction over the inner dimension of a
+    2-D view runs each output on one thread), then the block sums in order (fewer than torch's
+    grain size: one thread)."""
+    n = x.numel()
+    if n <= SUM_BLOCK:
+        return x.sum()
+    pad = -n % SUM_BLOCK
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    return x.view(-1, SUM_BLOCK).sum(1).sum()
+
+
+def fixed_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sum x*y of two 1-D tensors, in ``fixed_sum``'s order."""
+    return fixed_sum(x * y)
+
+
 def pass1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One chunk (any float dtype, same shape, finite); a float64 tensor of ``N_VALUES`` values."""
+    """One chunk (any float dtype, same shape, finite); a float64 tensor of ``N_VALUES`` values,
+    the same whatever torch's thread count."""
     a = a.to(torch.float64).reshape(-1)
     b = b.to(torch.float64).reshape(-1)
     d = b - a
@@ -92,14 +117,14 @@ def pass1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     rel = torch.where(ag > EPS, ad / ag, 0.0)
     ma, mb = a.max(), b.max()
     ea = (a - ma).exp_()
-    sa = ea.sum()
+    sa = fixed_sum(ea)
     # expm1(d) - d: float64 leaves ~4e-16/|d| relative error, 4e-9 where d is one fp32 rounding
     phi = torch.expm1(d).sub_(d)
     return torch.stack([
-        torch.dot(a, a), torch.dot(b, b), torch.dot(a, b), torch.dot(d, d), ad.max(), ad.sum(),
-        rel.max(), rel.sum(), (rel < 1e-3).sum().to(torch.float64), (rel < 5e-3).sum().to(torch.float64),
-        sa.log() + ma, (b - mb).exp_().sum().log() + mb, torch.dot(ea, d) / sa, torch.dot(ea, phi) / sa,
-        ma, a.min(), a.sum(), mb, b.min(), b.sum(),
+        fixed_dot(a, a), fixed_dot(b, b), fixed_dot(a, b), fixed_dot(d, d), ad.max(), fixed_sum(ad),
+        rel.max(), fixed_sum(rel), (rel < 1e-3).sum().to(torch.float64), (rel < 5e-3).sum().to(torch.float64),
+        sa.log() + ma, fixed_sum((b - mb).exp_()).log() + mb, fixed_dot(ea, d) / sa, fixed_dot(ea, phi) / sa,
+        ma, a.min(), fixed_sum(a), mb, b.min(), fixed_sum(b),
     ])
 
 

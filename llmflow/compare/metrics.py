@@ -157,10 +157,10 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
         # integer data, equal element for element (position ids, cache positions, masks: most
         # integer pairs of a dump): the sums of an exact match in 3 ops, not ~30 eager float64
         # ones (~300 us a pair, a tenth of a real module-level compare)
-        g64 = g.to(torch.float64)
-        lse = float(torch.logsumexp(g64, 0))
-        sq = float(torch.dot(g64, g64))
-        hi, lo, total = float(g64.max()), float(g64.min()), float(g64.sum())
+        g64 = g.to(torch.float64).reshape(-1)
+        hi, lo, total = float(g64.max()), float(g64.min()), float(kernels.fixed_sum(g64))
+        lse = hi + math.log(float(kernels.fixed_sum((g64 - hi).exp_())))
+        sq = float(kernels.fixed_dot(g64, g64))
         acc.update(gg=sq, tt=sq, gt=sq, c1=n, c5=n, valid=n, lse_g=lse, lse_t=lse, kl_w=1.0)
         for side in "gt":
             acc.update({f"{side}_max": hi, f"{side}_min": lo, f"{side}_sum": total, f"{side}_sq": sq,
@@ -217,8 +217,8 @@ def _merge_side(acc: dict[str, Any], side: str, x: torch.Tensor) -> None:
         return
     acc[f"{side}_max"] = max(acc[f"{side}_max"], float(x.max()))
     acc[f"{side}_min"] = min(acc[f"{side}_min"], float(x.min()))
-    acc[f"{side}_sum"] += float(x.sum())
-    acc[f"{side}_sq"] += float(torch.dot(x, x))
+    acc[f"{side}_sum"] += float(kernels.fixed_sum(x))
+    acc[f"{side}_sq"] += float(kernels.fixed_dot(x, x))
     acc[f"{side}_n"] += x.numel()
 
 

@@ -21,6 +21,7 @@ import torch
 
 from llmflow.compare.algorithms import load_algorithms, run_algorithm
 from llmflow.compare.codes import Code
+from llmflow.compare.kernels import fixed_dot, fixed_sum
 from llmflow.compare.mappings import REPLICATED, SUM
 from llmflow.compare.match import Pair
 from llmflow.compare.metrics import compare_tensors, judge
@@ -144,12 +145,12 @@ def _stats_of(job: Job, reader: DumpReader, e: Entry) -> dict[str, float] | None
         return e.stats
     if not e.has_data:
         return None
-    x = job.load(reader, e).double()
+    x = job.load(reader, e).double().reshape(-1)
     finite = x[torch.isfinite(x)]
     return {"max": float(finite.max()) if finite.numel() else math.nan,
             "min": float(finite.min()) if finite.numel() else math.nan,
-            "mean": float(finite.mean()) if finite.numel() else math.nan,
-            "norm": float(torch.linalg.vector_norm(finite)),
+            "mean": float(fixed_sum(finite)) / finite.numel() if finite.numel() else math.nan,
+            "norm": math.sqrt(float(fixed_dot(finite, finite))),
             "nan": int(torch.isnan(x).sum()), "inf": int(torch.isinf(x).sum())}
 
 

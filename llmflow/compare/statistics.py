@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from llmflow.compare.codes import Code
-from llmflow.compare.kernels import EPS
+from llmflow.compare.kernels import EPS, fixed_dot, fixed_sum
 
 STATS = ("max", "min", "mean", "norm")
 STAT_COLUMNS = tuple(f"{s}_{kind}" for s in STATS for kind in ("diff", "rel_diff"))
@@ -30,8 +30,9 @@ def side_stats(x: torch.Tensor) -> dict[str, float]:
     finite = x[torch.isfinite(x)]
     if finite.numel() == 0:
         return {s: math.nan for s in STATS}
-    return {"max": float(finite.max()), "min": float(finite.min()), "mean": float(finite.mean()),
-            "norm": float(torch.linalg.vector_norm(finite))}
+    return {"max": float(finite.max()), "min": float(finite.min()),
+            "mean": float(fixed_sum(finite)) / finite.numel(),
+            "norm": math.sqrt(float(fixed_dot(finite, finite)))}
 
 
 def put_sides(row: dict[str, Any], golden: dict[str, float], target: dict[str, float]) -> None:

@@ -73,6 +73,48 @@ def test_every_worker_count_writes_the_same_csv(dumps: Path) -> None:
         assert many_csv == one_csv
 
 
+def write_eager_dump(path: Path, noise: float) -> None:
+    """Pairs whose rows eager torch computes: NaN and Inf among float32 elements, float64
+    tensors, integer tensors equal element for element; each longer than torch's grain size
+    (32,768 elements), where torch's own sums split the work among its threads."""
+    writer = DumpDirWriter(path, meta={"data_mode": "tensor"})
+    gen = torch.Generator().manual_seed(5)
+    tensors, entries = {}, []
+    for i, n in enumerate([(1 << 16) + 3, 200_003, 100_000, 300_001]):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(i)) * 3
+        x = x * (1 + noise * torch.randn(n, generator=gen))
+        if i == 0:
+            x[11], x[n - 2] = float("nan"), float("inf")
+        x = x.double() if i == 1 else torch.arange(n) % 977 if i == 2 else x
+        tensors[str(i)] = x
+        entries.append(Entry(step=0, rank=0, name=f"model.layers.{i}", kind="output", index="0",
+                             level="module", order=i, dtype=str(x.dtype).removeprefix("torch."),
+                             shape=(n,), module_type="LlamaDecoderLayer", key=str(i)))
+    writer.write_batch(tensors, entries)
+    writer.close()
+
+
+def test_rows_eager_torch_computes_do_not_depend_on_the_thread_count(tmp_path: Path) -> None:
+    """The same dumps compared with torch on 1 thread and on 4, at 1, 2 and 4 workers: the same
+    CSV bytes, NaN and Inf rows, float64 and integer rows included."""
+    write_eager_dump(tmp_path / "g", 0.0)
+    write_eager_dump(tmp_path / "t", 1e-4)
+    runs = {}
+    for threads, workers in (("1", "1"), ("4", "1"), ("4", "2"), ("4", "4")):
+        out = tmp_path / f"t{threads}w{workers}"
+        done = subprocess.run([sys.executable, "-m", "llmflow", "compare", "-gp", str(tmp_path / "g"), "-mp",
+                               str(tmp_path / "t"), "-o", str(out), "--no-xlsx", "--workers", workers],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": checkout_path(REPO), "NO_COLOR": "1",
+                                   "OMP_NUM_THREADS": threads})
+        assert done.returncode in (0, 1), done.stderr
+        runs[threads, workers] = {p.name: p.read_bytes() for p in sorted(out.glob("*.csv"))}
+    first = runs["1", "1"]
+    assert first and b"model.layers.3," in first["compare_module.csv"]
+    for key, csv in runs.items():
+        assert csv == first, key
+
+
 class OneAtATime(LlmflowDumpReader):
     """An llmflow dump reader that records how many threads were inside ``load`` at once."""
 

@@ -543,3 +543,22 @@ def test_non_finite_statistics_on_one_side_fail(golden: dict, target: dict, code
     j = judge(compare_stats(golden, target), "float32")
     assert j.code == code and j.verdict == ("fail" if code == "nan_inf" else "warn")
     assert "NaN/Inf statistics on " + ("one side only" if code == "nan_inf" else "both sides") in j.reason
+
+
+@pytest.mark.parametrize("n", [1, 4096, 4097, 65_536, 200_003])
+def test_fixed_sum_is_the_sum_whatever_the_thread_count(n: int) -> None:
+    from llmflow.compare.kernels import fixed_dot, fixed_sum
+
+    x = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    y = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(n + 1))
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            got[threads] = (float(fixed_sum(x)), float(fixed_dot(x, y)))
+    finally:
+        torch.set_num_threads(before)
+    assert got[2] == got[1] and got[4] == got[1]
+    assert got[1][0] == pytest.approx(math.fsum(x.tolist()), rel=1e-12, abs=1e-12)
+    assert got[1][1] == pytest.approx(math.fsum((x * y).tolist()), rel=1e-12, abs=1e-12)
