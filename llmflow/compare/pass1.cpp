@@ -163,21 +163,20 @@ inline vf phi_series(vf d) {
     return p;
 }
 
-// The first pass's sums, in two parts that a build sweeps together or one after the other: each
-// accumulator sees the same terms in the same order either way, so the bits do not depend on it.
-// Together they hold 12 accumulators a step; with the step's temporaries that is more than the
-// 16 registers of a 128- or 256-bit build, whose compiler then keeps some sums in memory, a load
-// and a store on the sum's dependency chain every step (the x86-64-v3 build's first pass took
-// ~1.25x the time of the two parts apart, in cache). Apart, each part fits, and the second
-// sweep reads the row from cache; a 512-bit build's 32 registers hold them together.
-struct Quadratic {  // the maxima and the exact quadratic sums
-    vd aa{}, bb{}, ab{}, dd{};
+struct Pass1 {  // maxima, exact quadratic sums, counts
+    vd aa{}, bb{}, ab{}, dd{}, sad{}, srel{};
+    vf block_ad{}, block_rel{}, mad{}, mrel{};
     vf ma = splat(-INFINITY), mb = splat(-INFINITY);
+    vi c1{}, c5{};
 
     template <bool TAIL>
     void step(vf x, vf y, vi valid) {
+        vf d = y - x, ad = vabs(d), ag = vabs(x);
+        vf rel = ag > EPS ? ad / ag : splat(0.0f);
+        vi v1 = rel < 1e-3f, v5 = rel < 5e-3f;
         if (TAIL) {  // lanes past the end: 0 adds nothing; the maxima ignore them
             const vf zero = splat(0.0f), ninf = splat(-INFINITY);
+            ad = valid ? ad : zero; rel = valid ? rel : zero; v1 &= valid; v5 &= valid;
             ma = vmax(ma, valid ? x : ninf); mb = vmax(mb, valid ? y : ninf);
             x = valid ? x : zero; y = valid ? y : zero;
         } else {
@@ -186,24 +185,6 @@ struct Quadratic {  // the maxima and the exact quadratic sums
         vd xl = half(x, 0), xh = half(x, 1), yl = half(y, 0), yh = half(y, 1);
         vd dl = yl - xl, dh = yh - xh;
         aa += xl * xl + xh * xh; bb += yl * yl + yh * yh; ab += xl * yl + xh * yh; dd += dl * dl + dh * dh;
-    }
-    void flush() {}
-};
-
-struct Errors {  // |d| and the relative error: maxima, sums, counts
-    vd sad{}, srel{};
-    vf block_ad{}, block_rel{}, mad{}, mrel{};
-    vi c1{}, c5{};
-
-    template <bool TAIL>
-    void step(vf x, vf y, vi valid) {
-        vf d = y - x, ad = vabs(d), ag = vabs(x);
-        vf rel = ag > EPS ? ad / ag : splat(0.0f);
-        vi v1 = rel < 1e-3f, v5 = rel < 5e-3f;
-        if (TAIL) {
-            const vf zero = splat(0.0f);
-            ad = valid ? ad : zero; rel = valid ? rel : zero; v1 &= valid; v5 &= valid;
-        }
         block_ad += ad; block_rel += rel; c1 -= v1; c5 -= v5;
         mad = vmax(mad, ad); mrel = vmax(mrel, rel);
     }
@@ -212,20 +193,6 @@ struct Errors {  // |d| and the relative error: maxima, sums, counts
         block_ad = block_rel = vf{};
     }
 };
-
-struct Both {  // the two parts in one sweep
-    Quadratic q;
-    Errors e;
-
-    template <bool TAIL>
-    void step(vf x, vf y, vi valid) {
-        q.template step<TAIL>(x, y, valid);
-        e.template step<TAIL>(x, y, valid);
-    }
-    void flush() { e.flush(); }
-};
-constexpr bool FIRST_PASS_APART = NB < 64;
-constexpr int FIRST_SWEEPS = FIRST_PASS_APART ? 2 * SWEEPS : SWEEPS;
 
 // The second pass's form, by the row's largest |d| (the first pass's max): every |d| < 1 means
 // exp(d) = 1 + d + phi(d) converges, so exp(b - mb) = exp(a - ma) * exp(d) * exp(ma - mb) costs 3
@@ -328,7 +295,8 @@ struct Ahead {
 template <class P, class A, class B>
 void sweep(P &out, const A *a, const B *b, int64_t n, int s, Ahead &ahead) {
     // The sums live in a local copy: `out` is memory that a float load from a or b might alias,
-    // so summing into it directly makes the compiler store every accumulator at every step.
+    // so summing into it directly makes the compiler store every accumulator at every step
+    // (~1.1x on bfloat16 rows of the x86-64-v3 build).
     P p = out;
     int64_t full = n - n % W;
     for (int64_t i0 = 0; i0 < full; i0 += BLOCK * W) {
@@ -368,33 +336,21 @@ void one_row(const A *a, const B *b, int64_t n, int64_t next, double *r) {
     Ahead ahead{reinterpret_cast<const char *>(a + n), reinterpret_cast<const char *>(b + n),
                 next * int64_t(sizeof(A)), next * int64_t(sizeof(B))};
     int64_t lines = ((ahead.a_bytes > ahead.b_bytes ? ahead.a_bytes : ahead.b_bytes) + 63) / 64;
-    int64_t blocks = (FIRST_SWEEPS + SWEEPS) * ((n + BLOCK * W - 1) / (BLOCK * W));  // every sweep's blocks
+    int64_t blocks = 2 * SWEEPS * ((n + BLOCK * W - 1) / (BLOCK * W));  // every sweep's blocks
     ahead.per_block = (lines + blocks - 1) / blocks;
-    Quadratic q[SWEEPS];
-    Errors e[SWEEPS];
-    for (int s = 0; s < SWEEPS; s++) {
-        if constexpr (FIRST_PASS_APART) {
-            sweep(q[s], a, b, n, s, ahead);
-        } else {
-            Both both;
-            sweep(both, a, b, n, s, ahead);
-            q[s] = both.q;
-            e[s] = both.e;
-        }
-    }
-    if constexpr (FIRST_PASS_APART)
-        for (int s = 0; s < SWEEPS; s++) sweep(e[s], a, b, n, s, ahead);
-    float ma = hmax(q, &Quadratic::ma), mb = hmax(q, &Quadratic::mb), spread = hmax(e, &Errors::mad);
+    Pass1 p[SWEEPS];
+    for (int s = 0; s < SWEEPS; s++) sweep(p[s], a, b, n, s, ahead);
+    float ma = hmax(p, &Pass1::ma), mb = hmax(p, &Pass1::mb), spread = hmax(p, &Pass1::mad);
     const vf va = splat(ma), vb = splat(mb);
     const vf scale_b = splat(std::exp(mb - ma)), scale_ab = splat(std::exp(ma - mb));
     double t[8];
     if (spread < 0.0625f) second_pass(Pass2<SMALL>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
     else if (spread < 1.0f) second_pass(Pass2<UNDER_ONE>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
     else second_pass(Pass2<ANY>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
-    const double v[N_ROW] = {hsum(q, &Quadratic::aa), hsum(q, &Quadratic::bb), hsum(q, &Quadratic::ab),
-                             hsum(q, &Quadratic::dd), hmax(e, &Errors::mad), hsum(e, &Errors::sad),
-                             hmax(e, &Errors::mrel), hsum(e, &Errors::srel), double(count(e, &Errors::c1)),
-                             double(count(e, &Errors::c5)), ma, t[0], mb, t[1], t[2], t[3], t[4], t[5],
+    const double v[N_ROW] = {hsum(p, &Pass1::aa), hsum(p, &Pass1::bb), hsum(p, &Pass1::ab),
+                             hsum(p, &Pass1::dd), hmax(p, &Pass1::mad), hsum(p, &Pass1::sad),
+                             hmax(p, &Pass1::mrel), hsum(p, &Pass1::srel), double(count(p, &Pass1::c1)),
+                             double(count(p, &Pass1::c5)), ma, t[0], mb, t[1], t[2], t[3], t[4], t[5],
                              t[6], t[7]};
     std::memcpy(r, v, sizeof v);
 }
