@@ -30,6 +30,14 @@ same turn (with one thread also GB per second of the thread's CPU time, "1 cpu":
 shared with other work the steadier figure); then microseconds per pair of 576 and 4096 elements
 through the best build and eager torch.
 
+    .venv/bin/python benchmarks/bench_compare.py [--kernel] --old TREE [--targets ...] [--repeat 15]
+
+times this checkout's compare kernel against the one in source tree TREE (``git archive REF |
+tar -x -C TREE``), each build of both side by side in turns in one process: for changes meant to
+make the kernel faster. With --kernel, its C entry point on in-memory pairs and the bits each
+gives; without, the whole compare of the synthetic dumps with each kernel swapped in (rows
+marked "kernel": "new" / "old").
+
     .venv/bin/python benchmarks/bench_compare.py --smollm2 [--tokens 20]
 
 dumps SmolLM2 in float32 and in bfloat16 (module mode, every step) and times ``compare_dumps`` of
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import platform
@@ -333,6 +342,63 @@ def kernel_bench(workers: list[int], targets: list, repeat: int) -> dict:
     return out
 
 
+def kernel_entry(tree: Path | None, target) -> ctypes._CFuncPtr:
+    """``llmflow_pass1`` of the kernel in source tree ``tree`` (None: this checkout) built for
+    ``target`` (in llmflow's cache, keyed by the source)."""
+    from llmflow import native
+    from llmflow.compare import kernels
+
+    library = kernels.LIBRARY
+    if tree is not None:
+        source = tree / "llmflow" / "compare" / "pass1.cpp"
+        if not source.is_file():
+            raise SystemExit(f"--old: {source} does not exist")
+        library = native.NativeLibrary(source, "compare kernel of --old")
+    fn = ctypes.CDLL(str(library.build(target=target))).llmflow_pass1
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def kernel_ab(old_tree: Path, targets: list, repeat: int, elements: int = 1 << 24) -> dict:
+    """The compare kernel of this checkout against ``old_tree``'s, each build side by side: its
+    C entry point (``llmflow_pass1``) on pairs of ``elements`` in memory (fp32, bf16, and an fp32
+    golden against a bf16 target; 64 MiB of fp32 a side by default), rows of ``FUSED_CHUNK``, one
+    thread,
+    the two timed in turns in one process (``repeat`` turns after a warm-up); the median
+    milliseconds of each, old / new of those, and whether the 20 values are the same bits."""
+    from llmflow.compare import kernels
+
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(elements, generator=gen)
+    t = g * (1 + 1e-3 * torch.randn(g.shape, generator=gen))
+    cases = {"fp32": (g, t), "bf16": (g.bfloat16(), t.bfloat16()), "fp32_vs_bf16": (g, t.bfloat16())}
+    out: dict = {"cpu": cpu_model(), "old": str(old_tree), "repeat": repeat, "elements": g.numel()}
+    for target in targets:
+        fns = {"old": kernel_entry(old_tree, target), "new": kernel_entry(None, target)}
+        for case, (a, b) in cases.items():
+            ms: dict = {"old": [], "new": []}
+            values = {}
+            for turn in range(repeat + 1):  # the first turn warms up and is dropped
+                for label, fn in fns.items():
+                    res = torch.empty(kernels.N_VALUES, dtype=torch.float64)
+                    t0 = time.perf_counter()
+                    fn(a.data_ptr(), a.dtype == torch.bfloat16, b.data_ptr(), b.dtype == torch.bfloat16,
+                       a.numel(), kernels.FUSED_CHUNK, 1, res.data_ptr())
+                    if turn:
+                        ms[label].append((time.perf_counter() - t0) * 1e3)
+                    values[label] = res.numpy().tobytes()
+            old_ms, new_ms = statistics.median(ms["old"]), statistics.median(ms["new"])
+            out.setdefault(target.name, {})[case] = {
+                "old_ms": round(old_ms, 2), "new_ms": round(new_ms, 2),
+                "old_over_new": round(old_ms / new_ms, 3),
+                "min_ms": [round(min(ms["old"]), 2), round(min(ms["new"]), 2)],
+                "same_bits": values["old"] == values["new"]}
+            print(json.dumps({"target": target.name, "case": case, **out[target.name][case]}), flush=True)
+    return out
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -360,6 +426,34 @@ def kernel_build(target) -> Iterator[None]:
             os.environ.pop("LLMFLOW_KERNEL_TARGET", None)
         else:
             os.environ["LLMFLOW_KERNEL_TARGET"] = env
+
+
+class SwappedKernel:
+    """Within: in-process compares call the kernel of source tree ``tree`` (None: this
+    checkout's) built for ``target``. A compare large enough to start worker processes
+    (~27,000 pairs at 2 workers) would load this checkout's kernel in them: the synthetic dumps
+    here have ~120 pairs a GB."""
+
+    def __init__(self, tree: Path | None, target) -> None:
+        self.label = "old" if tree is not None else "new"
+        self.tree, self.target = tree, target
+
+    def __enter__(self) -> None:
+        from llmflow.compare import kernels
+
+        self.before = kernels._fused
+        kernels._fused = kernels._wrap(kernel_entry(self.tree, self.target))
+
+    def __exit__(self, *exc: object) -> None:
+        from llmflow.compare import kernels
+
+        kernels._fused = self.before
+
+
+def kernels_of(old: Path | None, target) -> list[SwappedKernel]:
+    """The kernels a turn times for ``target``: this checkout's, and with ``--old`` the old
+    tree's after it."""
+    return [SwappedKernel(None, target)] + ([SwappedKernel(old, target)] if old is not None else [])
 
 
 @contextlib.contextmanager
@@ -420,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     ap.add_argument("--kernel", action="store_true", help="time compare_tensors alone, in memory")
+    ap.add_argument("--old", type=Path, default=None,
+                    help="this checkout's compare kernel against this source tree's, side by side")
     ap.add_argument("--smollm2", action="store_true", help="compare real SmolLM2 dumps, compiled vs eager")
     ap.add_argument("--tokens", type=int, default=20, help="new tokens of the --smollm2 dumps")
     args = ap.parse_args(argv)
@@ -428,6 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--targets: this CPU runs {[t.name for t in runs]}, not {sorted(unknown)}")
     targets = [t for t in runs if args.targets is None or t.name in args.targets]
+    if args.kernel and args.old:
+        report = kernel_ab(args.old, targets, args.repeat)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0
     if args.kernel:
         print(json.dumps(kernel_bench(args.workers, targets, args.repeat)), flush=True)
         return 0
@@ -453,17 +554,21 @@ def main(argv: list[str] | None = None) -> int:
                        "cpu_seconds": round(raw_cpu, 3), "load_average": os.getloadavg()[0]}
                 for target in targets:
                     with kernel_build(target):
-                        for workers in args.workers:
-                            ours = llmflow_compare(g, t, tmp / f"out{i}-{target.name}-{workers}", workers)
-                            shutil.rmtree(tmp / f"out{i}-{target.name}-{workers}", ignore_errors=True)
-                            turns.setdefault((target.name, workers), []).append(
-                                (ours["gb_per_s"] / raw["gb_per_s"], raw, ours))
+                        for kernel in kernels_of(args.old, target):
+                            for workers in args.workers:
+                                out = tmp / f"out{i}-{target.name}-{workers}"
+                                with kernel:
+                                    ours = llmflow_compare(g, t, out, workers)
+                                shutil.rmtree(out, ignore_errors=True)
+                                turns.setdefault((target.name, workers, kernel.label), []).append(
+                                    (ours["gb_per_s"] / raw["gb_per_s"], raw, ours))
             row: dict = {"size_gb": size, "tensors_per_side": n, "llmflow": []}
-            for (target_name, workers), measured in turns.items():
+            for (target_name, workers, label), measured in turns.items():
                 median, raw, ours = sorted(measured, key=lambda x: x[0])[len(measured) // 2]
                 speeds = [m[2]["gb_per_s"] for m in measured]
                 row["llmflow"].append({
-                    "target": target_name, "workers": workers, "raw": raw, "llmflow": ours,
+                    "target": target_name, "workers": workers, **({"kernel": label} if args.old else {}),
+                    "raw": raw, "llmflow": ours,
                     "gb_per_s_range": [min(speeds), max(speeds)],
                     "peak_anon_mib_over_start": max(m[2]["peak_anon_mib_over_start"] for m in measured),
                     "llmflow_vs_raw": round(median, 3),
@@ -480,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
                 theirs = row["msprobe"].get("gb_per_s")
                 if theirs:
                     row["llmflow_vs_msprobe"] = {
-                        f"{r['target']} {r['workers']}": round(r["llmflow"]["gb_per_s"] / theirs, 1)
+                        f"{r['target']} {r['workers']}{' ' + r['kernel'] if args.old else ''}":
+                            round(r["llmflow"]["gb_per_s"] / theirs, 1)
                         for r in row["llmflow"]}
                 print(json.dumps({k: row.get(k) for k in ("msprobe", "llmflow_vs_msprobe")}), flush=True)
             report["sizes"].append(row)

@@ -1,4 +1,5 @@
-"""The benchmark scripts' own logic: the dump profile's split into parts, the goals per device."""
+"""The benchmark scripts' own logic: the dump profile's split into parts, the goals per device,
+the compare kernel timed against another source tree's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_compare  # noqa: E402
 import bench_dump  # noqa: E402
 import profile_dump  # noqa: E402
 
@@ -37,3 +40,28 @@ def test_dump_goals_are_the_devices(capsys, device, ratio, said):
     assert said in lines
     # API dumps have a goal on the CPU only
     assert ("tensor api: 3.00x (goal <= 2.0x: missed)" in lines) == (device == "cpu")
+
+
+def test_kernel_against_an_old_tree_times_both_builds_and_checks_the_bits(tmp_path):
+    from llmflow import native
+    from llmflow.compare import kernels
+
+    if native.disabled() or kernels.fused() is None:
+        pytest.skip("no compiled compare kernel here")
+    old = tmp_path / "old"
+    (old / "llmflow" / "compare").mkdir(parents=True)
+    source = (REPO / "llmflow" / "compare" / "pass1.cpp").read_text()
+    (old / "llmflow" / "compare" / "pass1.cpp").write_text(source + "\n// another tree\n")
+    target = native.supported_targets()[0]
+    report = bench_compare.kernel_ab(old, [target], repeat=2, elements=(1 << 17) + 5)
+    for case in ("fp32", "bf16", "fp32_vs_bf16"):
+        row = report[target.name][case]
+        assert row["same_bits"] and row["old_ms"] > 0 and row["new_ms"] > 0
+    swapped = bench_compare.kernels_of(old, target)
+    assert [k.label for k in swapped] == ["new", "old"]
+    before = kernels._fused
+    with swapped[1]:
+        assert kernels._fused is not before
+    assert kernels._fused is before
+    with pytest.raises(SystemExit, match="does not exist"):
+        bench_compare.kernel_entry(tmp_path / "nowhere", target)
