@@ -562,3 +562,23 @@ def test_fixed_sum_is_the_sum_whatever_the_thread_count(n: int) -> None:
     assert got[2] == got[1] and got[4] == got[1]
     assert got[1][0] == pytest.approx(math.fsum(x.tolist()), rel=1e-12, abs=1e-12)
     assert got[1][1] == pytest.approx(math.fsum((x * y).tolist()), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.bfloat16)])
+def test_the_kernel_gives_the_same_bits_on_any_number_of_threads(monkeypatch: pytest.MonkeyPatch,
+                                                                  dtypes: tuple) -> None:
+    """Rows split among 1 to 8 threads, each fetching its next row ahead (the last row short, more
+    threads than rows): every value the same bits, and eager torch's numbers."""
+    kernels, fused = _fused_kernel_or_skip(monkeypatch)
+    n = 5 * kernels.FUSED_CHUNK + 77
+    gen = torch.Generator().manual_seed(11)
+    a = (torch.randn(n, generator=gen) * 2).to(dtypes[0])
+    b = (a.float() + 0.05 * torch.randn(n, generator=gen)).to(dtypes[1])
+    got = {}
+    for threads in (1, 2, 3, 4, 8):
+        with kernels.threads_from(lambda threads=threads: threads):
+            got[threads] = fused(a, b)
+    for threads, values in got.items():
+        assert torch.equal(values, got[1]), threads
+    torch.testing.assert_close(got[1], kernels.pass1(a, b), rtol=1e-5, atol=1e-9)
