@@ -355,9 +355,7 @@ def kernel_entry(tree: Path | None, target) -> ctypes._CFuncPtr:
             raise SystemExit(f"--old: {source} does not exist")
         library = native.NativeLibrary(source, "compare kernel of --old")
     fn = ctypes.CDLL(str(library.build(target=target))).llmflow_pass1
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-                   ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
+    fn.argtypes, fn.restype = kernels.ARGTYPES, ctypes.c_int
     return fn
 
 

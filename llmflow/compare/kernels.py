@@ -78,6 +78,9 @@ FUSED_CHUNK = 1 << 16  # elements per kernel row: 256 KiB per side in fp32, read
 FUSED_SPAN = 64 * FUSED_CHUNK  # fp32 elements per kernel call (rows in parallel)
 SUM_BLOCK = 4096  # elements each thread sums on its own in fixed_sum
 LIBRARY = native.PASS1
+# llmflow_pass1(a, a_bf16, b, b_bf16, n, row, threads, out) -> 0, or -1 when out of memory
+ARGTYPES = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_int, ctypes.c_void_p]
 _lock = threading.Lock()
 _fused: Callable | None | bool = None  # None: not tried yet; False: unavailable
 _this_thread = threading.local()  # .threads: what ``threads_from`` set in this thread, if anything
@@ -187,9 +190,8 @@ def for_target(target: native.Target) -> Callable | None:
 
 def _load_or_build(target: native.Target | None = None) -> Callable | None:
     """The compiled kernel (built on first need) once it agrees with eager torch, else None."""
-    fn = LIBRARY.function("llmflow_pass1", [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p],
-                          ctypes.c_int, lambda f: _agrees(_wrap(f)),  # (the check: ~10 ms of float64)
+    fn = LIBRARY.function("llmflow_pass1", ARGTYPES, ctypes.c_int,
+                          lambda f: _agrees(_wrap(f)),  # (the check: ~10 ms of float64)
                           target)
     return _wrap(fn) if fn is not None else None
 

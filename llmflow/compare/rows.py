@@ -21,7 +21,6 @@ import torch
 
 from llmflow.compare.algorithms import load_algorithms, run_algorithm
 from llmflow.compare.codes import Code
-from llmflow.compare.kernels import fixed_dot, fixed_sum
 from llmflow.compare.mappings import REPLICATED, SUM
 from llmflow.compare.match import Pair
 from llmflow.compare.metrics import compare_tensors, judge
@@ -35,7 +34,7 @@ from llmflow.compare.shards import (
     standout,
     worst_copy_note,
 )
-from llmflow.compare.statistics import STATS, compare_stats
+from llmflow.compare.statistics import STATS, compare_stats, side_stats
 from llmflow.compare.thresholds import coarser
 from llmflow.dtypes import dtype_class
 from llmflow.formats import locator, locator_prefix
@@ -146,12 +145,10 @@ def _stats_of(job: Job, reader: DumpReader, e: Entry) -> dict[str, float] | None
     if not e.has_data:
         return None
     x = job.load(reader, e).double().reshape(-1)
-    finite = x[torch.isfinite(x)]
-    return {"max": float(finite.max()) if finite.numel() else math.nan,
-            "min": float(finite.min()) if finite.numel() else math.nan,
-            "mean": float(fixed_sum(finite)) / finite.numel() if finite.numel() else math.nan,
-            "norm": math.sqrt(float(fixed_dot(finite, finite))),
-            "nan": int(torch.isnan(x).sum()), "inf": int(torch.isinf(x).sum())}
+    stats = side_stats(x)
+    if math.isnan(stats["norm"]):  # no finite element: the norm of none is 0, as a metrics row says
+        stats["norm"] = 0.0
+    return {**stats, "nan": int(torch.isnan(x).sum()), "inf": int(torch.isinf(x).sum())}
 
 
 def _sum_stats(stats: list[dict[str, float] | None]) -> dict[str, float] | None:

@@ -37,8 +37,8 @@ disk is reported, not swallowed.
 With ``inline=True`` no thread is started: the same backlog is worked through by the forward
 thread itself at each step end (and whenever ``wake_bytes`` are waiting); a host copy or a
 repeat with nothing queued ahead of it (``_take_data``), and a held tensor of a statistics dump,
-skip the queue and go straight into their batch. That is faster where the thread would have no core of its own
-(``capture.inline_writer`` decides).
+skip the queue and go straight into their batch. That is faster where the thread would have no
+core of its own (``capture.inline_writer`` decides).
 
 The thread is a daemon (a user's script must be able to end without closing anything), so a
 writer still open when the interpreter exits must be finished before the interpreter tears

@@ -26,6 +26,13 @@ REPO = Path(__file__).resolve().parents[2]
 SIZES = [576] * 150 + [2 * (1 << 16) + 13] * 3 + [1001]
 
 
+def layer_entry(step: int, i: int, x: torch.Tensor) -> Entry:
+    """The index entry of tensor ``x`` as decoder layer ``i``'s output, stored under key ``i``."""
+    return Entry(step=step, rank=0, name=f"model.layers.{i}", kind="output", index="0", level="module",
+                 order=i, dtype=str(x.dtype).removeprefix("torch."), shape=tuple(x.shape),
+                 module_type="LlamaDecoderLayer", key=str(i))
+
+
 def write_dump(path: Path, noise: float, fault_at: int | None = None) -> None:
     writer = DumpDirWriter(path, meta={"data_mode": "tensor"})
     gen = torch.Generator().manual_seed(3)
@@ -38,9 +45,7 @@ def write_dump(path: Path, noise: float, fault_at: int | None = None) -> None:
                 x = x * 2
             x = x.to(torch.bfloat16) if i % 7 == 3 else torch.arange(n) if i % 11 == 5 else x
             tensors[str(i)] = x
-            entries.append(Entry(step=step, rank=0, name=f"model.layers.{i}", kind="output", index="0",
-                                 level="module", order=i, dtype=str(x.dtype).removeprefix("torch."),
-                                 shape=(n,), module_type="LlamaDecoderLayer", key=str(i)))
+            entries.append(layer_entry(step, i, x))
         writer.write_batch(tensors, entries)
     writer.close()
 
@@ -87,9 +92,7 @@ def write_eager_dump(path: Path, noise: float) -> None:
             x[11], x[n - 2] = float("nan"), float("inf")
         x = x.double() if i == 1 else torch.arange(n) % 977 if i == 2 else x
         tensors[str(i)] = x
-        entries.append(Entry(step=0, rank=0, name=f"model.layers.{i}", kind="output", index="0",
-                             level="module", order=i, dtype=str(x.dtype).removeprefix("torch."),
-                             shape=(n,), module_type="LlamaDecoderLayer", key=str(i)))
+        entries.append(layer_entry(0, i, x))
     writer.write_batch(tensors, entries)
     writer.close()
 
