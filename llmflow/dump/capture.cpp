@@ -30,6 +30,10 @@
 // Dispatch (api.py's ApiMode derives from it, and from torch's TorchFunctionMode): its
 // __torch_function__, the same steps as ApiMode._dispatch.
 //
+// A tensor's metadata (version counter, device, contiguity, element count, data pointer, sizes,
+// requires_grad) comes from tensor_meta.cpp's reader, one C++ call, where it is built; else, and
+// for every tensor it declines, through torch's Python bindings: the same values either way.
+//
 // Built by llmflow.native against this interpreter's headers (once per Python version), loaded
 // as an extension module; where it cannot be built, the Python methods do everything.
 
@@ -45,6 +49,17 @@
 namespace {
 
 typedef void (*StatsKernel)(const void *, int, int64_t, double *);
+
+// tensor_meta.cpp's TensorMeta and reader (1 read, 0 left to the Python bindings)
+constexpr int META_DIMS = 8;
+struct TensorMeta {
+    int64_t version, numel, nbytes;
+    void *data;
+    int64_t sizes[META_DIMS];
+    int32_t ndim;
+    int8_t has_version, is_cpu, contiguous, requires_grad, strided, is_neg, is_conj;
+};
+typedef int (*MetaReader)(PyObject *, TensorMeta *);
 
 constexpr long long STATS_ENTRY_BYTES = 256;  // capture.py's _STATS_ENTRY_BYTES
 constexpr int N_STATS = 6;                   // STAT_KEYS
@@ -75,6 +90,7 @@ struct Entries {
     PyObject *copy;          // copies.device_copy / host_copy: (payload, event) of a tensor; None: none here (CRC32)
     int op_inputs, op_outputs;  // an API dump records the ops' inputs / outputs (tensor_part)
     StatsKernel kernel;      // null: no statistics here (tensor mode, no kernel, CRC32)
+    MetaReader meta_reader;  // null: tensors read through torch's Python bindings
     int statistics;          // a statistics dump
     long long max_bytes;     // -1: no limit
     int record_repeats;      // register first captures in ``seen`` (a plain dict; not _NoRepeats)
@@ -231,13 +247,16 @@ int repeat_row(Entries *self, PyObject *const *args, PyObject *id, PyObject *ver
 // Whether a tensor's first capture takes the fast path: in a statistics dump, a contiguous CPU
 // tensor of a kernel dtype (its statistics now); in a tensor dump without CRC32, a contiguous CPU
 // tensor whose memory is its values (a plain strided tensor, not a lazy negation or conjugate:
-// its bytes copied now). 1 yes, 0 no, -1 error.
-int fast_path(Entries *self, PyObject *t, PyObject *dtype, long long *code) {
+// its bytes copied now). ``meta``: the reader's, or null. 1 yes, 0 no, -1 error.
+int fast_path(Entries *self, PyObject *t, PyObject *dtype, long long *code, const TensorMeta *meta) {
     if (self->statistics ? self->kernel == nullptr : !self->data) return 0;
     if (self->statistics) {
         PyObject *code_obj = PyDict_GetItemWithError(self->kernel_codes, dtype);  // borrowed
         if (code_obj == nullptr) return PyErr_Occurred() ? -1 : 0;
         if ((*code = PyLong_AsLongLong(code_obj)) == -1 && PyErr_Occurred()) return -1;
+        if (meta != nullptr) return meta->is_cpu && meta->contiguous ? 1 : 0;
+    } else if (meta != nullptr) {
+        return meta->is_cpu && meta->contiguous && meta->strided && !meta->is_neg && !meta->is_conj ? 1 : 0;
     }
     PyObject *flag = PyObject_GetAttr(t, s_is_cpu);
     if (flag == nullptr) return -1;
@@ -266,7 +285,7 @@ int fast_path(Entries *self, PyObject *t, PyObject *dtype, long long *code) {
 // Left to that method: CRC32 dumps' copies, a tensor that requires grad, an empty tensor, a dtype
 // safetensors cannot store, the entry that would pass max_bytes. 1 done, 0 not this file's leaf
 // (nothing changed), -1 error.
-int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *version) {
+int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *version, const TensorMeta *meta) {
     PyObject *t = args[3];
     int result = -1, fast = 0;
     long long numel = 0, code = 0, nbytes = 0, entry_bytes = STATS_ENTRY_BYTES;
@@ -279,25 +298,39 @@ int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *
         result = PyErr_Occurred() ? -1 : 0;  // a dtype safetensors cannot store: the Python path
         goto out;
     }
-    if ((fast = fast_path(self, t, dtype, &code)) < 0) goto out;
+    if ((fast = fast_path(self, t, dtype, &code, meta)) < 0) goto out;
     if (!fast) {
         if (self->copy == nullptr || self->copy == Py_None) { result = 0; goto out; }
-        if ((flag = PyObject_GetAttr(t, s_requires_grad)) == nullptr) goto out;
-        if (flag != Py_False) { result = 0; goto out; }  // (its copy is taken detached: the Python path)
+        if (meta != nullptr) {
+            if (meta->requires_grad) { result = 0; goto out; }  // (its copy is taken detached: the Python path)
+        } else {
+            if ((flag = PyObject_GetAttr(t, s_requires_grad)) == nullptr) goto out;
+            if (flag != Py_False) { result = 0; goto out; }
+        }
     }
-    if ((n = attr_call(t, s_numel)) == nullptr) goto out;
-    numel = PyLong_AsLongLong(n);
-    if (numel == -1 && PyErr_Occurred()) goto out;
+    if (meta != nullptr) {
+        numel = meta->numel;
+    } else {
+        if ((n = attr_call(t, s_numel)) == nullptr) goto out;
+        numel = PyLong_AsLongLong(n);
+        if (numel == -1 && PyErr_Occurred()) goto out;
+    }
     if (numel <= 0) { result = 0; goto out; }  // an empty tensor: the Python path
     if (!fast || !self->statistics) {
-        Py_CLEAR(n);
-        if ((n = PyObject_GetAttr(t, s_nbytes)) == nullptr) goto out;
-        nbytes = PyLong_AsLongLong(n);
-        if (nbytes == -1 && PyErr_Occurred()) goto out;
+        if (meta != nullptr) {
+            nbytes = meta->nbytes;
+        } else {
+            Py_CLEAR(n);
+            if ((n = PyObject_GetAttr(t, s_nbytes)) == nullptr) goto out;
+            nbytes = PyLong_AsLongLong(n);
+            if (nbytes == -1 && PyErr_Occurred()) goto out;
+        }
         if (!self->statistics) entry_bytes = nbytes;
     }
     if (self->max_bytes >= 0 && self->bytes + entry_bytes > self->max_bytes) { result = 0; goto out; }
-    if (fast) {
+    if (fast && meta != nullptr) {
+        if ((data = meta->data) == nullptr) { result = 0; goto out; }
+    } else if (fast) {
         if ((ptr = attr_call(t, s_data_ptr)) == nullptr) goto out;
         data = PyLong_AsVoidPtr(ptr);
         if (data == nullptr) {
@@ -305,8 +338,17 @@ int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *
             goto out;
         }
     }
-    if ((size = PyObject_GetAttr(t, s_shape)) == nullptr || (shape = untracked(PySequence_Tuple(size))) == nullptr)
+    if (meta != nullptr) {
+        if ((shape = untracked(PyTuple_New(meta->ndim))) == nullptr) goto out;
+        for (int i = 0; i < meta->ndim; i++) {
+            PyObject *dim = PyLong_FromLongLong(meta->sizes[i]);
+            if (dim == nullptr) goto out;
+            PyTuple_SET_ITEM(shape, i, dim);
+        }
+    } else if ((size = PyObject_GetAttr(t, s_shape)) == nullptr
+               || (shape = untracked(PySequence_Tuple(size))) == nullptr) {
         goto out;
+    }
     // from here on the entry is this file's: the same steps, in order, as DumpSession._tensor
     if ((step = PyLong_FromLongLong(self->step)) == nullptr || (order = PyLong_FromLongLong(self->order)) == nullptr
         || (key = PyUnicode_FromFormat("%lld", self->entries + 1)) == nullptr)
@@ -382,9 +424,11 @@ int tensor_leaf(Entries *self, PyObject *const *args) {
     PyObject *t = args[3];
     if (Py_TYPE(t) != reinterpret_cast<PyTypeObject *>(self->tensor_type) || self->seen == nullptr)
         return deferred(self, s_tensor_slow, args);
-    PyObject *version = PyObject_GetAttr(t, s_version);
+    TensorMeta read;
+    const TensorMeta *meta = self->meta_reader != nullptr && self->meta_reader(t, &read) == 1 ? &read : nullptr;
+    PyObject *version = meta != nullptr ? PyLong_FromLongLong(meta->version) : PyObject_GetAttr(t, s_version);
     if (version == nullptr) {  // an inference tensor has no version counter: the Python path
-        if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) return -1;
+        if (meta != nullptr || !PyErr_ExceptionMatches(PyExc_RuntimeError)) return -1;
         PyErr_Clear();
         return deferred(self, s_tensor_slow, args);
     }
@@ -396,7 +440,7 @@ int tensor_leaf(Entries *self, PyObject *const *args) {
     bool handled = false;
     int done = repeat_row(self, args, id, version, &handled);
     if (done == 0 && !handled) {
-        done = first_capture(self, args, id, version);
+        done = first_capture(self, args, id, version, meta);
         handled = done == 1;
     }
     Py_DECREF(id);
@@ -945,11 +989,11 @@ PyTypeObject DispatchType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // _setup_entries(seen, add_row, submit, dtype_names, kernel_codes, no_extra, tensor_type,
 //                parameter_type, dtype_type, index_row, strided, param_names,
 //                disable_torch_function, copy, kernel_address, max_bytes, record_repeats,
-//                statistics, data, op_inputs, op_outputs): what the capture reads, set once by
-//                the session
+//                statistics, data, op_inputs, op_outputs, meta_address): what the capture reads,
+//                set once by the session
 PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     Entries *self = reinterpret_cast<Entries *>(op);
-    if (wrong_count(nargs, 21, "_setup_entries")) return nullptr;
+    if (wrong_count(nargs, 22, "_setup_entries")) return nullptr;
     if (!PyDict_Check(args[0]) || !PyDict_CheckExact(args[3]) || !PyDict_CheckExact(args[4])
         || !PyDict_CheckExact(args[5]) || !PyType_Check(args[6]) || !PyType_Check(args[7]) || !PyType_Check(args[8])
         || !PyType_Check(args[9]) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(args[9]), &PyTuple_Type)
@@ -963,7 +1007,8 @@ PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "_setup_entries(): copy is a callable or None");
         return nullptr;
     }
-    long long address = PyLong_AsLongLong(args[14]), max_bytes = PyLong_AsLongLong(args[15]);
+    long long address = PyLong_AsLongLong(args[14]), max_bytes = PyLong_AsLongLong(args[15]),
+              meta_address = PyLong_AsLongLong(args[21]);
     if (PyErr_Occurred()) return nullptr;
     PyObject **slots[14] = {&self->seen, &self->add_row, &self->submit, &self->dtype_names, &self->kernel_codes,
                             &self->no_extra, &self->tensor_type, &self->parameter_type, &self->dtype_type,
@@ -974,6 +1019,7 @@ PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
         Py_XSETREF(*slots[i], args[i]);
     }
     self->kernel = reinterpret_cast<StatsKernel>(static_cast<intptr_t>(address));
+    self->meta_reader = reinterpret_cast<MetaReader>(static_cast<intptr_t>(meta_address));
     self->max_bytes = max_bytes;
     self->record_repeats = PyObject_IsTrue(args[16]) == 1 && PyDict_CheckExact(args[0]);
     self->statistics = PyObject_IsTrue(args[17]) == 1;
@@ -988,6 +1034,7 @@ int Entries_traverse(PyObject *op, visitproc visit, void *arg) { return visit_he
 int Entries_clear(PyObject *op) {
     clear_held(op, ENTRIES_HELD);
     reinterpret_cast<Entries *>(op)->kernel = nullptr;
+    reinterpret_cast<Entries *>(op)->meta_reader = nullptr;
     return 0;
 }
 

@@ -29,7 +29,7 @@ import torch
 
 from llmflow import native
 from llmflow.dtypes import dtype_name
-from llmflow.dump import copies
+from llmflow.dump import copies, tensor_meta
 from llmflow.dump.api import use_compiled_dispatch
 from llmflow.dump.config import DumpConfig
 from llmflow.dump.copies import TensorKeeper, device_copy, host_copy
@@ -208,7 +208,7 @@ class DumpSession(Sink, _ENTRIES_BASE):
                                 not isinstance(self._seen, _NoRepeats), self.statistics,
                                 # tensor data copied in C (not where CPU tensors are held: tests)
                                 not self.statistics and not config.crc32 and not copies.HOLD_CPU,
-                                self._op_inputs, self._op_outputs)
+                                self._op_inputs, self._op_outputs, tensor_meta.address())
         if config.dump_weight:
             self._write_weights(model)
 

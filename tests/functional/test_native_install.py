@@ -1,6 +1,7 @@
 """`python -m llmflow.native`, the install step, builds every compiled kernel (the compare's and
-the dump's statistics) and the dump's compiled capture on a machine whose cache is empty (an
-earlier install step once printed "unavailable" there and left every compare on eager torch)."""
+the dump's statistics), the dump's compiled capture and its tensor reader on a machine whose
+cache is empty (an earlier install step once printed "unavailable" there and left every compare
+on eager torch)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 
 def _python_headers() -> bool:
@@ -25,8 +27,11 @@ def test_install_step_builds_kernels_into_an_empty_cache(tmp_path: Path) -> None
     done = subprocess.run([sys.executable, "-m", "llmflow.native"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    # (the capture is a Python extension: it needs this interpreter's headers as well)
-    for name in ("pass1.so", "stats.so", *(("capture.so",) if _python_headers() else ())):
+    # (the capture is a Python extension: it needs this interpreter's headers as well; its tensor
+    # reader torch's headers too)
+    torch_headers = _python_headers() and (Path(torch.__file__).parent / "include" / "torch").is_dir()
+    for name in ("pass1.so", "stats.so", *(("capture.so",) if _python_headers() else ()),
+                 *(("tensor_meta.so",) if torch_headers else ())):
         built = list(tmp_path.glob(f"kernels/*/{name}"))
         assert len(built) == 1, done.stdout
         assert str(built[0].parent) in done.stdout

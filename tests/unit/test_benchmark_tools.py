@@ -65,3 +65,29 @@ def test_kernel_against_an_old_tree_times_both_builds_and_checks_the_bits(tmp_pa
     assert kernels._fused is before
     with pytest.raises(SystemExit, match="does not exist"):
         bench_compare.kernel_entry(tmp_path / "nowhere", target)
+
+
+def test_capture_replay_under_eviction_times_the_calls_and_not_the_sweeps():
+    """``bench_capture.py --evict``: every replayed call follows a read of that much memory, and a
+    step's time holds the calls and the step's ends only. With 64 MB read before each of a step's
+    dozens of calls (milliseconds each), a step that counted the reads would take seconds."""
+    import json
+    import subprocess
+    import time
+
+    import torch
+
+    sweep = torch.ones(64 * 2**20 // 4)
+    t0 = time.perf_counter()
+    sweep.sum()
+    one_read = time.perf_counter() - t0
+    model = "tiny-llama:layers=2,hidden=32,heads=2,kv_heads=1,intermediate=64,vocab=300"
+    worker = [sys.executable, str(REPO / "benchmarks" / "bench_capture.py"), "--worker", model, "1",
+              "statistics", "64"]
+    proc = subprocess.run(worker, capture_output=True, text=True, check=True)
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("CAPTURE_RESULT "))
+    steps = json.loads(line.split(" ", 1)[1])
+    assert set(steps) == {"module", "api"}
+    for times in steps.values():
+        assert len(times) == 3 and all(t > 0 for t in times)
+        assert max(times) < 10 * one_read, (times, one_read)  # a step has far more than 10 calls
