@@ -30,9 +30,10 @@
 // Dispatch (api.py's ApiMode derives from it, and from torch's TorchFunctionMode): its
 // __torch_function__, the same steps as ApiMode._dispatch.
 //
-// A tensor's metadata (version counter, device, contiguity, element count, data pointer, sizes,
-// requires_grad) comes from tensor_meta.cpp's reader, one C++ call, where it is built; else, and
-// for every tensor it declines, through torch's Python bindings: the same values either way.
+// A tensor's metadata (version counter, device, contiguity, element and byte counts, data pointer,
+// sizes, requires_grad, layout, lazy negation or conjugation) comes from tensor_meta.cpp's reader,
+// one C++ call, where it is built; else, and for every tensor it declines, through torch's Python
+// bindings: the same values either way.
 //
 // Built by llmflow.native against this interpreter's headers (once per Python version), loaded
 // as an extension module; where it cannot be built, the Python methods do everything.
@@ -50,7 +51,8 @@ namespace {
 
 typedef void (*StatsKernel)(const void *, int, int64_t, double *);
 
-// tensor_meta.cpp's TensorMeta and reader (1 read, 0 left to the Python bindings)
+// tensor_meta.cpp's TensorMeta, field for field (its size asserted in both files and in
+// tensor_meta.py's mirror), and its reader: 1 read, 0 left to the Python bindings
 constexpr int META_DIMS = 8;
 struct TensorMeta {
     int64_t version, numel, nbytes;
@@ -59,6 +61,7 @@ struct TensorMeta {
     int32_t ndim;
     int8_t has_version, is_cpu, contiguous, requires_grad, strided, is_neg, is_conj;
 };
+static_assert(sizeof(TensorMeta) == 112, "TensorMeta changed: change tensor_meta.cpp and tensor_meta.py too");
 typedef int (*MetaReader)(PyObject *, TensorMeta *);
 
 constexpr long long STATS_ENTRY_BYTES = 256;  // capture.py's _STATS_ENTRY_BYTES

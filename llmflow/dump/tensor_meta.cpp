@@ -1,13 +1,12 @@
 // A tensor's metadata in one call through torch's C++ API, for the dump's capture (capture.cpp).
 //
 // A first capture reads seven things of a tensor (its version counter, whether it is on the CPU
-// and contiguous, its element count, data pointer and sizes, whether it requires grad), a tensor
-// dump's four more (its byte count, whether it is strided and not a lazy negation or conjugate,
-// whose memory would not be its values). Through
-// torch's Python bindings each is a separate code path (is_contiguous() goes through torch's
-// argument parser), and inside a forward pass every module call finds those paths evicted from
-// the caches by the layer's weights: ~6 us a tensor cold against ~1.5 us warm
-// (docs/benchmarks.md). Here they are read from the at::Tensor in a few loads.
+// and contiguous, its element count, data pointer and sizes, whether it requires grad); a tensor
+// dump four more (its byte count; whether it is strided, a lazy negation or a lazy conjugate,
+// whose memory is not its values). Through torch's Python bindings each is a separate code path
+// (is_contiguous() goes through torch's argument parser), and inside a forward pass every module
+// call finds those paths evicted from the caches by the layer's weights: ~6 us a tensor cold
+// against ~1.5 us warm (docs/benchmarks.md). Here they are read from the at::Tensor in a few loads.
 //
 // Built against the headers and libraries of the torch this process imports (llmflow.native's
 // TENSOR_META: the build key covers torch's version and path), so it never reads a tensor laid
@@ -23,7 +22,7 @@ namespace {
 constexpr int MAX_DIMS = 8;
 }
 
-// capture.cpp's TensorMeta, field for field
+// capture.cpp's TensorMeta, field for field (tensor_meta.py mirrors it for the check)
 struct TensorMeta {
     int64_t version, numel, nbytes;
     void *data;  // null unless on the CPU with elements
@@ -31,6 +30,7 @@ struct TensorMeta {
     int32_t ndim;
     int8_t has_version, is_cpu, contiguous, requires_grad, strided, is_neg, is_conj;
 };
+static_assert(sizeof(TensorMeta) == 112, "TensorMeta changed: change capture.cpp and tensor_meta.py too");
 
 // obj: a torch.Tensor (its exact type; the caller checks). 1 read, 0 not read (no error set).
 extern "C" int llmflow_tensor_meta(PyObject *obj, TensorMeta *m) noexcept {

@@ -1,10 +1,11 @@
 """The compiled capture's tensor metadata reader (``tensor_meta.cpp``): its address, or 0.
 
-The capture (``capture.cpp``) reads a tensor's version counter, device, contiguity, element
-count, data pointer and sizes through this one C++ call when it is built, and through torch's
-Python bindings when it is not: the same values either way, checked once per build against
-those bindings here. Built on first need (~20 s once per torch: torch's headers are large; the
-install step builds it ahead), or never with ``LLMFLOW_FUSED=0``.
+The capture (``capture.cpp``) reads a tensor's metadata (``TensorMeta``: version counter,
+device, contiguity, element and byte counts, data pointer, sizes, layout...) through this one C++
+call when it is built, and through torch's Python bindings when it is not: the same values either
+way, checked once per build against those bindings here. Built on first need (~20 s once per
+torch: torch's headers are large; the install step builds it ahead), or never with
+``LLMFLOW_FUSED=0``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from llmflow import native
 
 MAX_DIMS = 8  # tensor_meta.cpp's
+META_BYTES = 112  # sizeof(TensorMeta) as both C++ files assert it
 
 
 class TensorMeta(ctypes.Structure):

@@ -4,6 +4,7 @@ dump written with it is the dump written without it, in every mode."""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ needs_reader = pytest.mark.skipif(not CAN_BUILD, reason="no C++ compiler, Python
 @needs_reader
 def test_the_reader_builds_and_passes_its_check_here():
     assert tensor_meta.address() != 0
+    assert ctypes.sizeof(tensor_meta.TensorMeta) == tensor_meta.META_BYTES  # the C++ structs' size
 
 
 def _reader_reads(t: torch.Tensor) -> tuple | None:
