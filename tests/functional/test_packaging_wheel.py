@@ -98,17 +98,20 @@ def test_installed_wheel_runs_the_bisect_recipe_by_name_from_an_empty_directory(
     assert Path(package_file).is_relative_to(venv) and Path(workflows).is_relative_to(venv), where.stderr
     assert Path(workflows).parent.name == "_shipped"
 
-    # the C++ kernels, and the dump's capture where the venv's Python has its headers, compile from
-    # the sources in the wheel
+    # the C++ kernels, the dump's capture where the venv's Python has its headers, and its tensor
+    # reader where torch has its headers too, compile from the sources in the wheel
     built = _run([bin_ / "python", "-m", "llmflow.native"], cwd=tmp_path, env=user_env)
     assert built.returncode == 0, built.stderr
     if any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
-        has_headers = ("import sysconfig, pathlib; "
-                       "print(pathlib.Path(sysconfig.get_paths()['include'], 'Python.h').is_file())")
-        headers = _run([bin_ / "python", "-c", has_headers], cwd=tmp_path, env=user_env)
+        has_headers = ("import sysconfig, pathlib, torch; "
+                       "python = pathlib.Path(sysconfig.get_paths()['include'], 'Python.h').is_file(); "
+                       "include = pathlib.Path(torch.__file__).parent / 'include' / 'torch'; "
+                       "print(python, python and include.is_dir())")
+        python_headers, torch_headers = _run([bin_ / "python", "-c", has_headers], cwd=tmp_path,
+                                             env=user_env).stdout.split()
         names = {p.name for p in (tmp_path / "cache").glob("kernels/*/*.so")}
-        assert names == {"pass1.so", "stats.so", *(("capture.so",) if "True" in headers.stdout else ())}, \
-            built.stdout
+        assert names == {"pass1.so", "stats.so", *(("capture.so",) if python_headers == "True" else ()),
+                         *(("tensor_meta.so",) if torch_headers == "True" else ())}, built.stdout
 
     empty = tmp_path / "empty"
     empty.mkdir()
