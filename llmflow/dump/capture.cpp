@@ -19,11 +19,13 @@
 //     a contiguous CPU tensor: its bytes now, and its row to the writer; any other plain tensor
 //     (a view that is not contiguous, a tensor on an accelerator, a dtype the kernel lacks): its
 //     row, and a copy from copies.py's device_copy / host_copy to the writer;
-//   other: None, a bool, an int or a float as its value; a torch dtype by its name; a Parameter
-//     by shape, dtype and name.
+//   other: None, a bool, an int, a float or a string as its value; a torch dtype by its name; a
+//     Parameter by shape, dtype and name; a value of any type the session's _other does not
+//     single out (a model's cache object, say) by its type's name.
 // Every other leaf (a tensor subclass or one without a version counter, an empty tensor, one
 // that requires grad, a dtype safetensors cannot store, a CRC32 dump's copies, the max_bytes
-// limit, any other value) goes to the session's own Python method (_tensor / _other) before
+// limit, a subclass of int, float or str, a torch device, layout or memory format) goes to the
+// session's own Python method (_tensor / _other) before
 // anything here has changed, so the Python methods stay the one definition of an entry; tests
 // check that both write the same dump byte for byte (tests/unit/test_dump_native_capture.py).
 //
@@ -71,7 +73,7 @@ PyObject *s_version, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_numel, *s_data_pt
     *s_is_neg, *s_is_conj, *s_nbytes, *s_requires_grad,
     *s_tensor_slow, *s_other_slow, *s_empty, *s_param_dtype, *s_param, *s_parameter, *s_enter, *s_exit,
     *s_input, *s_output, *s_module, *s_api;
-PyObject *pytype_none, *pytype_bool, *pytype_int, *pytype_float, *pytype_dtype;
+PyObject *pytype_none, *pytype_bool, *pytype_int, *pytype_float, *pytype_dtype, *pytype_str, *s_name;
 
 struct Entries {
     PyObject_HEAD
@@ -91,6 +93,7 @@ struct Entries {
     PyObject *param_names;   // id(parameter) -> its name in the model
     PyObject *disable_torch_function;  // torch._C.DisableTorchFunction
     PyObject *copy;          // copies.device_copy / host_copy: (payload, event) of a tensor; None: none here (CRC32)
+    PyObject *other_in_python;  // the types of the values whose rows only the session's _other makes
     int op_inputs, op_outputs;  // an API dump records the ops' inputs / outputs (tensor_part)
     StatsKernel kernel;      // null: no statistics here (tensor mode, no kernel, CRC32)
     MetaReader meta_reader;  // null: tensors read through torch's Python bindings
@@ -127,7 +130,7 @@ constexpr PyObject *Entries::*const ENTRIES_HELD[] = {
     &Entries::stopped, &Entries::seen, &Entries::add_row, &Entries::submit, &Entries::index_row, &Entries::strided,
     &Entries::dtype_names, &Entries::kernel_codes, &Entries::no_extra, &Entries::tensor_type,
     &Entries::parameter_type, &Entries::dtype_type, &Entries::param_names, &Entries::disable_torch_function,
-    &Entries::copy};
+    &Entries::copy, &Entries::other_in_python};
 
 // Calls the session's Python method ``slow`` with the six arguments: the leaf this file leaves.
 // 0 done, -1 error.
@@ -154,6 +157,21 @@ template <class T>
 T *untracked(T *obj) {
     if (obj != nullptr) PyObject_GC_UnTrack(obj);
     return obj;
+}
+
+// str(n): an entry's key, made for every first capture (PyUnicode_FromFormat parses its format
+// through printf's machinery on every call)
+PyObject *decimal_string(long long n) {
+    char digits[24], *end = digits + sizeof digits, *p = end;
+    unsigned long long u = n < 0 ? 0ULL - static_cast<unsigned long long>(n) : static_cast<unsigned long long>(n);
+    do {
+        *--p = static_cast<char>('0' + u % 10);
+        u /= 10;
+    } while (u != 0);
+    if (n < 0) *--p = '-';
+    PyObject *text = PyUnicode_New(end - p, 127);
+    if (text != nullptr) std::memcpy(PyUnicode_1BYTE_DATA(text), p, static_cast<size_t>(end - p));
+    return text;
 }
 
 // the row: a plain tuple in IndexRow's field order, handed to add_row; steals nothing
@@ -354,7 +372,7 @@ int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *
     }
     // from here on the entry is this file's: the same steps, in order, as DumpSession._tensor
     if ((step = PyLong_FromLongLong(self->step)) == nullptr || (order = PyLong_FromLongLong(self->order)) == nullptr
-        || (key = PyUnicode_FromFormat("%lld", self->entries + 1)) == nullptr)
+        || (key = decimal_string(self->entries + 1)) == nullptr)
         goto out;
     self->order++;
     self->bytes += entry_bytes;
@@ -515,8 +533,15 @@ int other_leaf(Entries *self, PyObject *const *args) {
             return deferred(self, s_other_slow, args);
         }
         stored = named;
-    } else {
-        return deferred(self, s_other_slow, args);
+    } else if (PyUnicode_CheckExact(value)) {  // (the Python path keeps strings shorter than 256)
+        pytype = pytype_str;
+        if (PyUnicode_GET_LENGTH(value) >= 256) stored = Py_None;
+    } else {  // any other value is written as its type's name, save those only _other writes
+        int in_python = PyObject_IsInstance(value, self->other_in_python);
+        if (in_python != 0) return in_python < 0 ? -1 : deferred(self, s_other_slow, args);
+        if ((named = PyObject_GetAttr(reinterpret_cast<PyObject *>(Py_TYPE(value)), s_name)) == nullptr) return -1;
+        pytype = named;
+        stored = Py_None;
     }
     PyObject *step = PyLong_FromLongLong(self->step), *order = PyLong_FromLongLong(self->order);
     PyObject *done = nullptr;
@@ -559,12 +584,41 @@ constexpr int N_POSITIONAL = 32;
 PyObject *positional[N_POSITIONAL];  // "0" .. "31"
 PyObject *keyword_labels;            // keyword -> "kw:<keyword>"
 
+PyObject *child_labels;              // label -> [label.0, label.1, ...]
+
 PyObject *position_label(Py_ssize_t i) {
     if (i < N_POSITIONAL) {
         Py_INCREF(positional[i]);
         return positional[i];
     }
-    return PyUnicode_FromFormat("%zd", i);
+    return decimal_string(i);
+}
+
+// f"{prefix}.{i}" as a new reference, made once: ``table`` keeps prefix -> [prefix.0, prefix.1,
+// ...] (every decode step names the same nested values and the same ops)
+PyObject *numbered(PyObject *table, PyObject *prefix, Py_ssize_t i) {
+    PyObject *made = PyDict_GetItemWithError(table, prefix);
+    if (made == nullptr) {
+        if (PyErr_Occurred() || (made = PyList_New(0)) == nullptr) return nullptr;
+        int failed = PyDict_SetItem(table, prefix, made);
+        Py_DECREF(made);  // (the table holds it)
+        if (failed < 0) return nullptr;
+    }
+    while (PyList_GET_SIZE(made) <= i) {
+        PyObject *next = PyUnicode_FromFormat("%U.%zd", prefix, PyList_GET_SIZE(made));
+        int failed = next == nullptr ? -1 : PyList_Append(made, next);
+        Py_XDECREF(next);
+        if (failed < 0) return nullptr;
+    }
+    PyObject *text = PyList_GET_ITEM(made, i);
+    Py_INCREF(text);
+    return text;
+}
+
+// f"{index}.{i}": kept for the first N_POSITIONAL of a sequence (a layer's rotary embeddings, a
+// tuple output get the same labels every call)
+PyObject *child_label(PyObject *index, Py_ssize_t i) {
+    return i < N_POSITIONAL ? numbered(child_labels, index, i) : PyUnicode_FromFormat("%U.%zd", index, i);
 }
 
 // A mapping's items as a sequence of pairs (a dict's own; anything else through its items()).
@@ -609,7 +663,7 @@ struct Walk {
                 Py_INCREF(child);
                 Py_DECREF(pair);
             } else {
-                label = PyUnicode_FromFormat("%U.%zd", index, i);
+                label = child_label(index, i);
                 Py_INCREF(child);
             }
             result = label ? value_at(label, child, depth + 1) : -1;
@@ -805,10 +859,32 @@ PyObject *s_recorder_sink, *s_recorder_stack, *s_recorder_prefix, *s_op_counts, 
 
 struct Dispatch {
     PyObject_HEAD
-    PyObject *recorder;  // the recorder: sink, stack, prefix, op_counts
-    PyObject *names;     // callable -> recorded name (None: passed through)
-    PyObject *api_name;  // api.api_name
+    PyObject *recorder;    // the recorder: sink, stack, prefix, op_counts
+    PyObject *names;       // callable -> recorded name (None: passed through)
+    PyObject *api_name;    // api.api_name
+    PyObject *keys;        // module -> {api -> "<module>/<api>"}
+    PyObject *full_names;  // "<module>/<api>" -> ["<module>/<api>.0", "<module>/<api>.1", ...]
 };
+
+// The op's key, made once and kept (and its n-th full name, through ``numbered``): every decode
+// step calls the same ops in the same modules, and formatting the two strings (and hashing the
+// new key) on every call was ~1% of an API dump. A borrowed reference (the table's), or null.
+PyObject *op_key(Dispatch *self, PyObject *module, PyObject *name) {
+    PyObject *by_api = PyDict_GetItemWithError(self->keys, module);
+    if (by_api == nullptr) {
+        if (PyErr_Occurred() || (by_api = PyDict_New()) == nullptr) return nullptr;
+        int failed = PyDict_SetItem(self->keys, module, by_api);
+        Py_DECREF(by_api);  // (the table holds it)
+        if (failed < 0) return nullptr;
+    }
+    PyObject *key = PyDict_GetItemWithError(by_api, name);
+    if (key != nullptr || PyErr_Occurred()) return key;
+    if ((key = PyUnicode_FromFormat("%U/%U", module, name)) == nullptr) return nullptr;
+    int failed = PyDict_SetItem(by_api, name, key);
+    Py_DECREF(key);
+    return failed < 0 ? nullptr : key;
+}
+
 
 PyObject *call_func(PyObject *func, PyObject *args, PyObject *kwargs) {
     return PyObject_Call(func, args, kwargs != nullptr && kwargs != Py_None ? kwargs : nullptr);
@@ -905,7 +981,12 @@ PyObject *Dispatch_torch_function(PyObject *op, PyObject *const *a, Py_ssize_t n
     }
     if ((flag = PyObject_IsTrue(wants)) < 0) goto out;
     if (!flag) goto pass_through;
-    if ((key = PyUnicode_FromFormat("%U/%U", module, name)) == nullptr) goto out;
+    if (!PyUnicode_Check(module) || !PyUnicode_Check(name)) {
+        PyErr_SetString(PyExc_TypeError, "module and op names are str");
+        goto out;
+    }
+    if ((key = op_key(self, module, name)) == nullptr) goto out;
+    Py_INCREF(key);
     if ((counts = PyObject_GetAttr(self->recorder, s_op_counts)) == nullptr) goto out;
     if ((count = PyDict_GetItemWithError(counts, key)) != nullptr) {
         n = PyLong_AsLongLong(count);
@@ -915,7 +996,11 @@ PyObject *Dispatch_torch_function(PyObject *op, PyObject *const *a, Py_ssize_t n
     }
     count = nullptr;
     if ((count = PyLong_FromLongLong(n + 1)) == nullptr || PyDict_SetItem(counts, key, count) < 0) goto out;
-    if ((full = PyUnicode_FromFormat("%U.%lld", key, n)) == nullptr) goto out;
+    if (n < 0) {  // (a count the table was not meant to hold: named as the Python path names it)
+        if ((full = PyUnicode_FromFormat("%U.%lld", key, n)) == nullptr) goto out;
+    } else if ((full = numbered(self->full_names, key, static_cast<Py_ssize_t>(n))) == nullptr) {
+        goto out;
+    }
     if ((order = PyObject_GetAttr(sink, s_exec_order)) == nullptr) goto out;
     if (order != Py_None) {
         if (PyList_CheckExact(order) ? PyList_Append(order, full) < 0
@@ -968,10 +1053,14 @@ PyObject *Dispatch_setup(PyObject *op, PyObject *const *a, Py_ssize_t nargs) {
         Py_INCREF(a[i]);
         Py_XSETREF(*slots[i], a[i]);
     }
+    Py_XSETREF(self->keys, PyDict_New());
+    Py_XSETREF(self->full_names, PyDict_New());
+    if (self->keys == nullptr || self->full_names == nullptr) return nullptr;
     Py_RETURN_NONE;
 }
 
-constexpr PyObject *Dispatch::*const DISPATCH_HELD[] = {&Dispatch::recorder, &Dispatch::names, &Dispatch::api_name};
+constexpr PyObject *Dispatch::*const DISPATCH_HELD[] = {&Dispatch::recorder, &Dispatch::names, &Dispatch::api_name,
+                                                        &Dispatch::keys, &Dispatch::full_names};
 
 int Dispatch_traverse(PyObject *op, visitproc visit, void *arg) { return visit_held(op, DISPATCH_HELD, visit, arg); }
 
@@ -992,18 +1081,19 @@ PyTypeObject DispatchType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // _setup_entries(seen, add_row, submit, dtype_names, kernel_codes, no_extra, tensor_type,
 //                parameter_type, dtype_type, index_row, strided, param_names,
 //                disable_torch_function, copy, kernel_address, max_bytes, record_repeats,
-//                statistics, data, op_inputs, op_outputs, meta_address): what the capture reads,
+//                statistics, data, op_inputs, op_outputs, meta_address, other_in_python): what the
+//                capture reads,
 //                set once by the session
 PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     Entries *self = reinterpret_cast<Entries *>(op);
-    if (wrong_count(nargs, 22, "_setup_entries")) return nullptr;
+    if (wrong_count(nargs, 23, "_setup_entries")) return nullptr;
     if (!PyDict_Check(args[0]) || !PyDict_CheckExact(args[3]) || !PyDict_CheckExact(args[4])
         || !PyDict_CheckExact(args[5]) || !PyType_Check(args[6]) || !PyType_Check(args[7]) || !PyType_Check(args[8])
         || !PyType_Check(args[9]) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(args[9]), &PyTuple_Type)
-        || !PyDict_CheckExact(args[11])) {
+        || !PyDict_CheckExact(args[11]) || !PyTuple_Check(args[22])) {
         PyErr_SetString(PyExc_TypeError, "_setup_entries(): seen, dtype_names, kernel_codes, no_extra and "
                                          "param_names are dicts; tensor_type, parameter_type, dtype_type types; "
-                                         "index_row a tuple type");
+                                         "index_row a tuple type; other_in_python a tuple");
         return nullptr;
     }
     if (args[13] != Py_None && !PyCallable_Check(args[13])) {
@@ -1013,13 +1103,14 @@ PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     long long address = PyLong_AsLongLong(args[14]), max_bytes = PyLong_AsLongLong(args[15]),
               meta_address = PyLong_AsLongLong(args[21]);
     if (PyErr_Occurred()) return nullptr;
-    PyObject **slots[14] = {&self->seen, &self->add_row, &self->submit, &self->dtype_names, &self->kernel_codes,
+    PyObject **slots[15] = {&self->seen, &self->add_row, &self->submit, &self->dtype_names, &self->kernel_codes,
                             &self->no_extra, &self->tensor_type, &self->parameter_type, &self->dtype_type,
                             &self->index_row, &self->strided, &self->param_names, &self->disable_torch_function,
-                            &self->copy};
-    for (int i = 0; i < 14; i++) {
-        Py_INCREF(args[i]);
-        Py_XSETREF(*slots[i], args[i]);
+                            &self->copy, &self->other_in_python};
+    const int given[15] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 22};
+    for (int i = 0; i < 15; i++) {
+        Py_INCREF(args[given[i]]);
+        Py_XSETREF(*slots[i], args[given[i]]);
     }
     self->kernel = reinterpret_cast<StatsKernel>(static_cast<intptr_t>(address));
     self->meta_reader = reinterpret_cast<MetaReader>(static_cast<intptr_t>(meta_address));
@@ -1078,6 +1169,197 @@ PyMemberDef Entries_members[] = {
 
 PyTypeObject EntriesType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// -- the recorder's wrapper around a module's forward: recorder.py's recording_forward ---------
+// Every call of every instrumented module comes through here (~360 a decode step of SmolLM2),
+// and the Python closure's frame, its *args/**kwargs packing and its attribute reads cost 0.5-1.4
+// us a call more (a statistics dump of a toy model, the two alternated). Same steps, same order: the
+// sink read from the recorder at each call; with no active sink the forward alone (or, when the
+// recorder names ops, inside the module stack); the call's positional and keyword values as a
+// tuple and a dict only when the sink takes them; the innermost module an exception left noted
+// on the recorder; the stack popped however the call ends.
+PyObject *s_raised_in, *s_module_inputs, *s_module_output, *s_append;
+
+struct Forward {
+    PyObject_HEAD
+    PyObject *recorder;  // the Recorder: sink (read every call), raised_in (written on errors)
+    PyObject *stack;     // the recorder's stack of running modules (a list)
+    PyObject *forward;   // what the module's forward was
+    PyObject *module, *name, *mtype;
+    PyObject *dict;      // instance attributes (the wrapper's bookkeeping: _llmflow_unwrapped)
+    vectorcallfunc vectorcall;
+    int want_inputs, want_outputs, naming;
+};
+
+constexpr PyObject *Forward::*const FORWARD_HELD[] = {&Forward::recorder, &Forward::stack, &Forward::forward,
+                                                      &Forward::module, &Forward::name, &Forward::mtype,
+                                                      &Forward::dict};
+
+// is ``sink.active`` true: 1, 0, or -1 with an error set
+int sink_active(PyObject *sink) {
+    PyObject *active = PyObject_GetAttr(sink, s_active);
+    if (active == nullptr) return -1;
+    int flag = PyObject_IsTrue(active);
+    Py_DECREF(active);
+    return flag;
+}
+
+// ``if stack and stack[-1] == name: stack.pop()``, keeping any exception being raised
+void pop_name(Forward *self) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    Py_ssize_t n = PyList_GET_SIZE(self->stack);
+    if (n > 0) {
+        PyObject *top = PyList_GET_ITEM(self->stack, n - 1);
+        int same = top == self->name ? 1 : PyObject_RichCompareBool(top, self->name, Py_EQ);
+        if (same == 1) PyList_SetSlice(self->stack, n - 1, n, nullptr);
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, value, traceback);
+}
+
+// ``if recorder.raised_in is None: recorder.raised_in = name``, keeping the exception
+void note_raised(Forward *self) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *raised = PyObject_GetAttr(self->recorder, s_raised_in);
+    if (raised == Py_None) PyObject_SetAttr(self->recorder, s_raised_in, self->name);
+    Py_XDECREF(raised);
+    PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+}
+
+PyObject *Forward_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Forward *self = reinterpret_cast<Forward *>(op);
+    PyObject *sink = PyObject_GetAttr(self->recorder, s_recorder_sink);
+    if (sink == nullptr) return nullptr;
+    int active = sink == Py_None ? 0 : sink_active(sink);
+    if (active < 0) {
+        Py_DECREF(sink);
+        return nullptr;
+    }
+    if (!active) {
+        Py_CLEAR(sink);
+        if (!self->naming) return PyObject_Vectorcall(self->forward, args, nargsf, kwnames);
+    }
+    if (PyList_Append(self->stack, self->name) < 0) {
+        Py_XDECREF(sink);
+        return nullptr;
+    }
+    PyObject *values = nullptr, *keywords = nullptr, *output = nullptr, *order = nullptr, *done = nullptr;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (sink != nullptr) {
+        if ((order = PyObject_GetAttr(sink, s_exec_order)) == nullptr) goto failed;
+        if (order != Py_None) {
+            if (PyList_CheckExact(order) ? PyList_Append(order, self->name) < 0
+                                         : (done = PyObject_CallMethodOneArg(order, s_append, self->name)) == nullptr)
+                goto failed;
+            Py_CLEAR(done);
+        }
+        if (self->want_inputs || self->want_outputs) {  // (args, kwargs) as the closure receives them
+            if ((values = PyTuple_New(nargs)) == nullptr || (keywords = PyDict_New()) == nullptr) goto failed;
+            for (Py_ssize_t i = 0; i < nargs; i++) {
+                Py_INCREF(args[i]);
+                PyTuple_SET_ITEM(values, i, args[i]);
+            }
+            for (Py_ssize_t i = 0; kwnames != nullptr && i < PyTuple_GET_SIZE(kwnames); i++)
+                if (PyDict_SetItem(keywords, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0) goto failed;
+        }
+        if (self->want_inputs) {
+            PyObject *call[6] = {sink, self->name, self->mtype, self->module, values, keywords};
+            done = PyObject_VectorcallMethod(s_module_inputs, call, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+            if (done == nullptr) goto failed;
+            Py_CLEAR(done);
+        }
+    }
+    if ((output = PyObject_Vectorcall(self->forward, args, nargsf, kwnames)) == nullptr) goto failed;
+    if (self->want_outputs && sink != nullptr) {
+        if ((active = sink_active(sink)) < 0) goto failed;
+        if (active) {
+            PyObject *call[7] = {sink, self->name, self->mtype, self->module, values, keywords, output};
+            done = PyObject_VectorcallMethod(s_module_output, call, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+            if (done == nullptr) goto failed;
+            Py_CLEAR(done);
+        }
+    }
+    pop_name(self);
+    Py_XDECREF(sink);
+    Py_XDECREF(order);
+    Py_XDECREF(values);
+    Py_XDECREF(keywords);
+    return output;
+failed:
+    note_raised(self);
+    pop_name(self);
+    Py_XDECREF(sink);
+    Py_XDECREF(order);
+    Py_XDECREF(values);
+    Py_XDECREF(keywords);
+    Py_XDECREF(output);
+    return nullptr;
+}
+
+// RecordingForward(recorder, stack, forward, module, name, mtype, want_inputs, want_outputs, naming)
+PyObject *Forward_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *recorder, *stack, *forward, *module, *name, *mtype;
+    int want_inputs, want_outputs, naming;
+    static const char *keywords[] = {"recorder", "stack", "forward", "module", "name", "mtype", "want_inputs",
+                                     "want_outputs", "naming", nullptr};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOUUppp:RecordingForward", const_cast<char **>(keywords),
+                                     &recorder, &PyList_Type, &stack, &forward, &module, &name, &mtype,
+                                     &want_inputs, &want_outputs, &naming))
+        return nullptr;
+    if (!PyCallable_Check(forward)) {
+        PyErr_SetString(PyExc_TypeError, "RecordingForward(): forward is callable");
+        return nullptr;
+    }
+    Forward *self = reinterpret_cast<Forward *>(type->tp_alloc(type, 0));
+    if (self == nullptr) return nullptr;
+    PyObject **slots[6] = {&self->recorder, &self->stack, &self->forward, &self->module, &self->name, &self->mtype};
+    PyObject *given[6] = {recorder, stack, forward, module, name, mtype};
+    for (int i = 0; i < 6; i++) {
+        Py_INCREF(given[i]);
+        *slots[i] = given[i];
+    }
+    self->vectorcall = Forward_call;
+    self->want_inputs = want_inputs;
+    self->want_outputs = want_outputs;
+    self->naming = naming;
+    return reinterpret_cast<PyObject *>(self);
+}
+
+int Forward_traverse(PyObject *op, visitproc visit, void *arg) { return visit_held(op, FORWARD_HELD, visit, arg); }
+
+int Forward_clear(PyObject *op) {
+    clear_held(op, FORWARD_HELD);
+    return 0;
+}
+
+// copy.copy / copy.deepcopy of a module keep the wrapper itself, as they keep a Python function
+PyObject *Forward_same(PyObject *op, PyObject *const *, Py_ssize_t) {
+    Py_INCREF(op);
+    return op;
+}
+
+PyMethodDef Forward_methods[] = {
+    {"__copy__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Forward_same)), METH_FASTCALL,
+     "The wrapper itself (a function is copied as itself)."},
+    {"__deepcopy__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Forward_same)), METH_FASTCALL,
+     "The wrapper itself (a function is copied as itself)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+// ``__wrapped__``: what inspect.signature reports is the module's own forward's signature, as for
+// any wrapper made with functools.wraps (transformers passes an encoder only the keywords its
+// forward names)
+PyMemberDef Forward_members[] = {
+    {const_cast<char *>("__wrapped__"), T_OBJECT, offsetof(Forward, forward), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyGetSetDef Forward_getset[] = {
+    {const_cast<char *>("__dict__"), PyObject_GenericGetDict, PyObject_GenericSetDict, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyTypeObject ForwardType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "llmflow_capture",
                           "The dump's capture hot path in C (see capture.cpp).", -1,
                           nullptr, nullptr, nullptr, nullptr, nullptr};
@@ -1093,20 +1375,22 @@ const Name NAMES[] = {
     {&s_is_neg, "is_neg"}, {&s_is_conj, "is_conj"}, {&s_nbytes, "nbytes"}, {&s_requires_grad, "requires_grad"}, {&s_tensor_slow, "_tensor"},
     {&s_other_slow, "_other"}, {&s_empty, ""}, {&pytype_none, "NoneType"}, {&pytype_bool, "bool"},
     {&pytype_int, "int"}, {&pytype_float, "float"}, {&pytype_dtype, "dtype"}, {&s_param_dtype, "param_dtype"},
-    {&s_param, "param"}, {&s_parameter, "Parameter"}, {&s_enter, "__enter__"}, {&s_exit, "__exit__"},
+    {&s_param, "param"}, {&s_parameter, "Parameter"}, {&pytype_str, "str"}, {&s_name, "__name__"}, {&s_enter, "__enter__"}, {&s_exit, "__exit__"},
     {&s_input, "input"}, {&s_output, "output"}, {&s_module, "module"}, {&s_api, "api"},
     {&s_recorder_sink, "sink"}, {&s_recorder_stack, "stack"}, {&s_recorder_prefix, "prefix"},
     {&s_op_counts, "op_counts"}, {&s_active, "active"}, {&s_wants_op, "wants_op"},
-    {&s_exec_order, "exec_order"}, {&s_op_inputs, "op_inputs"}, {&s_op_outputs, "op_output"}};
+    {&s_exec_order, "exec_order"}, {&s_op_inputs, "op_inputs"}, {&s_op_outputs, "op_output"},
+    {&s_raised_in, "raised_in"}, {&s_module_inputs, "module_inputs"}, {&s_module_output, "module_output"},
+    {&s_append, "append"}};
 
-// A garbage-collected type Python classes may derive from, readied and added to the module as
-// ``name``: 0, or -1 with an error set.
+// A garbage-collected type, readied and added to the module as ``name``: 0, or -1 with an error
+// set. Python classes derive from Entries and Dispatch (Py_TPFLAGS_BASETYPE set beforehand).
 int add_type(PyObject *module, PyTypeObject &type, const char *name, Py_ssize_t size, const char *doc,
              newfunc make, destructor dealloc, traverseproc traverse, inquiry clear, PyMethodDef *methods,
              PyMemberDef *members) {
     type.tp_name = name;
     type.tp_basicsize = size;
-    type.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+    type.tp_flags |= Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
     type.tp_doc = doc;
     type.tp_new = make;
     type.tp_dealloc = dealloc;
@@ -1128,17 +1412,32 @@ int add_type(PyObject *module, PyTypeObject &type, const char *name, Py_ssize_t 
 PyMODINIT_FUNC PyInit_llmflow_capture(void) {
     for (const Name &name : NAMES)
         if ((*name.slot = PyUnicode_InternFromString(name.text)) == nullptr) return nullptr;
-    if ((keyword_labels = PyDict_New()) == nullptr) return nullptr;
+    if ((keyword_labels = PyDict_New()) == nullptr || (child_labels = PyDict_New()) == nullptr) return nullptr;
     for (int i = 0; i < N_POSITIONAL; i++)
         if ((positional[i] = PyUnicode_FromFormat("%d", i)) == nullptr) return nullptr;
     PyObject *m = PyModule_Create(&module_def);
     if (m == nullptr) return nullptr;
+    EntriesType.tp_flags = DispatchType.tp_flags = Py_TPFLAGS_BASETYPE;
     if (add_type(m, EntriesType, "llmflow_capture.Entries", sizeof(Entries),
                  "A dump session's counters, walks and entries for the common leaves.", Entries_new,
                  dealloc_held<Entries_clear>, Entries_traverse, Entries_clear, Entries_methods, Entries_members) < 0
         || add_type(m, DispatchType, "llmflow_capture.Dispatch", sizeof(Dispatch),
                     "API mode's dispatch of torch calls to its recorder's sink.", PyType_GenericNew,
                     dealloc_held<Dispatch_clear>, Dispatch_traverse, Dispatch_clear, Dispatch_methods, nullptr) < 0) {
+        Py_DECREF(m);
+        return nullptr;
+    }
+    // a callable (vectorcall) with instance attributes; final (a subclass would not inherit its
+    // vectorcall before Python 3.12)
+    ForwardType.tp_flags = Py_TPFLAGS_HAVE_VECTORCALL;
+    ForwardType.tp_call = PyVectorcall_Call;
+    ForwardType.tp_vectorcall_offset = offsetof(Forward, vectorcall);
+    ForwardType.tp_dictoffset = offsetof(Forward, dict);
+    ForwardType.tp_getset = Forward_getset;
+    if (add_type(m, ForwardType, "llmflow_capture.RecordingForward", sizeof(Forward),
+                 "The recorder's wrapper around one module's forward (recorder.py's recording_forward).",
+                 Forward_new, dealloc_held<Forward_clear>, Forward_traverse, Forward_clear, Forward_methods,
+                 Forward_members) < 0) {
         Py_DECREF(m);
         return nullptr;
     }

@@ -33,7 +33,7 @@ from llmflow.dump import copies, tensor_meta
 from llmflow.dump.api import use_compiled_dispatch
 from llmflow.dump.config import DumpConfig
 from llmflow.dump.copies import TensorKeeper, device_copy, host_copy
-from llmflow.dump.recorder import Sink, walk_inputs, walk_output
+from llmflow.dump.recorder import Sink, use_compiled_forward, walk_inputs, walk_output
 from llmflow.dump.stats import KERNEL_DTYPES, CpuStats
 from llmflow.dump.topology import module_tree
 from llmflow.dump.writer import AsyncWriter
@@ -55,6 +55,9 @@ _SIMPLE = (type(None), bool, int, float, str)
 _PLAIN_TYPE_NAMES = {t: t.__name__ for t in (type(None), bool, int, float)}
 # torch values recorded by name ("torch.float32", "cpu"): ``dump.arguments.decode_value`` reads them back
 _NAMED_VALUES = (torch.dtype, torch.device, torch.memory_format, torch.layout)
+# the values whose rows only ``_other`` makes (the compiled capture writes any other value, a
+# model's cache object say, as its type's name)
+_OTHER_IN_PYTHON = _SIMPLE + _NAMED_VALUES + (torch.Tensor,)
 _STATS_ENTRY_BYTES = 256  # what a statistics-only entry costs on disk, roughly (index line)
 
 
@@ -208,7 +211,7 @@ class DumpSession(Sink, _ENTRIES_BASE):
                                 not isinstance(self._seen, _NoRepeats), self.statistics,
                                 # tensor data copied in C (not where CPU tensors are held: tests)
                                 not self.statistics and not config.crc32 and not copies.HOLD_CPU,
-                                self._op_inputs, self._op_outputs, tensor_meta.address())
+                                self._op_inputs, self._op_outputs, tensor_meta.address(), _OTHER_IN_PYTHON)
         if config.dump_weight:
             self._write_weights(model)
 
@@ -427,16 +430,18 @@ _COMPILED_METHODS = {"module_inputs": "_module_inputs", "module_output": "_modul
 
 
 def use_compiled_capture(on: bool = True) -> bool:
-    """Make dump sessions, and API mode's dispatch, use the compiled capture (``on``, where it is
-    built) or the Python methods; returns whether the compiled one is in use now. The compiled
-    capture is the default; the Python methods are for measuring the two side by side
-    (``benchmarks/bench_dump.py --capture``) and for the tests that check both write the same
-    dump. Sessions read the choice when their steps call them, so switch between dumps."""
+    """Make dump sessions, API mode's dispatch and the recorders made from now on use the compiled
+    capture (``on``, where it is built) or the Python methods; returns whether the compiled one
+    is in use now. The compiled capture is the default; the Python methods are for measuring the
+    two side by side (``benchmarks/bench_dump.py --capture``) and for the tests that check both
+    write the same dump. Sessions read the choice when their steps call them, recorders when they
+    are made: switch between dumps."""
     compiled = on and _NATIVE is not None
     for method, python in _COMPILED_METHODS.items():
         chosen = getattr(_NATIVE.Entries, method) if compiled else getattr(DumpSession, python)
         setattr(DumpSession, method, chosen)
     use_compiled_dispatch(compiled)
+    use_compiled_forward(compiled)
     return compiled
 
 

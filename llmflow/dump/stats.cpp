@@ -18,7 +18,6 @@ namespace {
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef double v8d __attribute__((vector_size(64)));
-typedef int32_t v8i __attribute__((vector_size(32)));
 
 enum Dtype { F32 = 0, BF16 = 1, F16 = 2, I64 = 3, I32 = 4 };
 
@@ -36,39 +35,48 @@ inline float load(const void* p, int64_t i) {
     }
 }
 
+// NaN and Inf counts: the slow pass, run only when the fast one met a non-finite value
+template <int DT>
+void count_non_finite(const void* x, int64_t n, int64_t* nans, int64_t* infinities) {
+    *nans = *infinities = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float v = load<DT>(x, i);
+        *nans += v != v;
+        *infinities += std::isinf(v);
+    }
+}
+
+// One pass for max, min, sum and sum of squares. NaN and Inf are not counted in it: a NaN makes
+// the sum NaN and an Inf the sum of squares Inf, so a finite sum and sum of squares prove there
+// were none, and only a tensor that holds one (or whose squares overflow float32) is read again
+// to count them. The loop does half the vector work it would counting every element.
 template <int DT>
 void stats(const void* x, int64_t n, double* out) {
     constexpr int64_t LANES = 8, BLOCK = 8;  // a block: 8 steps of 8 lanes
     const v8f inf = {INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY};
     v8f vmax = -inf, vmin = inf;
     v8d sum = {0}, sq = {0};
-    v8i nan = {0}, infs = {0};  // per lane: int32 holds counts of tensors up to 2^34 elements
     int64_t i = 0;
     for (; i + LANES * BLOCK <= n; i += LANES * BLOCK) {
         v8f s = {0}, q = {0};
         for (int64_t j = 0; j < BLOCK; j++) {
             v8f v;
             for (int k = 0; k < LANES; k++) v[k] = load<DT>(x, i + j * LANES + k);
-            vmax = v > vmax ? v : vmax;  // (a NaN never wins a comparison: counted below)
+            vmax = v > vmax ? v : vmax;  // (a NaN never wins a comparison: it shows in the sum)
             vmin = v < vmin ? v : vmin;
             s += v;
             q += v * v;
-            nan -= (v != v);  // a true comparison is -1 in every bit
-            infs -= (v == inf) | (v == -inf);
         }
         sum += __builtin_convertvector(s, v8d);
         sq += __builtin_convertvector(q, v8d);
     }
     double total = 0, squares = 0;
     float mx = -INFINITY, mn = INFINITY;
-    int64_t nans = 0, infinities = 0;
     for (int k = 0; k < LANES; k++) {
         mx = vmax[k] > mx ? vmax[k] : mx;
         mn = vmin[k] < mn ? vmin[k] : mn;
         total += sum[k];
         squares += sq[k];
-        nans += nan[k];
-        infinities += infs[k];
     }
     for (; i < n; i++) {
         float v = load<DT>(x, i);
@@ -76,9 +84,9 @@ void stats(const void* x, int64_t n, double* out) {
         mn = v < mn ? v : mn;
         total += v;
         squares += static_cast<double>(v) * v;
-        nans += v != v;
-        infinities += std::isinf(v);
     }
+    int64_t nans = 0, infinities = 0;
+    if (!std::isfinite(total) || !std::isfinite(squares)) count_non_finite<DT>(x, n, &nans, &infinities);
     if (nans) {
         out[0] = out[1] = out[2] = out[3] = NAN;
     } else {

@@ -1,5 +1,5 @@
 """The benchmark scripts' own logic: the dump profile's split into parts, the goals per device,
-the compare kernel timed against another source tree's."""
+the compare kernel timed against another source tree's, the dump's counts split at markers."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_compare  # noqa: E402
 import bench_dump  # noqa: E402
+import count_dump  # noqa: E402
 import profile_dump  # noqa: E402
 
 from llmflow.models import load_model  # noqa: E402
@@ -91,3 +92,35 @@ def test_capture_replay_under_eviction_times_the_calls_and_not_the_sweeps():
     for times in steps.values():
         assert len(times) == 3 and all(t > 0 for t in times)
         assert max(times) < 10 * one_read, (times, one_read)  # a step has far more than 10 calls
+
+
+@pytest.mark.skipif(__import__("shutil").which("valgrind") is None, reason="valgrind is not installed here")
+def test_callgrind_writes_a_profile_at_each_marker_and_the_counts_are_read(tmp_path):
+    """``count_dump.py`` counts the plain run and the dump between calls of ``os.getppid``: under
+    callgrind with the script's ``--dump-before`` pattern each call closes a profile, and the
+    profile between two calls holds what ran between them (a loop of a million steps here)."""
+    import subprocess
+
+    snippet = "import os\nos.getppid()\nfor _ in range({n}): pass\nos.getppid()\n"
+    counted = {}
+    for n in (10, 1_000_000):
+        out = tmp_path / f"run{n}"
+        out.mkdir()
+        subprocess.run(["valgrind", "--tool=callgrind", f"--dump-before={count_dump.MARKER}",
+                        f"--callgrind-out-file={out}/callgrind.out", sys.executable, "-c",
+                        snippet.format(n=n)], capture_output=True, text=True, check=True, timeout=300)
+        assert (out / "callgrind.out.1").is_file() and (out / "callgrind.out.2").is_file()
+        counted[n] = count_dump.read_counts(out / "callgrind.out.2")["Ir"]
+    assert counted[1_000_000] > 1_000_000 > 100 * counted[10] > 0, counted
+
+
+def test_the_counted_driver_runs_a_plain_generation_and_a_dump(tmp_path):
+    """The process ``count_dump.py`` runs under callgrind works without it: both runs, markers
+    between them, nothing left behind in the working directory."""
+    import subprocess
+
+    model = "tiny-llama:layers=2,hidden=32,heads=2,kv_heads=1,intermediate=64,vocab=300"
+    driver = [sys.executable, str(REPO / "benchmarks" / "count_dump.py"), "--drive", "api", model, "2"]
+    proc = subprocess.run(driver, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

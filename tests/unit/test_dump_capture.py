@@ -206,6 +206,15 @@ def test_compiled_stats_equal_batched_stats():
             for g, w in zip(got[:4], want[:4], strict=True):
                 assert (math.isnan(g) and math.isnan(w)) or g == pytest.approx(w, rel=1e-5, abs=1e-6), dtype
     assert stats(torch.tensor([1.0, float("nan")]), 0)[:4] == pytest.approx([math.nan] * 4, nan_ok=True)
+    # NaN and Inf are counted in a second pass, run when the sums are not finite: one NaN or Inf
+    # in the vector loop or in its tail is counted, and squares that overflow float32 count none
+    for where in (0, 63, 64, 200):
+        for bad, counts in ((nan, [1.0, 0.0]), (inf, [0.0, 1.0]), (-inf, [0.0, 1.0])):
+            t = torch.ones(201)
+            t[where] = bad
+            assert stats(t, 0)[4:] == counts, (where, bad)
+    huge = stats(torch.tensor([3e19, -2.0] * 40), 0)
+    assert huge[:3] == pytest.approx([3e19, -2.0, 1.5e19 - 1.0]) and huge[4:] == [0.0, 0.0]
     # a million elements: against float64, which the kernel's blockwise sums follow more closely
     # than torch's float32 reductions (a norm 1.2e-5 off here)
     big = torch.randn((1 << 20) + 3, generator=gen) * 5

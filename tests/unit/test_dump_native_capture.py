@@ -203,11 +203,20 @@ def test_inference_tensors_and_subclasses_take_the_python_path(tmp_path):
 @pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
 def test_every_kind_of_value_is_walked_and_labelled_the_same(tmp_path, data_mode):
     """Nested tuples, lists, dicts (int keys too), a named tuple, an OrderedDict, containers deeper
-    than the walk goes, dtypes, devices, long strings, objects of no known kind, Parameters,
-    integer and boolean tensors, an empty tensor, a transposed view: one dump each way, the same."""
+    than the walk goes, dtypes, devices, layouts, memory formats, short and long strings, an
+    IntEnum and a str subclass, a model's cache, a class, a list longer than the labels kept,
+    objects of no known kind, Parameters, integer and boolean tensors, an empty tensor, a
+    transposed view: one dump each way, the same."""
     from collections import OrderedDict, namedtuple
+    from enum import IntEnum
+
+    from transformers import DynamicCache
 
     Pair = namedtuple("Pair", "first second")
+    Level = IntEnum("Level", "LOW HIGH")
+
+    class Word(str):
+        pass
 
     class Inner(torch.nn.Module):
         def forward(self, x, spec, *, options=None, flag=True):
@@ -223,7 +232,9 @@ def test_every_kind_of_value_is_walked_and_labelled_the_same(tmp_path, data_mode
             deep = [[[[[[[[x]]]]]]]]
             out = self.inner(x, (x, [x + 1, {"k": x, 7: torch.dtype}], deep), options=OrderedDict(
                 a=torch.float16, b=torch.device("cpu"), c="s" * 300, d=object(), e=self.weight,
-                f=torch.zeros(0), g=torch.arange(4), h=torch.ones(2, dtype=torch.bool), i=2.5, j=None))
+                f=torch.zeros(0), g=torch.arange(4), h=torch.ones(2, dtype=torch.bool), i=2.5, j=None,
+                k="short", l=Level.HIGH, m=torch.strided, n=torch.channels_last, o=Word("subclass"),
+                p=DynamicCache(), q=Pair, r=[x] * 40))
             return out["out"] @ self.weight, out
 
     torch.manual_seed(0)
@@ -239,6 +250,11 @@ def test_every_kind_of_value_is_walked_and_labelled_the_same(tmp_path, data_mode
     _assert_same_dump(c / "llmflow_dump", py / "llmflow_dump")
     indexes = {r[3] for r in _index_rows(c / "llmflow_dump")}
     assert {"1.1.1.k", "1.1.1.7", "kw:options.c", "kw:options.e", "3.1.0", "pair.1"} <= indexes
+    values = {r[3]: (r[11], r[12]) for r in _index_rows(c / "llmflow_dump")}
+    assert values["kw:options.k"] == ("short", "str") and values["kw:options.c"] == (None, "str")
+    assert values["kw:options.p"] == (None, "DynamicCache") and values["kw:options.q"] == (None, "type")
+    assert values["kw:options.l"] == (2, "Level") and values["kw:options.o"] == ("subclass", "Word")
+    assert {"kw:options.r.0", "kw:options.r.31", "kw:options.r.32", "kw:options.r.39"} <= indexes
 
 
 @needs_native
