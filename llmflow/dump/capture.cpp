@@ -885,7 +885,6 @@ PyObject *op_key(Dispatch *self, PyObject *module, PyObject *name) {
     return failed < 0 ? nullptr : key;
 }
 
-
 PyObject *call_func(PyObject *func, PyObject *args, PyObject *kwargs) {
     return PyObject_Call(func, args, kwargs != nullptr && kwargs != Py_None ? kwargs : nullptr);
 }
@@ -1081,9 +1080,8 @@ PyTypeObject DispatchType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // _setup_entries(seen, add_row, submit, dtype_names, kernel_codes, no_extra, tensor_type,
 //                parameter_type, dtype_type, index_row, strided, param_names,
 //                disable_torch_function, copy, kernel_address, max_bytes, record_repeats,
-//                statistics, data, op_inputs, op_outputs, meta_address, other_in_python): what the
-//                capture reads,
-//                set once by the session
+//                statistics, data, op_inputs, op_outputs, meta_address, other_in_python): what
+//                the capture reads, set once by the session
 PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     Entries *self = reinterpret_cast<Entries *>(op);
     if (wrong_count(nargs, 23, "_setup_entries")) return nullptr;
