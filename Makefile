@@ -15,9 +15,9 @@ demo:
 	else echo "make demo: expected llmflow to find the planted bug (exit 1), got exit $$rc" >&2; exit 1; fi
 
 # one worker per core, each test file on one worker (module-scoped fixtures such as real msprobe
-# dumps are made once)
+# dumps are made once); the slowest tests are listed at the end, to keep the suite's time in view
 test: install
-	.venv/bin/python -m pytest -q -n auto --dist loadfile
+	.venv/bin/python -m pytest -q -n auto --dist loadfile --durations=40
 
 lint: install
 	.venv/bin/ruff check llmflow plugins tests benchmarks scripts

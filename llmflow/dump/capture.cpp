@@ -44,6 +44,7 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -81,6 +82,7 @@ struct Entries {
     PyObject *stopped;       // None, or why capture stopped (max_bytes)
     PyObject *seen;          // id(tensor) -> (weakref, version, dtype, shape, has_data, key)
     PyObject *add_row;       // the writer's add_row: an index row and nothing more
+    PyObject *add_finite_row;  // the writer's add_finite_row: the same, for a row whose floats are finite
     PyObject *submit;        // the writer's submit: a row with data (IndexRow, payload, event, nbytes)
     PyObject *index_row;     // IndexRow (the rows submit takes)
     PyObject *strided;       // torch.strided
@@ -127,10 +129,10 @@ void dealloc_held(PyObject *op) {
 }
 
 constexpr PyObject *Entries::*const ENTRIES_HELD[] = {
-    &Entries::stopped, &Entries::seen, &Entries::add_row, &Entries::submit, &Entries::index_row, &Entries::strided,
-    &Entries::dtype_names, &Entries::kernel_codes, &Entries::no_extra, &Entries::tensor_type,
-    &Entries::parameter_type, &Entries::dtype_type, &Entries::param_names, &Entries::disable_torch_function,
-    &Entries::copy, &Entries::other_in_python};
+    &Entries::stopped, &Entries::seen, &Entries::add_row, &Entries::add_finite_row, &Entries::submit,
+    &Entries::index_row, &Entries::strided, &Entries::dtype_names, &Entries::kernel_codes, &Entries::no_extra,
+    &Entries::tensor_type, &Entries::parameter_type, &Entries::dtype_type, &Entries::param_names,
+    &Entries::disable_torch_function, &Entries::copy, &Entries::other_in_python};
 
 // Calls the session's Python method ``slow`` with the six arguments: the leaf this file leaves.
 // 0 done, -1 error.
@@ -174,15 +176,18 @@ PyObject *decimal_string(long long n) {
     return text;
 }
 
-// the row: a plain tuple in IndexRow's field order, handed to add_row; steals nothing
-PyObject *emit(Entries *self, PyObject *const *fields) {
+// The row: a plain tuple in IndexRow's field order, handed to add_finite_row where every float
+// it holds is finite (``finite``: the caller's statistics or value checked; the writer then
+// encodes the step's rows without looking at each, see llmflow_dump.index_line), else to add_row.
+// Steals nothing.
+PyObject *emit(Entries *self, PyObject *const *fields, bool finite = true) {
     PyObject *row = untracked(PyTuple_New(15));
     if (row == nullptr) return nullptr;
     for (int i = 0; i < 15; i++) {
         Py_INCREF(fields[i]);
         PyTuple_SET_ITEM(row, i, fields[i]);
     }
-    PyObject *done = PyObject_CallOneArg(self->add_row, row);
+    PyObject *done = PyObject_CallOneArg(finite ? self->add_finite_row : self->add_row, row);
     Py_DECREF(row);
     return done;
 }
@@ -402,7 +407,9 @@ int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *
         }
         PyObject *fields[15] = {step, args[0], args[1], args[2], args[4], order, dtype_name, shape, args[5],
                                 stats, Py_False, Py_None, Py_None, key, self->no_extra};
-        if ((done = emit(self, fields)) == nullptr) goto out;
+        // (the writer's own test, llmflow_dump._finite_stats: max + min + mean + norm is finite)
+        const double *o = self->out;
+        if ((done = emit(self, fields, std::isfinite(o[0] + o[1] + o[2] + o[3]))) == nullptr) goto out;
     } else {
         PyObject *event = Py_None;
         if (fast) {
@@ -550,7 +557,7 @@ int other_leaf(Entries *self, PyObject *const *args) {
         self->entries++;
         PyObject *fields[15] = {step, args[0], args[1], args[2], args[4], order, Py_None, Py_None, args[5],
                                 Py_None, Py_False, stored, pytype, s_empty, self->no_extra};
-        done = emit(self, fields);
+        done = emit(self, fields, pytype != pytype_float || std::isfinite(PyFloat_AS_DOUBLE(value)));
     }
     Py_XDECREF(named);
     Py_XDECREF(step);
@@ -864,7 +871,43 @@ struct Dispatch {
     PyObject *api_name;    // api.api_name
     PyObject *keys;        // module -> {api -> "<module>/<api>"}
     PyObject *full_names;  // "<module>/<api>" -> ["<module>/<api>.0", "<module>/<api>.1", ...]
+    PyObject *wanted;      // module -> the sink's wants_op(module), for the sink wanted_sink names
+    PyObject *wanted_sink;  // a weak reference to that sink, or None
 };
+
+// sink.wants_op(module), asked once per module for a sink's life (api.OpSink): a Python call
+// on every recorded op was ~3% of an API dump's work. A sink without weak references is asked
+// every time. 1 yes, 0 no, -1 error.
+int wants_op(Dispatch *self, PyObject *sink, PyObject *module) {
+    bool cached = self->wanted != nullptr;
+    PyObject *current = self->wanted_sink != nullptr && PyWeakref_CheckRef(self->wanted_sink)
+                            ? referent(self->wanted_sink) : Py_NewRef(Py_None);
+    if (current == nullptr) return -1;
+    Py_DECREF(current);  // (only its identity is compared)
+    if (cached && current != sink) {
+        PyObject *ref = PyWeakref_NewRef(sink, nullptr);
+        if (ref == nullptr) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) return -1;
+            PyErr_Clear();
+            cached = false;
+        } else {
+            Py_SETREF(self->wanted_sink, ref);
+            PyDict_Clear(self->wanted);
+        }
+    }
+    if (cached) {
+        PyObject *known = PyDict_GetItemWithError(self->wanted, module);  // borrowed
+        if (known != nullptr) return known == Py_True;
+        if (PyErr_Occurred()) return -1;
+    }
+    PyObject *call[2] = {sink, module};
+    PyObject *answer = PyObject_VectorcallMethod(s_wants_op, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    if (answer == nullptr) return -1;
+    int flag = PyObject_IsTrue(answer);
+    Py_DECREF(answer);
+    if (flag < 0 || !cached) return flag;
+    return PyDict_SetItem(self->wanted, module, flag ? Py_True : Py_False) < 0 ? -1 : flag;
+}
 
 // The op's key, made once and kept (and its n-th full name, through ``numbered``): every decode
 // step calls the same ops in the same modules, and formatting the two strings (and hashing the
@@ -944,7 +987,7 @@ PyObject *Dispatch_torch_function(PyObject *op, PyObject *const *a, Py_ssize_t n
         }
     }
     PyObject *result = nullptr, *name = nullptr, *sink = nullptr, *stack = nullptr, *module = nullptr,
-             *wants = nullptr, *key = nullptr, *counts = nullptr, *count = nullptr, *full = nullptr,
+             *key = nullptr, *counts = nullptr, *count = nullptr, *full = nullptr,
              *order = nullptr, *own_kwargs = nullptr, *done = nullptr;
     long long n = 0;
     int flag;
@@ -973,12 +1016,7 @@ PyObject *Dispatch_torch_function(PyObject *op, PyObject *const *a, Py_ssize_t n
         module = PyObject_GetAttr(self->recorder, s_recorder_prefix);
     }
     if (module == nullptr) goto out;
-    {
-        PyObject *call[2] = {sink, module};
-        if ((wants = PyObject_VectorcallMethod(s_wants_op, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)) == nullptr)
-            goto out;
-    }
-    if ((flag = PyObject_IsTrue(wants)) < 0) goto out;
+    if ((flag = wants_op(self, sink, module)) < 0) goto out;
     if (!flag) goto pass_through;
     if (!PyUnicode_Check(module) || !PyUnicode_Check(name)) {
         PyErr_SetString(PyExc_TypeError, "module and op names are str");
@@ -1029,7 +1067,6 @@ out:
     Py_XDECREF(sink);
     Py_XDECREF(stack);
     Py_XDECREF(module);
-    Py_XDECREF(wants);
     Py_XDECREF(key);
     Py_XDECREF(counts);
     Py_XDECREF(count);
@@ -1054,12 +1091,15 @@ PyObject *Dispatch_setup(PyObject *op, PyObject *const *a, Py_ssize_t nargs) {
     }
     Py_XSETREF(self->keys, PyDict_New());
     Py_XSETREF(self->full_names, PyDict_New());
-    if (self->keys == nullptr || self->full_names == nullptr) return nullptr;
+    Py_XSETREF(self->wanted, PyDict_New());
+    Py_XSETREF(self->wanted_sink, Py_NewRef(Py_None));
+    if (self->keys == nullptr || self->full_names == nullptr || self->wanted == nullptr) return nullptr;
     Py_RETURN_NONE;
 }
 
 constexpr PyObject *Dispatch::*const DISPATCH_HELD[] = {&Dispatch::recorder, &Dispatch::names, &Dispatch::api_name,
-                                                        &Dispatch::keys, &Dispatch::full_names};
+                                                        &Dispatch::keys, &Dispatch::full_names, &Dispatch::wanted,
+                                                        &Dispatch::wanted_sink};
 
 int Dispatch_traverse(PyObject *op, visitproc visit, void *arg) { return visit_held(op, DISPATCH_HELD, visit, arg); }
 
@@ -1080,11 +1120,11 @@ PyTypeObject DispatchType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // _setup_entries(seen, add_row, submit, dtype_names, kernel_codes, no_extra, tensor_type,
 //                parameter_type, dtype_type, index_row, strided, param_names,
 //                disable_torch_function, copy, kernel_address, max_bytes, record_repeats,
-//                statistics, data, op_inputs, op_outputs, meta_address, other_in_python): what
-//                the capture reads, set once by the session
+//                statistics, data, op_inputs, op_outputs, meta_address, other_in_python,
+//                add_finite_row): what the capture reads, set once by the session
 PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     Entries *self = reinterpret_cast<Entries *>(op);
-    if (wrong_count(nargs, 23, "_setup_entries")) return nullptr;
+    if (wrong_count(nargs, 24, "_setup_entries")) return nullptr;
     if (!PyDict_Check(args[0]) || !PyDict_CheckExact(args[3]) || !PyDict_CheckExact(args[4])
         || !PyDict_CheckExact(args[5]) || !PyType_Check(args[6]) || !PyType_Check(args[7]) || !PyType_Check(args[8])
         || !PyType_Check(args[9]) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(args[9]), &PyTuple_Type)
@@ -1101,12 +1141,12 @@ PyObject *Entries_setup(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     long long address = PyLong_AsLongLong(args[14]), max_bytes = PyLong_AsLongLong(args[15]),
               meta_address = PyLong_AsLongLong(args[21]);
     if (PyErr_Occurred()) return nullptr;
-    PyObject **slots[15] = {&self->seen, &self->add_row, &self->submit, &self->dtype_names, &self->kernel_codes,
+    PyObject **slots[16] = {&self->seen, &self->add_row, &self->submit, &self->dtype_names, &self->kernel_codes,
                             &self->no_extra, &self->tensor_type, &self->parameter_type, &self->dtype_type,
                             &self->index_row, &self->strided, &self->param_names, &self->disable_torch_function,
-                            &self->copy, &self->other_in_python};
-    const int given[15] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 22};
-    for (int i = 0; i < 15; i++) {
+                            &self->copy, &self->other_in_python, &self->add_finite_row};
+    const int given[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 22, 23};
+    for (int i = 0; i < 16; i++) {
         Py_INCREF(args[given[i]]);
         Py_XSETREF(*slots[i], args[given[i]]);
     }

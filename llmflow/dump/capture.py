@@ -22,6 +22,7 @@ import ctypes
 import logging
 import os
 import weakref
+from math import isfinite
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +181,10 @@ class DumpSession(Sink, _ENTRIES_BASE):
         self._keep = self._keeper.keep if self._keeper.may_hold else self._keeper.copy
         self.writer = AsyncWriter(disk, crc32=config.crc32, inline=inline, keeper=self._keeper)
         self._op_inputs, self._op_outputs = config.tensor_part != 1, config.tensor_part != 0
-        self._add_row = self.writer.add_row  # an index row and nothing more, a plain tuple (see above)
+        # an index row and nothing more, a plain tuple (see above): one whose floats are all finite
+        # to add_finite_row (most rows: the writer then encodes a step's rows without looking at
+        # each), one that may hold an inf or a NaN to add_row (checked as its line is written)
+        self._add_row, self._add_finite_row = self.writer.add_row, self.writer.add_finite_row
         if self.rank == 0 or not (self.dump_dir / TOPOLOGY_FILE).exists():
             disk.write_json(TOPOLOGY_FILE, module_tree(model))
             if env is not None:
@@ -211,7 +215,8 @@ class DumpSession(Sink, _ENTRIES_BASE):
                                 not isinstance(self._seen, _NoRepeats), self.statistics,
                                 # tensor data copied in C (not where CPU tensors are held: tests)
                                 not self.statistics and not config.crc32 and not copies.HOLD_CPU,
-                                self._op_inputs, self._op_outputs, tensor_meta.address(), _OTHER_IN_PYTHON)
+                                self._op_inputs, self._op_outputs, tensor_meta.address(), _OTHER_IN_PYTHON,
+                                self.writer.add_finite_row)
         if config.dump_weight:
             self._write_weights(model)
 
@@ -308,8 +313,9 @@ class DumpSession(Sink, _ENTRIES_BASE):
         vtype = type(value)
         pytype = _PLAIN_TYPE_NAMES.get(vtype)
         if pytype is not None:  # None, a bool, int or float: most of these (use_cache, dim=-1, eps)
-            self._add_row((self.step, name, kind, index, level, order, None, None, module_type, None,
-                           False, value, pytype, "", _NO_EXTRA))
+            add = self._add_row if vtype is float and not isfinite(value) else self._add_finite_row
+            add((self.step, name, kind, index, level, order, None, None, module_type, None,
+                 False, value, pytype, "", _NO_EXTRA))
         # (the exact type first, then the C-level Tensor check: Parameter's own isinstance is
         # Python code, ~0.3 us, and every plain value would pay it)
         elif vtype is torch.nn.Parameter or (isinstance(value, torch.Tensor)
@@ -319,15 +325,16 @@ class DumpSession(Sink, _ENTRIES_BASE):
             param = self._param_names.get(id(value))
             if param is not None:
                 extra["param"] = param
-            self._add_row((self.step, name, kind, index, level, order, None, tuple(value.shape),
-                           module_type, None, False, None, "Parameter", "", extra))
+            self._add_finite_row((self.step, name, kind, index, level, order, None, tuple(value.shape),
+                                  module_type, None, False, None, "Parameter", "", extra))
         else:
             pytype = vtype.__name__
             if isinstance(value, _NAMED_VALUES):
                 value = str(value)
             simple = isinstance(value, _SIMPLE) and (not isinstance(value, str) or len(value) < 256)
-            self._add_row((self.step, name, kind, index, level, order, None, None, module_type, None,
-                           False, value if simple else None, pytype, "", _NO_EXTRA))
+            add = self._add_row if isinstance(value, float) and not isfinite(value) else self._add_finite_row
+            add((self.step, name, kind, index, level, order, None, None, module_type, None,
+                 False, value if simple else None, pytype, "", _NO_EXTRA))
 
     def _tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
                 module_type: str | None, dedup: bool = True, step: int | None = None,
@@ -359,7 +366,7 @@ class DumpSession(Sink, _ENTRIES_BASE):
                 if seen_data:  # tensor mode: the writer resolves the key to the first copy's data file
                     self.writer.submit(new_row(IndexRow, row))
                 else:  # statistics mode: the reader gives it the statistics of the entry with its key
-                    self._add_row(row)
+                    self._add_finite_row(row)
                 return
         stats_only = self.statistics and not always_data
         dtype = t.dtype
@@ -377,8 +384,9 @@ class DumpSession(Sink, _ENTRIES_BASE):
         key = str(self.entries)
         has_data = not stats_only
         if has_data and dtype not in SAFETENSORS_DTYPES:  # e.g. complex128: safetensors has no code for it
-            self._add_row((step, name, kind, index, level, order, dtype_s, shape, module_type, None, False,
-                           None, None, key, {"not_stored": f"safetensors cannot store {dtype_s}"}))
+            why = {"not_stored": f"safetensors cannot store {dtype_s}"}
+            self._add_finite_row((step, name, kind, index, level, order, dtype_s, shape, module_type, None,
+                                  False, None, None, key, why))
             return
         if step >= 0 and version is not None and dedup:
             try:  # keyed by the caller's object: the same tensor object arrives again
@@ -389,8 +397,11 @@ class DumpSession(Sink, _ENTRIES_BASE):
             code = KERNEL_DTYPES.get(dtype)
             if code is not None and t.is_contiguous():  # statistics now: no copy, nothing left to compute
                 self._stats_kernel(t.data_ptr(), code, t.numel(), self._stats_address)
-                self._add_row((step, name, kind, index, level, order, dtype_s, shape, module_type,
-                               self._stats_out[:], False, None, None, key, _NO_EXTRA))
+                st = self._stats_out[:]
+                # (the writer's own test, llmflow_dump._finite_stats: max + min + mean + norm is finite)
+                add = self._add_finite_row if isfinite(st[0] + st[1] + st[2] + st[3]) else self._add_row
+                add((step, name, kind, index, level, order, dtype_s, shape, module_type, st, False, None,
+                     None, key, _NO_EXTRA))
                 return
         row = new_row(IndexRow, (step, name, kind, index, level, order, dtype_s, shape, module_type, None,
                                  has_data, None, None, key, {} if self.config.crc32 else _NO_EXTRA))

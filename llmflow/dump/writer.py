@@ -20,7 +20,11 @@ cost the forward thread ~14 us of a step's ~430 tensors each on an H100; a strea
   tensor's key, whose data the repeat shares.
 
 Rows that are an index row and nothing more (non-tensors, statistics known at capture, repeats
-in statistics mode, whose statistics the reader resolves by key) go to ``add_row`` instead.
+in statistics mode, whose statistics the reader resolves by key) go to ``add_row`` instead, or,
+where the capture has checked that the row is a plain tuple whose floats are all finite (the
+compiled capture checks each row it makes), to ``add_finite_row``: a list append, and the index
+line of a step whose rows all came that way is encoded without a look at each row
+(``index_line``'s ``finite``).
 
 To keep the forward thread fast, ``submit`` only appends to a deque (atomic under the GIL) and
 ``add_row`` to a list handed over at the step's end; the thread is woken at step ends or when
@@ -93,7 +97,9 @@ class AsyncWriter:
         # statistics-mode dump): one list append each, handed over at the step's end in one piece;
         # IndexRows or plain tuples in its field order (what the capture hands over)
         self._rows: list[IndexRow | tuple] = []
-        self.add_row = self._rows.append  # (one list for the writer's life: the bound append stays valid)
+        # (one list for the writer's life: the bound append stays valid)
+        self.add_finite_row = self._rows.append
+        self._rows_finite = True  # every row in ``_rows`` came through add_finite_row
         self._cond = threading.Condition()
         self._wake = False
         self._produced = 0  # bytes submitted (written by the producer only)
@@ -116,6 +122,7 @@ class AsyncWriter:
         # index rows that need no data written first (repeats, non-tensors): one write per
         # flush instead of one write and flush() per entry; the reader orders entries itself
         self._lines: list[IndexRow | tuple] = []
+        self._lines_finite = True  # every row in ``_lines`` came through add_finite_row
         self._stats_bytes = 0
         # producer side: the CUDA streams with copies queued since the last fence; consumer side:
         # whether a copy handled since the last fence may not have landed (nothing is read then)
@@ -132,6 +139,11 @@ class AsyncWriter:
             self._thread.start()
 
     # -- producer side (forward thread) --------------------------------------------------------
+    def add_row(self, row: IndexRow | tuple) -> None:
+        """Queue one index row without data (its floats are checked when its line is written)."""
+        self._rows.append(row)
+        self._rows_finite = False
+
     def submit(self, row: IndexRow, payload: Any = None, event: Any = None, nbytes: int = 0) -> None:
         """Queue one row with data (see the module docstring for ``payload``)."""
         if self._error is not None:
@@ -225,8 +237,9 @@ class AsyncWriter:
 
     def _hand_over_rows(self) -> None:
         if self._rows:
-            self._queue.append((_ROWS, self._rows.copy(), None, 0))
+            self._queue.append((_ROWS, self._rows.copy(), self._rows_finite, 0))
             self._rows.clear()
+            self._rows_finite = True
 
     def _fence(self) -> None:
         if self._unfenced:
@@ -295,6 +308,7 @@ class AsyncWriter:
         head = item[0]
         if head is _ROWS:
             self._lines.extend(item[1])
+            self._lines_finite = self._lines_finite and item[2]
             return False
         if head is _FENCE:
             for event in item[1]:
@@ -348,7 +362,7 @@ class AsyncWriter:
         (``payload`` None) beside the data it shares."""
         if payload is None:  # a repeat of a tensor of this step
             if row.key in self._files:  # already flushed: point at its file
-                self._lines.append(row.with_key(f"{self._files[row.key]}:{row.key}"))
+                self._add_line(row.with_key(f"{self._files[row.key]}:{row.key}"))
             else:  # still in the batch: written with it
                 self._batch_rows.append(_held(row))
             return
@@ -378,7 +392,8 @@ class AsyncWriter:
         if self._batch_rows:
             keys = list(self._batch)
             rows = [r if len(r) == _ROW_LENGTH else (*r, {}) for r in self._batch_rows]  # (see _held)
-            files = self.disk.write_rows(self._batch, rows)
+            # (rows of tensors with data and their repeats: no statistics, no value, no float at all)
+            files = self.disk.write_rows(self._batch, rows, finite=True)
             for key in keys:
                 self._files[key] = files
             self._data_due = time.monotonic() + self.data_seconds
@@ -389,10 +404,14 @@ class AsyncWriter:
         row = next((r for r in self._batch_rows if r[_KEY_AT] == key), None)
         return _entry(row) if row is not None else f"tensor {key}"
 
+    def _add_line(self, row: IndexRow) -> None:
+        self._lines.append(row)
+        self._lines_finite = False
+
     def _write_lines(self) -> None:
         if self._lines:
-            self.disk.append_rows(self._lines)
-            self._lines = []
+            self.disk.append_rows(self._lines, finite=self._lines_finite)
+            self._lines, self._lines_finite = [], True
 
     def _flush_stats(self) -> None:
         entries, self._stats, self._stats_bytes = self._stats, [], 0
@@ -457,7 +476,7 @@ class AsyncWriter:
             for r in self._batch_rows:
                 if r[_KEY_AT] in lost:  # (its repeats too: they share its data)
                     extra = r[_EXTRA_AT] if len(r) == _ROW_LENGTH else {}
-                    self._lines.append(_not_stored(IndexRow(*r[:_EXTRA_AT], extra), lost[r[_KEY_AT]]))
+                    self._add_line(_not_stored(IndexRow(*r[:_EXTRA_AT], extra), lost[r[_KEY_AT]]))
                 else:
                     kept.append(r)
             self._batch_rows = kept

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -41,6 +42,25 @@ def test_dump_goals_are_the_devices(capsys, device, ratio, said):
     assert said in lines
     # API dumps have a goal on the CPU only
     assert ("tensor api: 3.00x (goal <= 2.0x: missed)" in lines) == (device == "cpu")
+
+
+def test_the_api_floor_runs_generation_inside_api_mode_and_records_nothing(tmp_path, capsys):
+    """``--api-floor``: a row timed inside the mode an API dump enters, without a dump (no files,
+    no entries, no goal line), beside the dump it is the floor of."""
+    lm = load_model("tiny-llama:layers=2,hidden=32,heads=2,kv_heads=1,intermediate=64,vocab=300")
+    rows = bench_dump.bench_llmflow(lm, [5, 6, 7], 2, 1, tmp_path, modes=("statistics api",), api_floor=True)
+    floor = next(r for r in rows if r["mode"] == bench_dump.FLOOR)
+    assert floor["ratio"] > 0 and "entries" not in floor
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["statistics_api"]
+    bench_dump.print_goals(rows)
+    assert bench_dump.FLOOR not in capsys.readouterr().out
+    calls = []
+    with_mode = bench_dump._NothingRecorded()
+    from llmflow.dump.api import ApiMode
+
+    with ApiMode(with_mode):
+        calls.append(torch.ones(2) + 1)  # passed on: computed, nothing counted
+    assert calls[0].tolist() == [2.0, 2.0] and with_mode.op_counts == {} and with_mode.stack == []
 
 
 def test_kernel_against_an_old_tree_times_both_builds_and_checks_the_bits(tmp_path):

@@ -12,6 +12,7 @@ import llmflow
 from llmflow.dump import DumpConfig, register_hook, save, set_dump_path
 from llmflow.dump.api import api_name
 from llmflow.dump.hooks import _PATH
+from llmflow.dump.recorder import Sink
 from llmflow.errors import UserError
 from llmflow.formats.llmflow_dump import LlmflowDumpReader
 from llmflow.models import greedy_generate
@@ -183,3 +184,71 @@ def test_module_list_auto_dumps_the_decoder_layers_through_dump_run_and_register
     hooked = LlmflowDumpReader(handle.dumps[0])
     assert {e.name for e in hooked.entries() if e.level == "module" and e.step == 0} == \
         {e.name for e in reader.entries() if e.level == "module" and e.step == 0}
+
+
+class _CountingSink(Sink):
+    """Records the ops of the modules it wants, and counts how often it was asked."""
+
+    def __init__(self, wanted: set[str]):
+        self.wanted = wanted
+        self.asked: list[str] = []
+        self.ops: list[str] = []
+
+    def wants_op(self, module: str) -> bool:
+        self.asked.append(module)
+        return module in self.wanted
+
+    def op_inputs(self, name, api, func, args, kwargs) -> None:
+        self.ops.append(name)
+
+
+class _SlottedSink:
+    """The same, as a class whose instances take no weak reference (``__slots__`` without
+    ``__weakref__``; a sink need not derive from ``Sink``)."""
+
+    __slots__ = ("wanted", "asked", "ops")
+    active = True
+    exec_order = None
+    __init__, wants_op, op_inputs = _CountingSink.__init__, _CountingSink.wants_op, _CountingSink.op_inputs
+
+    def op_output(self, name, api, func, output) -> None:
+        pass
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_each_module_is_asked_once_per_sink_whether_its_ops_are_wanted(compiled):
+    """API mode asks a sink's ``wants_op`` once per module and keeps the answer for that sink; the
+    next sink (a dialogue's next dump, say) is asked again, and a sink without weak references
+    every time. Both dispatches (C and Python) answer the same."""
+    from llmflow.dump.api import use_compiled_dispatch
+    from llmflow.dump.recorder import Recorder
+
+    if compiled and not use_compiled_dispatch(True):
+        pytest.skip("no compiled capture here")
+    use_compiled_dispatch(compiled)
+    try:
+        torch.manual_seed(0)
+        model = Toy()
+        recorder = Recorder(model, lambda name, _m: False, ops=True)
+        x = torch.randn(2, 4)
+
+        def run(sink: _CountingSink, times: int = 2) -> list[str]:
+            recorder.attach(sink)
+            for _ in range(times):
+                recorder.op_counts.clear()
+                with recorder.recording_ops():
+                    model(x)
+            return sink.ops
+
+        first = _CountingSink({"inner"})
+        assert run(first) == ["inner/linear.0"] * 2
+        assert sorted(first.asked) == ["", "inner"]  # once each, over both forwards
+        second = _CountingSink({""})
+        assert run(second) == ["/matmul.0", "/add.0", "/tanh.0", "/add.1", "/softmax.0"] * 2
+        assert sorted(second.asked) == ["", "inner"]
+        slotted = _SlottedSink({"inner"})
+        assert run(slotted) == ["inner/linear.0"] * 2
+        assert len(slotted.asked) == 2 * 6  # every recorded call of both forwards
+        recorder.remove()
+    finally:
+        use_compiled_dispatch(True)

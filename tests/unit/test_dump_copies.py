@@ -149,9 +149,9 @@ def _collection_during_writes(monkeypatch) -> list[bool]:
     seen: list[bool] = []
     real = DumpDirWriter.write_rows
 
-    def write_rows(self, tensors, rows):
+    def write_rows(self, tensors, rows, **kwargs):
         seen.append(gc.isenabled())
-        return real(self, tensors, rows)
+        return real(self, tensors, rows, **kwargs)
 
     monkeypatch.setattr(DumpDirWriter, "write_rows", write_rows)
     return seen

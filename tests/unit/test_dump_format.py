@@ -76,6 +76,24 @@ def test_index_line_round_trips_every_field():
     assert parse_index_line(json.loads(json.dumps(entries[0].to_json()))) == [entries[0]]
 
 
+def test_index_line_of_rows_known_finite_is_the_checked_line_and_refuses_what_it_cannot_write():
+    """``finite=True`` (the compiled capture's checked rows) writes the line the per-row look
+    writes; an IndexRow or a value orjson refuses among them falls back to that look."""
+    stats = (1.5, -2.0, 0.1 + 0.2, 7.25, 0.0, 0.0)
+    rows = [(0, "m", "output", "0", "module", i, "float32", (2, 3), "Linear", stats, False, None, None,
+             str(i + 1), {}) for i in range(3)]
+    rows.append((0, "m", "input", "kw:dim", "module", 3, None, None, "Linear", None, False, -1, "int", "",
+                 {}))
+    assert index_line(rows, 0, finite=True) == index_line(rows, 0)
+    named = [IndexRow(*rows[0]), *rows[1:]]
+    assert index_line(named, 0, finite=True) == index_line(named, 0) == index_line(rows, 0)
+    odd = [*rows, (0, "m", "input", "kw:n", "module", 4, None, None, "Linear", None, False, 2**70, "int", "",
+                   {})]
+    lines = index_line(odd, 0, finite=True).splitlines()
+    back = [e for line in lines for e in parse_index_line(json.loads(line))]
+    assert sorted(e.order for e in back) == [0, 1, 2, 3, 4] and back[-1].value == 2**70
+
+
 def test_incomplete_until_closed_and_torn_last_line_ignored(tmp_path):
     w = DumpDirWriter(tmp_path / "d", 0)
     t = torch.ones(4)

@@ -6,6 +6,7 @@ max_bytes, distributed runs without de-duplication)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -255,6 +256,50 @@ def test_every_kind_of_value_is_walked_and_labelled_the_same(tmp_path, data_mode
     assert values["kw:options.p"] == (None, "DynamicCache") and values["kw:options.q"] == (None, "type")
     assert values["kw:options.l"] == (2, "Level") and values["kw:options.o"] == ("subclass", "Word")
     assert {"kw:options.r.0", "kw:options.r.31", "kw:options.r.32", "kw:options.r.39"} <= indexes
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["module", "api", "all"])
+def test_nan_and_infinity_stay_in_the_index_when_the_capture_routes_finite_rows(tmp_path, mode):
+    """The compiled capture hands the writer its finite rows apart (encoded without a look at each
+    row); a tensor that overflowed or holds NaN, and an argument of inf, -inf or NaN, still reach
+    the index as Infinity and NaN, in the rows and order the Python methods write."""
+    from llmflow.formats import open_dump
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x, limit=float("inf"), fill=float("nan"), floor=-float("inf")):
+            over = torch.clamp(x * limit, min=floor)  # inf, -inf and NaN (0 * inf) in one tensor
+            return over + x.masked_fill(x > 0.5, fill), x * 2.0
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scaled = Scaled()
+
+        def forward(self, x):
+            out, finite = self.scaled(x, limit=float("inf"), fill=float("nan"), floor=-float("inf"))
+            return out.sum() + finite
+
+    def run(out: Path) -> None:
+        model = Model()
+        handle = register_hook(model, DumpConfig(dump_path=str(out), data_mode="statistics", mode=mode))
+        x = torch.tensor([[0.0, 1.0, -2.0], [3.0, 0.25, -0.5]])
+        model(x)
+        model(x + 1)
+        handle.remove()
+
+    c, py = _dump_both(tmp_path, FAMILIES["llama"], "float32", {}, run=run)
+    rows = {name: [repr(r) for r in _index_rows(d / "llmflow_dump")]
+            for name, d in (("c", c), ("python", py))}
+    assert rows["c"] == rows["python"]  # (repr: a NaN equals no NaN)
+    text = b"".join(p.read_bytes() for p in (c / "llmflow_dump").glob("rank*/index.jsonl"))
+    assert b"NaN" in text and b"Infinity" in text and b"-Infinity" in text
+    entries = list(open_dump(c / "llmflow_dump").entries())
+    values = {e.value for e in entries if e.pytype == "float"}
+    assert math.inf in values and -math.inf in values and any(v != v for v in values)
+    stats = [e.stats for e in entries if e.stats and e.stats["inf"] > 0]
+    assert stats and all(s["nan"] > 0 for s in stats)  # the mixed tensor: both counted
+    assert any(e.stats and e.stats["inf"] == 0 and math.isfinite(e.stats["norm"]) for e in entries)
 
 
 @needs_native

@@ -49,9 +49,9 @@ class Log:
     def spy_on(self, writer: AsyncWriter) -> None:
         real = writer.disk.write_rows
 
-        def write_rows(tensors, rows):
+        def write_rows(tensors, rows, **kwargs):
             self.events.append("write")
-            return real(tensors, rows)
+            return real(tensors, rows, **kwargs)
 
         writer.disk.write_rows = write_rows
 
