@@ -21,10 +21,10 @@ cost the forward thread ~14 us of a step's ~430 tensors each on an H100; a strea
 
 Rows that are an index row and nothing more (non-tensors, statistics known at capture, repeats
 in statistics mode, whose statistics the reader resolves by key) go to ``add_row`` instead, or,
-where the capture has checked that the row is a plain tuple whose floats are all finite (the
-compiled capture checks each row it makes), to ``add_finite_row``: a list append, and the index
-line of a step whose rows all came that way is encoded without a look at each row
-(``index_line``'s ``finite``).
+where the capture has checked that the row is a plain tuple whose floats are all finite (it
+checks each row it makes), to ``add_finite_row``. Both are list appends; the finite rows are
+encoded without a look at each row (``index_line``'s ``finite_rows``), the others are looked at
+for NaN and Infinity as their line is written.
 
 To keep the forward thread fast, ``submit`` only appends to a deque (atomic under the GIL) and
 ``add_row`` to a list handed over at the step's end; the thread is woken at step ends or when
@@ -96,10 +96,10 @@ class AsyncWriter:
         # producer side: the current step's rows that are index rows only (most of a
         # statistics-mode dump): one list append each, handed over at the step's end in one piece;
         # IndexRows or plain tuples in its field order (what the capture hands over)
-        self._rows: list[IndexRow | tuple] = []
-        # (one list for the writer's life: the bound append stays valid)
-        self.add_finite_row = self._rows.append
-        self._rows_finite = True  # every row in ``_rows`` came through add_finite_row
+        # (one list each for the writer's life: the bound appends stay valid)
+        self._rows: list[tuple] = []  # plain tuples whose floats are all finite
+        self._unchecked_rows: list[IndexRow | tuple] = []  # any rows (NaN and Infinity among them)
+        self.add_finite_row, self.add_row = self._rows.append, self._unchecked_rows.append
         self._cond = threading.Condition()
         self._wake = False
         self._produced = 0  # bytes submitted (written by the producer only)
@@ -121,8 +121,8 @@ class AsyncWriter:
         self._learned = False  # learning copies were checked this step (see ``TensorKeeper``)
         # index rows that need no data written first (repeats, non-tensors): one write per
         # flush instead of one write and flush() per entry; the reader orders entries itself
-        self._lines: list[IndexRow | tuple] = []
-        self._lines_finite = True  # every row in ``_lines`` came through add_finite_row
+        self._lines: list[tuple] = []  # (as add_finite_row's)
+        self._unchecked_lines: list[IndexRow | tuple] = []
         self._stats_bytes = 0
         # producer side: the CUDA streams with copies queued since the last fence; consumer side:
         # whether a copy handled since the last fence may not have landed (nothing is read then)
@@ -139,11 +139,6 @@ class AsyncWriter:
             self._thread.start()
 
     # -- producer side (forward thread) --------------------------------------------------------
-    def add_row(self, row: IndexRow | tuple) -> None:
-        """Queue one index row without data (its floats are checked when its line is written)."""
-        self._rows.append(row)
-        self._rows_finite = False
-
     def submit(self, row: IndexRow, payload: Any = None, event: Any = None, nbytes: int = 0) -> None:
         """Queue one row with data (see the module docstring for ``payload``)."""
         if self._error is not None:
@@ -236,10 +231,10 @@ class AsyncWriter:
         self._raise_error()
 
     def _hand_over_rows(self) -> None:
-        if self._rows:
-            self._queue.append((_ROWS, self._rows.copy(), self._rows_finite, 0))
+        if self._rows or self._unchecked_rows:
+            self._queue.append((_ROWS, self._rows.copy(), self._unchecked_rows.copy(), 0))
             self._rows.clear()
-            self._rows_finite = True
+            self._unchecked_rows.clear()
 
     def _fence(self) -> None:
         if self._unfenced:
@@ -308,7 +303,7 @@ class AsyncWriter:
         head = item[0]
         if head is _ROWS:
             self._lines.extend(item[1])
-            self._lines_finite = self._lines_finite and item[2]
+            self._unchecked_lines.extend(item[2])
             return False
         if head is _FENCE:
             for event in item[1]:
@@ -362,7 +357,7 @@ class AsyncWriter:
         (``payload`` None) beside the data it shares."""
         if payload is None:  # a repeat of a tensor of this step
             if row.key in self._files:  # already flushed: point at its file
-                self._add_line(row.with_key(f"{self._files[row.key]}:{row.key}"))
+                self._unchecked_lines.append(row.with_key(f"{self._files[row.key]}:{row.key}"))
             else:  # still in the batch: written with it
                 self._batch_rows.append(_held(row))
             return
@@ -404,14 +399,10 @@ class AsyncWriter:
         row = next((r for r in self._batch_rows if r[_KEY_AT] == key), None)
         return _entry(row) if row is not None else f"tensor {key}"
 
-    def _add_line(self, row: IndexRow) -> None:
-        self._lines.append(row)
-        self._lines_finite = False
-
     def _write_lines(self) -> None:
-        if self._lines:
-            self.disk.append_rows(self._lines, finite=self._lines_finite)
-            self._lines, self._lines_finite = [], True
+        if self._lines or self._unchecked_lines:
+            self.disk.append_rows(self._unchecked_lines, finite_rows=self._lines)
+            self._lines, self._unchecked_lines = [], []
 
     def _flush_stats(self) -> None:
         entries, self._stats, self._stats_bytes = self._stats, [], 0
@@ -476,7 +467,8 @@ class AsyncWriter:
             for r in self._batch_rows:
                 if r[_KEY_AT] in lost:  # (its repeats too: they share its data)
                     extra = r[_EXTRA_AT] if len(r) == _ROW_LENGTH else {}
-                    self._add_line(_not_stored(IndexRow(*r[:_EXTRA_AT], extra), lost[r[_KEY_AT]]))
+                    row = _not_stored(IndexRow(*r[:_EXTRA_AT], extra), lost[r[_KEY_AT]])
+                    self._unchecked_lines.append(row)
                 else:
                     kept.append(r)
             self._batch_rows = kept

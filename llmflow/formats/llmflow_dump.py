@@ -109,27 +109,46 @@ _encode = json.JSONEncoder(allow_nan=True, check_circular=False, default=str,
                            separators=(",", ":")).encode
 
 
-def index_line(rows: list[IndexRow] | list[tuple], rank: int, finite: bool = False) -> bytes:
-    """The index line(s) holding ``rows`` (IndexRows, or plain tuples in its field order), all of
-    rank ``rank``: UTF-8 JSON, newline-ended.
+def index_line(rows: list[IndexRow] | list[tuple], rank: int, finite_rows: list[tuple] | tuple = ()) -> bytes:
+    """The index line(s) holding ``rows`` and ``finite_rows`` (IndexRows, or plain tuples in its
+    field order), all of rank ``rank``: UTF-8 JSON, newline-ended.
 
     Rows go through orjson: formatting the statistics' floats is most of the encoding, and the
     standard library took ~3 us an entry (a fifth of a statistics-mode dump's overhead on a small
     model) where orjson takes ~0.2 us. orjson writes NaN and Infinity as ``null``, so rows holding
     a non-finite float (a statistic of a tensor that overflowed, a ``value`` of ``inf``) go into
     a second line written by the standard library, which keeps them as ``NaN``/``Infinity``.
-    ``finite``: the caller knows every row to be a plain tuple whose floats are all finite (the
-    compiled capture checks the rows it makes), so the rows go to orjson as they are, without the
-    look at each row that finds the others (~0.4 us a row, ~2 ms of an API dump's decode step).
+    ``finite_rows``: rows the caller knows to be plain tuples whose floats are all finite (the
+    capture checks each row it makes), which go to orjson as they are, first, without the look at
+    each row that finds the others (~0.4 us a row, ~2 ms of an API dump's decode step).
     """
-    if finite:
+    if finite_rows:
+        fast, slow = _finite_apart(rows)
         try:  # (no ``default``: anything orjson does not write itself, an IndexRow included, raises)
-            return orjson.dumps({"rank": rank, "fields": ROW_FIELDS, "rows": rows},
-                                option=orjson.OPT_APPEND_NEWLINE)
-        except TypeError:  # the look at each row below sorts it out
-            pass
+            out = orjson.dumps({"rank": rank, "fields": ROW_FIELDS,
+                                "rows": [*finite_rows, *fast] if fast else finite_rows},
+                               option=orjson.OPT_APPEND_NEWLINE)
+        except TypeError:  # the look at each row sorts it out
+            return index_line([*finite_rows, *rows], rank)
+    else:
+        fast, slow = _finite_apart(rows)
+        out = b""
+        if fast:
+            try:
+                out = orjson.dumps({"rank": rank, "fields": ROW_FIELDS, "rows": fast}, default=str,
+                                   option=orjson.OPT_APPEND_NEWLINE)
+            except TypeError:  # what orjson refuses (a non-str key in ``extra``): the standard library
+                slow = fast + slow
+    if slow:
+        out += _encode({"rank": rank, "fields": ROW_FIELDS, "rows": slow}).encode() + b"\n"
+    return out
+
+
+def _finite_apart(rows: list[IndexRow] | list[tuple]) -> tuple[list[tuple], list[IndexRow | tuple]]:
+    """``rows`` split into those orjson writes as they are (plain tuples whose statistics and value
+    are finite) and those holding NaN or Infinity."""
     fast: list[tuple] = []
-    slow: list[IndexRow] = []
+    slow: list[IndexRow | tuple] = []
     for row in rows:
         st = row[_STATS_AT]
         if st is not None and not _finite_stats(st):
@@ -142,16 +161,7 @@ def index_line(rows: list[IndexRow] | list[tuple], rank: int, finite: bool = Fal
         # orjson writes plain tuples only (an IndexRow would go to ``default``); a slice of a
         # tuple subclass is a plain tuple, made in C (~55 ns, tuple(row) ~105 ns)
         fast.append(row if type(row) is tuple else row[:])
-    out = b""
-    if fast:
-        try:
-            out = orjson.dumps({"rank": rank, "fields": ROW_FIELDS, "rows": fast}, default=str,
-                               option=orjson.OPT_APPEND_NEWLINE)
-        except TypeError:  # what orjson refuses (a non-str key in ``extra``): the standard library
-            slow = fast + slow
-    if slow:
-        out += _encode({"rank": rank, "fields": ROW_FIELDS, "rows": slow}).encode() + b"\n"
-    return out
+    return fast, slow
 
 
 def _finite_stats(st: Any) -> bool:
@@ -318,21 +328,21 @@ class DumpDirWriter:
             # towards a full collection of every object in the process)
             rows = [(*r[:_KEY_AT], f"{rel}:{r[_KEY_AT]}", *r[_KEY_AT + 1:]) if r[_HAS_DATA_AT] else r
                     for r in rows]
-        self.append_rows(rows, finite)
+        self.append_rows(*(((), rows) if finite else (rows, ())))
         return rel
 
     def write_batch(self, tensors: dict[str, torch.Tensor], entries: list[Entry]) -> str:
         """``write_rows`` for ``Entry`` objects (their ``key``: the tensor's key in ``tensors``)."""
         return self.write_rows(tensors, [IndexRow.of(e) for e in entries])
 
-    def append_rows(self, rows: list[IndexRow] | list[tuple], finite: bool = False) -> None:
-        """Append index lines: rows without data, or whose data is already on disk (``finite``:
-        see ``index_line``)."""
-        if not rows:
+    def append_rows(self, rows: list[IndexRow] | list[tuple], finite_rows: list[tuple] | tuple = ()) -> None:
+        """Append index lines: rows without data, or whose data is already on disk
+        (``finite_rows``: see ``index_line``)."""
+        if not rows and not finite_rows:
             return
-        self._index.write(index_line(rows, self.rank, finite))
+        self._index.write(index_line(rows, self.rank, finite_rows))
         self._index.flush()
-        self.entries_written += len(rows)
+        self.entries_written += len(rows) + len(finite_rows)
 
     def append_order(self, step: int, order: list[str]) -> None:
         """Record the execution order of modules and APIs of one step (orjson: an API dump's

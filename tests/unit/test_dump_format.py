@@ -77,19 +77,30 @@ def test_index_line_round_trips_every_field():
 
 
 def test_index_line_of_rows_known_finite_is_the_checked_line_and_refuses_what_it_cannot_write():
-    """``finite=True`` (the compiled capture's checked rows) writes the line the per-row look
-    writes; an IndexRow or a value orjson refuses among them falls back to that look."""
+    """``finite_rows`` (the capture's checked rows) go into the line the per-row look writes,
+    ahead of the other rows; NaN and Infinity among those still go to the standard library's
+    line; an IndexRow or a value orjson refuses among the finite rows falls back to that look."""
     stats = (1.5, -2.0, 0.1 + 0.2, 7.25, 0.0, 0.0)
     rows = [(0, "m", "output", "0", "module", i, "float32", (2, 3), "Linear", stats, False, None, None,
              str(i + 1), {}) for i in range(3)]
     rows.append((0, "m", "input", "kw:dim", "module", 3, None, None, "Linear", None, False, -1, "int", "",
                  {}))
-    assert index_line(rows, 0, finite=True) == index_line(rows, 0)
+    assert index_line([], 0, finite_rows=rows) == index_line(rows, 0)
     named = [IndexRow(*rows[0]), *rows[1:]]
-    assert index_line(named, 0, finite=True) == index_line(named, 0) == index_line(rows, 0)
+    assert index_line([], 0, finite_rows=named) == index_line(named, 0) == index_line(rows, 0)
+    inf = (0, "m", "input", "kw:eps", "module", 4, None, None, "Linear", None, False, float("inf"), "float",
+           "", {})
+    nan = (0, "m", "output", "1", "module", 5, "float32", (2,), "Linear", (float("nan"),) * 4 + (2.0, 0.0),
+           False, None, None, "9", {})
+    mixed = index_line([inf, nan, rows[1]], 0, finite_rows=[rows[0], rows[2], rows[3]])
+    first, second = mixed.splitlines()
+    assert [r[5] for r in json.loads(first)["rows"]] == [0, 2, 3, 1]  # the known rows first
+    assert b"Infinity" in second and b"NaN" in second and b"Infinity" not in first
+    back = {e.order: e for line in mixed.splitlines() for e in parse_index_line(json.loads(line))}
+    assert back[4].value == math.inf and math.isnan(back[5].stats["max"]) and sorted(back) == list(range(6))
     odd = [*rows, (0, "m", "input", "kw:n", "module", 4, None, None, "Linear", None, False, 2**70, "int", "",
                    {})]
-    lines = index_line(odd, 0, finite=True).splitlines()
+    lines = index_line([], 0, finite_rows=odd).splitlines()
     back = [e for line in lines for e in parse_index_line(json.loads(line))]
     assert sorted(e.order for e in back) == [0, 1, 2, 3, 4] and back[-1].value == 2**70
 

@@ -24,6 +24,7 @@ from llmflow.dump import DumpConfig, capture, dump_run, register_hook
 from llmflow.dump import stats as dump_stats
 from llmflow.dump.api import ApiMode
 from llmflow.dump.capture import DumpSession
+from llmflow.formats import llmflow_dump
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from dump_helpers import prompt_ids, tiny  # noqa: E402
@@ -260,7 +261,7 @@ def test_every_kind_of_value_is_walked_and_labelled_the_same(tmp_path, data_mode
 
 @needs_native
 @pytest.mark.parametrize("mode", ["module", "api", "all"])
-def test_nan_and_infinity_stay_in_the_index_when_the_capture_routes_finite_rows(tmp_path, mode):
+def test_nan_and_infinity_stay_in_the_index_when_the_capture_routes_finite_rows(tmp_path, monkeypatch, mode):
     """The compiled capture hands the writer its finite rows apart (encoded without a look at each
     row); a tensor that overflowed or holds NaN, and an argument of inf, -inf or NaN, still reach
     the index as Infinity and NaN, in the rows and order the Python methods write."""
@@ -288,10 +289,25 @@ def test_nan_and_infinity_stay_in_the_index_when_the_capture_routes_finite_rows(
         model(x + 1)
         handle.remove()
 
+    # the rows the writer looks at one by one: those holding NaN or Infinity, and those whose
+    # statistics it computes itself (a bool tensor's, which the capture's kernel does not take)
+    looked_at = []
+    real = llmflow_dump._finite_apart
+
+    def finite_apart(rows):
+        looked_at.extend(rows)
+        return real(rows)
+
+    monkeypatch.setattr(llmflow_dump, "_finite_apart", finite_apart)
     c, py = _dump_both(tmp_path, FAMILIES["llama"], "float32", {}, run=run)
     rows = {name: [repr(r) for r in _index_rows(d / "llmflow_dump")]
             for name, d in (("c", c), ("python", py))}
     assert rows["c"] == rows["python"]  # (repr: a NaN equals no NaN)
+    non_finite = [r for r in rows["c"] if "nan" in r or "inf" in r]
+    others = [r for r in looked_at if r[9] is None or all(math.isfinite(v) for v in r[9][:4])]
+    others = [r for r in others if type(r[11]) is not float or math.isfinite(r[11])]
+    assert non_finite and len(looked_at) - len(others) == 2 * len(non_finite)  # (each dump's)
+    assert {r[6] for r in others} <= {"bool"}
     text = b"".join(p.read_bytes() for p in (c / "llmflow_dump").glob("rank*/index.jsonl"))
     assert b"NaN" in text and b"Infinity" in text and b"-Infinity" in text
     entries = list(open_dump(c / "llmflow_dump").entries())
