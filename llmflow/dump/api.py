@@ -135,12 +135,12 @@ class ApiMode(TorchFunctionMode, _DISPATCH_BASE):
         stack = recorder.stack
         module = stack[-1] if stack else recorder.prefix
         if self._wanted_sink() is not sink:
+            self._wanted.clear()
             try:
                 self._wanted_sink = weakref.ref(sink)
-                self._wanted.clear()
             except TypeError:  # a sink without weak references: asked every time
                 self._wanted_sink = lambda: None
-        wanted = self._wanted.get(module) if self._wanted_sink() is sink else None
+        wanted = self._wanted.get(module)
         if wanted is None:
             wanted = bool(sink.wants_op(module))
             if self._wanted_sink() is sink:

@@ -177,9 +177,9 @@ PyObject *decimal_string(long long n) {
 }
 
 // The row: a plain tuple in IndexRow's field order, handed to add_finite_row where every float
-// it holds is finite (``finite``: the caller's statistics or value checked; the writer then
-// encodes the step's rows without looking at each, see llmflow_dump.index_line), else to add_row.
-// Steals nothing.
+// it holds is finite (``finite``: the caller's statistics or value checked, as
+// llmflow_dump.finite_row does; the writer encodes those rows without looking at each, see
+// llmflow_dump.index_line), else to add_row. Steals nothing.
 PyObject *emit(Entries *self, PyObject *const *fields, bool finite = true) {
     PyObject *row = untracked(PyTuple_New(15));
     if (row == nullptr) return nullptr;
@@ -407,7 +407,7 @@ int first_capture(Entries *self, PyObject *const *args, PyObject *id, PyObject *
         }
         PyObject *fields[15] = {step, args[0], args[1], args[2], args[4], order, dtype_name, shape, args[5],
                                 stats, Py_False, Py_None, Py_None, key, self->no_extra};
-        // (the writer's own test, llmflow_dump._finite_stats: max + min + mean + norm is finite)
+        // (llmflow_dump.finite_row's test of statistics: max + min + mean + norm is finite)
         const double *o = self->out;
         if ((done = emit(self, fields, std::isfinite(o[0] + o[1] + o[2] + o[3]))) == nullptr) goto out;
     } else {

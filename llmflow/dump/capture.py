@@ -22,7 +22,6 @@ import ctypes
 import logging
 import os
 import weakref
-from math import isfinite
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from llmflow.formats.llmflow_dump import (
     SAFETENSORS_DTYPES,
     DumpDirWriter,
     IndexRow,
+    finite_row,
     new_row,
 )
 from llmflow.formats.llmflow_layout import ENV_FILE, TOPOLOGY_FILE
@@ -313,9 +313,8 @@ class DumpSession(Sink, _ENTRIES_BASE):
         vtype = type(value)
         pytype = _PLAIN_TYPE_NAMES.get(vtype)
         if pytype is not None:  # None, a bool, int or float: most of these (use_cache, dim=-1, eps)
-            add = self._add_row if vtype is float and not isfinite(value) else self._add_finite_row
-            add((self.step, name, kind, index, level, order, None, None, module_type, None,
-                 False, value, pytype, "", _NO_EXTRA))
+            self._add_index_row((self.step, name, kind, index, level, order, None, None, module_type, None,
+                                 False, value, pytype, "", _NO_EXTRA))
         # (the exact type first, then the C-level Tensor check: Parameter's own isinstance is
         # Python code, ~0.3 us, and every plain value would pay it)
         elif vtype is torch.nn.Parameter or (isinstance(value, torch.Tensor)
@@ -332,9 +331,13 @@ class DumpSession(Sink, _ENTRIES_BASE):
             if isinstance(value, _NAMED_VALUES):
                 value = str(value)
             simple = isinstance(value, _SIMPLE) and (not isinstance(value, str) or len(value) < 256)
-            add = self._add_row if isinstance(value, float) and not isfinite(value) else self._add_finite_row
-            add((self.step, name, kind, index, level, order, None, None, module_type, None,
-                 False, value if simple else None, pytype, "", _NO_EXTRA))
+            self._add_index_row((self.step, name, kind, index, level, order, None, None, module_type, None,
+                                 False, value if simple else None, pytype, "", _NO_EXTRA))
+
+    def _add_index_row(self, row: tuple) -> None:
+        """An index row that may hold NaN or Infinity: to the writer's add_finite_row where it
+        does not (``finite_row``), else to add_row."""
+        (self._add_finite_row if finite_row(row) else self._add_row)(row)
 
     def _tensor(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
                 module_type: str | None, dedup: bool = True, step: int | None = None,
@@ -397,11 +400,8 @@ class DumpSession(Sink, _ENTRIES_BASE):
             code = KERNEL_DTYPES.get(dtype)
             if code is not None and t.is_contiguous():  # statistics now: no copy, nothing left to compute
                 self._stats_kernel(t.data_ptr(), code, t.numel(), self._stats_address)
-                st = self._stats_out[:]
-                # (the writer's own test, llmflow_dump._finite_stats: max + min + mean + norm is finite)
-                add = self._add_finite_row if isfinite(st[0] + st[1] + st[2] + st[3]) else self._add_row
-                add((step, name, kind, index, level, order, dtype_s, shape, module_type, st, False, None,
-                     None, key, _NO_EXTRA))
+                self._add_index_row((step, name, kind, index, level, order, dtype_s, shape, module_type,
+                                     self._stats_out[:], False, None, None, key, _NO_EXTRA))
                 return
         row = new_row(IndexRow, (step, name, kind, index, level, order, dtype_s, shape, module_type, None,
                                  has_data, None, None, key, {} if self.config.crc32 else _NO_EXTRA))

@@ -149,18 +149,20 @@ def _finite_apart(rows: list[IndexRow] | list[tuple]) -> tuple[list[tuple], list
     fast: list[tuple] = []
     slow: list[IndexRow | tuple] = []
     for row in rows:
-        st = row[_STATS_AT]
-        if st is not None and not _finite_stats(st):
+        if finite_row(row):
+            # orjson writes plain tuples only (an IndexRow would go to ``default``); a slice of a
+            # tuple subclass is a plain tuple, made in C (~55 ns, tuple(row) ~105 ns)
+            fast.append(row if type(row) is tuple else row[:])
+        else:
             slow.append(row)
-            continue
-        value = row[_VALUE_AT]
-        if type(value) is float and not isfinite(value):
-            slow.append(row)
-            continue
-        # orjson writes plain tuples only (an IndexRow would go to ``default``); a slice of a
-        # tuple subclass is a plain tuple, made in C (~55 ns, tuple(row) ~105 ns)
-        fast.append(row if type(row) is tuple else row[:])
     return fast, slow
+
+
+def finite_row(row: IndexRow | tuple) -> bool:
+    """Are ``row``'s statistics (where it has them) and its value (where a float) finite? The
+    test the capture applies to each row it makes (capture.cpp's callers of ``emit`` too)."""
+    st, value = row[_STATS_AT], row[_VALUE_AT]
+    return (st is None or _finite_stats(st)) and (type(value) is not float or isfinite(value))
 
 
 def _finite_stats(st: Any) -> bool:

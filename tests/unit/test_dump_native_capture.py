@@ -319,6 +319,34 @@ def test_nan_and_infinity_stay_in_the_index_when_the_capture_routes_finite_rows(
 
 
 @needs_native
+def test_a_family_whose_mask_holds_minus_infinity_keeps_its_other_rows_unlooked_at(
+        tmp_path, monkeypatch):
+    """Gemma-2 (a family the routing was not written on) puts -inf into its prefill's attention
+    mask: an API dump over prefill and decode steps writes those rows with -Infinity, the same rows
+    in C and in Python, and the writer looks only at them (and at the statistics it computes
+    itself)."""
+    looked_at = []
+    real = llmflow_dump._finite_apart
+
+    def finite_apart(rows):
+        looked_at.extend(rows)
+        return real(rows)
+
+    monkeypatch.setattr(llmflow_dump, "_finite_apart", finite_apart)
+    spec = "tiny-gemma2:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64"
+    c, py = _dump_both(tmp_path, spec, "float32", {"data_mode": "statistics", "mode": "api"})
+    rows = {name: [repr(r) for r in _index_rows(d)] for name, d in (("c", c), ("python", py))}
+    assert rows["c"] == rows["python"]  # (repr: a NaN equals no NaN)
+    index = _index_rows(c)
+    assert {r[0] for r in index} == {0, 1, 2}  # the prefill and two decode steps
+    non_finite = [r for r in looked_at if not llmflow_dump.finite_row(r)]
+    assert {r[0] for r in non_finite} == {0}  # the prefill's mask
+    assert b"-Infinity" in b"".join(p.read_bytes() for p in c.glob("rank*/index.jsonl"))
+    others = [r for r in looked_at if llmflow_dump.finite_row(r)]
+    assert len(others) < len(index) / 10  # (the writer's own statistics: non-contiguous copies)
+
+
+@needs_native
 def test_a_distributed_rank_keeps_every_capture_compiled_as_in_python(tmp_path, monkeypatch):
     """In a distributed run nothing is indexed as a repeat (collectives rewrite tensors in place
     without a version bump): the C entries register no first captures either."""
