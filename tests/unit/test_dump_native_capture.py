@@ -259,9 +259,23 @@ def test_every_kind_of_value_is_walked_and_labelled_the_same(tmp_path, data_mode
     assert {"kw:options.r.0", "kw:options.r.31", "kw:options.r.32", "kw:options.r.39"} <= indexes
 
 
+@pytest.fixture
+def looked_at(monkeypatch) -> list[tuple]:
+    """The index rows the dump's writer looks at one by one for NaN and Infinity."""
+    rows: list[tuple] = []
+    real = llmflow_dump._finite_apart
+
+    def finite_apart(batch):
+        rows.extend(batch)
+        return real(batch)
+
+    monkeypatch.setattr(llmflow_dump, "_finite_apart", finite_apart)
+    return rows
+
+
 @needs_native
 @pytest.mark.parametrize("mode", ["module", "api", "all"])
-def test_nan_and_infinity_stay_in_the_index_when_the_capture_routes_finite_rows(tmp_path, monkeypatch, mode):
+def test_nan_and_infinity_stay_in_the_index_when_the_capture_routes_finite_rows(tmp_path, looked_at, mode):
     """The compiled capture hands the writer its finite rows apart (encoded without a look at each
     row); a tensor that overflowed or holds NaN, and an argument of inf, -inf or NaN, still reach
     the index as Infinity and NaN, in the rows and order the Python methods write."""
@@ -289,16 +303,8 @@ def test_nan_and_infinity_stay_in_the_index_when_the_capture_routes_finite_rows(
         model(x + 1)
         handle.remove()
 
-    # the rows the writer looks at one by one: those holding NaN or Infinity, and those whose
-    # statistics it computes itself (a bool tensor's, which the capture's kernel does not take)
-    looked_at = []
-    real = llmflow_dump._finite_apart
-
-    def finite_apart(rows):
-        looked_at.extend(rows)
-        return real(rows)
-
-    monkeypatch.setattr(llmflow_dump, "_finite_apart", finite_apart)
+    # (looked_at: those holding NaN or Infinity, and those whose statistics the writer computes
+    # itself, a bool tensor's, which the capture's kernel does not take)
     c, py = _dump_both(tmp_path, FAMILIES["llama"], "float32", {}, run=run)
     rows = {name: [repr(r) for r in _index_rows(d / "llmflow_dump")]
             for name, d in (("c", c), ("python", py))}
@@ -319,20 +325,11 @@ def test_nan_and_infinity_stay_in_the_index_when_the_capture_routes_finite_rows(
 
 
 @needs_native
-def test_a_family_whose_mask_holds_minus_infinity_keeps_its_other_rows_unlooked_at(
-        tmp_path, monkeypatch):
+def test_a_family_whose_mask_holds_minus_infinity_keeps_its_other_rows_unlooked_at(tmp_path, looked_at):
     """Gemma-2 (a family the routing was not written on) puts -inf into its prefill's attention
     mask: an API dump over prefill and decode steps writes those rows with -Infinity, the same rows
     in C and in Python, and the writer looks only at them (and at the statistics it computes
     itself)."""
-    looked_at = []
-    real = llmflow_dump._finite_apart
-
-    def finite_apart(rows):
-        looked_at.extend(rows)
-        return real(rows)
-
-    monkeypatch.setattr(llmflow_dump, "_finite_apart", finite_apart)
     spec = "tiny-gemma2:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64"
     c, py = _dump_both(tmp_path, spec, "float32", {"data_mode": "statistics", "mode": "api"})
     rows = {name: [repr(r) for r in _index_rows(d)] for name, d in (("c", c), ("python", py))}
