@@ -14,6 +14,7 @@ Run by hand (valgrind needed; ~15 minutes, the two trees in parallel)::
     git worktree add /tmp/old main
     .venv/bin/python benchmarks/count_dump.py /tmp/old . --mode module
     .venv/bin/python benchmarks/count_dump.py /tmp/old . --mode api --tokens 4
+    .venv/bin/python benchmarks/count_dump.py /tmp/old . --mode api --data-mode tensor --writer inline
 
 valgrind does not run AVX-512 code, so torch, MKL and llmflow's kernels are held to AVX2
 (``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``, ``LLMFLOW_KERNEL_TARGET``); the model is a
@@ -38,7 +39,7 @@ EVENTS = {"Ir": ("Ir",), "I1 misses": ("I1mr",), "D1 misses": ("D1mr", "D1mw"),
           "LL data misses": ("DLmr", "DLmw")}
 
 
-def drive(mode: str, model: str, tokens: int) -> None:
+def drive(mode: str, model: str, tokens: int, data_mode: str = "statistics") -> None:
     """The measured process: warm up, then a plain run and a dump between markers (``os.getppid``,
     a call nothing else here makes, before whose C function callgrind writes its counts)."""
     import torch
@@ -54,7 +55,7 @@ def drive(mode: str, model: str, tokens: int) -> None:
     def dump() -> None:
         shutil.rmtree(out / "d", ignore_errors=True)
         dump_run(loaded, ids, tokens, DumpConfig(dump_path=str(out / "d"), token_range="all",
-                                                 data_mode="statistics", mode=mode))
+                                                 data_mode=data_mode, mode=mode))
 
     marker = os.getppid
     dump()
@@ -79,12 +80,14 @@ def read_counts(path: Path) -> dict[str, int]:
     return dict(zip(events, totals, strict=False))
 
 
-def count(tree: Path, mode: str, model: str, tokens: int, work: Path) -> subprocess.Popen:
+def count(tree: Path, mode: str, model: str, tokens: int, work: Path, data_mode: str,
+          writer: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0", "ATEN_CPU_CAPABILITY": "avx2",
-           "MKL_ENABLE_INSTRUCTIONS": "AVX2", "LLMFLOW_KERNEL_TARGET": "x86-64-v3"}
+           "MKL_ENABLE_INSTRUCTIONS": "AVX2", "LLMFLOW_KERNEL_TARGET": "x86-64-v3",
+           "LLMFLOW_DUMP_WRITER": writer}
     cmd = ["valgrind", "--tool=callgrind", "--cache-sim=yes", f"--dump-before={MARKER}",
            f"--callgrind-out-file={work}/callgrind.out", sys.executable, str(Path(__file__).resolve()),
-           "--drive", mode, model, str(tokens)]
+           "--drive", mode, model, str(tokens), data_mode]
     return subprocess.Popen(cmd, env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
 
@@ -96,10 +99,14 @@ def main() -> None:
     ap.add_argument("--mode", default="module", choices=["module", "api"])
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--tokens", type=int, default=6)
-    ap.add_argument("--drive", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--data-mode", default="statistics", choices=["statistics", "tensor"])
+    ap.add_argument("--writer", default="auto", choices=["auto", "inline", "thread"],
+                    help="LLMFLOW_DUMP_WRITER for both trees (auto: one torch thread here, so the thread; "
+                         "inline: as on a CPU whose cores torch's threads all take)")
+    ap.add_argument("--drive", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.drive:
-        drive(a.drive[0], a.drive[1], int(a.drive[2]))
+        drive(a.drive[0], a.drive[1], int(a.drive[2]), a.drive[3])
         return
     if a.old is None or a.new is None:
         ap.error("give the two source trees: OLD NEW")
@@ -111,7 +118,8 @@ def main() -> None:
         for label, tree in (("old", a.old), ("new", a.new)):
             work = Path(tmp) / label
             work.mkdir()
-            runs[label] = (work, count(tree.resolve(), a.mode, a.model, a.tokens, work))
+            runs[label] = (work, count(tree.resolve(), a.mode, a.model, a.tokens, work, a.data_mode,
+                                       a.writer))
         for label, (work, proc) in runs.items():
             _, err = proc.communicate()
             profiles = sorted(work.glob("callgrind.out.*"), key=lambda p: int(p.name.rsplit(".", 1)[1]))
@@ -120,7 +128,8 @@ def main() -> None:
                          f"{err[-2000:]}")
             plain, dumped = read_counts(profiles[1]), read_counts(profiles[2])
             results[label] = {"plain": plain, "dump": dumped}
-    print(f"{a.model}, {a.tokens} new tokens, statistics {a.mode} dump: the dump's run minus the plain run")
+    print(f"{a.model}, {a.tokens} new tokens, {a.data_mode} {a.mode} dump ({a.writer} writer): "
+          "the dump's run minus the plain run")
     print(f"{'':16s} {'old':>15s} {'new':>15s} {'new / old':>10s}   (plain run, old)")
     for name, keys in EVENTS.items():
         extra = {t: sum(results[t]["dump"].get(k, 0) - results[t]["plain"].get(k, 0) for k in keys)

@@ -469,8 +469,11 @@ def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
     rows.sort(key=lambda r: (r["status"] == "not checked", -(r["ratio"] if r["ratio"] is not None
                                                               and not math.isnan(r["ratio"]) else 0.0)))
     perturbed = list(dict.fromkeys(r["name"] for r in rows if r.get("perturb_flag")))
+    next_step = ""
     if not calls:
         status, headline = "inconclusive", "precheck: the dump holds no API calls (dump with mode api)"
+        next_step = ("dump the target with DumpConfig(mode='api', data_mode='tensor', dump_weight=True) "
+                     "(llmflow run api_precheck does it), then llmflow precheck that dump")
     elif totals["fail"]:
         status = "fail"
         headline = (f"precheck: {totals['fail']} of {checked} checked calls fail; first "
@@ -481,6 +484,9 @@ def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
         status = "inconclusive"
         headline = (f"precheck: only {checked} of {calls} calls could be checked; most often: "
                     f"{why[0][0] if why else '?'}")
+        next_step = ("dump tensors with their weights (DumpConfig(mode='api', data_mode='tensor', "
+                     "dump_weight=True)), and give the ops without a CPU implementation a reference "
+                     "(--reference NAME=file.py:func); precheck.csv says why each call was not checked")
     else:
         status = "pass"
         headline = f"precheck: {checked} of {calls} calls checked, none fails ({totals['warn']} warn)"
@@ -490,4 +496,4 @@ def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
     return {"rows": rows, "first_fail": first_fail, "counts": {k: dict(v) for k, v in sorted(counts.items())},
             "totals": {"calls": calls, "checked": checked, **{k: totals[k] for k in
                                                               ("pass", "warn", "fail", "not checked")}},
-            "perturbed": perturbed, "status": status, "headline": headline}
+            "perturbed": perturbed, "status": status, "headline": headline, "next": next_step}

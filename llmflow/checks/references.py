@@ -12,6 +12,12 @@ API again on the CPU, once in float64 (the reference) and once in the dump's dty
      (functional first: ``F.embedding(input, weight)`` and ``torch.embedding(weight, input)`` take
      their arguments in different orders, and the model code calls the functional).
 
+A dump comes from another machine, so it names what the precheck may call only among torch's
+tensor ops: the functions torch routes through a function mode (``torch.overrides``' list and the
+factory functions, what an API dump records), less the few that reach beyond their tensors
+(``backward``, hooks, shared memory, pickling). ``torch.load``, ``torch.save``,
+``torch.from_file`` or ``manual_seed``, named by a dump, are never called.
+
 A reference takes the op's arguments exactly as the op does and returns its output (a tensor, or
 a tuple whose leading elements are compared with the op's leading outputs). It must compute in
 the dtype of the tensors it is given (float64 for the reference run) and should follow the
@@ -29,6 +35,7 @@ checked, with the reason.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -349,12 +356,37 @@ def load_references(given: dict[str, str] | None = None,
 OWNERS: dict[str, Any] = {"torch.nn.functional": F, "torch": torch, "Tensor": torch.Tensor}
 
 
+# factory functions: a function mode sees them (an API dump records them), torch.overrides does not
+# list them (they take no tensor)
+_FACTORIES = ("arange", "range", "linspace", "logspace", "zeros", "ones", "full", "empty", "empty_strided",
+              "eye", "tensor", "as_tensor", "asarray", "scalar_tensor", "tril_indices", "triu_indices",
+              "rand", "randn", "randint", "randperm", "normal", "bartlett_window", "blackman_window",
+              "hamming_window", "hann_window", "kaiser_window")
+_BEYOND_TENSORS = frozenset({"backward", "register_hook", "register_post_accumulate_grad_hook",
+                             "share_memory_", "module_load", "__reduce__", "__reduce_ex__", "__setstate__"})
+
+
+@functools.lru_cache(maxsize=1)
+def _tensor_ops() -> frozenset[Any]:
+    """torch's functions a function mode sees: the ops an API dump can have recorded."""
+    ops = {f for fns in torch.overrides.get_overridable_functions().values() for f in fns}
+    return frozenset(ops | {getattr(torch, name) for name in _FACTORIES if hasattr(torch, name)})
+
+
+def replayable(fn: Any) -> bool:
+    """May a dump make the precheck call ``fn``? Only a torch tensor op (see the module docstring)."""
+    try:
+        return fn in _tensor_ops() and getattr(fn, "__name__", "") not in _BEYOND_TENSORS
+    except TypeError:  # (unhashable: not one of torch's functions)
+        return False
+
+
 def lookup(dotted: str) -> Callable[..., Any] | None:
-    """``torch.matmul``, ``torch.nn.functional.silu``, ``Tensor.__add__``: that torch callable,
-    or None (another owner, no such attribute)."""
+    """``torch.matmul``, ``torch.nn.functional.silu``, ``Tensor.__add__``: that torch op, or None
+    (another owner, no such attribute, not a tensor op)."""
     owner, _, attr = dotted.rpartition(".")
     fn = getattr(OWNERS[owner], attr, None) if owner in OWNERS else None
-    return fn if callable(fn) and not isinstance(fn, (type, torch.dtype)) else None
+    return fn if callable(fn) and replayable(fn) else None
 
 
 def resolve(api: str, args: list[Any], references: dict[str, Callable[..., Any]],
@@ -370,14 +402,22 @@ def resolve(api: str, args: list[Any], references: dict[str, Callable[..., Any]]
                       f"{api}=file.py:func)")
     if called is not None and lookup(called) is not None:
         return lookup(called), called
+    refused = None
     for owner, label in ((F, "torch.nn.functional"), (torch, "torch")):
         fn = getattr(owner, api, None)
         if callable(fn) and not isinstance(fn, type) and not isinstance(fn, torch.dtype):
-            return fn, f"{label}.{api}"
+            if replayable(fn):
+                return fn, f"{label}.{api}"
+            refused = refused or f"{label}.{api}"
     if args and isinstance(args[0], torch.Tensor):
         method = getattr(torch.Tensor, api, None)
         if callable(method):
-            return method, f"Tensor.{api}"
+            if replayable(method):
+                return method, f"Tensor.{api}"
+            refused = refused or f"Tensor.{api}"
+    if refused:
+        return None, (f"{refused} is not a tensor op: a dump cannot make the precheck call it (a reference "
+                      f"for {api!r}: entry-point group {GROUP} or --reference {api}=file.py:func)")
     return None, (f"no CPU implementation of {api!r} in torch and no reference registered "
                   f"(entry-point group {GROUP} or --reference {api}=file.py:func)")
 

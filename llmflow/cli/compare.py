@@ -116,11 +116,14 @@ FILE_COLUMNS = (("name", "name"), ("shape", "golden_shape"), ("dtype", "dtypes")
 def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
     from rich.table import Table
 
+    from llmflow.compare.completeness import UNPAIRED_SHARE
     from llmflow.compare.files import compare_files
 
     rows = compare_files(args.golden_path, args.my_path, algorithms=args.algorithms,
                          thresholds=thresholds, target_dtype=args.target_dtype)
     con = console()
+    paired = sum(1 for r in rows if r.get("verdict") != "unmatched")
+    alone = sum(1 for r in rows if r.get("code") == "unmatched_golden")
     if len(rows) == 1:  # one tensor: every metric, one per line
         table = Table(title=f"{args.golden_path} vs {args.my_path}")
         table.add_column("metric")
@@ -129,7 +132,7 @@ def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
             if k != "name":
                 table.add_row(k, _fmt(v))
     else:
-        table = Table(title=f"{args.golden_path} vs {args.my_path}: {len(rows)} tensors paired by name")
+        table = Table(title=f"{args.golden_path} vs {args.my_path}: {paired} tensors paired by name")
         for label, _ in FILE_COLUMNS:
             table.add_column(label, justify="right" if label in ("cosine", "max abs err") else "left")
         for r in rows:
@@ -144,8 +147,15 @@ def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
     if args.output:  # (a user who gave -o looks for files there: say there are none)
         print(f"-o {args.output}: nothing written there; two tensor files are compared on screen only")
     fails = [r["name"] for r in rows if r.get("verdict") == "fail"]
-    verdict_line(not fails, f"{len(fails)} of {len(rows)} tensors fail" if fails else f"{len(rows)} tensors")
-    return EXIT_FAILED if fails else EXIT_PASSED
+    incomplete = paired == 0 or alone > UNPAIRED_SHARE * (paired + alone)  # (as a dump compare's coverage)
+    if fails:
+        verdict_line(False, f"{len(fails)} of {paired} tensors fail")
+    elif incomplete:
+        verdict_line(False, f"incomplete: {alone} of {paired + alone} golden tensors have no tensor of their "
+                            "name in the target")
+    else:
+        verdict_line(True, f"{paired} tensors" + (f", {alone} golden only" if alone else ""))
+    return EXIT_FAILED if fails or incomplete else EXIT_PASSED
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -198,6 +208,8 @@ def execute(args: argparse.Namespace) -> int:
     _print_summary(con, summary, staged.out)
     for line in report_lines(summary):
         con.print(line)
+    if summary.outcome.next:
+        con.print(f"next: {summary.outcome.next}")
     verdict_line(summary.outcome.status, summary.outcome.headline)
     return _EXIT.get(summary.outcome.status, EXIT_BAD_INPUT)
 

@@ -106,6 +106,8 @@ def execute(args: argparse.Namespace) -> int:
     for miss in result["repros_missing"]:
         con.print(f"  no repro for {miss['name']}: {miss['why']}")
     con.print(f"tables: {result['files']['csv']}, {result['files']['xlsx']}, {result['files']['json']}")
+    if result.get("next"):
+        con.print(f"next: {result['next']}")
     verdict_line(result["status"], result["headline"].removeprefix("precheck: "))
     return EXIT.get(result["status"], EXIT_BAD_INPUT)
 

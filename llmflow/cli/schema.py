@@ -2,8 +2,10 @@
 type, or a result file's (``--kind summary``: summary.json, ``--kind verdict``: a bisect's
 verdict.json), generated from its types.
 
-Without -o it prints to stdout. --check compares with an existing file instead (exit 1 when it
-is out of date). The committed copies are schemas/<kind>.schema.json.
+Without -o it prints to stdout. -o replaces only a file that is this kind of schema already (an
+older copy); any other existing file is the user's and is refused. --check compares with an
+existing file instead (exit 1 when it is out of date). The committed copies are
+schemas/<kind>.schema.json.
 """
 
 from __future__ import annotations
@@ -59,11 +61,29 @@ def _check_target(path: Path, kind: str = "workflow") -> None:
         raise UserError(f"-o {path}: {parent} is a file, not a directory")
 
 
+def _title(text: str) -> object:
+    """The ``title`` of a JSON schema's text (None: not a JSON object)."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    return doc.get("title") if isinstance(doc, dict) else None
+
+
 def _write(path: Path, text: str, kind: str) -> None:
-    """Write beside, then rename over: an interrupted write leaves the old file whole."""
+    """Write beside, then rename over: an interrupted write leaves the old file whole. An existing
+    file is replaced only when it is the same kind of schema (its title)."""
     from llmflow.atomic import atomic_write_text
 
     _check_target(path, kind)
+    if path.exists():
+        try:
+            old = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            old = ""
+        if _title(old) != _title(text):
+            raise UserError(f"-o {path}: exists and is not an llmflow {kind} schema; refusing to replace it "
+                            "(give a new file name)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, text)  # (a temporary file of its own, removed on any failure)

@@ -8,8 +8,11 @@ Counted per golden entry (a row), before any tensor is read:
   one golden row), or no entry of that level in that step at all (other token ranges: logits
   are dumped every step, modules only in the token_range), plus golden entries of steps the
   target has no step for;
+* unpaired too: golden rows the target's rows of their step do not reach: before the first
+  or after the last golden row that paired (a target dump cut short, or begun late), or in a
+  decoder layer none of whose golden rows paired (a layer the target never dumped);
 * golden only: the other unmatched rows, beside target rows that all paired: the target is
-  coarser (an engine's fused op for several torch modules) or dumped less (a module_list);
+  coarser (an engine's fused op for several torch modules, inside the layers it covers);
 * not in the target: a level or kind the target did not dump at all (golden inputs and outputs
   against target outputs only, as the bisect recipe dumps them), or a kind the mapping in use
   does not map (atb-llama maps outputs: an ATB op's inputs are not its torch module's).
@@ -17,7 +20,9 @@ Counted per golden entry (a row), before any tensor is read:
 The last two are listed, not counted against the compare.
 
 The compare is *incomplete* (its verdict fail) when nothing paired, when more than half of the
-counted golden rows are unpaired, or when a level both dumps hold paired nothing. ``assess``
+counted golden rows are unpaired, when a level both dumps hold paired nothing, or when a decoder
+layer the golden dumped has no row in the target in a step both dumps hold: a compare that
+never saw a layer cannot say the target matches there. ``assess``
 also names the likely cause: different naming (a mapping is needed), different token ranges or
 steps, tensors the target did not dump, a side with no usable data.
 """
@@ -30,6 +35,7 @@ from typing import Any
 from llmflow.compare.pairing import Pairing
 from llmflow.formats.base import DumpReader
 from llmflow.results.compare import Coverage, LevelCoverage
+from llmflow.structure import layer_of_name
 
 UNPAIRED_SHARE = 0.5
 
@@ -46,6 +52,8 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
     not_in_target: Counter[str] = Counter()
     paired = unpaired = golden_only = 0
     lost = {"name": None, "target": None, "steps": set()}
+    spans, layers_seen = _reach(pairs)
+    layers_lost: dict[str, set[int]] = {}  # golden layers without a target row -> their steps
     for p in pairs:
         if p.golden is None:
             lost["target"] = lost["target"] or p.targets[0].name
@@ -67,6 +75,12 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
                 leftovers[(lv, p.golden.kind, p.target_step)] -= 1
                 how = "unpaired"
                 lost["name"] = lost["name"] or p.golden.name
+            elif (layer := _layer_not_reached(p, lv, layers_seen)) is not None:
+                how = "unpaired"
+                layers_lost.setdefault(layer, set()).add(p.golden_step)
+            elif not _within(p, spans):
+                how = "unpaired"
+                lost["reach"] = lost.get("reach") or p.golden.name
             else:
                 how = "golden_only"
             d[how] += 1
@@ -80,15 +94,17 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
     unpaired += pairing.missing_rows
     considered = paired + unpaired
     empty_levels = [lv for lv, d in levels.items() if d["unpaired"] and not d["paired"]]
-    incomplete = paired == 0 or unpaired > UNPAIRED_SHARE * considered or bool(empty_levels)
+    incomplete = (paired == 0 or unpaired > UNPAIRED_SHARE * considered or bool(empty_levels)
+                  or bool(layers_lost))
     out = Coverage(
         state="incomplete" if incomplete else "complete", paired=paired, unpaired=unpaired,
         considered=considered, golden_only=golden_only, missing_step_rows=pairing.missing_rows,
         levels={lv: LevelCoverage(**d) for lv, d in levels.items()}, levels_without_pairs=empty_levels,
-        not_in_target=dict(not_in_target), causes=[], headline=None)
+        not_in_target=dict(not_in_target), causes=[], headline=None,
+        layers_not_in_target=sorted(layers_lost, key=_layer_order))
     if not incomplete:
         return out
-    causes = _causes(pairing, golden, target, lost, not_in_target)
+    causes = _causes(pairing, golden, target, lost, not_in_target, layers_lost)
     out.causes = causes
     where = ", ".join(f"{lv} {d['unpaired']}" for lv, d in levels.items() if d["unpaired"])
     if pairing.missing_rows:
@@ -101,9 +117,55 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
     return out
 
 
+def _reach(pairs: list[Any]) -> tuple[dict[tuple[int, int], tuple[int, int]], set[tuple[int, int, str]]]:
+    """Where the target's rows reach, per (rank, golden step): the first and last golden order
+    that paired, and the decoder layers with a paired golden row."""
+    spans: dict[tuple[int, int], tuple[int, int]] = {}
+    layers: set[tuple[int, int, str]] = set()
+    for p in pairs:
+        if p.unmatched:
+            continue
+        key, order = (p.rank, p.golden_step), p.golden.order
+        first, last = spans.get(key, (order, order))
+        spans[key] = (min(first, order), max(last, order))
+        layer = layer_of_name(p.golden.name)
+        if layer is not None:
+            layers.add((*key, layer))
+    return spans, layers
+
+
+def _layer_not_reached(p: Any, level: str, layers: set[tuple[int, int, str]]) -> str | None:
+    """The decoder layer of golden row ``p`` when none of that layer's golden rows paired in its
+    step (module paths only: an API row's name has no layer of its own to go by)."""
+    if level not in ("module", "layer"):
+        return None
+    layer = layer_of_name(p.golden.name)
+    return layer if layer is not None and (p.rank, p.golden_step, layer) not in layers else None
+
+
+def _within(p: Any, spans: dict[tuple[int, int], tuple[int, int]]) -> bool:
+    span = spans.get((p.rank, p.golden_step))
+    return span is not None and span[0] <= p.golden.order <= span[1]
+
+
+def _layer_order(layer: str) -> tuple[str, int]:
+    head, _, index = layer.rpartition(".")
+    return head, int(index) if index.isdigit() else -1
+
+
 def _causes(pairing: Pairing, golden: DumpReader, target: DumpReader, lost: dict[str, Any],
-            not_in_target: Counter[str]) -> list[str]:
+            not_in_target: Counter[str], layers_lost: dict[str, set[int]]) -> list[str]:
     causes = []
+    if layers_lost:
+        names = sorted(layers_lost, key=_layer_order)
+        shown = ", ".join(names[:3]) + (f" ... ({len(names)} layers)" if len(names) > 3 else "")
+        steps = sorted(set().union(*layers_lost.values()))
+        causes.append(f"the target has no rows of golden layer{'s' if len(names) > 1 else ''} {shown} "
+                      f"(steps {_span(steps)}): its dump stops early or covers fewer layers; dump the same "
+                      "layers on both sides")
+    elif lost.get("reach"):
+        causes.append(f"the target's rows stop short of the golden's (from {lost['reach']!r}): its dump "
+                      "stops early or covers less; dump the same modules on both sides")
     steps = set(lost["steps"]) | {int(m["golden_step"]) for m in pairing.missing if m.get("side") == "target"}
     if steps:
         causes.append(f"different token ranges / steps: golden steps {_span(list(steps))} have no target "

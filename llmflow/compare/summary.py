@@ -137,6 +137,7 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
     """
     problems = {side: p for side, p in problems.items() if p}
     incomplete = coverage.state == "incomplete"
+    next_step = ""
     if counts["fail"]:
         fails = [s.first_fail for s in levels.values() if s.first_fail]
         first = min(fails, key=lambda r: (r.step, r.rank, r.order or 0), default=None)
@@ -151,6 +152,8 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
         more = sum(map(len, problems.values())) - 1
         status = "inconclusive"
         headline = f"the {side} dump cannot be trusted: {items[0]}" + (f" (+{more} more)" if more else "")
+        next_step = (f"llmflow inspect the {side} dump to see what it lost, then dump that side again (a run "
+                     "that ended early, or files removed since)")
         if incomplete:
             headline += (f"; so the compare is incomplete ({coverage.unpaired} of {coverage.considered} "
                          "golden rows found no partner)")
@@ -160,7 +163,8 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
         status = "pass"
         headline = f"{pairs} rows, {counts['warn']} warn, {counts['unmatched']} unmatched"
     verdict = status if status != "pass" else ("warn" if counts["warn"] else "pass")
-    return coverage.state, verdict, CompareOutcome(status=status, headline=headline)
+    return coverage.state, verdict, CompareOutcome(status=status, headline=headline,
+                                                   next=next_step if status == "inconclusive" else "")
 
 
 def report_lines(summary: CompareSummary) -> list[str]:

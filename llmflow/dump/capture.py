@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from llmflow import native
+from llmflow.collector import defer_young_collections, resume_young_collections
 from llmflow.dtypes import dtype_name
 from llmflow.dump import copies, tensor_meta
 from llmflow.dump.api import use_compiled_dispatch
@@ -198,6 +199,8 @@ class DumpSession(Sink, _ENTRIES_BASE):
         self.stopped: str | None = None  # why capture stopped early (max_bytes)
         self.closed = False
         self.in_step = False  # between begin_step and end_step
+        # the garbage collector's thresholds before this step raised them (collector), or None
+        self._young_threshold: tuple[int, ...] | None = None
         # finishes the dump when the model is garbage-collected or the interpreter exits (the
         # session holds no reference to the model, so this does not keep it alive)
         self._finalizer = weakref.finalize(model, _close_unattended, self)
@@ -228,6 +231,8 @@ class DumpSession(Sink, _ENTRIES_BASE):
         self.exec_order = []
         self._seen.clear()
         self.active = self.stopped is None and self.config.wants_step(self.step)
+        if self.active and self._young_threshold is None:  # (its entries live until its end: see collector)
+            self._young_threshold = defer_young_collections()
 
     def end_step(self, step: int, output: Any = None, error: str | None = None,
                  raised_in: str | None = None) -> None:
@@ -248,8 +253,12 @@ class DumpSession(Sink, _ENTRIES_BASE):
                 logits = None
             if logits is not None:
                 self.record_logits(logits)
-        self.writer.end_step(self.step, self.exec_order if self.active else None, failure)
-        self.active = False
+        try:
+            self.writer.end_step(self.step, self.exec_order if self.active else None, failure)
+        finally:
+            self.active = False
+            resume_young_collections(self._young_threshold)
+            self._young_threshold = None
 
     def close(self, complete: bool = True) -> None:
         """Finish the dump: everything captured reaches disk, then ``complete`` is recorded."""

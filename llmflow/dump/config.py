@@ -75,6 +75,14 @@ class DumpConfig:
                                  "whatever the token_range; compare and bisect need them.")
 
     def __post_init__(self) -> None:
+        # msit's DumpConfig takes None for its default in these fields (a script's
+        # ``DumpConfig(dump_path=args.dump_path, token_range=args.tokens)`` with flags left out)
+        defaults = (("dump_path", "."), ("token_range", [0]), ("module_list", []), ("mode", "module"))
+        for name, default in defaults:
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        if isinstance(self.module_list, str):  # module_list="auto", or one class name
+            self.module_list = [self.module_list]
         self.dump_path = str(self.dump_path)
         self.token_range = _check_token_range(self.token_range)
         if not isinstance(self.module_list, (list, tuple)):

@@ -21,6 +21,7 @@ module it came through) is recorded in ``rank.json``, and the next forward goes 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -39,6 +40,11 @@ log = logging.getLogger("llmflow.dump")
 DEFAULT_TAG = "llmflow_dump"
 _PATH: dict[str, Any] = {"dump_path": None, "dump_tag": DEFAULT_TAG, "serial": 0}
 _HANDLES: weakref.WeakSet[DumpHandle] = weakref.WeakSet()
+# dump directories opened under a dump_path in this process -> the handle (its number) that
+# opened them: a second model hooked with the same dump_path (a golden and a target in one script)
+# takes the next free name instead of writing into, or over, the first one's dump
+_OPENED: dict[Path, int] = {}
+_NUMBERS = itertools.count()
 
 
 class DumpHandle:
@@ -59,6 +65,7 @@ class DumpHandle:
         self.dumps: list[Path] = []  # every dump directory this handle has written
         self._turn = 0
         self._path_serial = _PATH["serial"]
+        self._number = next(_NUMBERS)  # (the key of its dumps in _OPENED)
         self._prev_ids: torch.Tensor | None = None
         self.recorder: Recorder | None = None  # the steps, the sub-modules' and the ops' recorder
         self.on_step: Callable[[int], None] | None = None  # progress callback after each step
@@ -129,8 +136,12 @@ class DumpHandle:
             target = self.exact_dir if self._turn == 0 else Path(f"{self.exact_dir}_{self._turn}")
         else:
             base = Path(_PATH["dump_path"] if _PATH["dump_path"] is not None else self.config.dump_path)
-            tag = _PATH["dump_tag"] + (f"_{self._turn}" if self._turn else "")
-            target = base / tag
+            while True:
+                tag = _PATH["dump_tag"] + (f"_{self._turn}" if self._turn else "")
+                target = base / tag
+                if _OPENED.setdefault(target.absolute(), self._number) == self._number:
+                    break
+                self._turn += 1  # (another model's dump)
         self._turn += 1
         env = self.env_factory() if self.env_factory else _default_env(self.model)
         self.session = DumpSession(target, self.config, self.model, env=env, inline=self.inline_writer)

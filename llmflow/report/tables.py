@@ -100,12 +100,19 @@ def write_csv(rows: Iterable[dict[str, Any]], path: str | Path, columns: Sequenc
     return n
 
 
+# control characters XML 1.0 cannot hold (a name with a BEL in it): written as \x07 and the like
+_NOT_IN_XML = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
+
+
 def _xlsx_value(value: Any) -> Any:
     v = safe_cell(value)
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # Excel has no NaN/Inf numbers; "nan"/"inf"/"-inf" as text
-    if isinstance(v, str) and len(v) > 32000:
-        return v[:32000] + "..."  # Excel's cell limit is 32767 characters
+    if isinstance(v, str):
+        if _NOT_IN_XML.search(v):
+            v = _NOT_IN_XML.sub(lambda m: f"\\x{ord(m.group()):02x}", v)
+        if len(v) > 32000:
+            return v[:32000] + "..."  # Excel's cell limit is 32767 characters
     return v
 
 

@@ -148,6 +148,9 @@ class Coverage:
     not_in_target: dict[str, int] = doc("Golden rows per '<level> <kind>' the target did not dump.")
     causes: list[str]
     headline: str | None = doc("Why it is incomplete (null: complete).")
+    layers_not_in_target: list[str] = doc(
+        "Golden decoder layers with no target row in a step both dumps hold (the compare is incomplete).",
+        default_factory=list)
 
 
 @dataclass
@@ -165,6 +168,8 @@ class CompareOutcome:
 
     status: OutcomeStatus
     headline: str
+    next: str = doc("For an inconclusive compare: what to run to get the evidence that is missing.",
+                    default="")
 
 
 @dataclass(kw_only=True)

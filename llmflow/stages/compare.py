@@ -56,5 +56,5 @@ class CompareStage(Stage):
                                log=lambda msg: ctx.log(f"{ctx.stage_id}: {msg}"))
         summary = result["summary"]
         ctx.summary["compare"] = to_json(summary)
-        ctx.set_outcome(summary.outcome.status, f"compare: {summary.outcome.headline}")
+        ctx.set_outcome(summary.outcome.status, f"compare: {summary.outcome.headline}", summary.outcome.next)
         return {"csv": result["csv"], "xlsx": result["xlsx"], "summary_file": result["summary_file"]}

@@ -75,6 +75,6 @@ class PrecheckStage(Stage):
             perturbed=result["perturbed"], repros=[PrecheckRepro(**r) for r in result["repros"]],
             repros_missing=[MissingRepro(**m) for m in result["repros_missing"]]))
         ctx.log(result["headline"])
-        ctx.set_outcome(result["status"], result["headline"])
+        ctx.set_outcome(result["status"], result["headline"], result.get("next", ""))
         return {"csv": result["files"]["csv"], "xlsx": result["files"]["xlsx"],
                 "report_file": result["files"]["json"]}

@@ -2,11 +2,13 @@
 as each stage's inputs are ready and by ``llmflow plan`` for all of them ahead of a run.
 
 A stage is cached when its directory holds a state file whose fingerprint (stage type + version,
-resolved parameters, the content of code files they name, needed stages' fingerprints) matches,
+resolved parameters, the content of code files they name, the files' sizes and times of the
+inputs outside the run dir they name (dumps, checkpoints), needed stages' fingerprints) matches,
 whose recorded upstream run ids are the ones now on disk (so a stage whose input was re-run, even
 with the same fingerprint, re-runs) and whose files are still as it left them (sizes and mtimes).
 Otherwise it runs, for the first reason that applies: forced, new, previous run failed, upstream
-changed, stage type or version changed, code changed, parameters changed, outputs changed on disk.
+changed, stage type or version changed, code changed, input changed, parameters changed, outputs
+changed on disk.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from llmflow.plugins import suggest
 from llmflow.workflow import dag
 from llmflow.workflow.loader import load_workflow
 from llmflow.workflow.marks import WorkflowError
-from llmflow.workflow.registry import referenced_code, stage_identity
+from llmflow.workflow.registry import INPUT_PREFIX, referenced_code, referenced_inputs, stage_identity
 from llmflow.workflow.rundir import SUMMARY_FILE, check_run_dir, read_json
 from llmflow.workflow.state import StageState, fingerprint, outputs_changed, portable, read_state
 from llmflow.workflow.validate import Checked, SetParams, check, resolve_with
@@ -80,7 +82,8 @@ def stage_key(checked: Checked, sid: str, states: dict[str, StageState], run_dir
     spec = checked.workflow.stages[sid]
     params = resolve_with(checked, sid, {d: states[d].outputs for d in spec.needs})
     identity = stage_identity(spec.uses, checked.classes[sid], spec.base_dir)
-    code = referenced_code(params, [checked.workflow.directory, spec.base_dir, Path.cwd()])
+    dirs = [checked.workflow.directory, spec.base_dir, Path.cwd()]
+    code = {**referenced_code(params, dirs), **referenced_inputs(params, dirs, run_dir)}
     upstream = {d: states[d].fingerprint for d in spec.needs}
     fp = fingerprint(identity, portable(params, run_dir), upstream, code)
     runs = {d: states[d].run_id or "" for d in spec.needs}
@@ -134,6 +137,8 @@ def decide(
         old_code = state.code
         if old_code is not None and old_code != key.code:
             changed = sorted(r for r in {*old_code, *key.code} if old_code.get(r) != key.code.get(r))
+            if changed[0].startswith(INPUT_PREFIX):
+                return True, f"input changed: {changed[0][len(INPUT_PREFIX):]}"
             return True, f"code changed: {changed[0].rpartition(':')[0]}"
         return True, "parameters changed"
     changed = outputs_changed(stage_dir, state)

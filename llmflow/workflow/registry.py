@@ -10,6 +10,7 @@ installed code and are imported when used. A ``file.py:Class`` ref is imported o
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -106,3 +107,58 @@ def referenced_code(params: Any, dirs: Iterable[Path]) -> dict[str, str]:
             except OSError:
                 break
     return out
+
+
+#: files of one input folder looked at for its fingerprint (a dump of a 70B model holds a few thousand)
+MAX_INPUT_FILES = 200_000
+INPUT_PREFIX = "input:"
+
+
+def referenced_inputs(params: Any, dirs: Iterable[Path], run_dir: Path) -> dict[str, str]:
+    """``input:<path>`` -> a hash of the name, size and modification time of every file at each
+    parameter string that names an existing file or folder outside the run dir (a dump, a
+    checkpoint, a mapping file), found as ``referenced_code`` finds code: a dump written again in
+    place changes the stage's fingerprint, so a stage that read the old one runs again. (Stage
+    outputs inside the run dir are covered by the fingerprints of the stages that made them; a
+    folder holding the run dir is not an input.)"""
+    out: dict[str, str] = {}
+    dirs = list(dirs)
+    inside = run_dir.resolve()
+    for _, text in strings(params):
+        if not text or "\n" in text or len(text) > 4096 or is_file_ref(text) or INPUT_PREFIX + text in out:
+            continue
+        for base in dirs:
+            path = Path(text) if os.path.isabs(text) else base / text
+            try:
+                if not path.exists():
+                    continue
+                where = path.resolve()
+                if where == inside or inside in where.parents or where in inside.parents:
+                    break  # (the run dir, in it, or holding it: its stages' own files)
+                out[INPUT_PREFIX + text] = _listing_hash(where)
+            except (OSError, ValueError):
+                pass
+            break
+    return out
+
+
+def _listing_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    if path.is_file():
+        st = path.stat()
+        h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+        return h.hexdigest()
+    seen = 0
+    for root, folders, files in os.walk(path):
+        folders.sort()
+        for name in sorted(files):
+            try:
+                st = os.stat(os.path.join(root, name))
+            except OSError:
+                continue
+            where = os.path.relpath(os.path.join(root, name), path)
+            h.update(f"{where}\0{st.st_size}:{st.st_mtime_ns}\n".encode())
+            seen += 1
+            if seen >= MAX_INPUT_FILES:
+                return h.hexdigest()
+    return h.hexdigest()

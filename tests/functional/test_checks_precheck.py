@@ -138,6 +138,7 @@ def test_statistics_only_dump_is_inconclusive(tmp_path, dumps):
     proc = llmflow("precheck", str(dumps["stats"]), "-o", str(tmp_path / "out"), cwd=tmp_path)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert last_line(proc).startswith("INCONCLUSIVE: only 0 of ") and "statistics only" in last_line(proc)
+    assert proc.stdout.strip().splitlines()[-2].startswith("next: dump tensors with their weights")
 
 
 @pytest.mark.parametrize("args", [["/nonexistent/dump"], ["{dump}", "--reference", "no_equals_sign"],
@@ -174,3 +175,54 @@ def test_repro_for_all_calls_is_bounded(tmp_path, dumps):
     assert len(r["repros"]) == MAX_REPROS and r["repros_left_out"] == r["totals"]["calls"] - MAX_REPROS
     assert len(list((tmp_path / "out" / "repro").iterdir())) == MAX_REPROS
     assert f"... {MAX_REPROS - 10} more repro folders" in proc.stdout
+
+
+class _Marker:
+    """Unpickled, it would create the file ``path`` (open(path, "w"))."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+@pytest.mark.parametrize("api", ["save", "load"])
+def test_a_dump_cannot_make_the_precheck_call_what_is_not_a_tensor_op(tmp_path, dumps, api):
+    """A dump from another machine names a call ``save`` (with a path of the user's) or ``load``
+    (of a pickle it ships, weights_only=False): the precheck calls neither, lists the call as not
+    checked, and every file stays as it was."""
+    import pickle
+    import shutil
+
+    dump = tmp_path / "dump"
+    shutil.copytree(dumps["shifted"], dump)
+    victim, marker = tmp_path / "notes.txt", tmp_path / "unpickled"
+    victim.write_text("my notes\n")
+    shipped = dump / "rank0" / "data" / "notes.bin"
+    shipped.write_bytes(pickle.dumps(_Marker(str(marker))))
+    index = dump / "rank0" / "index.jsonl"
+    lines, renamed = [], 0
+    for line in index.read_text().splitlines():
+        record = json.loads(line)
+        for row in record["rows"]:
+            if "/silu.0" not in row[1]:
+                continue
+            row[1], row[8] = row[1].replace("/silu.0", f"/{api}.0"), api
+            renamed += 1
+            if api == "save" and row[3] == "kw:inplace":  # torch.save(tensor, path)
+                row[3], row[11], row[12] = "1", str(victim), "str"
+            elif api == "load" and row[2] == "input" and row[3] == "0":  # load(path, weights_only=False)
+                row[6], row[7], row[10] = None, None, False
+                row[11], row[12], row[13] = str(shipped), "str", ""
+            elif api == "load" and row[3] == "kw:inplace":
+                row[3], row[11], row[12] = "kw:weights_only", False, "bool"
+        lines.append(json.dumps(record))
+    index.write_text("\n".join(lines) + "\n")
+    assert renamed
+    proc = llmflow("precheck", str(dump), "-o", str(tmp_path / "out"), cwd=tmp_path)
+    assert not marker.exists() and victim.read_text() == "my notes\n"
+    assert proc.returncode in (0, 3), proc.stdout[-2000:]
+    table = (tmp_path / "out" / "precheck.csv").read_text()
+    refused = [ln for ln in table.splitlines() if f"/{api}.0," in ln]
+    assert len(refused) == 2 and all(f"torch.{api} is not a tensor op" in ln for ln in refused)

@@ -85,8 +85,8 @@ def test_two_multi_tensor_files_pair_by_name_in_a_compact_table(tmp_path, fmt):
     done = llmflow("compare", "-gp", f"g.{fmt}", "-mp", f"t.{fmt}", cwd=tmp_path, COLUMNS="160")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
-    assert lines[-1] == "FAILED: 1 of 41 tensors fail"
-    assert "41 tensors paired by name" in done.stdout
+    assert lines[-1] == "FAILED: 1 of 40 tensors fail"
+    assert "40 tensors paired by name" in done.stdout
     header = next(line for line in lines if "max abs err" in line)
     assert [c.strip() for c in header.strip("┃│ ").split("┃")][:6] == ["name", "shape", "dtype", "cosine",
                                                                     "max abs err", "verdict"]
@@ -95,6 +95,20 @@ def test_two_multi_tensor_files_pair_by_name_in_a_compact_table(tmp_path, fmt):
     assert len(rows) == 41 and all(len(line) <= 160 for line in lines)  # one row per tensor
     assert "fail" in rows["layers.7.k"] and "-1" in rows["layers.7.k"] and "8x4" in rows["layers.7.k"]
     assert "pass" in rows["layers.3.q"] and "unmatched" in rows["only_golden"]
+
+
+@pytest.mark.parametrize(("kept", "rc", "last"), [
+    (1, 1, "FAILED: incomplete: 9 of 10 golden tensors have no tensor of their name in the target"),
+    (0, 1, "FAILED: incomplete: 10 of 10 golden tensors have no tensor of their name in the target"),
+    (8, 0, "PASSED (8 tensors, 2 golden only)"),
+])
+def test_two_tensor_files_that_pair_too_little_never_pass(tmp_path, kept, rc, last):
+    golden = {f"w{i}": torch.full((4,), float(i)) for i in range(10)}
+    target = {f"w{i}": golden[f"w{i}"].clone() for i in range(kept)} or {"other": torch.ones(4)}
+    save_file(golden, str(tmp_path / "g.safetensors"))
+    save_file(target, str(tmp_path / "t.safetensors"))
+    done = llmflow("compare", "-gp", "g.safetensors", "-mp", "t.safetensors", cwd=tmp_path)
+    assert done.returncode == rc and done.stdout.strip().splitlines()[-1] == last, done.stdout + done.stderr
 
 
 def test_two_tensor_files_with_o_say_nothing_is_written_there(tmp_path):

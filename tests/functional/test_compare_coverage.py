@@ -92,6 +92,43 @@ def test_other_token_ranges_fail_as_incomplete(tmp_path: Path, capsys: pytest.Ca
     assert "golden steps 1..3 have no target step" in last
 
 
+def _keep_rows(dump: Path, keep) -> None:
+    """Rewrite a dump's index with the rows ``keep(row)`` holds to (as a dump cut short would be)."""
+    index = next(dump.rglob("index.jsonl"))
+    lines = []
+    for line in index.read_text().splitlines():
+        record = json.loads(line)
+        record["rows"] = [r for r in record["rows"] if keep(r)]
+        lines.append(json.dumps(record))
+    index.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("cut", ["after layer 0", "layer 1 only"])
+def test_a_target_without_a_golden_layer_fails_as_incomplete(tmp_path: Path, cut: str) -> None:
+    """The target's rows end before the last layer (a run that died, a narrower dump): half the
+    rows pair and pass, but a layer the compare never saw cannot pass (the fault may be there)."""
+    import shutil
+
+    hook_dump(tmp_path / "g", token_range=[0])
+    shutil.copytree(tmp_path / "g", tmp_path / "t")
+    if cut == "after layer 0":
+        orders = [e.order for e in LlmflowDumpReader(next((tmp_path / "t").glob("llmflow_dump*"))).entries()
+                  if ".layers.0" in e.name]
+        last = max(orders)
+        _keep_rows(tmp_path / "t", lambda r: r[5] <= last)
+    else:
+        _keep_rows(tmp_path / "t", lambda r: ".layers.1" not in r[1])
+    done = cli("-gp", str(tmp_path / "g"), "-mp", str(tmp_path / "t"), "-o", str(tmp_path / "out"))
+    last_line = done.stdout.strip().splitlines()[-1]
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert last_line.startswith("FAILED: incomplete:")
+    assert "no rows of golden layer model.layers.1" in last_line
+    summary = json.loads((tmp_path / "out" / "compare_summary.json").read_text())
+    assert summary["coverage"]["layers_not_in_target"] == ["model.layers.1"]
+    assert summary["state"] == "incomplete"
+    validate_summary(summary)
+
+
 def test_target_without_inputs_is_complete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The bisect recipe's dumps: golden inputs and outputs, target outputs only. The inputs the
     target never dumped are listed, not held against the compare."""
@@ -119,8 +156,10 @@ def test_a_dump_with_problems_never_passes(tmp_path: Path, capsys: pytest.Captur
     assert "target dump problem: rank0/index.jsonl: 3 rows point at a missing data file" in out
     assert out.strip().splitlines()[-1] == ("INCONCLUSIVE: the target dump cannot be trusted: "
                                             "rank0/index.jsonl: 3 rows point at a missing data file")
+    assert out.strip().splitlines()[-2].startswith("next: llmflow inspect the target dump")
     summary = json.loads((tmp_path / "o" / "compare_summary.json").read_text())
     assert summary["verdict"] == "inconclusive" and summary["problems"]["target"]
+    assert summary["outcome"]["next"].startswith("llmflow inspect the target dump")
     validate_summary(summary)
 
 

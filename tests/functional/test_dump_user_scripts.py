@@ -240,3 +240,27 @@ def test_a_one_rank_dump_over_a_two_rank_one_leaves_the_old_rank_out(tmp_path: P
     assert proc.stdout.strip().splitlines()[-1].startswith("PASSED") and "0 unmatched" in proc.stdout
     assert "left out rank1: written by an earlier dump of 2 ranks into the same folder" in proc.stderr
     assert (tmp_path / "shared" / "llmflow_dump" / "rank1" / "rank.json").is_file()  # never deleted
+
+
+def test_a_golden_and_a_target_hooked_with_one_dump_path_get_a_dump_each(tmp_path: Path) -> None:
+    """One script hooks an fp32 golden and a bf16 copy with the same dump_path and generates with
+    both, interleaved: two dumps, each of its own model, not one dump written by both."""
+    script = HEAD + textwrap.dedent("""\
+        import copy
+        target = copy.deepcopy(model).to(torch.bfloat16)
+        for m in (model, target):
+            register_hook(m, DumpConfig(dump_path=sys.argv[1], token_range="all"))
+        ids = torch.tensor([[256, 104, 101, 108, 108, 111]])
+        for m in (model, target):
+            m.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=258)
+        """)
+    proc, dump = _run(script, tmp_path, "two_models")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in dump.parent.iterdir()) == ["llmflow_dump", "llmflow_dump_1"]
+    dtypes = []
+    for path in (dump, dump.parent / "llmflow_dump_1"):
+        r = assert_whole(path, steps=2)
+        found = {e.dtype for e in r.entries() if e.name.endswith("mlp.down_proj") and e.kind == "output"}
+        assert len(found) == 1
+        dtypes.append(found.pop())
+    assert dtypes == ["float32", "bfloat16"]

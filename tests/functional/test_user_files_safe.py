@@ -476,10 +476,32 @@ def test_schema_output_is_replaced_whole(tmp_path, monkeypatch, capsys):
     from llmflow.workflow import schema
 
     monkeypatch.setattr(schema, "generate", lambda: '{"title": "new"}\n')
-    (tmp_path / "s.json").write_text("old")
+    (tmp_path / "s.json").write_text('{"title": "new", "an older copy": true}')
     assert main(["schema", "-o", str(tmp_path / "s.json")]) == 0
     assert (tmp_path / "s.json").read_text() == '{"title": "new"}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
+
+
+@pytest.mark.parametrize(("kind", "mine"), [("workflow", '{"mine": 1}'), ("summary", "notes\n"),
+                                            ("verdict", None)])
+def test_schema_output_never_replaces_a_file_that_is_not_that_schema(tmp_path, monkeypatch, capsys, kind,
+                                                                     mine):
+    """A file of the user's at -o (or another kind of schema) is refused in one line and kept."""
+    from llmflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    if mine is None:  # the workflow schema where the verdict schema is asked for
+        assert main(["schema", "-o", "s.json"]) == 0
+        mine = (tmp_path / "s.json").read_text()
+    else:
+        (tmp_path / "s.json").write_text(mine)
+    capsys.readouterr()
+    assert main(["schema", "--kind", kind, "-o", "s.json"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == (f"error: -o s.json: exists and is not an llmflow {kind} schema; refusing to "
+                           "replace it (give a new file name)")
+    assert out.strip().splitlines()[-1].startswith("FAILED: -o s.json")
+    assert (tmp_path / "s.json").read_text() == mine
 
 
 def _children(pid: int) -> set[int]:

@@ -93,6 +93,33 @@ def test_edited_code_files_rerun_their_stage(chain, tmp_path):
     assert ran(rd) == ["a", "b", "a", "b"]  # the helper stages log their starts; local does not
 
 
+INPUTS = """
+    name: inputs
+    stages:
+      read: {uses: "{HELPERS}:EchoStage", with: {value: "dumps/target"}}
+      after: {uses: "{HELPERS}:EchoStage", needs: [read], with: {value: "${stages.read.outputs.value}"}}
+"""
+
+
+def test_a_dump_written_again_in_place_reruns_the_stages_that_read_it(tmp_path):
+    """A stage naming a folder outside the run dir (a dump, a checkpoint) is cached only while
+    that folder's files are the ones it read: a dump made again under the same path re-runs it."""
+    wf = write_workflow(tmp_path, INPUTS)
+    dump = tmp_path / "dumps" / "target"
+    (dump / "rank0").mkdir(parents=True)
+    (dump / "rank0" / "index.jsonl").write_text("first\n")
+    rd = tmp_path / "run"
+    assert run_workflow(wf, run_dir=rd).exit_code == 0
+    assert plan(wf, rd) == {"read": ("cached", "cached"), "after": ("cached", "cached")}
+    (dump / "rank0" / "index.jsonl").write_text("second, longer\n")  # the dump made again
+    assert plan(wf, rd) == {"read": ("run", "input changed: dumps/target"),
+                            "after": ("run", "upstream changed")}
+    assert run_workflow(wf, run_dir=rd).exit_code == 0
+    assert plan(wf, rd)["read"] == ("cached", "cached")
+    (dump / "rank0" / "data.safetensors").write_bytes(b"new file")  # a file added
+    assert plan(wf, rd)["read"] == ("run", "input changed: dumps/target")
+
+
 @pytest.mark.parametrize("how", ["copy", "move"])
 def test_a_copied_or_moved_run_dir_reads_its_own_files(chain, tmp_path, how):
     wf, rd = chain

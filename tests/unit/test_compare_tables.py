@@ -151,3 +151,11 @@ def test_csv_round_trip_with_column_kinds(tmp_path: Path) -> None:
     back = list(read_csv_rows(p, text_columns=["name"], label_columns=["index"]))
     assert [r["name"] for r in back] == ["7", "x"] and [r["index"] for r in back] == ["1.0", 0]
     assert [r["step"] for r in back] == [2, 3] and math.isnan(back[0]["cos"]) and back[1]["ok"] is False
+
+
+def test_xlsx_writes_a_name_with_control_characters_escaped(tmp_path: Path) -> None:
+    """XML cannot hold a BEL or a NUL: a dump's name with one is written as ``\\x07``, not a crash."""
+    p = tmp_path / "t.xlsx"
+    write_xlsx({"s": [{"name": "model.layers.1.ml\x07p\x00", "note": "tab\tand\nnewline kept"}]}, p)
+    ws = openpyxl.load_workbook(p)["s"]
+    assert [c.value for c in ws[2]] == ["model.layers.1.ml\\x07p\\x00", "tab\tand\nnewline kept"]

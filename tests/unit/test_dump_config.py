@@ -50,3 +50,11 @@ def test_to_json_records_every_field_but_the_path() -> None:
     assert list(DumpConfig().to_json()) == [n for n in names if n != "dump_path"]
     assert DumpConfig(module_list=[__import__("torch").nn.Linear, "LlamaMLP"]).to_json()["module_list"] == \
         ["Linear", "LlamaMLP"]
+
+
+def test_msits_none_means_the_default_and_one_module_name_is_a_list() -> None:
+    """msit's fields default to None: a script passing its unset flags through gets the defaults."""
+    cfg = DumpConfig(dump_path=None, token_range=None, module_list=None, mode=None)
+    assert (cfg.dump_path, cfg.token_range, cfg.module_list, cfg.mode) == (".", [0], [], ["module"])
+    assert DumpConfig(module_list="auto").module_list == ["auto"]
+    assert DumpConfig(module_list="LlamaDecoderLayer").module_list == ["LlamaDecoderLayer"]

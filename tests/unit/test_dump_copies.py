@@ -7,11 +7,13 @@ import gc
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from llmflow.collector import DEFERRED_YOUNG_THRESHOLD
 from llmflow.dump import DumpConfig, register_hook
 from llmflow.dump import writer as dump_writer
 from llmflow.dump.copies import host_copy, to_host
@@ -25,7 +27,7 @@ from llmflow.formats.llmflow_dump import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
-from dump_helpers import bits_equal  # noqa: E402
+from dump_helpers import bits_equal, dump, tiny  # noqa: E402
 
 
 def _memory(t: torch.Tensor) -> bytes:
@@ -218,3 +220,109 @@ def test_to_host_gives_each_tensors_values_in_order():
                torch.tensor([True, False, True]), torch.arange(5, dtype=torch.int64)[::2], base]
     for t, got in zip(tensors, to_host(tensors), strict=True):
         assert bytes(got) == _memory(t.contiguous()), t
+
+
+# -- young collections deferred while a step records (collector.defer_young_collections) --------
+def _thresholds_inside_steps(model: torch.nn.Module) -> tuple[list[tuple[int, ...]], Any]:
+    """The collector's thresholds each time the first decoder layer starts, and the hook's handle."""
+    seen: list[tuple[int, ...]] = []
+    handle = model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(gc.get_threshold()))
+    return seen, handle
+
+
+@pytest.mark.parametrize("mode", ["module", "api"])
+def test_young_collections_wait_for_the_end_of_each_recorded_step(tmp_path, mode):
+    loaded = tiny()
+    before = gc.get_threshold()
+    seen, handle = _thresholds_inside_steps(loaded.model)
+    try:
+        dump(tmp_path, new_tokens=4, loaded=loaded, mode=mode, token_range=[0, 2])
+    finally:
+        handle.remove()
+    deferred = (DEFERRED_YOUNG_THRESHOLD, *before[1:])
+    assert seen == [deferred, before, deferred, before]  # steps 0 and 2 recorded, 1 and 3 not
+    assert gc.get_threshold() == before
+
+
+def test_an_api_dump_runs_no_young_collection_inside_a_step(tmp_path):
+    """~1,300 entries a step live until the step's end: without the deferral they set off a young
+    collection every ~700."""
+    loaded = tiny("tiny-llama:layers=8,hidden=64,heads=4,kv_heads=2,intermediate=128")
+    inside: list[int] = []
+    steps = {"in": False}
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and steps["in"]:
+            inside.append(info["generation"])
+
+    pre = loaded.model.register_forward_pre_hook(lambda *_: steps.update({"in": True}))
+    post = loaded.model.register_forward_hook(lambda *_: steps.update({"in": False}))
+    gc.callbacks.append(count)
+    try:
+        r, _ = dump(tmp_path, new_tokens=3, loaded=loaded, mode="api")
+    finally:
+        gc.callbacks.remove(count)
+        pre.remove()
+        post.remove()
+    assert len(r.entries()) > 3 * 1000 and inside == []
+
+
+def test_thresholds_the_user_sets_during_a_step_are_kept(tmp_path):
+    loaded = tiny()
+    before = gc.get_threshold()
+
+    def users_setting(*_args):
+        gc.set_threshold(5000, *before[1:])
+
+    handle = loaded.model.model.layers[0].register_forward_pre_hook(users_setting)
+    try:
+        dump(tmp_path, new_tokens=1, loaded=loaded, mode="api")
+        assert gc.get_threshold() == (5000, *before[1:])
+    finally:
+        handle.remove()
+        gc.set_threshold(*before)
+
+
+def test_collection_switched_off_by_a_zero_threshold_stays_off(tmp_path):
+    loaded = tiny()
+    before = gc.get_threshold()
+    gc.set_threshold(0, *before[1:])
+    try:
+        seen, handle = _thresholds_inside_steps(loaded.model)
+        try:
+            dump(tmp_path, new_tokens=1, loaded=loaded, mode="api")
+        finally:
+            handle.remove()
+        assert seen == [(0, *before[1:])] and gc.get_threshold() == (0, *before[1:])
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_a_step_that_raises_or_a_dump_closed_mid_step_puts_the_thresholds_back(tmp_path):
+    loaded = tiny()
+    before = gc.get_threshold()
+
+    def boom(*_args):
+        raise ValueError("kernel failed")
+
+    handle = loaded.model.model.layers[1].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(ValueError, match="kernel failed"):
+            dump(tmp_path / "raised", new_tokens=2, loaded=loaded, mode="api")
+    finally:
+        handle.remove()
+    assert gc.get_threshold() == before
+
+    from llmflow.dump import hooks
+
+    def close_now(*_args):  # (as an exit from inside a forward closes the dump)
+        for h in list(hooks._HANDLES):
+            if h.session is not None:
+                h.session.close()
+
+    handle = loaded.model.model.layers[1].register_forward_pre_hook(close_now)
+    try:
+        dump(tmp_path / "closed", new_tokens=1, loaded=loaded)
+    finally:
+        handle.remove()
+    assert gc.get_threshold() == before
