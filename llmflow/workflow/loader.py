@@ -117,6 +117,7 @@ class _Loader:
 
     def _add(self, doc: _Doc, sub: _Doc) -> None:
         """``include:``: union, a clash of ids is an error naming both places."""
+        taken: list[tuple] = []  # (the marks are copied in one pass at the end: see MarkMap.drop)
         for section in ("params", "stages"):
             for name, value in sub.data[section].items():
                 if name in doc.data[section]:
@@ -131,23 +132,27 @@ class _Loader:
                     continue
                 doc.data[section][name] = value
                 doc.included.add((section, name))
-                doc.marks.copy_from(sub.marks, (section, name))
+                taken.append((section, name))
                 if name in sub.uses_dirs:
                     doc.uses_dirs[name] = sub.uses_dirs[name]
+        doc.marks.copy_from(sub.marks, *taken)
 
     def _override(self, doc: _Doc, sub: _Doc) -> None:
         """``extends:`` (and a file's own content): ``sub`` overrides ``doc``."""
+        # the subtrees whose marks are replaced by sub's, and those whose marks go: applied in one
+        # pass each at the end (disjoint paths, so the order does not matter; see MarkMap.drop)
+        replaced: list[tuple] = []
+        dropped: list[tuple] = []
         for key in ("name", "description"):
             if key in sub.data:
                 doc.data[key] = sub.data[key]
-                doc.marks.drop((key,))
-                doc.marks.copy_from(sub.marks, (key,))
+                replaced.append((key,))
         for section in ("params", "stages"):
             for name, value in sub.data[section].items():
                 old = doc.data[section].get(name)
                 if old is None:
                     doc.data[section][name] = copy.deepcopy(value)
-                    doc.marks.copy_from(sub.marks, (section, name))
+                    replaced.append((section, name))
                 else:
                     replace_with = (
                         section == "stages" and "uses" in value and value["uses"] != old.get("uses")
@@ -157,18 +162,18 @@ class _Loader:
                         if fkey == "with" and not replace_with and isinstance(old.get("with"), dict):
                             for wkey, wval in fval.items():
                                 old["with"][wkey] = copy.deepcopy(wval)
-                                doc.marks.drop((*fpath, wkey))
-                                doc.marks.copy_from(sub.marks, (*fpath, wkey))
+                                replaced.append((*fpath, wkey))
                         else:
                             old[fkey] = copy.deepcopy(fval)
-                            doc.marks.drop(fpath)
-                            doc.marks.copy_from(sub.marks, fpath)
+                            replaced.append(fpath)
                     if replace_with and "with" not in value:
                         old.pop("with", None)
-                        doc.marks.drop((section, name, "with"))
+                        dropped.append((section, name, "with"))
                     doc.marks.keys[(section, name)] = sub.marks.key((section, name))
                 if section == "stages" and name in sub.uses_dirs:
                     doc.uses_dirs[name] = sub.uses_dirs[name]
+        doc.marks.drop(*replaced, *dropped)
+        doc.marks.copy_from(sub.marks, *replaced)
 
 
 def load_workflow(path: str | Path) -> Workflow:

@@ -15,6 +15,7 @@ of a few hundred bytes otherwise grows to gigabytes). Going past a bound is one 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,20 +104,30 @@ class MarkMap:
         path = tuple(path)
         return self.keys.get(path) or self.value(path)
 
-    def drop(self, prefix: Path_) -> None:
-        """Forget every mark at or under ``prefix`` (the subtree is being replaced)."""
-        n = len(prefix)
+    def drop(self, *prefixes: Path_) -> None:
+        """Forget every mark at or under any of ``prefixes`` (those subtrees are being replaced):
+        one pass over the marks whatever their number (a file of thousands of stages)."""
+        under = _under(prefixes)
         for table in (self.values, self.keys):
-            for p in [p for p in table if p[:n] == prefix]:
+            for p in [p for p in table if under(p)]:
                 del table[p]
 
-    def copy_from(self, other: MarkMap, prefix: Path_) -> None:
-        """Take ``other``'s marks at or under ``prefix`` (the subtree now comes from there)."""
-        n = len(prefix)
+    def copy_from(self, other: MarkMap, *prefixes: Path_) -> None:
+        """Take ``other``'s marks at or under any of ``prefixes`` (those subtrees now come from
+        there), in one pass over ``other``'s marks."""
+        under = _under(prefixes)
         for mine, theirs in ((self.values, other.values), (self.keys, other.keys)):
             for p, m in theirs.items():
-                if p[:n] == prefix:
+                if under(p):
                     mine[p] = m
+
+
+def _under(prefixes: tuple[Path_, ...]) -> Callable[[tuple], bool]:
+    """Is a path at or under one of ``prefixes``? (a set lookup per prefix length)"""
+    by_length: dict[int, set[tuple]] = {}
+    for prefix in prefixes:
+        by_length.setdefault(len(prefix), set()).add(tuple(prefix))
+    return lambda p: any(p[:n] in heads for n, heads in by_length.items())
 
 
 def _mark(node: yaml.Node, display: str) -> Mark:
