@@ -13,7 +13,7 @@ compared directly and their metrics printed.
 
 The last line is PASSED; FAILED when rows fail (exit 1); INCONCLUSIVE when no row fails but a dump
 reports problems (exit 3); FAILED when the compare is otherwise incomplete (most golden rows found
-no partner; exit 1).
+no partner, a golden decoder layer the target never reached, or only the logits paired; exit 1).
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ Counted per golden entry (a row), before any tensor is read:
 The last two are listed, not counted against the compare.
 
 The compare is *incomplete* (its verdict fail) when nothing paired, when more than half of the
-counted golden rows are unpaired, when a level both dumps hold paired nothing, or when a decoder
-layer the golden dumped has no row in the target in a step both dumps hold: a compare that
-never saw a layer cannot say the target matches there. ``assess``
+counted golden rows are unpaired, when a level both dumps hold paired nothing, when a decoder
+layer the golden dumped has no row in the target in a step both dumps hold (a compare that
+never saw a layer cannot say the target matches there), or when only the logits paired while the
+golden holds other levels. ``assess``
 also names the likely cause: different naming (a mapping is needed), different token ranges or
 steps, tensors the target did not dump, a side with no usable data.
 """
@@ -94,8 +95,12 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
     unpaired += pairing.missing_rows
     considered = paired + unpaired
     empty_levels = [lv for lv, d in levels.items() if d["unpaired"] and not d["paired"]]
+    # only the logits paired while the golden holds other levels the target never dumped (a module
+    # dump against an API one, a module_list that matched nothing): the model was not compared
+    only_logits = [lv for lv, d in levels.items() if lv != "logits" and d["golden"]] \
+        if paired and all(lv == "logits" for lv, d in levels.items() if d["paired"]) else []
     incomplete = (paired == 0 or unpaired > UNPAIRED_SHARE * considered or bool(empty_levels)
-                  or bool(layers_lost))
+                  or bool(layers_lost) or bool(only_logits))
     out = Coverage(
         state="incomplete" if incomplete else "complete", paired=paired, unpaired=unpaired,
         considered=considered, golden_only=golden_only, missing_step_rows=pairing.missing_rows,
@@ -113,6 +118,10 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
             if considered else "incomplete: no golden row could pair with a target row")
     if empty_levels:
         head += f"; nothing paired at level {', '.join(empty_levels)}"
+    if only_logits:
+        head = (f"incomplete: only the logits paired; the target has no {', '.join(only_logits)} rows to "
+                "pair with the golden's (dumped in another mode, or a module_list that matched nothing); "
+                "-cl logits compares the logits alone")
     out.headline = head + (f"; likely: {'; '.join(causes)}" if causes else "")
     return out
 

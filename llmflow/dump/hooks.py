@@ -77,6 +77,14 @@ class DumpHandle:
 
     def _install(self) -> None:
         m, cfg = self.model, self.config
+        chosen = (cfg.wants_module(name, type(sub).__name__) for name, sub in m.named_modules()
+                  if sub is not m)
+        if cfg.dump_modules and (cfg.module_list or cfg.layer_name) and not any(chosen):
+            # (a typo in a class name would dump the logits alone, and a compare would pair only them)
+            classes = sorted({type(sub).__name__ for sub in m.modules()})
+            log.warning("llmflow dump: module_list %s / layer_name %r match no module of this %s; its module "
+                        "classes: %s", [c if isinstance(c, str) else c.__name__ for c in cfg.module_list],
+                        cfg.layer_name, type(m).__name__, ", ".join(classes[:20]))
         self.recorder = Recorder(
             m, lambda name, sub: cfg.dump_modules and cfg.wants_module(name, type(sub).__name__),
             inputs=cfg.tensor_part != 1, outputs=cfg.tensor_part != 0, ops=cfg.dump_apis, steps=True)

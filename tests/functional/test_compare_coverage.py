@@ -129,6 +129,21 @@ def test_a_target_without_a_golden_layer_fails_as_incomplete(tmp_path: Path, cut
     validate_summary(summary)
 
 
+def test_a_target_dumped_in_another_mode_pairs_only_logits_and_fails(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A module dump against an API dump of the same run: only the logits pair. That compared the
+    model's output, not the model: incomplete, unless the user asks for the logits alone."""
+    hook_dump(tmp_path / "g", token_range=[0])
+    hook_dump(tmp_path / "t", token_range=[0], mode="api")
+    rc = main(["compare", "-gp", str(tmp_path / "g"), "-mp", str(tmp_path / "t"), "-o", str(tmp_path / "o")])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert rc == 1, last
+    assert last.startswith("FAILED: incomplete: only the logits paired; the target has no module"), last
+    rc = main(["compare", "-gp", str(tmp_path / "g"), "-mp", str(tmp_path / "t"), "-o", str(tmp_path / "o2"),
+               "-cl", "logits"])
+    assert rc == 0 and capsys.readouterr().out.strip().splitlines()[-1].startswith("PASSED")
+
+
 def test_target_without_inputs_is_complete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The bisect recipe's dumps: golden inputs and outputs, target outputs only. The inputs the
     target never dumped are listed, not held against the compare."""

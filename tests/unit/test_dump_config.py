@@ -58,3 +58,21 @@ def test_msits_none_means_the_default_and_one_module_name_is_a_list() -> None:
     assert (cfg.dump_path, cfg.token_range, cfg.module_list, cfg.mode) == (".", [0], [], ["module"])
     assert DumpConfig(module_list="auto").module_list == ["auto"]
     assert DumpConfig(module_list="LlamaDecoderLayer").module_list == ["LlamaDecoderLayer"]
+
+
+def test_a_module_list_that_matches_no_module_warns_when_hooked(tmp_path, caplog) -> None:
+    """A typo in a class name would dump the logits alone: the hook says so at once."""
+    from llmflow.dump import register_hook
+    from llmflow.models import load_model
+
+    model = load_model("tiny-llama:layers=2,hidden=32,heads=4,kv_heads=2,intermediate=64").model
+    with caplog.at_level("WARNING", logger="llmflow.dump"):
+        register_hook(model, DumpConfig(dump_path=str(tmp_path / "a"), module_list=["LlamaDecoderLayr"])
+                      ).remove()
+    assert "module_list ['LlamaDecoderLayr'] / layer_name None match no module" in caplog.text
+    assert "LlamaDecoderLayer" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="llmflow.dump"):
+        register_hook(model, DumpConfig(dump_path=str(tmp_path / "b"), module_list=["LlamaDecoderLayer"])
+                      ).remove()
+    assert "match no module" not in caplog.text
