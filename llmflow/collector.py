@@ -14,7 +14,7 @@ queue item) lives until the step ends, so the thousands of entries of an API-mod
 towards a young collection every ~700 of them. Those collections find nothing to free and, by
 moving the step's objects to older generations, bring on middle collections that do the same:
 SmolLM2's statistics API dump ran ~4 young and 0.4 middle collections a step (~1 ms of it), its
-tensor API dump ~2 ms. ``young_collections_deferred`` raises the young threshold for the step
+tensor API dump ~2 ms. ``defer_young_collections`` raises the young threshold for the step
 instead of switching collection off, so it stays a setting the user's code may change meanwhile.
 """
 
