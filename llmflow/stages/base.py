@@ -119,6 +119,8 @@ class Stage(ABC):
       params_schema: a JSON Schema (draft-07) ``object`` schema of the parameters, with defaults,
         ``additionalProperties: false``, and a ``description`` on each property.
       outputs: output name -> one-line description.
+      writes_to: parameters that name where the stage writes outside its own folder (the dump
+        stage's ``dump_dir``): not inputs, so the cache does not fingerprint what is there.
     """
 
     type: ClassVar[str] = ""
@@ -126,6 +128,7 @@ class Stage(ABC):
     params_schema: ClassVar[dict[str, Any]] = {"type": "object", "properties": {},
                                                "additionalProperties": False}
     outputs: ClassVar[dict[str, str]] = {}
+    writes_to: ClassVar[tuple[str, ...]] = ()
 
     def resources(self, params: dict[str, Any]) -> set[str]:
         """Exclusive resources held while running (e.g. ``{"device:cuda:0"}``): stages sharing

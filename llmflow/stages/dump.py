@@ -39,6 +39,7 @@ class DumpStage(Stage):
 
     type: ClassVar[str] = "dump"
     version: ClassVar[str] = "1"
+    writes_to: ClassVar[tuple[str, ...]] = ("dump_dir",)
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,

@@ -83,7 +83,8 @@ def stage_key(checked: Checked, sid: str, states: dict[str, StageState], run_dir
     params = resolve_with(checked, sid, {d: states[d].outputs for d in spec.needs})
     identity = stage_identity(spec.uses, checked.classes[sid], spec.base_dir)
     dirs = [checked.workflow.directory, spec.base_dir, Path.cwd()]
-    code = {**referenced_code(params, dirs), **referenced_inputs(params, dirs, run_dir)}
+    writes_to = getattr(checked.classes[sid], "writes_to", ())
+    code = {**referenced_code(params, dirs), **referenced_inputs(params, dirs, run_dir, writes_to)}
     upstream = {d: states[d].fingerprint for d in spec.needs}
     fp = fingerprint(identity, portable(params, run_dir), upstream, code)
     runs = {d: states[d].run_id or "" for d in spec.needs}

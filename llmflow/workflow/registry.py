@@ -114,18 +114,23 @@ MAX_INPUT_FILES = 200_000
 INPUT_PREFIX = "input:"
 
 
-def referenced_inputs(params: Any, dirs: Iterable[Path], run_dir: Path) -> dict[str, str]:
+def referenced_inputs(params: Any, dirs: Iterable[Path], run_dir: Path,
+                      writes_to: Iterable[str] = ()) -> dict[str, str]:
     """``input:<path>`` -> a hash of the name, size and modification time of every file at each
     parameter string that names an existing file or folder outside the run dir (a dump, a
     checkpoint, a mapping file), found as ``referenced_code`` finds code: a dump written again in
     place changes the stage's fingerprint, so a stage that read the old one runs again. (Stage
     outputs inside the run dir are covered by the fingerprints of the stages that made them; a
-    folder holding the run dir is not an input.)"""
+    folder holding the run dir is not an input, nor a parameter in ``writes_to``: where the stage
+    writes, ``Stage.writes_to``.)"""
     out: dict[str, str] = {}
     dirs = list(dirs)
     inside = run_dir.resolve()
-    for _, text in strings(params):
-        if not text or "\n" in text or len(text) > 4096 or is_file_ref(text) or INPUT_PREFIX + text in out:
+    destinations = set(writes_to)
+    for at, text in strings(params):
+        if (at and at[0] in destinations) or not text or "\n" in text or len(text) > 4096:
+            continue
+        if is_file_ref(text) or INPUT_PREFIX + text in out:
             continue
         for base in dirs:
             path = Path(text) if os.path.isabs(text) else base / text

@@ -174,6 +174,28 @@ DUMPS = f"""
 """
 
 
+EXTERNAL_DUMP = f"""
+    name: external
+    stages:
+      golden:
+        uses: dump
+        with: {{model: "{TINY}", prompt: "hi", max_new_tokens: 2, chat_template: false,
+                dump_dir: "kept/golden"}}
+      read: {{uses: "{{HELPERS}}:EchoStage", needs: [golden],
+              with: {{value: "${{stages.golden.outputs.dump_dir}}"}}}}
+"""
+
+
+def test_a_dump_written_outside_the_run_dir_is_its_stages_output_not_its_input(tmp_path):
+    """``dump_dir`` names where the dump stage writes (``writes_to``): the dump it made there does
+    not count as a changed input on the next run; the stage reading it is cached with it."""
+    wf = write_workflow(tmp_path, EXTERNAL_DUMP)
+    rd = tmp_path / "run"
+    assert run_workflow(wf, run_dir=rd).exit_code == 0
+    assert (tmp_path / "kept" / "golden" / "llmflow_dump.json").is_file()
+    assert plan(wf, rd) == {"golden": ("cached", "cached"), "read": ("cached", "cached")}
+
+
 def _rows(rd: Path) -> dict[str, int]:
     levels = json.loads((rd / "summary.json").read_text())["compare"]["levels"]
     return {level: info["rows"] for level, info in levels.items()}
