@@ -134,13 +134,15 @@ def test_callgrind_writes_a_profile_at_each_marker_and_the_counts_are_read(tmp_p
     assert counted[1_000_000] > 1_000_000 > 100 * counted[10] > 0, counted
 
 
-def test_the_counted_driver_runs_a_plain_generation_and_a_dump(tmp_path):
+@pytest.mark.parametrize("data_mode", ["statistics", "tensor"])
+def test_the_counted_driver_runs_a_plain_generation_and_a_dump(tmp_path, data_mode):
     """The process ``count_dump.py`` runs under callgrind works without it: both runs, markers
     between them, nothing left behind in the working directory."""
     import subprocess
 
     model = "tiny-llama:layers=2,hidden=32,heads=2,kv_heads=1,intermediate=64,vocab=300"
-    driver = [sys.executable, str(REPO / "benchmarks" / "count_dump.py"), "--drive", "api", model, "2"]
+    driver = [sys.executable, str(REPO / "benchmarks" / "count_dump.py"), "--drive", "api", model, "2",
+              data_mode]
     proc = subprocess.run(driver, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []

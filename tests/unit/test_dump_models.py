@@ -156,7 +156,7 @@ def test_encode_prompt_uses_the_chat_template():
 
 def test_dump_config_validation_names_the_field():
     cases = {"token_range": [-1], "tensor_part": 3, "mode": "ops", "data_mode": "summary",
-             "max_bytes": 0, "module_list": "Linear", "device_id": -2, "seed": "x", "dump_weight": "yes",
+             "max_bytes": 0, "module_list": 5, "device_id": -2, "seed": "x", "dump_weight": "yes",
              "layer_name": 5}
     for name, value in cases.items():
         with pytest.raises(UserError, match=rf"DumpConfig\.{name}"):
