@@ -400,8 +400,9 @@ def resolve(api: str, args: list[Any], references: dict[str, Callable[..., Any]]
     if called == ATB:
         return None, (f"no reference for ATB op {api} (entry-point group {GROUP} or --reference "
                       f"{api}=file.py:func)")
-    if called is not None and lookup(called) is not None:
-        return lookup(called), called
+    fn = lookup(called) if called is not None else None
+    if fn is not None:
+        return fn, called
     refused = None
     for owner, label in ((F, "torch.nn.functional"), (torch, "torch")):
         fn = getattr(owner, api, None)

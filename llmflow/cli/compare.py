@@ -116,7 +116,7 @@ FILE_COLUMNS = (("name", "name"), ("shape", "golden_shape"), ("dtype", "dtypes")
 def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
     from rich.table import Table
 
-    from llmflow.compare.completeness import UNPAIRED_SHARE
+    from llmflow.compare.completeness import paired_too_little
     from llmflow.compare.files import compare_files
 
     rows = compare_files(args.golden_path, args.my_path, algorithms=args.algorithms,
@@ -147,7 +147,7 @@ def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
     if args.output:  # (a user who gave -o looks for files there: say there are none)
         print(f"-o {args.output}: nothing written there; two tensor files are compared on screen only")
     fails = [r["name"] for r in rows if r.get("verdict") == "fail"]
-    incomplete = paired == 0 or alone > UNPAIRED_SHARE * (paired + alone)  # (as a dump compare's coverage)
+    incomplete = paired_too_little(paired, alone)
     if fails:
         verdict_line(False, f"{len(fails)} of {paired} tensors fail")
     elif incomplete:

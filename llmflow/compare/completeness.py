@@ -41,6 +41,12 @@ from llmflow.structure import layer_of_name
 UNPAIRED_SHARE = 0.5
 
 
+def paired_too_little(paired: int, unpaired: int) -> bool:
+    """Nothing paired, or more than ``UNPAIRED_SHARE`` of the golden rows counted found no partner
+    (a dump compare's rows, two tensor files' tensors)."""
+    return paired == 0 or unpaired > UNPAIRED_SHARE * (paired + unpaired)
+
+
 def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage:
     """The ``coverage`` block of the summary: state, counts per level, likely causes, headline."""
     pairs = pairing.pairs
@@ -99,8 +105,8 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
     # dump against an API one, a module_list that matched nothing): the model was not compared
     only_logits = [lv for lv, d in levels.items() if lv != "logits" and d["golden"]] \
         if paired and all(lv == "logits" for lv, d in levels.items() if d["paired"]) else []
-    incomplete = (paired == 0 or unpaired > UNPAIRED_SHARE * considered or bool(empty_levels)
-                  or bool(layers_lost) or bool(only_logits))
+    incomplete = (paired_too_little(paired, unpaired) or bool(empty_levels) or bool(layers_lost)
+                  or bool(only_logits))
     out = Coverage(
         state="incomplete" if incomplete else "complete", paired=paired, unpaired=unpaired,
         considered=considered, golden_only=golden_only, missing_step_rows=pairing.missing_rows,
