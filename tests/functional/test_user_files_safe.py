@@ -138,7 +138,17 @@ def test_compare_output_that_is_or_lies_inside_an_input_is_refused(tmp_path, dum
     assert hashes(tmp_path) == before
 
 
-SLOW_ALG = "import time\n\ndef slow(golden, target):\n    time.sleep(0.3)\n    return 0.0, ''\n"
+# A metric that is slow from the moment the compare's first table shows in its staging folder:
+# the test signals then, and the compare has many slow pairs left whatever the machine's load
+# (a metric slow throughout leaves a race: all rows of one chunk come at once, near the end).
+SLOW_ALG = """import glob
+import time
+
+
+def slow(golden, target):
+    time.sleep(0.5 if glob.glob("out/.llmflow-staging-*/compare_*.csv") else 0.02)
+    return 0.0, ''
+"""
 
 
 def _no_process_mentions(text: str, timeout: float = 10) -> list[str]:
@@ -175,8 +185,9 @@ def _wait_for(check, what: str, proc: subprocess.Popen | None, timeout: float = 
         time.sleep(0.05)
 
 
-def test_sigterm_to_compare_removes_its_temporaries_and_keeps_the_old_tables(tmp_path, dumps):
-    g, t = dumps
+def test_sigterm_to_compare_removes_its_temporaries_and_keeps_the_old_tables(tmp_path):
+    steps = range(20)  # five chunks of pairs: the later ones run after the first table is written
+    g, t = as_dump(tmp_path / "dumps", "g", steps), as_dump(tmp_path / "dumps", "t", steps, noise=1e-3)
     out = tmp_path / "out"
     user_files(out)
     assert compare("-gp", str(g), "-mp", str(t), "-o", str(out), cwd=tmp_path).returncode == 0
