@@ -19,7 +19,8 @@ mark is refused unless it is empty, was a run dir of an earlier llmflow (it has 
 summary.json or a stage's state file) or the user says so (``--adopt-run-dir``: llmflow's entries
 then go beside the user's, and none of its names may be taken). Inside a marked run dir llmflow
 touches only its own entries: a folder at a stage's name without the stage's state file is
-refused, not replaced.
+refused, not replaced, and the files a user adds to a completed stage's folder (those its state
+file does not list) stay there, carried into the new folder when the stage reruns.
 
 Files llmflow writes get the permissions the user's umask allows, like any file the user creates.
 """
@@ -202,9 +203,52 @@ def new_tmp_dir(run_dir: Path, stage_id: str) -> Path:
 
 def install(tmp: Path, final: Path) -> None:
     """Move a finished stage's tmp dir to its final place, replacing an older result (a folder
-    ``open_run_dir`` found to be a stage folder llmflow wrote; a link there is refused)."""
+    ``open_run_dir`` found to be a stage folder llmflow wrote; a link there is refused). What the
+    user put in the older folder goes along into the new one (``foreign_entries``)."""
     refuse_link(final)
+    if os.path.isdir(final):
+        moves = foreign_entries(final)
+        taken = [rel for rel in moves if os.path.lexists(tmp / rel)]
+        if taken:
+            raise UserError(f"{final / taken[0]}: not written by llmflow, and the stage's new output "
+                            "has a file of that name; move it away and run again")
+        for rel in moves:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(final / rel, tmp / rel)
     install_staged(tmp, final)
+
+
+def foreign_entries(stage_dir: Path) -> list[str]:
+    """Entries of a completed stage's folder that its state file does not list as the stage's
+    files: the user's own (notes, a plot), by relative path, a folder of them as one entry. A
+    state file without a list of files (an older llmflow's) claims the whole folder."""
+    record = read_json(stage_dir / STATE_FILE)
+    listed = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(listed, dict):
+        return []
+    holding = {folder for rel in listed for folder in _parents(os.path.dirname(rel))}  # (and above)
+    found = []
+    for top, dirs, files in os.walk(stage_dir):
+        at = os.path.relpath(top, stage_dir)
+        for name in sorted(dirs):
+            rel = os.path.normpath(os.path.join(at, name))
+            if rel not in holding and not os.path.islink(os.path.join(top, name)):
+                found.append(rel)
+                dirs.remove(name)  # moved as a whole
+        for name in sorted(files) + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            rel = os.path.normpath(os.path.join(at, name))
+            if rel not in listed and rel != STATE_FILE:
+                found.append(rel)
+    return found
+
+
+def _parents(rel: str) -> list[str]:
+    """``a/b/c`` -> ``[a/b/c, a/b, a]``: a relative folder and the folders above it."""
+    out = []
+    while rel:
+        out.append(rel)
+        rel = os.path.dirname(rel)
+    return out
 
 
 def remove_failed(run_dir: Path, stage_id: str) -> None:

@@ -117,7 +117,8 @@ def file_manifest(stage_dir: Path) -> dict[str, list[int]]:
 
 def outputs_changed(stage_dir: Path, state: StageState) -> str | None:
     """Why the files a completed stage left no longer match its state (one file named), or None.
-    A state without a manifest (written by an older llmflow) is taken as it is."""
+    A file added beside them is the user's (kept, and carried into a rerun's folder: rundir.py),
+    not a change. A state without a manifest (written by an older llmflow) is taken as it is."""
     recorded = state.files
     if recorded is None:
         return None
@@ -127,8 +128,7 @@ def outputs_changed(stage_dir: Path, state: StageState) -> str | None:
             return f"{rel} is gone"
         if list(meta) != now[rel]:
             return f"{rel} was modified"
-    extra = sorted(set(now) - set(recorded))
-    return f"{extra[0]} was added" if extra else None
+    return None
 
 
 # -- the state file -------------------------------------------------------------------------------
