@@ -70,23 +70,30 @@ def execute(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from llmflow.checks.precheck import call_label
-    from llmflow.checks.precheck_files import run_precheck
+    from llmflow.checks.precheck_files import OUTPUT_NAMES, run_precheck
     from llmflow.checks.precheck_options import PrecheckOptions
     from llmflow.checks.references import load_references
+    from llmflow.compare.output import StagedDir
 
     if not Path(args.dump).exists():
         raise UserError(f"{args.dump}: no such dump")
     options = PrecheckOptions(fail_ratio=args.fail_ratio, perturb=args.perturb,
                               perturb_ratio=args.perturb_ratio, min_checked=args.min_checked,
                               references=load_references(parse_references(args.reference)))
+    out = Path(args.output)
+    # -o checked before any work (as compare's): not the dump, not inside it, no file of the user's
+    # in the way; the files appear in OUT all together when the precheck is done, or not at all
+    staged = StagedDir(out, "-o", names=OUTPUT_NAMES, inputs={"dump": args.dump})
     con = console()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console_err(), transient=True, disable=not sys.stderr.isatty()) as bar:
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=console_err(), transient=True, disable=not sys.stderr.isatty())
+    with staged as tmp, bar:
         def progress(description: str, total: float | None) -> object:
             task_id = bar.add_task(description, total=total)
             return _Task(bar, task_id)
-        result = run_precheck(args.dump, Path(args.output), options, repro=args.repro,
+        result = run_precheck(args.dump, tmp, options, repro=args.repro,
                               repro_calls=args.repro_call, progress=progress)
+    result["files"] = {kind: str(out / Path(path).name) for kind, path in result["files"].items()}
     t = result["totals"]
     con.print(f"{t['calls']} calls: {t['checked']} checked ({t['pass']} pass, {t['warn']} warn, "
               f"{t['fail']} fail), {t['not checked']} not checked")
@@ -100,7 +107,7 @@ def execute(args: argparse.Namespace) -> int:
     for name in result["perturbed"][:10]:
         con.print(f"  perturbation flags {name}")
     for rep in result["repros"][:10]:
-        con.print(f"  repro: {Path(args.output) / rep['script']}")
+        con.print(f"  repro: {out / rep['script']}")
     if len(result["repros"]) > 10:
         con.print(f"  ... {len(result['repros']) - 10} more repro folders (precheck.json lists them)")
     for miss in result["repros_missing"]:

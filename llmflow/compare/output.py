@@ -1,8 +1,10 @@
-"""The output folder of ``llmflow compare -o OUT``: llmflow's own files in it, never anything else.
+"""The output folder of ``llmflow compare -o OUT`` (and ``precheck -o``): llmflow's own files in it,
+never anything else.
 
 OUT may hold the user's files (msit made ``-o ./`` a habit). llmflow creates OUT when it is
 missing and never removes or renames it; inside, it writes only its own files and keeps a list of
-them, ``OUT/.llmflow-outputs.json`` (name, size and mtime of each), so a rerun replaces exactly
+them, ``OUT/.llmflow-outputs.json`` (name, size and mtime of each; a folder, such as precheck's
+``repro/``, by the same of each file in it), so a rerun replaces exactly
 its earlier outputs, removes those it no longer writes and leaves everything else alone. A file at
 one of its names that the list does not vouch for (the user's, or one of llmflow's edited since)
 is refused before any work, as is an OUT that is, contains or lies inside one of the inputs.
@@ -78,7 +80,25 @@ def _fingerprint(st: os.stat_result) -> dict[str, int]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _read_list(path: Path, flag: str) -> dict[str, dict[str, int]]:
+def _entry_fingerprint(path: Path) -> dict[str, Any] | None:
+    """What the outputs list records of an output: a regular file's size and mtime; a folder's
+    files, each by its relative path, size and mtime (a file added, changed or removed inside
+    makes it another folder), with their total size and latest mtime. None for anything else."""
+    st = os.lstat(path)
+    if stat.S_ISREG(st.st_mode):
+        return _fingerprint(st)
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    tree: dict[str, list[int]] = {}
+    for top, dirs, files in os.walk(path):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            inner = os.lstat(os.path.join(top, name))
+            tree[os.path.relpath(os.path.join(top, name), path)] = [inner.st_size, inner.st_mtime_ns]
+    return {"size": sum(v[0] for v in tree.values()),
+            "mtime_ns": max((v[1] for v in tree.values()), default=0), "tree": tree}
+
+
+def _read_list(path: Path, flag: str) -> dict[str, dict[str, Any]]:
     """{name: fingerprint} of the outputs list at ``path``; {} when there is none."""
     if not os.path.lexists(path):
         return {}
@@ -95,13 +115,12 @@ def _read_list(path: Path, flag: str) -> dict[str, dict[str, int]]:
             from None
 
 
-def _is_ours(path: Path, written: Mapping[str, dict[str, int]]) -> bool:
-    """Whether ``path`` is the regular file llmflow's list says it wrote, unchanged since."""
+def _is_ours(path: Path, written: Mapping[str, dict[str, Any]]) -> bool:
+    """Whether ``path`` is the regular file or folder llmflow's list says it wrote, unchanged since."""
     try:
-        st = os.lstat(path)
+        return written.get(path.name) == _entry_fingerprint(path)
     except FileNotFoundError:
         return False
-    return stat.S_ISREG(st.st_mode) and written.get(path.name) == _fingerprint(st)
 
 
 @contextlib.contextmanager
@@ -130,7 +149,10 @@ def _finish_commit(out: Path, staging: Path, flag: str) -> None:
             install_staged(staging / name, out / name)
     for name in previous:
         if name not in new and _is_ours(out / name, previous):
-            os.unlink(out / name)
+            if os.path.isdir(out / name):
+                shutil.rmtree(out / name, ignore_errors=True)
+            else:
+                os.unlink(out / name)
     install_staged(staging / OUTPUTS_LIST, out / OUTPUTS_LIST)
     shutil.rmtree(staging, ignore_errors=True)
 
@@ -207,7 +229,7 @@ class StagedDir:
         for name in names:
             path = self.out / name
             if os.path.lexists(path) and not _is_ours(path, written):
-                raise UserError(f"{self.flag} {self.out}: {name} is not a file llmflow wrote there (or it "
+                raise UserError(f"{self.flag} {self.out}: {name} is not what llmflow wrote there (or it "
                                 f"changed since); move it away or choose another {self.flag}")
 
     def _abandon(self) -> None:
@@ -229,8 +251,8 @@ class StagedDir:
         assert self.tmp is not None
         try:
             with interrupts.signals_held(), _flocked(self.out):
-                staged = {e.name: _fingerprint(e.stat(follow_symlinks=False)) for e in os.scandir(self.tmp)
-                          if e.is_file(follow_symlinks=False)}
+                staged = {e.name: fp for e in os.scandir(self.tmp)
+                          if (fp := _entry_fingerprint(Path(e.path))) is not None}
                 self._refuse_foreign(staged)
                 listing: dict[str, Any] = {"format": _FORMAT, "version": 1, "files": staged}
                 atomic_write_text(self.tmp / OUTPUTS_LIST, json.dumps(listing, indent=1))  # the commit point

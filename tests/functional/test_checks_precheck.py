@@ -150,6 +150,40 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, dumps, args):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_o_writes_beside_the_users_files_and_refuses_to_replace_them(tmp_path, dumps):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    first = llmflow("precheck", str(dumps["naive"]), "-o", str(out), "--repro", cwd=tmp_path)
+    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-2000:]
+    assert (out / "repro").is_dir() and f"tables: {out / 'precheck.csv'}" in first.stdout
+    # a rerun replaces its own outputs (the repro folder it no longer writes goes), keeps the user's
+    again = llmflow("precheck", str(dumps["naive"]), "-o", str(out), cwd=tmp_path)
+    assert again.returncode == 1, again.stdout[-3000:] + again.stderr[-2000:]
+    assert not (out / "repro").exists() and (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == [".llmflow-outputs.json", "notes.txt", "precheck.csv",
+                                                    "precheck.json", "precheck.xlsx"]
+    # the user's own precheck.csv or repro folder, -o inside the dump or at a file: refused, untouched
+    theirs = tmp_path / "theirs"
+    (theirs / "repro").mkdir(parents=True)
+    (theirs / "repro" / "case.py").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    for where, why in ((theirs, "repro is not what llmflow wrote there"),
+                       (dumps["naive"] / "out", "lies inside the dump input"),
+                       (tmp_path / "file", "exists and is not a directory")):
+        proc = llmflow("precheck", str(dumps["naive"]), "-o", str(where), "--repro", cwd=tmp_path)
+        assert proc.returncode == 2 and why in proc.stderr, proc.stdout[-2000:] + proc.stderr
+        assert "Traceback" not in proc.stderr and last_line(proc).startswith("FAILED: -o ")
+    assert (theirs / "repro" / "case.py").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
+    assert sorted(p.name for p in theirs.iterdir()) == ["repro"] and not (dumps["naive"] / "out").exists()
+    # a file the user added to llmflow's repro folder makes it the user's: refused too
+    llmflow("precheck", str(dumps["naive"]), "-o", str(out), "--repro", cwd=tmp_path)
+    (next((out / "repro").iterdir()) / "my_variant.py").write_text("mine")
+    proc = llmflow("precheck", str(dumps["naive"]), "-o", str(out), cwd=tmp_path)
+    assert proc.returncode == 2 and "repro is not what llmflow wrote there" in proc.stderr
+    assert list((out / "repro").glob("*/my_variant.py"))
+
+
 def test_repro_on_request_for_any_call(tmp_path, dumps):
     wanted = "model.layers.0.self_attn/softmax.0"  # a passing call
     proc = llmflow("precheck", str(dumps["shifted"]), "-o", str(tmp_path / "out"), "--repro-call", wanted,

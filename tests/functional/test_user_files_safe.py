@@ -92,7 +92,7 @@ def test_compare_into_a_folder_of_the_users_files(tmp_path, dumps):
     (results / "compare_module.csv").write_text("the user's own table\n")
     before = hashes(tmp_path)
     proc = compare("-gp", str(g), "-mp", str(t), "-o", "results", cwd=tmp_path)
-    assert_bad_input(proc, "compare_module.csv", "not a file llmflow wrote")
+    assert_bad_input(proc, "compare_module.csv", "not what llmflow wrote")
     assert hashes(tmp_path) == before
 
 
