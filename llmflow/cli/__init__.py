@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import traceback
 from types import ModuleType
@@ -28,6 +29,8 @@ from typing import Any, NoReturn
 
 from llmflow import __version__, interrupts
 from llmflow.errors import EXIT_BAD_INPUT, EXIT_FAILED, ComputeError, UserError, one_line
+
+EXIT_PIPE_CLOSED = 141  # as a shell reports a command that SIGPIPE ended (128 + 13)
 
 TOOLS = {
     "run": "llmflow.cli.run",
@@ -142,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             return interrupts.EXIT_TERMINATED
         print("FAILED: interrupted", flush=True)
         return 130
+    except BrokenPipeError:  # the reader of our output left (``llmflow inspect DUMP | head``)
+        # what is still buffered goes nowhere rather than to a second error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
     except ComputeError as exc:
         if level == "debug":
             traceback.print_exc()

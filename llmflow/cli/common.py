@@ -29,9 +29,14 @@ def add_workflow_args(parser: argparse.ArgumentParser, run_dir: bool = True) -> 
         )
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError  # main() ends every command whose reader left the same way (exit 141)
+
+
 def console() -> Console:
     """Rich console on stdout; no colour codes when it is not a terminal (CI logs, tests)."""
-    return Console(highlight=False, soft_wrap=True)
+    return _Console(highlight=False, soft_wrap=True)
 
 
 def verdict_line(ok: bool | str, reason: str) -> None:

@@ -1,6 +1,7 @@
 """Show what a dump holds, or one of its tensors (as Polygraphy's inspect data does).
 
   llmflow inspect DUMP                       steps, ranks and per level: entries, names, kinds
+                                             (exit 1 when the dump is damaged: its problems listed)
   llmflow inspect DUMP NAME [--step N] [--index I] [--kind input|output] [--rank R] [--full]
 
 NAME is a module path (``model.layers.3.mlp``), ``logits``, an API name, or a locator from a
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.cli.common import console, verdict_line
-from llmflow.errors import EXIT_PASSED, UserError
+from llmflow.errors import EXIT_FAILED, EXIT_PASSED, UserError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +68,10 @@ def execute(args: argparse.Namespace) -> int:
                       f"{held}; e.g. {', '.join(d['first_names'])}")
         for p in s["problems"]:
             con.print(f"problem: {p}")
+        if s["problems"]:  # (as a compare of it never passes)
+            verdict_line(False, f"the dump cannot be trusted whole: {len(s['problems'])} problem(s) above; "
+                                f"{s['entries']} entries readable")
+            return EXIT_FAILED
         verdict_line(True, f"{s['entries']} entries in {len(s['levels'])} levels")
         return EXIT_PASSED
     try:

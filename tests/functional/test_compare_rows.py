@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from path_helpers import checkout_path
+from safetensors.torch import save_file
 
 from llmflow.cli import main
 from llmflow.compare.run import CompareOptions, compare_dumps
@@ -130,6 +131,26 @@ def test_inspect_summarises_lists_and_refuses(tmp_path: Path, capsys: pytest.Cap
     assert "no entry named or stored at 'model.layers.1.mpl' (did you mean 'model.layers.1.mlp'" in err
     assert main(["inspect", str(dump), "logits", "--step", "7"]) == 2
     assert "'logits' has no entry with step 7 (it has: step 0 output 0" in capsys.readouterr().err
+
+
+def test_inspect_of_a_damaged_dump_fails_and_a_closed_pipe_ends_it_quietly(tmp_path: Path) -> None:
+    dump = make_dump("llmflow", tmp_path)
+    data = next((dump / "rank0" / "data").glob("*.safetensors"))
+    data.write_bytes(data.read_bytes()[:64])  # as a copy cut short
+    env = {**os.environ, "PYTHONPATH": checkout_path(REPO)}
+    done = subprocess.run([sys.executable, "-m", "llmflow.cli", "inspect", str(dump)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"problem: {data}: truncated" in done.stdout
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("FAILED: the dump cannot be trusted whole: 1 problem")
+    # a user reading the first lines of a long print: no traceback when the reader goes
+    save_file({"x": torch.randn(200, 500)}, tmp_path / "big.safetensors")  # more than a pipe holds
+    shown = subprocess.run(f"{sys.executable} -m llmflow.cli inspect big.safetensors x --full | head -2; "
+                           "echo exit=${PIPESTATUS[0]}", shell=True, executable="/bin/bash", cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert shown.stdout.splitlines()[1:] == ["  dtype float32, shape [200, 500]", "exit=141"], shown.stdout
+    assert shown.stderr == ""
 
 
 def test_codes_decide_verdicts_and_counts(tmp_path: Path) -> None:
