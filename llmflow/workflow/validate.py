@@ -26,7 +26,7 @@ from llmflow.redaction import Redactor, secret_env_values
 from llmflow.stages.base import Stage, fill_defaults
 from llmflow.workflow import dag
 from llmflow.workflow.interpolate import InterpolationError, Ref, dig, has_refs, parse, resolve, strings
-from llmflow.workflow.marks import ValidationError, WorkflowError, YamlTooBig, parse_yaml
+from llmflow.workflow.marks import Mark, ValidationError, WorkflowError, YamlTooBig, parse_yaml
 from llmflow.workflow.model import Workflow
 from llmflow.workflow.registry import file_ref_path, resolve_stage
 from llmflow.workflow.schema import schema_errors
@@ -155,6 +155,10 @@ def path_from_current_dir(value: Any) -> Any:
 
 
 def _check_stages(wf: Workflow, checked: Checked, trust_plugins: bool) -> None:
+    if not wf.stages:  # (a run of nothing would pass, judging nothing)
+        checked.errors.append(ValidationError(
+            "the workflow has no stages: add some under 'stages:' (llmflow stages lists the types)",
+            wf.key_mark("stages") or Mark(wf.display, 1, 1)))
     for sid, st in wf.stages.items():
         try:
             checked.classes[sid] = resolve_stage(st.uses, st.base_dir, trust_plugins)

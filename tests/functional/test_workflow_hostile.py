@@ -256,3 +256,13 @@ def test_a_long_extends_chain_is_one_error(tmp_path):
     proc = llmflow("validate", str(tmp_path / "r0.yaml"))
     assert_bad_input(proc)
     assert "include/extends chain deeper than 32 files" in proc.stdout
+
+
+@pytest.mark.parametrize("text", ["name: empty\nstages: {}\n", "name: empty\n"])
+def test_a_workflow_without_stages_is_bad_input_not_a_pass(tmp_path, text):
+    wf = tmp_path / "empty.yaml"
+    wf.write_text(text)
+    proc = llmflow("run", str(wf), "--run-dir", str(tmp_path / "r"))
+    assert_bad_input(proc)
+    assert f"{wf}:" in proc.stderr and "the workflow has no stages" in proc.stderr, proc.stderr
+    assert not (tmp_path / "r" / "summary.json").exists()
