@@ -22,8 +22,9 @@ The last two are listed, not counted against the compare.
 The compare is *incomplete* (its verdict fail) when nothing paired, when more than half of the
 counted golden rows are unpaired, when a level both dumps hold paired nothing, when a decoder
 layer the golden dumped has no row in the target in a step both dumps hold (a compare that
-never saw a layer cannot say the target matches there), or when only the logits paired while the
-golden holds other levels. ``assess``
+never saw a layer cannot say the target matches there), when the target dumped a level but not
+at every step the golden dumped it (a token_range without the prefill: ``--steps`` picks the
+steps both hold), or when only the logits paired while the golden holds other levels. ``assess``
 also names the likely cause: different naming (a mapping is needed), different token ranges or
 steps, tensors the target did not dump, a side with no usable data.
 """
@@ -61,6 +62,7 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
     lost = {"name": None, "target": None, "steps": set()}
     spans, layers_seen = _reach(pairs)
     layers_lost: dict[str, set[int]] = {}  # golden layers without a target row -> their steps
+    steps_lost: dict[str, set[int]] = {}  # level -> golden steps with no target row of that level
     for p in pairs:
         if p.golden is None:
             lost["target"] = lost["target"] or p.targets[0].name
@@ -78,6 +80,7 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
             elif (lv, p.target_step) not in target_steps:
                 how = "unpaired"
                 lost["steps"].add(p.golden_step)  # type: ignore[union-attr]
+                steps_lost.setdefault(lv, set()).add(p.golden_step)
             elif leftovers[(lv, p.golden.kind, p.target_step)] > 0:
                 leftovers[(lv, p.golden.kind, p.target_step)] -= 1
                 how = "unpaired"
@@ -105,14 +108,17 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
     # dump against an API one, a module_list that matched nothing): the model was not compared
     only_logits = [lv for lv, d in levels.items() if lv != "logits" and d["golden"]] \
         if paired and all(lv == "logits" for lv, d in levels.items() if d["paired"]) else []
+    # a level the target dumped, but not at every golden step it holds (a token_range that left
+    # out the prefill): those steps were never compared
+    steps_not_in_target = {lv: sorted(steps) for lv, steps in steps_lost.items() if levels[lv]["paired"]}
     incomplete = (paired_too_little(paired, unpaired) or bool(empty_levels) or bool(layers_lost)
-                  or bool(only_logits))
+                  or bool(only_logits) or bool(steps_not_in_target))
     out = Coverage(
         state="incomplete" if incomplete else "complete", paired=paired, unpaired=unpaired,
         considered=considered, golden_only=golden_only, missing_step_rows=pairing.missing_rows,
         levels={lv: LevelCoverage(**d) for lv, d in levels.items()}, levels_without_pairs=empty_levels,
         not_in_target=dict(not_in_target), causes=[], headline=None,
-        layers_not_in_target=sorted(layers_lost, key=_layer_order))
+        layers_not_in_target=sorted(layers_lost, key=_layer_order), steps_not_in_target=steps_not_in_target)
     if not incomplete:
         return out
     causes = _causes(pairing, golden, target, lost, not_in_target, layers_lost)
@@ -185,7 +191,8 @@ def _causes(pairing: Pairing, golden: DumpReader, target: DumpReader, lost: dict
     if steps:
         causes.append(f"different token ranges / steps: golden steps {_span(list(steps))} have no target "
                       f"step or no target entry of their level (target steps {_span(target.steps())}); "
-                      "check token_range, --steps, --prefill-offset")
+                      "check token_range and --prefill-offset, or compare the steps both dumps hold "
+                      "(--steps)")
     if lost["name"] and lost["target"]:
         hint = "-mf FILE"
         if getattr(target, "format", "") == "atb" and not pairing.mapping:

@@ -151,6 +151,9 @@ class Coverage:
     layers_not_in_target: list[str] = doc(
         "Golden decoder layers with no target row in a step both dumps hold (the compare is incomplete).",
         default_factory=list)
+    steps_not_in_target: dict[str, list[int]] = doc(
+        "Level -> golden steps at which the target, though it dumped that level, has no row of it "
+        "(the compare is incomplete; --steps compares the steps both dumps hold).", default_factory=dict)
 
 
 @dataclass

@@ -92,6 +92,27 @@ def test_other_token_ranges_fail_as_incomplete(tmp_path: Path, capsys: pytest.Ca
     assert "golden steps 1..3 have no target step" in last
 
 
+@pytest.mark.parametrize("left_out", [[0], [2]], ids=["prefill", "a-decode-step"])
+def test_a_target_that_skipped_a_step_of_the_golden_fails_until_steps_picks_the_common_ones(
+        tmp_path: Path, left_out: list[int]) -> None:
+    """The target dumped its modules at fewer steps than the golden (a token_range without the
+    prefill): rows of the rest pair and pass, but the steps left out were never compared."""
+    hook_dump(tmp_path / "g", token_range="all", new_tokens=6)
+    hook_dump(tmp_path / "t", token_range=[s for s in range(6) if s not in left_out], new_tokens=6)
+    done = cli("-gp", str(tmp_path / "g"), "-mp", str(tmp_path / "t"), "-o", str(tmp_path / "out"))
+    last_line = done.stdout.strip().splitlines()[-1]
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert last_line.startswith("FAILED: incomplete:") and "(--steps)" in last_line
+    assert f"golden steps {left_out[0]} have no target step or no target entry of their level" in last_line
+    summary = json.loads((tmp_path / "out" / "compare_summary.json").read_text())
+    assert summary["coverage"]["steps_not_in_target"] == {"layer": left_out, "module": left_out}
+    validate_summary(summary)
+    common = [str(s) for s in range(6) if s not in left_out]
+    done = cli("-gp", str(tmp_path / "g"), "-mp", str(tmp_path / "t"), "-o", str(tmp_path / "out"),
+               "--steps", *common)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1].startswith("PASSED"), done.stdout
+
+
 def _keep_rows(dump: Path, keep) -> None:
     """Rewrite a dump's index with the rows ``keep(row)`` holds to (as a dump cut short would be)."""
     index = next(dump.rglob("index.jsonl"))
