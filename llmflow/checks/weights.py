@@ -28,7 +28,8 @@ Quantized weights (msModelSlim's conventions, as its 26.1 writes them; checked a
   applies, float32 bits held in an int64 unless the model is bf16), ``input_scale``,
   ``input_offset`` and ``quant_bias``; where ``deq_scale`` disagrees with ``input_scale *
   weight_scale`` the device computes with another weight than the one dequantized here, and the
-  tensor fails (``scale_mismatch``).
+  tensor fails (``scale_mismatch``); so it does where ``quant_bias`` is not ``round(bias /
+  deq_scale) - input_offset * sum_k weight`` (``bias`` the float one stored beside it, or zero).
 * int4 is stored one value per int8 (``safe_tensor``) or two per byte, low nibble first, signed
   (``ascendV1``, ``"int4_packed": true``, or a stored dimension half the float twin's). ``ascendV1``
   packs a per-channel weight (scale ``[out, 1]``) along the input dimension (``[out, in/2]``) and a
@@ -404,6 +405,35 @@ def deq_scale_mismatch(src: Checkpoint | DumpWeights, plan: Plan) -> str | None:
             f"channels (deq_scale {worst:.4g}x): the device computes with another weight than this one")
 
 
+def quant_bias_mismatch(src: Checkpoint | DumpWeights, plan: Plan) -> str | None:
+    """Why a W8A8 tensor's ``quant_bias`` is not the bias the int8 matmul needs, or None.
+
+    The device computes ``deq_scale * (x_int8 @ W_int8.T + quant_bias)`` with ``x_int8`` shifted by
+    ``input_offset``, so msModelSlim stores ``quant_bias = round(bias / deq_scale) - input_offset *
+    sum_k W_int8`` (``bias`` the float bias the checkpoint keeps beside it, zero without one; exact
+    on its own output). Off by more than one unit of rounding, the device adds another bias."""
+    base = plan.key[: -len("weight")]
+    if plan.qtype is None or not all(base + c in src for c in ("quant_bias", "deq_scale", "input_offset")):
+        return None
+    weight = src.get(plan.key)
+    if weight.dtype != torch.int8 or weight.dim() != 2:
+        return None
+    stored = src.get(base + "quant_bias").to(torch.float64).flatten()
+    deq = deq_scale_as_float(src.get(base + "deq_scale")).to(torch.float64).flatten()
+    bias = src.get(base + "bias").to(torch.float64).flatten() if base + "bias" in src else torch.zeros(1)
+    offset = src.get(base + "input_offset").to(torch.float64).flatten()
+    if stored.numel() != weight.shape[0] or deq.numel() not in (1, stored.numel()):
+        return None
+    implied = torch.round(bias / deq) - offset * weight.to(torch.float64).sum(dim=1)
+    off = (stored - implied).abs()
+    bad = off > 1
+    if not bool(bad.any()):
+        return None
+    return (f"quant_bias disagrees with round(bias / deq_scale) - input_offset x sum(weight) in "
+            f"{int(bad.sum())} of {bad.numel()} channels (off by up to {float(off.max()):.4g}): the device "
+            "adds another bias than this checkpoint's")
+
+
 def map_name(name: str, name_map: dict[str, str] | None) -> str:
     """Rename a target tensor by the longest matching prefix of ``name_map`` (target -> golden)."""
     for prefix in sorted(name_map or {}, key=len, reverse=True):
@@ -476,7 +506,7 @@ def _rows(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, g_
         bits = DEQUANT_BITS.get(tp.qtype or "")
         j = judge(row, f"int{bits}" if bits else row["target_dtype"], thresholds)
         row.update(verdict=j.verdict, code=j.code, reason=j.reason)
-        mismatch = deq_scale_mismatch(target, tp)
+        mismatch = "; ".join(filter(None, (deq_scale_mismatch(target, tp), quant_bias_mismatch(target, tp))))
         if mismatch:
             row.update(verdict="fail", code=SCALE_MISMATCH,
                        reason=mismatch + (f"; {j.reason}" if j.verdict != "pass" else ""))

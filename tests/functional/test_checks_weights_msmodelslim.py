@@ -87,7 +87,7 @@ def quantized(workdir: Path):
     return get
 
 
-def _quantize(scheme: str, save_type: str, out: Path) -> Path:
+def _quantize(scheme: str, save_type: str, out: Path, model: str = TINY3) -> Path:
     from msmodelslim import logger as mslogger
     from msmodelslim.pytorch.llm_ptq.llm_ptq_tools import Calibrator, QuantConfig
 
@@ -101,7 +101,7 @@ def _quantize(scheme: str, save_type: str, out: Path) -> Path:
     cwd = os.getcwd()
     os.chdir(out)  # the calibrator leaves a features.npy in the working directory
     try:
-        calibrator = Calibrator(load_model(TINY3).model, cfg, calib_data=prompts if calibrates else None,
+        calibrator = Calibrator(load_model(model).model, cfg, calib_data=prompts if calibrates else None,
                                 disable_level="L0")
         calibrator.run()
         calibrator.save(str(out), save_type=[save_type])
@@ -232,6 +232,57 @@ def test_corrupted_scale_ranks_worst_and_fails(scheme, save_type, channel, facto
     if channel is None and scheme != "w8a8_static":  # under the int limits: the siblings tell
         assert worst["code"] == "sibling_outlier", worst
         assert "x the median" in worst["reason"] and "model.layers.*.mlp.up_proj.weight" in worst["reason"]
+
+
+def _edit(folder: Path, dest: Path, key: str, change) -> Path:
+    """A copy of ``folder`` with tensor ``key`` replaced by ``change(tensor)``."""
+    shutil.copytree(folder, dest)
+    for shard in dest.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        if key in tensors:
+            tensors[key] = change(tensors[key].clone())
+            shard.unlink()
+            save_file(tensors, str(shard))
+    return dest
+
+
+@pytest.mark.parametrize(("scheme", "save_type"), [
+    ("w8a8_static", "safe_tensor"), ("w8a8_static", "ascendV1"), ("w8a8_static_per_tensor", "safe_tensor")])
+@pytest.mark.parametrize("how", ["one-channel", "every-channel"])
+def test_a_corrupted_quant_bias_fails_though_the_weight_dequantizes_right(scheme, save_type, how, quantized,
+                                                                          golden, tmp_path):
+    """The int8 matmul adds quant_bias; a wrong one changes every output of the layer while the
+    weight itself still dequantizes to the float one."""
+    def change(bias: torch.Tensor) -> torch.Tensor:
+        if how == "one-channel":
+            bias[7] += 500
+        else:
+            bias += 40
+        return bias
+
+    bad = _edit(quantized(scheme, save_type), tmp_path / "bad", CORRUPT + ".quant_bias", change)
+    rows, _ = compare_sources(open_weights(golden), open_weights(bad))
+    failed = [r for r in rows if r["verdict"] == "fail"]
+    assert [r["name"] for r in failed] == [CORRUPT + ".weight"], failed
+    assert failed[0]["code"] == "scale_mismatch" and "quant_bias disagrees" in failed[0]["reason"]
+    assert f"in {1 if how == 'one-channel' else 128} of 128 channels" in failed[0]["reason"]
+
+
+def test_quant_bias_of_a_family_with_biases_holds_and_its_corruption_fails(tmp_path):
+    """Qwen2's q/k/v projections carry a float bias, which msModelSlim keeps beside quant_bias."""
+    qwen2 = "tiny-qwen2:layers=2,hidden=64,heads=4,kv_heads=2,intermediate=128"
+    from llmflow.models import load_model
+
+    golden = tmp_path / "float" / "model.safetensors"
+    golden.parent.mkdir()
+    save_file({k: v.contiguous() for k, v in load_model(qwen2).model.state_dict().items()}, str(golden))
+    honest = _quantize("w8a8_static", "safe_tensor", tmp_path / "q", model=qwen2)
+    assert "model.layers.1.self_attn.k_proj.bias" in open_weights(honest)
+    rows, _ = compare_sources(open_weights(golden), open_weights(honest))
+    assert [r for r in rows if r["verdict"] == "fail"] == []
+    bad = _edit(honest, tmp_path / "bad", "model.layers.1.self_attn.k_proj.quant_bias", lambda b: b - 300)
+    rows, _ = compare_sources(open_weights(golden), open_weights(bad))
+    assert [r["name"] for r in rows if r["verdict"] == "fail"] == ["model.layers.1.self_attn.k_proj.weight"]
 
 
 def test_weight_check_cli_fails_a_mis_scaled_layer_and_passes_the_honest_one(quantized, golden, tmp_path):
