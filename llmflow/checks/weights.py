@@ -23,7 +23,8 @@ Quantized weights (msModelSlim's conventions, as its 26.1 writes them; checked a
   ``[out, n_groups]`` (or ``[n_groups, out]``) per-group along the input dimension, group size
   ``in / n_groups`` (checked against the description's ``group_size`` when it gives one). W8A8S
   stores no ``weight_scale``: its scale is ``deq_scale / input_scale``. An integer weight with a
-  scale but no description entry is treated as int8 (int4 if the description's default says W4).
+  scale but no description entry is treated as int8 (int4 if the description's default says W4,
+  or if one of its dimensions is half its float twin's: int4 two per byte).
 * W8A8 also stores ``deq_scale`` (``input_scale * weight_scale``: the scale the int8 matmul
   applies, float32 bits held in an int64 unless the model is bf16), ``input_scale``,
   ``input_offset`` and ``quant_bias``; where ``deq_scale`` disagrees with ``input_scale *
@@ -321,6 +322,16 @@ class Plan:
     key: str
     qtype: str | None = None  # None: plain tensor
     problem: str | None = None  # set: cannot be materialized (the reason)
+    guessed: bool = False  # qtype not from a description: int8 assumed (``with_twin`` may see int4)
+
+    def with_twin(self, stored: tuple[int, ...], twin: tuple[int, ...]) -> Plan:
+        """This plan, or W4A16 where its type was guessed and the stored weight has one dimension
+        half its float twin's (int4 two per byte: an ascendV1 checkpoint without its description)."""
+        if not self.guessed or DEQUANT_BITS.get(self.qtype or "") != 8:
+            return self
+        if int4_packed_dim(stored, (), None, twin) is None:
+            return self
+        return Plan(self.key, "W4A16", guessed=True)
 
 
 def plan_source(src: Checkpoint | DumpWeights) -> tuple[dict[str, Plan], int]:
@@ -346,9 +357,11 @@ def plan_source(src: Checkpoint | DumpWeights) -> tuple[dict[str, Plan], int]:
                                           "cannot be decoded; compare the checkpoint it was compressed from")
         elif qtype not in (None, "FLOAT") and qtype not in DEQUANT_BITS and (is_int or has_scale):
             plans[key] = Plan(key, qtype, f"unsupported quantization scheme {qtype}")
+        elif is_int and has_scale and qtype in DEQUANT_BITS:
+            plans[key] = Plan(key, qtype)
         elif is_int and has_scale:
-            plans[key] = Plan(key, qtype if qtype in DEQUANT_BITS else
-                              ("W4A16" if quant and (quant.default or "").startswith("W4") else "W8A16"))
+            plans[key] = Plan(key, "W4A16" if quant and (quant.default or "").startswith("W4") else "W8A16",
+                              guessed=True)
         else:  # float, or an integer tensor without a scale: compared as stored
             plans[key] = Plan(key)
     return plans, companions
@@ -482,6 +495,9 @@ def _rows(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, g_
             problem = "missing in target" if tp is None else "missing in golden"
         else:
             problem = f"golden: {gp.problem}" if gp.problem else tp.problem
+            if gp.qtype is None:
+                tp = tp.with_twin(tuple(row["target_shape"]), tuple(row["golden_shape"]))
+                row["quant_type"] = tp.qtype
         if problem:
             yield {**row, "status": _status(problem), "verdict": "fail", "reason": problem}
             continue

@@ -268,6 +268,23 @@ def test_a_corrupted_quant_bias_fails_though_the_weight_dequantizes_right(scheme
     assert f"in {1 if how == 'one-channel' else 128} of 128 channels" in failed[0]["reason"]
 
 
+@pytest.mark.parametrize("scheme", ["w4a16_group_sym", "w4a16_channel_asym"])
+def test_an_ascendv1_int4_checkpoint_without_its_description_reads_from_the_shapes(scheme, quantized, golden,
+                                                                                    tmp_path):
+    """A user copied the shards and not quant_model_description.json: the int4 weights, two per
+    byte, are told by a dimension half their float twin's, not reported as corrupted int8."""
+    bare = tmp_path / "bare"
+    shutil.copytree(quantized(scheme, "ascendV1"), bare)
+    (bare / "quant_model_description.json").unlink()
+    rows, _ = compare_sources(open_weights(golden), open_weights(bare))
+    assert [r for r in rows if r["verdict"] == "fail"] == []
+    proj = next(r for r in rows if r["name"] == CORRUPT + ".weight")
+    assert proj["quant_type"] == "W4A16" and "int4-packed" in proj["scheme"], proj
+    bad = _corrupt(bare, tmp_path / "bad", None, 1.25)
+    rows, _ = compare_sources(open_weights(golden), open_weights(bad))
+    assert [r["name"] for r in rows if r["verdict"] == "fail"] == [CORRUPT + ".weight"]
+
+
 def test_quant_bias_of_a_family_with_biases_holds_and_its_corruption_fails(tmp_path):
     """Qwen2's q/k/v projections carry a float bias, which msModelSlim keeps beside quant_bias."""
     qwen2 = "tiny-qwen2:layers=2,hidden=64,heads=4,kv_heads=2,intermediate=128"
