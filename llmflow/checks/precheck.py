@@ -442,6 +442,9 @@ def call_label(row: dict[str, Any]) -> str:
     return f"{label} output {row['output']}" if row.get("output") is not None else label
 
 
+DUMP_AGAIN = "dump the target again (or copy the dump whole), then llmflow precheck it"
+
+
 def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
              on_call: Callable[[OpCall, list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
     """Check every API call of ``reader``'s dump. ``on_call(call, rows)`` sees each call's rows as
@@ -470,6 +473,9 @@ def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
                                                               and not math.isnan(r["ratio"]) else 0.0)))
     perturbed = list(dict.fromkeys(r["name"] for r in rows if r.get("perturb_flag")))
     next_step = ""
+    problems = reader.problems()
+    damaged = (f"the dump cannot be trusted whole: {problems[0]}"
+               + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")) if problems else ""
     if not calls:
         status, headline = "inconclusive", "precheck: the dump holds no API calls (dump with mode api)"
         next_step = ("dump the target with DumpConfig(mode='api', data_mode='tensor', dump_weight=True) "
@@ -483,10 +489,15 @@ def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
                       if r["status"] == "not checked").most_common(1)
         status = "inconclusive"
         headline = (f"precheck: only {checked} of {calls} calls could be checked; most often: "
-                    f"{why[0][0] if why else '?'}")
-        next_step = ("dump tensors with their weights (DumpConfig(mode='api', data_mode='tensor', "
-                     "dump_weight=True)), and give the ops without a CPU implementation a reference "
-                     "(--reference NAME=file.py:func); precheck.csv says why each call was not checked")
+                    f"{why[0][0] if why else '?'}" + (f"; {damaged}" if damaged else ""))
+        next_step = DUMP_AGAIN if damaged else (
+            "dump tensors with their weights (DumpConfig(mode='api', data_mode='tensor', "
+            "dump_weight=True)), and give the ops without a CPU implementation a reference "
+            "(--reference NAME=file.py:func); precheck.csv says why each call was not checked")
+    elif damaged:  # (as a compare of a damaged dump never passes)
+        status = "inconclusive"
+        headline = f"precheck: {checked} of {calls} calls checked, none fails, but {damaged}"
+        next_step = DUMP_AGAIN
     else:
         status = "pass"
         headline = f"precheck: {checked} of {calls} calls checked, none fails ({totals['warn']} warn)"

@@ -134,6 +134,24 @@ def test_a_registered_reference_checks_a_custom_op(tmp_path, dumps):
     assert "my_rms_norm.0" in csv_text and ",reference," in csv_text
 
 
+@pytest.mark.parametrize("which", [0, -1], ids=["first-data-file", "last-data-file"])
+def test_a_damaged_dump_is_never_passed(tmp_path, dumps, which):
+    """A copy cut short (its weights' file or a step's): the calls it still holds may all pass,
+    the verdict may not."""
+    import shutil
+
+    dump = tmp_path / "copy"
+    shutil.copytree(dumps["shifted"], dump)
+    data = sorted(dump.rglob("data/*.safetensors"))[which]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    proc = llmflow("precheck", str(dump), "-o", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert last_line(proc).startswith("INCONCLUSIVE: ")
+    assert f"the dump cannot be trusted whole: {data}: truncated" in last_line(proc)
+    assert proc.stdout.strip().splitlines()[-2].startswith("next: dump the target again")
+    assert report(tmp_path / "out")["status"] == "inconclusive"
+
+
 def test_statistics_only_dump_is_inconclusive(tmp_path, dumps):
     proc = llmflow("precheck", str(dumps["stats"]), "-o", str(tmp_path / "out"), cwd=tmp_path)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-2000:]
