@@ -171,11 +171,24 @@ class DumpHandle:
 
 
 def _device_matches(model: torch.nn.Module, device_id: int | None) -> bool:
+    """Whether this process dumps: ``device_id`` (msit's) names the one device of a multi-device
+    run that dumps. A model on a device without an index (the CPU) counts as device 0. Either
+    way, a handle that will dump nothing says so: an empty dump folder later would not."""
     if device_id is None:
         return True
     p = next(model.parameters(), None)
-    index = (p.device.index if p is not None and p.device.index is not None else 0)
-    return index == device_id
+    device = p.device if p is not None else torch.device("cpu")
+    index = device.index if device.index is not None else 0
+    if index == device_id:
+        return True
+    if device.index is None:
+        log.warning("llmflow dump: DumpConfig(device_id=%d), but the model runs on %s: this process "
+                    "dumps nothing (device_id picks an accelerator of a multi-device run; leave it out)",
+                    device_id, device.type)
+    else:
+        log.info("llmflow dump: the model runs on %s, not device %d (device_id): this process dumps "
+                 "nothing", device, device_id)
+    return False
 
 
 def _default_env(model: torch.nn.Module) -> dict[str, Any]:

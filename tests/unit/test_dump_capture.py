@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -312,12 +313,19 @@ def test_register_hook_validates_and_remove_restores(tmp_path):
         register_hook(model, {"dump_path": "."})
 
 
-def test_device_id_filters(tmp_path):
+def test_device_id_filters_and_says_so_on_the_cpu(tmp_path, caplog):
     model = tiny().model
-    h = register_hook(model, DumpConfig(dump_path=str(tmp_path / "x"), device_id=1))
+    with caplog.at_level(logging.WARNING, logger="llmflow"):
+        h = register_hook(model, DumpConfig(dump_path=str(tmp_path / "x"), device_id=1))
     greedy_generate(model, prompt_ids(), 1)
     h.remove()
     assert h.dumps == [] and not (tmp_path / "x").exists()
+    assert "DumpConfig(device_id=1), but the model runs on cpu: this process dumps nothing" in caplog.text
+    caplog.clear()
+    h = register_hook(model, DumpConfig(dump_path=str(tmp_path / "y"), device_id=0))  # the CPU: device 0
+    greedy_generate(model, prompt_ids(), 1)
+    h.remove()
+    assert len(h.dumps) == 1 and "dumps nothing" not in caplog.text
 
 
 def test_remove_restores_every_forward_including_one_another_tool_set(tmp_path):
