@@ -301,6 +301,8 @@ class LlmflowDumpReader(DumpReader):
         out: list[Entry] = []
         files: dict[str, tuple[frozenset[str], str | None]] = {}  # data file -> (keys, why unusable)
         left_out: dict[str, list[Entry]] = {}
+        rows = 0
+        torn = False
         for no, raw in enumerate(lines, 1):
             if not raw.strip():
                 continue
@@ -312,8 +314,10 @@ class LlmflowDumpReader(DumpReader):
                 if no >= len(lines) - 1 and not raw.endswith(b"}"):  # the torn last line of a killed writer
                     problems.append(f"{index}:{no}: a torn last line (the writer was killed while "
                                     "writing it): its entries are lost")
+                    torn = True
                     break
                 raise DumpFormatError(f"{index}:{no}: corrupt index line ({exc})") from exc
+            rows += len(batch)
             for entry in batch:
                 if entry.has_data:
                     file_rel, _, key = entry.key.rpartition(":")
@@ -330,8 +334,25 @@ class LlmflowDumpReader(DumpReader):
             steps = sorted({e.step for e in lost})
             problems.append(f"{self.path / file_rel}: {why}; {len(lost)} entries of step"
                             f"{'s' if len(steps) > 1 else ''} {_span(steps)} point at it (left out)")
+        if not torn:
+            problems += self._rows_not_written(rank_dir, rows)
         _share_repeat_stats(out)
         return out
+
+    def _rows_not_written(self, rank_dir: Path, rows: int) -> list[str]:
+        """A problem when a complete rank's index holds other than the rows its writer counted
+        (``rank.json`` ``entries``): whole lines lost (a copy cut at a line's end, an edit)
+        leave no torn line to tell."""
+        try:
+            meta = self._read_json(rank_dir / "rank.json")
+        except DumpFormatError:
+            return []  # (said elsewhere: the rank's folder is not read as a rank of this dump)
+        written = meta.get("entries") if isinstance(meta, dict) and meta.get("complete") is True else None
+        if type(written) is not int or written == rows:
+            return []
+        how = "lines are missing (a copy cut short, or an edit)" if rows < written else "rows were added"
+        return [f"{rank_dir / 'index.jsonl'}: {rows} entries, its writer wrote {written} "
+                f"({rank_dir / 'rank.json'}): {how}"]
 
     def _data_path(self, file_rel: str, where: Path | str = "", line: int = 0) -> Path:
         """The data file of a key, refusing anything that is not a safetensors file in the dump."""

@@ -53,6 +53,9 @@ def with_duplicate_row(src: Path, dst: Path, copy_first: bool) -> str:
                 twin[col["key"]] = logits_key  # a different claim about the same capture
                 line["rows"][i:i + 1] = [twin, row] if copy_first else [row, twin]
                 index.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+                meta = json.loads((dst / "rank0" / "rank.json").read_text())
+                meta["entries"] += 1  # as a writer that wrote the row twice counts it
+                (dst / "rank0" / "rank.json").write_text(json.dumps(meta))
                 return row[col["name"]]
     raise AssertionError("no module output at step 1")
 
@@ -73,6 +76,25 @@ def test_a_tensor_indexed_twice_is_a_problem_and_the_compare_does_not_pass(
         summary = json.loads((out / "compare_summary.json").read_text())
         side = "golden" if g == target else "target"
         assert any(name in p for p in summary["problems"][side]), summary["problems"]
+
+
+@pytest.mark.parametrize("lost", ["last-lines", "a-middle-line"])
+def test_an_index_that_lost_whole_lines_is_a_problem_and_the_compare_does_not_pass(
+        tmp_path: Path, golden: Path, lost: str) -> None:
+    """A copy cut at the end of a line (or a line deleted by hand) leaves no torn line; the count
+    the writer left in rank.json tells."""
+    target = tmp_path / "target"
+    shutil.copytree(golden, target)
+    index = target / "rank0" / "index.jsonl"
+    lines = index.read_text().splitlines(keepends=True)
+    kept = lines[: len(lines) // 2] if lost == "last-lines" else lines[:1] + lines[2:]
+    index.write_text("".join(kept))
+    problems = LlmflowDumpReader(target).problems()
+    assert len(problems) == 1 and "lines are missing" in problems[0], problems
+    assert problems[0].startswith(f"{index}: ") and "its writer wrote" in problems[0]
+    proc = compare_cli(golden, target, tmp_path / "out")
+    assert proc.returncode != 0 and not proc.stdout.strip().splitlines()[-1].startswith("PASSED"), proc.stdout
+    assert "lines are missing" in proc.stdout + proc.stderr
 
 
 def test_a_module_called_twice_and_repeats_of_one_tensor_are_not_duplicates(golden: Path) -> None:
