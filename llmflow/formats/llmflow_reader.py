@@ -19,6 +19,7 @@ import orjson
 import torch
 
 from llmflow.collector import collections_paused
+from llmflow.dtypes import DTYPE_OF_SAFETENSORS_CODE, dtype_name
 from llmflow.errors import DumpFormatError
 from llmflow.formats._safe import read_json, read_text
 from llmflow.formats.base import ENTRY_FIELDS, STAT_KEYS, DumpReader, Entry
@@ -299,8 +300,9 @@ class LlmflowDumpReader(DumpReader):
         with open_regular(index) as f:
             lines = f.read().split(b"\n")
         out: list[Entry] = []
-        files: dict[str, tuple[frozenset[str], str | None]] = {}  # data file -> (keys, why unusable)
+        files: dict[str, tuple[dict[str, Stored], str | None]] = {}  # data file -> (table, why unusable)
         left_out: dict[str, list[Entry]] = {}
+        disagree: list[str] = []  # entries whose index row and data file differ on shape or dtype
         rows = 0
         torn = False
         for no, raw in enumerate(lines, 1):
@@ -322,18 +324,26 @@ class LlmflowDumpReader(DumpReader):
                 if entry.has_data:
                     file_rel, _, key = entry.key.rpartition(":")
                     if file_rel not in files:
-                        table, why = read_table(self._data_path(file_rel, index, no))
-                        files[file_rel] = frozenset(table), why
-                    keys, why = files[file_rel]
-                    if why is not None or key not in keys:
+                        files[file_rel] = read_table(self._data_path(file_rel, index, no))
+                    table, why = files[file_rel]
+                    stored = table.get(key)
+                    if why is not None or stored is None:
                         left_out.setdefault(file_rel, []).append(entry)
                         continue  # it cannot be loaded: left out, and said so in problems()
+                    if not _as_stored(entry, stored):
+                        disagree.append(f"{entry.name} {entry.kind} {entry.index} of step {entry.step}: "
+                                        f"index {entry.dtype}{list(entry.shape or ())}, {file_rel} "
+                                        f"{stored.dtype}{list(stored.shape)}")
+                        continue  # its rows would describe another tensor than the one compared
                 out.append(entry)
         for file_rel, lost in left_out.items():
             why = files[file_rel][1] or "does not hold the tensors the index names"
             steps = sorted({e.step for e in lost})
             problems.append(f"{self.path / file_rel}: {why}; {len(lost)} entries of step"
                             f"{'s' if len(steps) > 1 else ''} {_span(steps)} point at it (left out)")
+        if disagree:
+            problems.append(f"{index}: {len(disagree)} entries disagree with their data file on shape or "
+                            f"dtype (left out), first {disagree[0]}")
         if not torn:
             problems += self._rows_not_written(rank_dir, rows)
         _share_repeat_stats(out)
@@ -445,6 +455,15 @@ class LlmflowDumpReader(DumpReader):
         if not path.exists():
             return None
         return read_json(path, limit=MAX_META_BYTES, max_depth=MAX_JSON_DEPTH)
+
+
+def _as_stored(entry: Entry, stored: Stored) -> bool:
+    """Whether an index row describes the tensor its data file holds: the same shape, and the same
+    dtype where the file's dtype code is one llmflow knows."""
+    if entry.shape is not None and tuple(entry.shape) != stored.shape:
+        return False
+    known = DTYPE_OF_SAFETENSORS_CODE.get(stored.dtype)
+    return known is None or entry.dtype is None or dtype_name(entry.dtype) == known
 
 
 MAX_DUPLICATES_NAMED = 5  # problem lines naming a duplicated tensor; the rest are counted

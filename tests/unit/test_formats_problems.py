@@ -176,6 +176,26 @@ def test_an_index_row_of_the_wrong_types_names_its_line(tmp_path: Path) -> None:
         LlmflowDumpReader(d).entries()
 
 
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("shape", [10**12, 10**12], "[1000000000000, 1000000000000]"),
+    ("dtype", "float16", "index float16"),
+])
+def test_an_index_row_that_describes_another_tensor_than_its_data_is_left_out(
+        tmp_path: Path, field: str, value: Any, said: str) -> None:
+    d = _llmflow(tmp_path)
+    index = d / "rank0" / "index.jsonl"
+    lines = [json.loads(raw) for raw in index.read_text().splitlines()]
+    col = lines[0]["fields"].index(field)
+    target = next(r for ln in lines for r in ln["rows"] if r[lines[0]["fields"].index("dtype")] == "float32")
+    target[col] = value
+    index.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    reader = LlmflowDumpReader(d)
+    (problem,) = reader.problems()
+    assert problem.startswith(f"{index}: 1 entries disagree with their data file on shape or dtype")
+    assert said in problem and "F32[" in problem
+    assert len(reader.entries()) == sum(len(ln["rows"]) for ln in lines) - 1
+
+
 # -- msit, ATB, msprobe -------------------------------------------------------------------------
 
 def _msit(tmp_path: Path) -> Path:
