@@ -29,7 +29,9 @@ from llmflow.checks.repro import folder_name, write_repro
 from llmflow.formats import open_dump
 from llmflow.formats.base import DumpReader
 
-OUTPUT_NAMES = ("precheck.csv", "precheck.xlsx", "precheck.json", "repro")  # what it may write in out_dir
+TABLES = {kind: f"precheck.{kind}" for kind in ("csv", "xlsx", "json")}
+REPRO_DIR = "repro"
+OUTPUT_NAMES = (*TABLES.values(), REPRO_DIR)  # everything it may write in out_dir
 MAX_REPROS = 50  # repro folders written at most (the worst calls are first in the table anyway)
 ALL = "all"  # repro_calls: every call that replays (it has an implementation: not random, not unknown)
 
@@ -76,7 +78,7 @@ def run_precheck(dump: str | Path, out_dir: Path, options: PrecheckOptions, *, r
             return
         if implementation != "reference":
             implementation = rows[0].get("implementation") or implementation
-        folder = out_dir / OUTPUT_NAMES[-1] / folder_name(len(repros), call.name)
+        folder = out_dir / REPRO_DIR / folder_name(len(repros), call.name)
         script = str(write_repro(call, fn, implementation, folder, options.fail_ratio).relative_to(out_dir))
         for row in rows:
             row["repro"] = script
@@ -92,7 +94,7 @@ def run_precheck(dump: str | Path, out_dir: Path, options: PrecheckOptions, *, r
         missing[name] = "no call of this name or record in the dump"
     repros_missing = [{"name": n, "why": why} for n, why in sorted(missing.items()) if why]
     columns = [*COLUMNS, "repro"] if repro or requested else list(COLUMNS)
-    files = {name.rsplit(".", 1)[1]: out_dir / name for name in OUTPUT_NAMES[:3]}
+    files = {kind: out_dir / name for kind, name in TABLES.items()}
     write_csv(result["rows"], files["csv"], columns=columns)
     counts = [{"api": api, **{k: c.get(k, 0) for k in ("pass", "warn", "fail", "not checked")}}
               for api, c in result["counts"].items()]

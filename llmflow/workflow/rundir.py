@@ -207,7 +207,9 @@ def install(tmp: Path, final: Path) -> None:
     user put in the older folder goes along into the new one (``foreign_entries``)."""
     refuse_link(final)
     if os.path.isdir(final):
-        moves = foreign_entries(final)
+        # (an empty folder is one the new output may well have made again: nothing to carry)
+        moves = [rel for rel in foreign_entries(final)
+                 if not (_empty_dir(final / rel) and os.path.lexists(tmp / rel))]
         taken = [rel for rel in moves if os.path.lexists(tmp / rel)]
         if taken:
             raise UserError(f"{final / taken[0]}: not written by llmflow, and the stage's new output "
@@ -240,6 +242,14 @@ def foreign_entries(stage_dir: Path) -> list[str]:
             if rel not in listed and rel != STATE_FILE:
                 found.append(rel)
     return found
+
+
+def _empty_dir(path: Path) -> bool:
+    """A folder (not a link) with no file anywhere below it."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    return not any(files or any(os.path.islink(os.path.join(top, d)) for d in dirs)
+                   for top, dirs, files in os.walk(path))
 
 
 def _parents(rel: str) -> list[str]:

@@ -325,3 +325,23 @@ def test_extends_and_include_run(tmp_path):
     assert res.stages["extra"].outputs["value"] == "child+extra"
     state = json.loads((tmp_path / "run" / "a" / STATE_FILE).read_text())
     assert state["params"] == {"value": "child", "count": 3, "sleep": 0}
+
+
+def test_a_rerun_carries_the_users_entries_and_leaves_empty_folders_to_the_new_output(tmp_path):
+    from llmflow.workflow.rundir import install
+    from llmflow.workflow.state import file_manifest
+
+    final, tmp = tmp_path / "stage", tmp_path / "new"
+    for d in (final, tmp):
+        (d / "empty" / "deeper").mkdir(parents=True)
+        (d / "data").mkdir()
+        (d / "data" / "t.bin").write_text(d.name)
+    (final / STATE_FILE).write_text(json.dumps({"files": file_manifest(final)}))
+    (final / "notes.txt").write_text("mine")
+    (final / "data" / "mine.csv").write_text("mine")
+    (final / "plots" / "a").mkdir(parents=True)
+    (final / "plots" / "a" / "p.png").write_text("mine")
+    install(tmp, final)
+    assert sorted(str(p.relative_to(final)) for p in final.rglob("*") if p.is_file()) == [
+        "data/mine.csv", "data/t.bin", "notes.txt", "plots/a/p.png"]
+    assert (final / "data" / "t.bin").read_text() == "new" and (final / "empty" / "deeper").is_dir()
