@@ -242,6 +242,13 @@ def _source_with_helpers(fn: Callable[..., Any]) -> str:
     return "\n\n".join(reversed(list(seen.values())))
 
 
+def _in_docstring(text: str) -> str:
+    """``text`` as the inside of a string literal: a dump's names come from another machine, and a
+    quote, backslash or newline in one must not end the script's docstring (and what follows it
+    run as code when the user runs the script)."""
+    return json.dumps(text)[1:-1]
+
+
 def folder_name(number: int, name: str) -> str:
     """``003_model.layers.1.mlp.act_fn-silu.0``: a file-safe folder name for a call."""
     return f"{number:03d}_" + re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")[:120]
@@ -269,7 +276,8 @@ def write_repro(call: OpCall, fn: Callable[..., Any], implementation: str, folde
         source, ref_name = "\n\n" + _source_with_helpers(fn) + "\n", fn.__name__
     script = folder / "repro.py"
     small_value = {f"torch.{name}": (SMALL_VALUE[name], SMALL_VALUE_ATOL[name]) for name in SMALL_VALUE}
-    script.write_text(_SCRIPT.format(name=call.name, api=call.api, implementation=implementation,
+    script.write_text(_SCRIPT.format(name=_in_docstring(call.name), api=_in_docstring(call.api),
+                                     implementation=implementation,
                                      fail_ratio=fail_ratio, small_value=small_value, reference_source=source,
                                      reference_name=ref_name), encoding="utf-8")
     return script

@@ -116,6 +116,32 @@ def test_fp16_softmax_without_max_subtraction_fails_and_reproduces(tmp_path, dum
     assert fresh.returncode == 1 and "REPRODUCED" in fresh.stdout, fresh.stdout + fresh.stderr
 
 
+def test_a_call_name_from_a_hostile_dump_stays_text_in_its_repro_script(tmp_path, dumps):
+    """The repro script's docstring names the call; a name that closes the docstring must not make
+    the rest of it code the user runs."""
+    import shutil
+
+    dump = tmp_path / "dump"
+    shutil.copytree(dumps["naive"], dump)
+    payload = '"""; import pathlib; pathlib.Path("pwned").write_text("x"); """\\'
+    index = dump / "rank0" / "index.jsonl"
+    lines = []
+    for line in index.read_text().splitlines():
+        record = json.loads(line)
+        for row in record["rows"]:
+            row[1] = row[1].replace("model.layers.1.self_attn/softmax.0", f"{payload}/softmax.0")
+        lines.append(json.dumps(record))
+    index.write_text("\n".join(lines) + "\n")
+    proc = llmflow("precheck", str(dump), "-o", str(tmp_path / "out"), "--repro", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = report(tmp_path / "out")
+    assert r["repros"][0]["name"] == f"{payload}/softmax.0"
+    fresh = subprocess.run([sys.executable, "-I", str(tmp_path / "out" / r["repros"][0]["script"])],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert fresh.returncode == 1 and "REPRODUCED" in fresh.stdout, fresh.stdout + fresh.stderr
+    assert not (tmp_path / "pwned").exists()
+
+
 def test_perturbation_flags_the_overflow_prone_softmax(tmp_path, dumps):
     proc = llmflow("precheck", str(dumps["shifted"]), "-o", str(tmp_path / "out"), "--perturb", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]  # the kernel is correct
