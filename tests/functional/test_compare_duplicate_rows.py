@@ -37,7 +37,8 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def with_duplicate_row(src: Path, dst: Path, copy_first: bool) -> str:
     """A copy of dump ``src`` whose index names one module output twice: a copy of its row pointing
-    at other bytes (the logits' data key), before or after the original. Returns the tensor's name."""
+    at other bytes (another tensor's of the same shape and dtype), before or after the original.
+    Returns the tensor's name."""
     shutil.copytree(src, dst)
     index = dst / "rank0" / "index.jsonl"
     lines = [json.loads(raw) for raw in index.read_text().splitlines()]
@@ -47,10 +48,12 @@ def with_duplicate_row(src: Path, dst: Path, copy_first: bool) -> str:
         for i, row in enumerate(line["rows"]):
             if (row[col["level"]], row[col["kind"]], row[col["index"]], row[col["step"]]) == \
                     ("module", "output", "0", 1) and row[col["dtype"]]:
-                logits_key = next(r[col["key"]] for ln in lines for r in ln["rows"]
-                                  if r[col["name"]] == "logits")
+                like = (row[col["shape"]], row[col["dtype"]])
+                other_key = next(r[col["key"]] for ln in lines for r in ln["rows"]
+                                 if r[col["key"]] and r[col["key"]] != row[col["key"]]
+                                 and (r[col["shape"]], r[col["dtype"]]) == like)
                 twin = list(row)
-                twin[col["key"]] = logits_key  # a different claim about the same capture
+                twin[col["key"]] = other_key  # a different claim about the same capture
                 line["rows"][i:i + 1] = [twin, row] if copy_first else [row, twin]
                 index.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
                 meta = json.loads((dst / "rank0" / "rank.json").read_text())
