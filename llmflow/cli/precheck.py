@@ -81,9 +81,9 @@ def execute(args: argparse.Namespace) -> int:
                               perturb_ratio=args.perturb_ratio, min_checked=args.min_checked,
                               references=load_references(parse_references(args.reference)))
     out = Path(args.output)
-    # -o checked before any work (as compare's): not the dump, not inside it, no file of the user's
+    # -o checked before any work (as compare's): not the dump nor inside it, no file of the user's
     # in the way; the files appear in OUT all together when the precheck is done, or not at all
-    staged = StagedDir(out, "-o", names=OUTPUT_NAMES, inputs={"dump": args.dump})
+    staged = StagedDir(out, "-o", names=OUTPUT_NAMES, inputs={"dump": args.dump}, suggest="precheck_out")
     con = console()
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    console=console_err(), transient=True, disable=not sys.stderr.isatty())

@@ -7,7 +7,8 @@ them, ``OUT/.llmflow-outputs.json`` (name, size and mtime of each; a folder, suc
 ``repro/``, by the same of each file in it), so a rerun replaces exactly
 its earlier outputs, removes those it no longer writes and leaves everything else alone. A file at
 one of its names that the list does not vouch for (the user's, or one of llmflow's edited since)
-is refused before any work, as is an OUT that is, contains or lies inside one of the inputs.
+is refused before any work, as is an OUT that is or lies inside one of the inputs (one that holds
+an input, ``-o .`` beside the dumps, is fine: nothing below OUT's top is ever written).
 
 Writing is all or nothing:
 
@@ -59,8 +60,10 @@ def _existing_ancestor(out: Path, flag: str) -> Path:
     return parent
 
 
-def _refuse_overlap(out: Path, flag: str, inputs: Mapping[str, str | Path]) -> None:
-    """UserError when ``out`` is, contains or lies inside one of ``inputs`` ({flag: path})."""
+def _refuse_overlap(out: Path, flag: str, inputs: Mapping[str, str | Path], suggest: str) -> None:
+    """UserError when ``out`` is or lies inside one of ``inputs`` ({flag: path}). An OUT that holds
+    an input (``-o .`` beside the dumps, msit's habit) is fine: only llmflow's own names at its top
+    are written, never anything below."""
     real_out = Path(os.path.realpath(out))
     for in_flag, path in inputs.items():
         real = Path(os.path.realpath(path))
@@ -68,12 +71,10 @@ def _refuse_overlap(out: Path, flag: str, inputs: Mapping[str, str | Path]) -> N
             where = f"is the {in_flag} input"
         elif real_out.is_relative_to(real):
             where = f"lies inside the {in_flag} input {path}"
-        elif real.is_relative_to(real_out):
-            where = f"contains the {in_flag} input {path}"
         else:
             continue
         raise UserError(f"{flag} {out}: {where}; write the tables to a folder of their own "
-                        f"(e.g. {flag} compare_out)")
+                        f"(e.g. {flag} {suggest})")
 
 
 def _fingerprint(st: os.stat_result) -> dict[str, int]:
@@ -183,16 +184,17 @@ class StagedDir:
 
     ``names``: every file name the command may write (checked for files that are not llmflow's
     before any work); ``inputs``: {flag: path} of what the command reads, which ``out`` must
-    neither be, contain nor lie inside. Bad ``out``: a one-line UserError naming ``flag``.
+    neither be nor lie inside; ``suggest``: the folder name a refusal offers instead. Bad
+    ``out``: a one-line UserError naming ``flag``.
     """
 
     def __init__(self, out: str | Path, flag: str = "-o", names: Iterable[str] = (),
-                 inputs: Mapping[str, str | Path] | None = None):
+                 inputs: Mapping[str, str | Path] | None = None, suggest: str = "compare_out"):
         self.out = Path(os.path.abspath(out))  # abspath folds "..": -o .. names a real folder
         self.flag = flag
         self.names = list(names)
         self._ancestor = _existing_ancestor(self.out, flag)
-        _refuse_overlap(self.out, flag, inputs or {})
+        _refuse_overlap(self.out, flag, inputs or {}, suggest)
         self.tmp: Path | None = None
         self._created: list[Path] = []  # folders this command created, deepest last
         self._lock_fd: int | None = None

@@ -97,13 +97,19 @@ def test_compare_into_a_folder_of_the_users_files(tmp_path, dumps):
 
 
 @pytest.mark.parametrize("out", [".", "./"])
-def test_compare_dot_in_the_folder_holding_the_dumps_is_refused(tmp_path, dumps, out):
+def test_compare_dot_in_the_folder_holding_the_dumps_writes_beside_them(tmp_path, dumps, out):
+    """msit's habit: ``-o ./`` where the dumps are sub folders. The tables go at the top, the
+    dumps and the user's files stay as they were."""
     work = tmp_path / "dumps"
     user_files(work)
     before = hashes(tmp_path)
     proc = compare("-gp", "g", "-mp", "t", "-o", out, cwd=work)
-    assert_bad_input(proc, "contains the -gp input g")
-    assert hashes(tmp_path) == before
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert (work / "compare_summary.json").is_file() and (work / ".llmflow-outputs.json").is_file()
+    assert_kept(before, tmp_path)
+    again = compare("-gp", "g", "-mp", "t", "-o", out, cwd=work)  # a rerun replaces its own tables
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert_kept(before, tmp_path)
 
 
 def test_compare_dot_and_dotdot_elsewhere_write_beside_the_users_files(tmp_path, dumps):
@@ -119,12 +125,14 @@ def test_compare_dot_and_dotdot_elsewhere_write_beside_the_users_files(tmp_path,
         assert (where / "compare_summary.json").is_file()
         assert not [p for p in where.iterdir() if p.name.startswith(".llmflow-staging")]
         assert_kept(before, tmp_path)
-    # .. that holds the dumps is refused
+    # .. that holds the dumps: written beside them, the dumps untouched
     inside = tmp_path / "dumps" / "sub"
     inside.mkdir()
     before = hashes(tmp_path)
-    assert_bad_input(compare("-gp", str(g), "-mp", str(t), "-o", "..", cwd=inside), "contains the -gp input")
-    assert hashes(tmp_path) == before
+    proc = compare("-gp", str(g), "-mp", str(t), "-o", "..", cwd=inside)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "dumps" / "compare_summary.json").is_file()
+    assert_kept(before, tmp_path)
 
 
 @pytest.mark.parametrize(("out", "says"), [
