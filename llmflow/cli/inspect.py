@@ -74,14 +74,21 @@ def execute(args: argparse.Namespace) -> int:
             return EXIT_FAILED
         verdict_line(True, f"{s['entries']} entries in {len(s['levels'])} levels")
         return EXIT_PASSED
+    problems = reader.problems()
+    for p in problems:  # (what is asked for may be among what the damage lost)
+        con.print(f"problem: {p}")
     try:
         found = find_entries(reader, args.name, step=args.step, index=args.index, kind=args.kind,
                              rank=args.rank)
-    except UserError:
+    except UserError as exc:
         parts = _joined_parts(args.name)
-        if not parts:
+        if parts:
+            return _show_parts(con, reader, parts, full=args.full)
+        if not problems:
             raise
-        return _show_parts(con, reader, parts, full=args.full)
+        verdict_line(False, f"{exc}; the dump cannot be trusted whole ({len(problems)} problem(s) above): "
+                            "what you asked for may be among the entries it lost")
+        return EXIT_FAILED
     same_data = len({(e.key, e.rank) for e in found}) == 1 and found[0].has_data
     if len(found) > 1 and not same_data:
         con.print(f"{len(found)} entries match {args.name!r} (--step, --index, --kind pick one):")
@@ -140,6 +147,8 @@ def _plain_safetensors(con: Any, path: Path, key: str | None, *, full: bool) -> 
             if key not in keys:
                 raise UserError(f"{path}: no tensor {key!r} (it holds {', '.join(keys) or 'none'})")
             tensor = fh.get_tensor(key)
+    except BrokenPipeError:
+        raise  # (an OSError, but the reader of the listing left: main() ends quietly)
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{path}: not a readable safetensors file: {exc}") from exc
     op = metadata.get("op")

@@ -135,7 +135,7 @@ def test_inspect_summarises_lists_and_refuses(tmp_path: Path, capsys: pytest.Cap
 
 def test_inspect_of_a_damaged_dump_fails_and_a_closed_pipe_ends_it_quietly(tmp_path: Path) -> None:
     dump = make_dump("llmflow", tmp_path)
-    data = next((dump / "rank0" / "data").glob("*.safetensors"))
+    data = sorted((dump / "rank0" / "data").glob("*.safetensors"))[0]  # step 0's
     data.write_bytes(data.read_bytes()[:64])  # as a copy cut short
     env = {**os.environ, "PYTHONPATH": checkout_path(REPO)}
     done = subprocess.run([sys.executable, "-m", "llmflow.cli", "inspect", str(dump)], capture_output=True,
@@ -151,6 +151,17 @@ def test_inspect_of_a_damaged_dump_fails_and_a_closed_pipe_ends_it_quietly(tmp_p
                            capture_output=True, text=True, timeout=120, env=env)
     assert shown.stdout.splitlines()[1:] == ["  dtype float32, shape [200, 500]", "exit=141"], shown.stdout
     assert shown.stderr == ""
+    save_file({f"t{i}": torch.zeros(2) for i in range(5000)}, tmp_path / "many.safetensors")  # a long listing
+    listed = subprocess.run(f"{sys.executable} -m llmflow.cli inspect many.safetensors | head -1; "
+                            "echo exit=${PIPESTATUS[0]}", shell=True, executable="/bin/bash", cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert listed.stdout.splitlines()[-1] == "exit=141" and listed.stderr == "", listed.stderr
+    # an entry asked for by name in the damaged dump: the damage is named, not the user's query
+    query = [sys.executable, "-m", "llmflow.cli", "inspect", str(dump), "logits", "--step", "0"]
+    asked = subprocess.run(query, capture_output=True, text=True, timeout=120, env=env)
+    assert asked.returncode == 1, asked.stdout + asked.stderr
+    assert f"problem: {data}: truncated" in asked.stdout
+    assert "the dump cannot be trusted whole" in asked.stdout.strip().splitlines()[-1]
 
 
 def test_codes_decide_verdicts_and_counts(tmp_path: Path) -> None:
