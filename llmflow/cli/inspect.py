@@ -133,24 +133,27 @@ def _plain_safetensors(con: Any, path: Path, key: str | None, *, full: bool) -> 
 
     from llmflow.formats.describe import tensor_stats
 
-    try:
+    try:  # (reading only: an error while printing is not the file's)
         with safe_open(str(path), framework="pt") as fh:
             keys, metadata = list(fh.keys()), fh.metadata() or {}
             if key is None:
-                con.print(f"{path}: safetensors file, {len(keys)} tensors"
-                          + "".join(f", {k} {v}" for k, v in sorted(metadata.items())))
+                listing = []
                 for k in keys:
                     part = fh.get_slice(k)
-                    con.print(f"  {k}: {part.get_dtype()} {list(part.get_shape())}")
-                verdict_line(True, f"{len(keys)} tensors")
-                return EXIT_PASSED
-            if key not in keys:
-                raise UserError(f"{path}: no tensor {key!r} (it holds {', '.join(keys) or 'none'})")
-            tensor = fh.get_tensor(key)
-    except BrokenPipeError:
-        raise  # (an OSError, but the reader of the listing left: main() ends quietly)
+                    listing.append((k, part.get_dtype(), list(part.get_shape())))
+            elif key in keys:
+                tensor = fh.get_tensor(key)
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{path}: not a readable safetensors file: {exc}") from exc
+    if key is None:
+        con.print(f"{path}: safetensors file, {len(keys)} tensors"
+                  + "".join(f", {k} {v}" for k, v in sorted(metadata.items())))
+        for k, dtype, shape in listing:
+            con.print(f"  {k}: {dtype} {shape}")
+        verdict_line(True, f"{len(keys)} tensors")
+        return EXIT_PASSED
+    if key not in keys:
+        raise UserError(f"{path}: no tensor {key!r} (it holds {', '.join(keys) or 'none'})")
     op = metadata.get("op")
     _show(con, {"name": key, "kind": "tensor", "index": f"of {path.name}", "step": metadata.get("step", "-"),
                 "rank": 0, "level": "file", "module_type": f"op {op}" if op else None,

@@ -206,6 +206,7 @@ def install(tmp: Path, final: Path) -> None:
     ``open_run_dir`` found to be a stage folder llmflow wrote; a link there is refused). What the
     user put in the older folder goes along into the new one (``foreign_entries``)."""
     refuse_link(final)
+    moves: list[str] = []
     if os.path.isdir(final):
         # (an empty folder is one the new output may well have made again: nothing to carry)
         moves = [rel for rel in foreign_entries(final)
@@ -214,10 +215,20 @@ def install(tmp: Path, final: Path) -> None:
         if taken:
             raise UserError(f"{final / taken[0]}: not written by llmflow, and the stage's new output "
                             "has a file of that name; move it away and run again")
+    moved: list[str] = []
+    try:
         for rel in moves:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             os.replace(final / rel, tmp / rel)
-    install_staged(tmp, final)
+            moved.append(rel)
+        install_staged(tmp, final)
+    except BaseException:
+        # the old folder is still at ``final`` (install_staged puts it back): the user's entries go
+        # back into it, never left in the tmp dir a failed stage's cleanup removes
+        for rel in reversed(moved):
+            with contextlib.suppress(OSError):
+                os.replace(tmp / rel, final / rel)
+        raise
 
 
 def foreign_entries(stage_dir: Path) -> list[str]:

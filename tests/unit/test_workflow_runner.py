@@ -345,3 +345,23 @@ def test_a_rerun_carries_the_users_entries_and_leaves_empty_folders_to_the_new_o
     assert sorted(str(p.relative_to(final)) for p in final.rglob("*") if p.is_file()) == [
         "data/mine.csv", "data/t.bin", "notes.txt", "plots/a/p.png"]
     assert (final / "data" / "t.bin").read_text() == "new" and (final / "empty" / "deeper").is_dir()
+
+
+def test_a_failed_install_puts_the_users_entries_back_in_the_old_folder(tmp_path, monkeypatch):
+    from llmflow.workflow import rundir
+    from llmflow.workflow.state import file_manifest
+
+    final, tmp = tmp_path / "stage", tmp_path / "new"
+    for d in (final, tmp):
+        d.mkdir()
+        (d / "t.bin").write_text(d.name)
+    (final / STATE_FILE).write_text(json.dumps({"files": file_manifest(final)}))
+    (final / "notes.txt").write_text("mine")
+
+    def refused(staged, where):
+        raise OSError("no room")
+
+    monkeypatch.setattr(rundir, "install_staged", refused)
+    with pytest.raises(OSError):
+        rundir.install(tmp, final)
+    assert (final / "notes.txt").read_text() == "mine" and not (tmp / "notes.txt").exists()
