@@ -21,6 +21,29 @@ typedef double v8d __attribute__((vector_size(64)));
 
 enum Dtype { F32 = 0, BF16 = 1, F16 = 2, I64 = 3, I32 = 4 };
 
+// float16 widened exactly, in the form each compiler takes: ARM's __fp16 (GCC before 13 has no
+// _Float16 in C++ on aarch64, though it defines __FLT16_MAX__), _Float16 on x86 (one vcvtph2ps
+// with F16C), and elsewhere from the bits.
+#if defined(__ARM_FP16_FORMAT_IEEE)
+inline float widen_half(uint16_t h) { __fp16 v; std::memcpy(&v, &h, 2); return v; }
+#elif defined(__SSE2__) && defined(__FLT16_MAX__)
+inline float widen_half(uint16_t h) { _Float16 v; std::memcpy(&v, &h, 2); return v; }
+#else
+inline float widen_half(uint16_t h) {
+    uint32_t sign = uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
+        float f = float(mantissa) * 5.9604644775390625e-08f;
+        std::memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else {  // Inf and NaN (exponent 31) keep all ones; the others are rebiased (15 -> 127)
+        bits = sign | (exponent == 31 ? 0x7f800000u : (exponent + 112) << 23) | mantissa << 13;
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
 template <int DT>
 inline float load(const void* p, int64_t i) {
     if constexpr (DT == F32) {
@@ -31,7 +54,7 @@ inline float load(const void* p, int64_t i) {
         std::memcpy(&f, &u, 4);
         return f;
     } else {
-        return static_cast<float>(static_cast<const _Float16*>(p)[i]);
+        return widen_half(static_cast<const uint16_t*>(p)[i]);
     }
 }
 

@@ -1,11 +1,14 @@
-"""The compare kernel is built per instruction set (x86-64-v4, -v3, -v2, aarch64, the compiler's
-baseline), never with -march=native, and the best build the CPU runs is chosen by its features:
-every build this CPU runs passes the check against eager torch, builds that share FMA give the
-same bits, and the same source builds for aarch64 and passes the check under qemu-user where a
-cross-compiler and qemu are installed."""
+"""llmflow's compiled kernels on every CPU class. The compare kernel is built per instruction
+set (x86-64-v4, -v3, -v2, aarch64, the compiler's baseline), never with -march=native, and the
+best build the CPU runs is chosen by its features: every build this CPU runs passes the check
+against eager torch, builds that share FMA give the same bits, and the same source builds for
+aarch64 and passes the check under qemu-user where a cross-compiler and qemu are installed. The
+dump's statistics kernel likewise: every build gives the same bits, the aarch64 build under
+qemu-user included; the dump's capture sources compile for aarch64."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import struct
@@ -116,14 +119,8 @@ def test_the_aarch64_build_passes_the_self_check_under_qemu(tmp_path: Path) -> N
     """The source llmflow builds on aarch64 (armv8-a: NEON, 128-bit registers, 4 sweeps a row)
     compiled by a cross-compiler with the aarch64 target's flags, run by qemu-user on the checks
     of ``kernels._agrees`` and a few more."""
-    cxx, qemu = _cross_tools_or_skip()
-    (target,) = [t for t in native.TARGETS["aarch64"] if t.name == "armv8-a"]
-    program = tmp_path / "pass1"
-    flags = [f for f in native._BASE_FLAGS if f != "-shared"]  # a program, linked statically
-    sources = [str(kernels.LIBRARY.source), str(REPO / "tests" / "fixtures" / "pass1_main.cpp")]
-    build = subprocess.run([cxx, *flags, *target.flags, "-fopenmp", "-static", *sources, "-o", str(program)],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-2000:]
+    _, qemu = _cross_tools_or_skip()
+    program = _aarch64_program(tmp_path, kernels.LIBRARY, "pass1_main.cpp")
 
     def emulated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         head = struct.pack("<qiiqi", a.numel(), a.dtype == torch.bfloat16, b.dtype == torch.bfloat16,
@@ -162,3 +159,62 @@ def test_every_build_of_the_statistics_kernel_gives_the_same_bits() -> None:
         code = stats.KERNEL_DTYPES[t.dtype]
         results = {tuple(build(t, code)) for build in builds}
         assert len(results) == 1, (t.dtype, t.numel(), results)
+
+
+def _aarch64_program(tmp_path: Path, library: native.NativeLibrary, main: str) -> Path:
+    """``library``'s source and the program ``main`` (tests/fixtures) cross-compiled for
+    llmflow's aarch64 target with the flags llmflow builds that library with, linked statically."""
+    cxx, _ = _cross_tools_or_skip()
+    (target,) = [t for t in native.TARGETS["aarch64"] if t.name == "armv8-a"]
+    program = tmp_path / main.removesuffix(".cpp")
+    flags = [f for f in native._BASE_FLAGS if f != "-shared"]
+    sources = [str(library.source), str(REPO / "tests" / "fixtures" / main)]
+    build = subprocess.run([cxx, *flags, *target.flags, *library.flags, "-fopenmp", "-static", *sources,
+                            "-o", str(program)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    return program
+
+
+def test_the_aarch64_build_of_the_statistics_kernel_gives_this_machines_bits(tmp_path: Path) -> None:
+    """The statistics of a dump made on an aarch64 host (Kunpeng) are the bits an x86 host's
+    build gives (products rounded apart everywhere, no FMA): the same source cross-compiled with
+    the aarch64 target's flags, run by qemu-user on the cases of ``stats._agrees`` and more,
+    against the build this CPU runs."""
+    from llmflow.dump import stats
+
+    _compiler_or_skip()
+    _, qemu = _cross_tools_or_skip()
+    program = _aarch64_program(tmp_path, native.STATS, "stats_main.cpp")
+    local = stats.for_target(None)
+    assert local is not None
+    here = stats.CpuStats(local)
+    gen = torch.Generator().manual_seed(9)
+    special = torch.tensor([1.0, float("inf"), -2.0, float("-inf"), 0.5] * 20)
+    floats = [torch.randn(n, generator=gen) * 3 for n in (1, 7, 64, 1000, 70_001)]
+    floats += [special, torch.cat([special, torch.tensor([float("nan")])]), torch.full((99,), 3e38)]
+    cases = [t.to(dtype) for dtype in stats.KERNEL_DTYPES if dtype.is_floating_point for t in floats]
+    cases += [torch.tensor([3, -7, 2**40, 0]), torch.arange(1000) - 300, (torch.arange(77) * 5).int()]
+    data = b"".join(struct.pack("<iq", stats.KERNEL_DTYPES[t.dtype], t.numel())
+                    + t.contiguous().view(torch.uint8).numpy().tobytes() for t in cases)
+    done = subprocess.run([qemu, str(program)], input=data, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    emulated = torch.frombuffer(bytearray(done.stdout), dtype=torch.float64).view(len(cases), 6)
+    for t, row in zip(cases, emulated.tolist(), strict=True):
+        want = here(t, stats.KERNEL_DTYPES[t.dtype])
+        # NaN is NaN: an x86 CPU's default NaN has the sign bit set, an ARM CPU's has not
+        same = [(math.isnan(g) and math.isnan(w)) or struct.pack("<d", g) == struct.pack("<d", w)
+                for g, w in zip(row, want, strict=True)]
+        assert all(same), (t.dtype, t.numel(), row, want)
+
+
+@pytest.mark.parametrize("library", [native.CAPTURE, native.TENSOR_META], ids=lambda lib: lib.name)
+def test_the_dump_capture_sources_compile_for_aarch64(library: native.NativeLibrary) -> None:
+    """The dump's capture in C and its torch C++ API reader build on an aarch64 host against its
+    own Python and torch; here the cross-compiler checks they compile for aarch64 against this
+    machine's headers (which it cannot link: this torch is x86's)."""
+    cxx, _ = _cross_tools_or_skip()
+    (target,) = [t for t in native.TARGETS["aarch64"] if t.name == "armv8-a"]
+    flags = [f for f in native._BASE_FLAGS if f != "-shared"]
+    done = subprocess.run([cxx, *flags, *target.flags, *library.flags, "-w", "-fsyntax-only",
+                           str(library.source)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
