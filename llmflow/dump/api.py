@@ -13,7 +13,13 @@ property reads via ``__get__``...), host conversions (``item``, ``tolist``), and
 ops (``view``, ``reshape``, ``transpose``, ``__getitem__``, ``contiguous``...), and allocations of
 uninitialised memory (``empty``, ``empty_like``...: their contents are whatever was there until an
 op writes them, so two runs' "outputs" would be compared as garbage). Layout ops move no
-arithmetic, so they cannot introduce a numerical error; skipping them keeps API mode cheap. Every
+arithmetic, so they cannot introduce a numerical error; skipping them keeps API mode cheap. Private
+torch callables (one leading underscore: ``_set_grad_enabled``, ``_assert``...) are bookkeeping and
+passed through too, except the private matmuls listed in ``PRIVATE_ARITHMETIC`` (``_grouped_mm``,
+``_scaled_mm``, the int8/int4 weight-packed matmuls...): transformers computes mixture-of-experts
+layers with ``torch._grouped_mm`` and FP8/quantized linears with ``torch._scaled_mm`` and kin, and
+those calls carry the layer's weights, so an expert's or a quantized weight's error shows up in
+them and nowhere else. Every
 argument of an API call is recorded: tensors, and scalars (``dim=-1``, an eps, a dtype) as index
 rows without data, so a call can be replayed from the dump (``llmflow.checks.precheck``).
 Parameters passed to an op (``F.linear``'s weight) are recorded by dtype, shape and parameter
@@ -44,6 +50,14 @@ SKIPPED = frozenset("""
     __torch_function__ _is_view has_names
     empty empty_like new_empty empty_strided new_empty_strided
 """.split())
+# private torch callables that compute (recorded, unlike other single-underscore names): grouped
+# (mixture-of-experts), scaled (FP8) and weight-packed (int8/int4) matmuls, as transformers' MoE and
+# quantized paths call them
+PRIVATE_ARITHMETIC = frozenset("""
+    _grouped_mm _scaled_mm _scaled_mm_v2 _scaled_grouped_mm _scaled_grouped_mm_v2 _int_mm
+    _weight_int8pack_mm _weight_int4pack_mm _weight_int4pack_mm_for_cpu
+    _weight_int4pack_mm_with_scales_and_zeros _dyn_quant_matmul_4bit _mixed_dtypes_linear
+""".split())
 # dunder operators whose reflected (__r*__) and in-place (__i*__) forms map back to one name
 _OPERATORS = frozenset("""add sub mul matmul truediv floordiv mod pow and or xor lshift rshift
                           div""".split())
@@ -54,8 +68,10 @@ _RENAME = {"truediv": "div", "neg": "neg", "invert": "bitwise_not", "lt": "lt", 
 def api_name(func: Callable[..., Any]) -> str | None:
     """The recorded name of a torch callable, or None for calls that are passed through."""
     name = getattr(func, "__name__", None) or str(func)
+    if name in PRIVATE_ARITHMETIC:
+        return name
     if name in SKIPPED or (name.startswith("_") and not name.startswith("__")):
-        return None  # private helpers (_set_grad_enabled, ...) are bookkeeping, not arithmetic
+        return None  # other private helpers (_set_grad_enabled, ...) are bookkeeping, not arithmetic
     if name.startswith("__") and name.endswith("__"):
         core = name[2:-2]
         suffix = ""
