@@ -36,8 +36,14 @@ def layer_number(name: Any) -> int | None:
     return layer_index(str(name)) if name else None
 
 
+# the columns that name a tensor: text whatever they hold (the rows' anchors are these names)
+NAME_COLUMNS = ("name", "target_name")
+
+
 def parse_row(row: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: parse_cell(v) for k, v in row.items()}
+    """A row's cells through ``parse_cell``; a name stays the text it is (a module named ``+1`` or
+    ``7`` is not a number)."""
+    return {k: parse_cell(v, "text" if k in NAME_COLUMNS else "auto") for k, v in row.items()}
 
 
 def why_not_compared(match: str, kind: str, reason: str) -> str:

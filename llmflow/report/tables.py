@@ -5,9 +5,12 @@ XLSX uses openpyxl's write-only mode (rows go straight to the zip stream; memory
 ``read_csv_rows`` is the one way a CSV written here is read back (the XLSX, the HTML report), with
 one rule for what is a number.
 
-Names in a dump come from someone else's model code and end up in cells a person opens in Excel:
-``safe_cell`` makes sure no text cell can start a formula (``=``, ``+``, ``-``, ``@``, and the tab /
-carriage return tricks) by prefixing ``'``. Numbers stay numbers.
+Names in a dump come from someone else's model code and end up in cells a person opens in Excel.
+In a CSV, ``safe_cell`` makes sure no text cell can start a formula (``=``, ``+``, ``-``, ``@``, and
+the tab / carriage return tricks) by prefixing ``'`` (``guard_text``; text that itself starts with
+``'`` is prefixed too, so that ``read_csv_rows`` gives back the exact text by taking one ``'`` off,
+``unguard_text``). In an XLSX the cell holds the text itself: a string cell (never a formula) with
+Excel's quote-prefix style, the flag Excel sets on text typed after a ``'``. Numbers stay numbers.
 
 Colours are conditional-format rules (``Rule``), not fills: the workbook's own formulas, built here
 from column names and constants, never from a cell's text, so a user who sorts, filters or edits a
@@ -26,10 +29,12 @@ from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CsvStream", "Rule", "columns_of", "parse_cell", "read_csv_rows", "safe_cell", "write_csv",
-           "write_xlsx"]
+__all__ = ["CsvStream", "Rule", "columns_of", "guard_text", "parse_cell", "read_csv_rows", "safe_cell",
+           "unguard_text", "write_csv", "write_xlsx"]
 
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n", "\uff1d", "\uff0b", "\uff0d", "\uff20")
+GUARD = "'"  # a CSV cell's text that would start like a formula gets this in front
+GUARDED_START = (GUARD, *FORMULA_START)  # the text that gets it: the guard itself too, so it can come off
 FILLS = {"fail": "FFC7CE", "warn": "FFEB9C"}  # Excel's own "bad" red and "neutral" yellow
 NUMBER_FORMAT = "0.000000"  # metrics; large/small magnitudes get the scientific format below
 SCI_FORMAT = "0.000E+00"
@@ -38,21 +43,34 @@ MIN_WIDTH, MAX_WIDTH = 6, 60  # autofit bounds, in characters
 FREEZE_AFTER = "name"  # by default the panes freeze right of this column (and below the header)
 
 
-def safe_cell(value: Any) -> Any:
-    """A value that is safe in a spreadsheet cell: numbers and bools as they are, None as None,
-    lists/dicts as JSON text, and text never starting like a formula (prefixed with ``'``)."""
-    if value is None or isinstance(value, (bool, int, float)):
+def guard_text(text: str) -> str:
+    """A CSV cell's text that no spreadsheet reads as a formula: ``text`` with ``'`` in front where it
+    starts like one (or with ``'`` itself, so that ``unguard_text`` is its exact inverse)."""
+    return GUARD + text if text.startswith(GUARDED_START) else text
+
+
+def unguard_text(text: str) -> str:
+    """``guard_text``'s inverse: the text a CSV cell written here stands for (one ``'`` taken off)."""
+    return text[1:] if text.startswith(GUARD) else text
+
+
+def cell_value(value: Any) -> Any:
+    """A value a table cell can hold: numbers and bools as they are, None as None, numpy / torch
+    scalars as numbers, lists/dicts as JSON text, anything else as its text (not yet guarded)."""
+    if value is None or isinstance(value, (bool, int, float)) or type(value) is str:
         return value
-    if type(value) is str:
-        return "'" + value if value.startswith(FORMULA_START) else value
     if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
         return value.item()  # numpy / torch scalars
     if isinstance(value, (list, tuple, dict)):
-        value = json.dumps(value, default=str, separators=(",", ":"))
-    text = str(value)
-    if text.startswith(FORMULA_START):
-        return "'" + text
-    return text
+        return json.dumps(value, default=str, separators=(",", ":"))
+    return str(value)
+
+
+def safe_cell(value: Any) -> Any:
+    """A value that is safe in a CSV cell: ``cell_value``, its text never starting like a formula
+    (``guard_text``)."""
+    v = cell_value(value)
+    return guard_text(v) if isinstance(v, str) else v
 
 
 def columns_of(rows: Sequence[dict[str, Any]], first: Sequence[str] = ()) -> list[str]:
@@ -105,7 +123,8 @@ _NOT_IN_XML = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 
 
 def _xlsx_value(value: Any) -> Any:
-    v = safe_cell(value)
+    """``value`` as an XLSX cell holds it: the text itself (``_text_cell`` keeps it text)."""
+    v = cell_value(value)
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # Excel has no NaN/Inf numbers; "nan"/"inf"/"-inf" as text
     if isinstance(v, str):
@@ -114,6 +133,36 @@ def _xlsx_value(value: Any) -> Any:
         if len(v) > 32000:
             return v[:32000] + "..."  # Excel's cell limit is 32767 characters
     return v
+
+
+def _is_typed(text: str) -> bool:
+    """Whether Excel (and openpyxl) would take ``text`` for something other than text: a formula
+    (``FORMULA_START``) or an error value (``#N/A``, ``#REF!``, ...)."""
+    if text.startswith(FORMULA_START):
+        return True
+    if not text.startswith("#"):
+        return False
+    from openpyxl.cell.cell import ERROR_CODES
+
+    return text in ERROR_CODES
+
+
+def _text_cell(ws: Any, text: str) -> Any:
+    """A write-only cell that holds ``text`` as a string (openpyxl takes a leading ``=`` for a
+    formula and ``#N/A`` for an error, so the type is set after the value) with the quote-prefix
+    style: Excel shows the text and never evaluates it, also when the cell is edited."""
+    from openpyxl.cell import WriteOnlyCell
+
+    cell = WriteOnlyCell(ws, value=text)
+    cell.data_type = "s"
+    cell.quotePrefix = True
+    return cell
+
+
+def _xlsx_cell(ws: Any, value: Any) -> Any:
+    """What ``ws.append`` takes for a header's or a note's ``value``: the value, or a text cell."""
+    v = _xlsx_value(value)
+    return _text_cell(ws, v) if isinstance(v, str) and _is_typed(v) else v
 
 
 @dataclass(frozen=True)
@@ -188,17 +237,10 @@ def write_xlsx(sheets: Mapping[str, Sequence[dict[str, Any]] | Iterable[dict[str
         after = (freeze_after or {}).get(name, FREEZE_AFTER)
         ws.freeze_panes = _cell_ref(cols.index(after) + 1 if after in cols else 0, top + 1)
         for label, value in lines:
-            cell = WriteOnlyCell(ws, value=_xlsx_value(label))
-            cell.font = bold
-            ws.append([cell, _xlsx_value(value)])
+            ws.append([_bold(ws, _xlsx_cell(ws, label), bold), _xlsx_cell(ws, value)])
         if lines:
             ws.append([])
-        header = []
-        for c in cols:
-            cell = WriteOnlyCell(ws, value=_xlsx_value(c))
-            cell.font = bold
-            header.append(cell)
-        ws.append(header)
+        ws.append([_bold(ws, _xlsx_cell(ws, c), bold) for c in cols])
         n = 0
         for row in chain(head, it):
             out = []
@@ -209,6 +251,8 @@ def write_xlsx(sheets: Mapping[str, Sequence[dict[str, Any]] | Iterable[dict[str
                     sci = v != 0 and not 1e-4 <= abs(v) < 1e6
                     cell.number_format = SCI_FORMAT if sci else NUMBER_FORMAT
                     out.append(cell)
+                elif isinstance(v, str) and _is_typed(v):
+                    out.append(_text_cell(ws, v))
                 else:
                     out.append(v)
             ws.append(out)
@@ -217,6 +261,15 @@ def write_xlsx(sheets: Mapping[str, Sequence[dict[str, Any]] | Iterable[dict[str
             ws.auto_filter.ref = f"{_cell_ref(0, top)}:{_cell_ref(len(cols) - 1, top + max(n, 1))}"
             _add_rules(ws, cols, rules, top + 1, top + max(n, 1))
     wb.save(path)
+
+
+def _bold(ws: Any, value: Any, font: Any) -> Any:
+    """``value`` (a value or a cell) as a cell in ``font``."""
+    from openpyxl.cell import Cell, WriteOnlyCell
+
+    cell = value if isinstance(value, Cell) else WriteOnlyCell(ws, value=value)
+    cell.font = font
+    return cell
 
 
 def _cell_ref(col: int, row: int, *, fixed_col: bool = False) -> str:
@@ -298,12 +351,12 @@ class CsvStream:
         self._w.writerow([_csv_value(c) for c in self.columns])
         self._f.write(self._line.text)
 
-    def render(self, row: dict[str, Any], _n: frozenset = _NUMBERS, _f: tuple = FORMULA_START) -> str:
+    def render(self, row: dict[str, Any], _n: frozenset = _NUMBERS, _g: Any = guard_text) -> str:
         """``row``'s line in this file's columns (a compare row goes to one file per level it
         belongs to: rendered once, its ~25 floats formatted once)."""
-        # numbers, the most cells of a compare row, skip the checks; plain text is checked inline
-        # (a function call a cell is most of the cost of a 60-column row)
-        self._w.writerow([v if type(v) in _n else (("'" + v if v.startswith(_f) else v) if type(v) is str
+        # numbers, the most cells of a compare row, skip the checks; text goes straight to the guard
+        # (going through _csv_value, a second call a cell, is most of the cost of a 60-column row)
+        self._w.writerow([v if type(v) in _n else (_g(v) if type(v) is str
                                                    else ("" if v is None else _csv_value(v)))
                           for v in map(row.get, self.columns)])
         return self._line.text
@@ -358,12 +411,17 @@ def parse_cell(text: str | None, kind: str = "auto") -> Any:
 def read_csv_rows(path: str | Path, text_columns: Iterable[str] = (),
                   label_columns: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
     """Rows of a CSV written here, each cell through ``parse_cell`` (``text_columns`` as text,
-    ``label_columns`` as labels, the rest "auto"). Streams: for turning a big CSV into an XLSX
-    sheet or an HTML table."""
+    ``label_columns`` as labels, the rest "auto"), but a cell the writer guarded (it starts with
+    ``'``) is text, its guard taken off (``unguard_text``): the header and the cells hold what was
+    written, ``=1+1`` and not ``'=1+1``. Streams: for turning a big CSV into an XLSX sheet or an HTML
+    table."""
     text, label = set(text_columns), set(label_columns)
     with Path(path).open(newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
+        if reader.fieldnames is not None:
+            reader.fieldnames = [unguard_text(k) for k in reader.fieldnames]
         kinds = {k: "text" if k in text else "label" if k in label else "auto"
                  for k in reader.fieldnames or ()}
         for raw in reader:
-            yield {k: parse_cell(v, kinds.get(k, "auto")) for k, v in raw.items() if k is not None}
+            yield {k: unguard_text(v) if v and v.startswith(GUARD) else parse_cell(v, kinds.get(k, "auto"))
+                   for k, v in raw.items() if k is not None}

@@ -150,7 +150,11 @@ def test_names_that_would_be_formulas(tmp_path: Path) -> None:
     for row in ws.iter_rows():
         for c in row:
             assert c.data_type != "f"
-            assert not (isinstance(c.value, str) and c.value.startswith(("=", "+", "-", "@")))
+            # the xlsx holds the name itself, as text with the quote prefix Excel never evaluates
+            if isinstance(c.value, str) and c.value.startswith(("=", "+", "-", "@")):
+                assert c.data_type == "s" and c.quotePrefix
+    names = [ws.cell(r, 1 + [c.value for c in ws[1]].index("name")).value for r in (2, 3)]
+    assert names == [evil, "+cmd"]
 
 
 def test_unmatched_and_missing_steps_are_reported(tmp_path: Path) -> None:

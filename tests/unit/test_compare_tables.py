@@ -14,11 +14,14 @@ import pytest
 from llmflow.report.tables import (
     MAX_WIDTH,
     MIN_WIDTH,
+    CsvStream,
     Rule,
     equals_rule,
+    guard_text,
     parse_cell,
     read_csv_rows,
     safe_cell,
+    unguard_text,
     write_csv,
     write_xlsx,
 )
@@ -81,7 +84,9 @@ def test_xlsx_sheets_colours_and_safety(tmp_path: Path) -> None:
     assert ws.freeze_panes == "B2"  # below the header, right of the name column
     assert ws.auto_filter.ref == "A1:D4"
     assert [c.value for c in ws[1]] == ["name", "cosine_similarity", "verdict", "kl"]
-    assert ws["A2"].value == "'=HYPERLINK(\"http://x\")" and ws["A2"].data_type == "s"
+    # the name itself, as text Excel never evaluates (a string cell with the quote prefix)
+    assert ws["A2"].value == "=HYPERLINK(\"http://x\")" and ws["A2"].data_type == "s" and ws["A2"].quotePrefix
+    assert not ws["A3"].quotePrefix
     assert ws["B2"].value == 0.5 and ws["B2"].number_format != "General"
     # by default a rule colours the verdict cell, not the row; no cell holds a fill of its own
     assert coloured_cells(ws) == {"C2": "fail", "C3": "warn"}
@@ -120,9 +125,10 @@ def test_xlsx_cells_never_formulas_even_where_rules_are(tmp_path: Path) -> None:
     cells = [c for row in ws.iter_rows() for c in row if c.value is not None]
     assert all(c.data_type != "f" for c in cells)
     # two notes, a blank line, the header
-    assert ws["B1"].value == "'=cmd|' /C calc'!A0" and ws["A4"].value == "name"
+    assert ws["B1"].value == "=cmd|' /C calc'!A0" and ws["B1"].quotePrefix and ws["A4"].value == "name"
     assert ws.freeze_panes == "B5" and ws.auto_filter.ref == "A4:C9"
-    assert coloured_cells(ws) == {f"B{r}": "fail" for r in range(5, 10)}  # the code "=1+1" is text "'=1+1"
+    # the code "=1+1" is that text (not a formula), so the rule comparing it to the text "=1+1" holds
+    assert coloured_cells(ws) == {**{f"B{r}": "fail" for r in range(5, 10)}, "C5": "warn"}
 
 
 def test_xlsx_autofit_is_bounded(tmp_path: Path) -> None:
@@ -159,3 +165,51 @@ def test_xlsx_writes_a_name_with_control_characters_escaped(tmp_path: Path) -> N
     write_xlsx({"s": [{"name": "model.layers.1.ml\x07p\x00", "note": "tab\tand\nnewline kept"}]}, p)
     ws = openpyxl.load_workbook(p)["s"]
     assert [c.value for c in ws[2]] == ["model.layers.1.ml\\x07p\\x00", "tab\tand\nnewline kept"]
+
+
+# names a dump may hold that start like a formula, or like the CSV guard itself
+GUARDED_NAMES = ["=1+1", "+SUM(1;2)", "@SUM(A1)", "-1+2", "'quoted", "''=x", "\tname", "'=1+1", "'", "-3",
+                 "+1"]
+
+
+@pytest.mark.parametrize("name", GUARDED_NAMES)
+def test_csv_guards_a_name_and_reads_it_back_exactly(tmp_path: Path, name: str) -> None:
+    """The CSV cell starts with the guard's ``'``; ``read_csv_rows`` gives the name itself back, in a
+    text column and in an "auto" one alike (``-3`` stays the text it was), from both writers."""
+    row = {"name": name, "module_type": name, "cos": -0.5}
+    assert unguard_text(guard_text(name)) == name and guard_text(name) == "'" + name
+    for how in ("write_csv", "CsvStream"):
+        p = tmp_path / f"{how}.csv"
+        if how == "write_csv":
+            write_csv([row], p)
+        else:
+            with CsvStream(p, list(row)) as s:
+                s.write(row)
+        with p.open(newline="", encoding="utf-8") as f:
+            raw = next(csv.DictReader(f))
+        assert raw["name"] == raw["module_type"] == "'" + name, how
+        (back,) = read_csv_rows(p, text_columns=["name"])
+        assert back == {"name": name, "module_type": name, "cos": -0.5}, how
+
+
+def test_a_plain_name_is_not_guarded_and_a_guarded_header_reads_back(tmp_path: Path) -> None:
+    p = tmp_path / "h.csv"
+    write_csv([{"=col": "model.layers.0", "n": 3}], p)
+    assert p.read_text(encoding="utf-8").splitlines() == ["'=col,n", "model.layers.0,3"]
+    assert list(read_csv_rows(p)) == [{"=col": "model.layers.0", "n": 3}]
+
+
+@pytest.mark.parametrize("name", [*GUARDED_NAMES, "#N/A", "#REF!"])
+def test_xlsx_holds_the_name_itself_as_text_with_the_quote_prefix(tmp_path: Path, name: str) -> None:
+    """The xlsx cell is the real name, a string (never a formula or an error value), and text that
+    Excel would take for a formula carries Excel's quote prefix; written straight from rows and
+    through the CSV (as compare writes it)."""
+    csv_path = tmp_path / "r.csv"
+    write_csv([{"name": name, "v": 1.0}], csv_path)
+    for how, rows in (("rows", [{"name": name, "v": 1.0}]), ("csv", read_csv_rows(csv_path, ["name"]))):
+        p = tmp_path / f"{how}.xlsx"
+        write_xlsx({"s": rows}, p, notes={"s": [("headline", name)]})
+        ws = openpyxl.load_workbook(p)["s"]
+        for cell in (ws["A4"], ws["B1"]):  # the row's name, the note's value
+            assert cell.value == name and cell.data_type == "s", (how, cell.coordinate)
+            assert cell.quotePrefix == (name.startswith(("=", "+", "-", "@", "\t")) or name.startswith("#"))
