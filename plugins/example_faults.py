@@ -55,6 +55,9 @@ scale_lm_head          lm_head's output scaled by 1.3 (a wrong dequant scale of 
                        projection)
 =====================  =========================================================================
 
+Every layer at once (a kernel, scale or weight conversion every layer's copy uses, the port bug
+no layer-against-layer ranking can show): ``<name>_every_layer``, e.g. ``scale_down_proj_every_layer``.
+
 Reference them as ``plugins/example_faults.py:scale_final_norm``, the others as
 ``plugins/example_faults.py:<name>_layer_<N>``, e.g.
 ``llmflow run workflows/llama2_bisect.yaml --set target_model=smollm2 \
@@ -599,14 +602,30 @@ def make_fault(name: str, layer: int) -> Patch:
     return FAULTS[name](layer)
 
 
-_NAME_RE = re.compile(r"^(?P<fault>[a-z0-9_]+?)_layer_(?P<layer>\d+)$")
+def every_layer(name: str) -> Patch:
+    """The patch of fault ``name`` in every decoder layer of the model it is given."""
+    make_fault(name, 0)  # an unknown name fails here, not when the model is patched
+
+    def patch(model: nn.Module) -> None:
+        stack = find_layer_stack(model)
+        if stack is None:
+            raise ValueError("example_faults: no decoder layer stack in this model")
+        for index in range(len(stack.layers)):
+            make_fault(name, index)(model)
+
+    return patch
+
+
+_NAME_RE = re.compile(r"^(?P<fault>[a-z0-9_]+?)_(?:layer_(?P<layer>\d+)|every_layer)$")
 
 
 def __getattr__(attr: str) -> Patch:
-    """``scale_down_proj_layer_22`` and friends, built on demand (PEP 562)."""
+    """``scale_down_proj_layer_22``, ``scale_down_proj_every_layer`` and friends, built on demand
+    (PEP 562)."""
     m = _NAME_RE.match(attr)
     if m and m.group("fault") in FAULTS:
-        return make_fault(m.group("fault"), int(m.group("layer")))
+        fault, layer = m.group("fault"), m.group("layer")
+        return make_fault(fault, int(layer)) if layer is not None else every_layer(fault)
     raise AttributeError(attr)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from llmflow.compare.mappings import Mapping, load_mapping
 from llmflow.compare.run import recorded_dtype
-from llmflow.dtypes import OP_ERROR_FLOOR, dtype_name, torch_dtype
+from llmflow.dtypes import DEFAULT_THRESHOLDS, OP_ERROR_FLOOR, dtype_class, dtype_name, torch_dtype
 from llmflow.dump.memory import Call
 from llmflow.errors import UserError
 from llmflow.formats import open_dump
@@ -188,6 +188,37 @@ class _Bisect:
         self.stats: dict[str, int] = {"recomputed_layers": 0, "golden_reruns": 0, "own_error_replays": 0}
         self.op_tensors: dict[str, Any] = {}  # the first bad op's tensors (ops.op_tensors)
         self.op_tensors_info: OpTensors | None = None
+        if self.isolation == "target_dump":
+            self.check_golden_model()
+
+    def check_golden_model(self) -> None:
+        """The golden model must be the one that made the golden dump: every own error from the
+        target dump is measured against it. Its first decoder layer, run on the golden dump's own
+        recorded inputs at the first step that holds them, must give the recorded output within
+        the dump dtype's fail limit (the same model recomputes it to rounding); UserError naming
+        the field otherwise. Skipped where the golden dump holds no inputs of that layer."""
+        if self.stack is None or not self.stack.layers:
+            return
+        first = self.stack.layers[0]
+        steps = sorted({e.step for e in self.golden_dump.entries()
+                        if e.name == first and e.kind == "input" and e.level == "module"})
+        if not steps:
+            return
+        golden = self.held["golden"]
+        rows = list(replay_target_dump(golden, self.golden_dump, self.golden_dump, golden_step=steps[0],
+                                       target_step=steps[0], select=lambda n, _m: n == first))
+        error = rows[0].get("rel_l2") if rows and rows[0].get("replayable") else None
+        dtype = recorded_dtype(self.golden_dump) or dtype_name(golden.dtype)
+        limit = DEFAULT_THRESHOLDS[dtype_class(dtype)].get("relative_euclidean_distance", {}).get("fail")
+        if error is not None and limit is not None and not error <= limit:
+            raise UserError(
+                f"golden_model_spec: the golden model does not reproduce the golden dump: {first}, run on "
+                f"the golden dump's recorded inputs at step {steps[0]}, differs from its recorded output by "
+                f"{error:.3g} (relative L2; the same model gives under {limit:g} in {dtype}): give the "
+                "model, weights and config that made the golden dump")
+        self.log(f"bisect: the golden model reproduces the golden dump ({first} at step {steps[0]}: "
+                 f"{error:.2g} relative L2)" if error is not None else
+                 f"bisect: the golden model was not checked against the golden dump ({first} not replayable)")
 
     def phase(self, name: str, detail: str = "") -> None:
         """The phase ``name`` ended: its seconds since the last phase add to ``phases``, and one
@@ -660,7 +691,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     result = conclude(inp, tried, chosen, rows=rows, mismatch=mismatch, bad_token=bad_token,
                       stack=b.stack, decode=b.decode, dtype=dtype,
                       device=str(tgt.device) if tgt is not None else "target dump",
-                      problems=problems, note=getattr(tgt, "note", None))
+                      problems=problems, note=getattr(tgt, "note", None), own_steps=own_steps)
     result.isolation = b.isolation
     if b.isolation == "target_dump":
         asked = {"op_level": inp.op_level, "own_error_steps": inp.own_error_steps > 0,

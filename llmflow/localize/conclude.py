@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
+from llmflow.compare.thresholds import finite_or_none
+from llmflow.dtypes import DEFAULT_THRESHOLDS, dtype_class
 from llmflow.results.codec import from_json
 from llmflow.results.verdict import (
     Candidate,
@@ -25,6 +27,7 @@ from llmflow.results.verdict import (
     OpRow,
     Overflow,
     OverflowOp,
+    OwnErrorSteps,
     ReplayInfo,
     RoutingRow,
     ScanOrigin,
@@ -133,6 +136,70 @@ def _ratios_to_others(errors: dict[str, float]) -> dict[str, float]:
     return out
 
 
+#: a module type's median own error over its layers at this many times the typical module type's
+#: (the median of the types' medians) stands out among the types: with the error beyond what the
+#: dtype's rounding gives a whole tensor, a fault every layer shares (a kernel, scale or weight
+#: conversion each layer's copy uses), which no ranking against the other layers can show
+SHARED_RATIO = 10.0
+
+
+@dataclass
+class SharedError:
+    """A module type whose own error is beyond the dtype's rounding in every layer alike."""
+
+    module_type: str  # model.layers.*.self_attn.o_proj
+    example: str  # its copy in the first layer replayed, named as the verdict's module
+    error: float  # the median own error (relative L2) over its layers
+    layers: int
+    typical: float | None  # the median of every module type's median; None: too few types to say
+    limit: str  # the dtype's limit the error passes: "fail" or "warn"
+    limit_value: float
+
+    @property
+    def fails(self) -> bool:
+        """A fault: past the fail limit and standing out among the module types. With too few types
+        to say (a dump of the decoder layers alone), or every type beyond rounding, a golden model
+        that is not the one that made the golden dump looks the same: never called a fault."""
+        return self.limit == "fail" and self.typical is not None
+
+    def ratio_words(self) -> str:
+        if self.typical is None:
+            return ""
+        if self.typical == 0:
+            return ", where the typical module type has none"
+        return f", {self.error / self.typical:.0f}x the {self.typical:.2g} of the typical module type"
+
+
+def shared_error(step: StepReplay, stack: LayerStack | None, dtype: str) -> SharedError | None:
+    """The module type whose copies in every layer have an own error beyond the target dtype's
+    limits for a whole tensor (``DEFAULT_THRESHOLDS``' relative Euclidean distance, loose: a whole
+    tensor carries the rounding of every op before it, one module's own error far less) and
+    ``SHARED_RATIO`` times the typical module type's, or None. Of types that nest (an o_proj inside
+    its self_attn) with errors within 2x of the worst, the innermost."""
+    limits = DEFAULT_THRESHOLDS.get(dtype_class(dtype), {}).get("relative_euclidean_distance")
+    by_type: dict[str, list[tuple[str, float]]] = {}
+    for r in step.replayed:
+        error = finite_or_none(r.get("rel_l2"))
+        if error is not None:
+            by_type.setdefault(module_type(r["name"], stack), []).append((r["name"], error))
+    if not limits or not by_type:
+        return None
+    medians = {t: median(e for _, e in copies) for t, copies in by_type.items()}
+    typical = median(medians.values()) if len(medians) >= 3 else None
+    if typical is not None and typical >= limits["warn"]:
+        typical = None  # the typical module is beyond rounding too: no type stands out, none is a fault
+    shared = {t: m for t, m in medians.items() if len(by_type[t]) >= 2 and m >= limits["warn"]
+              and (typical is None or m >= SHARED_RATIO * typical)}
+    if not shared:
+        return None
+    top = max(shared.values())
+    kind = max((t for t, m in shared.items() if m * 2 >= top), key=lambda t: (t.count("."), shared[t]))
+    copies = sorted(by_type[kind], key=lambda c: (layer_index(c[0], stack) or 0, c[0]))
+    error = shared[kind]
+    limit = "fail" if error >= limits["fail"] else "warn"
+    return SharedError(kind, copies[0][0], error, len(copies), typical, limit, limits[limit])
+
+
 def _reasons(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for r in rows:
@@ -183,8 +250,9 @@ CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
              mismatch: int | None, bad_token: int | None, stack: LayerStack | None,
              decode: Callable[[int], str], dtype: str, device: str, problems: list[str],
-             note: str | None = None) -> Verdict:
-    """The verdict of a bisect from what each replayed step showed."""
+             note: str | None = None, own_steps: OwnErrorSteps | None = None) -> Verdict:
+    """The verdict of a bisect from what each replayed step showed (and, where measured, the chosen
+    module's own error per step)."""
     cand = chosen.candidate
     module = cand["name"].removesuffix(KV_CACHE) if chosen.anomalous and cand else None
     # the hidden states entering the first layer, from dumps without the token ids: a lead only
@@ -195,6 +263,9 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     shard_rank = cand.get("shard_rank") if module and cand else None
     if module is None:
         module = layer_fault(chosen, inp.ratio_threshold)
+    shared = shared_error(chosen, stack, dtype) if module is None and lead is None else None
+    if shared is not None and shared.fails:  # every layer's copy is the fault: named by its first
+        module = shared.example
     layer = layer_of(module, stack) if module else None
     detail = _token_detail(inp, mismatch, rows, decode)
     replay = ReplayInfo(step=chosen.step, why=chosen.why, source=chosen.source,
@@ -207,7 +278,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         status, headline, diagnosis, why_not = _head_lead(lead, chosen.step)
     else:
         status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
-                                                      problems, routing, stack, dtype)
+                                                      problems, routing, stack, dtype, shared, own_steps)
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
         diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard has the error of its own "
@@ -225,7 +296,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     return Verdict(
         status=status, headline=headline, diagnosis=diagnosis, replay=replay,
         first_mismatch_token=mismatch, first_bad_token=bad_token, first_bad_layer=layer,
-        first_bad_module=module, first_bad_op=chosen.first_op if module else None,
+        first_bad_module=module, first_bad_op=chosen.first_op if module and module != getattr(
+            shared, "example", None) else None,
         first_bad_expert=expert, first_bad_rank=shard_rank, inconclusive=why_not, token_detail=detail,
         evidence=[Evidence(name=c.name, isolated_rel_l2=c.error, typical=c.typical, score=c.score,
                            raw_rel_l2=c.raw_rel_l2, step=chosen.step) for c in top[:5]],
@@ -318,10 +390,14 @@ def _head_lead(lead: dict[str, Any], step: int) -> tuple[str, str, str, Inconclu
 
 def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | None, expert: int | None,
            mismatch: int | None, bad_token: int | None, problems: list[str], routing: list[RoutingRow],
-           stack: LayerStack | None, dtype: str) -> tuple[str, str, str, Inconclusive | None]:
+           stack: LayerStack | None, dtype: str,
+           shared: SharedError | None = None,
+           own_steps: OwnErrorSteps | None = None) -> tuple[str, str, str, Inconclusive | None]:
     """(status, headline, diagnosis, inconclusive) from the evidence."""
     cand = chosen.candidate
     steps = " and ".join(_step_word(t.step) for t in tried)
+    if shared is not None and shared.fails and module == shared.example:
+        return _shared_fault(chosen, shared, dtype, problems)
     between = _layer_standing_out(chosen, LAYER_STANDOUT * inp.ratio_threshold)
     if module and between and module == between[0]:  # a layer's own code (see conclude)
         where, ratio = _step_word(chosen.step), between[1]
@@ -400,8 +476,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                           f"(layer_name: {module}.*, module mode with inputs and outputs) and bisect again "
                           "to name the one.")
         if chosen.step > 0 and not from_dump:
-            diagnosis += (f" Step {chosen.step} was replayed ({chosen.why}) with the golden KV cache, so the "
-                          "fault lives on the decode path.")
+            diagnosis += _decode_path(chosen, tried, own_steps, inp.ratio_threshold)
         if problems:
             diagnosis += f" Note: {problems[0]}."
         return "fail", headline, diagnosis, None
@@ -453,10 +528,13 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         if all(t.step != bad_token for t in tried):
             nxt = (f"replay the step whose logits fail: bisect replay_step: {bad_token} (in the recipe: "
                    f"--set replay_step={bad_token}), or leave replay_step unset to let the bisect choose")
-        else:
-            nxt = (f"replay an earlier step (bisect replay_step: {max(bad_token - 1, 0)}, or 0), dump both "
+        elif bad_token > 0:
+            nxt = (f"replay an earlier step (bisect replay_step: {bad_token - 1}, or 0), dump both "
                    "sides in module mode at that step and compare them (llmflow compare), or lower "
                    "ratio_threshold")
+        else:  # the prefill itself was replayed: there is no earlier step
+            nxt = ("dump both sides in module mode at the prefill (step 0) and compare them (llmflow "
+                   "compare), or lower ratio_threshold")
     elif chosen.not_replayable:
         reason = (f"{len(chosen.not_replayable)} module(s) could not be replayed at "
                   f"{_step_word(chosen.step)}{_reason_list(chosen)}: the fault may be among them")
@@ -475,6 +553,15 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         reason = (f"the texts part at step {mismatch}, but step {chosen.step} was replayed (replay_step): "
                   "the evidence does not cover the step where the divergence starts")
         nxt = f"bisect with replay_step: {mismatch}, or leave replay_step unset to let the bisect choose"
+    if reason is None and shared is not None:  # beyond rounding in every layer, but not a clear fault
+        reason = (f"{shared.module_type}'s own error is {shared.error:.3g} in every layer (the median of "
+                  f"{shared.layers}){shared.ratio_words()}, beyond the {shared.limit} limit of {dtype} "
+                  f"rounding for a whole tensor ({shared.limit_value:g}), and no layer stands out from the "
+                  "others: a fault every layer shares, more error than this precision should give, or a "
+                  "golden model that is not the one that made the golden dump")
+        nxt = ("check that the golden model is the one that made the golden dump; dump the target in API "
+               f"mode inside {shared.example} (layer_name) and precheck its ops against a float64 reference "
+               "(llmflow precheck); or raise the thresholds if this precision is what the port should give")
     origin = _overflow_scan_origin(inp)
     if reason and origin:
         reason += (f"; {_scan_sentence(origin)}, but replayed on the golden inputs no module overflows: "
@@ -493,6 +580,45 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     diagnosis = (nothing + f": the drift is the {dtype} rounding of every layer adding up, not one faulty op"
                  + (f" (largest own errors: {noisy})." if noisy else "."))
     return "pass", headline, diagnosis, None
+
+
+def _decode_path(chosen: StepReplay, tried: list[StepReplay], own_steps: OwnErrorSteps | None,
+                 ratio_threshold: float) -> str:
+    """What the evidence says of the prefill, for a fault found at a decode step: on the decode path
+    alone only where the prefill was seen clean (replayed with nothing standing out, or the module's
+    own error there within ``ratio_threshold`` of its copies in the other layers)."""
+    said = f" Step {chosen.step} was replayed ({chosen.why}) with the golden KV cache"
+    prefill = next((r for r in own_steps.rows if r.step == 0), None) if own_steps else None
+    if prefill is not None and prefill.own_error is not None and prefill.peer_median:
+        ratio = prefill.own_error / prefill.peer_median
+        if ratio >= ratio_threshold:
+            return (f"{said}; the module's own error stands out at the prefill too "
+                    f"({prefill.own_error:.3g}, {ratio:.0f}x its copies in the other layers): the fault is "
+                    "on the prefill path as well.")
+        return (f"{said}; at the prefill its own error is {ratio:.1f}x its copies' in the other layers, so "
+                "the fault lives on the decode path.")
+    if any(t.step == 0 and not stands_out(t, ratio_threshold) for t in tried):
+        return f"{said}; at the prefill nothing stood out, so the fault lives on the decode path."
+    return f"{said}; whether the prefill has it too was not measured."
+
+
+def _shared_fault(chosen: StepReplay, shared: SharedError, dtype: str,
+                  problems: list[str]) -> tuple[str, str, str, None]:
+    """The verdict's words for a fault every layer shares (``shared_error``)."""
+    where = _step_word(chosen.step)
+    alone = ("its output in the target dump, against the golden module run on the same recorded inputs"
+             if chosen.source == "target dump" else "each copy replayed alone on the golden inputs")
+    of = f"(the median of {shared.layers} layers){shared.ratio_words()}"
+    headline = (f"{shared.module_type} is the fault in every layer: an own error of {shared.error:.3g} at "
+                f"{where} {of}, past what {dtype} rounding gives a whole tensor")
+    diagnosis = (f"{shared.module_type} is the fault, in every layer alike: {alone} at {where}, its own "
+                 f"error is {shared.error:.3g} relative L2 {of}, past the fail limit of {dtype} rounding "
+                 f"for a whole tensor ({shared.limit_value:g}). No layer stands out from the others because "
+                 "every layer has it: look for what every copy shares, a kernel, a scale or a weight "
+                 f"conversion; {shared.example}, the first, is named as the module.")
+    if problems:
+        diagnosis += f" Note: {problems[0]}."
+    return "fail", headline, diagnosis, None
 
 
 def _reason_list(step: StepReplay, n: int = 3) -> str:

@@ -263,3 +263,19 @@ def test_a_golden_model_that_cannot_load_is_refused_in_one_line(tmp_path: Path, 
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert last.startswith("FAILED") and "golden_model_spec" in last and "missing.py" in last, last
     assert verdict is None
+
+
+@pytest.mark.parametrize("other", ["tiny-qwen2:layers=3,hidden=64,heads=4,kv_heads=2,intermediate=128,seed=7",
+                                   "tiny-mistral:layers=3,hidden=64,heads=4,kv_heads=2,intermediate=128"])
+def test_a_golden_model_that_did_not_make_the_golden_dump_is_refused(tmp_path: Path, qwen2_dumps: Path,
+                                                                      other: str) -> None:
+    """Every own error from a target dump is measured against the golden model: one that is not the
+    dump's own (other weights, another family of the same shapes) would make every layer look alike
+    and the faulty target pass. Its first layer, run on the golden dump's own inputs, must give the
+    recorded output: otherwise exit 2 naming the field, and no verdict."""
+    proc, verdict = _run(tmp_path, str(qwen2_dumps / "golden"), str(qwen2_dumps / "target"), other)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert last.startswith("FAILED") and "golden_model_spec" in last, last
+    assert "does not reproduce the golden dump" in last and "model.layers.0" in last, last
+    assert verdict is None
