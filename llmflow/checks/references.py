@@ -320,6 +320,28 @@ def atb_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     return rotate(q), rotate(k)
 
 
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` (a mixture-of-experts layer's
+    experts in one call: rows ``offs[g-1]:offs[g]`` of a 2-D ``mat_a`` times ``mat_b[g]``; 3-D by
+    3-D without ``offs``: a batched matmul), as one matmul per group, in the dtype it is given
+    (torch's own kernel takes no float64). ``out_dtype`` is the kernel's storage, not the math."""
+    del out_dtype
+    if bias is not None:
+        raise UnsupportedArguments("grouped_mm reference: a bias")
+    if mat_a.dim() == 3 and mat_b.dim() == 3 and offs is None:
+        return torch.bmm(mat_a, mat_b)
+    if mat_a.dim() != 2 or mat_b.dim() != 3 or offs is None:
+        raise UnsupportedArguments(f"grouped_mm reference: {mat_a.dim()}-D by {mat_b.dim()}-D"
+                                   + ("" if offs is not None else " without offs"))
+    out = mat_a.new_zeros(mat_a.shape[0], mat_b.shape[2])
+    start = 0
+    for group, end in enumerate(offs.tolist()):
+        out[start:end] = mat_a[start:end] @ mat_b[group]
+        start = end
+    return out
+
+
 #: ATB operation type -> its reference (the node's ``opType`` in the model json)
 ATB_BUILTIN: dict[str, Callable[..., Any]] = {
     "LinearOperation": atb_linear, "RmsNormOperation": atb_rms_norm, "ElewiseOperation": atb_elewise,
@@ -329,6 +351,7 @@ ATB_BUILTIN: dict[str, Callable[..., Any]] = {
 BUILTIN: dict[str, Callable[..., Any]] = {
     "npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul, "npu_swiglu": npu_swiglu,
     "npu_fusion_attention": npu_fusion_attention, "npu_incre_flash_attention": npu_incre_flash_attention,
+    "grouped_mm": grouped_mm, "_grouped_mm": grouped_mm,
     **ATB_BUILTIN,
 }
 

@@ -7,6 +7,7 @@ an overflow-prone softmax and not the clean model; bad input exits 2, too little
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -53,6 +54,17 @@ def test_clean_bf16_target_passes(tmp_path, model):
     html = (tmp_path / "run" / "report" / "report.html").read_text()
     assert "Precheck: PASS: " in html and "Precheck: calls per API" in html
     assert 'href="../precheck/precheck.csv"' in html
+
+
+def test_a_mixture_of_experts_grouped_matmul_is_checked(tmp_path):
+    """transformers computes a MoE layer's experts in one grouped matmul (``torch._grouped_mm``,
+    which has no float64 kernel): the built-in reference, a matmul per group, checks each call."""
+    proc = run_workflow(tmp_path, f"tiny-mixtral:{SMALL}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert last_line(proc).startswith("PASSED")
+    rows = list(csv.DictReader((tmp_path / "run" / "precheck" / "precheck.csv").open(newline="")))
+    grouped = [r for r in rows if r["api"].lstrip("_") == "grouped_mm"]
+    assert len(grouped) == 4 and all(r["status"] == "pass" for r in grouped), grouped  # 2 layers x 2
 
 
 # (patch in precheck_faults.py, model options beside SMALL, the call it names, that call's module)
