@@ -656,7 +656,8 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
         b.inp = inp = replace(inp, golden_ids=inp.golden_ids or greedy_ids(b.golden_dump),
                               target_ids=inp.target_ids or greedy_ids(b.target_dump))
     dtype = dtype_name(tgt.dtype) if tgt is not None else target_dump_dtype(b.target_dump)
-    mismatch = first_mismatch(inp.golden_ids, inp.target_ids)
+    # a side without token ids (a dump without logits) says nothing of where the texts part
+    mismatch = first_mismatch(inp.golden_ids, inp.target_ids) if inp.golden_ids and inp.target_ids else None
     rows = token_rows(b.golden_dump, b.target_dump, golden_ids=inp.golden_ids, target_ids=inp.target_ids,
                       pairs=inp.pairs, target_dtype=dtype, thresholds=inp.thresholds, decode=b.decode)
     bad_token = first_bad_step(rows, mismatch)

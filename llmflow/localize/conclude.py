@@ -570,6 +570,12 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     if reason:
         diagnosis = nothing + ". Inconclusive: " + reason + "."
         return "inconclusive", reason, diagnosis, Inconclusive(reason, nxt or "")
+    unknown = [side for side, ids in (("golden", inp.golden_ids), ("target", inp.target_ids)) if not ids]
+    if mismatch is None and unknown:  # nothing to say of the tokens: only of the modules replayed
+        held = f"the {unknown[0]} dump holds no" if len(unknown) == 1 else "neither dump holds any"
+        headline = f"no module stands out at {steps}; the tokens were not compared ({held} logits)"
+        return "pass", headline, (nothing + f". The tokens were not compared: {held} logits or token ids "
+                                  "(dump with logits, or give the generation files)."), None
     if mismatch is None:
         headline = "the target matches the golden: the same tokens, logits within the thresholds"
         return "pass", headline, ("The target matches the golden: the same tokens, logits within the "

@@ -217,6 +217,8 @@ def qwen2_dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("qwen2-dumps")
     ids = [256, 104, 101, 108, 108, 111]
     dump_run(load_model(QWEN2), ids, 3, DumpConfig(dump_path=str(out / "golden"), token_range="all"))
+    dump_run(load_model(QWEN2, dtype="bfloat16"), ids, 3, DumpConfig(dump_path=str(out / "clean"),
+                                                                      token_range="all", logits=False))
     target = load_model(QWEN2, dtype="bfloat16")
     with torch.no_grad():
         target.model.get_parameter("model.layers.1.mlp.gate_proj.weight").mul_(1.5)
@@ -279,3 +281,15 @@ def test_a_golden_model_that_did_not_make_the_golden_dump_is_refused(tmp_path: P
     assert last.startswith("FAILED") and "golden_model_spec" in last, last
     assert "does not reproduce the golden dump" in last and "model.layers.0" in last, last
     assert verdict is None
+
+
+def test_a_dump_without_logits_says_the_tokens_were_not_compared(tmp_path: Path, qwen2_dumps: Path) -> None:
+    """A target dumped without logits (logits=False, or a format that holds none): nothing is known
+    of its tokens, so no first differing token is claimed, and a clean port's pass says the tokens
+    were not compared instead of "the same tokens"."""
+    proc, verdict = _run(tmp_path, str(qwen2_dumps / "golden"), str(qwen2_dumps / "clean"), QWEN2)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith("PASSED") and "the tokens were not compared" in last, last
+    assert "target dump holds no logits" in last and "same tokens" not in last, last
+    assert verdict["first_mismatch_token"] is None
