@@ -191,34 +191,35 @@ class _Bisect:
         if self.isolation == "target_dump":
             self.check_golden_model()
 
-    def check_golden_model(self) -> None:
+    def check_golden_model(self, module: str | None = None) -> None:
         """The golden model must be the one that made the golden dump: every own error from the
-        target dump is measured against it. Its first decoder layer, run on the golden dump's own
-        recorded inputs at the first step that holds them, must give the recorded output within
-        the dump dtype's fail limit (the same model recomputes it to rounding); UserError naming
-        the field otherwise. Skipped where the golden dump holds no inputs of that layer."""
-        if self.stack is None or not self.stack.layers:
+        target dump is measured against it. ``module`` (default: the first decoder layer; before
+        a verdict names a module, its layer), run on the golden dump's own recorded inputs at the
+        first step that holds them, must give the recorded output within the dump dtype's fail
+        limit (the same model recomputes it to rounding); UserError naming the field otherwise.
+        Skipped where the golden dump holds no inputs of it."""
+        if module is None and (self.stack is None or not self.stack.layers):
             return
-        first = self.stack.layers[0]
+        name = module or self.stack.layers[0]  # type: ignore[union-attr]
         steps = sorted({e.step for e in self.golden_dump.entries()
-                        if e.name == first and e.kind == "input" and e.level == "module"})
+                        if e.name == name and e.kind == "input" and e.level == "module"})
         if not steps:
             return
         golden = self.held["golden"]
         rows = list(replay_target_dump(golden, self.golden_dump, self.golden_dump, golden_step=steps[0],
-                                       target_step=steps[0], select=lambda n, _m: n == first))
+                                       target_step=steps[0], select=lambda n, _m: n == name))
         error = rows[0].get("rel_l2") if rows and rows[0].get("replayable") else None
         dtype = recorded_dtype(self.golden_dump) or dtype_name(golden.dtype)
         limit = DEFAULT_THRESHOLDS[dtype_class(dtype)].get("relative_euclidean_distance", {}).get("fail")
         if error is not None and limit is not None and not error <= limit:
             raise UserError(
-                f"golden_model_spec: the golden model does not reproduce the golden dump: {first}, run on "
+                f"golden_model_spec: the golden model does not reproduce the golden dump: {name}, run on "
                 f"the golden dump's recorded inputs at step {steps[0]}, differs from its recorded output by "
                 f"{error:.3g} (relative L2; the same model gives under {limit:g} in {dtype}): give the "
                 "model, weights and config that made the golden dump")
-        self.log(f"bisect: the golden model reproduces the golden dump ({first} at step {steps[0]}: "
+        self.log(f"bisect: the golden model reproduces the golden dump ({name} at step {steps[0]}: "
                  f"{error:.2g} relative L2)" if error is not None else
-                 f"bisect: the golden model was not checked against the golden dump ({first} not replayable)")
+                 f"bisect: the golden model was not checked against the golden dump ({name} not replayable)")
 
     def phase(self, name: str, detail: str = "") -> None:
         """The phase ``name`` ended: its seconds since the last phase add to ``phases``, and one
@@ -684,6 +685,12 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
             tried.append(b.replay_step(1, "nothing diverges: the first decode step too, where the decode "
                                           "kernel runs against the KV cache"))
     chosen = next((t for t in tried if stands_out(t, inp.ratio_threshold)), tried[0])
+    if b.isolation == "target_dump" and chosen.anomalous and chosen.candidate:
+        # the module about to be named, measured against the golden model: its layer must be the
+        # golden dump's too (a golden model that differs there alone would blame a clean target)
+        named = chosen.candidate["name"].removesuffix(KV_CACHE)
+        for module in dict.fromkeys((layer_of(named, b.stack) or named, named)):  # where the dump holds it
+            b.check_golden_model(module)
     b.op_level(chosen)
     own_steps = b.own_error_per_step(chosen)
     cost = b.cost(tried, chosen)

@@ -148,12 +148,20 @@ class SharedError:
     """A module type whose own error is beyond the dtype's rounding in every layer alike."""
 
     module_type: str  # model.layers.*.self_attn.o_proj
-    example: str  # its copy in the first layer replayed, named as the verdict's module
-    error: float  # the median own error (relative L2) over its layers
-    layers: int
+    example: str  # its first copy past the limit, named as the verdict's module
+    error: float  # the median own error (relative L2) of its copies past the limit
+    layers: int  # copies replayed
     typical: float | None  # the median of every module type's median; None: too few types to say
     limit: str  # the dtype's limit the error passes: "fail" or "warn"
     limit_value: float
+    faulty: list[str] = field(default_factory=list)  # the copies past the limit, in layer order
+
+    def where(self) -> str:
+        """"in every layer", or in which of them."""
+        if len(self.faulty) >= self.layers:
+            return "in every layer"
+        return (f"in {len(self.faulty)} of {self.layers} layers ("
+                + ", ".join(self.faulty[:4]) + (", ..." if len(self.faulty) > 4 else "") + ")")
 
     @property
     def fails(self) -> bool:
@@ -195,9 +203,13 @@ def shared_error(step: StepReplay, stack: LayerStack | None, dtype: str) -> Shar
     top = max(shared.values())
     kind = max((t for t, m in shared.items() if m * 2 >= top), key=lambda t: (t.count("."), shared[t]))
     copies = sorted(by_type[kind], key=lambda c: (layer_index(c[0], stack) or 0, c[0]))
-    error = shared[kind]
+    # the copies past the limit: a clean copy among them (one layer spared) is never the one named
+    floor = max(limits["warn"], SHARED_RATIO * typical if typical is not None else 0.0)
+    faulty = [(n, e) for n, e in copies if e >= floor]
+    error = median(e for _, e in faulty)
     limit = "fail" if error >= limits["fail"] else "warn"
-    return SharedError(kind, copies[0][0], error, len(copies), typical, limit, limits[limit])
+    return SharedError(kind, faulty[0][0], error, len(copies), typical, limit, limits[limit],
+                       [n for n, _ in faulty])
 
 
 def _reasons(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
@@ -397,7 +409,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     cand = chosen.candidate
     steps = " and ".join(_step_word(t.step) for t in tried)
     if shared is not None and shared.fails and module == shared.example:
-        return _shared_fault(chosen, shared, dtype, problems)
+        return _shared_fault(chosen, tried, shared, dtype, stack, problems)
     between = _layer_standing_out(chosen, LAYER_STANDOUT * inp.ratio_threshold)
     if module and between and module == between[0]:  # a layer's own code (see conclude)
         where, ratio = _step_word(chosen.step), between[1]
@@ -468,6 +480,14 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                 diagnosis += f"; of its experts, expert {expert} stands out"
             diagnosis += (f"; inside it, {chosen.first_op} is the first op that goes wrong."
                           if chosen.first_op else ".")
+            # the same module standing out in other layers too: each is named, not hidden in a median
+            others = [r for r in chosen.ranked if r.get("anomalous") and r["name"] != cand["name"]
+                      and r.get("module_type") == cand.get("module_type")]
+            if others:
+                names = ", ".join(r["name"] for r in others[:3]) + (", ..." if len(others) > 3 else "")
+                headline += f"; also in {names}"
+                diagnosis += (f" The same module stands out in {len(others)} more layer(s): "
+                              + ", ".join(f"{r['name']} ({r['error']:.3g})" for r in others[:8]) + ".")
         if level is not None and not level.comparable:
             ops = ", ".join(o.name.rsplit("/", 1)[-1] for o in level.target_ops_around)
             diagnosis += f" The op level is not comparable: {level.reason} (target ops there: {ops})."
@@ -517,6 +537,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     elif problems:
         reason = "the dumps are not whole: " + "; ".join(problems[:3])
         nxt = "rerun the dump stages (llmflow run ... --from dump-golden) and bisect again"
+    elif shared is not None:  # beyond rounding in the layers alike, but not a clear fault
+        reason, nxt = _shared_reason(shared, dtype)
     elif bad_token is not None:
         reason = (f"the logits fail the {dtype} thresholds at step {bad_token}, but no module's own error "
                   f"stands out when replayed at {steps}: the fault may live in state carried between steps "
@@ -553,15 +575,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         reason = (f"the texts part at step {mismatch}, but step {chosen.step} was replayed (replay_step): "
                   "the evidence does not cover the step where the divergence starts")
         nxt = f"bisect with replay_step: {mismatch}, or leave replay_step unset to let the bisect choose"
-    if reason is None and shared is not None:  # beyond rounding in every layer, but not a clear fault
-        reason = (f"{shared.module_type}'s own error is {shared.error:.3g} in every layer (the median of "
-                  f"{shared.layers}){shared.ratio_words()}, beyond the {shared.limit} limit of {dtype} "
-                  f"rounding for a whole tensor ({shared.limit_value:g}), and no layer stands out from the "
-                  "others: a fault every layer shares, more error than this precision should give, or a "
-                  "golden model that is not the one that made the golden dump")
-        nxt = ("check that the golden model is the one that made the golden dump; dump the target in API "
-               f"mode inside {shared.example} (layer_name) and precheck its ops against a float64 reference "
-               "(llmflow precheck); or raise the thresholds if this precision is what the port should give")
+    if reason is None and shared is not None:  # (after "the texts part at a step not replayed")
+        reason, nxt = _shared_reason(shared, dtype)
     origin = _overflow_scan_origin(inp)
     if reason and origin:
         reason += (f"; {_scan_sentence(origin)}, but replayed on the golden inputs no module overflows: "
@@ -588,6 +603,19 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     return "pass", headline, diagnosis, None
 
 
+def _shared_reason(shared: SharedError, dtype: str) -> tuple[str, str]:
+    """(reason, next) of an inconclusive verdict for a shared error that is not called a fault."""
+    reason = (f"{shared.module_type}'s own error is {shared.error:.3g} {shared.where()} (the median of "
+              f"{len(shared.faulty)}){shared.ratio_words()}, beyond the {shared.limit} limit of {dtype} "
+              f"rounding for a whole tensor ({shared.limit_value:g}), and no layer stands out from the "
+              "others: a fault the layers share, more error than this precision should give, or a "
+              "golden model that is not the one that made the golden dump")
+    nxt = ("check that the golden model is the one that made the golden dump; dump the target in API "
+           f"mode inside {shared.example} (layer_name) and precheck its ops against a float64 reference "
+           "(llmflow precheck); or raise the thresholds if this precision is what the port should give")
+    return reason, nxt
+
+
 def _decode_path(chosen: StepReplay, tried: list[StepReplay], own_steps: OwnErrorSteps | None,
                  ratio_threshold: float) -> str:
     """What the evidence says of the prefill, for a fault found at a decode step: on the decode path
@@ -595,33 +623,43 @@ def _decode_path(chosen: StepReplay, tried: list[StepReplay], own_steps: OwnErro
     own error there within ``ratio_threshold`` of its copies in the other layers)."""
     said = f" Step {chosen.step} was replayed ({chosen.why}) with the golden KV cache"
     prefill = next((r for r in own_steps.rows if r.step == 0), None) if own_steps else None
-    if prefill is not None and prefill.own_error is not None and prefill.peer_median:
-        ratio = prefill.own_error / prefill.peer_median
-        if ratio >= ratio_threshold:
-            return (f"{said}; the module's own error stands out at the prefill too "
-                    f"({prefill.own_error:.3g}, {ratio:.0f}x its copies in the other layers): the fault is "
-                    "on the prefill path as well.")
-        return (f"{said}; at the prefill its own error is {ratio:.1f}x its copies' in the other layers, so "
-                "the fault lives on the decode path.")
+    if prefill is not None and prefill.own_error is not None and prefill.peer_median is not None:
+        own, peers = prefill.own_error, prefill.peer_median
+        if own > 0 and (peers == 0 or own >= ratio_threshold * peers):
+            than = f"{own / peers:.0f}x its copies in the other layers" if peers else "its copies have none"
+            return (f"{said}; the module's own error stands out at the prefill too ({own:.3g}, {than}): the "
+                    "fault is on the prefill path as well.")
+        than = f"{own / peers:.1f}x its copies' in the other layers" if peers else "none, as its copies'"
+        return f"{said}; at the prefill its own error is {than}, so the fault lives on the decode path."
     if any(t.step == 0 and not stands_out(t, ratio_threshold) for t in tried):
         return f"{said}; at the prefill nothing stood out, so the fault lives on the decode path."
     return f"{said}; whether the prefill has it too was not measured."
 
 
-def _shared_fault(chosen: StepReplay, shared: SharedError, dtype: str,
-                  problems: list[str]) -> tuple[str, str, str, None]:
-    """The verdict's words for a fault every layer shares (``shared_error``)."""
+def _shared_fault(chosen: StepReplay, tried: list[StepReplay], shared: SharedError, dtype: str,
+                  stack: LayerStack | None, problems: list[str]) -> tuple[str, str, str, None]:
+    """The verdict's words for a fault the layers share (``shared_error``)."""
     where = _step_word(chosen.step)
     alone = ("its output in the target dump, against the golden module run on the same recorded inputs"
              if chosen.source == "target dump" else "each copy replayed alone on the golden inputs")
-    of = f"(the median of {shared.layers} layers){shared.ratio_words()}"
-    headline = (f"{shared.module_type} is the fault in every layer: an own error of {shared.error:.3g} at "
+    of = f"(the median of {len(shared.faulty)} layers){shared.ratio_words()}"
+    headline = (f"{shared.module_type} is the fault {shared.where()}: an own error of {shared.error:.3g} at "
                 f"{where} {of}, past what {dtype} rounding gives a whole tensor")
-    diagnosis = (f"{shared.module_type} is the fault, in every layer alike: {alone} at {where}, its own "
+    diagnosis = (f"{shared.module_type} is the fault {shared.where()}: {alone} at {where}, its own "
                  f"error is {shared.error:.3g} relative L2 {of}, past the fail limit of {dtype} rounding "
                  f"for a whole tensor ({shared.limit_value:g}). No layer stands out from the others because "
-                 "every layer has it: look for what every copy shares, a kernel, a scale or a weight "
+                 "they share it: look for what their copies share, a kernel, a scale or a weight "
                  f"conversion; {shared.example}, the first, is named as the module.")
+    if chosen.step > 0 and chosen.source != "target dump":
+        prefill = next((t for t in tried if t.step == 0), None)
+        at_prefill = shared_error(prefill, stack, dtype) if prefill is not None else None
+        if prefill is None:
+            diagnosis += " Whether the prefill has it too was not measured."
+        elif at_prefill is not None and at_prefill.module_type == shared.module_type:
+            diagnosis += f" The prefill has it too ({at_prefill.error:.3g} there)."
+        else:
+            diagnosis += (" At the prefill its copies are within rounding, so the fault lives on the decode "
+                          "path.")
     if problems:
         diagnosis += f" Note: {problems[0]}."
     return "fail", headline, diagnosis, None

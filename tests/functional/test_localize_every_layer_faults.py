@@ -85,6 +85,13 @@ def test_a_shared_error_names_the_innermost_module_type_and_judges_it_by_the_dty
     found = shared_error(_step(errors), None, "bfloat16")
     assert found and found.fails and found.module_type == "model.layers.*.self_attn.o_proj"
     assert found.example == "model.layers.0.self_attn.o_proj" and found.layers == 4
+    # one layer spared: the faulty copies alone are counted and the first of them is named
+    spared = {f"model.layers.{i}.o_proj": 0.003 if i == 0 else 0.5 for i in range(4)}
+    errors = _layers(4, **rounding) | spared
+    found = shared_error(_step(errors), None, "bfloat16")
+    assert found and found.fails and found.example == "model.layers.1.o_proj"
+    assert found.faulty == [f"model.layers.{i}.o_proj" for i in (1, 2, 3)] and found.error == 0.5
+    assert found.where().startswith("in 3 of 4 layers (model.layers.1.o_proj, ")
     # under the fail limit but past the warn limit: reported, never a fault
     found = shared_error(_step(_layers(4, o_proj=0.1, **rounding)), None, "bfloat16")
     assert found and not found.fails and found.limit == "warn"

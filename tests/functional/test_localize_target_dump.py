@@ -293,3 +293,25 @@ def test_a_dump_without_logits_says_the_tokens_were_not_compared(tmp_path: Path,
     assert last.startswith("PASSED") and "the tokens were not compared" in last, last
     assert "target dump holds no logits" in last and "same tokens" not in last, last
     assert verdict["first_mismatch_token"] is None
+
+
+def test_a_golden_model_that_differs_from_the_dump_in_a_later_layer_is_refused(tmp_path: Path,
+                                                                                qwen2_dumps: Path) -> None:
+    """A golden model that is the dump's own in its first layer but not in a later one (weights
+    changed since the dump was made) would blame a clean target at that layer: the module about to
+    be named is checked against the golden dump first, and the bisect refuses (exit 2) instead."""
+    builder = tmp_path / "changed_golden.py"
+    builder.write_text(
+        "import torch\n"
+        "from llmflow.models import load_model\n\n\n"
+        "def build():\n"
+        f"    loaded = load_model({QWEN2!r})\n"
+        "    with torch.no_grad():\n"
+        "        loaded.model.get_parameter('model.layers.2.mlp.down_proj.weight').mul_(1.5)\n"
+        "    return loaded.model, loaded.tokenizer\n")
+    proc, verdict = _run(tmp_path, str(qwen2_dumps / "golden"), str(qwen2_dumps / "clean"),
+                         f"{builder}:build")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "does not reproduce the golden dump: model.layers.2" in last, last
+    assert verdict is None

@@ -201,3 +201,30 @@ def test_a_layer_standing_out_must_stand_out_against_its_update_alone_too():
     assert name == "model.layers.4" and ratio == pytest.approx(6.5)
     step.layer_update_errors = {}  # no update known: the output-based measure alone
     assert _layer_standing_out(step, LAYER_STANDOUT * 3.0)[0] == "model.layers.4"
+
+
+def test_the_same_module_standing_out_in_two_layers_names_both():
+    bad = {"model.layers.1.mlp.down_proj": 0.5, "model.layers.3.mlp.down_proj": 0.5}
+    v = verdict([replay(0, bad=bad)], mismatch=0, bad_token=0)
+    assert v.status == "fail" and v.first_bad_module == "model.layers.1.mlp.down_proj"
+    assert v.headline.endswith("; also in model.layers.3.mlp.down_proj"), v.headline
+    assert "stands out in 1 more layer(s): model.layers.3.mlp.down_proj (0.5)" in v.diagnosis
+
+
+@pytest.mark.parametrize(("own", "peers", "says"), [
+    (0.0, 0.0, "at the prefill its own error is none, as its copies', so the fault lives on the decode path"),
+    (0.15, 0.0, "stands out at the prefill too (0.15, its copies have none)"),
+    (0.004, 0.004, "at the prefill its own error is 1.0x its copies' in the other layers, so the fault"),
+    (0.4, 0.004, "stands out at the prefill too (0.4, 100x its copies in the other layers)"),
+])
+def test_the_decode_path_sentence_follows_the_prefills_own_error(own, peers, says):
+    """A fault found at a decode step: whether it lives on the decode path alone is read off the
+    module's own error at the prefill against its copies' (none at all counts: an fp32 target)."""
+    from llmflow.localize.conclude import _decode_path
+    from llmflow.results.verdict import OwnErrorStep, OwnErrorSteps
+
+    chosen = replay(2, bad={"model.layers.4.mlp.down_proj": 0.5})
+    steps = OwnErrorSteps(module="model.layers.4.mlp.down_proj", metric="rel_l2",
+                          rows=[OwnErrorStep(step=0, own_error=own, peer_median=peers, peers=3)])
+    assert says in _decode_path(chosen, [chosen], steps, 3.0)
+    assert "not measured" in _decode_path(chosen, [chosen], None, 3.0)
