@@ -145,7 +145,8 @@ SHARED_RATIO = 10.0
 
 @dataclass
 class SharedError:
-    """A module type whose own error is beyond the dtype's rounding in every layer alike."""
+    """A module type whose own error is beyond the dtype's rounding in its copies alike (every
+    layer's, or most: the median copy is)."""
 
     module_type: str  # model.layers.*.self_attn.o_proj
     example: str  # its first copy past the limit, named as the verdict's module
@@ -179,7 +180,7 @@ class SharedError:
 
 
 def shared_error(step: StepReplay, stack: LayerStack | None, dtype: str) -> SharedError | None:
-    """The module type whose copies in every layer have an own error beyond the target dtype's
+    """The module type whose median copy over the layers has an own error beyond the target dtype's
     limits for a whole tensor (``DEFAULT_THRESHOLDS``' relative Euclidean distance, loose: a whole
     tensor carries the rounding of every op before it, one module's own error far less) and
     ``SHARED_RATIO`` times the typical module type's, or None. Of types that nest (an o_proj inside
@@ -276,7 +277,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     if module is None:
         module = layer_fault(chosen, inp.ratio_threshold)
     shared = shared_error(chosen, stack, dtype) if module is None and lead is None else None
-    if shared is not None and shared.fails:  # every layer's copy is the fault: named by its first
+    if shared is not None and shared.fails:  # the layers' copies are the fault: named by the first faulty
         module = shared.example
     layer = layer_of(module, stack) if module else None
     detail = _token_detail(inp, mismatch, rows, decode)
