@@ -188,6 +188,7 @@ class _Bisect:
         self.stats: dict[str, int] = {"recomputed_layers": 0, "golden_reruns": 0, "own_error_replays": 0}
         self.op_tensors: dict[str, Any] = {}  # the first bad op's tensors (ops.op_tensors)
         self.op_tensors_info: OpTensors | None = None
+        self.golden_checked: set[str] = set()  # modules check_golden_model ran (each once)
         if self.isolation == "target_dump":
             self.check_golden_model()
 
@@ -201,6 +202,9 @@ class _Bisect:
         if module is None and (self.stack is None or not self.stack.layers):
             return
         name = module or self.stack.layers[0]  # type: ignore[union-attr]
+        if name in self.golden_checked:
+            return
+        self.golden_checked.add(name)
         steps = sorted({e.step for e in self.golden_dump.entries()
                         if e.name == name and e.kind == "input" and e.level == "module"})
         if not steps:

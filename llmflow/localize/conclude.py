@@ -186,11 +186,8 @@ def shared_error(step: StepReplay, stack: LayerStack | None, dtype: str) -> Shar
     ``SHARED_RATIO`` times the typical module type's, or None. Of types that nest (an o_proj inside
     its self_attn) with errors within 2x of the worst, the innermost."""
     limits = DEFAULT_THRESHOLDS.get(dtype_class(dtype), {}).get("relative_euclidean_distance")
-    by_type: dict[str, list[tuple[str, float]]] = {}
-    for r in step.replayed:
-        error = finite_or_none(r.get("rel_l2"))
-        if error is not None:
-            by_type.setdefault(module_type(r["name"], stack), []).append((r["name"], error))
+    by_type = {t: finite for t, copies in _errors_by_type(step.replayed, stack).items()
+               if (finite := [(n, e) for n, e in copies if finite_or_none(e) is not None])}
     if not limits or not by_type:
         return None
     medians = {t: median(e for _, e in copies) for t, copies in by_type.items()}
@@ -239,13 +236,19 @@ def _curves(raw: dict[str, dict[str, float]], iso_rows: list[dict[str, Any]],
     return curves
 
 
-def _noisiest_types(rows: list[dict[str, Any]], stack: LayerStack | None, n: int = 3) -> str:
-    """The module types with the largest median own error: where the dtype's rounding bites."""
-    by_type: dict[str, list[float]] = {}
+def _errors_by_type(rows: list[dict[str, Any]], stack: LayerStack | None) -> dict[str, list[tuple[str, Any]]]:
+    """Module type -> (name, own error) of each row that has one, in row order."""
+    by_type: dict[str, list[tuple[str, Any]]] = {}
     for r in rows:
         if r.get("rel_l2") is not None:
-            by_type.setdefault(module_type(r["name"], stack), []).append(r["rel_l2"])
-    top = sorted(((median(v), k) for k, v in by_type.items()), reverse=True)[:n]
+            by_type.setdefault(module_type(r["name"], stack), []).append((r["name"], r["rel_l2"]))
+    return by_type
+
+
+def _noisiest_types(rows: list[dict[str, Any]], stack: LayerStack | None, n: int = 3) -> str:
+    """The module types with the largest median own error: where the dtype's rounding bites."""
+    by_type = _errors_by_type(rows, stack)
+    top = sorted(((median(e for _, e in v), k) for k, v in by_type.items()), reverse=True)[:n]
     return ", ".join(f"{k} {m:.2g}" for m, k in top)
 
 
