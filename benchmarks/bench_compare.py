@@ -1,7 +1,7 @@
 """Compare throughput: llmflow's compare vs reading the files raw (cat) vs msprobe's compare.
 
     .venv/bin/python benchmarks/bench_compare.py --sizes-gb 1 8 [--repeat 3] [--workers 1 2 4 8]
-        [--targets x86-64-v4 x86-64-v3 ...] [--json out.json]
+        [--targets x86-64-v4 x86-64-v3 ...] [--kl all logits] [--json out.json]
 
 For each size S it writes a synthetic golden and target dump of S/2 GB each with llmflow's own
 writer (fp32 activations, 4 MiB tensors, 64 per step folder) under /tmp, then measures, ``repeat``
@@ -11,8 +11,9 @@ and the median ratio is reported with all of them)
              seconds and the load average when it ran,
   * llmflow: ``compare_dumps`` (CSV, no XLSX) with each build of the compare kernel this CPU runs
              (``--targets``, default all: x86-64-v4, -v3, -v2, baseline) and each worker count
-             (``--workers``, default 1 2 4 8), GB/s of tensor data, CPU seconds (of all its
-             threads and worker processes) over cat's, and the peak anonymous memory of the
+             (``--workers``, default 1 2 4 8) and ``--kl`` (default all; logits: the compare's
+             ``--kl logits``, no KL on any row of these dumps), GB/s of tensor data, CPU seconds
+             (of all its threads and worker processes) over cat's, and the peak anonymous memory of the
              compare's process tree (sampled every 5 ms),
   * msprobe: msprobe's ``pt_compare`` on the same tensors written in msprobe's layout
              (dump.json + one .pt per tensor), when mindstudio-probe imports (PYTHONPATH may
@@ -171,14 +172,15 @@ class AnonPeak:
         self._t.join()
 
 
-def llmflow_compare(g: Path, t: Path, out: Path, workers: int) -> dict:
+def llmflow_compare(g: Path, t: Path, out: Path, workers: int, kl: str = "all") -> dict:
     torch.set_num_threads(workers)  # in-process compares run the kernel on torch's threads
     base = AnonPeak._anon(os.getpid())
     with AnonPeak() as peak:
         cpu0 = time.process_time() + children_cpu_seconds()
         t0 = time.perf_counter()
         res = compare_dumps(
-            LlmflowDumpReader(g), LlmflowDumpReader(t), out, CompareOptions(workers=workers, xlsx=False)
+            LlmflowDumpReader(g), LlmflowDumpReader(t), out,
+            CompareOptions(workers=workers, xlsx=False, kl=kl),
         )
         dt = time.perf_counter() - t0
         cpu = time.process_time() + children_cpu_seconds() - cpu0  # (the sampling thread's too: ~1%)
@@ -277,9 +279,10 @@ def msprobe_compare(g: Path, t: Path, tmp: Path) -> dict:
     }
 
 
-def kernel_bench(workers: list[int], targets: list, repeat: int) -> dict:
+def kernel_bench(workers: list[int], targets: list, repeat: int, kl: tuple[str, ...] = ("all",)) -> dict:
     """GB/s (both sides) of compare_tensors on in-memory pairs: the arithmetic without the I/O,
-    per build of the kernel and per thread count; and the time per pair of small tensors (a
+    per build of the kernel and per thread count (and without the KL where ``kl`` holds
+    "logits": those builds named "<target> no-kl"); and the time per pair of small tensors (a
     decode step's hidden state), best build vs eager."""
     from llmflow import native
     from llmflow.compare import kernels
@@ -288,8 +291,10 @@ def kernel_bench(workers: list[int], targets: list, repeat: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(1 << 24, generator=gen)
     t = g * (1 + 1e-3 * torch.randn(g.shape, generator=gen))
-    builds = {target.name: kernels.for_target(target) for target in targets}
-    out: dict = {"cpu": cpu_model(), "targets": list(builds), "best": native.supported_targets()[0].name,
+    builds = {(f"{target.name} no-kl" if mode == "logits" else target.name, mode == "all"):
+              kernels.for_target(target) for target in targets for mode in kl}
+    out: dict = {"cpu": cpu_model(), "targets": [name for name, _ in builds],
+                 "best": native.supported_targets()[0].name,
                  "repeat": repeat, "threads": workers}
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -305,11 +310,11 @@ def kernel_bench(workers: list[int], targets: list, repeat: int) -> dict:
                 nbytes = sum(a.nbytes + b.nbytes for a, b in pairs)
                 for threads in workers:
                     torch.set_num_threads(threads)
-                    for name, kernel in builds.items():
+                    for (name, with_kl), kernel in builds.items():
                         kernels._fused = kernel if kernel is not None else False
                         t0, cpu0 = time.perf_counter(), time.thread_time()
                         for a, b in pairs:
-                            compare_tensors(a, b)
+                            compare_tensors(a, b, kl=with_kl)
                         gb_per_s = nbytes / (time.perf_counter() - t0) / 1e9
                         turns.setdefault((case, threads, name), []).append(gb_per_s)
                         if threads == 1:  # the kernel runs in this thread: its CPU time, which
@@ -318,7 +323,7 @@ def kernel_bench(workers: list[int], targets: list, repeat: int) -> dict:
                             turns.setdefault((case, "1 cpu", name), []).append(cpu)
     finally:
         kernels._fused = compiled
-    first = next(iter(builds))
+    first = next(iter(builds))[0]
     for (case, threads, name), values in turns.items():
         values = values[1:]
         ratios = [v / f for v, f in zip(values, turns[(case, threads, first)][1:], strict=True)]
@@ -383,7 +388,7 @@ def kernel_ab(old_tree: Path, targets: list, repeat: int, elements: int = 1 << 2
                     res = torch.empty(kernels.N_VALUES, dtype=torch.float64)
                     t0 = time.perf_counter()
                     fn(a.data_ptr(), a.dtype == torch.bfloat16, b.data_ptr(), b.dtype == torch.bfloat16,
-                       a.numel(), kernels.FUSED_CHUNK, 1, res.data_ptr())
+                       a.numel(), kernels.FUSED_CHUNK, 1, res.data_ptr(), 1)
                     if turn:
                         ms[label].append((time.perf_counter() - t0) * 1e3)
                     values[label] = res.numpy().tobytes()
@@ -514,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernel", action="store_true", help="time compare_tensors alone, in memory")
     ap.add_argument("--old", type=Path, default=None,
                     help="this checkout's compare kernel against this source tree's, side by side")
+    ap.add_argument("--kl", nargs="+", choices=["all", "logits"], default=["all"],
+                    help="the compare's --kl, each measured (logits: no KL on these dumps' rows)")
     ap.add_argument("--smollm2", action="store_true", help="compare real SmolLM2 dumps, compiled vs eager")
     ap.add_argument("--tokens", type=int, default=20, help="new tokens of the --smollm2 dumps")
     args = ap.parse_args(argv)
@@ -528,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(report, indent=1))
         return 0
     if args.kernel:
-        print(json.dumps(kernel_bench(args.workers, targets, args.repeat)), flush=True)
+        print(json.dumps(kernel_bench(args.workers, targets, args.repeat, tuple(args.kl))), flush=True)
         return 0
     if args.smollm2:
         print(json.dumps(smollm2_bench(args.tokens)), flush=True)
@@ -554,18 +561,20 @@ def main(argv: list[str] | None = None) -> int:
                     with kernel_build(target):
                         for kernel in kernels_of(args.old, target):
                             for workers in args.workers:
-                                out = tmp / f"out{i}-{target.name}-{workers}"
-                                with kernel:
-                                    ours = llmflow_compare(g, t, out, workers)
-                                shutil.rmtree(out, ignore_errors=True)
-                                turns.setdefault((target.name, workers, kernel.label), []).append(
-                                    (ours["gb_per_s"] / raw["gb_per_s"], raw, ours))
+                                for kl in args.kl:
+                                    out = tmp / f"out{i}-{target.name}-{workers}-{kl}"
+                                    with kernel:
+                                        ours = llmflow_compare(g, t, out, workers, kl)
+                                    shutil.rmtree(out, ignore_errors=True)
+                                    turns.setdefault((target.name, workers, kernel.label, kl), []).append(
+                                        (ours["gb_per_s"] / raw["gb_per_s"], raw, ours))
             row: dict = {"size_gb": size, "tensors_per_side": n, "llmflow": []}
-            for (target_name, workers, label), measured in turns.items():
+            for (target_name, workers, label, kl), measured in turns.items():
                 median, raw, ours = sorted(measured, key=lambda x: x[0])[len(measured) // 2]
                 speeds = [m[2]["gb_per_s"] for m in measured]
                 row["llmflow"].append({
                     "target": target_name, "workers": workers, **({"kernel": label} if args.old else {}),
+                    "kl": kl,
                     "raw": raw, "llmflow": ours,
                     "gb_per_s_range": [min(speeds), max(speeds)],
                     "peak_anon_mib_over_start": max(m[2]["peak_anon_mib_over_start"] for m in measured),
@@ -583,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
                 theirs = row["msprobe"].get("gb_per_s")
                 if theirs:
                     row["llmflow_vs_msprobe"] = {
-                        f"{r['target']} {r['workers']}{' ' + r['kernel'] if args.old else ''}":
+                        f"{r['target']} {r['workers']} kl={r['kl']}{' ' + r['kernel'] if args.old else ''}":
                             round(r["llmflow"]["gb_per_s"] / theirs, 1)
                         for r in row["llmflow"]}
                 print(json.dumps({k: row.get(k) for k in ("msprobe", "llmflow_vs_msprobe")}), flush=True)

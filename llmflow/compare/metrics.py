@@ -99,8 +99,10 @@ def _nonfinite(x: torch.Tensor) -> tuple[int, int]:
     return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
 
 
-def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
-    """Every metric of ``COLUMNS`` for one pair; never raises on odd data (see ``reason``)."""
+def compare_tensors(golden: torch.Tensor, target: torch.Tensor, kl: bool = True) -> dict[str, Any]:
+    """Every metric of ``COLUMNS`` for one pair; never raises on odd data (see ``reason``). Without
+    ``kl`` the KL divergence is not computed (its column None): its exp is about half the compiled
+    kernel's arithmetic."""
     golden, target = golden.detach(), target.detach()
     row = _empty_row(golden, target)
     if row["shape_mismatch"]:
@@ -130,9 +132,9 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any
         target = target.to(torch.uint8)
     g = golden.cpu().reshape(-1) if golden.is_contiguous() else golden.cpu().contiguous().reshape(-1)
     t = target.cpu().reshape(-1) if target.is_contiguous() else target.cpu().contiguous().reshape(-1)
-    acc = _reduce(g, t)
+    acc = _reduce(g, t, kl)
     row.update(_finish(acc))
-    row["kl_divergence"] = _kl(acc)
+    row["kl_divergence"] = _kl(acc) if kl else None
     reasons = [row["reason"]] if row["reason"] else []
     for side in ("golden", "target"):
         n_nan, n_inf = row[f"{side}_nan"], row[f"{side}_inf"]
@@ -145,8 +147,9 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any
     return row
 
 
-def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
-    """Pass 1 over both flat tensors, piece by piece, accumulating float64 sums (``kernels``)."""
+def _reduce(g: torch.Tensor, t: torch.Tensor, kl: bool = True) -> dict[str, Any]:
+    """Pass 1 over both flat tensors, piece by piece, accumulating float64 sums (``kernels``);
+    the KL's softmax sums only where ``kl``."""
     acc: dict[str, Any] = dict(gg=0.0, tt=0.0, gt=0.0, dd=0.0, max_abs=0.0, sum_abs=0.0, max_rel=0.0,
                                sum_rel=0.0, c1=0, c5=0, valid=0, golden_nan=0, golden_inf=0,
                                target_nan=0, target_inf=0, lse_g=-math.inf, lse_t=-math.inf,
@@ -181,9 +184,9 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
         start, stop, on_kernel = pieces.popleft()
         a, b = g[start:stop], t[start:stop]
         if on_kernel:
-            vals = fast(_f32(a, 0), _f32(b, 1)).tolist()
+            vals = fast(_f32(a, 0), _f32(b, 1), kl).tolist()
         else:
-            vals = kernels.pass1(a, b).tolist()
+            vals = kernels.pass1(a, b, kl).tolist()
         if on_kernel and not all(map(math.isfinite, vals)):
             if stop - start > kernels.FUSED_CHUNK:
                 # NaN/Inf somewhere in the span: redo it row by row, so only those rows go slow
@@ -192,7 +195,7 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
                 continue
             if math.isfinite(vals[0] + vals[1]):
                 # finite data beyond the kernel's fp32 range (a difference > 88, exp overflows)
-                vals = kernels.pass1(a, b).tolist()
+                vals = kernels.pass1(a, b, kl).tolist()
         if not math.isfinite(vals[0] + vals[1]):
             # the rare slow path: count NaN/Inf per side, each side's statistics over its own
             # finite elements, the metrics over the elements finite on both
@@ -205,9 +208,9 @@ def _reduce(g: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
             a, b = a[keep], b[keep]
             if a.numel() == 0:
                 continue
-            _merge(acc, kernels.pass1(a, b).tolist(), a.numel(), sides=False)
+            _merge(acc, kernels.pass1(a, b, kl).tolist(), a.numel(), sides=False, softmax=kl)
             continue
-        _merge(acc, vals, a.numel())
+        _merge(acc, vals, a.numel(), softmax=kl)
     return acc
 
 
@@ -234,9 +237,11 @@ def _f32(x: torch.Tensor, slot: int) -> torch.Tensor:
     return buf[:x.numel()].copy_(x)
 
 
-def _merge(acc: dict[str, Any], vals: list[float], count: int, sides: bool = True) -> None:
+def _merge(acc: dict[str, Any], vals: list[float], count: int, sides: bool = True,
+           softmax: bool = True) -> None:
     """Add one piece's ``kernels.N_VALUES`` to the running sums (``sides``: its statistics of each
-    side too; not for a piece filtered to the elements finite on both)."""
+    side too; not for a piece filtered to the elements finite on both; ``softmax``: its KL sums,
+    which a piece computed without them holds as 0)."""
     if sides:  # (unrolled: this runs for every piece of every pair)
         g_max, g_min, g_sum, t_max, t_min, t_sum = vals[14:20]
         if g_max > acc["g_max"]:
@@ -261,6 +266,9 @@ def _merge(acc: dict[str, Any], vals: list[float], count: int, sides: bool = Tru
     acc["sum_rel"] += vals[7]
     acc["c1"] += int(vals[8])
     acc["c5"] += int(vals[9])
+    acc["valid"] += count
+    if not softmax:
+        return
     # the KL sums, each piece's weights normalised by its own log-sum-exp (sum w = 1): rescale
     # the running sums and the piece's to the merged log-sum-exp (online softmax)
     lse = _logaddexp(acc["lse_g"], vals[10])
@@ -271,7 +279,6 @@ def _merge(acc: dict[str, Any], vals: list[float], count: int, sides: bool = Tru
     acc["kl_z"] = acc["kl_z"] * old_scale + vals[13] * new_scale
     acc["lse_g"] = lse
     acc["lse_t"] = _logaddexp(acc["lse_t"], vals[11])
-    acc["valid"] += count
 
 
 def _logaddexp(x: float, y: float) -> float:

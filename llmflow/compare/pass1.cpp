@@ -198,7 +198,10 @@ struct Pass1 {  // maxima, exact quadratic sums, counts
 // exp(d) = 1 + d + phi(d) converges, so exp(b - mb) = exp(a - ma) * exp(d) * exp(ma - mb) costs 3
 // products where a second exp_neg costs ~16 operations; under 1/16 four terms of the series do.
 // Chosen per row, not per element: a test per vector of 16 costs more than it saves.
-enum Spread { SMALL, UNDER_ONE, ANY };  // the row's largest |d|: < 1/16, < 1, or more
+enum Spread { SMALL, UNDER_ONE, ANY, NO_SOFTMAX };  // the row's largest |d|: < 1/16, < 1, or more
+// NO_SOFTMAX: the caller asked for no KL (llmflow_pass1's `softmax` 0), so the loop takes each side's
+// minimum and plain sum only: on 256-bit and narrower builds the exp polynomials are most of the
+// kernel's arithmetic (see docs/benchmarks.md)
 
 // Each side's minimum and plain sum (its mean) are taken here, not in the first loop: this loop
 // waits on its exp polynomials and has issue slots to spare; in the first they cost ~15%.
@@ -210,30 +213,41 @@ struct Pass2 {  // the softmax sums, weights exp(a - max a) and exp(b - max b) o
 
     template <bool TAIL>
     void step(vf xa, vf xb, vi valid) {
-        vf d = xb - xa, ea = exp_neg(xa - ma), eb, zz;
-        if (S == ANY) {
-            eb = exp_neg(xb - mb);
-            // ea * phi(d); beyond |d| = 1 through eb: ea * exp(d) = exp(b - ma) = eb * exp(mb - ma)
-            zz = vabs(d) < 1.0f ? ea * (phi_series<9>(d) * (d * d)) : eb * scale_b - ea * (1.0f + d);
-        } else {
-            // every |d| < 1: exp(d) = 1 + d + phi(d) gives eb from ea, without a second exp
-            vf phi = (S == SMALL ? phi_series<5>(d) : phi_series<9>(d)) * (d * d);
-            zz = ea * phi;
-            eb = ea * ((1.0f + d) + phi) * scale_ab;
+        vf ea, eb, zz, yd;
+        if constexpr (S != NO_SOFTMAX) {
+            vf d = xb - xa;
+            ea = exp_neg(xa - ma);
+            if (S == ANY) {
+                eb = exp_neg(xb - mb);
+                // ea * phi(d); beyond |d| = 1 through eb: ea * exp(d) = exp(b - ma) = eb * exp(mb - ma)
+                zz = vabs(d) < 1.0f ? ea * (phi_series<9>(d) * (d * d)) : eb * scale_b - ea * (1.0f + d);
+            } else {
+                // every |d| < 1: exp(d) = 1 + d + phi(d) gives eb from ea, without a second exp
+                vf phi = (S == SMALL ? phi_series<5>(d) : phi_series<9>(d)) * (d * d);
+                zz = ea * phi;
+                eb = ea * ((1.0f + d) + phi) * scale_ab;
+            }
+            yd = ea * d;
         }
-        vf yd = ea * d;
         if (TAIL) {
             const vf zero = splat(0.0f), pinf = splat(INFINITY);
-            ea = valid ? ea : zero; eb = valid ? eb : zero; zz = valid ? zz : zero; yd = valid ? yd : zero;
+            if constexpr (S != NO_SOFTMAX) {
+                ea = valid ? ea : zero; eb = valid ? eb : zero; zz = valid ? zz : zero; yd = valid ? yd : zero;
+            }
             na = vmin(na, valid ? xa : pinf); nb = vmin(nb, valid ? xb : pinf);
             xa = valid ? xa : zero; xb = valid ? xb : zero;
         } else {
             na = vmin(na, xa); nb = vmin(nb, xb);
         }
-        block_sa += ea; block_sb += eb; block_y += yd; block_z += zz; block_a += xa; block_b += xb;
+        if constexpr (S != NO_SOFTMAX) {
+            block_sa += ea; block_sb += eb; block_y += yd; block_z += zz;
+        }
+        block_a += xa; block_b += xb;
     }
     void flush() {
-        sa += widen_sum(block_sa); sb += widen_sum(block_sb); y += widen_sum(block_y); z += widen_sum(block_z);
+        if constexpr (S != NO_SOFTMAX) {
+            sa += widen_sum(block_sa); sb += widen_sum(block_sb); y += widen_sum(block_y); z += widen_sum(block_z);
+        }
         s_a += widen_sum(block_a); s_b += widen_sum(block_b);
         block_sa = block_sb = block_y = block_z = block_a = block_b = vf{};
     }
@@ -330,9 +344,10 @@ void second_pass(const P &start, const A *a, const B *b, int64_t n, double *t, A
 }
 
 // one row: its N_ROW values (the first loop reads a and b from memory, the second from cache),
-// fetching the next row's `next` elements (0: none) into cache meanwhile
+// fetching the next row's `next` elements (0: none) into cache meanwhile; without `softmax` the
+// softmax sums are left 0
 template <class A, class B>
-void one_row(const A *a, const B *b, int64_t n, int64_t next, double *r) {
+void one_row(const A *a, const B *b, int64_t n, int64_t next, bool softmax, double *r) {
     Ahead ahead{reinterpret_cast<const char *>(a + n), reinterpret_cast<const char *>(b + n),
                 next * int64_t(sizeof(A)), next * int64_t(sizeof(B))};
     int64_t lines = ((ahead.a_bytes > ahead.b_bytes ? ahead.a_bytes : ahead.b_bytes) + 63) / 64;
@@ -344,7 +359,8 @@ void one_row(const A *a, const B *b, int64_t n, int64_t next, double *r) {
     const vf va = splat(ma), vb = splat(mb);
     const vf scale_b = splat(std::exp(mb - ma)), scale_ab = splat(std::exp(ma - mb));
     double t[8];
-    if (spread < 0.0625f) second_pass(Pass2<SMALL>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
+    if (!softmax) second_pass(Pass2<NO_SOFTMAX>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
+    else if (spread < 0.0625f) second_pass(Pass2<SMALL>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
     else if (spread < 1.0f) second_pass(Pass2<UNDER_ONE>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
     else second_pass(Pass2<ANY>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
     const double v[N_ROW] = {hsum(p, &Pass1::aa), hsum(p, &Pass1::bb), hsum(p, &Pass1::ab),
@@ -356,7 +372,8 @@ void one_row(const A *a, const B *b, int64_t n, int64_t next, double *r) {
 }
 
 template <class A, class B>
-void all_rows(const void *a, const void *b, int64_t n, int64_t row, int64_t rows, int threads, double *r) {
+void all_rows(const void *a, const void *b, int64_t n, int64_t row, int64_t rows, int threads, bool softmax,
+              double *r) {
     (void)threads;  // without OpenMP (-fopenmp refused): one thread
     // Each thread takes a run of consecutive rows (as schedule(static) would), so that the row
     // it fetches ahead is the one it reads next.
@@ -372,7 +389,7 @@ void all_rows(const void *a, const void *b, int64_t n, int64_t row, int64_t rows
             int64_t start = i * row, stop = start + row < n ? start + row : n;
             int64_t next = i + 1 < last ? (stop + row < n ? stop + row : n) - stop : 0;
             one_row(static_cast<const A *>(a) + start, static_cast<const B *>(b) + start, stop - start, next,
-                    r + i * N_ROW);
+                    softmax, r + i * N_ROW);
         }
     }
 }
@@ -381,17 +398,18 @@ void all_rows(const void *a, const void *b, int64_t n, int64_t row, int64_t rows
 
 // n elements of a and b (each float32, or bfloat16 where a_bf16 / b_bf16) as rows of `row`
 // elements (the last may be shorter), rows in parallel on `threads` threads, merged here: the 20
-// values of kernels.pass1 into out. Returns 0, or -1 when out of memory.
+// values of kernels.pass1 into out; where `softmax` is 0 (no KL wanted) values 10-13, the softmax
+// sums, are 0 and not computed. Returns 0, or -1 when out of memory.
 extern "C" int llmflow_pass1(const void *a, int a_bf16, const void *b, int b_bf16, int64_t n, int64_t row,
-                             int threads, double *out) {
+                             int threads, double *out, int softmax) {
     int64_t rows = (n + row - 1) / row;
     double stack[64 * N_ROW];
     double *r = rows <= 64 ? stack : static_cast<double *>(std::malloc(rows * N_ROW * sizeof(double)));
     if (!r) return -1;
-    if (a_bf16 && b_bf16) all_rows<bf16, bf16>(a, b, n, row, rows, threads, r);
-    else if (a_bf16) all_rows<bf16, float>(a, b, n, row, rows, threads, r);
-    else if (b_bf16) all_rows<float, bf16>(a, b, n, row, rows, threads, r);
-    else all_rows<float, float>(a, b, n, row, rows, threads, r);
+    if (a_bf16 && b_bf16) all_rows<bf16, bf16>(a, b, n, row, rows, threads, softmax != 0, r);
+    else if (a_bf16) all_rows<bf16, float>(a, b, n, row, rows, threads, softmax != 0, r);
+    else if (b_bf16) all_rows<float, bf16>(a, b, n, row, rows, threads, softmax != 0, r);
+    else all_rows<float, float>(a, b, n, row, rows, threads, softmax != 0, r);
     // rows merged with weights relative to the largest row maximum (online softmax)
     double top_a = -INFINITY, top_b = -INFINITY;
     for (int64_t i = 0; i < rows; i++) {
@@ -415,6 +433,7 @@ extern "C" int llmflow_pass1(const void *a, int a_bf16, const void *b, int b_bf1
     }
     o[10] = std::log(sa) + top_a; o[11] = std::log(sb) + top_b; o[12] = y / sa; o[13] = z / sa;
     o[14] = top_a; o[17] = top_b;
+    if (!softmax) o[10] = o[11] = o[12] = o[13] = 0;
     std::memcpy(out, o, sizeof o);
     if (r != stack) std::free(r);
     return 0;

@@ -59,6 +59,7 @@ class Job:
     thresholds: dict | None = None
     target_dtype: str | None = None  # given: judges every float row
     model_dtype: str | None = None  # recorded in the dumps: judges rows at it or coarser
+    kl: str = "all"  # rows that get the KL divergence: "all", or "logits" (CompareOptions.kl)
     _algs: dict | None = field(default=None, repr=False)
     _prefixes: tuple[str, str] | None = field(default=None, repr=False)
     _load_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -204,7 +205,7 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
                 t = job.load(job.target, p.targets[0]).float()
                 for extra in p.targets[1:]:
                     t = t + job.load(job.target, extra).float()
-            row.update(compare_tensors(g, t))
+            row.update(compare_tensors(g, t, kl=job.kl == "all" or "logits" in p.levels))
             if "logits" in p.levels and g.dim() >= 1 and g.shape == t.shape and g.numel():
                 row.update(_logits_columns(g, t))
             algs = job.algs()

@@ -137,7 +137,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     # file refs made absolute: worker processes (or dask workers) may run in another directory
     algs = [_absolute_ref(a, opts.base_dir) for a in opts.algorithms]
     job = Job(g_reader, t_reader, algs, str(opts.base_dir), opts.stats_only, opts.thresholds,
-              judge_by.given, judge_by.recorded)
+              judge_by.given, judge_by.recorded, kl=opts.kl)
     any_stats = opts.stats_only or any(
         not e.has_data for p in pairs if not p.unmatched for e in (p.golden, *p.targets) if e is not None)
     sharded = pairing.matching.tensor_parallel is not None

@@ -64,7 +64,9 @@ def test_builds_with_fma_give_the_same_bits() -> None:
         pytest.skip("this CPU runs fewer than two of x86-64-v3/v4")
     first, second = (kernels.for_target(t) for t in fma)
     for a, b in _cases():
-        assert torch.equal(first(a, b).view(torch.int64), second(a, b).view(torch.int64))
+        for softmax in (True, False):  # the KL's sums, and the form without them
+            bits = [kernel(a, b, softmax).view(torch.int64) for kernel in (first, second)]
+            assert torch.equal(*bits)
 
 
 def test_the_best_build_the_cpu_runs_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,9 +124,9 @@ def test_the_aarch64_build_passes_the_self_check_under_qemu(tmp_path: Path) -> N
     _, qemu = _cross_tools_or_skip()
     program = _aarch64_program(tmp_path, kernels.LIBRARY, "pass1_main.cpp")
 
-    def emulated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        head = struct.pack("<qiiqi", a.numel(), a.dtype == torch.bfloat16, b.dtype == torch.bfloat16,
-                           kernels.FUSED_CHUNK, 2)
+    def emulated(a: torch.Tensor, b: torch.Tensor, softmax: bool = True) -> torch.Tensor:
+        head = struct.pack("<qiiqii", a.numel(), a.dtype == torch.bfloat16, b.dtype == torch.bfloat16,
+                           kernels.FUSED_CHUNK, 2, softmax)
         data = head + a.contiguous().view(torch.uint8).numpy().tobytes() + b.contiguous().view(
             torch.uint8).numpy().tobytes()
         done = subprocess.run([qemu, str(program)], input=data, capture_output=True, timeout=120,
