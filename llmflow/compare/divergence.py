@@ -7,7 +7,9 @@ and they are never a first failing row, a summary's worst row or a heat map's fi
 
 The first differing token comes from the token ids each side generated: the dump stage writes them
 to ``generation.json`` beside its dump directory (``<stage>/generation.json``, the dump in
-``<stage>/dump``), so a compare of two such dumps finds them without being told.
+``<stage>/dump``), so a compare of two such dumps finds them without being told. The same file
+holds the prompt's token ids: two runs given different prompts compared different inputs at
+every step, and no row of theirs says anything about the target's kernels.
 """
 
 from __future__ import annotations
@@ -39,30 +41,36 @@ def generation_beside(dump_dir: str | Path) -> Path | None:
     return None
 
 
-def output_ids(path: Path) -> list[int] | None:
-    """The generated token ids a ``generation.json`` records; None when it records none (or is not
-    one: a file of that name written by something else is not trusted)."""
+def output_ids(path: Path, key: str = "output_ids") -> list[int] | None:
+    """The generated token ids a ``generation.json`` records (``key`` "input_ids": the prompt's);
+    None when it records none (or is not one: a file of that name written by something else is
+    not trusted)."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    ids = record.get("output_ids") if isinstance(record, dict) else None
+    ids = record.get(key) if isinstance(record, dict) else None
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         return None
     return ids
 
 
 def divergence(golden_dump: str | Path, target_dump: str | Path) -> Divergence | None:
-    """Where the texts part (``first_differing_token``: None when they agree) when both dumps have
-    the generation record beside them; None when either lacks it (nothing is marked diverged)."""
+    """Where the texts part (``first_differing_token``: None when they agree) and whether the
+    prompts differ, when both dumps have the generation record beside them; None when either
+    lacks it (nothing is marked diverged)."""
     files = generation_beside(golden_dump), generation_beside(target_dump)
     if files[0] is None or files[1] is None:
         return None
     ids = output_ids(files[0]), output_ids(files[1])
     if ids[0] is None or ids[1] is None:
         return None
+    golden_prompt, target_prompt = output_ids(files[0], "input_ids"), output_ids(files[1], "input_ids")
+    prompt_tokens = None
+    if golden_prompt is not None and target_prompt is not None and golden_prompt != target_prompt:
+        prompt_tokens = [len(golden_prompt), len(target_prompt)]
     return Divergence(first_differing_token=first_mismatch(ids[0], ids[1]), golden_file=str(files[0]),
-                      target_file=str(files[1]))
+                      target_file=str(files[1]), prompt_tokens=prompt_tokens)
 
 
 def is_diverged(step: Any, first_differing_token: int | None) -> bool:

@@ -138,13 +138,23 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
     problems = {side: p for side, p in problems.items() if p}
     incomplete = coverage.state == "incomplete"
     next_step = ""
-    if counts["fail"]:
+    if divergence is not None and divergence.prompt_tokens is not None:
+        # no row of two different prompts' runs says anything of the target's kernels
+        golden, target = divergence.prompt_tokens
+        status = "inconclusive"
+        headline = (f"the two runs were given different prompts ({golden} and {target} tokens, "
+                    "generation.json): every row compares different inputs")
+        next_step = "dump both sides with the same prompt, then compare again"
+    elif counts["fail"]:
         fails = [s.first_fail for s in levels.values() if s.first_fail]
         first = min(fails, key=lambda r: (r.step, r.rank, r.order or 0), default=None)
         token = divergence.first_differing_token if divergence else None
         where = f"; first: {first.name} (step {first.step}, {first.code})" if first else \
             f"; all after the texts part at token {token}" if token is not None else ""
-        status, headline = "fail", f"{counts['fail']} of {pairs} rows fail{where}"
+        # counted per tensor pair (one golden tensor at one step with its target), as ``pairs``
+        # is: a pair written to several level CSVs (a decoder layer's output is a layer and a
+        # module row) counts once, so the CSVs' verdict columns may add up to more
+        status, headline = "fail", f"{counts['fail']} of {pairs} tensor pairs fail{where}"
         if incomplete:
             headline += "; and the compare is incomplete"
     elif problems:  # (a damaged dump explains rows without a partner: it lost them)
@@ -161,7 +171,7 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
         status, headline = "fail", str(coverage.headline)
     else:
         status = "pass"
-        headline = f"{pairs} rows, {counts['warn']} warn, {counts['unmatched']} unmatched"
+        headline = f"{pairs} tensor pairs, {counts['warn']} warn, {counts['unmatched']} unmatched"
     verdict = status if status != "pass" else ("warn" if counts["warn"] else "pass")
     return coverage.state, verdict, CompareOutcome(status=status, headline=headline,
                                                    next=next_step if status == "inconclusive" else "")
@@ -173,6 +183,9 @@ def report_lines(summary: CompareSummary) -> list[str]:
     from llmflow.compare.pairing import matching_text
 
     lines = [f"matching: {matching_text(summary.matching)}"]
+    if summary.divergence is not None and summary.divergence.prompt_tokens is not None:
+        lines.append(f"prompts differ: {summary.divergence.golden_file} and {summary.divergence.target_file} "
+                     "record different input_ids")
     token = summary.divergence.first_differing_token if summary.divergence else None
     if token is not None:
         per_level = ", ".join(f"{s.diverged} {lv}" for lv, s in summary.levels.items() if s.diverged)

@@ -120,6 +120,10 @@ class Divergence:
     first_differing_token: int | None = doc("null: the texts agree.")
     golden_file: str
     target_file: str
+    prompt_tokens: list[int] | None = doc(
+        "The golden and the target prompt's lengths in tokens where the two runs were given different "
+        "prompts (every row then compares different inputs); null: the same prompt, or not recorded.",
+        default=None)
 
 
 @dataclass

@@ -48,8 +48,9 @@ _PARAM = {
         "minimum": {"type": "number", "description": "Smallest allowed number."},
         "maximum": {"type": "number", "description": "Largest allowed number."},
         "format": {"enum": ["path"], "description": (
-            "path: a file or folder (or file.py:name); a --set value naming one relative to the current "
-            "directory is taken from there, any other relative path from this file's directory.")},
+            "path: a file or folder (or file.py:name); a relative --set value is read from the current "
+            "directory, unless only this file's directory holds it; values in the YAML from this "
+            "file's directory.")},
     },
 }
 

@@ -10,6 +10,7 @@ is about to run.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -21,7 +22,7 @@ import jsonschema
 import yaml
 
 from llmflow.errors import UserError, one_line
-from llmflow.plugins import is_file_ref, suggest
+from llmflow.plugins import find_group, is_file_ref, suggest
 from llmflow.redaction import Redactor, secret_env_values
 from llmflow.stages.base import Stage, fill_defaults
 from llmflow.workflow import dag
@@ -135,23 +136,40 @@ def _check_params(wf: Workflow, set_params: SetParams, checked: Checked) -> None
             checked.errors.append(ValidationError(f"--set {name}={one_line(raw, 80)}: {exc.message}"))
             continue
         if wf.params[name].get("format") == "path":
-            value = path_from_current_dir(value)
+            value = path_from_current_dir(value, wf.directory)
         checked.params[name] = value
 
 
-def path_from_current_dir(value: Any) -> Any:
-    """A ``--set`` value of a ``format: path`` param, typed in a shell: when it names a file or
-    folder relative to the current directory (a ``file.py:name`` reference: its file), that one,
-    made absolute. Otherwise the value as given: a name (``smollm2``, ``tiny-llama``, a mapping's)
-    or a path relative to the workflow file, as values in the YAML are; a shipped workflow run
-    by name lies inside the package, where a user's relative path never points."""
+def path_from_current_dir(value: Any, workflow_dir: Path) -> Any:
+    """A ``--set`` value of a ``format: path`` param, typed in a shell, as the stage will read it
+    (relative to ``workflow_dir``). A relative path means the current directory's: made absolute
+    (a ``file.py:name`` reference: its file), also when nothing is there, so a missing one is
+    reported where the user meant it, not inside the package a shipped workflow lies in. Kept as
+    typed: a path only the workflow file's directory holds (``../plugins/x.py:f``, read as the
+    YAML's values are), a name (``smollm2``, ``tiny-llama``, a mapping's) and an absolute path."""
     if not isinstance(value, str) or not value.strip():
         return value
     text, sep, attr = value.rpartition(":") if is_file_ref(value) else (value, "", "")
     path = Path(text).expanduser()
-    if path.is_absolute() or not path.exists():
+    if path.is_absolute():
+        return value
+    if not path.exists() and ((workflow_dir / path).exists() or _is_a_name(value)):
         return value
     return os.path.abspath(path) + sep + attr
+
+
+def _is_a_name(value: str) -> bool:
+    """A model spec (``smollm2``, ``tiny-<family>[:k=v]``) or an op-mapping's entry-point name,
+    or a bare word close to one: a typo the stage's own message corrects (a path would lose its
+    "did you mean")."""
+    if value.startswith("tiny-"):
+        return True
+    names = {"smollm2", *find_group("llmflow.mappings")}
+    if value in names:
+        return True
+    bare_word = "/" not in value and "\\" not in value
+    # (a high cutoff: a folder such as "llama2" is not taken for "atb-llama")
+    return bare_word and bool(difflib.get_close_matches(value, names, n=1, cutoff=0.8))
 
 
 def _check_stages(wf: Workflow, checked: Checked, trust_plugins: bool) -> None:

@@ -1,7 +1,8 @@
 """A relative path given with ``--set`` to a shipped workflow run by name, as a user types it in
 the folder holding the files: it names the file in the current directory (the shipped workflow
-lies inside the package, where such a path never points); a path relative to the workflow file,
-as the README's ``--set target_patch=../plugins/...`` is, still works."""
+lies inside the package, where such a path never points), and one that is not there is reported
+there; a path relative to the workflow file, as the README's ``--set target_patch=../plugins/...``
+is, still works."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compare_helpers import as_dump  # noqa: E402
-from workflow_helpers import llmflow  # noqa: E402
+from workflow_helpers import assert_bad_input, llmflow  # noqa: E402
 
 from llmflow.workflow.validate import path_from_current_dir  # noqa: E402
 
@@ -39,6 +40,26 @@ def test_a_missing_dump_is_bad_input_naming_it(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("FAILED: ") and "gpu_dump" in last and "Traceback" not in proc.stderr
+
+
+def test_a_missing_dump_is_named_where_the_user_meant_it(tmp_path):
+    """Not found in the current directory nor beside the shipped workflow: the message names the
+    current directory's path, the one the user typed, not one inside the package."""
+    as_dump(tmp_path, "npu_dump")
+    proc = llmflow("run", "compare_dumps", "--set", "golden_dump=nope", "--set", "target_dump=npu_dump",
+                   "--run-dir", "cmp", cwd=tmp_path)
+    last = assert_bad_input(proc, f"{tmp_path / 'nope'}: no such dump")
+    assert "workflows" not in last, last
+    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert summary["params"]["golden_dump"] == str(tmp_path / "nope")
+
+
+def test_a_missing_path_in_a_subfolder_is_named_where_the_user_meant_it(tmp_path):
+    (tmp_path / "dumps").mkdir()
+    as_dump(tmp_path / "dumps", "npu_dump")
+    proc = llmflow("run", "compare_dumps", "--set", "golden_dump=dumps/gpu_dump",
+                   "--set", "target_dump=dumps/npu_dump", "--run-dir", "cmp", cwd=tmp_path)
+    assert_bad_input(proc, f"{tmp_path / 'dumps' / 'gpu_dump'}: no such dump")
 
 
 def test_badcase_reads_the_prompts_file_the_workflow_header_shows(tmp_path):
@@ -73,14 +94,28 @@ def test_a_patch_relative_to_the_users_workflow_file_still_loads(tmp_path):
     assert summary["params"]["patch"] == "../patches/mark.py:halve_lm_head"  # kept as typed
 
 
-@pytest.mark.parametrize("value", ["smollm2", "tiny-llama:layers=2", "atb-llama", "", "/abs/path"])
+@pytest.mark.parametrize("value", ["smollm2", "tiny-llama:layers=2", "atb-llama", "", "/abs/path",
+                                   "atb-lama", "smolm2"])
 def test_names_and_absolute_paths_are_kept_as_typed(tmp_path, monkeypatch, value):
+    """A name, or a typo of one (the stage's message suggests the name), is no path."""
     monkeypatch.chdir(tmp_path)
-    assert path_from_current_dir(value) == value
+    assert path_from_current_dir(value, tmp_path / "flows") == value
 
 
 def test_a_file_reference_in_the_current_directory_is_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "faults.py").write_text("def f(model):\n    pass\n")
-    assert path_from_current_dir("faults.py:f") == f"{tmp_path}/faults.py:f"
-    assert path_from_current_dir("other.py:f") == "other.py:f"
+    assert path_from_current_dir("faults.py:f", tmp_path / "flows") == f"{tmp_path}/faults.py:f"
+
+
+def test_a_path_only_the_workflow_directory_holds_is_kept_as_typed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "flows").mkdir()
+    (tmp_path / "flows" / "faults.py").write_text("def f(model):\n    pass\n")
+    assert path_from_current_dir("faults.py:f", tmp_path / "flows") == "faults.py:f"
+
+
+@pytest.mark.parametrize("value", ["nope", "other.py:f", "dumps/gpu_dump", "llama2"])
+def test_a_path_found_nowhere_is_read_from_the_current_directory(tmp_path, monkeypatch, value):
+    monkeypatch.chdir(tmp_path)
+    assert path_from_current_dir(value, tmp_path / "flows") == f"{tmp_path}/{value}"

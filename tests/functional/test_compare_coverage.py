@@ -260,4 +260,4 @@ def test_compare_stage_fails_on_failing_rows(tmp_path: Path) -> None:
     ctx = stage_ctx(tmp_path, {"golden": "g/llmflow_dump", "target": "t/llmflow_dump"})
     CompareStage().run(ctx)
     assert ctx.outcome is not None and ctx.outcome.status == "fail"
-    assert "rows fail; first: model.layers.1.mlp" in ctx.outcome.headline
+    assert "tensor pairs fail; first: model.layers.1.mlp" in ctx.outcome.headline
