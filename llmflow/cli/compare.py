@@ -120,7 +120,7 @@ def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
     from llmflow.compare.files import compare_files
 
     rows = compare_files(args.golden_path, args.my_path, algorithms=args.algorithms,
-                         thresholds=thresholds, target_dtype=args.target_dtype)
+                         thresholds=thresholds, target_dtype=args.target_dtype, kl=args.kl == "all")
     con = console()
     paired = sum(1 for r in rows if r.get("verdict") != "unmatched")
     alone = sum(1 for r in rows if r.get("code") == "unmatched_golden")

@@ -79,8 +79,9 @@ def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> str | None:
 
 def compare_files(golden: str | Path, target: str | Path, *, algorithms: list[str] | None = None,
                   thresholds: dict | None = None, target_dtype: str | None = None,
-                  base_dir: str | Path = ".") -> list[dict[str, Any]]:
-    """One row per tensor: a single tensor each, or the keys both files share (others unmatched)."""
+                  base_dir: str | Path = ".", kl: bool = True) -> list[dict[str, Any]]:
+    """One row per tensor: a single tensor each, or the keys both files share (others unmatched);
+    without ``kl`` no KL divergence (a tensor file has no logits level)."""
     g_all, t_all = load_tensors(golden), load_tensors(target)
     if len(g_all) == 1 and len(t_all) == 1:
         keys = [(next(iter(g_all)), next(iter(t_all)))]
@@ -94,7 +95,7 @@ def compare_files(golden: str | Path, target: str | Path, *, algorithms: list[st
                                "golden_dtype": dtype_name(g.dtype),
                                "target_dtype": dtype_name(t.dtype),
                                "golden_shape": list(g.shape), "target_shape": list(t.shape)}
-        row.update(compare_tensors(g, t))
+        row.update(compare_tensors(g, t, kl=kl))
         gf, tf = g.float(), t.float()
         for name, func in algs.items():
             row.update(run_algorithm(name, func, gf, tf) if gf.shape == tf.shape else

@@ -21,7 +21,9 @@ data gives every metric, KL included, and each side's statistics (max, min, mean
 columns msit and msprobe show beside the metrics). The exp behind the KL is most of the
 arithmetic: a caller that wants no KL for a pair (``llmflow compare --kl logits``) passes
 ``softmax=False``, and the kernel skips it (the softmax sums are then 0, every other value the
-same bits), ~1.8x less work an element.
+same bits), ~1.8x less work an element. A row whose largest |d| reaches 64 still takes them, and
+their overflow (NaN in their place) sends the piece to eager torch as it would with the KL, so
+its other values are the same either way.
 
 Eager torch (``pass1``: any float dtype, float64 throughout, ~30 torch ops a call) is the
 reference, and serves other dtypes, pieces with NaN/Inf, and machines without a C++ compiler.

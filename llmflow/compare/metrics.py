@@ -105,6 +105,8 @@ def compare_tensors(golden: torch.Tensor, target: torch.Tensor, kl: bool = True)
     kernel's arithmetic."""
     golden, target = golden.detach(), target.detach()
     row = _empty_row(golden, target)
+    if not kl:
+        row["kl_divergence"] = None
     if row["shape_mismatch"]:
         if golden.numel() == target.numel() and golden.numel() > 0:
             # same data, different view (e.g. [1, n, h] vs [n, h]): compare flat, but say so

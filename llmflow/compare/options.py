@@ -15,6 +15,8 @@ from llmflow.compare.jumps import JUMP_RATIO
 from llmflow.compare.levels import LEVELS
 from llmflow.options import option
 
+KL_CHOICES = ("all", "logits")  # rows that get the KL divergence: every one, or the logits rows only
+
 
 @dataclass
 class CompareOptions:
@@ -35,8 +37,8 @@ class CompareOptions:
     kl: str = option(
         "all", "Rows that get the kl_divergence column: all, or logits (the logits rows only; the "
         "others leave it empty). The KL's exp is about half the compare's arithmetic on large "
-        "tensors, so where the CPU bounds a compare, logits makes it up to ~1.8x faster.",
-        schema={"type": "string", "enum": ["all", "logits"]}, flags=("--kl",))
+        "tensors, so where the CPU bounds a compare, logits makes it 1.25-2x faster (docs/benchmarks.md).",
+        schema={"type": "string", "enum": list(KL_CHOICES)}, flags=("--kl",))
     algorithms: list[str] = option(
         [], "Custom algorithms func(golden, target) -> (value, message): file.py:func or "
         "llmflow.algorithms names.",

@@ -201,7 +201,12 @@ struct Pass1 {  // maxima, exact quadratic sums, counts
 enum Spread { SMALL, UNDER_ONE, ANY, NO_SOFTMAX };  // the row's largest |d|: < 1/16, < 1, or more
 // NO_SOFTMAX: the caller asked for no KL (llmflow_pass1's `softmax` 0), so the loop takes each side's
 // minimum and plain sum only: on 256-bit and narrower builds the exp polynomials are most of the
-// kernel's arithmetic (see docs/benchmarks.md)
+// kernel's arithmetic (see docs/benchmarks.md). Not for a row whose largest |d| reaches
+// OVERFLOW_SPREAD: there the softmax sums are taken anyway, because their float32 arithmetic may
+// overflow (exp(max b - max a) past 88), and an overflow sends the piece to eager float64 torch,
+// whose other values differ in the last bits; so a compare without the KL redoes the same pieces
+// and writes the same other values as one with it.
+constexpr float OVERFLOW_SPREAD = 64.0f;  // below it every softmax sum stays under ~1e29
 
 // Each side's minimum and plain sum (its mean) are taken here, not in the first loop: this loop
 // waits on its exp polynomials and has issue slots to spare; in the first they cost ~15%.
@@ -359,7 +364,8 @@ void one_row(const A *a, const B *b, int64_t n, int64_t next, bool softmax, doub
     const vf va = splat(ma), vb = splat(mb);
     const vf scale_b = splat(std::exp(mb - ma)), scale_ab = splat(std::exp(ma - mb));
     double t[8];
-    if (!softmax) second_pass(Pass2<NO_SOFTMAX>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
+    if (!softmax && spread < OVERFLOW_SPREAD)
+        second_pass(Pass2<NO_SOFTMAX>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
     else if (spread < 0.0625f) second_pass(Pass2<SMALL>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
     else if (spread < 1.0f) second_pass(Pass2<UNDER_ONE>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
     else second_pass(Pass2<ANY>{va, vb, scale_b, scale_ab}, a, b, n, t, ahead);
@@ -399,7 +405,8 @@ void all_rows(const void *a, const void *b, int64_t n, int64_t row, int64_t rows
 // n elements of a and b (each float32, or bfloat16 where a_bf16 / b_bf16) as rows of `row`
 // elements (the last may be shorter), rows in parallel on `threads` threads, merged here: the 20
 // values of kernels.pass1 into out; where `softmax` is 0 (no KL wanted) values 10-13, the softmax
-// sums, are 0 and not computed. Returns 0, or -1 when out of memory.
+// sums, are 0 and not computed (NaN where a row's would overflow: see OVERFLOW_SPREAD). Returns 0,
+// or -1 when out of memory.
 extern "C" int llmflow_pass1(const void *a, int a_bf16, const void *b, int b_bf16, int64_t n, int64_t row,
                              int threads, double *out, int softmax) {
     int64_t rows = (n + row - 1) / row;
@@ -433,7 +440,12 @@ extern "C" int llmflow_pass1(const void *a, int a_bf16, const void *b, int b_bf1
     }
     o[10] = std::log(sa) + top_a; o[11] = std::log(sb) + top_b; o[12] = y / sa; o[13] = z / sa;
     o[14] = top_a; o[17] = top_b;
-    if (!softmax) o[10] = o[11] = o[12] = o[13] = 0;
+    if (!softmax) {  // 0, or NaN where a row's softmax sums overflowed
+        bool overflow = false;
+        for (int64_t i = 0; i < rows; i++)
+            for (int k : {11, 13, 14, 15}) overflow = overflow || !std::isfinite(r[i * N_ROW + k]);
+        o[10] = o[11] = o[12] = o[13] = overflow ? NAN : 0;
+    }
     std::memcpy(out, o, sizeof o);
     if (r != stack) std::free(r);
     return 0;

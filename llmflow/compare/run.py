@@ -24,7 +24,7 @@ from llmflow.compare.engine import execute
 from llmflow.compare.jumps import JumpJudge, check_jump_ratio
 from llmflow.compare.match import LEVELS
 from llmflow.compare.metrics import known_metrics
-from llmflow.compare.options import CompareOptions
+from llmflow.compare.options import KL_CHOICES, CompareOptions
 from llmflow.compare.pairing import plan_pairs
 from llmflow.compare.rows import Job
 from llmflow.compare.sheets import level_columns, write_sheets
@@ -61,8 +61,22 @@ def check_options(opts: CompareOptions, flags: dict[str, str] | None = None) -> 
     load_algorithms(opts.algorithms, opts.base_dir)  # bad refs fail here
     names = [algorithm_name(a) for a in opts.algorithms]
     check_thresholds(opts.thresholds, known_metrics(names), flags.get("thresholds", "thresholds"))
+    if opts.kl not in KL_CHOICES:
+        raise UserError(f"{flags.get('kl', 'compare: kl')}: expected one of {', '.join(KL_CHOICES)}, "
+                        f"got {opts.kl!r}")
+    if opts.kl == "logits" and _names_kl(opts.thresholds):
+        kl = flags.get("kl", "kl")
+        raise UserError(f"{flags.get('thresholds', 'thresholds')}: kl_divergence limits judge every row, "
+                        f"but {kl} logits leaves the KL of every row but the logits empty: use {kl} all, "
+                        "or drop the kl_divergence limits")
     opts.jump_ratio = check_jump_ratio(opts.jump_ratio, flags.get("jump_ratio", "compare: jump_ratio"))
     return names
+
+
+def _names_kl(thresholds: dict | None) -> bool:
+    """Whether a thresholds mapping ({metric: ...} or {dtype: {metric: ...}}) limits the KL."""
+    return any(metric == "kl_divergence" or (isinstance(limits, dict) and "kl_divergence" in limits)
+               for metric, limits in (thresholds or {}).items())
 
 
 def _absolute_ref(ref: str, base_dir: str | Path) -> str:
@@ -194,7 +208,8 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
         missing_steps=[MissingStep(**m) for m in pairing.missing], pairs=len(pairs), bytes=done["bytes"],
         seconds=round(seconds, 3),
         gb_per_s=round(done["bytes"] / seconds / 1e9, 3) if seconds > 0 else None,
-        csv={lv: named(p) for lv, p in csvs.items()}, xlsx=named(xlsx_path) if xlsx_path else None)
+        csv={lv: named(p) for lv, p in csvs.items()}, xlsx=named(xlsx_path) if xlsx_path else None,
+        kl=opts.kl)
     if xlsx_path is not None:  # (after the summary: its first sheet is the summary)
         write_sheets({lv: csvs[lv] for lv in order}, {lv: streams[lv].columns for lv in order}, xlsx_path,
                      alg_names, summary=result)

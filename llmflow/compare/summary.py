@@ -193,6 +193,9 @@ def report_lines(summary: CompareSummary) -> list[str]:
                      f"({per_level or 'none'}) ran on different inputs: marked diverged, never chosen "
                      "as first or worst")
     lines += list(summary.levels_without_rows.values())
+    if summary.kl == "logits" and summary.logits is None:
+        lines.append("kl_divergence: none computed (--kl logits, and no row is at the logits level; "
+                     "--kl all gives every row's)")
     dtype = summary.judged_as.dtype or "each tensor's own dtype"
     lines.append(f"judged at {dtype}: {summary.judged_as.source}")
     for side, items in summary.problems.items():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -49,8 +50,22 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _exponent_text(value: Any) -> Any:
+    """A number YAML 1.1 (PyYAML) leaves as text, ``1e-9`` (an exponent without a dot; JSON and
+    YAML 1.2 read it as a number), as that number; anything else as it is."""
+    if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
 def _limit(metric: str, value: Any, where: str) -> dict[str, Any]:
     """One metric's limits ``{warn, fail[, higher_is_better]}``; UserError naming the field."""
+    value = _exponent_text(value)
+    if isinstance(value, dict):
+        value = {k: _exponent_text(v) if k in ("warn", "fail") else v for k, v in value.items()}
     if _number(value):  # the fail limit, warned at too
         _check_order(metric, {"warn": float(value), "fail": float(value)}, where, bare=True)
         return {"warn": float(value), "fail": float(value)}

@@ -43,7 +43,7 @@ from llmflow.localize import cost as cost_mod
 from llmflow.localize import moe
 from llmflow.localize import ops as ops_mod
 from llmflow.localize.calls import NO_INPUTS, calls_from_dump
-from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude, stands_out
+from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude, shared_error, stands_out
 from llmflow.localize.golden import (
     dump_has_layer_inputs,
     golden_call,
@@ -688,7 +688,11 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
         elif mismatch is None and bad_token is None and len(inp.golden_ids) > 1:
             tried.append(b.replay_step(1, "nothing diverges: the first decode step too, where the decode "
                                           "kernel runs against the KV cache"))
-    chosen = next((t for t in tried if stands_out(t, inp.ratio_threshold)), tried[0])
+    # the step the verdict speaks of: the first where a module or layer stands out, else the first
+    # where every layer's copy of one module type is off alike (no copy stands out from its peers:
+    # a decode kernel every layer runs, checked at the first decode step after a clean prefill)
+    chosen = next((t for t in tried if stands_out(t, inp.ratio_threshold)), None) or next(
+        (t for t in tried if shared_error(t, b.stack, dtype) is not None), tried[0])
     if b.isolation == "target_dump" and chosen.anomalous and chosen.candidate:
         # the module about to be named, measured against the golden model: its layer must be the
         # golden dump's too (a golden model that differs there alone would blame a clean target)

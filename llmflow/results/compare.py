@@ -210,6 +210,8 @@ class CompareSummary:
     state: Literal["complete", "incomplete"] = doc("incomplete: most golden rows found no partner, or a "
                                                    "level paired nothing (the verdict is then fail).")
     outcome: CompareOutcome
+    kl: Literal["all", "logits"] = doc("Rows that got the KL divergence: all, or the logits rows only "
+                                       "(--kl logits).", default="all")
 
 
 def read_compare_summary(path: str | Path) -> CompareSummary:

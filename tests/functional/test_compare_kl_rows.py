@@ -1,7 +1,8 @@
 """``--kl logits``: the KL divergence for the logits rows only, run the user's way. Every other
 cell of every CSV stays the same as the default compare's (the compiled kernel skips the softmax
 sums and nothing else), the other rows leave the column empty, the verdict does not move; the
-``compare_dumps`` workflow takes it as ``--set kl=logits``; a value it does not know is bad input."""
+``compare_dumps`` workflow takes it as ``--set kl=logits``; a value it does not know, or KL limits
+with it, is bad input; dumps with no logits rows are told no row got a KL."""
 
 from __future__ import annotations
 
@@ -35,31 +36,43 @@ def assert_kl_only_on_logits(default: dict, logits_only: dict) -> None:
         for full, lean in zip(rows, other, strict=True):
             if name == "compare_logits.csv":
                 assert lean == full
-                assert float(lean["kl_divergence"]) > 0
+                assert float(lean["kl_divergence"]) >= 0
             else:
                 assert lean["kl_divergence"] == "" and full["kl_divergence"] != ""
                 assert {k: v for k, v in lean.items() if k != "kl_divergence"} == \
                     {k: v for k, v in full.items() if k != "kl_divergence"}
 
 
-@pytest.mark.parametrize("fault", ["noise", "layer"])
+def outlier(layer: int, x: torch.Tensor) -> torch.Tensor:
+    """One element 200 off in layer 1 (and, through the residual, after it): beyond the range of
+    the kernel's float32 softmax, so its rows are redone in float64 with the KL and without it."""
+    if layer != 1:
+        return x
+    x = x.clone()
+    x.view(-1)[3] += 200.0
+    return x
+
+
+@pytest.mark.parametrize("fault", ["noise", "layer", "outlier"])
 def test_the_cli_leaves_kl_empty_but_on_logits_and_every_other_cell_the_same(tmp_path, fault):
     as_dump(tmp_path, "golden", steps=[0, 1, 2])
     if fault == "noise":
         as_dump(tmp_path, "target", steps=[0, 1, 2], noise=1e-5)
-    else:
+    elif fault == "layer":
         as_dump(tmp_path, "target", steps=[0, 1, 2], fault=lambda layer, x: x * 1.5 if layer == 2 else x)
+    else:
+        as_dump(tmp_path, "target", steps=[0, 1, 2], fault=outlier)
     runs = {}
     for kl in ("all", "logits"):
         args = ["compare", "-gp", "golden", "-mp", "target", "-o", f"out_{kl}", "--no-xlsx"]
         runs[kl] = llmflow(*(args if kl == "all" else [*args, "--kl", kl]), cwd=tmp_path)
         assert runs[kl].returncode in (0, 1) and "Traceback" not in runs[kl].stderr, runs[kl].stderr
-    assert runs["all"].returncode == runs["logits"].returncode == (1 if fault == "layer" else 0)
+    assert runs["all"].returncode == runs["logits"].returncode == (0 if fault == "noise" else 1)
     assert runs["all"].stdout.splitlines()[-1] == runs["logits"].stdout.splitlines()[-1]
     assert_kl_only_on_logits(read_csvs(tmp_path / "out_all"), read_csvs(tmp_path / "out_logits"))
     for kl in ("all", "logits"):
         summary = json.loads((tmp_path / f"out_{kl}" / "compare_summary.json").read_text())
-        assert summary["logits"]["mean_kl_divergence"] > 0
+        assert summary["logits"]["mean_kl_divergence"] is not None
 
 
 def test_the_compare_dumps_workflow_takes_kl_logits(tmp_path):
@@ -88,6 +101,71 @@ def test_an_unknown_kl_value_is_bad_input(tmp_path):
                   "--set", "kl=some", "--run-dir", "run", cwd=tmp_path)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "kl" in run.stdout.strip().splitlines()[-1] + run.stderr
+
+
+def test_kl_limits_with_kl_logits_are_bad_input_and_exponents_read_as_numbers(tmp_path):
+    as_dump(tmp_path, "golden")
+    as_dump(tmp_path, "target", noise=1e-5)
+    limits = {form: f'{{"kl_divergence": {{"warn": {form}, "fail": {form}}}}}'
+              for form in ("1e-15", "1.0e-15")}
+    refused = llmflow("compare", "-gp", "golden", "-mp", "target", "-o", "out", "--kl", "logits",
+                      "--thresholds", limits["1e-15"], cwd=tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stdout.strip().splitlines()[-1] == (
+        "FAILED: --thresholds: kl_divergence limits judge every row, but --kl logits leaves the KL of "
+        "every row but the logits empty: use --kl all, or drop the kl_divergence limits")
+    assert not (tmp_path / "out").exists()
+    # 1e-15 is a number, as JSON reads it (PyYAML alone reads text), and judges as 1.0e-15 does:
+    # the KL limit fails a compare the default limits pass
+    plain = llmflow("compare", "-gp", "golden", "-mp", "target", "-o", "plain", "--no-xlsx", cwd=tmp_path)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    last = {}
+    for form, text in limits.items():
+        done = llmflow("compare", "-gp", "golden", "-mp", "target", "-o", f"out_{form}", "--no-xlsx",
+                       "--thresholds", text, cwd=tmp_path)
+        assert done.returncode == 1, done.stdout + done.stderr
+        last[form] = done.stdout.strip().splitlines()[-1]
+        assert "threshold_fail" in last[form]
+    assert last["1e-15"] == last["1.0e-15"]
+
+
+def test_dumps_without_logits_rows_are_told_no_row_got_a_kl(tmp_path):
+    as_dump(tmp_path, "golden", logits=False)
+    as_dump(tmp_path, "target", logits=False, noise=1e-6)
+    done = llmflow("compare", "-gp", "golden", "-mp", "target", "-o", "out", "--no-xlsx", "--kl", "logits",
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ("kl_divergence: none computed (--kl logits, and no row is at the logits level; --kl all gives "
+            "every row's)") in done.stdout.splitlines()
+    summary = json.loads((tmp_path / "out" / "compare_summary.json").read_text())
+    assert summary["kl"] == "logits" and summary["logits"] is None
+    default = llmflow("compare", "-gp", "golden", "-mp", "target", "-o", "out2", "--no-xlsx", cwd=tmp_path)
+    assert "kl_divergence: none computed" not in default.stdout
+    assert json.loads((tmp_path / "out2" / "compare_summary.json").read_text())["kl"] == "all"
+
+
+def test_two_tensor_files_with_kl_logits_get_no_kl(tmp_path):
+    from safetensors.torch import save_file
+
+    x = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    save_file({"h": x}, str(tmp_path / "g.safetensors"))
+    save_file({"h": x * 1.0001}, str(tmp_path / "t.safetensors"))
+    for kl, has_value in (("all", True), ("logits", False)):
+        done = llmflow("compare", "-gp", "g.safetensors", "-mp", "t.safetensors", "--kl", kl, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        (line,) = [x for x in done.stdout.splitlines() if "kl_divergence" in x]
+        assert any(ch.isdigit() for ch in line) == has_value, line
+
+
+def test_the_python_api_refuses_an_unknown_kl(tmp_path):
+    from llmflow.compare.options import CompareOptions
+    from llmflow.compare.run import compare_dumps
+    from llmflow.errors import UserError
+
+    g, t = as_dump(tmp_path, "golden"), as_dump(tmp_path, "target")
+    with pytest.raises(UserError, match="compare: kl: expected one of all, logits, got 'LOGITS'"):
+        compare_dumps(g, t, tmp_path / "out", CompareOptions(kl="LOGITS"))
+    assert not (tmp_path / "out").exists()
 
 
 def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
