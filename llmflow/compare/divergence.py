@@ -7,9 +7,12 @@ and they are never a first failing row, a summary's worst row or a heat map's fi
 
 The first differing token comes from the token ids each side generated: the dump stage writes them
 to ``generation.json`` beside its dump directory (``<stage>/generation.json``, the dump in
-``<stage>/dump``), so a compare of two such dumps finds them without being told. The same file
-holds the prompt's token ids: two runs given different prompts compared different inputs at
-every step, and no row of theirs says anything about the target's kernels.
+``<stage>/dump``), so a compare of two such dumps finds them without being told.
+
+Two runs given different inputs (another prompt, chat template, BOS token or tokenizer) differ
+at every step, and no row of theirs says anything of the target's kernels: ``different_inputs``
+says why, from the prompts' token ids the generation records hold, else from the first integer
+input each dump records at the prefill (the model's token ids).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from llmflow.formats.base import DumpReader
 from llmflow.results.compare import Divergence
 
 GENERATION_FILE = "generation.json"
@@ -56,23 +62,73 @@ def output_ids(path: Path, key: str = "output_ids") -> list[int] | None:
 
 
 def divergence(golden_dump: str | Path, target_dump: str | Path) -> Divergence | None:
-    """Where the texts part (``first_differing_token``: None when they agree) and whether the
-    prompts differ, when both dumps have the generation record beside them; None when either
-    lacks it (nothing is marked diverged)."""
+    """Where the texts part (``first_differing_token``: None when they agree) when both dumps have
+    the generation record beside them; None when either lacks it (nothing is marked diverged)."""
     files = generation_beside(golden_dump), generation_beside(target_dump)
     if files[0] is None or files[1] is None:
         return None
     ids = output_ids(files[0]), output_ids(files[1])
     if ids[0] is None or ids[1] is None:
         return None
-    golden_prompt, target_prompt = output_ids(files[0], "input_ids"), output_ids(files[1], "input_ids")
-    prompt_tokens = None
-    if golden_prompt is not None and target_prompt is not None and golden_prompt != target_prompt:
-        prompt_tokens = [len(golden_prompt), len(target_prompt)]
     return Divergence(first_differing_token=first_mismatch(ids[0], ids[1]), golden_file=str(files[0]),
-                      target_file=str(files[1]), prompt_tokens=prompt_tokens)
+                      target_file=str(files[1]))
 
 
 def is_diverged(step: Any, first_differing_token: int | None) -> bool:
     """Whether a row of golden step ``step`` ran on inputs that already differ."""
     return first_differing_token is not None and isinstance(step, int) and step > first_differing_token
+
+
+def different_inputs(golden: DumpReader, target: DumpReader, target_prefill: int | None) -> str | None:
+    """Why the two runs were not given the same inputs, or None where nothing says so: the
+    prompts' token ids of their generation records, else ``input_difference`` at the prefill
+    (``target_prefill``: the target's step paired with the golden's step 0; None: not compared)."""
+    files = generation_beside(golden.path), generation_beside(target.path)
+    if files[0] is not None and files[1] is not None:
+        prompts = output_ids(files[0], "input_ids"), output_ids(files[1], "input_ids")
+        if prompts[0] is not None and prompts[1] is not None and prompts[0] != prompts[1]:
+            return (f"their prompts' token ids differ ({len(prompts[0])} and {len(prompts[1])} tokens; "
+                    f"{files[0]}, {files[1]})")
+    return input_difference(golden, target, target_prefill) if target_prefill is not None else None
+
+
+_INTEGER_DTYPES = {"int64", "int32", "int16", "uint8", "int8"}
+
+
+def input_difference(golden: DumpReader, target: DumpReader, target_step: int = 0) -> str | None:
+    """Why the two runs were not given the same inputs, or None where nothing says so.
+
+    The first integer tensor the golden's prefill records as an input (the model's token ids, or
+    a decoder layer's positions where only the layers were dumped) against the target's entry of
+    the same module and argument: a different shape or different values mean the two runs read
+    different token ids (another prompt, chat template, BOS token or tokenizer), and every module
+    error after it compares different computations. Nothing is claimed where the target records
+    no such entry (another format, other names) or neither side holds its values or statistics.
+    """
+    first = min((e for e in golden.entries() if e.step == 0 and e.rank == 0 and e.kind == "input"
+                 and e.dtype in _INTEGER_DTYPES and e.shape is not None),
+                key=lambda e: e.order, default=None)
+    if first is None:
+        return None
+    other = next((e for e in target.entries() if e.step == target_step and e.rank == 0
+                  and e.kind == "input" and e.name == first.name and e.index == first.index
+                  and e.shape is not None), None)
+    if other is None:
+        return None
+    what = f"{first.name} input {first.index}"
+    if tuple(first.shape) != tuple(other.shape):
+        return f"{what} has shape {list(first.shape)} in the golden and {list(other.shape)} in the target"
+    if first.has_data and other.has_data:
+        g, t = golden.load(first).to(torch.int64), target.load(other).to(torch.int64)
+        if torch.equal(g, t):
+            return None
+        at = int((g.reshape(-1) != t.reshape(-1)).nonzero()[0])
+        return (f"{what} differs at position {at} of {g.numel()} (golden {g.reshape(-1)[at].item()}, "
+                f"target {t.reshape(-1)[at].item()})")
+    if first.stats and other.stats:
+        differ = [k for k in ("max", "min", "mean") if k in first.stats and k in other.stats
+                  and first.stats[k] != other.stats[k]]
+        if differ:
+            return (f"{what} has other statistics in the two dumps ({differ[0]}: golden "
+                    f"{first.stats[differ[0]]}, target {other.stats[differ[0]]})")
+    return None

@@ -19,7 +19,7 @@ from typing import Any
 
 from llmflow.compare.algorithms import algorithm_name, load_algorithms
 from llmflow.compare.completeness import assess
-from llmflow.compare.divergence import divergence, is_diverged
+from llmflow.compare.divergence import different_inputs, divergence, is_diverged
 from llmflow.compare.engine import execute
 from llmflow.compare.jumps import JumpJudge, check_jump_ratio
 from llmflow.compare.match import LEVELS
@@ -146,6 +146,8 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     coverage = assess(pairing, g_reader, t_reader)
     judge_by = judging(g_reader, t_reader, opts)
     parted = divergence(g_reader.path, t_reader.path)  # where the texts part, when the dumps say
+    prefill = next((p.target_step for p in pairs if p.golden_step == 0), None)
+    inputs_differ = different_inputs(g_reader, t_reader, prefill)
     token = parted.first_differing_token if parted else None
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare leaves no empty folder
     # file refs made absolute: worker processes (or dask workers) may run in another directory
@@ -209,7 +211,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
         seconds=round(seconds, 3),
         gb_per_s=round(done["bytes"] / seconds / 1e9, 3) if seconds > 0 else None,
         csv={lv: named(p) for lv, p in csvs.items()}, xlsx=named(xlsx_path) if xlsx_path else None,
-        kl=opts.kl)
+        kl=opts.kl, different_inputs=inputs_differ)
     if xlsx_path is not None:  # (after the summary: its first sheet is the summary)
         write_sheets({lv: csvs[lv] for lv in order}, {lv: streams[lv].columns for lv in order}, xlsx_path,
                      alg_names, summary=result)

@@ -121,14 +121,15 @@ class SummaryBuilder:
                 mean_kl_divergence=sum(self._kl) / len(self._kl) if self._kl else None)
         counts = dict(self.totals)
         state, verdict, outcome = conclude(counts, fields["pairs"], levels, fields["coverage"],
-                                           fields["problems"], fields["divergence"])
+                                           fields["problems"], fields["divergence"],
+                                           fields.get("different_inputs"))
         return CompareSummary(verdict=verdict, counts=counts, codes=dict(self.codes), levels=levels,
                               logits=logits, **fields, state=state, outcome=outcome)
 
 
 def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary], coverage: Coverage,
-             problems: dict[str, list[str]], divergence: Divergence | None
-             ) -> tuple[str, str, CompareOutcome]:
+             problems: dict[str, list[str]], divergence: Divergence | None,
+             different_inputs: str | None = None) -> tuple[str, str, CompareOutcome]:
     """The compare's conclusion: ``state`` (complete / incomplete), ``verdict`` and ``outcome``.
 
     Rows that fail make it fail; a dump whose reader reports problems can never pass
@@ -138,13 +139,12 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
     problems = {side: p for side, p in problems.items() if p}
     incomplete = coverage.state == "incomplete"
     next_step = ""
-    if divergence is not None and divergence.prompt_tokens is not None:
-        # no row of two different prompts' runs says anything of the target's kernels
-        golden, target = divergence.prompt_tokens
+    if different_inputs:
+        # no row of two runs on different inputs says anything of the target's kernels
         status = "inconclusive"
-        headline = (f"the two runs were given different prompts ({golden} and {target} tokens, "
-                    "generation.json): every row compares different inputs")
-        next_step = "dump both sides with the same prompt, then compare again"
+        headline = f"the two runs were not given the same inputs: {different_inputs}"
+        next_step = ("dump both sides from the same token ids (the same prompt, chat template, BOS token "
+                     "and tokenizer), then compare again")
     elif counts["fail"]:
         fails = [s.first_fail for s in levels.values() if s.first_fail]
         first = min(fails, key=lambda r: (r.step, r.rank, r.order or 0), default=None)
@@ -183,9 +183,6 @@ def report_lines(summary: CompareSummary) -> list[str]:
     from llmflow.compare.pairing import matching_text
 
     lines = [f"matching: {matching_text(summary.matching)}"]
-    if summary.divergence is not None and summary.divergence.prompt_tokens is not None:
-        lines.append(f"prompts differ: {summary.divergence.golden_file} and {summary.divergence.target_file} "
-                     "record different input_ids")
     token = summary.divergence.first_differing_token if summary.divergence else None
     if token is not None:
         per_level = ", ".join(f"{s.diverged} {lv}" for lv, s in summary.levels.items() if s.diverged)

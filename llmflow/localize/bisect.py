@@ -32,6 +32,7 @@ from dataclasses import replace
 from statistics import median
 from typing import Any
 
+from llmflow.compare.divergence import input_difference
 from llmflow.compare.mappings import Mapping, load_mapping
 from llmflow.compare.run import recorded_dtype
 from llmflow.dtypes import DEFAULT_THRESHOLDS, OP_ERROR_FLOOR, dtype_class, dtype_name, torch_dtype
@@ -65,7 +66,7 @@ from llmflow.localize.target_dump import (
     replay_target_dump,
     target_routing,
 )
-from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, input_difference, token_rows
+from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, token_rows
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
     Cost,

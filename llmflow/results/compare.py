@@ -120,10 +120,6 @@ class Divergence:
     first_differing_token: int | None = doc("null: the texts agree.")
     golden_file: str
     target_file: str
-    prompt_tokens: list[int] | None = doc(
-        "The golden and the target prompt's lengths in tokens where the two runs were given different "
-        "prompts (every row then compares different inputs); null: the same prompt, or not recorded.",
-        default=None)
 
 
 @dataclass
@@ -212,6 +208,10 @@ class CompareSummary:
     outcome: CompareOutcome
     kl: Literal["all", "logits"] = doc("Rows that got the KL divergence: all, or the logits rows only "
                                        "(--kl logits).", default="all")
+    different_inputs: str | None = doc(
+        "Why the two runs were not given the same inputs (their prompts' token ids, or the first integer "
+        "input each dump records at the prefill): every row then compares different computations and "
+        "the compare is inconclusive; null: nothing says so.", default=None)
 
 
 def read_compare_summary(path: str | Path) -> CompareSummary:

@@ -16,10 +16,10 @@ from path_helpers import checkout_path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
 from example_faults import scale_embedding  # noqa: E402
 
+from llmflow.compare.divergence import input_difference  # noqa: E402
 from llmflow.dump.config import DumpConfig  # noqa: E402
 from llmflow.dump.run import dump_run  # noqa: E402
 from llmflow.formats import open_dump  # noqa: E402
-from llmflow.localize.tokens import input_difference  # noqa: E402
 from llmflow.models import encode_prompt, load_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
