@@ -29,7 +29,7 @@ from llmflow.compare.pairing import plan_pairs
 from llmflow.compare.rows import Job
 from llmflow.compare.sheets import level_columns, write_sheets
 from llmflow.compare.summary import SummaryBuilder, report_lines
-from llmflow.compare.thresholds import check_dtype_name, check_thresholds, coarser
+from llmflow.compare.thresholds import check_dtype_name, check_thresholds, coarser, limited_metrics
 from llmflow.dtypes import dtype_name
 from llmflow.errors import UserError
 from llmflow.formats import DumpReader, open_dump
@@ -64,19 +64,13 @@ def check_options(opts: CompareOptions, flags: dict[str, str] | None = None) -> 
     if opts.kl not in KL_CHOICES:
         raise UserError(f"{flags.get('kl', 'compare: kl')}: expected one of {', '.join(KL_CHOICES)}, "
                         f"got {opts.kl!r}")
-    if opts.kl == "logits" and _names_kl(opts.thresholds):
+    if opts.kl == "logits" and "kl_divergence" in limited_metrics(opts.thresholds):
         kl = flags.get("kl", "kl")
         raise UserError(f"{flags.get('thresholds', 'thresholds')}: kl_divergence limits judge every row, "
                         f"but {kl} logits leaves the KL of every row but the logits empty: use {kl} all, "
                         "or drop the kl_divergence limits")
     opts.jump_ratio = check_jump_ratio(opts.jump_ratio, flags.get("jump_ratio", "compare: jump_ratio"))
     return names
-
-
-def _names_kl(thresholds: dict | None) -> bool:
-    """Whether a thresholds mapping ({metric: ...} or {dtype: {metric: ...}}) limits the KL."""
-    return any(metric == "kl_divergence" or (isinstance(limits, dict) and "kl_divergence" in limits)
-               for metric, limits in (thresholds or {}).items())
 
 
 def _absolute_ref(ref: str, base_dir: str | Path) -> str:

@@ -207,6 +207,17 @@ def check_thresholds(thresholds: Any, metrics: Iterable[str] | None = None,
             one(key, value, where)
 
 
+def limited_metrics(thresholds: dict | None) -> set[str]:
+    """The metrics a thresholds mapping sets limits for, globally or in a dtype's block."""
+    names: set[str] = set()
+    for key, value in (thresholds or {}).items():
+        if (key in DEFAULT_THRESHOLDS or key in _ALIASES) and isinstance(value, dict):
+            names.update(map(str, value))
+        else:
+            names.add(str(key))
+    return names
+
+
 # -- the verdict of one row -------------------------------------------------------------------------
 
 @dataclass
