@@ -39,10 +39,10 @@ exception in the thread is re-raised by the next ``submit``/``end_step``/``close
 disk is reported, not swallowed.
 
 With ``inline=True`` no thread is started: the same backlog is worked through by the forward
-thread itself at each step end (and whenever ``wake_bytes`` are waiting); a host copy or a
-repeat with nothing queued ahead of it (``_take_data``), and a held tensor of a statistics dump,
-skip the queue and go straight into their batch. That is faster where the thread would have no
-core of its own (``capture.inline_writer`` decides).
+thread itself at each step end (and whenever ``wake_bytes`` are waiting); a host copy, a held
+tensor or a repeat with nothing queued ahead of it (``_take_data``), and a held tensor of a
+statistics dump, skip the queue and go straight into their batch. That is faster where the
+thread would have no core of its own (``capture.inline_writer`` decides).
 
 The thread is a daemon (a user's script must be able to end without closing anything), so a
 writer still open when the interpreter exits must be finished before the interpreter tears
@@ -156,11 +156,13 @@ class AsyncWriter:
                 if self._stats and not self._awaiting_fence and self._error is None:
                     self._flush()
             return
-        if event is None and self._thread is None and not self._queue and (payload is None or row.has_data):
-            # a host copy, or a repeat, written inline with nothing queued before it (every CPU
-            # tensor of a tensor dump): straight into the data batch, as ``_handle`` puts it,
-            # without the queue item and the drain's dispatch (~2 us a tensor)
-            self._take_data(row, payload, None, nbytes)
+        if self._thread is None and not self._queue and (payload is None or row.has_data) \
+                and (event is None or type(event) is int):
+            # a host copy, a held tensor of a tensor dump, or a repeat, written inline with nothing
+            # queued before it (every tensor of a tensor dump once the dump holds or on the CPU):
+            # straight into the data batch, as ``_handle`` puts it, without the queue item and the
+            # drain's dispatch (~2 us a tensor; a held tensor is read by the step's end either way)
+            self._take_data(row, payload, None if event is None else (payload, event), nbytes)
             return
         self._queue.append((row, payload, event, nbytes))
         stream = event.after if type(event) is Checked else event

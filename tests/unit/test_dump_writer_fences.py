@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from llmflow.dump import writer as dump_writer
+from llmflow.dump.copies import TensorKeeper
 from llmflow.dump.writer import AsyncWriter
 from llmflow.formats.base import Entry
 from llmflow.formats.llmflow_dump import DumpDirWriter, IndexRow, LlmflowDumpReader
@@ -150,3 +151,26 @@ def test_inline_host_copies_skip_the_queue_only_when_nothing_waits_ahead_of_them
     r = LlmflowDumpReader(tmp_path / "d")
     assert sorted(float(r.load(e)[0]) for e in r.entries()) == [1.0, 1.0, 2.0, 3.0]
     assert float(r.load(next(e for e in r.entries() if e.name == "r1"))[0]) == 1.0
+
+
+def test_inline_held_tensors_of_a_tensor_dump_skip_the_queue_and_are_read_by_the_steps_end(
+        tmp_path: Path, monkeypatch):
+    """A held tensor (its version as the event) goes straight into the data batch when nothing
+    waits ahead of it; the writer still reads it, checking its version, by the step's end: one
+    changed in place after its capture is recorded as having no values, never its new ones."""
+    log = Log(monkeypatch)
+    keeper = TensorKeeper(lambda t: (t.clone(), None), may_hold=True)
+    w = AsyncWriter(DumpDirWriter(tmp_path / "d", 0), batch_bytes=1 << 20, inline=True, keeper=keeper)
+    log.spy_on(w)
+    kept, changed = torch.full((4,), 1.0), torch.full((4,), 2.0)
+    w.submit(_row(1, 0, True), kept, kept._version, nbytes=16)
+    w.submit(_row(2, 0, True), changed, changed._version, nbytes=16)
+    assert not w._queue and log.events == []  # in the batch, nothing read or written yet
+    changed.add_(5.0)  # after its capture, before the writer reads it
+    w.end_step(0)
+    w.close()
+    assert "changed in place" in (keeper.why_copying or "")
+    r = LlmflowDumpReader(tmp_path / "d")
+    by_name = {e.name: e for e in r.entries()}
+    assert torch.equal(r.load(by_name["m1"]), torch.full((4,), 1.0))
+    assert any("m2" in p for p in r.problems())
