@@ -21,6 +21,9 @@ way: it hands itself to the active torch function modes, so the dump records one
   overflows above ~11).
 * ``custom_norm``: every RMSNorm is a custom kernel ``my_rms_norm`` (correct), which torch does
   not know: the precheck needs ``my_rms_norm_reference`` registered.
+* ``operator_model`` (a model, not a patch): Python operators with a number on either side and
+  factories given empty sequences; ``reversed_rsub`` ports its ``0.5 - x`` as a kernel that
+  subtracts the wrong way round.
 """
 
 from __future__ import annotations
@@ -257,3 +260,43 @@ def sorting_model() -> tuple[nn.Module, Any]:
 
 def swapped_sort_indices(model: nn.Module) -> None:
     model.sort = sort_kernel
+
+
+def _reversed_rsub(x: torch.Tensor, other: Any) -> torch.Tensor:
+    return x - other  # (``other - x`` is right)
+
+
+rsub_kernel = kernel("__rsub__", _reversed_rsub)
+
+
+class OperatorModel(nn.Module):
+    """A user's model whose forward uses Python operators with a number on the left (``1 - x``,
+    ``2 / x``, ``2 ** x``, ``3 // x``, ``5 % x``: the reflected dunders) and on the right
+    (``x // 2``, ``x % 3``), a bitwise ``&`` of masks, and factories given empty sequences
+    (``torch.tensor([])``, ``torch.zeros(())``); ``self.rsub`` computes ``0.5 - x`` (torch's own
+    ``Tensor.__rsub__`` unless patched)."""
+
+    def __init__(self, vocab: int = 300, hidden: int = 32, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.rsub = torch.Tensor.__rsub__
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        positive = h.abs() + 1
+        y = (1.0 - h) + 2.0 / positive + 2.0 ** h + 3 // positive + 5 % positive + h // 2 + h % 3
+        keep = (h > -1.5) & (h < 1.5)
+        y = y * keep + torch.zeros(()) + torch.tensor([], dtype=h.dtype).sum() + self.rsub(h, 0.5)
+        return self.head(y)
+
+
+def operator_model() -> tuple[nn.Module, Any]:
+    from llmflow.models import ByteTokenizer
+
+    return OperatorModel(), ByteTokenizer()
+
+
+def reversed_rsub(model: nn.Module) -> None:
+    model.rsub = rsub_kernel

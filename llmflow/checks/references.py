@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from llmflow import plugins
 from llmflow.errors import UserError
+from llmflow.operators import tensor_method
 
 
 class UnsupportedArguments(ValueError):
@@ -434,11 +435,13 @@ def resolve(api: str, args: list[Any], references: dict[str, Callable[..., Any]]
                 return fn, f"{label}.{api}"
             refused = refused or f"{label}.{api}"
     if args and isinstance(args[0], torch.Tensor):
-        method = getattr(torch.Tensor, api, None)
-        if callable(method):
-            if replayable(method):
-                return method, f"Tensor.{api}"
-            refused = refused or f"Tensor.{api}"
+        # a method, or an operator torch has no function for (``floordiv``, ``rdiv``: its dunder)
+        for attr in (api, tensor_method(api)):
+            method = getattr(torch.Tensor, attr, None) if attr else None
+            if callable(method):
+                if replayable(method):
+                    return method, f"Tensor.{attr}"
+                refused = refused or f"Tensor.{attr}"
     if refused:
         return None, (f"{refused} is not a tensor op: a dump cannot make the precheck call it (a reference "
                       f"for {api!r}: entry-point group {GROUP} or --reference {api}=file.py:func)")

@@ -4,9 +4,10 @@ operators) through ``torch.overrides.TorchFunctionMode``; nothing in torch is mo
 Each captured call is named ``<calling module path>/<api name>.<n>``: the calling module is the
 innermost module whose forward is running (the recorder keeps the stack), ``n`` counts calls of
 that api within that module within the step. The same names serve the disk dump, op replay in
-memory and the API-dump cost estimate, so all three line up. Operator dunders are named like the function they
-compute (``a @ b`` -> ``matmul``, ``a + b`` / ``b + a`` -> ``add``, ``a += b`` -> ``add_``), so
-``x.add(y)``, ``torch.add(x, y)`` and ``x + y`` line up across two dumps.
+memory and the API-dump cost estimate, so all three line up. Operator dunders are named like the
+function they compute (``a @ b`` -> ``matmul``, ``a + b`` / ``b + a`` -> ``add``, ``a += b`` ->
+``add_``, ``1 - x`` -> ``rsub``: ``llmflow.operators``), so ``x.add(y)``, ``torch.add(x, y)`` and
+``x + y`` line up across two dumps.
 
 Passed through without a record (documented in ``SKIPPED``): metadata queries (``size``, ``dim``,
 property reads via ``__get__``...), host conversions (``item``, ``tolist``), and pure layout/view
@@ -38,6 +39,7 @@ from typing import Any, Protocol
 from torch.overrides import TorchFunctionMode
 
 from llmflow import native
+from llmflow.operators import operator_name
 
 SKIPPED = frozenset("""
     __get__ __set__ __delete__ size dim ndimension numel nelement stride storage_offset is_contiguous
@@ -58,13 +60,6 @@ PRIVATE_ARITHMETIC = frozenset("""
     _weight_int8pack_mm _weight_int4pack_mm _weight_int4pack_mm_for_cpu
     _weight_int4pack_mm_with_scales_and_zeros _dyn_quant_matmul_4bit _mixed_dtypes_linear
 """.split())
-# dunder operators whose reflected (__r*__) and in-place (__i*__) forms map back to one name
-_OPERATORS = frozenset("""add sub mul matmul truediv floordiv mod pow and or xor lshift rshift
-                          div""".split())
-_RENAME = {"truediv": "div", "neg": "neg", "invert": "bitwise_not", "lt": "lt", "le": "le",
-           "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "abs": "abs", "pos": "positive"}
-
-
 def api_name(func: Callable[..., Any]) -> str | None:
     """The recorded name of a torch callable, or None for calls that are passed through."""
     name = getattr(func, "__name__", None) or str(func)
@@ -73,16 +68,7 @@ def api_name(func: Callable[..., Any]) -> str | None:
     if name in SKIPPED or (name.startswith("_") and not name.startswith("__")):
         return None  # other private helpers (_set_grad_enabled, ...) are bookkeeping, not arithmetic
     if name.startswith("__") and name.endswith("__"):
-        core = name[2:-2]
-        suffix = ""
-        if core not in _OPERATORS and core not in _RENAME:
-            if core[:1] == "r" and core[1:] in _OPERATORS:
-                core = core[1:]
-            elif core[:1] == "i" and core[1:] in _OPERATORS:
-                core, suffix = core[1:], "_"
-            else:
-                return None  # other dunders (__reduce__, __setstate__...) compute nothing
-        return _RENAME.get(core, core) + suffix
+        return operator_name(name)  # (other dunders, __reduce__, __setstate__..., compute nothing)
     return name
 
 

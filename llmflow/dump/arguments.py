@@ -20,6 +20,9 @@ import torch
 from llmflow.dtypes import torch_dtype
 
 SIMPLE_TYPES = ("NoneType", "bool", "int", "float", "str")
+#: empty sequences, recorded by their length (0) and their type's name (``torch.zeros(())``'s
+#: size); a sequence nested too deep to walk has no value
+EMPTY_SEQUENCES: dict[str, type] = {"tuple": tuple, "list": list, "Size": torch.Size}
 #: torch values a dump records by name, and the torch type each name must resolve to
 NAMED_TYPES: dict[str, type] = {"dtype": torch.dtype, "memory_format": torch.memory_format,
                                 "layout": torch.layout}
@@ -41,6 +44,8 @@ def decode_value(json_value: Any, pytype: str | None) -> Any:
     (never evaluated) and must be of that kind; a device is rebuilt by ``torch.device``."""
     if pytype in SIMPLE_TYPES or pytype is None:
         return json_value
+    if json_value == 0 and pytype in EMPTY_SEQUENCES:  # (the only sequences a dump records whole)
+        return EMPTY_SEQUENCES[pytype]()
     if isinstance(json_value, str) and pytype in NAMED_TYPES:
         found = (torch_dtype(json_value) if pytype == "dtype"
                  else getattr(torch, json_value.removeprefix("torch."), None))

@@ -693,8 +693,11 @@ struct Walk {
             if (param < 0) return -1;
             return leaf(param ? other_leaf : tensor_leaf, index, value);
         }
-        if ((PyTuple_Check(value) || PyList_Check(value)) && depth < MAX_DEPTH)
+        if ((PyTuple_Check(value) || PyList_Check(value)) && depth < MAX_DEPTH) {
+            if (Py_SIZE(value) == 0)  // an empty sequence is a leaf of its own (_other writes it)
+                return tensors_only ? 0 : leaf(other_leaf, index, value);
             return children(index, value, depth, false);
+        }
         if (PyDict_Check(value) && depth < MAX_DEPTH) return children(index, value, depth, true);
         return tensors_only ? 0 : leaf(other_leaf, index, value);
     }

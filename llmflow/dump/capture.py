@@ -59,7 +59,7 @@ _PLAIN_TYPE_NAMES = {t: t.__name__ for t in (type(None), bool, int, float)}
 _NAMED_VALUES = (torch.dtype, torch.device, torch.memory_format, torch.layout)
 # the values whose rows only ``_other`` makes (the compiled capture writes any other value, a
 # model's cache object say, as its type's name)
-_OTHER_IN_PYTHON = _SIMPLE + _NAMED_VALUES + (torch.Tensor,)
+_OTHER_IN_PYTHON = _SIMPLE + _NAMED_VALUES + (torch.Tensor, tuple, list)
 _STATS_ENTRY_BYTES = 256  # what a statistics-only entry costs on disk, roughly (index line)
 
 
@@ -340,6 +340,10 @@ class DumpSession(Sink, _ENTRIES_BASE):
             if isinstance(value, _NAMED_VALUES):
                 value = str(value)
             simple = isinstance(value, _SIMPLE) and (not isinstance(value, str) or len(value) < 256)
+            if isinstance(value, (tuple, list)) and not value:
+                # (the walk's only sequence leaves besides those nested too deep: recorded by their
+                # length, 0, as an index line's value is a JSON scalar)
+                value, simple = 0, True
             self._add_index_row((self.step, name, kind, index, level, order, None, None, module_type, None,
                                  False, value if simple else None, pytype, "", _NO_EXTRA))
 

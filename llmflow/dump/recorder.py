@@ -358,6 +358,10 @@ def _walk(leaves: Leaves, name: str, kind: str, index: str, value: Any, level: s
         else:
             leaves.tensor(name, kind, index, value, level, module_type)
     elif isinstance(value, (tuple, list)) and depth < MAX_DEPTH:
+        if not value:  # a leaf of its own (``torch.tensor([])``, ``torch.zeros(())``): a replay needs it
+            if not tensors_only:
+                leaves.other(name, kind, index, value, level, module_type)
+            return
         for i, v in enumerate(value):
             _walk(leaves, name, kind, f"{index}.{i}", v, level, module_type, tensors_only, depth + 1)
     elif isinstance(value, dict) and depth < MAX_DEPTH:

@@ -19,7 +19,8 @@ a tensor value is ``{"type": "torch.Tensor", "dtype", "shape", "Max", "Min", "Me
   API ``{module}/{api}.{n}``: the module is the record's parent in construct.json (level mix),
   else ``""``; ``n`` is renumbered per (step, module, api) like llmflow's own API names, and
   operator dunders are named like the function (``__add__``/``__radd__`` -> ``add``,
-  ``__iadd__`` -> ``add_``, ``__truediv__`` -> ``div``).
+  ``__iadd__`` -> ``add_``, ``__truediv__`` -> ``div``, ``__rsub__`` -> ``rsub``:
+  ``llmflow.operators``).
 
 Steps: msprobe counts calls, not tokens, and a step folder may hold many tokens (one folder for a
 whole ``generate()``). Tokens follow the model's forward passes; records are in the order their
@@ -75,6 +76,7 @@ from llmflow.formats._safe import (
     torch_load,
 )
 from llmflow.formats.base import DumpReader, Entry
+from llmflow.operators import operator_name
 
 DUMP_FILE = "dump.json"
 _STEP = re.compile(r"^step(\d+)$")
@@ -83,33 +85,12 @@ _MODULE = re.compile(
     r"^(?:Module|Cell)\.(?:(?P<path>.+)\.)?(?P<cls>[^.]+)\.(?P<dir>forward|backward)\.(?P<k>\d+)$"
 )
 _API = re.compile(r"^(?P<group>[A-Za-z_]\w*)\.(?P<api>.+)\.(?P<k>\d+)\.(?P<dir>forward|backward)$")
-_OPS = {
-    "add",
-    "sub",
-    "mul",
-    "matmul",
-    "truediv",
-    "floordiv",
-    "mod",
-    "pow",
-    "and",
-    "or",
-    "xor",
-    "lshift",
-    "rshift",
-    "div",
-}
 _STAT_KEYS = (("Max", "max"), ("Min", "min"), ("Mean", "mean"), ("Norm", "norm"))
 
 
 def api_name(raw: str) -> str:
     """msprobe's API name in llmflow's spelling (operators named like their function)."""
-    if raw.startswith("__") and raw.endswith("__") and len(raw) > 4:
-        core, suffix = raw[2:-2], ""
-        if core not in _OPS and core[:1] in ("r", "i") and core[1:] in _OPS:
-            core, suffix = core[1:], ("_" if core[0] == "i" else "")
-        return ("div" if core == "truediv" else core) + suffix
-    return raw
+    return operator_name(raw) or (raw[2:-2] if raw.startswith("__") and raw.endswith("__") else raw)
 
 
 def parse_name(record: str) -> tuple[str, str, str, str] | None:

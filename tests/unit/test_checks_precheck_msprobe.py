@@ -85,7 +85,7 @@ def test_a_repro_on_request_by_msprobe_record_name(tmp_path):
 
     result = run_precheck(write_dump(tmp_path / "dump"), tmp_path / "out", PrecheckOptions(),
                           repro_calls=["Tensor.__rsub__.0.forward"])
-    assert [(r["name"], r["status"]) for r in result["repros"]] == [("/sub.0", "pass")]
+    assert [(r["name"], r["status"]) for r in result["repros"]] == [("/rsub.0", "pass")]
     script = tmp_path / "out" / result["repros"][0]["script"]
     fresh = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True, timeout=120)
     assert fresh.returncode == 0 and "NOT REPRODUCED" in fresh.stdout, fresh.stdout + fresh.stderr
