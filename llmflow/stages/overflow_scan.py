@@ -4,7 +4,9 @@ A thin adapter over ``llmflow.checks.overflow``: scans the dump in execution ord
 rank, names the origin (the first module or API whose inputs are finite and outputs are not),
 traces a NaN back to its first producer, writes ``overflow.json`` and ``overflow.csv`` and puts the
 origin and counts in summary.json (key ``overflow``). Needs no golden. Its outcome: fail when any
-entry holds Inf or NaN, pass otherwise (near-max values are named in the headline, not a fault).
+entry holds Inf or NaN; inconclusive when none does but the dump cannot be trusted whole (a data
+file cut short, a writer that never closed: what could not be read may hold one) or nothing was
+scanned; pass otherwise (near-max values are named in the headline, not a fault).
 """
 
 from __future__ import annotations
@@ -59,8 +61,18 @@ class OverflowScanStage(Stage):
                  if first else "no Inf, NaN or near-max value")
         ctx.log(f"{ctx.stage_id}: {result['anomalies']} flagged entries; {where}")
         c = result["counts"]
-        if c["nan"] or c["inf"]:
+        problems = reader.problems()
+        if c["nan"] or c["inf"]:  # (found in what could be read: a fault, damaged dump or not)
             ctx.set_outcome("fail", f"overflow: {c['nan']} entries with NaN, {c['inf']} with Inf; {where}")
+        elif problems:  # what could not be read may hold the Inf or NaN
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            ctx.set_outcome("inconclusive", f"overflow: no Inf or NaN in {c['entries_scanned']} entries, but "
+                            f"the dump cannot be trusted whole: {problems[0]}{more}",
+                            "dump the model again (or copy the dump whole), then scan that dump")
+        elif not c["entries_scanned"]:
+            ctx.set_outcome("inconclusive", "overflow: no tensor entries to scan"
+                            + (" in the steps and ranks asked for" if p["steps"] or p["ranks"] else ""),
+                            f"llmflow inspect {p['dump']} lists the dump's steps, ranks and levels")
         else:
             near = f"; {c['near-max']} near the dtype's largest value" if c["near-max"] else ""
             ctx.set_outcome("pass", f"overflow: no Inf or NaN in {c['entries_scanned']} entries{near}")

@@ -98,3 +98,55 @@ def test_overflow_hunt_workflow(tmp_path):
     jsonschema.validate(s, json.loads((REPO / "schemas" / "summary.schema.json").read_text()))
     assert s["overflow"]["first_origin"]["name"] == OVERFLOW_MODULE
     assert s["overflow"]["first_origin"]["kind"] == "inf"
+
+
+SCAN_WORKFLOW = """name: scan
+params:
+  dump: {type: string, format: path}
+stages:
+  overflow:
+    uses: overflow-scan
+    with: {dump: "${params.dump}"%s}
+"""
+
+
+def _scan_cli(tmp: Path, dump: Path, with_more: str = ""):
+    """A user's own workflow of one overflow-scan stage, run through the CLI."""
+    import subprocess
+
+    wf = tmp / "scan.yaml"
+    wf.write_text(SCAN_WORKFLOW % with_more, encoding="utf-8")
+    return subprocess.run([sys.executable, "-m", "llmflow", "run", str(wf), "--run-dir", str(tmp / "run"),
+                           "--progress", "plain", "--set", f"dump={dump}"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp)
+
+
+def test_a_dump_cut_short_is_inconclusive_not_passed(tmp_path):
+    """A data file cut short (a copy broken off): what could not be read may hold the Inf or
+    NaN, so the scan of the rest does not pass the dump."""
+    dump = real_dump(tmp_path, data_mode="tensor")
+    data = sorted((dump / "rank0" / "data").glob("*.safetensors"))[0]
+    data.write_bytes(data.read_bytes()[:100])
+    proc = _scan_cli(tmp_path, dump)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert lines[-1].startswith("INCONCLUSIVE") and "cannot be trusted whole" in lines[-1], lines[-1]
+    assert any(line.startswith("next:") for line in lines), lines
+
+
+def test_a_nan_in_a_damaged_dump_still_fails(tmp_path):
+    dump = real_dump(tmp_path, patch=nan_o_proj)
+    (dump / "rank0" / "data").joinpath("extra.safetensors").write_bytes(b"")  # (not named by the index)
+    index = dump / "rank0" / "index.jsonl"
+    index.write_text(index.read_text(encoding="utf-8") + '{"torn', encoding="utf-8")  # a torn last line
+    proc = _scan_cli(tmp_path, dump)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("FAILED")
+
+
+def test_steps_the_dump_does_not_hold_scan_nothing_and_say_so(tmp_path):
+    dump = real_dump(tmp_path)
+    proc = _scan_cli(tmp_path, dump, ", steps: [7]")
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert "no tensor entries to scan in the steps and ranks asked for" in last, last
