@@ -170,9 +170,17 @@ class _Opaque:
         self.type = type(value).__name__
 
 
+def host_copy_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host, in memory of its own: no later in-place op of the model changes it
+    (Falcon's layer adds the attention into its MLP's output: ``mlp_output += attention_output``).
+    ``cpu()`` copies a device tensor but returns a host tensor itself."""
+    t = t.detach()
+    return t.clone() if t.device.type == "cpu" else t.cpu()
+
+
 def _keep(value: Any, layer_idx: int | None = None) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
+        return host_copy_of(value)
     if isinstance(value, (tuple, list)):
         return type(value)(_keep(v, layer_idx) for v in value)
     if isinstance(value, dict):
@@ -223,7 +231,7 @@ class CallRecorder(Sink):
         call = self.calls.get(name)
         if call is None or call.outputs:
             return
-        call.outputs = {k: v.detach().cpu() for k, v in flatten_outputs(output).items()}
+        call.outputs = {k: host_copy_of(v) for k, v in flatten_outputs(output).items()}
         cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
         if cache is not None:
             call.cache_after = CacheSnapshot(cache, cache_layer_index(module))

@@ -372,7 +372,13 @@ class MsprobeDumpReader(DumpReader):
     ) -> None:
         """Entries for one (possibly nested) value of a record."""
         rank, step, name, level, mtype, files, folder, orders, lost, blind = ctx
-        if value is None or depth > 32:
+        if depth > 32 or (value is None and kind != "input"):
+            return
+        if value is None:  # an input given as None (``attention_mask=None``): a replay passes it too
+            order = orders.get(step, 0)
+            orders[step] = order + 1
+            out.append(Entry(step=step, rank=rank, name=name, kind=kind, index=index or "0", level=level,
+                             order=order, module_type=mtype, pytype="NoneType"))
             return
         if isinstance(value, list):
             for i, v in enumerate(value):

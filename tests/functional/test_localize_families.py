@@ -18,7 +18,7 @@ from llmflow.models import load_model  # noqa: E402
 LAYER = 4
 SIZE = "layers=6,hidden=64,intermediate=128,seed=3"
 CUSTOM = "tests/fixtures/custom_model.py:build"  # a hand-written decoder with other names
-DENSE = ["llama", "qwen2", "mistral", "phi3", "gemma2", "gpt2", "gpt-neox"]
+DENSE = ["llama", "qwen2", "mistral", "phi3", "gemma2", "gpt2", "gpt-neox", "falcon"]
 DENSE_FAULTS = ["scale_down_proj", "wrong_act", "wrong_eps", "scale_attn_out"]
 MOE = ["mixtral", "qwen2-moe"]
 MOE_FAULTS = ["scale_expert", "wrong_router", "scale_attn_out", "wrong_eps"]

@@ -1,0 +1,75 @@
+"""dump_bisect on msprobe's own L0 tensor dumps of attention that takes ``attention_mask=None``
+(Qwen2 at the prefill: msprobe writes ``"attention_mask": null`` in the record's ``input_kwargs``).
+The replay passes the None as it was given: a clean and a bf16 target pass, an attention fault is
+named at its layer, never "could not be replayed" (a user's msprobe script run as a subprocess)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from path_helpers import checkout_path
+
+pytest.importorskip("msprobe.pytorch", reason="mindstudio-probe is not installed (optional: "
+                                              "pip install mindstudio-probe)")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from workflow_helpers import REPO, llmflow  # noqa: E402
+
+MODEL = "tiny-qwen2:layers=4,hidden=64,intermediate=128,seed=3"
+SCRIPT = """
+import json, sys, torch
+from msprobe.pytorch import PrecisionDebugger
+from llmflow.models import encode_prompt, load_model
+
+out, dtype, patch = sys.argv[1], sys.argv[2], sys.argv[3]
+lm = load_model({model!r}, dtype=dtype)
+if patch == "attn":  # layer 1's attention kernel takes a wrong softmax scale
+    lm.model.model.layers[1].self_attn.scaling *= 2.5
+config = {{"task": "tensor", "dump_path": out, "rank": [], "step": [], "level": "L0",
+           "tensor": {{"scope": [], "list": [], "data_mode": ["all"]}}}}
+with open(out + ".json", "w") as f:
+    json.dump(config, f)
+debugger = PrecisionDebugger(config_path=out + ".json")
+ids, past = torch.tensor([encode_prompt(lm.tokenizer, "The story of a dragon")]), None
+with torch.no_grad():
+    for _ in range(3):  # one msprobe step per token, as a serving loop steps it
+        debugger.start(model=lm.model)
+        result = lm.model(input_ids=ids, past_key_values=past, use_cache=True)
+        debugger.stop()
+        debugger.step()
+        past, ids = result.past_key_values, result.logits[:, -1:].argmax(-1)
+"""
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("msprobe_qwen2")
+    script = out / "dump_with_msprobe.py"
+    script.write_text(SCRIPT.format(model=MODEL), encoding="utf-8")
+    env = {"PYTHONPATH": checkout_path(REPO)}
+    runs = {"golden": ("float32", ""), "clean": ("bfloat16", ""),
+            "attn": ("float32", "attn")}
+    for name, (dtype, patch) in runs.items():
+        proc = subprocess.run([sys.executable, str(script), str(out / name), dtype, patch],
+                              capture_output=True, text=True, timeout=600, cwd=out, env={**os.environ, **env})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize(("target", "code", "named"), [("clean", 0, None),
+                                                       ("attn", 1, "model.layers.1.self_attn")])
+def test_dump_bisect_replays_attention_given_a_none_mask(tmp_path, dumps, target, code, named):
+    proc = llmflow("run", "dump_bisect", "--run-dir", str(tmp_path / "run"),
+                   "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / target}",
+                   "--set", f"golden_model={MODEL}")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "could not be replayed" not in proc.stdout
+    if named:
+        assert last.startswith(f"FAILED: {named} is the fault"), last
+    else:
+        assert last.startswith("PASSED"), last
