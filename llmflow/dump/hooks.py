@@ -198,7 +198,8 @@ def _default_env(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def register_hook(model: torch.nn.Module, config: DumpConfig, hook_type: str = "dump_data") -> DumpHandle:
-    """Hook ``model`` so its forward calls are dumped as ``config`` says (msit llm signature)."""
+    """Hook ``model`` so its forward calls are dumped as ``config`` says (msit llm signature). A
+    model hooked already has its earlier hook removed first, with a warning: one dump per run."""
     if hook_type != "dump_data":
         raise UserError(f"register_hook: hook_type {hook_type!r} is not supported (only 'dump_data')")
     if not isinstance(model, torch.nn.Module):
@@ -209,6 +210,12 @@ def register_hook(model: torch.nn.Module, config: DumpConfig, hook_type: str = "
         from llmflow.seeding import seed_all
 
         seed_all(config.seed)
+    earlier = [h for h in list(_HANDLES) if h.model is model and h.recorder is not None]
+    for handle in earlier:  # (a notebook cell run again: two hooks would write every dump twice)
+        log.warning("llmflow register_hook: this %s was hooked already; the earlier hook is removed "
+                    "(its dump, %s, closed) and this one dumps it", type(model).__name__,
+                    handle.dumps[-1] if handle.dumps else "none yet")
+        handle.remove()
     return DumpHandle(model, config)
 
 
