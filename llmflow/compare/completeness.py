@@ -193,7 +193,12 @@ def _causes(pairing: Pairing, golden: DumpReader, target: DumpReader, lost: dict
                       f"step or no target entry of their level (target steps {_span(target.steps())}); "
                       "check token_range and --prefill-offset, or compare the steps both dumps hold "
                       "(--steps)")
-    if lost["name"] and lost["target"]:
+    g_ranks, t_ranks = golden.ranks(), target.ranks()
+    if lost["name"] and lost["name"] == lost["target"] and g_ranks != t_ranks:  # (named alike, apart)
+        causes.append(f"the dumps hold different ranks (golden rank {_span(g_ranks)}, target rank "
+                      f"{_span(t_ranks)}): compare a rank both hold (-r N), or give each side its dump's "
+                      "own folder, not one rank's folder")
+    elif lost["name"] and lost["target"] and lost["name"] != lost["target"]:
         hint = "-mf FILE"
         if getattr(target, "format", "") == "atb" and not pairing.mapping:
             hint += "; -mf atb-llama for ATB Llama"

@@ -76,8 +76,11 @@ def plan_pairs(golden: DumpReader, target: DumpReader, *, step_pairs: list[dict[
         g_idx = {(t_ranks[0], s): es for (_, s), es in g_idx.items()}
         ranks = [t_ranks[0]]
     if rank is not None:
-        if rank not in ranks:
-            raise UserError(f"compare: rank {rank} is in neither dump (ranks: {ranks})")
+        lacking = [side for side, held in (("golden", g_ranks), ("target", t_ranks)) if rank not in held]
+        if lacking:  # (a side without it would leave every row of the other unpaired)
+            raise UserError(f"compare: -r {rank}: the " + " and the ".join(
+                f"{side} dump holds rank{'s' if len(held) > 1 else ''} {', '.join(map(str, held)) or 'none'}"
+                for side, held in (("golden", g_ranks), ("target", t_ranks)) if side in lacking))
         ranks = [rank]
     chosen, matching = _choose(golden, target, g_idx, t_idx, step_pairs, ranks, levels, mapping, base_dir)
     pairs: list[Pair] = []
