@@ -40,7 +40,7 @@ from llmflow.atomic import atomic_write_json
 from llmflow.dtypes import SAFETENSORS_CODES, torch_dtype
 from llmflow.errors import DumpFormatError, UserError
 from llmflow.formats.base import STAT_KEYS, Entry
-from llmflow.formats.llmflow_layout import FORMAT, META_FILE, VERSION
+from llmflow.formats.llmflow_layout import ENV_FILE, FORMAT, META_FILE, TOPOLOGY_FILE, VERSION
 
 # the format's reader, importable from here (``llmflow_dump.LlmflowDumpReader``: the ``llmflow``
 # format's registered reader, pyproject.toml); the reader imports nothing from this module
@@ -231,20 +231,42 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | bytes | memo
 RANK_FILES = ("index.jsonl", "order.jsonl", "rank.json")
 _OWN_TEMPORARY = re.compile(r"\.rank\.json\..+\.tmp")  # atomic_write_json's, left by a kill
 _DATA_FILE = re.compile(r"\d{6}\.safetensors(\.tmp)?")
+TOP_FILES = (META_FILE, ENV_FILE, TOPOLOGY_FILE)  # a dump's files beside its rank folders
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object at ``path``, or None (missing, unreadable, not an object)."""
+    try:  # the reader's bounded, FIFO-safe read
+        value = LlmflowDumpReader._read_json(path)
+    except DumpFormatError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def is_llmflow_dump(dump_dir: Path) -> bool:
+    """Does ``dump_dir`` hold an llmflow dump's manifest (a file, not a link to one)?"""
+    manifest = dump_dir / META_FILE
+    if manifest.is_symlink():
+        return False
+    meta = _json_object(manifest)
+    return meta is not None and meta.get("format") == FORMAT
 
 
 def _written_by_llmflow(dump_dir: Path, rank_dir: Path, rank: int) -> bool:
     """Is ``rank_dir`` rank ``rank`` of an llmflow dump (its manifest and its rank.json say so)?"""
-    def json_object(path: Path) -> dict[str, Any] | None:
-        try:  # the reader's bounded, FIFO-safe read
-            value = LlmflowDumpReader._read_json(path)
-        except DumpFormatError:
-            return None
-        return value if isinstance(value, dict) else None
+    rank_meta = _json_object(rank_dir / "rank.json")
+    return is_llmflow_dump(dump_dir) and rank_meta is not None and rank_meta.get("rank") == rank
 
-    manifest, rank_meta = json_object(dump_dir / META_FILE), json_object(rank_dir / "rank.json")
-    return (manifest is not None and manifest.get("format") == FORMAT
-            and rank_meta is not None and rank_meta.get("rank") == rank)
+
+def _refuse_foreign_top_files(dump_dir: Path) -> None:
+    """A dump replaces the top-level files (manifest, env.json, topology.json) of an earlier
+    llmflow dump in ``dump_dir`` only: where no llmflow manifest is, files at those names are
+    someone else's (a user's env.json, another tool's llmflow_dump.json) and are refused. Beside
+    an llmflow manifest they are that dump's, replaced with it as msit replaces its dump."""
+    present = [dump_dir / name for name in TOP_FILES if os.path.lexists(dump_dir / name)]
+    if present and not is_llmflow_dump(dump_dir):
+        raise UserError(f"{present[0]}: not written by an llmflow dump ({dump_dir / META_FILE} does not "
+                        "say so); a dump there would replace it: dump elsewhere or move it away")
 
 
 def _clear_previous_rank(dump_dir: Path, rank_dir: Path, rank: int) -> None:
@@ -281,6 +303,7 @@ class DumpDirWriter:
         self.rank_dir = self.dump_dir / f"rank{rank}"
         try:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
+            _refuse_foreign_top_files(self.dump_dir)
             _clear_previous_rank(self.dump_dir, self.rank_dir, rank)
             (self.rank_dir / "data").mkdir(parents=True, exist_ok=True)
         except OSError as exc:

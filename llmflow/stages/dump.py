@@ -31,6 +31,10 @@ _NULLABLE_STR = {"type": ["string", "null"], "default": None}
 # the worker's own OSError for a write that found no room (disk full, quota, file size limit)
 _NO_ROOM = re.compile(rf"\[Errno ({errno.ENOSPC}|{errno.EDQUOT}|{errno.EFBIG})\] (.*)")
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)")  # a traceback's last line
+# the mark a dump stage leaves in the dump_dir it is given, naming the run dir and stage that own
+# the dump there: only that stage may write there again
+OWNER_FILE = ".llmflow-dump-stage.json"
+_OWNER_FORMAT = "llmflow-dump-stage"
 _RESULT_KEYS = ("output_ids", "text", "bytes", "entries", "steps", "truncated")  # the worker's result.json
 
 
@@ -82,8 +86,12 @@ class DumpStage(Stage):
         p = self.params(ctx)
         if p.get("prompt") is None and p.get("input_ids") is None:
             raise UserError(f"{ctx.stage_id}: prompt: give a prompt or input_ids")
-        dump_dir = ctx.resolve_path(p["dump_dir"]) if p.get("dump_dir") else ctx.out_dir / "dump"
-        _check_writable(dump_dir, ctx.stage_id)
+        if p.get("dump_dir"):
+            dump_dir = ctx.resolve_path(p["dump_dir"])
+            _claim_dump_dir(dump_dir, ctx)
+        else:  # (a new folder of the stage's own)
+            dump_dir = ctx.out_dir / "dump"
+            _check_writable(dump_dir, ctx.stage_id)
         args = {**p, "dump_dir": str(dump_dir), "base_dir": str(ctx.workflow_dir),
                 "generation_file": str(ctx.out_dir / "generation.json")}
         result = self._run_worker(ctx, args)
@@ -176,6 +184,64 @@ def _read_result(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return result if isinstance(result, dict) else {}
+
+
+def _owner_mark(ctx: StageContext) -> dict[str, str]:
+    """What OWNER_FILE holds in a dump_dir this stage writes: its run dir (resolved: the same
+    run dir named another way is still it) and its stage id."""
+    return {"format": _OWNER_FORMAT, "run_dir": str(ctx.run_dir.resolve()), "stage": ctx.stage_id}
+
+
+def _read_owner(path: Path) -> dict[str, Any] | None:
+    """The owner mark in ``path`` (a dump_dir), or None (none, a link, not a mark)."""
+    mark = path / OWNER_FILE
+    try:
+        if mark.is_symlink() or not mark.is_file() or mark.stat().st_size > 65536:
+            return None
+        value = json.loads(mark.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) and value.get("format") == _OWNER_FORMAT else None
+
+
+def _claim_dump_dir(path: Path, ctx: StageContext) -> None:
+    """Make ``path`` this stage's dump_dir before anything is written there: a folder this stage
+    marked before (a rerun, a resume) is its own and the new dump replaces the old one; a new or
+    empty folder is marked now; anything else (the user's files, a dump a script or another run
+    wrote) is refused with a ``UserError`` naming what is in the way, and left as it was."""
+    from llmflow.formats.llmflow_dump import is_llmflow_dump  # (imports torch: not at import time)
+
+    mine = _owner_mark(ctx)
+    owner = _read_owner(path)
+    if owner == mine:
+        _check_writable(path, ctx.stage_id)
+        return
+    try:
+        entries = sorted(os.listdir(path))
+    except OSError:  # none yet; or not a folder, not readable: the write test below says so
+        entries = []
+    if entries:
+        if owner is not None:
+            what = f"holds the dump of stage {owner.get('stage')!r} of run dir {owner.get('run_dir')}"
+        elif is_llmflow_dump(path):
+            what = "holds an llmflow dump this stage did not write (a script's or another run's)"
+        else:
+            first = path / entries[0]
+            why = "is a symbolic link" if first.is_symlink() else "not written by an llmflow dump"
+            more = f" (and {len(entries) - 1} more)" if len(entries) > 1 else ""
+            what = f"{first}: {why}{more}"
+        raise UserError(f"{ctx.stage_id}: dump_dir {path}: {what}; the dump stage writes only into a new or "
+                        "empty folder or its own earlier dump: pick another dump_dir or move it away")
+    _check_writable(path, ctx.stage_id)
+    try:  # (exclusive: of two stages given one new folder, the second is refused)
+        with open(path / OWNER_FILE, "x", encoding="utf-8") as fh:
+            json.dump(mine, fh)
+    except FileExistsError:
+        raise UserError(f"{ctx.stage_id}: dump_dir {path}: another stage began a dump there at the same "
+                        "time; give each dump stage a dump_dir of its own") from None
+    except OSError as exc:
+        raise UserError(f"{ctx.stage_id}: dump_dir {str(path)!r}: not writable "
+                        f"({exc.strerror or exc})") from exc
 
 
 def _check_writable(path: Path, stage_id: str) -> None:

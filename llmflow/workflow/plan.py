@@ -14,7 +14,7 @@ changed on disk.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,13 @@ from llmflow.plugins import suggest
 from llmflow.workflow import dag
 from llmflow.workflow.loader import load_workflow
 from llmflow.workflow.marks import WorkflowError
-from llmflow.workflow.registry import INPUT_PREFIX, referenced_code, referenced_inputs, stage_identity
+from llmflow.workflow.registry import (
+    INPUT_PREFIX,
+    listing_hash,
+    referenced_code,
+    referenced_inputs,
+    stage_identity,
+)
 from llmflow.workflow.rundir import SUMMARY_FILE, check_run_dir, read_json
 from llmflow.workflow.state import StageState, fingerprint, outputs_changed, portable, read_state
 from llmflow.workflow.validate import Checked, SetParams, check, resolve_with
@@ -74,6 +80,7 @@ class StageKey:
     fingerprint: str
     upstream: dict[str, str]  # needed stage -> its fingerprint
     upstream_runs: dict[str, str]  # needed stage -> the run id of its result in use
+    typed: dict[str, str] = field(default_factory=dict)  # ``input:`` key -> its path as the user wrote it
 
 
 def stage_key(checked: Checked, sid: str, states: dict[str, StageState], run_dir: Path) -> StageKey:
@@ -84,11 +91,13 @@ def stage_key(checked: Checked, sid: str, states: dict[str, StageState], run_dir
     identity = stage_identity(spec.uses, checked.classes[sid], spec.base_dir)
     dirs = [checked.workflow.directory, spec.base_dir, Path.cwd()]
     writes_to = getattr(checked.classes[sid], "writes_to", ())
-    code = {**referenced_code(params, dirs), **referenced_inputs(params, dirs, run_dir, writes_to)}
+    typed: dict[str, str] = {}
+    inputs = referenced_inputs(params, dirs, run_dir, writes_to, checked.order, typed)
+    code = {**referenced_code(params, dirs), **inputs}
     upstream = {d: states[d].fingerprint for d in spec.needs}
     fp = fingerprint(identity, portable(params, run_dir), upstream, code)
     runs = {d: states[d].run_id or "" for d in spec.needs}
-    return StageKey(params, identity, code, fp, upstream, runs)
+    return StageKey(params, identity, code, fp, upstream, runs, typed)
 
 
 @dataclass
@@ -139,13 +148,25 @@ def decide(
         if old_code is not None and old_code != key.code:
             changed = sorted(r for r in {*old_code, *key.code} if old_code.get(r) != key.code.get(r))
             if changed[0].startswith(INPUT_PREFIX):
-                return True, f"input changed: {changed[0][len(INPUT_PREFIX):]}"
+                return True, f"input changed: {key.typed.get(changed[0], changed[0][len(INPUT_PREFIX):])}"
             return True, f"code changed: {changed[0].rpartition(':')[0]}"
         return True, "parameters changed"
-    changed = outputs_changed(stage_dir, state)
+    changed = outputs_changed(stage_dir, state) or written_changed(state)
     if changed:
         return True, f"outputs changed on disk ({changed})"
     return False, "cached"
+
+
+def written_changed(state: StageState) -> str | None:
+    """Why what a completed stage wrote outside the run dir (a dump in the user's ``dump_dir``)
+    no longer matches what it left there (one folder named), or None."""
+    for path, recorded in state.written.items():
+        where = Path(path)
+        if not where.exists():
+            return f"{path} is gone"
+        if listing_hash(where) != recorded:
+            return f"{path} was modified"
+    return None
 
 
 def previous_failures(run_dir: Path) -> set[str]:

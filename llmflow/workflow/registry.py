@@ -114,23 +114,27 @@ MAX_INPUT_FILES = 200_000
 INPUT_PREFIX = "input:"
 
 
-def referenced_inputs(params: Any, dirs: Iterable[Path], run_dir: Path,
-                      writes_to: Iterable[str] = ()) -> dict[str, str]:
+def referenced_inputs(params: Any, dirs: Iterable[Path], run_dir: Path, writes_to: Iterable[str] = (),
+                      stages: Iterable[str] = (), typed: dict[str, str] | None = None) -> dict[str, str]:
     """``input:<path>`` -> a hash of the name, size and modification time of every file at each
-    parameter string that names an existing file or folder outside the run dir (a dump, a
-    checkpoint, a mapping file), found as ``referenced_code`` finds code: a dump written again in
-    place changes the stage's fingerprint, so a stage that read the old one runs again. (Stage
-    outputs inside the run dir are covered by the fingerprints of the stages that made them; a
-    folder holding the run dir is not an input, nor a parameter in ``writes_to``: where the stage
-    writes, ``Stage.writes_to``.)"""
+    parameter string that names an existing file or folder (a dump, a checkpoint, a mapping file),
+    found as ``referenced_code`` finds code: a dump written again in place changes the stage's
+    fingerprint, so a stage that read the old one runs again. ``<path>`` is the resolved absolute
+    path, so the same file reached by another spelling (from another current directory) is the
+    same input. (Outputs in the run dir's folders of ``stages`` are covered by the fingerprints of
+    the stages that made them; the run dir itself or a folder holding it is not an input, nor a
+    parameter in ``writes_to``: where the stage writes, ``Stage.writes_to``. Anything else in the
+    run dir, a dump the user keeps in an adopted folder, is an input like any other.) ``typed``,
+    when given, gets each key's path as the parameter spells it, for messages."""
     out: dict[str, str] = {}
     dirs = list(dirs)
     inside = run_dir.resolve()
+    own = [inside / sid for sid in stages]
     destinations = set(writes_to)
     for at, text in strings(params):
         if (at and at[0] in destinations) or not text or "\n" in text or len(text) > 4096:
             continue
-        if is_file_ref(text) or INPUT_PREFIX + text in out:
+        if is_file_ref(text):
             continue
         for base in dirs:
             path = Path(text) if os.path.isabs(text) else base / text
@@ -138,16 +142,23 @@ def referenced_inputs(params: Any, dirs: Iterable[Path], run_dir: Path,
                 if not path.exists():
                     continue
                 where = path.resolve()
-                if where == inside or inside in where.parents or where in inside.parents:
-                    break  # (the run dir, in it, or holding it: its stages' own files)
-                out[INPUT_PREFIX + text] = _listing_hash(where)
+                if where == inside or where in inside.parents or any(
+                        where == folder or folder in where.parents for folder in own):
+                    break  # (the run dir, holding it, or in a stage's folder: llmflow's own files)
+                key = INPUT_PREFIX + str(where)
+                if key not in out:
+                    out[key] = listing_hash(where)
+                    if typed is not None:
+                        typed[key] = text
             except (OSError, ValueError):
                 pass
             break
     return out
 
 
-def _listing_hash(path: Path) -> str:
+def listing_hash(path: Path) -> str:
+    """A hash of the name, size and modification time of every file at ``path`` (a file or a
+    folder, walked in order; at most ``MAX_INPUT_FILES`` files)."""
     h = hashlib.sha256()
     if path.is_file():
         st = path.stat()
@@ -167,3 +178,22 @@ def _listing_hash(path: Path) -> str:
             if seen >= MAX_INPUT_FILES:
                 return h.hexdigest()
     return h.hexdigest()
+
+
+def written_outside(params: dict[str, Any], writes_to: Iterable[str], base: Path,
+                    run_dir: Path) -> dict[str, str]:
+    """The folders a stage wrote outside the run dir (its ``writes_to`` parameters, relative to
+    ``base``) -> ``listing_hash`` of each as it is now: what a cached stage's result rests on there
+    (a dump written into the user's ``dump_dir``), checked again before the result is reused."""
+    out: dict[str, str] = {}
+    inside = run_dir.resolve()
+    for name in writes_to:
+        value = params.get(name)
+        if not isinstance(value, str) or not value:
+            continue
+        path = Path(value).expanduser()
+        where = (path if path.is_absolute() else base / path).resolve()
+        if where == inside or inside in where.parents or not where.exists():
+            continue
+        out[str(where)] = listing_hash(where)
+    return out

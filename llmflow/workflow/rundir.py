@@ -15,12 +15,14 @@ refused with a ``UserError`` naming it, never followed. The run directory itself
 (``runs -> /scratch/runs``): where it lives is the user's choice.
 
 llmflow never takes over a folder that holds someone else's files: an existing folder without the
-mark is refused unless it is empty, was a run dir of an earlier llmflow (it has llmflow's
-summary.json or a stage's state file) or the user says so (``--adopt-run-dir``: llmflow's entries
-then go beside the user's, and none of its names may be taken). Inside a marked run dir llmflow
-touches only its own entries: a folder at a stage's name without the stage's state file is
-refused, not replaced, and the files a user adds to a completed stage's folder (those its state
-file does not list) stay there, carried into the new folder when the stage reruns.
+mark is refused unless it is empty, was a run dir of an earlier llmflow (``_made_by_llmflow``:
+llmflow's summary.json, a stage folder whose state file names that folder, and nothing but
+llmflow's own in ``.tmp`` and ``.failed``) or the user says so (``--adopt-run-dir``: llmflow's
+entries then go beside the user's, and none of its names may be taken). Inside a marked run dir
+llmflow touches only its own entries: a folder at a stage's name without the stage's state file is
+refused, not replaced, the files a user adds to a completed stage's folder (those its state file
+does not list) stay there, carried into the new folder when the stage reruns, and ``.tmp`` is
+emptied of llmflow's tmp dirs only.
 
 Files llmflow writes get the permissions the user's umask allows, like any file the user creates.
 """
@@ -31,6 +33,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -48,6 +51,9 @@ SUMMARY_FILE = "summary.json"
 STATE_FILE = ".llmflow-stage.json"  # in each completed stage's folder (state.py)
 RUN_DIR_MARK = ".llmflow-run-dir"
 _MARK = {"format": "llmflow-run-dir", "version": 1}
+#: the names llmflow gives what it puts in ``.tmp``: ``<stage>-<random>`` (``new_tmp_dir``) and
+#: ``<stage>-old-<random>`` (an older stage folder on its way out, ``install_staged``)
+_TMP_NAME = re.compile(r".+-[0-9a-f]{8}")
 
 
 def refuse_link(path: Path) -> None:
@@ -79,12 +85,33 @@ def open_run_dir(run_dir: Path, stage_ids: Iterable[str], adopt: bool = False) -
 
 
 def _made_by_llmflow(run_dir: Path) -> bool:
-    """A run dir of an llmflow from before the mark: its summary.json, or a stage's state file."""
+    """A run dir of an llmflow from before the mark: llmflow's summary.json and a stage folder whose
+    state file names that very folder (a copied stage folder keeps the name of the stage it came
+    from), with nothing that says otherwise: every folder holding a state file is named for its
+    stage, ``.tmp`` holds only llmflow's tmp dirs and ``.failed`` only folders. A folder llmflow
+    would empty or overwrite is taken only when all of it looks like llmflow wrote it."""
     summary = read_json(run_dir / SUMMARY_FILE) if os.path.isfile(run_dir / SUMMARY_FILE) else None
-    if isinstance(summary, dict) and {"workflow", "status", "stages"} <= set(summary):
-        return True
+    if not (isinstance(summary, dict) and {"workflow", "status", "stages"} <= set(summary)):
+        return False
+    stages = 0
     with os.scandir(run_dir) as entries:
-        return any(e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, STATE_FILE))
+        for entry in entries:
+            state = Path(entry.path) / STATE_FILE
+            if not entry.is_dir(follow_symlinks=False) or not os.path.isfile(state):
+                continue
+            record = read_json(state)
+            if not isinstance(record, dict) or record.get("stage") != entry.name:
+                return False
+            stages += 1
+    return stages > 0 and _only(run_dir / TMP_DIR, _TMP_NAME) and _only(run_dir / FAILED_DIR, None)
+
+
+def _only(folder: Path, names: re.Pattern[str] | None) -> bool:
+    """Whether ``folder`` is missing or holds only folders (not links), named to match ``names``."""
+    if not os.path.isdir(folder):
+        return True
+    with os.scandir(folder) as entries:
+        return all(e.is_dir(follow_symlinks=False) and (names is None or names.fullmatch(e.name))
                    for e in entries)
 
 
@@ -174,7 +201,8 @@ class RunDirLock:
 
 def clean_tmp(run_dir: Path) -> list[str]:
     """Remove what interrupted runs left in ``<run-dir>/.tmp``; returns the removed names.
-    A link in there is removed itself, never what it points at."""
+    Only llmflow's tmp dirs (``_TMP_NAME``) are removed with what they hold; a link in there is
+    removed itself, never what it points at; any other file or folder is not llmflow's and stays."""
     tmp = run_dir / TMP_DIR
     refuse_link(tmp)
     if not tmp.is_dir():
@@ -182,11 +210,13 @@ def clean_tmp(run_dir: Path) -> list[str]:
     removed = []
     with os.scandir(tmp) as entries:
         for child in list(entries):
-            if child.is_dir(follow_symlinks=False):
-                shutil.rmtree(child.path, ignore_errors=True)  # rmtree does not follow links inside
-            else:
+            if child.is_symlink():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(child.path)
+            elif child.is_dir(follow_symlinks=False) and _TMP_NAME.fullmatch(child.name):
+                shutil.rmtree(child.path, ignore_errors=True)  # rmtree does not follow links inside
+            else:
+                continue
             removed.append(child.name)
     return removed
 

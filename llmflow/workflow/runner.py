@@ -42,6 +42,7 @@ from llmflow.workflow.plan import (
     select,
 )
 from llmflow.workflow.progress import Reporter
+from llmflow.workflow.registry import written_outside
 from llmflow.workflow.result import RunResult, StageResult, now_iso, run_status
 from llmflow.workflow.summary import SummaryWriter
 from llmflow.workflow.validate import Checked, SetParams
@@ -220,7 +221,9 @@ class _Run:
             code=key.code, run_id=secrets.token_hex(8), params=key.params, upstream=key.upstream,
             upstream_runs=key.upstream_runs, outputs=outputs, summary=summary,
             outcome=outcome_record(ctx.outcome), started=res.started, finished=now_iso(),
-            duration_s=res.duration_s)
+            duration_s=res.duration_s,
+            written=written_outside(key.params, getattr(self.checked.classes[sid], "writes_to", ()),
+                                    self.wf.directory, self.run_dir))
         # stored redacted (secret values, URL credentials); the fingerprint, a hash of the real
         # parameters, still changes with them. This run's later stages get the real outputs.
         record = self.checked.redact(state.to_json(self.run_dir, tmp))

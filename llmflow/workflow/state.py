@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +157,8 @@ class StageState:
     finished: str | None
     duration_s: float | None
     files: dict[str, list[int]] | None = None
+    # the folders it wrote outside the run dir (``Stage.writes_to``) -> their listing hash then
+    written: dict[str, str] = field(default_factory=dict)
 
     def to_json(self, run_dir: Path, stage_dir: Path) -> dict[str, Any]:
         """The state file's content: run-dir paths made relative (``paths`` says where, see the
@@ -192,7 +194,7 @@ class StageState:
                    upstream_runs=mapping("upstream_runs"), outputs=mapping("outputs"),
                    summary=mapping("summary"), outcome=data.get("outcome"), started=data.get("started"),
                    finished=data.get("finished"), duration_s=data.get("duration_s"),
-                   files=files if isinstance(files, dict) else None)
+                   files=files if isinstance(files, dict) else None, written=mapping("written"))
 
 
 def read_state(stage_dir: Path) -> StageState | None:

@@ -146,16 +146,29 @@ def path_from_current_dir(value: Any, workflow_dir: Path) -> Any:
     (a ``file.py:name`` reference: its file), also when nothing is there, so a missing one is
     reported where the user meant it, not inside the package a shipped workflow lies in. Kept as
     typed: a path only the workflow file's directory holds (``../plugins/x.py:f``, read as the
-    YAML's values are), a name (``smollm2``, ``tiny-llama``, a mapping's) and an absolute path."""
+    YAML's values are) or that names the same file from there as from the current directory (so
+    the same command gives the same value, and cache key, whichever directory it is run from), a
+    name (``smollm2``, ``tiny-llama``, a mapping's) and an absolute path."""
     if not isinstance(value, str) or not value.strip():
         return value
     text, sep, attr = value.rpartition(":") if is_file_ref(value) else (value, "", "")
     path = Path(text).expanduser()
     if path.is_absolute():
         return value
-    if not path.exists() and ((workflow_dir / path).exists() or _is_a_name(value)):
+    beside = workflow_dir / path
+    if not path.exists() and (beside.exists() or _is_a_name(value)):
+        return value
+    if path.exists() and beside.exists() and _same_file(path, beside):
         return value
     return os.path.abspath(path) + sep + attr
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file or folder (False when either cannot be read)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _is_a_name(value: str) -> bool:
