@@ -383,8 +383,9 @@ class _Bisect:
 
     def rank(self, result: StepReplay, replayed: list[dict[str, Any]], phase: str, source: str) -> None:
         """Rank the step's own errors, pick its candidate, end the phase and say what came out."""
+        result.op_floor = self.op_floor()
         result.ranked = rank_modules(replayed, ratio_threshold=self.inp.ratio_threshold, stack=self.stack,
-                                     op_floor=self.op_floor())
+                                     op_floor=result.op_floor)
         result.candidate = pick_candidate(result.ranked)
         self.phase(f"{phase} (step {result.step})", f"{len(result.rows)} modules")
         cand = result.candidate

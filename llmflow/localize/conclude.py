@@ -72,6 +72,10 @@ class StepReplay:
     # the same layers' own error against what each adds to the residual stream alone
     # (``own_error.update_errors``): a layer stands out only where it does here too
     layer_update_errors: dict[str, float] = field(default_factory=dict)
+    # the error one correct op shows in the coarser of the two sides' dtypes (the ranking's
+    # ``op_floor``): the least "the other layers' typical error" is taken to be, so one layer off
+    # where every other layer matches to the bit (0) still stands out
+    op_floor: float = 0.0
     # isolation from the target dump: why the code before or after the decoder layers, which the
     # dumps do not hold, was not replayed (``target_dump.outside_layer_rows``)
     ends_not_replayed: list[str] = field(default_factory=list)
@@ -117,20 +121,21 @@ def _layer_standing_out(step: StepReplay, ratio: float) -> tuple[str, float] | N
     other layers' or more, with that ratio (the largest), and where it is known, its error against
     its update alone (``layer_update_errors``) as well; None where none is."""
     worst: tuple[str, float] | None = None
-    update_ratios = _ratios_to_others(step.layer_update_errors)
-    for name, r in _ratios_to_others(step.layer_errors).items():
+    update_ratios = _ratios_to_others(step.layer_update_errors, step.op_floor)
+    for name, r in _ratios_to_others(step.layer_errors, step.op_floor).items():
         if r >= ratio and update_ratios.get(name, r) >= ratio and (worst is None or r > worst[1]):
             worst = (name, r)
     return worst
 
 
-def _ratios_to_others(errors: dict[str, float]) -> dict[str, float]:
-    """Each finite error over the median of the others' (where that median is above 0)."""
+def _ratios_to_others(errors: dict[str, float], floor: float = 0.0) -> dict[str, float]:
+    """Each finite error over the median of the others' or ``floor``, the larger (where that is
+    above 0)."""
     finite = {n: e for n, e in errors.items() if e is not None and math.isfinite(e)}
     out: dict[str, float] = {}
     for name, error in finite.items():
         others = [e for n, e in finite.items() if n != name]
-        typical = median(others) if others else 0.0
+        typical = max(median(others) if others else 0.0, floor)
         if typical > 0:
             out[name] = error / typical
     return out

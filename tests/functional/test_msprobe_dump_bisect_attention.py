@@ -1,7 +1,8 @@
 """dump_bisect on msprobe's own L0 tensor dumps of attention that takes ``attention_mask=None``
 (Qwen2 at the prefill: msprobe writes ``"attention_mask": null`` in the record's ``input_kwargs``).
-The replay passes the None as it was given: a clean and a bf16 target pass, an attention fault is
-named at its layer, never "could not be replayed" (a user's msprobe script run as a subprocess)."""
+The replay passes the None as it was given: a clean bf16 target passes, an attention fault is
+named at its layer, never "could not be replayed"; a fault between a layer's modules is a lead
+(a user's msprobe script run as a subprocess)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from msprobe.pytorch import PrecisionDebugger
 from llmflow.models import encode_prompt, load_model
 
 out, dtype, patch = sys.argv[1], sys.argv[2], sys.argv[3]
-lm = load_model({model!r}, dtype=dtype)
+lm = load_model({model!r}, dtype=dtype, patch=patch if ".py:" in patch else None, base_dir={repo!r})
 if patch == "attn":  # layer 1's attention kernel takes a wrong softmax scale
     lm.model.model.layers[1].self_attn.scaling *= 2.5
 config = {{"task": "tensor", "dump_path": out, "rank": [], "step": [], "level": "L0",
@@ -49,10 +50,13 @@ with torch.no_grad():
 def dumps(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("msprobe_qwen2")
     script = out / "dump_with_msprobe.py"
-    script.write_text(SCRIPT.format(model=MODEL), encoding="utf-8")
+    script.write_text(SCRIPT.format(model=MODEL, repo=str(REPO)), encoding="utf-8")
     env = {"PYTHONPATH": checkout_path(REPO)}
     runs = {"golden": ("float32", ""), "clean": ("bfloat16", ""),
-            "attn": ("float32", "attn")}
+            "attn": ("float32", "attn"),
+            # a forward hook scales layer 1's attention output after msprobe has recorded it: the
+            # fault lies between the layer's modules
+            "hook": ("float32", "plugins/example_faults.py:scale_attn_out_layer_1")}
     for name, (dtype, patch) in runs.items():
         proc = subprocess.run([sys.executable, str(script), str(out / name), dtype, patch],
                               capture_output=True, text=True, timeout=600, cwd=out, env={**os.environ, **env})
@@ -63,9 +67,7 @@ def dumps(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(("target", "code", "named"), [("clean", 0, None),
                                                        ("attn", 1, "model.layers.1.self_attn")])
 def test_dump_bisect_replays_attention_given_a_none_mask(tmp_path, dumps, target, code, named):
-    proc = llmflow("run", "dump_bisect", "--run-dir", str(tmp_path / "run"),
-                   "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / target}",
-                   "--set", f"golden_model={MODEL}")
+    proc = _dump_bisect(tmp_path, dumps, target)
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "could not be replayed" not in proc.stdout
@@ -73,3 +75,19 @@ def test_dump_bisect_replays_attention_given_a_none_mask(tmp_path, dumps, target
         assert last.startswith(f"FAILED: {named} is the fault"), last
     else:
         assert last.startswith("PASSED"), last
+
+
+def test_a_fault_between_a_layers_modules_is_a_lead_never_a_pass(tmp_path, dumps):
+    """Every module matches its golden to the bit except what happens between them in layer 1:
+    the layer replayed whole stands out against layers that match exactly (an own error of 0), and
+    the bisect says so, INCONCLUSIVE (a golden module on a target dump's inputs is only a lead)."""
+    proc = _dump_bisect(tmp_path, dumps, "hook")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert last.startswith("INCONCLUSIVE: model.layers.1, replayed whole from the target dump"), last
+
+
+def _dump_bisect(tmp_path: Path, dumps: Path, target: str):
+    return llmflow("run", "dump_bisect", "--run-dir", str(tmp_path / "run"),
+                   "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / target}",
+                   "--set", f"golden_model={MODEL}")
