@@ -243,9 +243,9 @@ class DumpSession(Sink, _ENTRIES_BASE):
         failure = None
         if error is not None:
             failure = {"step": self.step, "error": error[:500], "module": raised_in}
-            log.warning("llmflow dump %s: step %d raised %s%s; the dump keeps what that step captured "
+            log.warning("llmflow dump %s: step %d: %s%s; the dump keeps what that step captured "
                         "before it", self.dump_dir, self.step, error[:200],
-                        f" in {raised_in}" if raised_in else "")
+                        f" (raised in {raised_in})" if raised_in else "")
         elif self.config.logits and output is not None:
             try:
                 logits = logits_of(output)
