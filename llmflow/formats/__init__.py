@@ -70,7 +70,8 @@ def open_dump(path: str | Path, format: str | None = None) -> DumpReader:
     # a rank, step or data folder of a dump: the readers take the dump whole (a rank: --rank/-r)
     for parent in p.absolute().parents[:2]:
         if (cls := _detected(parent, types)) is not None:
-            raise UserError(f"{p}: a folder inside the {cls.format} dump {parent}: give the dump itself "
+            what = "a folder" if p.is_dir() else "a file"
+            raise UserError(f"{p}: {what} inside the {cls.format} dump {parent}: give the dump itself "
                             f"(one rank of it: -r/--rank N)")
     broken = "".join(f"; format plugin {name!r} failed to import"
                      for name in broken_plugins("llmflow.formats"))

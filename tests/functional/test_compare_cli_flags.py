@@ -143,13 +143,14 @@ def test_a_file_of_another_kind_is_one_line(tmp_path):
     assert done.stderr.strip() == "error: g.pt: expected a tensor or dicts/lists of tensors, found int at b"
 
 
-@pytest.mark.parametrize("part", ["rank0", "rank0/data"])
-def test_a_folder_inside_a_dump_names_the_dump_and_the_rank_flag(tmp_path, part):
+@pytest.mark.parametrize(("part", "what"), [("rank0", "a folder"), ("rank0/data", "a folder"),
+                                            ("rank0/index.jsonl", "a file")])
+def test_a_folder_inside_a_dump_names_the_dump_and_the_rank_flag(tmp_path, part, what):
     g, t = as_dump(tmp_path, "g", steps=[0]), as_dump(tmp_path, "t", steps=[0])
     done = llmflow("compare", "-gp", str(g), "-mp", f"t/{part}", "-o", "out", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     last = done.stdout.strip().splitlines()[-1]
-    assert last == (f"FAILED: t/{part}: a folder inside the llmflow dump {t}: "
+    assert last == (f"FAILED: t/{part}: {what} inside the llmflow dump {t}: "
                     "give the dump itself (one rank of it: -r/--rank N)")
     assert not (tmp_path / "out").exists()
     # what it says works
