@@ -5,7 +5,9 @@ Tried in this order, each on what the previous ones left:
 1. an op-mapping file (``mappings.py``): target names or module types rewritten to golden ones,
    with many-to-one rules (a sum of target tensors vs one golden tensor); rows ``match: mapping``;
 2. the same name, kind and index on both sides (the same implementation); ``match: name``;
-3. topology order: remaining module OUTPUTS walked in execution order on both sides and paired
+3. topology order: API calls one side records without their module (msprobe's L1) against the
+   same API's calls in the other's modules, the k-th call of an API in the step with the k-th;
+   then remaining module OUTPUTS walked in execution order on both sides and paired
    when shapes agree, module types are compatible and both lie in the same decoder layer (the
    layer's index, ``model.layers.7``, or its position among the layers, ``9_DecoderLayer`` being
    the eighth: never a module of one layer against a module of another); ``match: order``;
@@ -167,6 +169,7 @@ def match_step(golden: Iterable[Entry], target: Iterable[Entry], *, golden_step:
             if g is not None:
                 add(g, (t,), "name")
     if order_fallback:
+        _pair_calls_without_modules(g_list, t_list, used_g, used_t, add)
         g_rest = [e for e in g_list if id(e) not in used_g and e.kind == "output" and e.level == "module"]
         t_rest = [e for e in t_list if id(e) not in used_t and e.kind == "output" and e.level == "module"]
         g_layer, t_layer = ((layer_positions(g_list), layer_positions(t_list)) if g_rest and t_rest
@@ -197,6 +200,42 @@ def match_step(golden: Iterable[Entry], target: Iterable[Entry], *, golden_step:
             lv = tuple(x for x in entry_levels(t) if x in wanted)
             out.append(Pair(lv, None, (t,), "unmatched target", golden_step, target_step, rank))
     return out
+
+
+def _pair_calls_without_modules(g_list: list[Entry], t_list: list[Entry], used_g: set[int], used_t: set[int],
+                                add) -> None:
+    """API calls a side records without their module (``/linear.3``: msprobe's L1 level has no
+    construct.json parents) against the other side's calls of the same API, named inside their
+    modules (``model.layers.0.mlp.up_proj/linear.0``: level mix, llmflow's API mode): the k-th
+    call of an API in the step on one side is the k-th on the other, input and output by index,
+    where shapes agree (``match: order``). Only where every call left on one side lacks its
+    module: calls both sides name inside modules pair by name or through a mapping file."""
+    def calls(entries: list[Entry], used: set[int]) -> list[Entry]:
+        return [e for e in entries if id(e) not in used and e.level == "api"]
+
+    g_rest, t_rest = calls(g_list, used_g), calls(t_list, used_t)
+    unplaced = any(all(e.name.startswith("/") for e in side) for side in (g_rest, t_rest))
+    if not g_rest or not t_rest or not unplaced:
+        return
+
+    def keyed(entries: list[Entry]) -> dict[tuple[str, int, str, str], Entry]:
+        seen: dict[str, int] = {}  # api -> calls so far
+        number: dict[str, int] = {}  # call name -> its number among the api's calls
+        out: dict[tuple[str, int, str, str], Entry] = {}
+        for e in entries:
+            api = e.name.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+            if e.name not in number:
+                number[e.name] = seen.get(api, 0)
+                seen[api] = number[e.name] + 1
+            out.setdefault((api, number[e.name], e.kind, e.index), e)
+        return out
+
+    t_keyed = keyed(t_rest)
+    for key, g in keyed(g_rest).items():
+        t = t_keyed.get(key)
+        if t is not None and t.shape == g.shape and id(t) not in used_t:
+            used_g.add(id(g))
+            add(g, (t,), "order")
 
 
 def _apply_mapping(mapping: Mapping, t_list: list[Entry], take, add) -> None:
