@@ -378,7 +378,7 @@ class MsprobeDumpReader(DumpReader):
             order = orders.get(step, 0)
             orders[step] = order + 1
             out.append(Entry(step=step, rank=rank, name=name, kind=kind, index=index or "0", level=level,
-                             order=order, module_type=mtype, pytype="NoneType"))
+                             order=order, module_type=mtype, has_data=False, pytype="NoneType"))
             return
         if isinstance(value, list):
             for i, v in enumerate(value):
