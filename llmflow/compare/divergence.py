@@ -18,12 +18,13 @@ input each dump records at the prefill (the model's token ids).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from llmflow.formats.base import DumpReader
+from llmflow.formats.base import DumpReader, Entry
 from llmflow.results.compare import Divergence
 
 GENERATION_FILE = "generation.json"
@@ -72,6 +73,66 @@ def divergence(golden_dump: str | Path, target_dump: str | Path) -> Divergence |
         return None
     return Divergence(first_differing_token=first_mismatch(ids[0], ids[1]), golden_file=str(files[0]),
                       target_file=str(files[1]))
+
+
+def token_ids_entry(entries: Iterable[Entry]) -> Entry | None:
+    """The token ids a step's forward pass starts from: the first integer input 0 of an embedding
+    (a module whose type ends in ``Embedding``, rotary ones aside, or the ``embedding`` API)."""
+    found = None
+    for e in entries:
+        if e.kind != "input" or e.index != "0" or e.dtype not in _INTEGER_DTYPES or not e.shape:
+            continue
+        mtype = e.module_type or ""
+        api = e.name.rsplit("/", 1)[-1].rsplit(".", 1)[0] if e.level == "api" else ""
+        if ((e.level == "module" and mtype.endswith("Embedding") and "Rotary" not in mtype)
+                or api == "embedding") and (found is None or e.order < found.order):
+            found = e
+    return found
+
+
+def _last_tokens_differ(golden: DumpReader, g: Entry, target: DumpReader, t: Entry) -> bool | None:
+    """Whether the last position's token ids differ (the token the previous step chose, whether a
+    step feeds the new token alone or the whole sequence again); None: the entries cannot say."""
+    if g.has_data and t.has_data:
+        a, b = golden.load(g), target.load(t)
+        if a.dim() == 0 or b.dim() == 0 or a.shape[:-1] != b.shape[:-1]:
+            return None
+        return not torch.equal(a[..., -1].to(torch.int64), b[..., -1].to(torch.int64))
+    if g.stats and t.stats and g.shape and t.shape and g.shape[-1] == 1 and t.shape[-1] == 1:
+        # one new token per row: max, min and mean are the ids themselves (batch 1: exact)
+        keys = [k for k in ("max", "min", "mean") if k in g.stats and k in t.stats]
+        return any(g.stats[k] != t.stats[k] for k in keys) if keys else None
+    return None
+
+
+def divergence_in_dumps(golden: DumpReader, target: DumpReader, step_pairs: list[dict[str, int]],
+                        rank: int = 0) -> Divergence | None:
+    """Where the texts part, from the token ids each dump records at every step: step ``s`` starts
+    from the token step ``s - 1`` chose, so the first step whose ids differ dates the first
+    differing token. None where the dumps cannot say for every step up to it (no embedding
+    input recorded, a step missing on a side, statistics of a whole sequence), or the ids agree.
+
+    What dumps from other tools need (msprobe, msit, ATB): they carry no generation record."""
+    by_step: dict[tuple[DumpReader, int], list[Entry]] = {}
+    for reader in (golden, target):
+        for e in reader.entries():
+            if e.rank == rank and e.kind == "input":
+                by_step.setdefault((reader, e.step), []).append(e)
+    steps = {int(p["golden_step"]): int(p["target_step"]) for p in step_pairs}
+    step = 1
+    while step in steps:  # every step from 1 on, none skipped: a gap could hide an earlier part
+        g = token_ids_entry(by_step.get((golden, step), ()))
+        t = token_ids_entry(by_step.get((target, steps[step]), ()))
+        if g is None or t is None:
+            return None
+        differ = _last_tokens_differ(golden, g, target, t)
+        if differ is None:
+            return None
+        if differ:
+            return Divergence(first_differing_token=step - 1, golden_file=None, target_file=None,
+                              source=f"read from the token ids the dumps record every step: {g.name} input 0")
+        step += 1
+    return None
 
 
 def is_diverged(step: Any, first_differing_token: int | None) -> bool:

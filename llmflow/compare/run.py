@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.compare.algorithms import algorithm_name, load_algorithms
+from llmflow.compare.align import align_dumps
 from llmflow.compare.completeness import assess
-from llmflow.compare.divergence import different_inputs, divergence, is_diverged
+from llmflow.compare.divergence import different_inputs, divergence, divergence_in_dumps, is_diverged
 from llmflow.compare.engine import execute
 from llmflow.compare.jumps import JumpJudge, check_jump_ratio
 from llmflow.compare.match import LEVELS
@@ -139,9 +140,16 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
                         f"(check steps, prefill_offset, and that both dumps hold tensors){damage}")
     coverage = assess(pairing, g_reader, t_reader)
     judge_by = judging(g_reader, t_reader, opts)
-    parted = divergence(g_reader.path, t_reader.path)  # where the texts part, when the dumps say
     prefill = next((p.target_step for p in pairs if p.golden_step == 0), None)
     inputs_differ = different_inputs(g_reader, t_reader, prefill)
+    # where the texts part: the dump stage's generation records, else the token ids every step of
+    # both dumps records (all steps, not only the compared ones: a later step's ids date the part)
+    parted = divergence(g_reader.path, t_reader.path)
+    if parted is None and inputs_differ is None:
+        every_step = opts.pairs if opts.pairs is not None else align_dumps(
+            g_reader, t_reader, prefill_offset=opts.prefill_offset, warmup=opts.warmup)["pairs"]
+        rank = opts.rank if opts.rank is not None else min(g_reader.ranks(), default=0)
+        parted = divergence_in_dumps(g_reader, t_reader, every_step, rank=rank)
     token = parted.first_differing_token if parted else None
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare leaves no empty folder
     # file refs made absolute: worker processes (or dask workers) may run in another directory

@@ -186,7 +186,8 @@ def report_lines(summary: CompareSummary) -> list[str]:
     token = summary.divergence.first_differing_token if summary.divergence else None
     if token is not None:
         per_level = ", ".join(f"{s.diverged} {lv}" for lv, s in summary.levels.items() if s.diverged)
-        lines.append(f"diverged: the texts part at token {token}; rows of later steps "
+        read = "" if summary.divergence.golden_file else f" ({summary.divergence.source})"
+        lines.append(f"diverged: the texts part at token {token}{read}; rows of later steps "
                      f"({per_level or 'none'}) ran on different inputs: marked diverged, never chosen "
                      "as first or worst")
     lines += list(summary.levels_without_rows.values())

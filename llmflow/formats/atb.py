@@ -49,6 +49,7 @@ from llmflow.formats._safe import (
 )
 from llmflow.formats.atb_bin import load_bin, read_header
 from llmflow.formats.base import DumpReader, Entry
+from llmflow.formats.head import as_logits, derived_logits
 
 SUB = "tensors"
 _OP = re.compile(r"^(\d+)_(.+)$")
@@ -180,6 +181,7 @@ class AtbDumpReader(DumpReader):
                         name = f"{local}_{m[2]}"
                         self._walk_op(Path(op.path), op_chain, name, m[2], rank, step, orders, out,
                                       walker, {"round": round_no, "model": model})
+            out.extend(derived_logits(out))
             out.sort(key=lambda e: (e.rank, e.step, e.order))
             self._entries = out
         return self._entries
@@ -228,6 +230,7 @@ class AtbDumpReader(DumpReader):
         path = (self.tensors_dir / entry.key).resolve()
         expect(self.tensors_dir.resolve() in path.parents and path.suffix == ".bin", self.tensors_dir,
                f"entry key {entry.key!r} is not a .bin file inside the dump")
-        return load_bin(path)
+        tensor = load_bin(path)
+        return as_logits(tensor) if entry.extra.get("logits_of") else tensor
 
 

@@ -47,6 +47,7 @@ from llmflow.formats._safe import (
     torch_load,
 )
 from llmflow.formats.base import DumpReader, Entry
+from llmflow.formats.head import as_logits, derived_logits
 
 SUB = "torch_tensors"
 STATS_FILE = "statistics.csv"
@@ -147,6 +148,7 @@ class MsitDumpReader(DumpReader):
                         out.extend(self._token(rank, int(d.name), Path(d.path), types))
                     elif d.name == "weights" and is_dir(d):
                         out.extend(self._weights(rank, Path(d.path)))
+            out.extend(derived_logits(out))
             out.sort(key=lambda e: (e.rank, e.step, e.order))
             self._entries = out
         return self._entries
@@ -264,6 +266,7 @@ class MsitDumpReader(DumpReader):
         if not entry.has_data:
             raise DumpFormatError(f"{self.tensors_dir}: {entry.name} {entry.kind} {entry.index} "
                                   f"(step {entry.step}) is statistics only")
-        return torch_load(self._file(entry))
+        tensor = torch_load(self._file(entry))
+        return as_logits(tensor) if entry.extra.get("logits_of") else tensor
 
 

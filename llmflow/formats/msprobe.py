@@ -76,6 +76,7 @@ from llmflow.formats._safe import (
     torch_load,
 )
 from llmflow.formats.base import DumpReader, Entry
+from llmflow.formats.head import as_logits, derived_logits
 from llmflow.operators import operator_name
 
 DUMP_FILE = "dump.json"
@@ -117,6 +118,38 @@ def statistic(value: Any) -> float | None:
         except (ValueError, OverflowError):
             return None
     return None
+
+
+# keyword inputs that carry a KV cache; msprobe writes ``null`` for a cache object (any object it
+# cannot record) as for a None
+_CACHE_INPUTS = frozenset({"kw:past_key_value", "kw:past_key_values", "kw:layer_past"})
+
+
+def _caches_given(entries: list[Entry]) -> None:
+    """Type as a ``DynamicCache`` the ``null`` cache inputs of a module that was given a cache: one
+    whose later step reads fewer positions than the context grew by (a decode step feeds its new
+    token alone), so a replay fills a cache of its own instead of passing None. A loop that runs
+    the whole sequence again each step (no cache) keeps its None."""
+    nulls = [e for e in entries if e.level == "module" and e.kind == "input" and e.pytype == "NoneType"
+             and e.index in _CACHE_INPUTS]
+    if not nulls:
+        return
+    wanted = {(e.rank, e.name) for e in nulls}
+    positions: dict[tuple[int, str], dict[int, tuple[int, int]]] = {}  # -> step -> (order, length)
+    for e in entries:
+        if (e.level == "module" and e.kind == "input" and e.is_tensor and e.shape and len(e.shape) >= 2
+                and e.step >= 0 and (e.rank, e.name) in wanted):
+            steps = positions.setdefault((e.rank, e.name), {})
+            if e.step not in steps or e.order < steps[e.step][0]:
+                steps[e.step] = (e.order, int(e.shape[-2]))  # the first tensor input: hidden states
+    cached = set()
+    for key, steps in positions.items():
+        seen = sorted(steps)
+        if any(steps[b][1] < steps[a][1] + (b - a) for a, b in zip(seen, seen[1:], strict=False)):
+            cached.add(key)
+    for e in nulls:
+        if (e.rank, e.name) in cached:
+            e.pytype = "DynamicCache"
 
 
 def _is_file(entry: os.DirEntry) -> bool:
@@ -282,6 +315,7 @@ class MsprobeDumpReader(DumpReader):
             with collections_paused():  # (a decode step of a 7B model: thousands of entries, no cycles)
                 for rank, folders in sorted(by_rank.items()):
                     out.extend(self._rank_entries(rank, sorted(folders, key=lambda x: x[0] or 0)))
+                out.extend(derived_logits(out))
             out.sort(key=lambda e: (e.rank, e.step, e.order))
             self._entries = out
         return self._entries
@@ -354,6 +388,7 @@ class MsprobeDumpReader(DumpReader):
                     f"{folder / DUMP_FILE}: {len(blind)} tensor value(s) carry no statistic and no data "
                     f"(first: {blind[0][:120]}); left out of the compare")
             offset += n_tokens
+        _caches_given(out)
         return out
 
     def api_call(self, entry: Entry) -> ApiCall | None:
@@ -436,9 +471,11 @@ class MsprobeDumpReader(DumpReader):
         path = (self.path / entry.key).resolve()
         expect(self.path.resolve() in path.parents, self.path, f"entry key {entry.key!r} leaves the dump")
         if path.suffix == ".npy":
-            return numpy_load(path)
+            tensor = numpy_load(path)
+            return as_logits(tensor) if entry.extra.get("logits_of") else tensor
         expect(path.suffix in (".pt", ".pth"), path, "not a .pt or .npy tensor file")
-        return torch_load(path)
+        tensor = torch_load(path)
+        return as_logits(tensor) if entry.extra.get("logits_of") else tensor
 
     def topology(self) -> dict[str, Any] | None:
         layout = self._layout()

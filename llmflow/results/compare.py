@@ -115,11 +115,13 @@ class JudgedAs:
 
 @dataclass
 class Divergence:
-    """Where the two runs' texts part, from each dump's generation.json."""
+    """Where the two runs' texts part: from each dump's generation.json, else from the token ids
+    each dump records at every step (the embedding's input: the token the previous step chose)."""
 
     first_differing_token: int | None = doc("null: the texts agree.")
-    golden_file: str
-    target_file: str
+    golden_file: str | None = doc("The golden's generation.json; null: read from the dumps' token ids.")
+    target_file: str | None = doc("The target's generation.json; null: read from the dumps' token ids.")
+    source: str = doc("Where it was read, in words.", default="the generation.json beside each dump")
 
 
 @dataclass
@@ -191,7 +193,8 @@ class CompareSummary:
     mapping: str | None = doc("The op-mapping in use (null: names).")
     matching: Matching
     judged_as: JudgedAs
-    divergence: Divergence | None = doc("Where the texts part; null when a dump has no generation record.")
+    divergence: Divergence | None = doc("Where the texts part; null when neither a generation record nor the "
+                                        "dumps' token ids at every step say.")
     levels_without_rows: dict[str, str] = doc("Asked-for levels no pair belongs to, and why.")
     coverage: Coverage
     problems: dict[str, list[str]] = doc("What keeps each dump from being whole (golden, target).")
