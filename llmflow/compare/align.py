@@ -23,6 +23,18 @@ from typing import Any
 from llmflow.errors import UserError
 
 
+def steps_text(steps: Iterable[int]) -> str:
+    """Steps (or ranks) as a person reads them: runs joined, ``0..4, 7``; ``none`` for none."""
+    ordered = sorted(set(steps))
+    runs: list[list[int]] = []
+    for s in ordered:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"{a}..{b}" if b > a else str(a) for a, b in runs) or "none"
+
+
 def target_step(golden_step: int, prefill_offset: int = 0, warmup: int = 0) -> int:
     """The target folder that holds the same token as golden folder ``golden_step``."""
     return max(golden_step - prefill_offset, 0) + warmup

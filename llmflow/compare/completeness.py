@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from llmflow.compare.align import steps_text
 from llmflow.compare.pairing import Pairing
 from llmflow.formats.base import DumpReader
 from llmflow.results.compare import Coverage, LevelCoverage
@@ -182,22 +183,23 @@ def _causes(pairing: Pairing, golden: DumpReader, target: DumpReader, lost: dict
         shown = ", ".join(names[:3]) + (f" ... ({len(names)} layers)" if len(names) > 3 else "")
         steps = sorted(set().union(*layers_lost.values()))
         causes.append(f"the target has no rows of golden layer{'s' if len(names) > 1 else ''} {shown} "
-                      f"(steps {_span(steps)}): its dump stops early or covers fewer layers; dump the same "
-                      "layers on both sides")
+                      f"(steps {steps_text(steps)}): its dump stops early or covers fewer layers; dump the "
+                      "same layers on both sides")
     elif lost.get("reach"):
         causes.append(f"the target's rows stop short of the golden's (from {lost['reach']!r}): its dump "
                       "stops early or covers less; dump the same modules on both sides")
     steps = set(lost["steps"]) | {int(m["golden_step"]) for m in pairing.missing if m.get("side") == "target"}
     if steps:
-        causes.append(f"different token ranges / steps: golden steps {_span(list(steps))} have no target "
-                      f"step or no target entry of their level (target steps {_span(target.steps())}); "
+        causes.append(f"different token ranges / steps: golden steps {steps_text(list(steps))} have no "
+                      "target step or no target entry of their level (target steps "
+                      f"{steps_text(target.steps())}); "
                       "check token_range and --prefill-offset, or compare the steps both dumps hold "
                       "(--steps)")
     g_ranks, t_ranks = golden.ranks(), target.ranks()
     if lost["name"] and lost["name"] == lost["target"] and g_ranks != t_ranks:  # (named alike, apart)
-        causes.append(f"the dumps hold different ranks (golden rank {_span(g_ranks)}, target rank "
-                      f"{_span(t_ranks)}): compare a rank both hold (-r N), or give each side its dump's "
-                      "own folder, not one rank's folder")
+        causes.append(f"the dumps hold different ranks (golden rank {steps_text(g_ranks)}, target rank "
+                      f"{steps_text(t_ranks)}): compare a rank both hold (-r N), or give each side its "
+                      "dump's own folder, not one rank's folder")
     elif lost["name"] and lost["target"] and lost["name"] != lost["target"]:
         hint = "-mf FILE"
         if getattr(target, "format", "") == "atb" and not pairing.mapping:
@@ -215,10 +217,3 @@ def _causes(pairing: Pairing, golden: DumpReader, target: DumpReader, lost: dict
         kinds = ", ".join(f"{k} ({n})" for k, n in not_in_target.most_common(3))
         causes.append(f"the target dump has no {kinds} entries")
     return causes
-
-
-def _span(steps: list[int]) -> str:
-    steps = sorted(steps)
-    if not steps:
-        return "none"
-    return f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.compare.algorithms import algorithm_name, load_algorithms
-from llmflow.compare.align import align_dumps
+from llmflow.compare.align import align_dumps, steps_text
 from llmflow.compare.completeness import assess
 from llmflow.compare.divergence import different_inputs, divergence, divergence_in_dumps, is_diverged
 from llmflow.compare.engine import execute
@@ -135,8 +135,9 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
     if not pairs:  # a compare of nothing must not read as a pass
         damage = next((f"; the {side} dump is damaged: {found[0]}" for side, found in problems.items()
                        if found), "")
-        raise UserError(f"compare: nothing to compare: {g_reader.path} has steps {_span(g_reader.steps())}, "
-                        f"{t_reader.path} has steps {_span(t_reader.steps())} and none pair up "
+        raise UserError(f"compare: nothing to compare: {g_reader.path} has steps "
+                        f"{steps_text(g_reader.steps())}, {t_reader.path} has steps "
+                        f"{steps_text(t_reader.steps())} and none pair up "
                         f"(check steps, prefill_offset, and that both dumps hold tensors){damage}")
     coverage = assess(pairing, g_reader, t_reader)
     judge_by = judging(g_reader, t_reader, opts)
@@ -247,7 +248,3 @@ def _levels_without_rows(levels: list[str] | None, pairs: list, golden: DumpRead
         verb = "have" if len(lacking) == 2 else "has"
         out[lv] = f"level {lv}: {which} {verb} no {lv} rows" + (f" (only {', '.join(has)})" if has else "")
     return out
-
-
-def _span(steps: list[int]) -> str:
-    return "none" if not steps else f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])

@@ -6,7 +6,7 @@ ATB record the head as the module, API call or operation it is (``Module.lm_head
 it, so compare's logits level (greedy-token agreement, KL, the first step whose top-1 token
 differs) and the bisect's token level read foreign dumps as they read llmflow's:
 ``derived_logits(entries)`` the entries, ``as_logits(tensor)`` what the reader's ``load`` returns
-for one (the last position, as float32, like llmflow's own).
+for one (``[batch, vocab]`` float32, like llmflow's own).
 
 The head of a step is its last output 0 of a floating dtype, 2 or 3 dims, that is
 
@@ -16,9 +16,10 @@ The head of a step is its last output 0 of a floating dtype, 2 or 3 dims, that i
   embedding table the dump records: an ``embedding`` call's weight, or an Embedding module's
   parameter), for dumps with API calls alone (msprobe L1).
 
-Where the vocabulary is known a module must match it too. A statistics-only head whose
-statistics cover more than the last position (a prefill's ``[batch, tokens, vocab]``) is left
-out: its statistics are not the next token's.
+Where the vocabulary is known a module must match it too. A head that computed every position
+(``[batch, tokens, vocab]``: a loop without a KV cache, a prefill without ``logits_to_keep``) is
+left out: the next token's logits would be a slice of what its file holds. ``generate()`` and
+serving engines compute the head on the last position alone.
 """
 
 from __future__ import annotations
@@ -88,16 +89,19 @@ def derived_logits(entries: list[Entry]) -> list[Entry]:
     out = []
     for key, head in heads.items():
         shape = head.shape or ()
-        one_position = len(shape) == 2 or shape[1] == 1
-        if not head.has_data and not one_position:
-            continue  # statistics of every position, not of the next token's logits
+        if len(shape) == 3 and shape[1] != 1:
+            # every position's logits (a loop without a KV cache): the next token's are a slice of
+            # them, not what the head's file (the row's locator) holds, so no logits row
+            continue
         out.append(Entry(step=head.step, rank=head.rank, name="logits", kind="output", index="0",
                          level="logits", order=last[key] + 1, dtype="float32",
-                         shape=(shape[0], shape[-1]), stats=head.stats if one_position else None,
-                         has_data=head.has_data, key=head.key, extra={"logits_of": head.name}))
+                         shape=(shape[0], shape[-1]), stats=head.stats, has_data=head.has_data,
+                         key=head.key, extra={"logits_of": head.name}))
     return out
 
 
 def as_logits(tensor: torch.Tensor) -> torch.Tensor:
-    """A head's output as llmflow's logits entry holds it: the last position, float32."""
-    return (tensor[:, -1, :] if tensor.dim() == 3 else tensor).to(torch.float32)
+    """A head's output as llmflow's logits entry holds it: ``[batch, vocab]``, float32 (the same
+    numbers as the head's file)."""
+    rows = tensor.reshape(tensor.shape[0], tensor.shape[-1]) if tensor.dim() == 3 else tensor
+    return rows.to(torch.float32)

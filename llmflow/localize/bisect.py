@@ -32,6 +32,7 @@ from dataclasses import replace
 from statistics import median
 from typing import Any
 
+from llmflow.compare.align import steps_text
 from llmflow.compare.divergence import input_difference
 from llmflow.compare.mappings import Mapping, load_mapping
 from llmflow.compare.run import recorded_dtype
@@ -344,10 +345,25 @@ class _Bisect:
             result.missing_next = ("give the compare's mapping file whose rules map the target's module "
                                    "names to the golden's (mapping: FILE; regex captures carry the rest of a "
                                    "name)")
+        elif not names and (held := sorted({e.step for e in self.target_dump.entries()
+                                            if e.level == "module" and e.step >= 0})):
+            # a token range that left the step out: the dump holds other steps' modules
+            result.missing = (f"the target dump holds no module at step {t_step}: it was dumped at "
+                              f"step{'s' if len(held) > 1 else ''} {steps_text(held)} only (its token range)")
+            result.missing_next = (f"dump both sides again with step {t_step} in the token range (DumpConfig "
+                                   f"token_range, msprobe step), or bisect one of the steps the dumps hold "
+                                   f"(replay_step: {held[-1]})")
         elif not result.rows:
             result.missing = (f"the target dump holds no calls of the modules inside the decoder layers at "
                               f"step {t_step}" + (f", only {len(names)} other module(s)" if names else "")
                               + " (dump the target in module mode with inputs and outputs: tensor_part 2)")
+        elif not result.replayed and not any(e.has_data for e in self.target_dump.entries()
+                                             if e.step == t_step and e.level == "module" and e.is_tensor):
+            result.missing = (f"the target dump holds statistics alone at step {t_step}: a module's own "
+                              "error needs the tensors it received and returned")
+            result.missing_next = ("dump the target again with tensors (DumpConfig data_mode tensor or "
+                                   "msprobe task tensor, module mode with inputs and outputs: tensor_part 2) "
+                                   "and bisect again")
         elif not result.replayed and all(r.get("reason") == NO_INPUTS for r in result.rows):
             result.missing = (f"the target dump holds no module inputs at step {t_step} (dump the target "
                               "in module mode with tensor_part 2)")
@@ -694,6 +710,13 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
                 "nothing stands out at the prefill"
             tried.append(b.replay_step(1, f"{seen}: the first decode step too, where the decode kernel runs "
                                           "against the KV cache"))
+    failing = inp.compare_first_fail or {}
+    if (not any(stands_out(t, inp.ratio_threshold) for t in tried) and inp.replay_step is None
+            and not differs and isinstance(failing.get("step"), int)
+            and failing["step"] not in {t.step for t in tried} and failing["step"] < len(inp.golden_ids)):
+        # the logits stay within their thresholds, yet a row of the compare fails at this step
+        tried.append(b.replay_step(failing["step"], f"nothing stands out where the logits point: the "
+                                                     f"compare's first failing row, {failing.get('name')}"))
     # the step the verdict speaks of: the first where a module or layer stands out, else the first
     # where every layer's copy of one module type is off alike (no copy stands out from its peers:
     # a decode kernel every layer runs, checked at the first decode step after a clean prefill)

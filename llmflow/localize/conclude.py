@@ -99,6 +99,24 @@ class StepReplay:
 LAYER_STANDOUT = 2.0
 
 
+#: where nothing fails (the same tokens, every step's logits and every compare row within their
+#: thresholds), a module standing out by less than this many times the ratio_threshold is taken as
+#: rounding: a median of few peers (a tiny model's 3 other layers) spreads that far on a clean port
+QUIET_STANDOUT = 2.0
+
+
+def below_notice(inp: Any, cand: dict[str, Any] | None, mismatch: int | None, bad_token: int | None) -> bool:
+    """Whether a standing-out candidate is too weak to call a fault where nothing else fails: the
+    texts agree, no step's logits fail, and the compare ran with no failing row (``inp``'s
+    ``compare_first_fail`` empty; None: no compare, so nothing says the rows pass)."""
+    if cand is None or mismatch is not None or bad_token is not None or cand.get("overflow"):
+        return False
+    if getattr(inp, "compare_first_fail", None) != {}:
+        return False
+    score = cand.get("score")
+    return isinstance(score, (int, float)) and score < QUIET_STANDOUT * inp.ratio_threshold
+
+
 def layer_fault(step: StepReplay, ratio_threshold: float) -> str | None:
     """The decoder layer whose own code is the fault: the target's layer, replayed whole on the
     golden inputs, stands out where none of its modules does. From a target dump that is only a
@@ -276,6 +294,10 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     module's own error per step)."""
     cand = chosen.candidate
     module = cand["name"].removesuffix(KV_CACHE) if chosen.anomalous and cand else None
+    quiet = module is not None and below_notice(inp, cand, mismatch, bad_token)
+    if quiet and cand is not None:  # a lead too weak to name where every output is within its thresholds
+        cand["anomalous"] = False
+        module = None
     # the hidden states entering the first layer, from dumps without the token ids: a lead only
     lead = cand if module and cand and cand.get("inputs_unverified") else None
     if lead is not None:
@@ -299,7 +321,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         status, headline, diagnosis, why_not = _head_lead(lead, chosen.step)
     else:
         status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
-                                                      problems, routing, stack, dtype, shared, own_steps)
+                                                      problems, routing, stack, dtype, shared, own_steps,
+                                                      quiet=quiet)
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
         diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard has the error of its own "
@@ -412,9 +435,10 @@ def _head_lead(lead: dict[str, Any], step: int) -> tuple[str, str, str, Inconclu
 def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | None, expert: int | None,
            mismatch: int | None, bad_token: int | None, problems: list[str], routing: list[RoutingRow],
            stack: LayerStack | None, dtype: str,
-           shared: SharedError | None = None,
-           own_steps: OwnErrorSteps | None = None) -> tuple[str, str, str, Inconclusive | None]:
-    """(status, headline, diagnosis, inconclusive) from the evidence."""
+           shared: SharedError | None = None, own_steps: OwnErrorSteps | None = None,
+           quiet: bool = False) -> tuple[str, str, str, Inconclusive | None]:
+    """(status, headline, diagnosis, inconclusive) from the evidence; ``quiet``: the worst candidate
+    stands out, but too little to name where nothing fails (``below_notice``)."""
     cand = chosen.candidate
     steps = " and ".join(_step_word(t.step) for t in tried)
     if shared is not None and shared.fails and module == shared.example:
@@ -511,7 +535,9 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         return "fail", headline, diagnosis, None
     worst = f"{cand['name']} at {cand['score']:.1f}x" if cand else "none replayed"
     nothing = (f"No module's own error stands out from the same module in the other layers at {steps} "
-               f"(worst: {worst}, threshold {inp.ratio_threshold}x)")
+               f"(worst: {worst}, threshold {inp.ratio_threshold}x"
+               + (f"; under {QUIET_STANDOUT * inp.ratio_threshold:g}x, taken as rounding where the texts "
+                  "agree and no step's logits and no compare row fail" if quiet else "") + ")")
     missing = [t.missing for t in tried if t.missing]
     if routing:  # near-tied experts swapped by the router's rounding: reported, not a fault
         r = routing[0]

@@ -88,6 +88,12 @@ class BisectInputs:
     overflow_scan: dict[str, Any] | None = option(
         None, "An overflow-scan of the target dump (llmflow.checks.overflow.scan's result), cited "
         "beside an overflow the replay finds and where the replay finds none.")
+    compare_first_fail: dict[str, Any] | None = option(
+        None, "The compare's first failing row before the texts part (``step``, ``name``): a step the "
+        "bisect replays too when nothing stands out where the logits point (a fault whose error stays "
+        "inside the logits thresholds shows first in the compare's rows); {}: the compare fails no "
+        "row, so a module standing out only a little is rounding (conclude.below_notice); None: no "
+        "compare.")
     own_error_steps: int = option(
         8, "Steps from the prefill at which the chosen module is replayed alone for its own error per "
         "step (one golden re-run through the last of them; capped at the generated tokens; 0: none).",

@@ -33,7 +33,7 @@ class BisectStage(Stage):
     """Narrow a divergence down to the first bad token, layer, module and op (isolation replay)."""
 
     type: ClassVar[str] = "bisect"
-    version: ClassVar[str] = "6"
+    version: ClassVar[str] = "7"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
@@ -55,6 +55,10 @@ class BisectStage(Stage):
                                   "from the target dump)."},
             "pairs_file": {"type": ["string", "null"], "default": None,
                            "description": "The align stage's pairs_file (golden/target step pairs)."},
+            "compare_summary": {"type": ["string", "null"], "default": None,
+                                "description": "The compare stage's summary_file: its first failing row "
+                                "before the texts part is a step replayed too when nothing stands out where "
+                                "the logits point (null: no compare)."},
             "overflow_report": {"type": ["string", "null"], "default": None,
                                 "description": "An overflow-scan stage's report_file on the target dump: "
                                 "its origin is cited beside an overflow the replay finds, and where the "
@@ -81,6 +85,10 @@ class BisectStage(Stage):
             if not isinstance(scan, dict) or "first_origin" not in scan:
                 raise UserError(f"bisect: overflow_report: {p['overflow_report']} is not an overflow-scan "
                                 "report (no first_origin)")
+        first_fail = None
+        if p.get("compare_summary"):
+            first_fail = _first_failing_row(_read_json(ctx.resolve_path(p["compare_summary"]),
+                                                       "compare_summary"))
         # a mapping file relative to the workflow, as the compare stage reads it
         mapping = str(resolve_mapping(p["mapping"], ctx.workflow_dir)) if p.get("mapping") else None
         inputs = from_params(
@@ -89,7 +97,8 @@ class BisectStage(Stage):
             golden_spec=p["golden_model_spec"], target_spec=p.get("target_model_spec"),
             golden_ids=list(gen["golden"].get("output_ids") or []),
             target_ids=list(gen["target"].get("output_ids") or []),
-            prompt_ids=list(gen["golden"].get("input_ids") or []), pairs=pairs, overflow_scan=scan)
+            prompt_ids=list(gen["golden"].get("input_ids") or []), pairs=pairs, overflow_scan=scan,
+            compare_first_fail=first_fail)
 
         def progress(description: str, total: float | None) -> Any:
             return ctx.task(f"{ctx.stage_id}: {description}", total)
@@ -111,6 +120,21 @@ class BisectStage(Stage):
         ctx.set_outcome(result.status, result.headline,
                         result.inconclusive.next if result.inconclusive else "")
         return {"verdict_file": str(path), "op_tensors_file": str(op_file) if op_file else None}
+
+
+def _first_failing_row(summary: Any) -> dict[str, Any] | None:
+    """``{step, name}`` of the earliest failing row a compare summary holds (its levels' first
+    failing rows leave out the rows after the texts part); ``{}`` where no row fails; None where
+    it is no compare summary."""
+    levels = summary.get("levels") if isinstance(summary, dict) else None
+    if not isinstance(levels, dict):
+        return None
+    rows = [s.get("first_fail") for s in levels.values() if isinstance(s, dict)]
+    rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)]
+    if not rows:
+        return {}
+    first = min(rows, key=lambda r: (r["step"], r.get("order") or 0))
+    return {"step": first["step"], "name": str(first.get("name"))}
 
 
 def _read_json(path: Path, field: str) -> Any:
