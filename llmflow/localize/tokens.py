@@ -23,9 +23,10 @@ from llmflow.compare.divergence import first_mismatch  # noqa: F401  (re-exporte
 from llmflow.formats.base import DumpReader, Entry
 from llmflow.results.verdict import TokenRow
 
-#: the compare metrics a token row carries (every field of TokenRow that ``compare_tensors`` fills)
+#: the compare metrics a token row carries (every field of TokenRow that ``compare_tensors`` fills; the
+#: code, reason and verdict come from judging them at the target dtype, as the compare's rows do)
 _ROW_OWN = {"step", "target_step", "golden_token", "golden_text", "target_token", "target_text", "same_token",
-            "golden_margin", "kl", "verdict"}
+            "golden_margin", "kl", "code", "reason", "verdict"}
 METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(TokenRow) if f.name not in _ROW_OWN)
 
 
@@ -52,8 +53,10 @@ def token_rows(golden: DumpReader, target: DumpReader, *, golden_ids: list[int],
                pairs: list[dict[str, int]] | None = None, target_dtype: str = "bfloat16",
                thresholds: dict[str, Any] | None = None,
                decode: Callable[[int], str] | None = None) -> list[TokenRow]:
-    """One row per aligned step: tokens, top-2 margin, KL and the compare metrics + verdict."""
-    from llmflow.compare.metrics import compare_tensors, verdict
+    """One row per aligned step: tokens, top-2 margin, KL, the compare metrics and their judgement
+    at ``target_dtype`` (code, reason and verdict, as the compare's logits rows say them)."""
+    from llmflow.compare.metrics import compare_tensors
+    from llmflow.compare.thresholds import judge
 
     g_log, t_log = logits_entries(golden), logits_entries(target)
     if pairs is None:
@@ -65,6 +68,7 @@ def token_rows(golden: DumpReader, target: DumpReader, *, golden_ids: list[int],
             continue
         gl, tl = golden.load(g_log[gs])[0], target.load(t_log[ts])[0]
         metrics = compare_tensors(gl.float(), tl.float())
+        judged = judge(metrics, target_dtype, thresholds)
         tokens: dict[str, Any] = {}
         for side, ids in (("golden", golden_ids), ("target", target_ids)):
             tok = ids[gs] if gs < len(ids) else None
@@ -75,7 +79,7 @@ def token_rows(golden: DumpReader, target: DumpReader, *, golden_ids: list[int],
                              same_token=tokens["golden_token"] == tokens["target_token"],
                              golden_margin=top2_margin(gl), kl=kl_divergence(gl, tl),
                              **{k: metrics[k] for k in METRIC_FIELDS},
-                             verdict=verdict(metrics, target_dtype, thresholds)))
+                             code=judged.code, reason=judged.reason, verdict=judged.verdict))
     return rows
 
 

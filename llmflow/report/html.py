@@ -6,9 +6,12 @@ nothing here builds markup by hand. No network: CSS, JS (sortable/filterable tab
 and SVG charts are inline, so the file can be mailed or attached to an issue.
 
 Sections, each shown only when its data is there:
-  banner       the status (pass/fail/inconclusive) and a one-line headline, coloured
+  banner       the run's conclusion: the status (pass/fail/inconclusive) and a one-line headline,
+               coloured; the bisect's verdict, else the outcome of the stage that concluded (a
+               compare's, a precheck's), in the words summary.json holds
   verdict      first mismatching token, first bad token, layer, module, op, the diagnosis line;
-               why the evidence is inconclusive and what to run next
+               what keeps the dumps from being whole; why the evidence is inconclusive and what to
+               run next
   run          the prompt, the two sides' model/device/dtype/versions (env.json), the run's parameters
   texts        golden and target generations token by token, the first difference marked
   curves       per-layer errors at the replayed step, raw (dumps) against isolated (replay)
@@ -23,8 +26,10 @@ Sections, each shown only when its data is there:
   candidates   the ranked modules, each linked to its compare rows; ops inside the chosen one;
                modules that could not be replayed and why; MoE routing differences
   logits       one table of the logits per step
-  compare      per level: the compared rows (sortable, filterable) and, collapsed, the rows not
-               compared with their reasons; links to the CSV/XLSX files
+  compare      what the compare says about its pairing (matching, dtype, coverage); per level: its
+               rows counted as the compare summary counts them, the compared rows (sortable,
+               filterable) and, collapsed, the rows not compared with their reasons; links to the
+               CSV/XLSX files
   cost         model runs, bytes dumped (kB/MB/GB), seconds per phase
 """
 
@@ -204,12 +209,12 @@ def _compare_sections(levels: Mapping[str, LevelRows], max_rows: int,
         tid = f"t-cmp-{_safe_id(name)}"
         in_logits = logits_shown and name == "logits"
         out.append({
-            "level": name, "id": f"compare-{_safe_id(name)}", "href": lv.href,
+            "level": name, "id": f"compare-{_safe_id(name)}", "href": lv.href, "n_rows": lv.n_rows,
             "n_compared": lv.n_compared, "n_not_compared": lv.n_not_compared, "in_logits": in_logits,
             "matches": ", ".join(f"{n} by {m}" for m, n in lv.matches.most_common()),
             "verdicts": ", ".join(f"{n} {k}" for k, n in lv.verdicts.most_common() if k),
             "table": None if in_logits or not lv.compared else
-            table_view(lv.compared, table_id=tid, max_rows=max_rows, total=lv.n_compared,
+            table_view(lv.compared, table_id=tid, max_rows=max_rows, total=lv.n_in_table,
                        lead=COMPARE_LEAD, drop_echoes=True),
             "reasons": lv.reason_rows(),
             "reason_line": "; ".join(f"{n} {why}" for why, n in lv.why_counts()),
@@ -233,7 +238,8 @@ def summarize_levels(compare: Mapping[str, LevelRows | Iterable[Mapping[str, Any
     return levels
 
 
-def render_report(*, title: str, verdict: Verdict | None = None,
+def render_report(*, title: str, verdict: Verdict | None = None, outcome: hv.StageOutcome | None = None,
+                  problems: Sequence[str] = (), compare_notes: Sequence[str] = (),
                   compare: Mapping[str, LevelRows | Iterable[Mapping[str, Any]]] | None = None,
                   files: Sequence[tuple[str, str]] = (), run: Mapping[str, Any] | None = None,
                   tables: Mapping[str, list[Mapping[str, Any]]] | None = None,
@@ -242,7 +248,12 @@ def render_report(*, title: str, verdict: Verdict | None = None,
                   op_panel: Mapping[str, Any] | None = None) -> str:
     """The whole HTML document as a string.
 
-    ``verdict``: the bisect's verdict (verdict.json read back). ``compare``: level -> the compare stage's rows
+    ``verdict``: the bisect's verdict (verdict.json read back). ``outcome``: the conclusion of the
+    stage that concluded when no bisect did (a compare's, a precheck's): the page leads with the
+    verdict when there is one, else with it. ``problems``: what keeps each dump from being whole,
+    one line each, shown under the conclusion. ``compare_notes``: what the compare says about its
+    pairing (``compare.summary.report_lines``), above its tables.
+    ``compare``: level -> the compare stage's rows
     (or a ``LevelRows`` already summarised, with the CSV's relative link). ``files``: (label, href)
     links to files next to the page (CSV, XLSX). ``run``: {"params": the run's parameters,
     "env": {"golden": env.json dict, "target": ...}}. ``tables``: any other row tables by heading.
@@ -250,6 +261,7 @@ def render_report(*, title: str, verdict: Verdict | None = None,
     dict for the first bad op (or the closest tensor the dumps hold).
     """
     v = verdict
+    lead = v if v is not None else outcome  # the run's conclusion: the bisect's, else the stage's
     levels = summarize_levels(compare or {}, max_rows)
     run = run or {}
     envs = dict(run.get("env") or {})
@@ -261,9 +273,10 @@ def render_report(*, title: str, verdict: Verdict | None = None,
     ctx = {
         "title": title, "meta": [(str(k), str(val)) for k, val in (meta or {}).items()],
         "css": Markup(_asset("report.css")), "js": Markup(_asset("report.js")),
-        "banner": hv.banner(v) if v else None,
+        "banner": hv.banner(lead) if lead is not None else None,
         "fields": hv.fields(v) if v else [], "diagnosis": v.diagnosis if v else "",
-        "inconclusive": hv.inconclusive(v), "replay": replay,
+        "problems": [str(p) for p in problems], "compare_notes": [str(n) for n in compare_notes],
+        "inconclusive": hv.inconclusive(lead), "replay": replay,
         "prompt": hv.prompt_of(envs, params), "sides": hv.sides(envs) if envs else None,
         "params": [(str(k), _cell(val)["text"] if val != "" else '""') for k, val in params.items()],
         "workflow": run.get("workflow"), "texts": _texts(v),

@@ -84,19 +84,29 @@ class LevelRows:
     level: str
     href: str | None = None  # the level's CSV, relative to the page
     compared: list[dict[str, Any]] = field(default_factory=list)  # the max_rows most severe, parsed, in order
-    n_compared: int = 0
+    n_compared: int = 0  # every compared row of the level, those another level's table shows too
     n_not_compared: int = 0
-    n_diverged: int = 0  # compared rows of steps after the texts part
+    n_diverged: int = 0  # compared rows of steps after the texts part, in this level's table
     first_diverged_step: int | None = None
-    names: set[str] = field(default_factory=set)  # every compared row's name
-    elsewhere: int = 0  # compared rows left out because another level's table shows them
-    verdicts: Counter = field(default_factory=Counter)  # of the compared rows
-    matches: Counter = field(default_factory=Counter)  # match kind of the compared rows
+    names: set[str] = field(default_factory=set)  # the name of every compared row in this level's table
+    elsewhere: int = 0  # compared rows left out of the table because another level's table shows them
+    verdicts: Counter = field(default_factory=Counter)  # of every compared row
+    matches: Counter = field(default_factory=Counter)  # match kind of every compared row
     reasons: Counter = field(default_factory=Counter)  # (why, match, kind) of the others
     grid: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # layer level only
     # (name, step) -> (relative L2 error, verdict) of each compared module output: the module
     # tree's raw errors and a module's error per step
     outputs: dict[tuple[str, int], tuple[float, str]] = field(default_factory=dict)
+
+    @property
+    def n_rows(self) -> int:
+        """Every row of the level, compared or not (the compare summary's ``rows``)."""
+        return self.n_compared + self.n_not_compared
+
+    @property
+    def n_in_table(self) -> int:
+        """The compared rows this level's own table holds (the others are another level's)."""
+        return self.n_compared - self.elsewhere
 
     def shown_names(self) -> Counter:
         """Compared rows in the page per tensor name (what a candidate's link can show)."""
@@ -118,7 +128,7 @@ def summarize_level(level: str, rows: Iterable[Mapping[str, Any]], *, max_rows: 
                     href: str | None = None, shown_elsewhere: Collection[str] = ()) -> LevelRows:
     """Stream ``rows`` (CSV dicts of strings, or parsed dicts) into a ``LevelRows``. Compared rows
     whose name is in ``shown_elsewhere`` (the layer table's names, for the module level) are
-    counted but not kept."""
+    counted with their verdicts but not kept for this level's table."""
     out = LevelRows(level=level, href=href)
     kept: list[tuple[tuple[float, ...], dict[str, Any]]] = []  # a max-heap by severity (negated keys)
     for seq, row in enumerate(rows):
@@ -129,13 +139,14 @@ def summarize_level(level: str, rows: Iterable[Mapping[str, Any]], *, max_rows: 
             continue
         name = str(row.get("name"))
         _output_error(out.outputs, name, row)
+        # counted whichever table shows it, so the level's counts are the compare summary's
+        out.n_compared += 1
+        out.verdicts[str(row.get("verdict") or "")] += 1
+        out.matches[str(row.get("match") or "")] += 1
         if name in shown_elsewhere:
             out.elsewhere += 1
             continue
-        out.n_compared += 1
         out.names.add(name)
-        out.verdicts[str(row.get("verdict") or "")] += 1
-        out.matches[str(row.get("match") or "")] += 1
         if is_diverged(row):
             out.n_diverged += 1
             step = parse_cell(row.get("step"))

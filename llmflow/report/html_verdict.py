@@ -2,13 +2,15 @@
 evidence, the cost in units a person reads, the two sides' versions.
 
 Everything here turns the bisect's ``Verdict`` (``llmflow.results.verdict``, read back from
-verdict.json) and the dumps' ``env.json`` into plain values for the template.
+verdict.json), or, where no bisect ran, the outcome of the stage that concluded (a compare's, a
+precheck's: ``StageOutcome``), and the dumps' ``env.json`` into plain values for the template.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from llmflow.results.verdict import Cost, Verdict
@@ -23,8 +25,19 @@ def step_label(step: Any) -> str:
     return f"step {step} ({'prefill' if step == 0 else 'decode'})"
 
 
-def banner(v: Verdict) -> dict[str, str]:
-    """``{"status", "label", "headline"}``: the verdict's status and headline."""
+@dataclass(frozen=True)
+class StageOutcome:
+    """What a stage other than the bisect concluded, in the words it gave the run (summary.json's
+    ``outcome``): ``status`` (pass, fail or inconclusive), the ``headline`` and, when the evidence
+    falls short, ``next``: what to run to get what is missing."""
+
+    status: str
+    headline: str
+    next: str = ""
+
+
+def banner(v: Verdict | StageOutcome) -> dict[str, str]:
+    """``{"status", "label", "headline"}``: the verdict's (or the stage outcome's) status and headline."""
     return {"status": v.status, "label": STATUS_LABELS[v.status], "headline": v.headline}
 
 
@@ -57,7 +70,11 @@ def replay(v: Verdict) -> dict[str, Any]:
             "reasons": [{"reason": reason, "modules": list(names)} for reason, names in r.reasons.items()]}
 
 
-def inconclusive(v: Verdict | None) -> dict[str, str] | None:
+def inconclusive(v: Verdict | StageOutcome | None) -> dict[str, str] | None:
+    """``{"reason", "next"}``: why the evidence does not settle it and what to run next; None when
+    there is nothing to say. A stage outcome's headline already says why: only its next step."""
+    if isinstance(v, StageOutcome):
+        return {"reason": "", "next": v.next} if v.next else None
     info = v.inconclusive if v is not None else None
     if info is None:
         return None

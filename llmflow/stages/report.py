@@ -2,11 +2,16 @@
 
 A thin adapter over ``llmflow.report.html``: reads the bisect stage's ``verdict_file`` (and the
 first bad op's tensors it names beside it, ``first_bad_op.safetensors``), streams
-the compare stage's CSVs (``csv``: level -> path), reads each dump's ``env.json`` and
+the compare stage's CSVs (``csv``: level -> path) and reads the ``compare_summary.json`` the
+compare wrote beside them, reads each dump's ``env.json`` and
 ``topology.json`` (``golden_dump``, ``target_dump``) and the run's parameters
 (``<run-dir>/summary.json``), and writes ``report.html``.
 Every input is optional. Links to the CSV/XLSX files are relative to the stage's final directory,
 so the run directory can be moved or zipped whole and the links still work.
+
+The page leads with the run's conclusion: the bisect's verdict when there is one (the bisect
+reads the compare's rows and is the authority over them), else the outcome of the compare or the
+precheck, the most severe when both are there, in the words those stages gave the run.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from llmflow.checks.env_diff import load_env
 from llmflow.dtypes import dtype_name
 from llmflow.errors import UserError
 from llmflow.report.html import MAX_ROWS, summarize_levels, write_report
+from llmflow.report.html_verdict import StageOutcome
 from llmflow.report.tables import read_csv_rows
 from llmflow.results.codec import RecordError, from_json, to_json
+from llmflow.results.compare import CompareSummary, read_compare_summary
 from llmflow.results.summary import ReportBlock
 from llmflow.results.verdict import Verdict
-from llmflow.stages.base import Stage, StageContext
+from llmflow.stages.base import OUTCOMES, Stage, StageContext
 
 _PATH = {"type": ["string", "null"], "default": None}
 
@@ -35,7 +42,7 @@ class ReportStage(Stage):
     """Write a self-contained HTML report: verdict, run, texts, charts, heat map, linked tables."""
 
     type: ClassVar[str] = "report"
-    version: ClassVar[str] = "2"
+    version: ClassVar[str] = "3"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
@@ -83,7 +90,23 @@ class ReportStage(Stage):
         if p["xlsx"]:
             xlsx = ctx.resolve_path(p["xlsx"])
             files.append((xlsx.name, _href(xlsx, ctx.final_dir)))
-        tables = _precheck_tables(ctx, p["precheck_file"], files) if p["precheck_file"] else {}
+        outcomes: list[StageOutcome] = []
+        tables: dict[str, list[dict[str, Any]]] = {}
+        if p["precheck_file"]:
+            tables, precheck_outcome = _precheck_tables(ctx, p["precheck_file"], files)
+            outcomes += [precheck_outcome] if precheck_outcome is not None else []
+        compare_summary = _compare_summary(ctx, list(paths.values()))
+        problems: list[str] = []
+        notes: list[str] = []
+        if compare_summary is not None:
+            from llmflow.compare.summary import report_lines
+
+            # the words the compare stage gives the run (summary.json's outcome and the last line)
+            said = compare_summary.outcome
+            outcomes.append(StageOutcome(said.status, f"compare: {said.headline}", said.next))
+            problems = [f"{side} dump: {problem}" for side, items in compare_summary.problems.items()
+                        for problem in items]
+            notes = report_lines(compare_summary)
         run = {"env": {side: _env(ctx, p[f"{side}_dump"]) for side in ("golden", "target")
                        if p[f"{side}_dump"]}, **_run_record(ctx.run_dir)}
         panel = _kept_op_panel(ctx, verdict, p["verdict_file"], run["env"]) if verdict is not None else None
@@ -93,7 +116,9 @@ class ReportStage(Stage):
                 panel["notes"].insert(0, _NOT_KEPT if verdict.first_bad_op_tensors is None else
                                       f"{verdict.first_bad_op_tensors.file} cannot be read: the nearest "
                                       "tensor the dumps hold is shown instead")
-        out = write_report(ctx.out_dir / "report.html", title=p["title"], verdict=verdict, compare=levels,
+        out = write_report(ctx.out_dir / "report.html", title=p["title"], verdict=verdict,
+                           outcome=_most_severe(outcomes), problems=problems, compare_notes=notes,
+                           compare=levels,
                            files=files, run=run, meta={"run": str(ctx.run_dir)}, max_rows=p["max_rows"],
                            topology=_topology(ctx, [p["target_dump"], p["golden_dump"]]), op_panel=panel,
                            tables=tables)
@@ -116,10 +141,42 @@ def _read_verdict(ctx: StageContext, verdict_file: str) -> Verdict:
         raise UserError(f"{ctx.stage_id}: verdict_file: {path} is not a bisect verdict: {exc}") from None
 
 
-def _precheck_tables(ctx: StageContext, report_file: str,
-                     files: list[tuple[str, str]]) -> dict[str, list[dict[str, Any]]]:
+def _most_severe(outcomes: list[StageOutcome]) -> StageOutcome | None:
+    """The outcome the run concludes from stages none of which needs another: the most severe
+    (fail, then inconclusive, then pass), the first among equals."""
+    return max(outcomes, key=lambda o: OUTCOMES.index(o.status), default=None)
+
+
+def _compare_summary(ctx: StageContext, csv_paths: list[Path]) -> CompareSummary | None:
+    """The ``compare_summary.json`` the compare wrote beside ``csv_paths`` (its outcome, its dumps'
+    problems, its notes on pairing); None when the CSVs are not one compare's output. One that
+    is there but cannot be read fails the report in one line naming the file."""
+    from llmflow.compare.run import SUMMARY_FILE
+
+    folders = {csv_path.parent for csv_path in csv_paths}
+    if len(folders) != 1:
+        return None
+    summary_path = folders.pop() / SUMMARY_FILE
+    if not summary_path.is_file():
+        return None
+    try:
+        summary = read_compare_summary(summary_path)
+    except UserError as exc:
+        raise UserError(f"{ctx.stage_id}: csv: the compare summary beside the tables cannot be read: "
+                        f"{exc}") from None
+    written = {Path(listed).name for listed in summary.csv.values()}
+    if not {csv_path.name for csv_path in csv_paths} <= written:  # another compare's: not these rows'
+        ctx.log(f"{ctx.stage_id}: {summary_path} is not the summary of these tables: "
+                "the page shows no compare outcome")
+        return None
+    return summary
+
+
+def _precheck_tables(ctx: StageContext, report_file: str, files: list[tuple[str, str]]
+                     ) -> tuple[dict[str, list[dict[str, Any]]], StageOutcome | None]:
     """The precheck's sections: its calls (precheck.csv beside ``report_file``, worst first,
-    headed by the verdict) and its counts per API; its csv/xlsx/json are linked in ``files``."""
+    headed by the verdict) and its counts per API; its csv/xlsx/json are linked in ``files``.
+    And the precheck's outcome (None when its status is not one)."""
     from llmflow.checks.precheck import COLUMNS
 
     path = ctx.resolve_path(report_file)
@@ -139,9 +196,12 @@ def _precheck_tables(ctx: StageContext, report_file: str,
         if sibling.is_file():
             files.append((sibling.name, _href(sibling, ctx.final_dir)))
     status = str(summary.get("status", "")).upper()
+    headline = str(summary.get("headline", ""))
     per_api = [{"api": api, **counts} for api, counts in (summary.get("counts") or {}).items()]
-    return {f"Precheck: {status}: {str(summary.get('headline', '')).removeprefix('precheck: ')}": calls,
-            "Precheck: calls per API": per_api}
+    outcome = StageOutcome(status.lower(), headline, str(summary.get("next") or "")) \
+        if status.lower() in OUTCOMES else None
+    return ({f"Precheck: {status}: {headline.removeprefix('precheck: ')}": calls,
+             "Precheck: calls per API": per_api}, outcome)
 
 
 def _href(path: Path, page_dir: Path) -> str:
