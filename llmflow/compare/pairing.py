@@ -23,7 +23,7 @@ from typing import Any
 from llmflow.compare.align import align_dumps
 from llmflow.compare.mappings import Mapping, load_mapping
 from llmflow.compare.match import Pair, comparable, entry_levels, match_step
-from llmflow.compare.shards import join_ranks
+from llmflow.compare.shards import join_ranks, slice_world
 from llmflow.errors import UserError
 from llmflow.formats.base import DumpReader, Entry
 from llmflow.results.compare import Matching, TensorParallel
@@ -69,9 +69,12 @@ def plan_pairs(golden: DumpReader, target: DumpReader, *, step_pairs: list[dict[
     g_idx, t_idx = _index(golden), _index(target)
     g_ranks, t_ranks = sorted({r for r, _ in g_idx}), sorted({r for r, _ in t_idx})
     ranks = sorted(set(g_ranks) | set(t_ranks))
+    g_world, t_world = world_of(golden, g_ranks), world_of(target, t_ranks)
+    _check_worlds(g_world, t_world, rank)
     # a tensor-parallel target against a one-device golden: the golden's rank pairs with the
-    # target's first, and the other ranks' shards join those pairs (shards.py)
-    sharded = rank is None and len(g_ranks) == 1 and len(t_ranks) > 1
+    # target's first, and the other ranks' shards (those of every rank of its world, a rank
+    # whose folder is lost holding none) join those pairs (shards.py)
+    sharded = rank is None and g_world == 1 and t_world > 1 and bool(t_ranks)
     if sharded:
         g_idx = {(t_ranks[0], s): es for (_, s), es in g_idx.items()}
         ranks = [t_ranks[0]]
@@ -83,26 +86,66 @@ def plan_pairs(golden: DumpReader, target: DumpReader, *, step_pairs: list[dict[
                 for side, held in (("golden", g_ranks), ("target", t_ranks)) if side in lacking))
         ranks = [rank]
     chosen, matching = _choose(golden, target, g_idx, t_idx, step_pairs, ranks, levels, mapping, base_dir)
-    pairs: list[Pair] = []
-    joins: Counter[str] = Counter()
+    matched: list[tuple[int, list[Pair]]] = []
     for sp in step_pairs:
         gs, ts = int(sp["golden_step"]), int(sp["target_step"])
         for r in ranks:
-            step = match_step(g_idx.get((r, gs), ()), t_idx.get((r, ts), ()), golden_step=gs,
-                              target_step=ts, rank=r, mapping=chosen, levels=levels)
-            if sharded:
-                others = {o: t_idx.get((o, ts), ()) for o in t_ranks[1:]}
-                step, counts = join_ranks(step, others, chosen.shards if chosen else (), levels)
-                joins.update(counts)
-            pairs.extend(step)
+            matched.append((ts, match_step(g_idx.get((r, gs), ()), t_idx.get((r, ts), ()), golden_step=gs,
+                                           target_step=ts, rank=r, mapping=chosen, levels=levels)))
+    if rank is None and g_world == 1 and len(t_ranks) == 1 and not recorded_world(target):
+        # one rank of a target that records no world size (msprobe): its tensors may be one
+        # rank's shards of a tensor-parallel run whose other ranks are not here
+        found = slice_world(p for _, step in matched for p in step)
+        if found is not None:
+            sharded, t_world = True, found
+            log.warning("compare: the target's tensors are 1/%d slices of the golden's along one dimension: "
+                        "read as rank %d of a tensor-parallel run of %d ranks whose other ranks are missing",
+                        found, t_ranks[0], found)
+    pairs: list[Pair] = []
+    joins: Counter[str] = Counter()
+    for ts, step in matched:
+        if sharded:
+            others = {o: t_idx.get((o, ts), ()) for o in sorted(set(range(t_world)) | set(t_ranks))
+                      if o != t_ranks[0]}
+            step, counts = join_ranks(step, others, chosen.shards if chosen else (), levels)
+            joins.update(counts)
+        pairs.extend(step)
     matching.rows = dict(Counter(p.match for p in pairs if not p.unmatched))
     if sharded:
-        matching.tensor_parallel = TensorParallel(ranks=len(t_ranks), joined=dict(joins))
+        matching.tensor_parallel = TensorParallel(ranks=t_world, joined=dict(joins))
     lacking = {int(m["golden_step"]) for m in missing if m.get("side") == "target"}
     wanted_levels = set(levels) if levels else None
     missing_rows = sum(1 for (r, s), es in g_idx.items() if s in lacking and r in ranks for e in es
                        if comparable(e) and _in_levels(e, wanted_levels))
     return Pairing(pairs, missing, matching, chosen, missing_rows)
+
+
+def recorded_world(reader: DumpReader) -> int | None:
+    """The world size a dump records (llmflow's ``rank.json``), None where its format records none."""
+    get = getattr(reader, "world_size", None)
+    world = get() if callable(get) else None
+    return world if type(world) is int and world > 0 else None
+
+
+def world_of(reader: DumpReader, ranks: list[int]) -> int:
+    """How many ranks the run that made a dump had: the world size it records, else (several rank
+    folders) the highest rank's number + 1, else 1."""
+    return recorded_world(reader) or (max(ranks) + 1 if len(ranks) > 1 else 1)
+
+
+def _check_worlds(g_world: int, t_world: int, rank: int | None) -> None:
+    """Refuse (bad input) what cannot pair: two tensor-parallel dumps of different world sizes
+    (their shards are slices of different widths), or ``-r`` on a tensor-parallel target against a
+    one-device golden (one rank's shards are slices of the golden's tensors)."""
+    if g_world > 1 and t_world > 1 and g_world != t_world:
+        raise UserError(f"compare: the golden dump is a tensor-parallel run of world size {g_world} and the "
+                        f"target of world size {t_world}: their ranks' shards are slices of different widths "
+                        "and never pair; compare each against a one-device golden dump")
+    if rank is not None and g_world == 1 and t_world > 1:
+        raise UserError(f"compare: -r {rank}: the target is a tensor-parallel run of {t_world} ranks and the "
+                        "golden of one device: a rank's shards are slices of the golden's tensors; run the "
+                        "compare without -r: it joins the ranks' shards and names a rank whose shard "
+                        "stands out")
 
 
 def _in_levels(e: Entry, wanted: set[str] | None) -> bool:

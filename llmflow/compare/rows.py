@@ -26,9 +26,11 @@ from llmflow.compare.match import Pair
 from llmflow.compare.metrics import compare_tensors, judge
 from llmflow.compare.shards import (
     PARTS_JOIN,
+    LostShards,
     join_tensors,
     joined_shape,
     joined_stats,
+    lost_reason,
     shard_errors,
     shards_label,
     standout,
@@ -45,6 +47,14 @@ ID_COLUMNS = ["step", "target_step", "rank", "name", "target_name", "kind", "ind
               "module_type", "golden_dtype", "target_dtype", "golden_shape", "target_shape"]
 LOGITS_COLUMNS = ["golden_top1", "target_top1", "top1_match", "top5_overlap"]
 TAIL_COLUMNS = ["verdict", "code", "reason", "tripped", "golden_data_path", "target_data_path"]
+
+
+class LoadFailed(Exception):
+    """A tensor of one side that could not be read: lost data, named by side, entry and rank."""
+
+    def __init__(self, side: str, entry: Entry, cause: Exception):
+        super().__init__(f"the {side} dump's {entry.name} {entry.kind} {entry.index} (rank {entry.rank}, "
+                         f"step {entry.step}) could not be read: {type(cause).__name__}: {cause}")
 
 
 @dataclass
@@ -79,7 +89,13 @@ class Job:
         is the small part of a pair (llmflow dumps are mapped, not read); comparing is not
         serialised."""
         with self._load_lock:
-            return reader.load(entry)
+            try:
+                return reader.load(entry)
+            except Exception as exc:
+                raise LoadFailed(self._side(reader), entry, exc) from exc
+
+    def _side(self, reader: DumpReader) -> str:
+        return "golden" if reader is self.golden else "target" if reader is self.target else "a"
 
     def algs(self) -> dict:
         if self._algs is None:
@@ -187,6 +203,11 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
         row.update(verdict="unmatched", code=code.value, reason=p.match)
         return row
     assert p.golden is not None
+    if isinstance(p, LostShards):  # (lost data: nothing to load, nothing a fault of the target's)
+        _recorded_stats(row, "golden", p.golden)
+        _recorded_stats(row, "target", None)
+        row.update(verdict="fail", code=Code.LOAD_ERROR.value, reason=lost_reason(p))
+        return row
     try:
         use_stats = job.stats_only or not p.golden.has_data or not all(t.has_data for t in p.targets)
         standout = None
@@ -229,7 +250,9 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
                             f"ranks' {median:.3g}); {row['reason']}"
         if dtype == "integer" and j.code == Code.THRESHOLD_FAIL.value and _routing_indices(p):
             _as_routing(row)
-    except Exception as exc:  # a corrupt tensor file must not stop a 100k-row compare
+    except LoadFailed as exc:  # a corrupt tensor file must not stop a 100k-row compare
+        row.update(verdict="fail", code=Code.LOAD_ERROR.value, reason=f"error: {exc}")
+    except Exception as exc:
         row.update(verdict="fail", code=Code.LOAD_ERROR.value, reason=f"error: {type(exc).__name__}: {exc}")
     return row
 

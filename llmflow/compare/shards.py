@@ -17,6 +17,11 @@ tensor. How the shards join comes from the shapes:
   but only their **sum** is the golden's tensor: shapes cannot tell them from replicated copies,
   so a mapping file says so (``shards: [{target: "model.layers.*.mlp.down_proj/linear.*",
   merge: sum}]``), as it may override any rule.
+
+A pair whose entry some rank lacks while the ranks that hold it hold slices (a rank folder lost,
+a data file cut short) cannot be joined: it is a ``LostShards`` pair, a row of lost data (a
+``load_error``), never a shape mismatch of a slice against the whole tensor. Where the ranks that
+hold it hold the golden's whole shape (the logits only rank 0 gathers) the copies held are compared.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import math
 import re
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -109,6 +114,53 @@ def joined_shape(merge: str, shapes: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
+@dataclass
+class LostShards(Pair):
+    """A pair whose target entry is a slice some ranks lack: the joined tensor cannot be built, so
+    its row is lost data (``targets``: the shards the other ranks hold)."""
+
+    lost_ranks: tuple[int, ...] = field(default=())
+
+
+def lost_reason(p: LostShards) -> str:
+    """The row's reason: which ranks lack the shard, and which hold it."""
+    lost = ", ".join(map(str, p.lost_ranks))
+    held = ", ".join(str(t.rank) for t in p.targets)
+    return (f"not compared: rank{'s' if len(p.lost_ranks) > 1 else ''} {lost} of the tensor-parallel target "
+            f"hold{'' if len(p.lost_ranks) > 1 else 's'} no shard of it (rank {held} hold"
+            f"{'' if len(p.targets) > 1 else 's'} a slice): a rank folder or data file lost, the "
+            "joined tensor cannot be built")
+
+
+def slice_world(pairs: Iterable[Pair]) -> int | None:
+    """The world size N when a one-rank target's tensors look like one rank's shards of a
+    tensor-parallel run: every pair whose shapes differ has the target's shape a 1/N slice of the
+    golden's along one dimension (the same N for all), and tensors of a golden shape that is sliced
+    are whole in other pairs (what stays replicated over the ranks); None otherwise."""
+    worlds: set[int] = set()
+    sliced: set[tuple[int, ...]] = set()
+    whole: set[tuple[int, ...]] = set()
+    for p in pairs:
+        if p.unmatched or len(p.targets) != 1 or p.golden is None:
+            continue
+        g, t = p.golden.shape, p.targets[0].shape
+        if g is None or t is None:
+            continue
+        g, t = tuple(g), tuple(t)
+        if g == t:
+            whole.add(g)
+            continue
+        differ = [d for d in range(len(g)) if len(g) == len(t) and g[d] != t[d]]
+        if len(differ) != 1 or t[differ[0]] <= 0 or g[differ[0]] % t[differ[0]]:
+            return None
+        worlds.add(g[differ[0]] // t[differ[0]])
+        sliced.add(g)
+    return worlds.pop() if len(worlds) == 1 and sliced & whole else None
+
+
+_PAIR_FIELDS = tuple(f for f in Pair.__dataclass_fields__ if f != "targets")
+
+
 def join_ranks(pairs: list[Pair], others: dict[int, Sequence[Entry]], rules: Iterable[ShardRule] = (),
                levels: Iterable[str] | None = None) -> tuple[list[Pair], dict[str, int]]:
     """``pairs`` (golden against the target's first rank) with every other rank's entry of the same
@@ -135,8 +187,15 @@ def join_ranks(pairs: list[Pair], others: dict[int, Sequence[Entry]], rules: Ite
             if q:
                 shards.append(q.popleft())
         if len(shards) < len(queues) + 1:
+            if p.golden.shape is not None and all(
+                    s.shape is not None and tuple(s.shape) == tuple(p.golden.shape) for s in shards):
+                counts["whole on fewer ranks"] += 1  # (rank 0's logits: compared as held)
+                out.append(p if len(shards) == 1 else replace(p, targets=tuple(shards), merge=REPLICATED))
+                continue
+            held = {s.rank for s in shards}
             counts["missing on a rank"] += 1
-            out.append(p)
+            out.append(LostShards(**{f: getattr(p, f) for f in _PAIR_FIELDS}, targets=tuple(shards),
+                                  lost_ranks=tuple(r for r in sorted({t.rank, *queues}) if r not in held)))
             continue
         merge = merge_of(p.golden.shape, [s.shape for s in shards], t.name, rules)
         if merge is None:

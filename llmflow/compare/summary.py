@@ -132,12 +132,18 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
              different_inputs: str | None = None) -> tuple[str, str, CompareOutcome]:
     """The compare's conclusion: ``state`` (complete / incomplete), ``verdict`` and ``outcome``.
 
-    Rows that fail make it fail; a dump whose reader reports problems can never pass
-    (inconclusive, also when it lost so much that most rows found no partner); otherwise a
-    compare whose rows mostly found no partner fails (it did not compare).
+    Rows that fail on what was compared make it fail; rows of lost data (``load_error``: a tensor
+    that could not be read, a tensor-parallel shard a rank lacks) are damage, not a fault, and like
+    a dump whose reader reports problems make a compare without other failing rows inconclusive
+    (also when it lost so much that most rows found no partner); otherwise a compare whose rows
+    mostly found no partner fails (it did not compare).
     """
     problems = {side: p for side, p in problems.items() if p}
     incomplete = coverage.state == "incomplete"
+    lost = Code.LOAD_ERROR.value
+    # every failing row of every level lost data (a row of several levels counts in each)
+    only_damage = all(s.counts.get("fail", 0) == s.codes.get(lost, 0) for s in levels.values())
+    damaged = [r for s in levels.values() for r in (s.first_fail,) if r is not None and r.code == lost]
     next_step = ""
     if different_inputs:
         # no row of two runs on different inputs says anything of the target's kernels
@@ -145,8 +151,11 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
         headline = f"the two runs were not given the same inputs: {different_inputs}"
         next_step = ("dump both sides from the same token ids (the same prompt, chat template, BOS token "
                      "and tokenizer), then compare again")
-    elif counts["fail"]:
-        fails = [s.first_fail for s in levels.values() if s.first_fail]
+    elif counts["fail"] and not only_damage:
+        # the first failing row that compared something (a level whose first is lost data: its
+        # worst rows by cosine are compared rows)
+        fails = [r for s in levels.values() for r in (s.first_fail, *s.worst)
+                 if r is not None and r.verdict == "fail" and r.code != lost and not r.diverged]
         first = min(fails, key=lambda r: (r.step, r.rank, r.order or 0), default=None)
         token = divergence.first_differing_token if divergence else None
         where = f"; first: {first.name} (step {first.step}, {first.code})" if first else \
@@ -155,15 +164,25 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
         # is: a pair written to several level CSVs (a decoder layer's output is a layer and a
         # module row) counts once, so the CSVs' verdict columns may add up to more
         status, headline = "fail", f"{counts['fail']} of {pairs} tensor pairs fail{where}"
+        if damaged or any(s.codes.get(lost) for s in levels.values()):
+            headline += "; some rows could not be read (load_error: lost data, not judged)"
         if incomplete:
             headline += "; and the compare is incomplete"
-    elif problems:  # (a damaged dump explains rows without a partner: it lost them)
-        side, items = next(iter(problems.items()))
-        more = sum(map(len, problems.values())) - 1
-        status = "inconclusive"
-        headline = f"the {side} dump cannot be trusted: {items[0]}" + (f" (+{more} more)" if more else "")
-        next_step = (f"llmflow inspect the {side} dump to see what it lost, then dump that side again (a run "
-                     "that ended early, or files removed since)")
+    elif problems or counts["fail"]:  # (a damaged dump explains rows without a partner: it lost them)
+        status, side, headline = "inconclusive", "", ""
+        if problems:
+            side, items = next(iter(problems.items()))
+            more = sum(map(len, problems.values())) - 1
+            headline = f"the {side} dump cannot be trusted: {items[0]}" + (f" (+{more} more)" if more else "")
+        if counts["fail"]:
+            first = min(damaged, key=lambda r: (r.step, r.rank, r.order or 0), default=None)
+            lost_rows = (f"{counts['fail']} of {pairs} tensor pairs could not be compared (lost data)"
+                         + (f", first: {first.name} (step {first.step}): {first.reason}" if first else ""))
+            headline = f"{headline}; {lost_rows}" if problems else lost_rows
+        what = f"{side} dump" if problems else "dump named above"
+        next_step = (f"llmflow inspect the {what} to see "
+                     "what it lost, then dump that side again with every rank's folder and data file whole "
+                     "(a run that ended early, or files removed since)")
         if incomplete:
             headline += (f"; so the compare is incomplete ({coverage.unpaired} of {coverage.considered} "
                          "golden rows found no partner)")

@@ -218,6 +218,11 @@ class LlmflowDumpReader(DumpReader):
                 out.append(str(exc))
                 rank_meta = {"complete": True}  # (reported just now, not twice)
             out += rank_problems(rank_dir, rank_meta)
+        world = self.world_size()
+        present = {int(m.group(1)) for d in rank_dirs if (m := _RANK_DIR.match(d.name))}
+        for rank in sorted(set(range(world or 0)) - present):
+            out.append(f"{self.path / f'rank{rank}'}: missing: the dump's ranks record a world of {world}, "
+                       f"and rank {rank}'s folder is not here (its tensors are lost)")
         if not meta.get("complete") and not any("complete: false" in line for line in out):
             out.append(f"{self.path / META_FILE}: complete: false (the writer never closed this dump)")
         lost = [e for e in self.entries() if e.extra.get("lost")]
@@ -242,6 +247,21 @@ class LlmflowDumpReader(DumpReader):
                         ", ".join(f"rank{rank}" for rank in sorted(leftovers)),
                         " and ".join(map(str, sorted(set(leftovers.values())))), self._world_of_rank0(found))
         return [d for rank, d in found if rank not in leftovers]
+
+    def world_size(self) -> int | None:
+        """The number of ranks the run had, as its ranks' ``rank.json`` record it (the largest
+        recorded: a world of 2 whose rank0 folder is lost still says 2 in rank1); None where no
+        rank records one."""
+        worlds = []
+        for d in self._rank_dirs():
+            try:
+                meta = self._read_json(d / "rank.json")
+            except DumpFormatError:
+                continue
+            world = meta.get("world_size") if isinstance(meta, dict) else None
+            if type(world) is int and world > 0:
+                worlds.append(world)
+        return max(worlds, default=None)
 
     def _world_of_rank0(self, found: list[tuple[int, Path]]) -> int | None:
         """The world size rank 0's rank.json records (None: no rank 0, or a dump of a version
