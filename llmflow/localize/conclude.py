@@ -582,16 +582,21 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         ends = [n for t in tried for n in t.ends_not_replayed]
         if ends:  # named: the modules outside the layers this evidence leaves out
             reason += f"; outside the decoder layers, not replayed: {ends[0]}"
-        if all(t.step != bad_token for t in tried):
+        if cand is not None and cand.get("score") is not None:  # the strongest lead, not called a fault
+            reason += (f"; the strongest lead, not called a fault, is {cand['name']} at {cand['score']:.1f}x "
+                       "the typical own error of its kind")
+        seen = {t.step for t in tried}
+        earlier = [s for s in dict.fromkeys((bad_token - 1, 0)) if 0 <= s < bad_token and s not in seen]
+        if bad_token not in seen:
             nxt = (f"replay the step whose logits fail: bisect replay_step: {bad_token} (in the recipe: "
                    f"--set replay_step={bad_token}), or leave replay_step unset to let the bisect choose")
-        elif bad_token > 0:
-            nxt = (f"replay an earlier step (bisect replay_step: {bad_token - 1}, or 0), dump both "
-                   "sides in module mode at that step and compare them (llmflow compare), or lower "
-                   "ratio_threshold")
-        else:  # the prefill itself was replayed: there is no earlier step
-            nxt = ("dump both sides in module mode at the prefill (step 0) and compare them (llmflow "
-                   "compare), or lower ratio_threshold")
+        elif earlier:
+            steps_left = " or ".join(map(str, earlier))
+            nxt = (f"replay an earlier step (bisect replay_step: {steps_left}), dump both sides in module "
+                   "mode at that step and compare them (llmflow compare), or lower ratio_threshold")
+        else:  # the step and those before it that a replay would pick were replayed already
+            nxt = (f"dump both sides in module mode at step {bad_token} and compare them (llmflow compare): "
+                   "the first failing row is where the error enters; or lower ratio_threshold")
     elif chosen.not_replayable:
         reason = (f"{len(chosen.not_replayable)} module(s) could not be replayed at "
                   f"{_step_word(chosen.step)}{_reason_list(chosen)}: the fault may be among them")

@@ -6,6 +6,8 @@ block's output for that token changes completely. Replaying an MoE block as it i
 for that. So:
 
   the router is judged by its own replay, on its logits (output 0), never by its top-k indices;
+    a router that returns its choice too (indices and weights) also on the weights of the tokens
+    whose experts agree, and on how many experts it picks a token (``choice_error``);
   the MoE block is replayed with the golden routing forced into its router (the golden router's
     outputs, cast to the target router's dtypes), so its own error is the experts' arithmetic;
   the same block replayed with the target's own routing shows what a flip costs: tokens whose
@@ -107,6 +109,39 @@ def routing_forced(model: nn.Module, layers: Collection[str],
     finally:
         for handle in handles:
             handle.remove()
+
+
+def choice_error(golden: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """A router's own error in what it chooses, beyond its logits: the routing weights of the
+    tokens whose experts agree (a top-k whose weights are renormalised, scaled or computed
+    otherwise), and a number of experts a token that differs from the golden's. None for a
+    module whose outputs hold no expert indices (a router returning its logits alone: the MoE
+    block computes the rest, and its own replay judges it).
+
+    ``golden``/``target``: the two calls' flattened outputs (index -> tensor). Returns ``rel_l2``
+    (1.0 where the number of experts differs) and ``detail``."""
+    key = next((k for k, t in golden.items() if not t.is_floating_point() and t.dim() == 2), None)
+    if key is None:
+        return None
+    g_idx, t_idx = golden[key], target.get(key)
+    if t_idx is None:
+        return None
+    if t_idx.shape[-1] != g_idx.shape[-1]:
+        return {"rel_l2": 1.0, "detail": f"chooses {t_idx.shape[-1]} expert(s) a token where the golden "
+                                         f"chooses {g_idx.shape[-1]}"}
+    weights = next((k for k, t in golden.items() if t.is_floating_point() and t.shape == g_idx.shape), None)
+    if weights is None or target.get(weights) is None or target[weights].shape != g_idx.shape:
+        return None
+    g_sorted, g_order = g_idx.sort(dim=-1)
+    t_sorted, t_order = t_idx.to(g_idx.device).sort(dim=-1)
+    agree = (g_sorted == t_sorted).all(dim=-1)  # a token whose experts flipped is the logits' matter
+    if not bool(agree.any()):
+        return None
+    g_w = golden[weights].gather(-1, g_order)[agree]
+    t_w = target[weights].to(g_w.device).gather(-1, t_order)[agree]
+    err = own_error(g_w, t_w)["rel_l2"]
+    return {"rel_l2": err, "detail": f"routing weights of the {int(agree.sum())} token(s) whose experts "
+                                     f"agree: rel_l2 {err:.3g}"}
 
 
 def _same_shapes(a: Any, b: Any) -> bool:

@@ -64,6 +64,12 @@ def replay_call(module: nn.Module, call: Call, *, device: torch.device, dtype: t
         row.update(replayable=False, reason=f"replay gave no output {index}")
         return row
     row.update(replayable=True, output=index, **own_error(call.outputs[index], flat[index]))
+    choice = moe.choice_error(call.outputs, flat) if index == "0" else None
+    if choice is not None:  # a router that also chooses: its choice is its own work too
+        row["routing_weights"] = choice["detail"]
+        if choice["rel_l2"] > row["rel_l2"]:  # its error is the choice's (rank.py reads l2 first)
+            row["rel_l2"] = choice["rel_l2"]
+            row.pop("l2", None)
     kv = _cache_write_error(module, call, caches)
     if kv is not None:
         row["kv_cache_rel_l2"] = kv
