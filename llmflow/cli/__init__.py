@@ -44,7 +44,8 @@ TOOLS = {
     "precheck": "llmflow.cli.precheck",
 }
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
+# fatal and critical: msit's two names of the top level
+LOG_LEVELS = ("debug", "info", "warning", "error", "fatal", "critical")
 
 
 def _import_tool(module: str) -> ModuleType | str:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmflow.cli import LOG_LEVELS
 from llmflow.cli.common import console, verdict_line
 from llmflow.compare.options import CompareOptions
 from llmflow.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INCONCLUSIVE, EXIT_PASSED, UserError
@@ -55,11 +56,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-mp", "--my-path", required=True, help="target dump directory or tensor file")
     parser.add_argument("-o", "--output", default=None,
                         help="output directory (default: ./llmflow_compare_<timestamp>)")
-    parser.add_argument("-l", dest="log_level", default=argparse.SUPPRESS,
-                        choices=("debug", "info", "warning", "error", "fatal", "critical"),
+    parser.add_argument("-l", dest="log_level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
                         help="msit's short form of --log-level")
     parser.add_argument("-w", "--weight", nargs="?", action=_WeightsElsewhere, metavar="WEIGHTS",
-                        help="msit's weight compare: llmflow runs it as the weight_check workflow")
+                        help="msit's weight compare: not done here; prints the weight_check workflow "
+                             "command that compares two checkpoints and exits 2")
     add_flags(parser, CompareOptions)  # -cl -st -alg -mf -r and the rest, declared with the options
 
 

@@ -5,7 +5,7 @@ objects) and ``.pt``/``.pth``/``.bin`` read with ``torch.load(weights_only=True)
 dicts, lists and tuples of tensors, nested: each tensor named by its path, ``layers.0.weight``).
 Files of several tensors pair them by name (each side's extra names listed as unmatched); two
 files of one tensor each pair those whatever their names. Nothing is unpickled beyond what
-``weights_only`` allows.
+``weights_only`` allows: a file that holds other pickled objects is refused in one line.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from llmflow.compare.algorithms import load_algorithms, run_algorithm
 from llmflow.compare.metrics import compare_tensors, judge
 from llmflow.dtypes import dtype_name
 from llmflow.errors import UserError
+from llmflow.formats._safe import refused_pickle
 
 SUFFIXES = (".safetensors", ".npy", ".npz", ".pt", ".pth", ".bin")
 
@@ -54,6 +55,9 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     except UserError:
         raise
     except Exception as exc:  # numpy/safetensors/torch each raise their own error types
+        refused = refused_pickle(p, exc)
+        if refused:
+            raise UserError(refused) from exc
         raise UserError(f"{p}: cannot read tensor file: {type(exc).__name__}: {exc}") from exc
     raise UserError(f"{p}: unsupported tensor file (expected one of {', '.join(SUFFIXES)})")
 

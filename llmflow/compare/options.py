@@ -87,7 +87,8 @@ class CompareOptions:
         None, "The dask scheduler (tcp://host:8786) for executor dask.",
         schema={"type": ["string", "null"]}, flags=("--scheduler-address",))
     xlsx: bool = option(
-        True, "Write compare.xlsx (a sheet per level) beside the CSVs (--no-xlsx: CSV only).",
+        True, "compare.xlsx (a sheet per level) beside the CSVs, written unless this is false: "
+        "--no-xlsx skips it (CSVs only).",
         schema={"type": "boolean"}, flags=("--no-xlsx",))
     base_dir: str = option(".", "The directory relative file references (algorithms, mapping) "
                                 "start from.")

@@ -214,7 +214,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
         seconds=round(seconds, 3),
         gb_per_s=round(done["bytes"] / seconds / 1e9, 3) if seconds > 0 else None,
         csv={lv: named(p) for lv, p in csvs.items()}, xlsx=named(xlsx_path) if xlsx_path else None,
-        kl=opts.kl, different_inputs=inputs_differ)
+        kl=opts.kl, different_inputs=inputs_differ, stats_only=opts.stats_only)
     if xlsx_path is not None:  # (after the summary: its first sheet is the summary)
         write_sheets({lv: csvs[lv] for lv in order}, {lv: streams[lv].columns for lv in order}, xlsx_path,
                      alg_names, summary=result)

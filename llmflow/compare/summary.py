@@ -103,9 +103,10 @@ class SummaryBuilder:
             if isinstance(kl, float) and math.isfinite(kl):
                 self._kl.append(kl)
 
-    def result(self, **fields: Any) -> CompareSummary:
+    def result(self, *, stats_only: bool = False, **fields: Any) -> CompareSummary:
         """The summary: the counts and rows seen, ``fields`` (the dumps, matching, coverage,
-        paths, timings ...: every other field of ``CompareSummary``) and the conclusion."""
+        paths, timings ...: every other field of ``CompareSummary``) and the conclusion
+        (``stats_only``: the compare compared statistics only, ``-st``)."""
         for level, heap in self._worst.items():
             # worst (lowest cosine) first; ties: the earlier row first
             ranked = sorted(heap, key=lambda x: (x[0], x[1]), reverse=True)
@@ -122,14 +123,16 @@ class SummaryBuilder:
         counts = dict(self.totals)
         state, verdict, outcome = conclude(counts, fields["pairs"], levels, fields["coverage"],
                                            fields["problems"], fields["divergence"],
-                                           fields.get("different_inputs"))
+                                           fields.get("different_inputs"), codes=self.codes,
+                                           mapping=fields.get("mapping"), stats_only=stats_only)
         return CompareSummary(verdict=verdict, counts=counts, codes=dict(self.codes), levels=levels,
                               logits=logits, **fields, state=state, outcome=outcome)
 
 
 def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary], coverage: Coverage,
              problems: dict[str, list[str]], divergence: Divergence | None,
-             different_inputs: str | None = None) -> tuple[str, str, CompareOutcome]:
+             different_inputs: str | None = None, *, codes: dict[str, int] | None = None,
+             mapping: str | None = None, stats_only: bool = False) -> tuple[str, str, CompareOutcome]:
     """The compare's conclusion: ``state`` (complete / incomplete), ``verdict`` and ``outcome``.
 
     Rows that fail on what was compared make it fail; rows of lost data (``load_error``: a tensor
@@ -137,6 +140,10 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
     a dump whose reader reports problems make a compare without other failing rows inconclusive
     (also when it lost so much that most rows found no partner); otherwise a compare whose rows
     mostly found no partner fails (it did not compare).
+
+    A pass says how many golden tensors were compared and why the others were not (``codes``: the
+    rows per problem code; ``mapping``: the op mapping in use), and, for a compare of statistics
+    only (``stats_only``, ``-st``), that statistics can hide a fault the tensors show.
     """
     problems = {side: p for side, p in problems.items() if p}
     incomplete = coverage.state == "incomplete"
@@ -190,10 +197,46 @@ def conclude(counts: dict[str, int], pairs: int, levels: dict[str, LevelSummary]
         status, headline = "fail", str(coverage.headline)
     else:
         status = "pass"
-        headline = f"{pairs} tensor pairs, {counts['warn']} warn, {counts['unmatched']} unmatched"
+        headline = _passed(counts, pairs, coverage, codes or {}, mapping)
+        if stats_only:
+            headline = (f"statistics only: {headline}; statistics can hide a fault the tensors show: "
+                        "compare without -st")
     verdict = status if status != "pass" else ("warn" if counts["warn"] else "pass")
     return coverage.state, verdict, CompareOutcome(status=status, headline=headline,
                                                    next=next_step if status == "inconclusive" else "")
+
+
+def _passed(counts: dict[str, int], pairs: int, coverage: Coverage, codes: dict[str, int],
+            mapping: str | None) -> str:
+    """A passing compare's headline: the tensor pairs compared, and when golden tensors were left
+    out, how many of the golden's and why (from ``coverage``: the kinds the target did not dump, the
+    tensors with no target counterpart, those in steps the target lacks)."""
+    compared = counts["pass"] + counts["warn"] + counts["fail"]
+    alone = codes.get(_UNMATCHED_GOLDEN, 0)
+    extra = codes.get(_UNMATCHED_TARGET, 0)
+    if not alone and not coverage.missing_step_rows and not counts["unmatched"]:
+        return f"{pairs} tensor pairs, {counts['warn']} warn, 0 unmatched"
+    why: list[str] = []
+    in_steps = coverage.missing_step_rows
+    unpaired = max(coverage.unpaired - in_steps, 0)
+    not_dumped = max(alone - coverage.golden_only - unpaired, 0)
+    if not_dumped:
+        kinds = sorted({k.rpartition(" ")[2] for k in coverage.not_in_target}) or ["tensor"]
+        by = f" or mapping {mapping} does not map" if mapping else ""
+        why.append(f"{not_dumped} golden {' and '.join(k + 's' for k in kinds)} the target did not dump{by}")
+    if coverage.golden_only:
+        why.append(f"{coverage.golden_only} golden tensors with no target counterpart (a fused engine op, "
+                   "or a narrower target dump)")
+    if unpaired:
+        why.append(f"{unpaired} golden tensors that found no partner")
+    if in_steps:
+        why.append(f"{in_steps} golden tensors in steps the target lacks")
+    if extra:
+        why.append(f"{extra} target tensors with no golden partner")
+    golden = compared + alone + in_steps
+    head = f"{compared} tensor pairs" if compared == golden else \
+        f"{compared} of {golden} golden tensors compared"
+    return f"{head}, {counts['warn']} warn; " + "; ".join(why)
 
 
 def report_lines(summary: CompareSummary) -> list[str]:

@@ -6,7 +6,9 @@ The rules these helpers enforce, so that the readers do not have to remember the
 * every read is bounded: a file is measured with ``stat`` before it is read, and a size claimed
   by a header is checked against the bytes actually on disk before anything is allocated;
 * nothing is unpickled: ``.pth``/``.pt`` files go through ``torch.load(weights_only=True)``, and a
-  file that needs code to load is refused; ``.npy`` goes through ``numpy.load(allow_pickle=False)``;
+  file that needs code to load is refused in one line that says so (``refused_pickle``; torch's
+  warning about the pickle protocol of such a file is silenced); ``.npy`` goes through
+  ``numpy.load(allow_pickle=False)``;
 * directory walks follow symlinked directories but detect loops (a directory that is its own
   ancestor) and stop at a depth and entry budget, so a crafted tree can neither hang nor exhaust
   memory;
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,14 @@ MAX_DIMS = 16
 MAX_DIM = 1 << 48
 
 _NUM = re.compile(r"(\d+)")
+
+# torch's weights-only loader warns about a file's pickle protocol before it refuses the file:
+# the refusal says all there is to say
+warnings.filterwarnings("ignore", message=r"Detected pickle protocol \d+ in the checkpoint",
+                        category=UserWarning)
+_TORCH_NOISE = ("Weights only load failed", "Please file an issue", "Check the documentation")
+NEVER_UNPICKLED = ("llmflow never unpickles a file (torch.load weights_only=True): save tensors with "
+                   "safetensors, or torch.save of tensors alone")
 
 
 def natural_key(name: str) -> tuple:
@@ -140,6 +152,24 @@ def check_shape(dims: Any, path: Path | str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def refused_pickle(path: Path | str, exc: BaseException) -> str | None:
+    """The one line that says why ``torch.load(weights_only=True)`` refused ``path``, when ``exc``
+    is that refusal (None otherwise): the file holds pickled Python objects, or is a pickle that is
+    not a ``torch.save`` of tensors. torch's own text (re-run with weights_only=False) is left out."""
+    text = str(exc)
+    if not isinstance(exc, pickle.UnpicklingError) or "weights_only" not in text.lower():
+        return None
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    said = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    lines = [ln.strip() for ln in text.splitlines()]
+    other = next((ln for ln in lines if ln and not ln.startswith(_TORCH_NOISE)), "")
+    detail = (said.group(1) if said else other).strip().rstrip(".")
+    if found:
+        return f"{path}: holds pickled Python objects besides tensors ({found.group(1)}); {NEVER_UNPICKLED}"
+    return (f"{path}: not tensors saved with torch.save (a pickle of other Python objects, or a damaged "
+            f"file{': ' + detail[:120] if detail else ''}); {NEVER_UNPICKLED}")
+
+
 def torch_load(path: Path, mmap: bool = False) -> torch.Tensor:
     """A tensor from a ``.pth``/``.pt`` file, never running code from it.
 
@@ -157,6 +187,9 @@ def torch_load(path: Path, mmap: bool = False) -> torch.Tensor:
         # str(): torch 2.1 memory-maps only a path given as str
         obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=zipped)
     except Exception as exc:  # UnpicklingError, RuntimeError (zip/storage), EOFError, ... all one answer
+        refused = refused_pickle(path, exc)
+        if refused:
+            raise DumpFormatError(refused) from exc
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DumpFormatError(f"{path}: refused or unreadable tensor file (weights_only load: "
                               f"{first[:300]})") from exc

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: the rest from
 STAGE_ONLY = {CompareStage: {"golden_dump", "target_dump", "golden", "target", "pairs_file"},
               BisectStage: {"golden_generation", "target_generation", "golden_model_spec",
-                            "target_model_spec", "pairs_file", "overflow_report"}}
+                            "target_model_spec", "pairs_file", "overflow_report", "compare_summary"}}
 OPTIONS = {CompareStage: CompareOptions, BisectStage: BisectInputs}
 
 
