@@ -4,12 +4,11 @@ entries made here: which output is a head, which is not, and when the token ids 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
+from compare_helpers import MemoryDump
 
 from llmflow.compare.divergence import divergence_in_dumps, token_ids_entry
-from llmflow.formats.base import DumpReader, Entry
+from llmflow.formats.base import Entry
 from llmflow.formats.head import as_logits, derived_logits, vocabulary
 
 VOCAB = 300
@@ -74,32 +73,19 @@ def test_as_logits_keeps_the_numbers_in_float32():
     assert out.shape == (2, VOCAB) and out.dtype == torch.float32 and torch.equal(out, head[:, 0].float())
 
 
-class _Ids(DumpReader):
+def _ids_dump(ids: list[int | None], stats: bool = False) -> MemoryDump:
     """A dump of the token ids each step's embedding received (``None``: the step not dumped)."""
-
-    def __init__(self, ids: list[int | None], stats: bool = False):
-        super().__init__(Path("."))
-        self._entries = []
-        self._data: dict[str, torch.Tensor] = {}
-        for step, token in enumerate(ids):
-            if token is None:
-                continue
-            e = _embedding_call(step)
-            e.key = f"ids{step}"
-            self._data[e.key] = torch.tensor([[token]])
-            if stats:
-                e.has_data, e.stats = False, {"max": float(token), "min": float(token), "mean": float(token)}
-            self._entries.append(e)
-
-    @classmethod
-    def detect(cls, path: Path) -> bool:
-        return False
-
-    def entries(self) -> list[Entry]:
-        return self._entries
-
-    def load(self, entry: Entry) -> torch.Tensor:
-        return self._data[entry.key]
+    entries, tensors = [], {}
+    for step, token in enumerate(ids):
+        if token is None:
+            continue
+        e = _embedding_call(step)
+        e.key = f"ids{step}"
+        tensors[e.key] = torch.tensor([[token]])
+        if stats:
+            e.has_data, e.stats = False, {"max": float(token), "min": float(token), "mean": float(token)}
+        entries.append(e)
+    return MemoryDump(entries, tensors)
 
 
 def _pairs(n: int) -> list[dict[str, int]]:
@@ -107,16 +93,16 @@ def _pairs(n: int) -> list[dict[str, int]]:
 
 
 def test_the_first_step_whose_ids_differ_dates_the_token_before_it():
-    golden, target = _Ids([5, 10, 11, 12, 13]), _Ids([5, 10, 11, 40, 41])
+    golden, target = _ids_dump([5, 10, 11, 12, 13]), _ids_dump([5, 10, 11, 40, 41])
     assert token_ids_entry(golden.entries()).name == "model.embed_tokens"
     parted = divergence_in_dumps(golden, target, _pairs(5))
     assert parted is not None and parted.first_differing_token == 2 and parted.golden_file is None
     assert "model.embed_tokens input 0" in parted.source
-    assert divergence_in_dumps(_Ids([5, 10, 11], stats=True), _Ids([5, 10, 12], stats=True),
+    assert divergence_in_dumps(_ids_dump([5, 10, 11], stats=True), _ids_dump([5, 10, 12], stats=True),
                                _pairs(3)).first_differing_token == 1
 
 
 def test_no_claim_where_the_ids_agree_or_a_step_is_missing():
-    assert divergence_in_dumps(_Ids([5, 10, 11]), _Ids([5, 10, 11]), _pairs(3)) is None
+    assert divergence_in_dumps(_ids_dump([5, 10, 11]), _ids_dump([5, 10, 11]), _pairs(3)) is None
     # step 2 not dumped on the target: a difference at step 3 cannot say whether token 1 or 2 parted
-    assert divergence_in_dumps(_Ids([5, 10, 11, 12]), _Ids([5, 10, None, 40]), _pairs(4)) is None
+    assert divergence_in_dumps(_ids_dump([5, 10, 11, 12]), _ids_dump([5, 10, None, 40]), _pairs(4)) is None
