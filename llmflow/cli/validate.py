@@ -36,14 +36,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def execute(args: argparse.Namespace) -> int:
     from llmflow.resources import resolve_workflow
-    from llmflow.workflow import validate_workflow
+    from llmflow.workflow import params_to_set, validate_workflow
 
-    errors = validate_workflow(resolve_workflow(args.workflow), set_params=args.set_params,
+    path = resolve_workflow(args.workflow)
+    errors = validate_workflow(path, set_params=args.set_params,
                                trust_plugins=args.trust_plugins)
     for err in errors:
         print(err)
     if errors:
         verdict_line(False, f"{len(errors)} problem(s) in {args.workflow}")
         return 2
-    verdict_line(True, f"{args.workflow} is valid")
+    needed = params_to_set(path, args.set_params)
+    to_give = f"; a run needs {', '.join(f'--set {name}=VALUE' for name in needed)}" if needed else ""
+    verdict_line(True, f"{args.workflow} is valid{to_give}")
     return 0

@@ -45,6 +45,16 @@ __all__ = [
 ]
 
 
+def params_to_set(path: str | Path, set_params: SetParams = None) -> list[str]:
+    """The params of a valid workflow that have no default and no ``--set`` value: what a run of
+    it must be given (validating checks the file, a run needs the values)."""
+    from llmflow.workflow.validate import parse_set
+
+    wf = load_workflow(path)
+    given = set(parse_set(set_params))
+    return [name for name, spec in wf.params.items() if "default" not in spec and name not in given]
+
+
 def validate_workflow(
     path: str | Path, set_params: SetParams = None, trust_plugins: bool = False
 ) -> list[ValidationError]:

@@ -272,3 +272,18 @@ def test_a_string_param_takes_the_text_as_typed(typed, text):
     from llmflow.workflow.validate import parse_set_text
 
     assert parse_set_text(typed) == text
+
+
+def test_a_valid_workflow_names_the_params_a_run_must_be_given(validate):
+    text = """
+        name: t
+        params:
+          dump: {type: string, format: path}
+          seed: {type: integer, default: 5}
+        stages:
+          a: {uses: align, with: {golden_dump: "${params.dump}", target_dump: "${params.dump}"}}
+    """
+    rc, lines = validate(text)
+    assert rc == 0 and lines[-1] == "PASSED (wf.yaml is valid; a run needs --set dump=VALUE)", lines
+    rc, lines = validate(text, "--set", "dump=/data/d")
+    assert rc == 0 and lines[-1] == "PASSED (wf.yaml is valid)", lines
