@@ -124,15 +124,17 @@ class BisectStage(Stage):
 
 def _first_failing_row(summary: Any) -> dict[str, Any] | None:
     """``{step, name}`` of the earliest failing row a compare summary holds (its levels' first
-    failing rows leave out the rows after the texts part); ``{}`` where no row fails; None where
-    it is no compare summary."""
+    failing rows leave out the rows after the texts part); ``{}`` where the compare passed (no
+    row fails, nothing left unpaired or unread); None where it says neither (no compare summary,
+    or one that is incomplete or inconclusive: its rows cover less than the dumps hold)."""
     levels = summary.get("levels") if isinstance(summary, dict) else None
     if not isinstance(levels, dict):
         return None
     rows = [s.get("first_fail") for s in levels.values() if isinstance(s, dict)]
     rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)]
     if not rows:
-        return {}
+        outcome = summary.get("outcome")
+        return {} if isinstance(outcome, dict) and outcome.get("status") == "pass" else None
     first = min(rows, key=lambda r: (r["step"], r.get("order") or 0))
     return {"step": first["step"], "name": str(first.get("name"))}
 

@@ -95,3 +95,19 @@ def test_badcase_batched_matches_unbatched_on_fp32():
     for p in prompts:  # left padding must not change what is generated
         assert batched[p]["golden_ids"] == single[p]["golden_ids"]
         assert batched[p]["first_mismatch_token"] is None and batched[p]["max_kl"] < 1e-6
+
+
+def test_the_bisect_reads_the_compares_first_failing_row_and_whether_it_passed():
+    from llmflow.stages.bisect import _first_failing_row
+
+    row = {"step": 3, "order": 40, "name": "model.layers.0.mlp"}
+    later = {"step": 5, "order": 2, "name": "model.layers.1"}
+    failing = {"levels": {"layer": {"first_fail": later}, "module": {"first_fail": row}},
+               "outcome": {"status": "fail"}}
+    assert _first_failing_row(failing) == {"step": 3, "name": "model.layers.0.mlp"}
+    passed = {"levels": {"module": {"first_fail": None}}, "outcome": {"status": "pass"}}
+    assert _first_failing_row(passed) == {}
+    # nothing failed, but the compare did not cover the dumps: it says nothing of the rows
+    incomplete = {"levels": {"logits": {"first_fail": None}}, "outcome": {"status": "fail"}}
+    assert _first_failing_row(incomplete) is None
+    assert _first_failing_row({"not": "a summary"}) is None
