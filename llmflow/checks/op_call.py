@@ -33,11 +33,6 @@ class OpCall:
         return self.parent if self.parent is not None else self.name.rsplit("/", 1)[0]
 
 
-def api_of(name: str) -> str:
-    """``model.layers.0.mlp/silu.0`` -> ``silu``."""
-    return name.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-
-
 def load_outputs(call: OpCall, outputs: list[Entry], reader: DumpReader, missing: str) -> None:
     """The call's recorded output tensors; ``missing`` is its reason when there are none."""
     for e in outputs:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from llmflow.checks.op_call import OpCall, api_of, load_outputs
+from llmflow.checks.op_call import OpCall, load_outputs
 from llmflow.checks.precheck_atb import atb_calls
 from llmflow.checks.precheck_msprobe import msprobe_call
 from llmflow.checks.precheck_options import (
@@ -60,7 +60,7 @@ from llmflow.dtypes import SMALL_VALUE, SMALL_VALUE_ATOL, dtype_name
 from llmflow.dump.arguments import Unrebuildable, decode_value, rebuild_arguments
 from llmflow.dump.memory import flatten_outputs
 from llmflow.formats.atb import AtbDumpReader
-from llmflow.formats.base import DumpReader, Entry
+from llmflow.formats.base import DumpReader, Entry, api_of
 from llmflow.formats.msprobe import MsprobeDumpReader
 
 COLUMNS = ("rank", "step", "order", "name", "record", "module", "api", "output", "status", "ratio", "error",

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmflow.checks.op_call import OpCall, api_of, load_outputs
+from llmflow.checks.op_call import OpCall, load_outputs
 from llmflow.dump.arguments import Unrebuildable, decode_value
-from llmflow.formats.base import Entry
+from llmflow.formats.base import Entry, api_of
 from llmflow.formats.msprobe import MsprobeDumpReader
 
 #: msprobe's API group -> the owner of the callable, as ``references.lookup`` spells it

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from llmflow.formats.base import DumpReader, Entry
+from llmflow.formats.base import DumpReader, Entry, api_of
 from llmflow.results.compare import Divergence
 
 GENERATION_FILE = "generation.json"
@@ -83,7 +83,7 @@ def token_ids_entry(entries: Iterable[Entry]) -> Entry | None:
         if e.kind != "input" or e.index != "0" or e.dtype not in _INTEGER_DTYPES or not e.shape:
             continue
         mtype = e.module_type or ""
-        api = e.name.rsplit("/", 1)[-1].rsplit(".", 1)[0] if e.level == "api" else ""
+        api = api_of(e.name) if e.level == "api" else ""
         if ((e.level == "module" and mtype.endswith("Embedding") and "Rotary" not in mtype)
                 or api == "embedding") and (found is None or e.order < found.order):
             found = e

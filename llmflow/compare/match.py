@@ -30,7 +30,7 @@ from functools import lru_cache
 from llmflow.compare.levels import LEVELS  # noqa: F401  (re-exported)
 from llmflow.compare.mappings import Mapping
 from llmflow.dtypes import dtype_name
-from llmflow.formats.base import Entry
+from llmflow.formats.base import Entry, api_of
 from llmflow.structure import layer_index, layer_of_name
 
 # an engine's op named like a decoder layer (ATB's 9_DecoderLayer): its layer is its position
@@ -223,7 +223,7 @@ def _pair_calls_without_modules(g_list: list[Entry], t_list: list[Entry], used_g
         number: dict[str, int] = {}  # call name -> its number among the api's calls
         out: dict[tuple[str, int, str, str], Entry] = {}
         for e in entries:
-            api = e.name.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+            api = api_of(e.name)
             if e.name not in number:
                 number[e.name] = seen.get(api, 0)
                 seen[api] = number[e.name] + 1

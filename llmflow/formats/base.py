@@ -26,6 +26,11 @@ from typing import Any, ClassVar
 import torch
 
 KINDS = ("input", "output", "weight")
+
+
+def api_of(name: str) -> str:
+    """The API an API entry's name calls: ``model.layers.0.mlp/silu.0`` -> ``silu``."""
+    return name.rsplit("/", 1)[-1].rsplit(".", 1)[0]
 LEVELS = ("module", "api", "logits", "weight", "save")
 STAT_KEYS = ("max", "min", "mean", "norm", "nan", "inf")
 

@@ -28,15 +28,11 @@ from collections.abc import Iterable
 
 import torch
 
-from llmflow.formats.base import Entry
+from llmflow.formats.base import Entry, api_of
 
 HEAD_MODULES = frozenset({"lm_head", "embed_out", "output_layer", "output"})
 _HEAD_APIS = frozenset({"linear", "matmul"})
 _FLOAT = ("float", "bfloat")
-
-
-def _api(e: Entry) -> str:
-    return e.name.rsplit("/", 1)[-1].rsplit(".", 1)[0]
 
 
 def vocabulary(entries: Iterable[Entry]) -> int | None:
@@ -49,7 +45,7 @@ def vocabulary(entries: Iterable[Entry]) -> int | None:
             embeddings.add(e.name)
         if not e.shape or len(e.shape) != 2:
             continue
-        if e.level == "api" and e.kind == "input" and e.index == "1" and _api(e) == "embedding":
+        if e.level == "api" and e.kind == "input" and e.index == "1" and api_of(e.name) == "embedding":
             return int(e.shape[0])
         if e.kind == "weight":
             weights[e.name] = int(e.shape[0])
@@ -68,7 +64,7 @@ def _is_head(e: Entry, vocab: int | None) -> bool:
         # ATB's top-level LmHead op: its rows are tokens or sequences, so only a single row is
         # surely the next token's logits
         return e.shape[0] == 1 and (vocab is None or e.shape[-1] == vocab)
-    return e.level == "api" and vocab is not None and e.shape[-1] == vocab and _api(e) in _HEAD_APIS
+    return e.level == "api" and vocab is not None and e.shape[-1] == vocab and api_of(e.name) in _HEAD_APIS
 
 
 def derived_logits(entries: list[Entry]) -> list[Entry]:
