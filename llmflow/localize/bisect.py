@@ -477,10 +477,7 @@ class _Bisect:
         if not replayed and self.golden_error:
             result.missing = (f"the golden model cannot be loaded to recompute the layers' modules at step "
                               f"{step}: {self.golden_error}")
-        # what each attention wrote into its KV cache is ranked like a module of its own
-        replayed += [{"name": f"{r['name']}{KV_CACHE}", "module_type": "kv cache write",
-                      "replayable": True, "rel_l2": r["kv_cache_rel_l2"]}
-                     for r in replayed if r.get("kv_cache_rel_l2") is not None]
+        replayed += result.cache_writes  # what each attention wrote into its KV cache, ranked alike
         result.routing = moe.routing_divergences(result.rows, step, self.decode_position(step))
         self.rank(result, replayed, "module: isolation replay", result.source)
         if replayed and not result.anomalous and self.stack is not None:

@@ -16,7 +16,7 @@ from statistics import median
 from typing import Any
 
 from llmflow.compare.thresholds import finite_or_none
-from llmflow.dtypes import DEFAULT_THRESHOLDS, dtype_class
+from llmflow.dtypes import DEFAULT_THRESHOLDS, OP_ERROR_FLOOR, dtype_class
 from llmflow.results.codec import from_json
 from llmflow.results.verdict import (
     Candidate,
@@ -83,6 +83,14 @@ class StepReplay:
     @property
     def replayed(self) -> list[dict[str, Any]]:
         return [r for r in self.rows if r.get("replayable")]
+
+    @property
+    def cache_writes(self) -> list[dict[str, Any]]:
+        """What each replayed attention wrote into its KV cache, as a row of its own (``KV_CACHE``),
+        ranked and judged like a module."""
+        return [{"name": f"{r['name']}{KV_CACHE}", "module_type": "kv cache write", "replayable": True,
+                 "rel_l2": r["kv_cache_rel_l2"]}
+                for r in self.replayed if r.get("kv_cache_rel_l2") is not None]
 
     @property
     def not_replayable(self) -> list[dict[str, Any]]:
@@ -164,6 +172,15 @@ def _ratios_to_others(errors: dict[str, float], floor: float = 0.0) -> dict[str,
 #: dtype's rounding gives a whole tensor, a fault every layer shares (a kernel, scale or weight
 #: conversion each layer's copy uses), which no ranking against the other layers can show
 SHARED_RATIO = 10.0
+#: what an attention writes into its KV cache is what its projections computed (and the rotary
+#: turned), so in a correct port its own error is theirs, about one op's rounding (1.2-1.4x the
+#: typical module type's on tiny models of 9 families, bf16 against fp32); a cache stored in a
+#: lower precision (fp8 or int8 KV cache quantization), a wrong scale or a wrong position shows at
+#: many times that (8.7-10.9x for an fp8 cache), yet under the whole-tensor limits the other types
+#: are judged by. Its copies are shared-faulty at this many times the typical module type's own
+#: error and at least KV_WRITE_FLOORS x the dtype's OP_ERROR_FLOOR.
+KV_WRITE_RATIO = 4.0
+KV_WRITE_FLOORS = 4.0
 
 
 @dataclass
@@ -179,6 +196,7 @@ class SharedError:
     limit: str  # the dtype's limit the error passes: "fail" or "warn"
     limit_value: float
     faulty: list[str] = field(default_factory=list)  # the copies past the limit, in layer order
+    kv_cache: bool = False  # the error is of what the copies write into their KV cache (KV_CACHE)
 
     def where(self) -> str:
         """"in every layer", or in which of them."""
@@ -201,36 +219,58 @@ class SharedError:
             return ", where the typical module type has none"
         return f", {self.error / self.typical:.0f}x the {self.typical:.2g} of the typical module type"
 
+    def limit_words(self, dtype: str) -> str:
+        """The limit the error is past, in words with its value."""
+        if self.kv_cache:
+            return (f"{KV_WRITE_FLOORS:g}x the rounding of one {dtype} op ({self.limit_value:g}), where a "
+                    "correct cache write carries its projections' rounding")
+        return f"the {self.limit} limit of {dtype} rounding for a whole tensor ({self.limit_value:g})"
+
+    def same_as(self, other: SharedError | None) -> bool:
+        return other is not None and (other.module_type, other.kv_cache) == (self.module_type, self.kv_cache)
+
 
 def shared_error(step: StepReplay, stack: LayerStack | None, dtype: str) -> SharedError | None:
     """The module type whose median copy over the layers has an own error beyond the target dtype's
     limits for a whole tensor (``DEFAULT_THRESHOLDS``' relative Euclidean distance, loose: a whole
     tensor carries the rounding of every op before it, one module's own error far less) and
-    ``SHARED_RATIO`` times the typical module type's, or None. Of types that nest (an o_proj inside
-    its self_attn) with errors within 2x of the worst, the innermost."""
+    ``SHARED_RATIO`` times the typical module type's, or None; what the attentions write into their
+    KV caches by the tighter ``KV_WRITE_RATIO`` and ``KV_WRITE_FLOORS``. Of types that nest (an
+    o_proj inside its self_attn) with errors within 2x of the worst, the innermost."""
     limits = DEFAULT_THRESHOLDS.get(dtype_class(dtype), {}).get("relative_euclidean_distance")
-    by_type = {t: finite for t, copies in _errors_by_type(step.replayed, stack).items()
+    by_type = {t: finite for t, copies in _errors_by_type(step.replayed + step.cache_writes, stack).items()
                if (finite := [(n, e) for n, e in copies if finite_or_none(e) is not None])}
     if not limits or not by_type:
         return None
     medians = {t: median(e for _, e in copies) for t, copies in by_type.items()}
-    typical = median(medians.values()) if len(medians) >= 3 else None
+    modules = [m for t, m in medians.items() if not t.endswith(KV_CACHE)]
+    typical = median(modules) if len(modules) >= 3 else None
     if typical is not None and typical >= limits["warn"]:
         typical = None  # the typical module is beyond rounding too: no type stands out, none is a fault
-    shared = {t: m for t, m in medians.items() if len(by_type[t]) >= 2 and m >= limits["warn"]
-              and (typical is None or m >= SHARED_RATIO * typical)}
+    kv_floor = KV_WRITE_FLOORS * OP_ERROR_FLOOR.get(dtype_class(dtype), 0.0)
+
+    def floor(t: str) -> float:
+        """The own error past which a copy of type ``t`` is off beyond rounding."""
+        if t.endswith(KV_CACHE):
+            return max(kv_floor, KV_WRITE_RATIO * typical if typical is not None else 0.0)
+        return max(limits["warn"], SHARED_RATIO * typical if typical is not None else 0.0)
+
+    shared = {t: m for t, m in medians.items() if len(by_type[t]) >= 2 and m >= floor(t) > 0}
     if not shared:
         return None
     top = max(shared.values())
     kind = max((t for t, m in shared.items() if m * 2 >= top), key=lambda t: (t.count("."), shared[t]))
     copies = sorted(by_type[kind], key=lambda c: (layer_index(c[0], stack) or 0, c[0]))
     # the copies past the limit: a clean copy among them (one layer spared) is never the one named
-    floor = max(limits["warn"], SHARED_RATIO * typical if typical is not None else 0.0)
-    faulty = [(n, e) for n, e in copies if e >= floor]
-    error = median(e for _, e in faulty)
-    limit = "fail" if error >= limits["fail"] else "warn"
-    return SharedError(kind, faulty[0][0], error, len(copies), typical, limit, limits[limit],
-                       [n for n, _ in faulty])
+    faulty = [n.removesuffix(KV_CACHE) for n, e in copies if e >= floor(kind)]
+    error = median(e for _, e in copies if e >= floor(kind))
+    if kind.endswith(KV_CACHE):
+        limit, limit_value = "fail", kv_floor
+    else:
+        limit = "fail" if error >= limits["fail"] else "warn"
+        limit_value = limits[limit]
+    return SharedError(kind.removesuffix(KV_CACHE), faulty[0], error, len(copies), typical, limit,
+                       limit_value, faulty, kv_cache=kind.endswith(KV_CACHE))
 
 
 def _reasons(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
@@ -293,7 +333,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     """The verdict of a bisect from what each replayed step showed (and, where measured, the chosen
     module's own error per step)."""
     cand = chosen.candidate
-    module = cand["name"].removesuffix(KV_CACHE) if chosen.anomalous and cand else None
+    module = _standing_out(chosen)
     quiet = module is not None and below_notice(inp, cand, mismatch, bad_token)
     if quiet and cand is not None:  # a lead too weak to name where every output is within its thresholds
         cand["anomalous"] = False
@@ -306,9 +346,17 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     shard_rank = cand.get("shard_rank") if module and cand else None
     if module is None:
         module = layer_fault(chosen, inp.ratio_threshold)
-    shared = shared_error(chosen, stack, dtype) if module is None and lead is None else None
+    shared = shared_error(chosen, stack, dtype) if lead is None else None
+    if module is not None and not (shared is not None and shared.fails and shared.kv_cache
+                                   and module_type(module, stack) == shared.module_type):
+        shared = None  # a module stands out; but a cache every layer writes wrong is said as such
     if shared is not None and shared.fails:  # the layers' copies are the fault: named by the first faulty
         module = shared.example
+    # a tensor-parallel module whose ranks kept their partial products: the first such is the fault,
+    # whatever stands out after it (the modules after it see another input on each rank)
+    unreduced = next((r for r in chosen.replayed if r.get("unreduced") is not None), None)
+    if unreduced is not None and lead is None:
+        module, expert, shard_rank, shared = unreduced["name"], None, None, None
     layer = layer_of(module, stack) if module else None
     detail = _token_detail(inp, mismatch, rows, decode)
     replay = ReplayInfo(step=chosen.step, why=chosen.why, source=chosen.source,
@@ -319,6 +367,9 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     routing = [r for t in tried for r in t.routing]
     if lead is not None:
         status, headline, diagnosis, why_not = _head_lead(lead, chosen.step)
+    elif unreduced is not None:
+        status, headline, diagnosis, why_not = _unreduced_fault(unreduced, chosen.step)
+        cand = None  # the ranked candidate's rank notes are not this module's
     else:
         status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
                                                       problems, routing, stack, dtype, shared, own_steps,
@@ -340,8 +391,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     return Verdict(
         status=status, headline=headline, diagnosis=diagnosis, replay=replay,
         first_mismatch_token=mismatch, first_bad_token=bad_token, first_bad_layer=layer,
-        first_bad_module=module, first_bad_op=chosen.first_op if module and module != getattr(
-            shared, "example", None) else None,
+        first_bad_module=module, first_bad_op=chosen.first_op if module and unreduced is None and (
+            module != getattr(shared, "example", None) or module == _standing_out(chosen)) else None,
         first_bad_expert=expert, first_bad_rank=shard_rank, inconclusive=why_not, token_detail=detail,
         evidence=[Evidence(name=c.name, isolated_rel_l2=c.error, typical=c.typical, score=c.score,
                            raw_rel_l2=c.raw_rel_l2, step=chosen.step) for c in top[:5]],
@@ -430,6 +481,23 @@ def _head_lead(lead: dict[str, Any], step: int) -> tuple[str, str, str, Inconclu
     diagnosis = (f"No module inside the decoder layers stands out; {reason}. Inconclusive: the evidence "
                  "points at the embedding without proving it.")
     return "inconclusive", reason, diagnosis, Inconclusive(reason, nxt)
+
+
+def _unreduced_fault(row: dict[str, Any], step: int) -> tuple[str, str, str, None]:
+    """The verdict's words for a module whose ranks kept their partial products (``unreduced``,
+    ``target_dump.UNREDUCED_MATCH``)."""
+    name, where = row["name"], _step_word(step)
+    errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(row.get("rank_errors") or []))
+    headline = (f"{name} is the fault: the all-reduce of its output is missing at {where}; its ranks' "
+                f"outputs differ and their sum matches the golden's (relative L2 {row['unreduced']:.2g})")
+    diagnosis = (f"{name} is the fault: its inputs are the same on every rank, yet its output, which an "
+                 f"all-reduce makes the same on every rank, differs between them at {where}, each far from "
+                 f"the golden module's on those inputs ({errors}); summed over the ranks it matches the "
+                 f"golden's (relative L2 {row['unreduced']:.3g}). Each rank kept its partial product: the "
+                 "all-reduce of the row-parallel linear inside it, or right after it, is missing or skipped. "
+                 "The modules after it see another input on each rank, so what stands out there is not their "
+                 "own error.")
+    return "fail", headline, diagnosis, None
 
 
 def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | None, expert: int | None,
@@ -645,11 +713,11 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
 
 def _shared_reason(shared: SharedError, dtype: str) -> tuple[str, str]:
     """(reason, next) of an inconclusive verdict for a shared error that is not called a fault."""
-    reason = (f"{shared.module_type}'s own error is {shared.error:.3g} {shared.where()} (the median of "
-              f"{len(shared.faulty)}){shared.ratio_words()}, beyond the {shared.limit} limit of {dtype} "
-              f"rounding for a whole tensor ({shared.limit_value:g}), and no layer stands out from the "
-              "others: a fault the layers share, more error than this precision should give, or a "
-              "golden model that is not the one that made the golden dump")
+    what = f"what {shared.module_type} writes to its KV cache" if shared.kv_cache else shared.module_type
+    reason = (f"{what}'s own error is {shared.error:.3g} {shared.where()} (the median of "
+              f"{len(shared.faulty)}){shared.ratio_words()}, beyond {shared.limit_words(dtype)}, and no "
+              "layer stands out from the others: a fault the layers share, more error than this precision "
+              "should give, or a golden model that is not the one that made the golden dump")
     nxt = ("check that the golden model is the one that made the golden dump; dump the target in API "
            f"mode inside {shared.example} (layer_name) and precheck its ops against a float64 reference "
            "(llmflow precheck); or raise the thresholds if this precision is what the port should give")
@@ -676,6 +744,12 @@ def _decode_path(chosen: StepReplay, tried: list[StepReplay], own_steps: OwnErro
     return f"{said}; whether the prefill has it too was not measured."
 
 
+def _standing_out(chosen: StepReplay) -> str | None:
+    """The module whose own error stands out at the step (its KV cache write's: the module), or None."""
+    cand = chosen.candidate
+    return cand["name"].removesuffix(KV_CACHE) if chosen.anomalous and cand else None
+
+
 def _shared_fault(chosen: StepReplay, tried: list[StepReplay], shared: SharedError, dtype: str,
                   stack: LayerStack | None, problems: list[str]) -> tuple[str, str, str, None]:
     """The verdict's words for a fault the layers share (``shared_error``)."""
@@ -683,19 +757,34 @@ def _shared_fault(chosen: StepReplay, tried: list[StepReplay], shared: SharedErr
     alone = ("its output in the target dump, against the golden module run on the same recorded inputs"
              if chosen.source == "target dump" else "each copy replayed alone on the golden inputs")
     of = f"(the median of {len(shared.faulty)} layers){shared.ratio_words()}"
-    headline = (f"{shared.module_type} is the fault {shared.where()}: an own error of {shared.error:.3g} at "
-                f"{where} {of}, past what {dtype} rounding gives a whole tensor")
-    diagnosis = (f"{shared.module_type} is the fault {shared.where()}: {alone} at {where}, its own "
-                 f"error is {shared.error:.3g} relative L2 {of}, past the fail limit of {dtype} rounding "
-                 f"for a whole tensor ({shared.limit_value:g}). No layer stands out from the others because "
-                 "they share it: look for what their copies share, a kernel, a scale or a weight "
-                 f"conversion; {shared.example}, the first, is named as the module.")
+    if shared.kv_cache:
+        headline = (f"{shared.module_type} is the fault {shared.where()}: the keys and values it writes to "
+                    f"its KV cache have an own error of {shared.error:.3g} at {where} {of}, past "
+                    f"{KV_WRITE_FLOORS:g}x the rounding of one {dtype} op")
+        standing = _standing_out(chosen)
+        among = (f"{standing}'s output stands out among its copies, but every layer's cache write is off "
+                 "alike" if standing in shared.faulty else "No layer stands out from the others because "
+                 "they share it")
+        diagnosis = (f"{shared.module_type} is the fault {shared.where()}: {alone} at {where}, the keys and "
+                     f"values it writes to its KV cache are off by {shared.error:.3g} relative L2 {of}, past "
+                     f"{shared.limit_words(dtype)}. {among}: look for what their cache writes share, a "
+                     "cache kept in a lower precision (fp8 or int8 KV cache quantization) or its scales, or "
+                     "the positions the keys are rotated to; "
+                     f"{shared.example}, the first, is named as the module.")
+    else:
+        headline = (f"{shared.module_type} is the fault {shared.where()}: an own error of "
+                    f"{shared.error:.3g} at {where} {of}, past what {dtype} rounding gives a whole tensor")
+        diagnosis = (f"{shared.module_type} is the fault {shared.where()}: {alone} at {where}, its own "
+                     f"error is {shared.error:.3g} relative L2 {of}, past {shared.limit_words(dtype)}. No "
+                     "layer stands out from the others because they share it: look for what their copies "
+                     "share, a kernel, a scale or a weight conversion; "
+                     f"{shared.example}, the first, is named as the module.")
     if chosen.step > 0 and chosen.source != "target dump":
         prefill = next((t for t in tried if t.step == 0), None)
         at_prefill = shared_error(prefill, stack, dtype) if prefill is not None else None
         if prefill is None:
             diagnosis += " Whether the prefill has it too was not measured."
-        elif at_prefill is not None and at_prefill.module_type == shared.module_type:
+        elif shared.same_as(at_prefill):
             diagnosis += f" The prefill has it too ({at_prefill.error:.3g} there)."
         else:
             diagnosis += (" At the prefill its copies are within rounding, so the fault lives on the decode "

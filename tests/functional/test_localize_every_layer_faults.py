@@ -104,3 +104,24 @@ def test_a_shared_error_names_the_innermost_module_type_and_judges_it_by_the_dty
     # the decoder layers alone (a dump of the layers): too few types to say
     found = shared_error(_step({f"model.layers.{i}": 0.8 for i in range(4)}), None, "bfloat16")
     assert found and not found.fails
+
+
+def test_what_the_attentions_write_to_their_kv_caches_is_judged_by_one_ops_rounding():
+    """A cache write carries its projections' rounding in a correct port (~1.3x the typical module
+    type's): a cache kept in fp8 in every layer (~9x) is a fault well under the whole-tensor limits."""
+    rounding = dict(q_proj=0.003, k_proj=0.003, mlp=0.005, act_fn=0.002, input_layernorm=0.002)
+
+    def with_cache(write: float) -> StepReplay:
+        step = _step(_layers(4, **rounding, self_attn=0.006))
+        for r in step.rows:
+            if r["name"].endswith(".self_attn"):
+                r["kv_cache_rel_l2"] = write
+        return step
+
+    found = shared_error(with_cache(0.026), None, "bfloat16")
+    assert found and found.fails and found.kv_cache, found
+    assert found.module_type == "model.layers.*.self_attn" and found.example == "model.layers.0.self_attn"
+    assert "rounding of one bfloat16 op (0.016)" in found.limit_words("bfloat16")
+    assert shared_error(with_cache(0.004), None, "bfloat16") is None  # its projections' rounding
+    # past 4x the typical module type's but not 4x one op's rounding: not a cache fault
+    assert shared_error(with_cache(0.014), None, "bfloat16") is None
