@@ -13,11 +13,14 @@ REPO = Path(__file__).resolve().parents[1]
 TP_SCRIPT = REPO / "tests" / "fixtures" / "tp_llama.py"
 #: the unsharded model of the fixture, as a model spec the bisect loads as its golden
 TP_GOLDEN_MODEL = f"{TP_SCRIPT}:golden_model"
-#: one faulty shard per kind of parallel linear (NAME=RANK:PARAM:FACTOR, as tp_llama.py takes them)
+#: one faulty shard per kind of parallel linear (NAME=RANK:PARAM:FACTOR, as tp_llama.py takes them),
+#: and a row-parallel linear whose all-reduce is left out (NAME=noreduce[-decode]:MODULE)
 TP_FAULTS = {
     "mlp_rank1": "1:model.layers.1.mlp.up_proj.weight:1.5",  # column-parallel, MLP, rank 1
     "attn_rank0": "0:model.layers.2.self_attn.k_proj.weight:1.5",  # column-parallel, attention, rank 0
     "row_rank1": "1:model.layers.0.mlp.down_proj.weight:1.5",  # row-parallel: summed by the all-reduce
+    "no_reduce": "noreduce:model.layers.1.self_attn.o_proj",  # every rank keeps its partial product
+    "no_reduce_decode": "noreduce-decode:model.layers.1.self_attn.o_proj",  # at the decode steps only
 }
 
 

@@ -34,6 +34,7 @@ from llmflow.compare.shards import (
     shard_errors,
     shards_label,
     standout,
+    unreduced,
     worst_copy_note,
 )
 from llmflow.compare.statistics import STATS, compare_stats, side_stats
@@ -210,7 +211,7 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
         return row
     try:
         use_stats = job.stats_only or not p.golden.has_data or not all(t.has_data for t in p.targets)
-        standout = None
+        ranks_said = None
         if use_stats:
             g_stats = _stats_of(job, job.golden, p.golden)
             t_stats = [_stats_of(job, job.target, t) for t in p.targets]
@@ -219,7 +220,7 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
         else:
             g = job.load(job.golden, p.golden)
             if p.merge:
-                t, standout = _joined_target(job, p, g, row)
+                t, ranks_said = _joined_target(job, p, g, row)
             elif len(p.targets) == 1:
                 t = job.load(job.target, p.targets[0])
             else:
@@ -244,10 +245,8 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
         j = judge(row, dtype, job.thresholds)
         row.update(verdict=j.verdict, code=j.code, reason=j.reason,
                    tripped=",".join(f"{m}={lv}" for m, lv in j.tripped.items()))
-        if standout is not None and j.verdict != "pass":
-            r, err, median = standout
-            row["reason"] = f"rank {r}'s shard stands out (relative distance {err:.3g}, the other " \
-                            f"ranks' {median:.3g}); {row['reason']}"
+        if ranks_said is not None and j.verdict != "pass":
+            row["reason"] = f"{ranks_said}; {row['reason']}"
         if dtype == "integer" and j.code == Code.THRESHOLD_FAIL.value and _routing_indices(p):
             _as_routing(row)
     except LoadFailed as exc:  # a corrupt tensor file must not stop a 100k-row compare
@@ -258,22 +257,32 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
 
 
 def _joined_target(job: Job, p: Pair, g: torch.Tensor, row: dict[str, Any]
-                   ) -> tuple[torch.Tensor, tuple[int, float, float] | None]:
-    """A sharded target's tensor as the golden holds it (``shards.py``), and the rank whose own
-    shard error stands out. ``row["shards"]`` says how the ranks joined and which rank was worst."""
+                   ) -> tuple[torch.Tensor, str | None]:
+    """A sharded target's tensor as the golden holds it (``shards.py``), and what the row's reason
+    says of the ranks where it does not pass: the rank whose own shard error stands out, or copies
+    that are partial products. ``row["shards"]`` says how the ranks joined and which rank was worst."""
     ranks = [t.rank for t in p.targets]
     shards = [job.load(job.target, t) for t in p.targets]
     if p.merge == REPLICATED and all(torch.equal(shards[0], s) for s in shards[1:]):
         return shards[0], None  # the usual case: one compare of the copy every rank holds
     errors = shard_errors(g, p.merge, shards) if p.merge != SUM else []
     found = standout(errors, ranks) if errors else None
+    said = None
     if found is not None:
         row["shards"] += f"; rank {found[0]} stands out (relative distance {found[1]:.3g})"
+        said = f"rank {found[0]}'s shard stands out (relative distance {found[1]:.3g}, the other ranks' " \
+               f"{found[2]:.3g})"
     if p.merge == REPLICATED:  # the ranks' copies differ: the worst one is the row
         worst = max(range(len(errors)), key=lambda i: (errors[i] != errors[i], errors[i]))
         row["shards"] += worst_copy_note(ranks[worst])
-        return shards[worst], found
-    return join_tensors(p.merge, shards), found
+        summed = unreduced(g, shards, errors[worst])
+        if summed is not None:
+            said = (f"the ranks' copies differ and their sum is the golden's (relative distance "
+                    f"{summed:.3g}): partial products not all-reduced (an all-reduce missing, or the "
+                    "tensor dumped before its all-reduce: a mapping's shards rule with merge: sum joins "
+                    "them)")
+        return shards[worst], said
+    return join_tensors(p.merge, shards), said
 
 
 def _routing_indices(p: Pair) -> bool:

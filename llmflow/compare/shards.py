@@ -265,6 +265,22 @@ def shard_errors(golden: torch.Tensor, merge: str, shards: list[torch.Tensor]) -
     return out
 
 
+#: copies of the golden's shape that differ between the ranks, each far from the golden, whose sum
+#: is within this fraction of the worst copy's distance, are partial products left unreduced (a
+#: missing all-reduce, or a tensor dumped before its all-reduce); a fault in one rank's copy, or
+#: rounding, never sums to the golden
+UNREDUCED_MATCH = 0.1
+
+
+def unreduced(golden: torch.Tensor, copies: list[torch.Tensor], worst: float) -> float | None:
+    """The relative distance of the copies' sum to the golden where they are partial products
+    (``UNREDUCED_MATCH`` of ``worst``, the worst copy's own distance), else None."""
+    if len(copies) < 2:
+        return None
+    summed = shard_errors(golden, REPLICATED, [join_tensors(SUM, copies)])[0]
+    return summed if summed < UNREDUCED_MATCH * worst else None
+
+
 def standout(errors: list[float], ranks: list[int]) -> tuple[int, float, float] | None:
     """``(rank, its error, the others' median)`` when one shard's error stands out (``STANDS_OUT``)."""
     if len(errors) < 2:

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from llmflow.compare.mappings import CONCAT, REPLICATED, SUM, Mapping, ShardRule
-from llmflow.compare.shards import join_tensors, merge_of, rule_merge, shard_errors, standout
+from llmflow.compare.shards import join_tensors, merge_of, rule_merge, shard_errors, standout, unreduced
 from llmflow.dump.arguments import is_cache_type
 from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.formats.base import DumpReader, Entry
@@ -331,8 +331,15 @@ def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], rank
     first, filling a KV cache of its own."""
     golden_outs: list[torch.Tensor] = []
     seen: list[tuple[list[Any], torch.Tensor]] = []
+    same_inputs = True  # every rank's tensor inputs at this step equal to rank 0's, bit for bit
     for k, r in enumerate(ranks):
         inputs = [(i, entry_value(target, entries[k])) for i, entries in shards.items()]
+        tensors = [v for _i, v in inputs if isinstance(v, torch.Tensor)]
+        if k == 0:
+            first = tensors
+        else:
+            same_inputs = same_inputs and len(tensors) == len(first) and all(
+                torch.equal(a, b) for a, b in zip(first, tensors, strict=True))
         if history is not None:
             steps = [[(e.index, entry_value(target, e)) for e in ins] for ins in history[r]]
             ran = _golden_over_steps(name, module, module_type, [*steps, inputs], golden, index)
@@ -340,7 +347,6 @@ def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], rank
                 return _not_replayable(name, module_type, ran)
             golden_outs.append(ran)
             continue
-        tensors = [v for _i, v in inputs if isinstance(v, torch.Tensor)]
         again = next((out for before, out in seen if len(before) == len(tensors)
                       and all(torch.equal(a, b) for a, b in zip(before, tensors, strict=True))), None)
         if again is None:
@@ -369,7 +375,14 @@ def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], rank
     per_rank = [own_error(g, t) for g, t in zip(golden_outs, target_outs, strict=True)]
     worst = max(range(len(ranks)), key=lambda k: per_rank[k]["rel_l2"])
     row = {"name": name, "module_type": module_type, "replayable": True, "output": index, **per_rank[worst]}
-    return _with_ranks(row, f"inputs whole, output {merge}", [m["rel_l2"] for m in per_rank], ranks)
+    row = _with_ranks(row, f"inputs whole, output {merge}", [m["rel_l2"] for m in per_rank], ranks)
+    if len(ranks) > 1 and same_inputs and any(not torch.equal(target_outs[0], t) for t in target_outs[1:]):
+        # one input on every rank, outputs of the golden's shape that differ: partial products left
+        # unreduced make this module the fault, whatever the modules after it show
+        summed = unreduced(golden_outs[0], target_outs, row["rel_l2"])
+        if summed is not None:
+            row["unreduced"] = summed
+    return row
 
 
 def _with_ranks(row: dict[str, Any], sharding: str, errors: list[float], ranks: list[int]) -> dict[str, Any]:

@@ -90,6 +90,24 @@ def test_a_row_parallel_fault_names_the_module_without_guessing_a_rank(tmp_path:
     assert "stands out" not in first["reason"]
 
 
+def test_a_missing_all_reduce_is_said_in_the_first_failing_rows_reason(tmp_path: Path, dumps: Path) -> None:
+    """layer 1's o_proj keeps each rank's partial product: its copies differ and sum to the golden's,
+    which the first failing row says, in the compare the user runs on the two dumps."""
+    proc = llmflow("compare", "-gp", _dump(dumps, "golden"), "-mp", _dump(dumps, "no_reduce"), "-o",
+                   str(tmp_path / "out"), "-cl", "module", "--no-xlsx")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("FAILED"), proc.stdout
+    first = _first_fail(tmp_path / "out", "module")
+    assert first["name"] == "model.layers.1.self_attn.o_proj" and first["step"] == 0, first
+    assert "the ranks' copies differ and their sum is the golden's" in first["reason"], first["reason"]
+    assert "partial products not all-reduced" in first["reason"]
+    # a fault in one rank's shard of a replicated tensor is not partial products
+    proc = llmflow("compare", "-gp", _dump(dumps, "golden"), "-mp", _dump(dumps, "mlp_rank1"), "-o",
+                   str(tmp_path / "other"), "-cl", "module", "--no-xlsx")
+    rows = _rows(tmp_path / "other", "module")
+    assert not any("their sum is the golden's" in r["reason"] for r in rows)
+
+
 def test_partial_products_join_by_sum_through_a_mapping_file(tmp_path: Path, dumps: Path) -> None:
     """Inside a row-parallel linear, before its all-reduce, each rank holds a partial product of
     the golden's shape: shapes say "replicated" and those rows fail; a mapping file's ``shards``
@@ -99,8 +117,10 @@ def test_partial_products_join_by_sum_through_a_mapping_file(tmp_path: Path, dum
     plain = llmflow("compare", "-gp", golden, "-mp", clean, "-o", str(tmp_path / "plain"), "-cl", "api",
                     "--no-xlsx")
     assert plain.returncode == 1
-    fails = {r["name"] for r in _rows(tmp_path / "plain", "api") if r["verdict"] == "fail"}
+    failing = [r for r in _rows(tmp_path / "plain", "api") if r["verdict"] == "fail"]
+    fails = {r["name"] for r in failing}
     assert fails and all(n.endswith(("o_proj/linear.0", "down_proj/linear.0")) for n in fails), fails
+    assert all("their sum is the golden's" in r["reason"] and "merge: sum" in r["reason"] for r in failing)
     mapping = tmp_path / "tp.yaml"
     mapping.write_text('rules: []\nshards:\n'
                        '  - {target: "model.layers.*.self_attn.o_proj/linear.*", merge: sum}\n'

@@ -113,6 +113,24 @@ def test_a_row_parallel_fault_names_the_module_and_no_rank(dumps: Path) -> None:
     assert "row-parallel" in chosen.rank_note and "No rank is named" in verdict.diagnosis
 
 
+@pytest.mark.parametrize(("fault", "step"), [("no_reduce", 0), ("no_reduce_decode", 1)])
+def test_a_missing_all_reduce_is_named_at_the_module_whose_ranks_keep_partial_products(
+        dumps: Path, fault: str, step: int) -> None:
+    """o_proj of layer 1 never all-reduces (or only at the decode steps, where each rank's attention
+    reads its own KV cache): each rank's self_attn output is its partial product. The container is
+    named with the all-reduce at the first step that has it; layer 2's modules, which see another
+    input on each rank and stand out too, are not."""
+    verdict = _bisect(dumps, fault)
+    assert verdict.status == "fail", verdict.headline
+    assert verdict.first_bad_module == "model.layers.1.self_attn", verdict.headline
+    assert verdict.replay.step == step and verdict.first_bad_rank is None and verdict.first_bad_op is None
+    assert "the all-reduce of its output is missing" in verdict.headline, verdict.headline
+    assert "their sum matches the golden's" in verdict.headline
+    o_proj = next(c for c in verdict.candidates if c.name == "model.layers.1.self_attn.o_proj")
+    assert o_proj.error < 1e-5  # its partial products are right: summed, they are the golden's output
+    assert o_proj.sharding.startswith("inputs concat:2, output sum")
+
+
 def test_a_decode_step_replays_each_ranks_attention_over_the_steps_before(dumps: Path) -> None:
     """At a decode step the k_proj fault is still found; each rank's attention container reads its
     own KV cache: the golden attention runs on that rank's recorded inputs of steps 0..2 with a

@@ -1,10 +1,11 @@
 """A tensor-parallel target dumped by msprobe itself (mindstudio-probe's PrecisionDebugger on a
 Megatron-style TP=2 tiny Llama under torchrun over gloo: ``step{N}/rank{R}`` folders as msprobe
 writes them) against its one-process golden (``step{N}/proc{pid}``): the ranks' shards join into
-the golden's tensors, a clean port passes with every tensor paired, and a fault in rank 1's shard
+the golden's tensors, a clean port passes with every tensor paired, a fault in rank 1's shard
 of a column-parallel linear is named with its module and rank (by the compare, and by the
-dump_bisect workflow's golden modules on the target's recorded inputs), and the workflows' pages
-show that module's output joined from the two ranks as the compare joined it."""
+dump_bisect workflow's golden modules on the target's recorded inputs), the workflows' pages
+show that module's output joined from the two ranks as the compare joined it, and a row-parallel
+linear that skips its all-reduce is named at the module whose ranks keep their partial products."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _launch(out: Path, runs: list[str], nproc: int) -> None:
 def dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tp_msprobe")
     _launch(out, ["golden"], 1)
-    _launch(out, ["clean", f"bad={FAULT}"], 2)
+    _launch(out, ["clean", f"bad={FAULT}", "noreduce=noreduce:model.layers.1.self_attn.o_proj"], 2)
     return out
 
 
@@ -130,3 +131,18 @@ def test_the_dump_bisect_workflow_names_the_module_and_rank_of_msprobes_rank_fol
     assert heading.text == "The chosen module's output in detail"
     (panel,) = find(dom, "section", id="op-panel")
     assert "model.layers.1.mlp.up_proj" in panel.text and "2 ranks joined" in panel.text
+
+
+def test_the_dump_bisect_workflow_names_a_missing_all_reduce_in_msprobes_rank_folders(tmp_path, dumps):
+    """layer 1's o_proj leaves its partial products unreduced on both ranks: the attention around it
+    is named with the missing all-reduce, not the later modules that see another input per rank."""
+    run_dir = tmp_path / "run"
+    proc = llmflow("run", "dump_bisect", "--run-dir", str(run_dir),
+                   "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / 'noreduce'}",
+                   "--set", f"golden_model={SCRIPT}:golden_model")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith("FAILED: model.layers.1.self_attn is the fault: the all-reduce of its output is "
+                           "missing"), last
+    verdict = json.loads((run_dir / "bisect" / "verdict.json").read_text())
+    assert verdict["first_bad_rank"] is None and verdict["first_bad_layer"] == "model.layers.1"
