@@ -26,25 +26,28 @@ import json, sys, torch
 from msprobe.pytorch import PrecisionDebugger
 from llmflow.models import load_model
 
-out, level, task, fault = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "fault"
-model = load_model("tiny-llama:layers=2,hidden=64,seed=0").model.eval()
-if fault:  # layer 1's MLP output blown up from decode step {FAULT_STEP} on: the texts part there
-    calls = {{"n": -1}}
-    model.register_forward_pre_hook(lambda m, a: calls.__setitem__("n", calls["n"] + 1))
-    model.model.layers[1].mlp.register_forward_hook(
-        lambda m, a, o: o * 40.0 if calls["n"] >= {FAULT_STEP} else None)
-config = {{"task": task, "dump_path": out, "rank": [], "step": [], "level": level,
-           task: {{"scope": [], "list": [], "data_mode": ["all"]}}}}
-with open(out + ".json", "w") as f:
-    json.dump(config, f)
-debugger = PrecisionDebugger(config_path=out + ".json")
-debugger.start(model=model)
-with torch.no_grad():
-    ids = model.generate(torch.tensor([[1, 17, 42, 99, 5, 63, 7]]), max_new_tokens={NEW_TOKENS},
-                         do_sample=False)
-debugger.stop()
-with open(out + ".ids.json", "w") as f:
-    json.dump(ids[0, 7:].tolist(), f)
+out, level, task = sys.argv[1], sys.argv[2], sys.argv[3]
+for run in ("golden", "rerun", "fault"):  # one process: torch and msprobe imported once
+    path = f"{{out}}_{{run}}"
+    model = load_model("tiny-llama:layers=2,hidden=64,seed=0").model.eval()  # fresh: no hooks of before
+    if run == "fault":  # layer 1's MLP output blown up from decode step {FAULT_STEP} on: the texts part there
+        calls = {{"n": -1}}
+        model.register_forward_pre_hook(lambda m, a: calls.__setitem__("n", calls["n"] + 1))
+        model.model.layers[1].mlp.register_forward_hook(
+            lambda m, a, o: o * 40.0 if calls["n"] >= {FAULT_STEP} else None)
+    config = {{"task": task, "dump_path": path, "rank": [], "step": [], "level": level,
+               task: {{"scope": [], "list": [], "data_mode": ["all"]}}}}
+    with open(path + ".json", "w") as f:
+        json.dump(config, f)
+    PrecisionDebugger._instance = None  # one debugger per dump
+    debugger = PrecisionDebugger(config_path=path + ".json")
+    debugger.start(model=model)
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([[1, 17, 42, 99, 5, 63, 7]]), max_new_tokens={NEW_TOKENS},
+                             do_sample=False)
+    debugger.stop()
+    with open(path + ".ids.json", "w") as f:
+        json.dump(ids[0, 7:].tolist(), f)
 """
 CASES = [("L0", "tensor"), ("L1", "tensor"), ("L0", "statistics")]
 
@@ -55,11 +58,10 @@ def dumps(tmp_path_factory) -> Path:
     script = out / "dump_generate.py"
     script.write_text(SCRIPT, encoding="utf-8")
     for level, task in CASES:
-        for run in ("golden", "rerun", "fault"):
-            args = [str(script), str(out / f"{level}_{task}_{run}"), level, task, run]
-            proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
-                                  cwd=out, env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        args = [str(script), str(out / f"{level}_{task}"), level, task]
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
+                              cwd=out, env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return out
 
 
