@@ -118,8 +118,7 @@ def _call(reader: DumpReader, entries: list[Entry], weights: dict[str, Entry]) -
             param = e.extra.get("param")
             weight = weights.get(param) if isinstance(param, str) else None
             if weight is None or not weight.has_data:
-                call.reason = call.reason or (f"parameter input {e.index} ({param or 'unnamed'}) not in the "
-                                              "dump (dump with dump_weight)")
+                call.reason = call.reason or f"parameter input {e.index} ({param or 'unnamed'}) {NO_WEIGHT}"
             else:
                 value = reader.load(weight)
         else:
@@ -443,6 +442,30 @@ def call_label(row: dict[str, Any]) -> str:
 
 
 DUMP_AGAIN = "dump the target again (or copy the dump whole), then llmflow precheck it"
+#: why a call taking a module's weight was not checked (a dump made without dump_weight)
+NO_WEIGHT = "not in the dump (dump with dump_weight)"
+
+
+def _uncovered(rows: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(what, next) where calls that decide the answer went unchecked though most calls were checked:
+    a custom kernel's op (``mylib::op``: the code the port added, which no torch function stands
+    for) or calls whose weights the dump lacks (every Linear of a dump made without dump_weight)."""
+    unchecked = {(r.get("rank"), r.get("step"), r["name"], r.get("record")): r for r in rows
+                 if r["status"] == "not checked"}.values()  # one per call
+    custom = sorted({str(r["api"]) for r in unchecked if "::" in str(r["api"])})
+    if custom:
+        calls = sum(1 for r in unchecked if "::" in str(r["api"]))
+        return (f"{calls} call(s) of custom ops were not checked ({', '.join(custom[:3])}): the kernels the "
+                "port added, which no torch function stands for",
+                f"give each a float64 reference: --reference {custom[0]}=file.py:func (or the entry-point "
+                "group llmflow.references), then llmflow precheck the dump again")
+    weightless = sum(1 for r in unchecked if NO_WEIGHT in str(r["reason"]))
+    if weightless:
+        return (f"{weightless} calls taking a module's weight (the matmuls) were not checked: the dump holds "
+                "no weights",
+                "dump with DumpConfig(mode='api', data_mode='tensor', dump_weight=True) (llmflow run "
+                "api_precheck does it), then llmflow precheck that dump")
+    return None
 
 
 def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
@@ -498,6 +521,10 @@ def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
         status = "inconclusive"
         headline = f"precheck: {checked} of {calls} calls checked, none fails, but {damaged}"
         next_step = DUMP_AGAIN
+    elif (uncovered := _uncovered(rows)) is not None:
+        status = "inconclusive"
+        headline = f"precheck: {checked} of {calls} calls checked, none fails, but {uncovered[0]}"
+        next_step = uncovered[1]
     else:
         status = "pass"
         headline = f"precheck: {checked} of {calls} calls checked, none fails ({totals['warn']} warn)"

@@ -60,8 +60,21 @@ PRIVATE_ARITHMETIC = frozenset("""
     _weight_int8pack_mm _weight_int4pack_mm _weight_int4pack_mm_for_cpu
     _weight_int4pack_mm_with_scales_and_zeros _dyn_quant_matmul_4bit _mixed_dtypes_linear
 """.split())
+#: operator libraries whose ops keep their bare name (``torch.ops.aten.add`` records ``add``;
+#: torch_npu's ``npu_rms_norm``, which the precheck's built-in references know by that name)
+TORCH_NAMESPACES = frozenset({"aten", "prims", "npu"})
+
+
 def api_name(func: Callable[..., Any]) -> str | None:
-    """The recorded name of a torch callable, or None for calls that are passed through."""
+    """The recorded name of a torch callable, or None for calls that are passed through. An op of
+    another library (``torch.ops.mylib.rms_norm``, a custom kernel) is named with its namespace
+    (``mylib::rms_norm``): its bare name may be a torch function's, which computes something else."""
+    qualified = getattr(func, "_qualified_op_name", None)  # torch.ops.NS.OP
+    if qualified is None and isinstance(getattr(func, "namespace", None), str):  # torch.ops.NS.OP.overload
+        qualified = getattr(getattr(func, "_schema", None), "name", None)
+    if isinstance(qualified, str) and "::" in qualified:
+        if qualified.partition("::")[0] not in TORCH_NAMESPACES:
+            return qualified
     name = getattr(func, "__name__", None) or str(func)
     if name in PRIVATE_ARITHMETIC:
         return name

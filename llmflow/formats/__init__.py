@@ -72,7 +72,7 @@ def open_dump(path: str | Path, format: str | None = None) -> DumpReader:
         if (cls := _detected(parent, types)) is not None:
             what = "a folder" if p.is_dir() else "a file"
             raise UserError(f"{p}: {what} inside the {cls.format} dump {parent}: give the dump itself "
-                            f"(one rank of it: -r/--rank N)")
+                            "(its ranks are read from it; compare takes one rank with -r/--rank N)")
     broken = "".join(f"; format plugin {name!r} failed to import"
                      for name in broken_plugins("llmflow.formats"))
     raise UserError(f"{p}: not a dump of any known format ({', '.join(types)}), nor a folder holding one"

@@ -151,7 +151,8 @@ def test_a_folder_inside_a_dump_names_the_dump_and_the_rank_flag(tmp_path, part,
     assert done.returncode == 2 and "Traceback" not in done.stderr
     last = done.stdout.strip().splitlines()[-1]
     assert last == (f"FAILED: t/{part}: {what} inside the llmflow dump {t}: "
-                    "give the dump itself (one rank of it: -r/--rank N)")
+                    "give the dump itself (its ranks are read from it; compare takes one rank with "
+                    "-r/--rank N)")
     assert not (tmp_path / "out").exists()
     # what it says works
     done = llmflow("compare", "-gp", str(g), "-mp", "t", "-r", "0", "-o", "out", cwd=tmp_path)
