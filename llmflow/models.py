@@ -547,11 +547,31 @@ class _StopAfter:
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
+def check_context(loaded: Any, prompt_tokens: int, max_new_tokens: int, field: str) -> None:
+    """Refuse a prompt and generation longer than the model's context (``max_position_embeddings``):
+    past learned position embeddings the forward fails deep inside, past rotary ones the numbers
+    are the extrapolation's, not the port's."""
+    context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and prompt_tokens + max_new_tokens > context:
+        raise UserError(f"{field}: {prompt_tokens} prompt tokens + max_new_tokens {max_new_tokens} exceed "
+                        f"the model's context (max_position_embeddings={context})")
+
+
 @torch.no_grad()
 def greedy_generate(model: torch.nn.Module, input_ids: list[int], max_new_tokens: int,
                     eos_token_id: int | None = None, force_ids: list[int] | None = None,
                     stop_after: int | None = None) -> list[int]:
-    """Greedy decoding (do_sample=False); returns the new ids only.
+    """Greedy decoding (do_sample=False); returns the new ids only (``greedy_steps``)."""
+    return greedy_steps(model, input_ids, max_new_tokens, eos_token_id, force_ids, stop_after)[0]
+
+
+@torch.no_grad()
+def greedy_steps(model: torch.nn.Module, input_ids: list[int], max_new_tokens: int,
+                 eos_token_id: int | None = None, force_ids: list[int] | None = None,
+                 stop_after: int | None = None, keep_logits: bool = False
+                 ) -> tuple[list[int], torch.Tensor | None]:
+    """Greedy decoding (do_sample=False): the new ids, and with ``keep_logits`` the logits each step
+    chose from ([new tokens, vocab], float32 on the CPU; before ``force_ids`` overrides the choice).
 
     Hugging Face models go through ``generate`` (KV cache: one root forward per step); any other
     module through a plain loop that re-runs the whole sequence each step. Either way each step is
@@ -580,15 +600,23 @@ def greedy_generate(model: torch.nn.Module, input_ids: list[int], max_new_tokens
             from transformers import StoppingCriteriaList
 
             extra["stopping_criteria"] = StoppingCriteriaList([_StopAfter(stop_after, ids.shape[1])])
+        if keep_logits:
+            extra.update(output_logits=True, return_dict_in_generate=True)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, **extra)
-        return [int(i) for i in out[0, ids.shape[1]:].tolist()]
+        seq = out.sequences if keep_logits else out
+        kept = torch.stack([x[0].float().cpu() for x in out.logits]) if keep_logits else None
+        return [int(i) for i in seq[0, ids.shape[1]:].tolist()], kept
     new: list[int] = []
+    steps: list[torch.Tensor] = []
     for k in range(min(max_new_tokens, stop_after or max_new_tokens)):
-        nxt = int(logits_of(model(ids))[0, -1].argmax())
+        last = logits_of(model(ids))[0, -1]
+        if keep_logits:
+            steps.append(last.float().cpu())
+        nxt = int(last.argmax())
         if force_ids is not None and k < len(force_ids):
             nxt = int(force_ids[k])
         new.append(nxt)
         if eos_token_id is not None and nxt == eos_token_id:
             break
         ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
-    return new
+    return new, (torch.stack(steps) if steps else torch.zeros(0)) if keep_logits else None

@@ -46,7 +46,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
 
         settings = apply_settings(settings)
     from llmflow.dump.run import dump_run
-    from llmflow.models import encode_prompt, load_model
+    from llmflow.models import check_context, encode_prompt, load_model
     from llmflow.models import log as models_log
 
     models_log.addHandler(_PhaseLines())
@@ -63,10 +63,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     if not input_ids:
         raise UserError(f"{field}: no tokens to run")
     max_new = int(args.get("max_new_tokens", 20))
-    context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
-    if isinstance(context, int) and len(input_ids) + max_new > context:
-        raise UserError(f"{field}: {len(input_ids)} prompt tokens + max_new_tokens {max_new} exceed the "
-                        f"model's context (max_position_embeddings={context})")
+    check_context(loaded, len(input_ids), max_new, field)
     vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
     if isinstance(vocab, int) and any(not 0 <= i < vocab for i in input_ids):
         raise UserError(f"{field}: token ids must be in [0, {vocab}) for this model")

@@ -1,11 +1,15 @@
 """Bad-case search: which prompts does the target get most wrong? (no dump involved)
 
-Each prompt runs greedily on both sides (one at a time, as the dump stages run it), then both
-models score the golden continuations in batches with left padding. Two measures per prompt:
+Each prompt runs greedily on both sides, alone and through the model's own decoding loop (prefill,
+then one token at a time against the KV cache), as the dump stages run it: no padding, no batch,
+so every forward call has the shapes, and the kernels, the dump stages will then see. Then the
+target runs once more on the golden's continuation (teacher forcing through that same loop). Two
+measures per prompt:
   first_mismatch_token: the first generated step whose token differs (what a user sees);
   max_kl: the largest KL(golden || target) of the next-token distributions over the golden's
-    continuation, both models teacher-forced on the same (golden) text, so every step compares
-    the same context even after the generated texts part ways.
+    continuation, both on the same (golden) text, so every step compares the same context even
+    after the generated texts part ways, and a decode-path fault (the kernel that attends one new
+    token to the cache) counts as much as a prefill one.
 Prompts are ranked by max_kl, worst first; the worst one is what a bisect should run on.
 """
 
@@ -49,24 +53,6 @@ def load_prompts(prompts: list[str] | str, base: Path) -> list[str]:
     return out
 
 
-def _pad_id(tokenizer: Any) -> int:
-    for attr in ("pad_token_id", "eos_token_id"):
-        v = getattr(tokenizer, attr, None)
-        if isinstance(v, int):
-            return v
-    return 0
-
-
-def _left_pad(seqs: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = 1
-    return ids.to(device), mask.to(device)
-
-
 def _cut(ids: list[int], eos: Any) -> list[int]:
     stops = set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
     for i, t in enumerate(ids):
@@ -76,80 +62,52 @@ def _cut(ids: list[int], eos: Any) -> list[int]:
 
 
 @torch.no_grad()
-def generate_batch(loaded: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations, one prompt at a time (cut after EOS).
+def score_prompt(golden: Any, target: Any, prompt: list[int], max_new_tokens: int) -> dict[str, Any]:
+    """One prompt's row (without rank): both sides' greedy text, and the target's logits along the
+    golden's continuation against the golden's own."""
+    from llmflow.models import greedy_steps
 
-    Not batched on purpose: left padding and a batch dimension change the kernels' shapes and so
-    the low-precision rounding (seen on SmolLM2 bf16: the batched target kept the golden's text
-    where the unbatched one, like the dump stage's run, differs at token 8). The first mismatch
-    reported here must be the one the dump stages will then see. The scoring pass is batched.
-    """
-    from llmflow.models import greedy_generate
-
-    eos = getattr(loaded.tokenizer, "eos_token_id", None)
-    return [_cut(greedy_generate(loaded.model, p, max_new_tokens, eos_token_id=eos), eos) for p in prompts]
-
-
-@torch.no_grad()
-def teacher_forced_logits(loaded: Any, seqs: list[list[int]]) -> torch.Tensor:
-    """Logits [batch, width, vocab] (float32, CPU) of left-padded sequences, positions from the mask."""
-    from llmflow.models import logits_of
-
-    ids, mask = _left_pad(seqs, _pad_id(loaded.tokenizer), loaded.device)
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    try:
-        out = loaded.model(input_ids=ids, attention_mask=mask, position_ids=pos)
-    except TypeError:  # a plain module without HF keyword arguments: no padding support
-        out = loaded.model(ids)
-    return logits_of(out).float().cpu()
-
-
-def score_batch(golden: Any, target: Any, prompts: list[list[int]],
-                max_new_tokens: int) -> list[dict[str, Any]]:
-    """Rows (without rank) for one batch of encoded prompts."""
-    g_new = generate_batch(golden, prompts, max_new_tokens)
-    t_new = generate_batch(target, prompts, max_new_tokens)
-    seqs = [p + g for p, g in zip(prompts, g_new, strict=True)]
-    g_logits, t_logits = teacher_forced_logits(golden, seqs), teacher_forced_logits(target, seqs)
-    width = g_logits.shape[1]
-    rows = []
-    for i, (p, g, t) in enumerate(zip(prompts, g_new, t_new, strict=True)):
-        if not g:
-            kls: list[float] = []
-        else:
-            # position j (unpadded) predicts token j+1; generated token k sits at len(p)+k
-            start = width - len(seqs[i]) + len(p) - 1
-            gl = torch.log_softmax(g_logits[i, start:start + len(g)].double(), -1)
-            tl = torch.log_softmax(t_logits[i, start:start + len(g)].double(), -1)
-            kls = (gl.exp() * (gl - tl)).sum(-1).clamp_min(0).tolist()
-        flip = next((k for k in range(len(g)) if int(tl[k].argmax()) != g[k]), None) if g else None
-        rows.append({"first_mismatch_token": first_mismatch(g, t),
-                     "first_flip_teacher_forced": flip,
-                     "max_kl": max(kls) if kls else 0.0,
-                     "max_kl_step": int(max(range(len(kls)), key=kls.__getitem__)) if kls else None,
-                     "mean_kl": sum(kls) / len(kls) if kls else 0.0,
-                     "golden_ids": g, "target_ids": t})
-    return rows
+    g_eos = getattr(golden.tokenizer, "eos_token_id", None)
+    t_eos = getattr(target.tokenizer, "eos_token_id", None)
+    g_all, g_logits = greedy_steps(golden.model, prompt, max_new_tokens, eos_token_id=g_eos, keep_logits=True)
+    g = _cut(g_all, g_eos)
+    t = _cut(greedy_steps(target.model, prompt, max_new_tokens, eos_token_id=t_eos)[0], t_eos)
+    kls: list[float] = []
+    flip = None
+    if g:
+        _, t_logits = greedy_steps(target.model, prompt, max_new_tokens, eos_token_id=t_eos, force_ids=g,
+                                   stop_after=len(g), keep_logits=True)
+        n = min(len(g), g_logits.shape[0], t_logits.shape[0])  # type: ignore[union-attr]
+        gl = torch.log_softmax(g_logits[:n].double(), -1)  # type: ignore[index]
+        tl = torch.log_softmax(t_logits[:n].double(), -1)  # type: ignore[index]
+        kls = (gl.exp() * (gl - tl)).sum(-1).clamp_min(0).tolist()
+        flip = next((k for k in range(n) if int(tl[k].argmax()) != g[k]), None)
+    return {"first_mismatch_token": first_mismatch(g, t),
+            "first_flip_teacher_forced": flip,
+            "max_kl": max(kls) if kls else 0.0,
+            "max_kl_step": int(max(range(len(kls)), key=kls.__getitem__)) if kls else None,
+            "mean_kl": sum(kls) / len(kls) if kls else 0.0,
+            "golden_ids": g, "target_ids": t}
 
 
-def run_badcase(golden: Any, target: Any, prompts: list[str], *, max_new_tokens: int, batch_size: int,
+def run_badcase(golden: Any, target: Any, prompts: list[str], *, max_new_tokens: int,
                 chat_template: bool = True,
                 advance: Callable[[float], None] | None = None) -> list[dict[str, Any]]:
     """Score every prompt; rows ranked worst first (max_kl descending, then earliest mismatch)."""
-    from llmflow.models import encode_prompt
+    from llmflow.models import check_context, encode_prompt
 
+    encoded = [encode_prompt(golden.tokenizer, p, chat_template) for p in prompts]
+    for i, ids in enumerate(encoded):  # every prompt before the first runs: a long one is bad input
+        for side in (golden, target):
+            check_context(side, len(ids), max_new_tokens, f"badcase: prompt {i + 1} of {len(prompts)}")
     rows: list[dict[str, Any]] = []
-    batched = hasattr(golden.model, "generate") and hasattr(target.model, "generate")
-    size = batch_size if batched else 1
-    for start in range(0, len(prompts), size):
-        chunk = prompts[start:start + size]
-        encoded = [encode_prompt(golden.tokenizer, p, chat_template) for p in chunk]
-        for prompt, row in zip(chunk, score_batch(golden, target, encoded, max_new_tokens), strict=True):
-            dec = golden.tokenizer.decode
-            rows.append({"prompt": prompt, **row, "golden_text": dec(row["golden_ids"]),
-                         "target_text": dec(row["target_ids"])})
+    for prompt, ids in zip(prompts, encoded, strict=True):
+        row = score_prompt(golden, target, ids, max_new_tokens)
+        dec = golden.tokenizer.decode
+        rows.append({"prompt": prompt, **row, "golden_text": dec(row["golden_ids"]),
+                     "target_text": dec(row["target_ids"])})
         if advance is not None:
-            advance(len(chunk))
+            advance(1)
     big = 1 << 30
     rows.sort(key=lambda r: (-r["max_kl"], r["first_mismatch_token"] if r["first_mismatch_token"]
                              is not None else big))

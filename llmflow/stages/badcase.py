@@ -1,8 +1,8 @@
 """The ``badcase`` stage: rank prompts by how far the target's output drifts from the golden's.
 
-A thin adapter over ``llmflow.localize.badcase``: loads both models, scores every prompt (batched,
-with a progress bar), writes ``ranking.json`` and puts the top of the ranking in summary.json
-(key ``badcase``). No dump is written; feed ``worst_prompt`` to a bisect workflow.
+A thin adapter over ``llmflow.localize.badcase``: loads both models, scores every prompt (one at a
+time, as the dump stages run it, with a progress bar), writes ``ranking.json`` and puts the top of
+the ranking in summary.json (key ``badcase``). No dump is written; feed ``worst_prompt`` to a bisect workflow.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class BadcaseStage(Stage):
     """Run many prompts on golden and target (no dump) and rank them by logits divergence."""
 
     type: ClassVar[str] = "badcase"
-    version: ClassVar[str] = "2"
+    version: ClassVar[str] = "3"
     params_schema: ClassVar[dict[str, Any]] = {
         "type": "object",
         "additionalProperties": False,
@@ -49,7 +49,9 @@ class BadcaseStage(Stage):
             "max_new_tokens": {"type": "integer", "minimum": 1, "default": 20,
                                "description": "Tokens generated per prompt (greedy)."},
             "batch_size": {"type": "integer", "minimum": 1, "default": 8,
-                           "description": "Prompts per batch (left padding)."},
+                           "description": "Not used: every prompt is scored alone, as the dump stages run "
+                                          "it (padding and a batch change the kernels' rounding); accepted "
+                                          "so recipes that set it still load."},
             "chat_template": {"type": "boolean", "default": True,
                               "description": "Wrap prompts in the tokenizer's chat template."},
         },
@@ -72,7 +74,7 @@ class BadcaseStage(Stage):
                   for side in ("golden", "target")}
         task = ctx.task(f"{ctx.stage_id}: {len(prompts)} prompts", total=len(prompts))
         rows = run_badcase(loaded["golden"], loaded["target"], prompts, max_new_tokens=p["max_new_tokens"],
-                           batch_size=p["batch_size"], chat_template=p["chat_template"], advance=task.advance)
+                           chat_template=p["chat_template"], advance=task.advance)
         path = ctx.out_dir / "ranking.json"
         path.write_text(json.dumps(ctx.redact(rows), indent=1), encoding="utf-8")
         keep = ("rank", "prompt", "first_mismatch_token", "max_kl", "max_kl_step")

@@ -73,7 +73,7 @@ def test_badcase_ranks_prompts_by_divergence(tmp_path):
     prompts.write_text("\n".join(lines))
     params = {"golden_model": "tiny-llama:layers=2", "target_model": "tiny-llama:layers=2",
               "target_patch": "../plugins/example_faults.py:wrong_act_layer_1", "prompts": str(prompts),
-              "max_new_tokens": 5, "batch_size": 2}
+              "max_new_tokens": 5}
     ctx = _ctx(tmp_path, params)
     out = BadcaseStage().run(ctx)
     rows = json.loads(Path(out["ranking_file"]).read_text())
@@ -83,18 +83,52 @@ def test_badcase_ranks_prompts_by_divergence(tmp_path):
     assert len(rows[0]["golden_ids"]) == 5
 
 
-def test_badcase_batched_matches_unbatched_on_fp32():
+# init=0.3: peaked logits, so a fault moves the KL (at the default init every KL is ~1e-6)
+PEAKED = "tiny-llama:layers=4,hidden=64,init=0.3,seed=0"
+PROMPTS = ["What is 2+2?", "Hi", "Tell me about France and its history in detail, please, all of it."]
+
+
+def _max_kl(patch: str | None) -> dict[str, float]:
     from llmflow.localize.badcase import run_badcase
     from llmflow.models import load_model
 
-    g = load_model("tiny-llama:layers=2")
-    t = load_model("tiny-llama:layers=2")
-    prompts = ["one", "a longer second prompt", "3"]
-    batched = {r["prompt"]: r for r in run_badcase(g, t, prompts, max_new_tokens=4, batch_size=3)}
-    single = {r["prompt"]: r for r in run_badcase(g, t, prompts, max_new_tokens=4, batch_size=1)}
-    for p in prompts:  # left padding must not change what is generated
-        assert batched[p]["golden_ids"] == single[p]["golden_ids"]
-        assert batched[p]["first_mismatch_token"] is None and batched[p]["max_kl"] < 1e-6
+    g = load_model(PEAKED)
+    t = load_model(PEAKED, dtype="bfloat16", patch=patch, base_dir=Path(__file__).resolve().parents[2])
+    return {r["prompt"]: r["max_kl"] for r in run_badcase(g, t, PROMPTS, max_new_tokens=6)}
+
+
+def test_badcase_sees_a_fault_on_the_decode_path():
+    """Scored through the decoding loop (prefill, then one token against the KV cache): a fault in
+    the decode kernel alone raises every prompt's KL far above the clean port's."""
+    clean = _max_kl(None)
+    decode = _max_kl("plugins/example_faults.py:decode_attn_scale_layer_2")
+    assert all(decode[p] > 10 * clean[p] for p in PROMPTS), (clean, decode)
+
+
+def test_badcase_blames_only_the_prompts_a_shape_dependent_fault_touches(tmp_path):
+    """A kernel that goes wrong on calls longer than 30 positions: each prompt scored alone, the
+    short prompts keep the clean port's KL (padding them to the long one's width would not)."""
+    (tmp_path / "long_path.py").write_text(
+        "def patch(model):\n"
+        "    model.model.layers[1].mlp.register_forward_hook(\n"
+        "        lambda m, a, out: out * 0.5 if out.shape[-2] > 30 else None)\n")
+    clean, faulty = _max_kl(None), _max_kl(f"{tmp_path / 'long_path.py'}:patch")
+    long_prompt = PROMPTS[2]
+    assert faulty[long_prompt] > 10 * clean[long_prompt], (clean, faulty)
+    for p in PROMPTS[:2]:
+        assert faulty[p] == pytest.approx(clean[p], rel=1e-6), (p, clean, faulty)
+
+
+def test_a_prompt_past_learned_positions_is_bad_input_before_any_runs():
+    from llmflow.localize.badcase import run_badcase
+    from llmflow.models import load_model
+
+    gpt2 = load_model("tiny-gpt2:layers=2,hidden=64,seed=0")
+    limit = gpt2.model.config.n_positions
+    said = rf"badcase: prompt 2 of 2: \d+ prompt tokens \+ max_new_tokens 4 exceed the model's context " \
+           rf"\(max_position_embeddings={limit}\)"
+    with pytest.raises(UserError, match=said):
+        run_badcase(gpt2, gpt2, ["short", "x" * (limit + 10)], max_new_tokens=4)
 
 
 def test_the_bisect_reads_the_compares_first_failing_row_and_whether_it_passed():
