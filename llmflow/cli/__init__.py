@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         errors = getattr(exc, "errors", None)
         for line in errors if errors else [exc]:
             print(one_line(line) if errors else f"error: {one_line(line)}", file=sys.stderr)
-        reason = f"{len(errors)} problem(s) in the workflow" if errors else one_line(exc)
+        reason = one_line(exc) if not errors else one_line(errors[0]) if len(errors) == 1 else \
+            f"{len(errors)} problem(s) in the workflow, first: {one_line(errors[0])}"
         print(f"FAILED: {reason}", flush=True)
         return EXIT_BAD_INPUT

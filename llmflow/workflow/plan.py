@@ -119,10 +119,23 @@ def plan_stage(checked: Checked, sel: Selection, sid: str, states: dict[str, Sta
     yet, so neither is this stage's key)."""
     state = read_state(run_dir / sid)
     if sid not in sel.selected:
-        return Decision("skip", "not selected (--only)", state, None)
+        stale = None if upstream_runs else stale_reason(checked, sid, states, run_dir, state)
+        said = "not selected (--only)" + (f"; its result is stale: {stale}" if stale else "")
+        return Decision("skip", said, state, None)
     key = None if upstream_runs else stage_key(checked, sid, states, run_dir)
     run, reason = decide(state, key, run_dir / sid, sid in sel.forced, sid in failed_before)
     return Decision("run" if run else "cached", reason, state, key)
+
+
+def stale_reason(checked: Checked, sid: str, states: dict[str, StageState], run_dir: Path,
+                 state: StageState | None) -> str | None:
+    """Why the completed result of a stage left out by ``--only`` would be redone by a full run
+    (its parameters, code or inputs changed since), or None: it is current, there is none, or a
+    stage it needs has no result in use to say."""
+    if state is None or any(dep not in states for dep in checked.workflow.stages[sid].needs):
+        return None
+    run, why = decide(state, stage_key(checked, sid, states, run_dir), run_dir / sid, False, False)
+    return why if run else None
 
 
 def decide(

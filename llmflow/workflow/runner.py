@@ -40,6 +40,7 @@ from llmflow.workflow.plan import (
     prepare,
     previous_failures,
     select,
+    stale_reason,
 )
 from llmflow.workflow.progress import Reporter
 from llmflow.workflow.registry import written_outside
@@ -83,7 +84,9 @@ class _Run:
             if sid not in self.sel.selected:  # left out by --only: its previous result, if any, is used
                 state = st.read_state(self.run_dir / sid)
                 if state is not None:
-                    self._use_state(sid, state, "not selected, previous result")
+                    stale = stale_reason(self.checked, sid, self.states, self.run_dir, state)
+                    self._use_state(sid, state, "not selected, previous result" + (
+                        f"; STALE ({stale}): run without --only to redo it" if stale else ""))
         self.summary.write("running")
         while True:
             progressed = self._launch_ready()

@@ -46,6 +46,7 @@ class Checked:
     classes: dict[str, type[Stage]] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     errors: list[ValidationError] = field(default_factory=list)
+    given: set[str] = field(default_factory=set)  # the params given with --set
     #: redacts what the run writes: the values of ``${env.X}`` references with a secret name X
     redact: Redactor = field(default_factory=Redactor)
 
@@ -138,6 +139,26 @@ def _check_params(wf: Workflow, set_params: SetParams, checked: Checked) -> None
         if wf.params[name].get("format") == "path":
             value = path_from_current_dir(value, wf.directory)
         checked.params[name] = value
+        checked.given.add(name)
+
+
+def _check_paths(wf: Workflow, checked: Checked) -> None:
+    """Before a run: every ``format: path`` param names something (found now, not by a stage after
+    the stages before it ran: a golden dump takes hours). Not for ``validate``: a recipe is checked
+    on one machine and run where its dumps and models are."""
+    for name, value in checked.params.items():
+        if wf.params.get(name, {}).get("format") != "path" or not isinstance(value, str):
+            continue
+        if not value.strip() or _is_a_name(value):  # (empty: none; smollm2, tiny-llama, a mapping's)
+            continue
+        text = value.rpartition(":")[0] if is_file_ref(value) else value
+        path = Path(text).expanduser()
+        if (wf.directory / path).exists():  # (an absolute path, or a relative one only the workflow's
+            continue  # folder holds, kept as typed by path_from_current_dir)
+        about = str(wf.params[name].get("description", "")).split(";")[0].split(". ")[0][:120]
+        said = f"param {name}: no such file or folder {os.path.abspath(path)}"
+        mark = None if name in checked.given else wf.key_mark("params", name)
+        checked.errors.append(ValidationError(said + (f" ({about})" if about else ""), mark))
 
 
 def path_from_current_dir(value: Any, workflow_dir: Path) -> Any:
@@ -312,6 +333,7 @@ def check(
     checked = Checked(wf)
     _check_params(wf, set_params, checked)
     if runtime:
+        _check_paths(wf, checked)
         for name in wf.params:
             if name not in checked.params:
                 checked.errors.append(

@@ -44,14 +44,14 @@ def test_a_missing_dump_is_bad_input_naming_it(tmp_path):
 
 def test_a_missing_dump_is_named_where_the_user_meant_it(tmp_path):
     """Not found in the current directory nor beside the shipped workflow: the message names the
-    current directory's path, the one the user typed, not one inside the package."""
+    current directory's path, the one the user typed, not one inside the package, before any stage
+    runs."""
     as_dump(tmp_path, "npu_dump")
     proc = llmflow("run", "compare_dumps", "--set", "golden_dump=nope", "--set", "target_dump=npu_dump",
                    "--run-dir", "cmp", cwd=tmp_path)
-    last = assert_bad_input(proc, f"{tmp_path / 'nope'}: no such dump")
+    last = assert_bad_input(proc, f"param golden_dump: no such file or folder {tmp_path / 'nope'}")
     assert "workflows" not in last, last
-    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
-    assert summary["params"]["golden_dump"] == str(tmp_path / "nope")
+    assert not (tmp_path / "cmp").exists()  # found before the run: no run dir, no stage ran
 
 
 def test_a_missing_path_in_a_subfolder_is_named_where_the_user_meant_it(tmp_path):
@@ -59,7 +59,7 @@ def test_a_missing_path_in_a_subfolder_is_named_where_the_user_meant_it(tmp_path
     as_dump(tmp_path / "dumps", "npu_dump")
     proc = llmflow("run", "compare_dumps", "--set", "golden_dump=dumps/gpu_dump",
                    "--set", "target_dump=dumps/npu_dump", "--run-dir", "cmp", cwd=tmp_path)
-    assert_bad_input(proc, f"{tmp_path / 'dumps' / 'gpu_dump'}: no such dump")
+    assert_bad_input(proc, f"param golden_dump: no such file or folder {tmp_path / 'dumps' / 'gpu_dump'}")
 
 
 def test_badcase_reads_the_prompts_file_the_workflow_header_shows(tmp_path):
@@ -119,3 +119,34 @@ def test_a_path_only_the_workflow_directory_holds_is_kept_as_typed(tmp_path, mon
 def test_a_path_found_nowhere_is_read_from_the_current_directory(tmp_path, monkeypatch, value):
     monkeypatch.chdir(tmp_path)
     assert path_from_current_dir(value, tmp_path / "flows") == f"{tmp_path}/{value}"
+
+
+def test_a_missing_patch_is_bad_input_before_the_golden_dump_runs(tmp_path):
+    """A path param is checked before the run: a target patch that names nothing fails before the
+    golden dump (hours on a real model) runs; a prompt typed where a prompts file goes is named as
+    the missing file it is read as, with what the param takes."""
+    proc = llmflow("run", "llama2_bisect", "--set", f"golden_model={TINY}", "--set", f"target_model={TINY}",
+                   "--set", "target_patch=nofile.py:f", "--run-dir", "run", cwd=tmp_path)
+    assert_bad_input(proc, f"param target_patch: no such file or folder {tmp_path / 'nofile.py'}")
+    assert not (tmp_path / "run").exists()
+    proc = llmflow("run", "badcase_bisect", "--set", "prompts=What is 2+2?", "--run-dir", "run", cwd=tmp_path)
+    assert_bad_input(proc, "param prompts: no such file or folder", "a list, or a JSONL file")
+    assert not (tmp_path / "run").exists()
+    # validate checks a recipe where its files need not be (they are where it runs)
+    proc = llmflow("validate", "llama2_bisect", "--set", "target_patch=nofile.py:f", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_only_says_which_results_it_keeps_are_stale(tmp_path):
+    """``--only bisect`` after a parameter the dumps depend on changed: the dumps' previous results
+    are used as they are, and the run and the plan say they are stale and how to redo them."""
+    sets = ["--set", f"golden_model={TINY}", "--set", f"target_model={TINY}", "--run-dir", "run"]
+    first = llmflow("run", "llama2_bisect", *sets, "--set", "max_new_tokens=3", cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    only = ["--set", "max_new_tokens=2", "--only", "bisect"]
+    again = llmflow("run", "llama2_bisect", *sets, *only, cwd=tmp_path)
+    stale = [ln for ln in again.stdout.splitlines() if "STALE (parameters changed)" in ln]
+    assert {ln.split("] ")[-1].split(":")[0] for ln in stale} == {"dump-golden", "dump-npu"}, again.stdout
+    assert all("run without --only to redo it" in ln for ln in stale)
+    plan = llmflow("plan", "llama2_bisect", *sets, *only, cwd=tmp_path)
+    assert "its result is stale" in plan.stdout, plan.stdout

@@ -89,7 +89,8 @@ def test_invalid_workflow_in_run_exit_2_lists_errors(tmp_path, capsys, monkeypat
         "wf.yaml:3:13: stage 'x': unknown stage type 'sede' (did you mean 'seed'?)",
         "wf.yaml:4:27: stage 'y' needs unknown stage 'z' (known: x, y)",
     ]
-    assert out.splitlines()[-1] == "FAILED: 2 problem(s) in the workflow"
+    assert out.splitlines()[-1] == ("FAILED: 2 problem(s) in the workflow, first: wf.yaml:3:13: stage 'x': "
+                                    "unknown stage type 'sede' (did you mean 'seed'?)")
 
 
 def test_lock_held_exit_2(tmp_path, capsys):
