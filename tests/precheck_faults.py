@@ -19,6 +19,8 @@ way: it hands itself to the active torch function modes, so the dump records one
   same result in exact arithmetic; overflow-prone, ill-conditioned inputs), torch's softmax.
 * ``naive_softmax``: the same, through an fp16 softmax kernel without max-subtraction (exp
   overflows above ~11).
+* ``ops_softmax``: layer 1's attention softmax written from torch ops (exp, sum, div) without
+  the max-subtraction, its inputs shifted by +20: exp overflows float16 itself (not a kernel's fault).
 * ``custom_norm``: every RMSNorm is a custom kernel ``my_rms_norm`` (correct), which torch does
   not know: the precheck needs ``my_rms_norm_reference`` registered.
 * ``operator_model`` (a model, not a patch): Python operators with a number on either side and
@@ -156,6 +158,30 @@ def _shift_softmax(model: nn.Module, naive: bool) -> None:
         with _ShiftedSoftmax(naive):
             return forward(*args, **kwargs)
     attn.forward = shifted
+
+
+class _OpsSoftmax(TorchFunctionMode):
+    """A softmax written from torch ops (exp, sum, div) without the max-subtraction, on inputs
+    shifted by +20: exp overflows float16 (not float64) where the dtype itself cannot hold it."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") != "softmax":
+            return func(*args, **kwargs)
+        dim, dtype = kwargs.get("dim", args[1] if len(args) > 1 else -1), kwargs.get("dtype")
+        e = torch.exp(args[0] + 20.0)
+        return (e / e.sum(dim=dim, keepdim=True)).to(dtype or args[0].dtype)
+
+
+def ops_softmax(model: nn.Module) -> None:
+    model.config._attn_implementation = "eager"
+    attn = model.model.layers[FAULT_LAYER].self_attn
+    forward = attn.forward
+
+    def from_ops(*args: Any, **kwargs: Any) -> Any:
+        with _OpsSoftmax():
+            return forward(*args, **kwargs)
+    attn.forward = from_ops
 
 
 def shifted_softmax(model: nn.Module) -> None:

@@ -250,6 +250,10 @@ def _errors(ref: _Reference, out: torch.Tensor, small: float, atol: float) -> di
             "bad": bad}
 
 
+#: a warning row's words for an output the dtype itself cannot hold
+OVERFLOWS = "overflows here"
+
+
 def judge_output(target: torch.Tensor, bench: torch.Tensor | None, ref: torch.Tensor, *,
                  fail_ratio: float = DEFAULT_FAIL_RATIO, warn_ratio: float = DEFAULT_WARN_RATIO) -> Judged:
     """The target's output against the reference, relative to the benchmark (module docstring).
@@ -297,6 +301,10 @@ def judge_output(target: torch.Tensor, bench: torch.Tensor | None, ref: torch.Te
     if u < 1e-3 and thousandth < 0.999 <= b_thousandth:
         reasons.append(f"thousandth ratio {thousandth:.4f} < 0.999 (benchmark {b_thousandth:.4f})")
     status = "fail" if reasons else "warn" if ratio > warn_ratio else "pass"
+    if not reasons and t["bad"] > 0:  # faithful to the dtype, which itself overflows here: said, not failed
+        status = "warn"
+        reasons.append(f"{t['bad']} NaN/Inf elements where the float64 result is finite: {dtype_name(dtype)} "
+                       f"{OVERFLOWS} (the benchmark in the same dtype does too)")
     numbers = {"error": err, "benchmark_error": b_err, "max_abs_error": max_err,
                "benchmark_max_abs_error": b_max, "small_value_err_ratio": t_small,
                "one_thousandth_err_ratio": thousandth}
@@ -528,6 +536,11 @@ def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
     else:
         status = "pass"
         headline = f"precheck: {checked} of {calls} calls checked, none fails ({totals['warn']} warn)"
+        overflows = [r for r in rows if r["status"] == "warn" and OVERFLOWS in str(r["reason"])]
+        if overflows:  # (a range problem of the dtype, not a kernel's: what the user must hear of first)
+            first = min(overflows, key=lambda r: (r.get("rank") or 0, r.get("step") or 0,
+                                                  r.get("order") or 0))
+            headline += f"; first {call_label(first)} (step {first['step']}) overflows {first['dtype']}"
     if perturbed and status != "fail":
         headline += (f"; perturbation flags {len(perturbed)} ill-conditioned calls, first "
                      f"{perturbed[0]}")

@@ -107,7 +107,7 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("precheck")
     out = {}
     for name, patch in (("naive", pf.naive_softmax), ("shifted", pf.shifted_softmax),
-                        ("norm", pf.custom_norm)):
+                        ("norm", pf.custom_norm), ("ops", pf.ops_softmax)):
         out[name] = real_dump(tmp, dtype="float16", patch=patch, mode="api", new_tokens=1,
                               dump_weight=True, name=name)
     out["stats"] = real_dump(tmp, dtype="bfloat16", mode="api", new_tokens=1, data_mode="statistics",
@@ -152,6 +152,19 @@ def test_a_call_name_from_a_hostile_dump_stays_text_in_its_repro_script(tmp_path
                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert fresh.returncode == 1 and "REPRODUCED" in fresh.stdout, fresh.stdout + fresh.stderr
     assert not (tmp_path / "pwned").exists()
+
+
+def test_an_op_that_overflows_its_dtype_is_a_warning_named_in_the_last_line(tmp_path, dumps):
+    """exp of inputs past float16's range gives Inf in the dump and in the float16 benchmark alike
+    (faithful to the dtype, so no fail), where float64 is finite: a warning, named, never silent."""
+    proc = llmflow("precheck", str(dumps["ops"]), "-o", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    with open(tmp_path / "out" / "precheck.csv", newline="", encoding="utf-8") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["api"] == "exp"]
+    assert rows and all(r["status"] == "warn" and "float16 overflows here" in r["reason"] for r in rows), rows
+    last = last_line(proc)
+    assert last.startswith("PASSED") and "model.layers.1.self_attn/exp.0" in last, last
+    assert "overflows float16" in last, last
 
 
 def test_perturbation_flags_the_overflow_prone_softmax(tmp_path, dumps):
