@@ -30,6 +30,7 @@ way: it hands itself to the active torch function modes, so the dump records one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,6 +67,16 @@ def lossy_silu(model: nn.Module) -> None:
     model.model.layers[FAULT_LAYER].mlp.act_fn = _LossySiLU()
 
 
+def _forward_under(module: nn.Module, mode: Callable[[], TorchFunctionMode]) -> None:
+    """``module``'s forward runs with a fresh ``mode()`` answering its torch calls."""
+    forward = module.forward
+
+    def under(*args: Any, **kwargs: Any) -> Any:
+        with mode():
+            return forward(*args, **kwargs)
+    module.forward = under
+
+
 class _SiluAnswers(TorchFunctionMode):
     """Every ``silu`` under this mode is computed by the lossy kernel."""
 
@@ -77,13 +88,7 @@ class _SiluAnswers(TorchFunctionMode):
 
 
 def lossy_torch_silu(model: nn.Module) -> None:
-    act = model.model.layers[FAULT_LAYER].mlp.act_fn
-    forward = act.forward
-
-    def lossy(*args: Any, **kwargs: Any) -> Any:
-        with _SiluAnswers():
-            return forward(*args, **kwargs)
-    act.forward = lossy
+    _forward_under(model.model.layers[FAULT_LAYER].mlp.act_fn, _SiluAnswers)
 
 
 def _rms_norm_without_eps(x: torch.Tensor, normalized_shape: tuple[int, ...],
@@ -151,13 +156,7 @@ class _ShiftedSoftmax(TorchFunctionMode):
 
 def _shift_softmax(model: nn.Module, naive: bool) -> None:
     model.config._attn_implementation = "eager"
-    attn = model.model.layers[FAULT_LAYER].self_attn
-    forward = attn.forward
-
-    def shifted(*args: Any, **kwargs: Any) -> Any:
-        with _ShiftedSoftmax(naive):
-            return forward(*args, **kwargs)
-    attn.forward = shifted
+    _forward_under(model.model.layers[FAULT_LAYER].self_attn, lambda: _ShiftedSoftmax(naive))
 
 
 class _OpsSoftmax(TorchFunctionMode):
@@ -175,13 +174,7 @@ class _OpsSoftmax(TorchFunctionMode):
 
 def ops_softmax(model: nn.Module) -> None:
     model.config._attn_implementation = "eager"
-    attn = model.model.layers[FAULT_LAYER].self_attn
-    forward = attn.forward
-
-    def from_ops(*args: Any, **kwargs: Any) -> Any:
-        with _OpsSoftmax():
-            return forward(*args, **kwargs)
-    attn.forward = from_ops
+    _forward_under(model.model.layers[FAULT_LAYER].self_attn, _OpsSoftmax)
 
 
 def shifted_softmax(model: nn.Module) -> None:
@@ -233,13 +226,7 @@ class _TopkAnswers(TorchFunctionMode):
 
 def coarse_router_topk(model: nn.Module) -> None:
     """Layer 1's mixture-of-experts block picks its experts with the coarse top-k kernel."""
-    block = model.model.layers[FAULT_LAYER].mlp
-    forward = block.forward
-
-    def coarse(*args: Any, **kwargs: Any) -> Any:
-        with _TopkAnswers():
-            return forward(*args, **kwargs)
-    block.forward = coarse
+    _forward_under(model.model.layers[FAULT_LAYER].mlp, _TopkAnswers)
 
 
 def _sort_with_swapped_indices(x: torch.Tensor, dim: int = -1, descending: bool = False,
