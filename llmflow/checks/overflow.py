@@ -155,8 +155,19 @@ def analyse_step(flagged: list[Flagged], step: int, rank: int) -> dict[str, Any]
             continue
         clean_in = [c for c in bad if c.worst(c.inputs) not in kinds]
         # no call turned clean into bad: the values were bad before the first dumped call
-        out[key] = _event(clean_in[0] if clean_in else bad[0], step, rank, kinds)
-        if not clean_in:
+        origin = clean_in[0] if clean_in else bad[0]
+        inner = next((c for c in bad if c.name.startswith(origin.name + "/")), None)
+        out[key] = _event(inner or origin, step, rank, kinds)
+        if inner is not None and inner.worst(inner.inputs) in kinds:
+            # the module's own inputs are clean, yet an op inside it is handed bad values no dumped
+            # call made: a tensor of the module's own, a weight above all (one cast to a lower dtype)
+            held = min((f for f in inner.inputs if f.flag in kinds), key=lambda f: f.entry.order)
+            out[key]["note"] = (f"its input {held.entry.index} already holds {held.flag} values, which no "
+                                f"dumped call made while {origin.name}'s own inputs are clean: a tensor "
+                                f"of the module's own, such as a weight that overflowed when cast to "
+                                f"{held.entry.dtype}")
+            out[key]["held_input"] = held.entry.index
+        elif not clean_in:
             out[key]["note"] = "inputs already non-finite: produced before the first dumped call"
     first_nan = next((i for i, c in enumerate(calls) if c.worst(c.outputs) == "nan"), None)
     if first_nan is not None:

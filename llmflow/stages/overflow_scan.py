@@ -59,6 +59,9 @@ class OverflowScanStage(Stage):
         first = result["first_origin"]
         where = (f"first {first['kind']} at {first['name']} (step {first['step']}, rank {first['rank']})"
                  if first else "no Inf, NaN or near-max value")
+        if first and first.get("held_input") is not None:  # (checks/overflow.analyse_step)
+            where += (f", whose input {first['held_input']} held Inf/NaN on entry: a tensor of the module's "
+                      "own, such as a weight that overflowed when cast to a lower dtype")
         ctx.log(f"{ctx.stage_id}: {result['anomalies']} flagged entries; {where}")
         c = result["counts"]
         problems = reader.problems()

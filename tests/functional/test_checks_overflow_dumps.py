@@ -150,3 +150,31 @@ def test_steps_the_dump_does_not_hold_scan_nothing_and_say_so(tmp_path):
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert "no tensor entries to scan in the steps and ranks asked for" in last, last
+
+
+def test_an_expert_weight_that_overflowed_on_the_cast_is_named_at_its_op(tmp_path):
+    """A Mixtral expert's weights past float16's range: cast to fp16 they are Inf, so the experts'
+    grouped matmul makes NaN from clean hidden states. With module and API records (mode all) the
+    op is named, not the experts module around it, and the last line says its weight input held
+    Inf on entry: the user's way, ``llmflow run overflow_hunt`` with a patch file."""
+    import os
+    import subprocess
+
+    from path_helpers import checkout_path
+
+    (tmp_path / "big_expert.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'plugins')!r})\n"
+        "from example_faults import scale_expert\n\n\n"
+        "def patch(model):\n"
+        "    scale_expert(1, 1, 3e6)(model)\n")
+    model = "tiny-mixtral:layers=2,hidden=64,seed=0"
+    cmd = [sys.executable, "-m", "llmflow", "run", "overflow_hunt", "--run-dir", "run", "--progress", "plain",
+           "--set", f"model={model}", "--set", "patch=big_expert.py:patch", "--set", "mode=all",
+           "--set", "max_new_tokens=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert last.startswith("FAILED: overflow: ") and "model.layers.1.mlp.experts/" in last, last
+    assert "held Inf/NaN on entry" in last and "weight that overflowed when cast" in last, last
