@@ -143,20 +143,21 @@ def _check_params(wf: Workflow, set_params: SetParams, checked: Checked) -> None
 
 
 def _check_paths(wf: Workflow, checked: Checked) -> None:
-    """Before a run: every ``format: path`` param names something (found now, not by a stage after
-    the stages before it ran: a golden dump takes hours). Not for ``validate``: a recipe is checked
-    on one machine and run where its dumps and models are."""
+    """Before a run: every ``format: path`` param that names code to import (``file.py:callable``:
+    a patch, a model) names a file: found now, not by its stage after the stages before it ran (a
+    golden dump takes hours). Other paths may be where a stage writes (a dump_dir), so their stages
+    say what is missing. Not for ``validate``: a recipe is checked on one machine and run where
+    its files are."""
     for name, value in checked.params.items():
         if wf.params.get(name, {}).get("format") != "path" or not isinstance(value, str):
             continue
-        if not value.strip() or _is_a_name(value):  # (empty: none; smollm2, tiny-llama, a mapping's)
+        if not is_file_ref(value):
             continue
-        text = value.rpartition(":")[0] if is_file_ref(value) else value
-        path = Path(text).expanduser()
+        path = Path(value.rpartition(":")[0]).expanduser()
         if (wf.directory / path).exists():  # (an absolute path, or a relative one only the workflow's
             continue  # folder holds, kept as typed by path_from_current_dir)
         about = str(wf.params[name].get("description", "")).split(";")[0].split(". ")[0][:120]
-        said = f"param {name}: no such file or folder {os.path.abspath(path)}"
+        said = f"param {name}: no such file {os.path.abspath(path)}"
         mark = None if name in checked.given else wf.key_mark("params", name)
         checked.errors.append(ValidationError(said + (f" ({about})" if about else ""), mark))
 

@@ -44,14 +44,14 @@ def test_a_missing_dump_is_bad_input_naming_it(tmp_path):
 
 def test_a_missing_dump_is_named_where_the_user_meant_it(tmp_path):
     """Not found in the current directory nor beside the shipped workflow: the message names the
-    current directory's path, the one the user typed, not one inside the package, before any stage
-    runs."""
+    current directory's path, the one the user typed, not one inside the package."""
     as_dump(tmp_path, "npu_dump")
     proc = llmflow("run", "compare_dumps", "--set", "golden_dump=nope", "--set", "target_dump=npu_dump",
                    "--run-dir", "cmp", cwd=tmp_path)
-    last = assert_bad_input(proc, f"param golden_dump: no such file or folder {tmp_path / 'nope'}")
+    last = assert_bad_input(proc, f"{tmp_path / 'nope'}: no such dump")
     assert "workflows" not in last, last
-    assert not (tmp_path / "cmp").exists()  # found before the run: no run dir, no stage ran
+    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert summary["params"]["golden_dump"] == str(tmp_path / "nope")
 
 
 def test_a_missing_path_in_a_subfolder_is_named_where_the_user_meant_it(tmp_path):
@@ -59,7 +59,7 @@ def test_a_missing_path_in_a_subfolder_is_named_where_the_user_meant_it(tmp_path
     as_dump(tmp_path / "dumps", "npu_dump")
     proc = llmflow("run", "compare_dumps", "--set", "golden_dump=dumps/gpu_dump",
                    "--set", "target_dump=dumps/npu_dump", "--run-dir", "cmp", cwd=tmp_path)
-    assert_bad_input(proc, f"param golden_dump: no such file or folder {tmp_path / 'dumps' / 'gpu_dump'}")
+    assert_bad_input(proc, f"{tmp_path / 'dumps' / 'gpu_dump'}: no such dump")
 
 
 def test_badcase_reads_the_prompts_file_the_workflow_header_shows(tmp_path):
@@ -122,15 +122,12 @@ def test_a_path_found_nowhere_is_read_from_the_current_directory(tmp_path, monke
 
 
 def test_a_missing_patch_is_bad_input_before_the_golden_dump_runs(tmp_path):
-    """A path param is checked before the run: a target patch that names nothing fails before the
-    golden dump (hours on a real model) runs; a prompt typed where a prompts file goes is named as
-    the missing file it is read as, with what the param takes."""
+    """A ``file.py:callable`` param is checked before the run: a target patch that names no file
+    fails before the golden dump (hours on a real model) runs; other paths may be a stage's output
+    (a dump_dir), so their stages say what is missing."""
     proc = llmflow("run", "llama2_bisect", "--set", f"golden_model={TINY}", "--set", f"target_model={TINY}",
                    "--set", "target_patch=nofile.py:f", "--run-dir", "run", cwd=tmp_path)
-    assert_bad_input(proc, f"param target_patch: no such file or folder {tmp_path / 'nofile.py'}")
-    assert not (tmp_path / "run").exists()
-    proc = llmflow("run", "badcase_bisect", "--set", "prompts=What is 2+2?", "--run-dir", "run", cwd=tmp_path)
-    assert_bad_input(proc, "param prompts: no such file or folder", "a list, or a JSONL file")
+    assert_bad_input(proc, f"param target_patch: no such file {tmp_path / 'nofile.py'}")
     assert not (tmp_path / "run").exists()
     # validate checks a recipe where its files need not be (they are where it runs)
     proc = llmflow("validate", "llama2_bisect", "--set", "target_patch=nofile.py:f", cwd=tmp_path)
