@@ -43,9 +43,11 @@ class StageSummary:
     type: str = doc("The stage's uses: value.")
     status: StageStatus
     cached: bool = doc("True when a previous run's result was reused.")
-    started: str | None = doc("ISO 8601 with UTC offset.")
-    finished: str | None = doc("ISO 8601 with UTC offset.")
-    duration_s: float | None
+    started: str | None = doc("ISO 8601 with UTC offset; for a cached stage, when the run that made its "
+                              "result started it.")
+    finished: str | None = doc("ISO 8601 with UTC offset; for a cached stage, when its result was made.")
+    duration_s: float | None = doc("Seconds it ran; for a cached stage, those of the run that made its "
+                                   "result.")
     outputs: dict[str, Any] = doc("The outputs other stages reference.")
     outcome: StageOutcome | None
     error: str | None = doc("Why it failed or was skipped.")

@@ -6,7 +6,9 @@ outcomes left, the most severe decides (fail, then inconclusive, then pass); amo
 first stage in execution order gives the headline.
 
 An outcome recorded by a stage reused from an earlier run whose inputs have been re-run since
-(``--only`` re-ran something it needs, directly or not) is stale: it neither counts nor supersedes.
+(``--only`` re-ran something it needs, directly or not) and made something else is stale: it
+neither counts nor supersedes. (A needed stage that ran again and made the same result, the same
+content key, leaves it standing, as it leaves the stage cached: state.py ``upstream_unchanged``.)
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from llmflow.stages.base import OUTCOMES
 from llmflow.workflow import dag
-from llmflow.workflow.state import StageState
+from llmflow.workflow.state import StageState, upstream_unchanged
 
 
 @dataclass
@@ -62,7 +64,7 @@ def conclude(
 
     ``order``: stage ids in execution order; ``needs``: the DAG; ``outcomes``: stage id ->
     ``{"status", "headline"}`` for every done or cached stage that set one; ``states``: stage id
-    -> the state in use (for ``upstream_runs``/``run_id``, to tell stale outcomes)."""
+    -> the state in use (for run ids and content keys, to tell stale outcomes)."""
     stale = _stale(order, needs, states)
     live = {sid: rec for sid, rec in outcomes.items() if _valid(rec) and sid not in stale}
     if not live:
@@ -82,11 +84,18 @@ def conclude(
 
 def _stale(order: list[str], needs: dict[str, list[str]], states: dict[str, StageState]) -> set[str]:
     """Stages whose result was computed from inputs that are no longer the ones in use: a needed
-    stage's run id differs from the recorded one, or a needed stage is stale itself."""
+    stage's result is not the one it read (``upstream_unchanged``), or a needed stage is stale
+    itself."""
     stale: set[str] = set()
     for sid in order:
-        recorded = states[sid].upstream_runs if sid in states else {}
-        run_ids = {d: states[d].run_id if d in states else None for d in needs.get(sid, [])}
-        if any(d in stale or recorded.get(d) != run_id for d, run_id in run_ids.items()):
+        deps = needs.get(sid, [])
+        if not deps:
+            continue
+        if sid not in states or any(d in stale or d not in states for d in deps):
+            stale.add(sid)
+            continue
+        runs = {d: states[d].run_id or "" for d in deps}
+        contents = {d: states[d].content or "" for d in deps if states[d].content}
+        if not upstream_unchanged(states[sid], runs, contents):
             stale.add(sid)
     return stale

@@ -3,16 +3,24 @@ as each stage's inputs are ready and by ``llmflow plan`` for all of them ahead o
 
 A stage is cached when its directory holds a state file whose fingerprint (stage type + version,
 resolved parameters, the content of code files they name, the files' sizes and times of the
-inputs outside the run dir they name (dumps, checkpoints), needed stages' fingerprints) matches,
-whose recorded upstream run ids are the ones now on disk (so a stage whose input was re-run, even
-with the same fingerprint, re-runs) and whose files are still as it left them (sizes and mtimes).
+inputs outside the run dir they name (dumps, checkpoints), the content keys of the needed stages'
+results) matches, whose needed stages' results are the ones it read and whose files are still as
+it left them (sizes and mtimes). A needed stage's result is the one it read when its content key
+(a hash of its outputs, of every byte of the files in its folder and of the content keys of the
+results it read: state.py ``content_key``) is the recorded one: a needed stage that ran again
+(``--force``, a parameter that changes nothing it writes) and made the very same result leaves
+the stages reading it cached. A state written before content keys were recorded compares run ids
+instead: any rerun of a needed stage re-runs it.
 Otherwise it runs, for the first reason that applies: forced, new, previous run failed, upstream
-changed, stage type or version changed, code changed, input changed, parameters changed, outputs
-changed on disk.
+changed, stage type or version changed, code changed (the content of a file it names), input
+changed, parameters changed (naming them; a ``file.py:name`` naming another function of the same
+file is one), outputs changed on disk. ``llmflow plan`` cannot know what a needed stage that runs
+first will make: it says "upstream changed", and the run may then find the stage cached.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +28,7 @@ from typing import Any
 
 from llmflow.errors import UserError
 from llmflow.plugins import suggest
+from llmflow.redaction import REDACTED
 from llmflow.workflow import dag
 from llmflow.workflow.loader import load_workflow
 from llmflow.workflow.marks import WorkflowError
@@ -31,7 +40,14 @@ from llmflow.workflow.registry import (
     stage_identity,
 )
 from llmflow.workflow.rundir import SUMMARY_FILE, check_run_dir, read_json
-from llmflow.workflow.state import StageState, fingerprint, outputs_changed, portable, read_state
+from llmflow.workflow.state import (
+    StageState,
+    fingerprint,
+    outputs_changed,
+    portable,
+    read_state,
+    upstream_unchanged,
+)
 from llmflow.workflow.validate import Checked, SetParams, check, resolve_with
 
 
@@ -81,6 +97,7 @@ class StageKey:
     upstream: dict[str, str]  # needed stage -> its fingerprint
     upstream_runs: dict[str, str]  # needed stage -> the run id of its result in use
     typed: dict[str, str] = field(default_factory=dict)  # ``input:`` key -> its path as the user wrote it
+    upstream_content: dict[str, str] = field(default_factory=dict)  # needed stage -> its content key
 
 
 def stage_key(checked: Checked, sid: str, states: dict[str, StageState], run_dir: Path) -> StageKey:
@@ -95,9 +112,14 @@ def stage_key(checked: Checked, sid: str, states: dict[str, StageState], run_dir
     inputs = referenced_inputs(params, dirs, run_dir, writes_to, checked.order, typed)
     code = {**referenced_code(params, dirs), **inputs}
     upstream = {d: states[d].fingerprint for d in spec.needs}
-    fp = fingerprint(identity, portable(params, run_dir), upstream, code)
+    contents = {d: states[d].content or "" for d in spec.needs if states[d].content}
+    # what it reads of a needed stage is that stage's result, not how it was made: its content key
+    # (a rerun that made the same result changes nothing here); without one (a state of an older
+    # llmflow), its fingerprint, as before
+    read = {d: contents.get(d) or upstream[d] for d in spec.needs}
+    fp = fingerprint(identity, portable(params, run_dir), read, code)
     runs = {d: states[d].run_id or "" for d in spec.needs}
-    return StageKey(params, identity, code, fp, upstream, runs, typed)
+    return StageKey(params, identity, code, fp, upstream, runs, typed, contents)
 
 
 @dataclass
@@ -150,24 +172,60 @@ def decide(
         return True, "forced"
     if state is None:
         return True, "previous run failed" if previously_failed else "new"
-    if key is None or state.upstream_runs != key.upstream_runs:
+    if key is None or not upstream_unchanged(state, key.upstream_runs, key.upstream_content):
         return True, "upstream changed"
     if state.fingerprint != key.fingerprint:
         if previously_failed:
             return True, "previous run failed"
         if state.identity != key.identity:
             return True, "stage type or version changed"
-        old_code = state.code
-        if old_code is not None and old_code != key.code:
-            changed = sorted(r for r in {*old_code, *key.code} if old_code.get(r) != key.code.get(r))
-            if changed[0].startswith(INPUT_PREFIX):
-                return True, f"input changed: {key.typed.get(changed[0], changed[0][len(INPUT_PREFIX):])}"
-            return True, f"code changed: {changed[0].rpartition(':')[0]}"
-        return True, "parameters changed"
+        return True, fingerprint_change(state, key, stage_dir.parent)
     changed = outputs_changed(stage_dir, state) or written_changed(state)
     if changed:
         return True, f"outputs changed on disk ({changed})"
     return False, "cached"
+
+
+def fingerprint_change(state: StageState, key: StageKey, run_dir: Path) -> str:
+    """Why a stage of the same type and version has another fingerprint: a code file or input
+    whose content changed (the same file, the same path), else the parameters that changed, else
+    a code file or input that came or went with the parameters unchanged."""
+    old = state.code or {}
+    # a code ref is ``file.py:name``: compared by file, so naming another function of the same
+    # file (``--set target_patch=f.py:scale_b``) is a parameter change, not a code change
+    old_files, new_files = _by_file(old), _by_file(key.code)
+    for path in sorted(old_files.keys() & new_files.keys()):
+        if old_files[path] != new_files[path]:
+            return f"code changed: {path}"
+    for ref in sorted(old.keys() & key.code.keys()):
+        if ref.startswith(INPUT_PREFIX) and old[ref] != key.code[ref]:
+            return f"input changed: {key.typed.get(ref, ref[len(INPUT_PREFIX):])}"
+    names = changed_params(state.params, key.params, run_dir)
+    if names:
+        return "parameters changed: " + ", ".join(names)
+    if state.code is not None and old != key.code:  # (a file it names appeared or went)
+        changed = sorted(r for r in {*old, *key.code} if old.get(r) != key.code.get(r))
+        if changed[0].startswith(INPUT_PREFIX):
+            return f"input changed: {key.typed.get(changed[0], changed[0][len(INPUT_PREFIX):])}"
+        return f"code changed: {changed[0].rpartition(':')[0]}"
+    return "parameters changed"
+
+
+def _by_file(code: dict[str, str]) -> dict[str, str]:
+    """``file.py:name`` -> hash, as file -> hash (``input:`` entries left out)."""
+    return {ref.rpartition(":")[0]: h for ref, h in code.items() if not ref.startswith(INPUT_PREFIX)}
+
+
+def changed_params(old: dict[str, Any], new: dict[str, Any], run_dir: Path) -> list[str]:
+    """Names of the parameters whose value in ``new`` is not the one recorded in ``old`` (paths
+    in the run dir compared relative to it). A recorded value holding a redacted secret cannot be
+    compared and is left out: a changed secret leaves "parameters changed" unnamed."""
+    def text(value: Any) -> str:
+        return json.dumps(value, sort_keys=True, default=str)
+
+    before, after = portable(old, run_dir)[0], portable(new, run_dir)[0]
+    return sorted(name for name in {*before, *after} if text(before.get(name)) != text(after.get(name))
+                  and REDACTED not in text(before.get(name)))
 
 
 def written_changed(state: StageState) -> str | None:

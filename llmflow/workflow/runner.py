@@ -155,6 +155,9 @@ class _Run:
         res = self.results[sid]
         res.outputs, res.summary, res.outcome = state.outputs, state.summary, state.outcome
         res.cached = True
+        # when the result in use was made (not when this run looked at it): a reader of
+        # summary.json sees how old it is
+        res.started, res.finished, res.duration_s = state.started, state.finished, state.duration_s
         self._finish(sid, "cached", detail=detail)
 
     def _start(self, sid: str, prep: _Prepared) -> None:
@@ -187,18 +190,20 @@ class _Run:
     def _work(self, sid: str, stage: Stage, ctx: StageContext) -> None:
         try:
             outputs = stage.run(ctx)
-            self.done_q.put((sid, ctx, outputs, None))
+            # hashed here, beside the stage's work, not on the main thread the other stages wait on
+            files = st.files_digest(ctx.out_dir)
+            self.done_q.put((sid, ctx, outputs, None, files))
         except BaseException as exc:  # reported by the main thread, which decides what it means
-            self.done_q.put((sid, ctx, None, exc))
+            self.done_q.put((sid, ctx, None, exc, None))
 
     def _wait_one(self) -> None:
         # (a stage runs in a thread of its own: the wait must let Ctrl-C through, see interrupts.py)
-        sid, ctx, outputs, exc = interrupts.wait(lambda t: self.done_q.get(timeout=t), queue.Empty)
+        sid, ctx, outputs, exc, files = interrupts.wait(lambda t: self.done_q.get(timeout=t), queue.Empty)
         prep, tmp, t0 = self.running.pop(sid)
         self.results[sid].duration_s = round(time.monotonic() - t0, 3)
         if exc is None:
             try:
-                self._complete(sid, prep, tmp, ctx, outputs)
+                self._complete(sid, prep, tmp, ctx, outputs, files)
                 return
             except Exception as err:  # bad outputs: the stage's fault
                 exc = err
@@ -208,7 +213,8 @@ class _Run:
             rundir.discard(tmp, self.run_dir, sid)
         self._fail(sid, exc)
 
-    def _complete(self, sid: str, prep: _Prepared, tmp: Path, ctx: StageContext, outputs: Any) -> None:
+    def _complete(self, sid: str, prep: _Prepared, tmp: Path, ctx: StageContext, outputs: Any,
+                  files: str | None) -> None:
         if outputs is None:
             outputs = {}
         if not isinstance(outputs, dict):
@@ -219,12 +225,14 @@ class _Run:
         json.dumps([outputs, summary])  # fails here (stage failed) rather than in summary.json
         res = self.results[sid]
         key = prep.key
+        read = {d: key.upstream_content.get(d) or f"run:{run}" for d, run in key.upstream_runs.items()}
         state = st.StageState(
             stage=sid, type=self.wf.stages[sid].uses, identity=key.identity, fingerprint=key.fingerprint,
             code=key.code, run_id=secrets.token_hex(8), params=key.params, upstream=key.upstream,
             upstream_runs=key.upstream_runs, outputs=outputs, summary=summary,
             outcome=outcome_record(ctx.outcome), started=res.started, finished=now_iso(),
-            duration_s=res.duration_s,
+            duration_s=res.duration_s, content=st.content_key(outputs, files, read, self.run_dir),
+            upstream_content=key.upstream_content,
             written=written_outside(key.params, getattr(self.checked.classes[sid], "writes_to", ()),
                                     self.wf.directory, self.run_dir))
         # stored redacted (secret values, URL credentials); the fingerprint, a hash of the real

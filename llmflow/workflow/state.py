@@ -3,8 +3,9 @@ checks against it.
 
 The file is written inside the stage's tmp dir *before* the rename (rundir.py): a stage dir with a
 state file is complete. It records the fingerprint (stage type + version, resolved parameters,
-the content of code files the stage names, needed stages' fingerprints), the run id, outputs,
-summary, outcome, timings, and the size and mtime of every file the stage left in its dir.
+the content of code files the stage names, what it read of the stages it needs), the run id, the
+content key of its result (``content_key``), outputs, summary, outcome, timings, and the size and
+mtime of every file the stage left in its dir.
 
 Paths inside the run dir are stored relative to it (``paths`` lists where they are), so a copied
 or moved run dir reads its own files; ``read_state`` resolves them against the dir it reads from.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -115,6 +117,73 @@ def file_manifest(stage_dir: Path) -> dict[str, list[int]]:
     return out
 
 
+# -- what a needed stage's result is, for the stages that read it ---------------------------------
+# A stage's result is what the stages that need it read: its outputs, the files in its folder and,
+# through paths its outputs pass on (align hands on the dumps' folders), what the stages it read
+# made. Its content key hashes all three (the last as their content keys), computed once when the
+# stage finishes: a stage that ran again and made the very same result from the same results
+# (``--force``, a parameter that changes nothing it writes) leaves the key as it was, and the
+# stages that read it stay cached. Every byte of every file is hashed: a sampled or size-only key
+# would take a dump whose patch changed a few values in the middle of a tensor for the old one and
+# keep a stale compare. Hashing is cheap next to making the files (the stage just wrote them, so
+# they are mostly still in the page cache; sha256 reads at GB/s a core, files are hashed on several
+# threads), and it runs in the stage's own thread, after ``run()``.
+#: threads hashing a stage's files (hashlib and file reads let other threads run meanwhile)
+HASH_THREADS = min(8, os.cpu_count() or 1)
+
+
+def _file_digest(path: str) -> str:
+    """sha256 of a file's bytes, or of where a link points (links are never followed)."""
+    if os.path.islink(path):
+        return "link:" + os.readlink(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def files_digest(stage_dir: Path) -> str | None:
+    """A hash over the relative path and content of every file ``file_manifest`` lists in
+    ``stage_dir``; None when one cannot be read (then its readers fall back to its run id)."""
+    rels = list(file_manifest(stage_dir))
+    try:
+        with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+            digests = list(pool.map(lambda rel: _file_digest(os.path.join(stage_dir, rel)), rels))
+    except OSError:
+        return None
+    h = hashlib.sha256()
+    for rel, digest in zip(rels, digests, strict=True):
+        h.update(f"{rel}\0{digest}\n".encode())
+    return h.hexdigest()
+
+
+def content_key(outputs: dict[str, Any], files: str | None, read: dict[str, str], run_dir: Path,
+                ) -> str | None:
+    """The content key of a result: its outputs (paths relative to ``run_dir``, as a moved run dir
+    reads them), ``files``, the ``files_digest`` of its folder, and ``read``, what it read of each
+    stage it needs (content key, else run id); None without ``files``."""
+    if files is None:
+        return None
+    payload = json.dumps({"outputs": portable(outputs, run_dir)[0], "files": files, "read": read},
+                         sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def upstream_unchanged(state: StageState, runs: dict[str, str], contents: dict[str, str]) -> bool:
+    """Whether the results in use of the stages ``state``'s stage needs (``runs``: stage -> run id,
+    ``contents``: stage -> content key, where known) are the ones it read: the same content key
+    when both it and the stage in use have one, else the same run id (a state written by an older
+    llmflow records none: it is reused only with the very run it read)."""
+    if set(state.upstream_runs) != set(runs):
+        return False
+    for dep, run_id in runs.items():
+        recorded, now = state.upstream_content.get(dep), contents.get(dep)
+        if not (recorded == now if recorded and now else state.upstream_runs[dep] == run_id):
+            return False
+    return True
+
+
 def outputs_changed(stage_dir: Path, state: StageState) -> str | None:
     """Why the files a completed stage left no longer match its state (one file named), or None.
     A file added beside them is the user's (kept, and carried into a rerun's folder: rundir.py),
@@ -136,10 +205,12 @@ def outputs_changed(stage_dir: Path, state: StageState) -> str | None:
 class StageState:
     """What a completed stage's state file holds, in the order the file lists it.
 
-    ``identity``/``fingerprint``/``code``/``upstream``/``upstream_runs`` are the cache key it was
-    computed under (plan.py's ``StageKey``); ``run_id`` names this result, so the stages that read
-    it can tell when it was replaced; ``files`` is the manifest of the stage dir as the stage left
-    it (None: a state written by an older llmflow, taken as it is)."""
+    ``identity``/``fingerprint``/``code``/``upstream``/``upstream_runs``/``upstream_content`` are
+    the cache key it was computed under (plan.py's ``StageKey``); ``run_id`` names this result and
+    ``content`` is its content key (``content_key``; None from an older llmflow or when a file could
+    not be read), so the stages that read it can tell when it was replaced by something else;
+    ``files`` is the manifest of the stage dir as the stage left it (None: a state written by an
+    older llmflow, taken as it is)."""
 
     stage: str
     type: str
@@ -157,6 +228,8 @@ class StageState:
     finished: str | None
     duration_s: float | None
     files: dict[str, list[int]] | None = None
+    content: str | None = None
+    upstream_content: dict[str, str] = field(default_factory=dict)  # needed stage -> its content key
     # the folders it wrote outside the run dir (``Stage.writes_to``) -> their listing hash then
     written: dict[str, str] = field(default_factory=dict)
 
@@ -187,14 +260,16 @@ class StageState:
             value = data.get(key)
             return value if isinstance(value, dict) else {}
 
-        code, files = data.get("code"), data.get("files")
+        code, files, content = data.get("code"), data.get("files"), data.get("content")
         return cls(stage=data.get("stage", ""), type=data.get("type", ""), identity=data.get("identity", ""),
                    fingerprint=data["fingerprint"], code=code if isinstance(code, dict) else None,
                    run_id=data.get("run_id"), params=mapping("params"), upstream=mapping("upstream"),
                    upstream_runs=mapping("upstream_runs"), outputs=mapping("outputs"),
                    summary=mapping("summary"), outcome=data.get("outcome"), started=data.get("started"),
                    finished=data.get("finished"), duration_s=data.get("duration_s"),
-                   files=files if isinstance(files, dict) else None, written=mapping("written"))
+                   files=files if isinstance(files, dict) else None,
+                   content=content if isinstance(content, str) else None,
+                   upstream_content=mapping("upstream_content"), written=mapping("written"))
 
 
 def read_state(stage_dir: Path) -> StageState | None:

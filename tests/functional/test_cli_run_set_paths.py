@@ -142,7 +142,7 @@ def test_only_says_which_results_it_keeps_are_stale(tmp_path):
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     only = ["--set", "max_new_tokens=2", "--only", "bisect"]
     again = llmflow("run", "llama2_bisect", *sets, *only, cwd=tmp_path)
-    stale = [ln for ln in again.stdout.splitlines() if "STALE (parameters changed)" in ln]
+    stale = [ln for ln in again.stdout.splitlines() if "STALE (parameters changed: max_new_tokens)" in ln]
     assert {ln.split("] ")[-1].split(":")[0] for ln in stale} == {"dump-golden", "dump-npu"}, again.stdout
     assert all("run without --only to redo it" in ln for ln in stale)
     plan = llmflow("plan", "llama2_bisect", *sets, *only, cwd=tmp_path)

@@ -1,5 +1,7 @@
 """The cache trusts only what it can still see: a stage whose files changed on disk re-runs, an
-edited code file a stage names re-runs it, and a copied or moved run dir reads its own files."""
+edited code file a stage names re-runs it, and a copied or moved run dir reads its own files. What a
+stage reads of a needed stage is that stage's result, not its run: a rerun that made the same
+result leaves it cached."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ import shutil
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from llmflow.workflow import plan_workflow, run_workflow
 from llmflow.workflow.state import STATE_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from workflow_helpers import llmflow, ran, write_workflow  # noqa: E402
+from workflow_helpers import REPO, llmflow, ran, write_workflow  # noqa: E402
 
 CHAIN = """
     name: chain
@@ -71,7 +74,9 @@ def test_a_stage_whose_files_changed_reruns(chain, change, reason):
         "local": ("cached", "cached"),
     }
     res = run_workflow(wf, run_dir=rd)
-    assert [res.stages[s].status for s in ("a", "b", "local")] == ["done", "done", "cached"]
+    # a made again what b read: b, which the plan could not know of, stays cached
+    assert [res.stages[s].status for s in ("a", "b", "local")] == ["done", "cached", "cached"]
+    assert ran(rd) == ["a", "b", "a"]
     assert json.loads((rd / "a" / "value.json").read_text()) == "code.py:make"
     assert {i.action for i in plan_workflow(wf, run_dir=rd)} == {"cached"}
 
@@ -114,8 +119,87 @@ def test_edited_code_files_rerun_their_stage(chain, tmp_path):
         "local": ("run", "stage type or version changed"),
     }
     res = run_workflow(wf, run_dir=rd)
-    assert [res.stages[s].status for s in ("a", "b", "local")] == ["done", "done", "done"]
-    assert ran(rd) == ["a", "b", "a", "b"]  # the helper stages log their starts; local does not
+    # (a's output does not change with code.py, only its cache key does: b, reading it, stays cached)
+    assert [res.stages[s].status for s in ("a", "b", "local")] == ["done", "cached", "done"]
+    assert ran(rd) == ["a", "b", "a"]  # the helper stages log their starts; local does not
+
+
+SAME_RESULT = """
+    name: same
+    params:
+      count: {type: integer, default: 1}
+    stages:
+      a: {uses: "{HELPERS}:EchoStage", with: {value: 7, count: "${params.count}"}}
+      b: {uses: "{HELPERS}:EchoStage", needs: [a], with: {value: "${stages.a.outputs.file}"}}
+      judge: {uses: "{HELPERS}:OutcomeStage", needs: [b], with: {status: fail, headline: "b judged"}}
+"""
+
+
+def test_a_needed_stage_that_ran_again_and_made_the_same_result_leaves_its_readers_cached(tmp_path):
+    """A forced rerun of ``a``, or one for a parameter that changes nothing it writes (``count``),
+    makes the same files and outputs: ``b`` and ``judge`` stay cached, the judge's outcome still
+    decides the exit code, and summary.json gives the cached stages the times of the run that made
+    their results."""
+    wf = write_workflow(tmp_path, SAME_RESULT)
+    rd = tmp_path / "run"
+
+    def run(*args: str) -> str:
+        proc = llmflow("run", str(wf), "--run-dir", str(rd), *args, cwd=tmp_path)
+        assert proc.returncode == 1, proc.stdout + proc.stderr  # the judge's "fail", every time
+        assert proc.stdout.strip().splitlines()[-1] == "FAILED: b judged", proc.stdout
+        return proc.stdout
+
+    run()
+    made = json.loads((rd / "summary.json").read_text())["stages"]
+    run("--only", "a", "--force")  # the judge's outcome is not stale: a made what b read
+    assert ran(rd) == ["a", "b", "judge", "a"]
+    run()
+    assert ran(rd) == ["a", "b", "judge", "a"]  # b and judge cached
+    proc = llmflow("plan", str(wf), "--run-dir", str(rd), "--set", "count=2", "--json", cwd=tmp_path)
+    assert json.loads(proc.stdout)[0]["reason"] == "parameters changed: count", proc.stdout
+    run("--set", "count=2")
+    assert ran(rd) == ["a", "b", "judge", "a", "a"]
+
+    summary = json.loads((rd / "summary.json").read_text())
+    jsonschema.validate(summary, json.loads((REPO / "schemas" / "summary.schema.json").read_text()))
+    for sid in ("b", "judge"):
+        entry = summary["stages"][sid]
+        assert (entry["status"], entry["cached"]) == ("cached", True)
+        assert entry["started"] is not None
+        times = ("started", "finished", "duration_s")
+        assert {k: entry[k] for k in times} == {k: made[sid][k] for k in times}
+    assert summary["stages"]["a"]["status"] == "done" and summary["stages"]["a"]["cached"] is False
+
+
+REFS = """
+    name: refs
+    params:
+      fn: {type: string, default: "faults.py:scale_a"}
+    stages:
+      a: {uses: "{HELPERS}:EchoStage", with: {value: "${params.fn}"}}
+"""
+
+
+def test_naming_another_function_of_a_code_file_is_a_parameter_change(tmp_path):
+    """``--set fn=faults.py:scale_b`` after ``:scale_a`` changes a parameter, not the code;
+    "code changed" is for the file's content."""
+    wf = write_workflow(tmp_path, REFS)
+    (tmp_path / "faults.py").write_text("def scale_a(m):\n    pass\n\n\ndef scale_b(m):\n    pass\n")
+    rd = tmp_path / "run"
+    proc = llmflow("run", str(wf), "--run-dir", str(rd), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def reason(*args: str) -> str:
+        proc = llmflow("plan", str(wf), "--run-dir", str(rd), "--json", *args, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return json.loads(proc.stdout)[0]["reason"]
+
+    assert reason() == "cached"
+    assert reason("--set", "fn=faults.py:scale_b") == "parameters changed: value"
+    with open(tmp_path / "faults.py", "a") as fh:
+        fh.write("# edited\n")
+    assert reason() == "code changed: faults.py"
+    assert reason("--set", "fn=faults.py:scale_b") == "code changed: faults.py"
 
 
 INPUTS = """

@@ -45,7 +45,8 @@ def test_run_plan_and_cached_rerun(tmp_path, capsys):
     assert out.splitlines()[-1] == "PASSED (2 to run, 0 cached)"
     rc, out, _ = cli(capsys, "plan", wf, "--run-dir", rd, "--set", "v=2", "--json")
     assert json.loads(out) == [
-        {"stage": "a", "type": f"{HELPERS}:EchoStage", "action": "run", "reason": "parameters changed"},
+        {"stage": "a", "type": f"{HELPERS}:EchoStage", "action": "run",
+         "reason": "parameters changed: value"},
         {"stage": "b", "type": "seed", "action": "run", "reason": "upstream changed"},
     ]
     rc, out, _ = cli(capsys, "run", wf, "--run-dir", rd, "--progress", "rich")

@@ -69,6 +69,7 @@ def test_an_older_or_foreign_file(tmp_path):
     old = read_state(stage_dir)
     assert old is not None and old.outputs == {"x": 1}
     assert (old.files, old.code, old.run_id, old.upstream_runs, old.summary) == (None, None, None, {}, {})
+    assert (old.content, old.upstream_content) == (None, {})
     for text in ("[1, 2]", "{\"outputs\": {}}", "{not json"):
         (stage_dir / STATE_FILE).write_text(text, encoding="utf-8")
         assert read_state(stage_dir) is None
@@ -100,6 +101,27 @@ def test_one_decision_and_its_reasons(tmp_path):
     assert decide(state, _key(state, fingerprint="g", code={"x.py:f": "cd"}), stage_dir, False, False)[1] == \
         "code changed: x.py"
     assert decide(state, _key(state, fingerprint="g"), stage_dir, False, False)[1] == "parameters changed"
+    assert decide(state, _key(state, fingerprint="g", params={**state.params, "model": "other"}), stage_dir,
+                  False, False)[1] == "parameters changed: model"
+
+
+def test_a_needed_stage_is_the_one_read_by_content_key_else_by_run_id(tmp_path):
+    """A needed stage that ran again (another run id) with the same content key is the result the
+    stage read; a state recorded without content keys (an older llmflow's) compares run ids."""
+    run_dir = tmp_path / "run"
+    stage_dir = _write(_state(run_dir), run_dir)
+    older = read_state(stage_dir)
+    assert older is not None
+    rerun = {"upstream_runs": {"seed": "0"}, "upstream_content": {"seed": "c" * 64}}
+    assert decide(older, _key(older, **rerun), stage_dir, False, False) == (True, "upstream changed")
+    assert decide(older, _key(older, upstream_content={"seed": "c" * 64}), stage_dir, False, False) == \
+        (False, "cached")
+    state = replace(older, upstream_content={"seed": "c" * 64})
+    assert decide(state, _key(state, **rerun), stage_dir, False, False) == (False, "cached")
+    assert decide(state, _key(state, **{**rerun, "upstream_content": {"seed": "d" * 64}}), stage_dir, False,
+                  False) == (True, "upstream changed")
+    assert decide(state, _key(state, upstream_runs={"seed": "0"}), stage_dir, False, False) == \
+        (True, "upstream changed")  # (the needed stage's result in use has no content key)
     (stage_dir / "d" / "a.json").unlink()
     assert decide(state, _key(state), stage_dir, False, False)[1] == \
         "outputs changed on disk (d/a.json is gone)"
