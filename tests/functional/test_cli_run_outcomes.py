@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -105,9 +106,12 @@ def test_the_demo_finds_its_planted_bug_and_the_plain_port_passes(tmp_path):
     assert last_line(demo).startswith("FAILED: model.layers.17.self_attn is the fault")
     assert "decode step" in last_line(demo) and "planted bug" in demo.stdout
     assert f"report: {tmp_path / 'demo' / 'report' / 'report.html'}" in demo.stdout
+    # a copy of the demo's run dir: the golden's dump is reused, the target's stages run again
+    shutil.copytree(tmp_path / "demo", tmp_path / "plain", symlinks=True)
     plain = llmflow_run(tmp_path / "plain", "target_model=smollm2")
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-2000:]
     assert last_line(plain).startswith("PASSED")
+    assert "dump-golden: cached" in plain.stdout, plain.stdout[-3000:]
     check_demo_report(tmp_path / "demo")  # (last: it skips where no headless Chromium is installed)
 
 
