@@ -19,6 +19,10 @@ Model specs understood by ``load_model``:
 * a local Hugging Face model directory (``local_files_only``); one whose safetensors are stored in
   another dtype than the requested one is cast tensor by tensor (``_load_cast_tensor_by_tensor``)
   rather than by ``from_pretrained``, which holds the whole stored checkpoint while it converts;
+* an msModelSlim checkpoint: such a directory whose weights msModelSlim quantized, with its
+  ``quant_model_description*.json`` beside them: the float model's structure, each quantized Linear
+  layer computing as the Ascend kernels do (``llmflow.quantized``), ``LoadedModel.quantized``
+  naming them and the note saying that what runs is an emulation;
 * ``path/file.py:callable``: ``callable()`` returns a module or ``(module, tokenizer)``. A
   ``note`` attribute on the callable (text) is what a user must know about that model; it becomes
   ``LoadedModel.note``, which the console and the verdict repeat. The demo's target is one:
@@ -38,7 +42,7 @@ import sys
 import tempfile
 import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +50,8 @@ import torch
 
 from llmflow.dtypes import dtype_name
 from llmflow.errors import UserError
-from llmflow.safetensors_files import SafetensorsFiles, holder_of, match_checkpoint
+from llmflow.quantized import ACTIVATION_QUANT, QuantConfig, find_quant_config, install_quantized_linears
+from llmflow.safetensors_files import CheckpointMatch, SafetensorsFiles, holder_of, match_checkpoint
 
 # progress lines of the slow parts (a first GGUF conversion, a model load): the console shows them
 log = logging.getLogger(__name__)
@@ -127,6 +132,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     note: str | None = None  # what a user must know about this model (a model callable's ``note``)
+    #: the Linear layers an msModelSlim checkpoint quantizes, and their weight types (``quantized``)
+    quantized: dict[str, str] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -184,6 +191,7 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
     log.info("model %s: loading on %s as %s", model, dev, dtype_name(dt))
     tokenizer: Any = None
     note = None
+    quantized: dict[str, str] = {}
     if model == "smollm2":
         module, tokenizer = _load_hf_dir(_smollm2_dir(), dt)
     elif model.startswith("tiny-"):
@@ -199,7 +207,11 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
         if not path.is_dir():
             raise UserError(f"model {model!r}: not a known spec (smollm2, tiny-llama) and no such "
                             f"directory {path}")
-        module, tokenizer = _load_hf_dir(path, dt)
+        description = find_quant_config(path) if any(path.glob("*.safetensors")) else None
+        if description is not None:
+            module, tokenizer, note, quantized = _load_msmodelslim(path, dt, description)
+        else:
+            module, tokenizer = _load_hf_dir(path, dt)
     if patch:
         fn = load_file_ref(patch, base_dir) if is_file_ref(patch) else None
         if not callable(fn):
@@ -217,9 +229,13 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
                 raise UserError(f"patch {patch!r}: returned {type(patched).__name__}, not a "
                                 "torch.nn.Module (return None to patch in place)")
             module = patched
+    if dev.type not in ("cpu", "cuda") and any(t in ACTIVATION_QUANT for t in quantized.values()):
+        raise UserError(f"model {model!r}: its W8A8 layers run in float64 (the int8 matmul's exact "
+                        f"int32 sums), which {dev.type} lacks: run it with device cpu or cuda, or dump the "
+                        "device's own quantized run and bisect that (dump_bisect)")
     module = module.to(device=dev, dtype=dt).eval()
     module.requires_grad_(False)
-    return LoadedModel(module, tokenizer, model, dev, dt, note)
+    return LoadedModel(module, tokenizer, model, dev, dt, note, quantized)
 
 
 def _from_callable(fn: Any, ref: str) -> tuple[torch.nn.Module, Any]:
@@ -279,6 +295,12 @@ def _load_cast_tensor_by_tensor(path: Path, dt: torch.dtype) -> tuple[torch.nn.M
         log.info("model %s: loading through from_pretrained (%s)", path, exc)
         return None
     log.info("model %s: casting the checkpoint to %s tensor by tensor", path, dtype_name(dt))
+    _fill(module, files, match, dt)
+    return module, tokenizer
+
+
+def _fill(module: torch.nn.Module, files: SafetensorsFiles, match: CheckpointMatch, dt: torch.dtype) -> None:
+    """Each parameter and stored buffer ``match`` names read from ``files``, floating ones in ``dt``."""
     with torch.no_grad():
         for names, stored_as in match.parameters:
             param = torch.nn.Parameter(_read_cast(files, stored_as, dt), requires_grad=False)
@@ -288,7 +310,27 @@ def _load_cast_tensor_by_tensor(path: Path, dt: torch.dtype) -> tuple[torch.nn.M
         for name in match.buffers:
             holder, attr = holder_of(module, name)
             holder._buffers[attr] = _read_cast(files, name, dt)
-    return module, tokenizer
+
+
+def _load_msmodelslim(path: Path, dt: torch.dtype, description: Path
+                      ) -> tuple[torch.nn.Module, Any, str, dict[str, str]]:
+    """The model of an msModelSlim checkpoint (its quantized weights beside the float model's
+    ``config.json``): built without weights, its quantized Linear layers computing as the Ascend
+    kernels do (``quantized.install_quantized_linears``), every other tensor read as stored, cast to
+    ``dt``. With the note the console and the verdict repeat: what runs is an emulation."""
+    quant = QuantConfig.load(description)
+    files = SafetensorsFiles(path)
+    module, tokenizer = empty_hf_model(path, dt)
+    installed = install_quantized_linears(module, files, quant)
+    if not installed.layers:
+        raise UserError(f"model {str(path)!r}: {description.name} describes a quantized checkpoint, but no "
+                        "Linear layer of the model has an integer weight in it")
+    _fill(module, files, match_checkpoint(module, files, already=installed.read), dt)
+    log.info("model %s: msModelSlim checkpoint, quantized Linear layers: %s", path, installed.describe())
+    note = (f"An msModelSlim checkpoint ({installed.describe()} Linear layers) run by llmflow's emulation "
+            "of the Ascend quantized kernels: it shows what the quantization costs, not a fault of the "
+            "device's own kernels (for those, bisect the device's dumps: dump_bisect)")
+    return module, tokenizer, note, installed.layers
 
 
 #: the most bytes of a stored tensor mapped at once while casting it: a large tensor (a 128k-token
@@ -337,7 +379,10 @@ def checkpoint_dir(model: str, base_dir: str | Path = ".") -> Path | None:
         return None
     path = Path(model).expanduser()
     path = path if path.is_absolute() else Path(base_dir) / path
-    return path if path.is_dir() and any(path.glob("*.safetensors")) else None
+    if not (path.is_dir() and any(path.glob("*.safetensors"))):
+        return None
+    # an msModelSlim checkpoint is not the model's own tensors: it is loaded whole, emulated
+    return None if find_quant_config(path) is not None else path
 
 
 def empty_hf_model(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:

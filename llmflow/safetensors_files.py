@@ -193,14 +193,19 @@ class CheckpointMatch:
     buffers: list[str]
 
 
-def match_checkpoint(model: nn.Module, files: SafetensorsFiles) -> CheckpointMatch:
+def match_checkpoint(model: nn.Module, files: SafetensorsFiles, already: set[str] = frozenset()
+                     ) -> CheckpointMatch:
     """Each parameter of ``model`` (built without weights) matched to the checkpoint tensor of its
     name and shape; UserError naming the tensor where the checkpoint is not the model's own as
     stored: a parameter it lacks, a shape that differs, or a tensor the model has no place for
-    (transformers converts such checkpoints on load: only ``from_pretrained`` reads them)."""
+    (transformers converts such checkpoints on load: only ``from_pretrained`` reads them).
+    ``already``: checkpoint tensors the caller has placed itself (an msModelSlim checkpoint's
+    quantized layers), neither matched nor unknown."""
     directory = files.directory
     parameters: list[tuple[list[str], str]] = []
     for names in _parameter_groups(model, files):
+        if already.intersection(names):
+            continue
         stored_as = next((n for n in names if n in files), None)
         if stored_as is None:
             raise UserError(f"{directory}: the checkpoint has no tensor {names[0]!r}")
@@ -211,10 +216,10 @@ def match_checkpoint(model: nn.Module, files: SafetensorsFiles) -> CheckpointMat
     for name, _buffer in model.named_buffers(remove_duplicate=False):
         every_buffer.add(name)
         module, attr = holder_of(model, name)
-        if name in files and attr not in module._non_persistent_buffers_set:
+        if name in files and name not in already and attr not in module._non_persistent_buffers_set:
             _check_shape(files, name, (module, attr))
             buffers.append(name)
-    known = {n for names, _ in parameters for n in names} | every_buffer
+    known = {n for names, _ in parameters for n in names} | every_buffer | set(already)
     unknown = sorted(n for n in files.stored if n not in known)
     if unknown:
         raise UserError(f"{directory}: the checkpoint's tensor {unknown[0]!r} is not a parameter of "

@@ -145,7 +145,7 @@ def quant_int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Two signed int4 per byte, low nibble first (the inverse of weights.unpack_int4)."""
+    """Two signed int4 per byte, low nibble first (the inverse of quantized.unpack_int4)."""
     u = (q.to(torch.int16) & 0xF).reshape(*q.shape[:-1], q.shape[-1] // 2, 2)
     return (u[..., 0] | (u[..., 1] << 4)).to(torch.uint8).view(torch.int8)
 

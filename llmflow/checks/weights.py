@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,14 @@ import torch
 from llmflow.compare.thresholds import finite_or_none
 from llmflow.dtypes import DTYPE_OF_SAFETENSORS_CODE, dtype_name
 from llmflow.errors import UserError
+from llmflow.quantized import (
+    QuantConfig,
+    deq_scale_as_float,
+    dequantize,
+    find_quant_config,
+    int4_packed_dim,
+    unpack_int4,
+)
 from llmflow.results.checks import WeightCompareBlock, WeightProblem, WorstWeight
 from llmflow.structure import DEFAULT_RATIO_THRESHOLD, layer_of, module_type
 
@@ -75,53 +83,6 @@ COMPRESSED_COMPANIONS = ("index", "info")
 SIBLING_OUTLIER, SCALE_MISMATCH = "sibling_outlier", "scale_mismatch"
 #: deq_scale and input_scale * weight_scale agree to float32 rounding in an honest checkpoint.
 DEQ_SCALE_RTOL = 1e-4
-
-
-@dataclass
-class QuantConfig:
-    """A parsed ``quant_model_description*.json``."""
-
-    types: dict[str, str] = field(default_factory=dict)
-    default: str | None = None
-    group_size: int | None = None
-    int4_packed: bool | None = None
-    path: Path | None = None
-    version: str | None = None  # "1.0.0": the ascendV1 save type (int4 packed two per byte)
-
-    def type_of(self, name: str) -> str | None:
-        return self.types.get(name, self.default)
-
-    @classmethod
-    def load(cls, path: Path) -> QuantConfig:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise UserError(f"{path}: not a readable quantization description ({exc})") from exc
-        if not isinstance(data, dict):
-            raise UserError(f"{path}: expected a JSON object mapping tensor names to quant types")
-        group = data.get("group_size")
-        cfg = path.parent / "config.json"  # some exports keep group_size in config.json only
-        if group is None and cfg.is_file():
-            try:
-                group = (json.loads(cfg.read_text()).get("quantization_config") or {}).get("group_size")
-            except (OSError, ValueError, AttributeError):
-                group = None
-        packed = data.get("int4_packed")
-        types = {k: str(v).upper() for k, v in data.items() if isinstance(v, str) and "." in k}
-        default = data.get("model_quant_type")
-        version = data.get("version")
-        return cls(types, str(default).upper() if default else None,
-                   int(group) if isinstance(group, int) and group > 0 else None,
-                   packed if isinstance(packed, bool) else None, path,
-                   str(version) if isinstance(version, str) and version else None)
-
-
-def find_quant_config(path: Path) -> Path | None:
-    """The quant description next to a checkpoint: ``quant_model_description.json`` first."""
-    folder = path if path.is_dir() else path.parent
-    found = sorted(folder.glob("quant_model_description*.json"))
-    exact = folder / "quant_model_description.json"
-    return exact if exact in found else (found[0] if found else None)
 
 
 class Checkpoint:
@@ -241,78 +202,6 @@ def open_weights(path: str | Path, quant_config: str | Path | None = None) -> Ch
     if qpath is not None and not qpath.is_file():
         raise UserError(f"quant_config: no such file {qpath}")
     return Checkpoint(p, QuantConfig.load(qpath) if qpath else None)
-
-
-def unpack_int4(packed: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Two signed 4-bit values per byte, low nibble first -> int8, dimension ``dim`` doubled
-    (index 2j from byte j's low nibble, 2j + 1 from its high one)."""
-    if dim not in (-1, packed.dim() - 1):
-        return unpack_int4(packed.transpose(dim, -1)).transpose(dim, -1).contiguous()
-    b = packed.contiguous().view(torch.uint8).to(torch.int16)
-    lo, hi = b & 0xF, (b >> 4) & 0xF
-    both = torch.stack([lo, hi], dim=-1)
-    both = torch.where(both >= 8, both - 16, both).to(torch.int8)
-    return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-
-
-def int4_packed_dim(stored: tuple[int, ...], scale: tuple[int, ...], quant: QuantConfig | None,
-                    twin: tuple[int, ...] | None) -> int | None:
-    """The dimension along which an int4 weight holds two values per byte, None when unpacked.
-
-    ascendV1 (a description with a ``version``) packs along the input dimension when the scale
-    has one column (per-channel, per-tensor) and along the output dimension otherwise
-    (per-group); ``"int4_packed": true`` means the last dimension; without either, the float twin's
-    shape tells (a stored dimension half the twin's)."""
-    if quant is not None and quant.int4_packed is not None:
-        return len(stored) - 1 if quant.int4_packed else None
-    if quant is not None and quant.version:
-        return len(stored) - 1 if not scale or scale[-1] == 1 else 0
-    if twin is None or len(twin) != len(stored):
-        return None
-    halved = [d for d in range(len(stored)) if stored[d] * 2 == twin[d]
-              and all(stored[e] == twin[e] for e in range(len(stored)) if e != d)]
-    return halved[-1] if halved else None
-
-
-def deq_scale_as_float(deq_scale: torch.Tensor) -> torch.Tensor:
-    """msModelSlim's ``deq_scale`` as float32: an int64 holds a float32's bits (fp16 models), a
-    floating tensor is the value itself (bf16 models)."""
-    if deq_scale.dtype.is_floating_point:
-        return deq_scale.to(torch.float32)
-    return deq_scale.to(torch.int64).to(torch.int32).view(torch.float32)
-
-
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, *,
-               group_size: int | None = None) -> tuple[torch.Tensor, str]:
-    """``(weight - offset) * scale`` in float32, broadcast per tensor, channel or group.
-
-    Returns the tensor and the scheme's name; ``ValueError`` when the shapes do not fit.
-    """
-    w = weight.to(torch.float32)
-    s = scale.to(torch.float32)
-    o = offset.to(torch.float32) if offset is not None else torch.zeros_like(s)
-    if o.shape != s.shape and o.numel() != 1:
-        raise ValueError(f"weight_offset shape {list(o.shape)} differs from weight_scale {list(s.shape)}")
-    out_f = w.shape[0] if w.dim() else 1
-    if s.numel() == 1:
-        return (w - o.reshape(()) if o.numel() == 1 else w - o) * s.reshape(()), "per-tensor"
-    if s.numel() == out_f and (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)):
-        view = (out_f,) + (1,) * (w.dim() - 1)
-        return (w - o.reshape(view)) * s.reshape(view), "per-channel"
-    if w.dim() == 2 and s.dim() == 2:
-        if s.shape[0] != out_f and s.shape[1] == out_f:  # stored [n_groups, out]
-            s, o = s.t(), o.t() if o.dim() == 2 else o
-        n_groups, in_f = s.shape[1], w.shape[1]
-        if s.shape[0] == out_f and in_f % n_groups == 0:
-            g = in_f // n_groups
-            if group_size is not None and group_size != g:
-                raise ValueError(f"group size {g} (from scale shape {list(scale.shape)}) differs from "
-                                 f"the config's group_size {group_size}")
-            o = o.reshape(out_f, n_groups, 1) if o.numel() != 1 else o.reshape(())
-            deq = (w.reshape(out_f, n_groups, g) - o) * s.reshape(out_f, n_groups, 1)
-            return deq.reshape(out_f, in_f), f"per-group g={g}"
-    raise ValueError(f"weight_scale shape {list(scale.shape)} fits neither per-tensor, per-channel nor "
-                     f"per-group quantization of a weight of shape {list(weight.shape)}")
 
 
 @dataclass

@@ -32,6 +32,8 @@ from dataclasses import replace
 from statistics import median
 from typing import Any
 
+import torch
+
 from llmflow.compare.align import steps_text
 from llmflow.compare.divergence import input_difference
 from llmflow.compare.mappings import Mapping, load_mapping
@@ -68,6 +70,7 @@ from llmflow.localize.target_dump import (
     target_routing,
 )
 from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, token_rows
+from llmflow.quantized import W8A8Linear
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
     Cost,
@@ -524,6 +527,8 @@ class _Bisect:
         name = cand["name"].removesuffix(KV_CACHE)
         g_mod = dict(gld.model.named_modules())[name]
         t_mod = dict(tgt.model.named_modules())[name]
+        if isinstance(t_mod, W8A8Linear) and call.args and isinstance(call.args[0], torch.Tensor):
+            chosen.quant_detail = t_mod.explain(call.args[0])
         if moe.is_fused_experts(t_mod, call):
             chosen.experts = moe.expert_errors(g_mod, t_mod, call, golden=gld, target=tgt)
             chosen.expert = moe.worst_expert(chosen.experts, self.inp.ratio_threshold)
@@ -733,7 +738,8 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     result = conclude(inp, tried, chosen, rows=rows, mismatch=mismatch, bad_token=bad_token,
                       stack=b.stack, decode=b.decode, dtype=dtype,
                       device=str(tgt.device) if tgt is not None else "target dump",
-                      problems=problems, note=getattr(tgt, "note", None), own_steps=own_steps)
+                      problems=problems, note=getattr(tgt, "note", None), own_steps=own_steps,
+                      quantized=getattr(tgt, "quantized", None))
     result.isolation = b.isolation
     if b.isolation == "target_dump":
         asked = {"op_level": inp.op_level, "own_error_steps": inp.own_error_steps > 0,

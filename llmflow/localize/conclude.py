@@ -67,6 +67,8 @@ class StepReplay:
     expert: int | None = None
     op_level: OpLevel | None = None  # ops.comparability of the chosen module's two op sequences
     overflow_op: OverflowOp | None = None  # ops.overflow_detail of the op where an overflow starts
+    # a quantized Linear layer's account of the chosen module's golden input (clipping, scales)
+    quant_detail: str | None = None
     # isolation from the target dump: each decoder layer's own error, the layer replayed whole
     layer_errors: dict[str, float] = field(default_factory=dict)
     # the same layers' own error against what each adds to the residual stream alone
@@ -329,9 +331,11 @@ CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
              mismatch: int | None, bad_token: int | None, stack: LayerStack | None,
              decode: Callable[[int], str], dtype: str, device: str, problems: list[str],
-             note: str | None = None, own_steps: OwnErrorSteps | None = None) -> Verdict:
+             note: str | None = None, own_steps: OwnErrorSteps | None = None,
+             quantized: dict[str, str] | None = None) -> Verdict:
     """The verdict of a bisect from what each replayed step showed (and, where measured, the chosen
-    module's own error per step)."""
+    module's own error per step). ``quantized``: the target's quantized Linear layers and their
+    weight types (an msModelSlim checkpoint), whose error is the quantization's own."""
     cand = chosen.candidate
     module = _standing_out(chosen)
     quiet = module is not None and below_notice(inp, cand, mismatch, bad_token)
@@ -373,7 +377,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     else:
         status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
                                                       problems, routing, stack, dtype, shared, own_steps,
-                                                      quiet=quiet)
+                                                      quiet=quiet, quantized=quantized or {})
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
         diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard has the error of its own "
@@ -405,6 +409,41 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         ops=chosen.op_rows, experts=chosen.experts, routing=routing, token_rows=rows,
         problems=problems, notes=[note] if note else [],
         overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level)
+
+
+#: how many of a quantized checkpoint's most sensitive Linear layers the verdict names
+QUANT_SENSITIVE_SHOWN = 5
+
+
+def _quantized_layer(module: str, qtype: str, detail: str | None, golden: str | None,
+                     target: str | None) -> str:
+    """What the verdict adds where the module named is a Linear layer of a quantized checkpoint."""
+    said = f" {module} is a {qtype} Linear layer of the quantized checkpoint"
+    said += f"; on the golden input, {detail}." if detail else "."
+    return (said + " Its weight against the float one: llmflow run weight_check "
+            f"--set golden={golden or 'FLOAT'} --set target={target or 'QUANTIZED'}; to keep it in float, "
+            f"quantize again with it in msModelSlim's disable_names (['{module}']).")
+
+
+def _quantization_spread(chosen: StepReplay, quantized: dict[str, str], steps: str) -> tuple[str, str]:
+    """Why a quantized checkpoint whose Linear layers err alike is inconclusive, and what to run:
+    its most sensitive Linear layers (the largest own error replayed on the golden inputs), the
+    ones msModelSlim users keep in float (``disable_names``)."""
+    linears = sorted((r for r in chosen.replayed if r["name"] in quantized and r.get("rel_l2") is not None),
+                     key=lambda r: -r["rel_l2"])[:QUANT_SENSITIVE_SHOWN]
+    kinds = ", ".join(sorted(set(quantized.values())))
+    reason = (f"the target is a quantized checkpoint ({len(quantized)} {kinds} Linear layers) and none of "
+              f"its modules' own error stands out at {steps}: the drift is the quantization's own, spread "
+              "over the layers, not one layer's fault")
+    if not linears:
+        return reason, ("dump both sides in module mode and compare them (llmflow compare) to see where the "
+                        "error grows")
+    reason += "; the most sensitive Linear layers: " + ", ".join(
+        f"{r['name']} ({r['rel_l2']:.3g})" for r in linears)
+    names = ", ".join(f"'{r['name']}'" for r in linears)
+    return reason, (f"keep the most sensitive Linear layers in float and quantize again (msModelSlim "
+                    f"QuantConfig disable_names=[{names}]), or use a finer scheme (W8A16, per-group "
+                    "scales, anti-outlier); then bisect again")
 
 
 def _side_label(inp: Any, side: str, spec: dict[str, Any] | None) -> str:
@@ -504,7 +543,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
            mismatch: int | None, bad_token: int | None, problems: list[str], routing: list[RoutingRow],
            stack: LayerStack | None, dtype: str,
            shared: SharedError | None = None, own_steps: OwnErrorSteps | None = None,
-           quiet: bool = False) -> tuple[str, str, str, Inconclusive | None]:
+           quiet: bool = False, quantized: dict[str, str] | None = None
+           ) -> tuple[str, str, str, Inconclusive | None]:
     """(status, headline, diagnosis, inconclusive) from the evidence; ``quiet``: the worst candidate
     stands out, but too little to name where nothing fails (``below_notice``)."""
     cand = chosen.candidate
@@ -536,6 +576,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                      "output of the last decoder layer (the dumps hold no output between them)")
         if cand.get("shard_rank") is not None:
             what += f" (rank {cand['shard_rank']}'s shard)"
+        if quantized and module in quantized:  # its error is its quantization's: said where it is named
+            what += f" ({quantized[module]}-quantized)"
         if cand["name"].endswith(KV_CACHE):
             what += " (the keys and values it writes to the KV cache)"
         op = f"; first bad op {chosen.first_op}" if chosen.first_op else ""
@@ -592,6 +634,14 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         if level is not None and not level.comparable:
             ops = ", ".join(o.name.rsplit("/", 1)[-1] for o in level.target_ops_around)
             diagnosis += f" The op level is not comparable: {level.reason} (target ops there: {ops})."
+        if quantized and module in quantized:
+            specs = [(spec or {}).get("model") for spec in (inp.golden_spec, inp.target_spec)]
+            diagnosis += _quantized_layer(module, quantized[module], chosen.quant_detail, *specs)
+            after = [r for r in chosen.ranked if r["name"] in quantized and r["name"] != module
+                     and r.get("score") is not None][:QUANT_SENSITIVE_SHOWN - 1]
+            if after:
+                diagnosis += (" The next most sensitive quantized Linear layers: "
+                              + ", ".join(f"{r['name']} ({r['score']:.1f}x)" for r in after) + ".")
         if from_dump and stack is not None and module in stack.layers:  # the dumps hold the layers whole
             diagnosis += (f" The dumps hold no module inside {module}: dump the target with its modules "
                           f"(layer_name: {module}.*, module mode with inputs and outputs) and bisect again "
@@ -640,6 +690,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     elif problems:
         reason = "the dumps are not whole: " + "; ".join(problems[:3])
         nxt = "rerun the dump stages (llmflow run ... --from dump-golden) and bisect again"
+    elif quantized and (bad_token is not None or mismatch is not None or shared is not None):
+        reason, nxt = _quantization_spread(chosen, quantized, steps)
     elif shared is not None:  # beyond rounding in the layers alike, but not a clear fault
         reason, nxt = _shared_reason(shared, dtype)
     elif bad_token is not None:

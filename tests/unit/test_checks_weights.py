@@ -12,19 +12,21 @@ from safetensors.torch import save_file
 
 from llmflow.checks.weights import (
     Checkpoint,
-    QuantConfig,
     compare_sources,
-    deq_scale_as_float,
-    dequantize,
-    find_quant_config,
-    int4_packed_dim,
     judge_siblings,
     map_name,
     open_weights,
     plan_source,
-    unpack_int4,
 )
 from llmflow.errors import UserError
+from llmflow.quantized import (
+    QuantConfig,
+    deq_scale_as_float,
+    dequantize,
+    find_quant_config,
+    int4_packed_dim,
+    unpack_int4,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 from checks_helpers import pack_int4, quant_int4_groups, quant_per_channel, write_sharded  # noqa: E402

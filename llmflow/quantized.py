@@ -1,0 +1,348 @@
+"""msModelSlim checkpoints: their quantization description, their dequantization, and the model
+of one, built so that its quantized Linear layers compute as the Ascend kernels do.
+
+``checks/weights.py`` reads these to compare a quantized checkpoint with its float one, weight by
+weight; ``models.load_model`` reads them to run one (``install_quantized_linears``), so that the
+bisect can replay a quantized port against its float golden and name the layers whose
+quantization costs most. The layout (msModelSlim 26.1's, checked against its output) is described
+in ``checks/weights.py``.
+
+How each weight type runs:
+
+* W8A16, W4A16 (weight-only): the Linear keeps a float weight, ``(weight - offset) * scale``; the
+  device's weight-quantized matmul dequantizes to the activations' dtype before it multiplies too.
+* W8A8, W8A8S (static): activations quantized per tensor, ``x8 = clamp(round(x / input_scale +
+  input_offset), -128, 127)``, the integer matmul accumulated exactly with ``quant_bias`` (which
+  holds the float bias and the offset's correction), scaled by ``deq_scale``: the scale the
+  device applies, not ``input_scale * weight_scale`` (the weight check tells where they differ).
+* W8A8_DYNAMIC: activations quantized per token, symmetric (``s = max|x| / 127``), times the
+  dequantized weight, plus the float bias.
+* W8A8_MIX: dynamic for a call that holds more than one position (a prefill), static otherwise
+  (msModelSlim's prefill/decode mix).
+
+Rounding is torch's (half to even), the integer accumulation exact (float64 holds every int32
+sum), the scales float32 as the device keeps them. What the emulation cannot show is a fault of
+the device's own kernels: for that, dump the device and bisect its dumps (``dump_bisect``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmflow.errors import UserError
+from llmflow.safetensors_files import SafetensorsFiles, holder_of
+
+#: weight types whose Linear layers run with a dequantized float weight
+WEIGHT_ONLY = {"W8A16": 8, "W4A16": 4}
+#: weight types whose Linear layers quantize their activations too, and how
+ACTIVATION_QUANT = {"W8A8": "static", "W8A8S": "static", "W8A8_DYNAMIC": "dynamic", "W8A8_MIX": "mix"}
+#: the tensors msModelSlim stores beside a quantized weight
+LINEAR_COMPANIONS = ("weight_scale", "weight_offset", "deq_scale", "quant_bias", "input_scale",
+                     "input_offset")
+
+
+@dataclass
+class QuantConfig:
+    """A parsed ``quant_model_description*.json``."""
+
+    types: dict[str, str] = field(default_factory=dict)
+    default: str | None = None
+    group_size: int | None = None
+    int4_packed: bool | None = None
+    path: Path | None = None
+    version: str | None = None  # "1.0.0": the ascendV1 save type (int4 packed two per byte)
+
+    def type_of(self, name: str) -> str | None:
+        return self.types.get(name, self.default)
+
+    @classmethod
+    def load(cls, path: Path) -> QuantConfig:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{path}: not a readable quantization description ({exc})") from exc
+        if not isinstance(data, dict):
+            raise UserError(f"{path}: expected a JSON object mapping tensor names to quant types")
+        group = data.get("group_size")
+        cfg = path.parent / "config.json"  # some exports keep group_size in config.json only
+        if group is None and cfg.is_file():
+            try:
+                group = (json.loads(cfg.read_text()).get("quantization_config") or {}).get("group_size")
+            except (OSError, ValueError, AttributeError):
+                group = None
+        packed = data.get("int4_packed")
+        types = {k: str(v).upper() for k, v in data.items() if isinstance(v, str) and "." in k}
+        default = data.get("model_quant_type")
+        version = data.get("version")
+        return cls(types, str(default).upper() if default else None,
+                   int(group) if isinstance(group, int) and group > 0 else None,
+                   packed if isinstance(packed, bool) else None, path,
+                   str(version) if isinstance(version, str) and version else None)
+
+
+def find_quant_config(path: Path) -> Path | None:
+    """The quant description next to a checkpoint: ``quant_model_description.json`` first."""
+    folder = path if path.is_dir() else path.parent
+    found = sorted(folder.glob("quant_model_description*.json"))
+    exact = folder / "quant_model_description.json"
+    return exact if exact in found else (found[0] if found else None)
+
+
+
+def unpack_int4(packed: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Two signed 4-bit values per byte, low nibble first -> int8, dimension ``dim`` doubled
+    (index 2j from byte j's low nibble, 2j + 1 from its high one)."""
+    if dim not in (-1, packed.dim() - 1):
+        return unpack_int4(packed.transpose(dim, -1)).transpose(dim, -1).contiguous()
+    b = packed.contiguous().view(torch.uint8).to(torch.int16)
+    lo, hi = b & 0xF, (b >> 4) & 0xF
+    both = torch.stack([lo, hi], dim=-1)
+    both = torch.where(both >= 8, both - 16, both).to(torch.int8)
+    return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def int4_packed_dim(stored: tuple[int, ...], scale: tuple[int, ...], quant: QuantConfig | None,
+                    twin: tuple[int, ...] | None) -> int | None:
+    """The dimension along which an int4 weight holds two values per byte, None when unpacked.
+
+    ascendV1 (a description with a ``version``) packs along the input dimension when the scale
+    has one column (per-channel, per-tensor) and along the output dimension otherwise
+    (per-group); ``"int4_packed": true`` means the last dimension; without either, the float twin's
+    shape tells (a stored dimension half the twin's)."""
+    if quant is not None and quant.int4_packed is not None:
+        return len(stored) - 1 if quant.int4_packed else None
+    if quant is not None and quant.version:
+        return len(stored) - 1 if not scale or scale[-1] == 1 else 0
+    if twin is None or len(twin) != len(stored):
+        return None
+    halved = [d for d in range(len(stored)) if stored[d] * 2 == twin[d]
+              and all(stored[e] == twin[e] for e in range(len(stored)) if e != d)]
+    return halved[-1] if halved else None
+
+
+def deq_scale_as_float(deq_scale: torch.Tensor) -> torch.Tensor:
+    """msModelSlim's ``deq_scale`` as float32: an int64 holds a float32's bits (fp16 models), a
+    floating tensor is the value itself (bf16 models)."""
+    if deq_scale.dtype.is_floating_point:
+        return deq_scale.to(torch.float32)
+    return deq_scale.to(torch.int64).to(torch.int32).view(torch.float32)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, *,
+               group_size: int | None = None) -> tuple[torch.Tensor, str]:
+    """``(weight - offset) * scale`` in float32, broadcast per tensor, channel or group.
+
+    Returns the tensor and the scheme's name; ``ValueError`` when the shapes do not fit.
+    """
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    o = offset.to(torch.float32) if offset is not None else torch.zeros_like(s)
+    if o.shape != s.shape and o.numel() != 1:
+        raise ValueError(f"weight_offset shape {list(o.shape)} differs from weight_scale {list(s.shape)}")
+    out_f = w.shape[0] if w.dim() else 1
+    if s.numel() == 1:
+        return (w - o.reshape(()) if o.numel() == 1 else w - o) * s.reshape(()), "per-tensor"
+    if s.numel() == out_f and (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)):
+        view = (out_f,) + (1,) * (w.dim() - 1)
+        return (w - o.reshape(view)) * s.reshape(view), "per-channel"
+    if w.dim() == 2 and s.dim() == 2:
+        if s.shape[0] != out_f and s.shape[1] == out_f:  # stored [n_groups, out]
+            s, o = s.t(), o.t() if o.dim() == 2 else o
+        n_groups, in_f = s.shape[1], w.shape[1]
+        if s.shape[0] == out_f and in_f % n_groups == 0:
+            g = in_f // n_groups
+            if group_size is not None and group_size != g:
+                raise ValueError(f"group size {g} (from scale shape {list(scale.shape)}) differs from "
+                                 f"the config's group_size {group_size}")
+            o = o.reshape(out_f, n_groups, 1) if o.numel() != 1 else o.reshape(())
+            deq = (w.reshape(out_f, n_groups, g) - o) * s.reshape(out_f, n_groups, 1)
+            return deq.reshape(out_f, in_f), f"per-group g={g}"
+    raise ValueError(f"weight_scale shape {list(scale.shape)} fits neither per-tensor, per-channel nor "
+                     f"per-group quantization of a weight of shape {list(weight.shape)}")
+
+
+def _float32_bits(t: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor held as its int32 bits: ``Module.to(dtype)`` casts every floating buffer
+    (a bf16 model would round its scales), never an integer one."""
+    return t.to(torch.float32).contiguous().view(torch.int32)
+
+
+class W8A8Linear(nn.Module):
+    """A Linear layer of an msModelSlim W8A8 checkpoint (W8A8, W8A8S, W8A8_DYNAMIC, W8A8_MIX),
+    computing as the Ascend int8 kernels do (see the module docstring). Its ``weight`` and
+    ``quant_bias`` buffers are the checkpoint's integers under the checkpoint's names."""
+
+    def __init__(self, qtype: str, weight: torch.Tensor, tensors: dict[str, torch.Tensor],
+                 group_size: int | None):
+        super().__init__()
+        self.qtype, self.mode = qtype, ACTIVATION_QUANT[qtype]
+        self.out_features, self.in_features = weight.shape
+        self.group_size = group_size
+        self.register_buffer("weight", weight.to(torch.int8))
+        static = self.mode in ("static", "mix")
+        dynamic = self.mode in ("dynamic", "mix")
+        needed = (("input_scale", "input_offset", "deq_scale", "quant_bias") if static else ()) + \
+            (("weight_scale",) if dynamic else ())
+        missing = [n for n in needed if n not in tensors]
+        if missing:
+            raise ValueError(f"{qtype} needs {', '.join(missing)} beside the weight")
+        if static:
+            self.register_buffer("quant_bias", tensors["quant_bias"].to(torch.int32).reshape(-1))
+            self.register_buffer("input_scale_bits", _float32_bits(tensors["input_scale"].reshape(-1)))
+            self.register_buffer("input_offset_bits", _float32_bits(tensors["input_offset"].reshape(-1)))
+            self.register_buffer("deq_scale_bits", _float32_bits(deq_scale_as_float(tensors["deq_scale"])
+                                                                 .reshape(-1)))
+        weight_scale = tensors.get("weight_scale")  # (W8A8S stores none: its deq_scale is all there is)
+        self.register_buffer("weight_scale_bits",
+                             None if weight_scale is None else _float32_bits(weight_scale))
+        if dynamic:
+            offset = tensors.get("weight_offset")
+            self.register_buffer("weight_offset_bits", None if offset is None else _float32_bits(offset))
+            # the float bias is added after the dynamic matmul; the static one holds it in quant_bias
+            bias = tensors.get("bias")
+            self.register_buffer("bias_bits", None if bias is None else _float32_bits(bias.reshape(-1)))
+            dequantize(self.weight, tensors["weight_scale"], offset, group_size=group_size)  # shapes fit
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype}, in_features={self.in_features}, out_features={self.out_features}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.float32)
+        prefill = x.dim() >= 2 and x.shape[-2] > 1
+        if self.mode == "dynamic" or (self.mode == "mix" and prefill):
+            out = self._dynamic(rows)
+        else:
+            out = self._static(rows)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def explain(self, x: torch.Tensor) -> str | None:
+        """What this layer's quantization does to input ``x``, in a sentence: how much of it the
+        static activation quantization clips (a calibration that saw smaller values), and whether
+        ``deq_scale`` is the product of the scales it should be. None where neither applies."""
+        rows = x.reshape(-1, self.in_features).to(device=self.weight.device, dtype=torch.float32)
+        said = []
+        if self.mode == "static" or (self.mode == "mix" and not (x.dim() >= 2 and x.shape[-2] > 1)):
+            scale = self.input_scale_bits.view(torch.float32)
+            offset = self.input_offset_bits.view(torch.float32)
+            level = rows / scale + offset
+            clipped = int(((level < -128.5) | (level > 127.5)).sum())
+            if clipped:
+                said.append(f"its static activation quantization clips {clipped} of the input's "
+                            f"{level.numel()} values ({clipped / level.numel():.2%})")
+            if clipped and scale.numel() == 1 and offset.numel() == 1:  # (per tensor: one range)
+                low, high = float((-128 - offset) * scale), float((127 - offset) * scale)
+                said[-1] += (f": input_scale {float(scale):.4g} and input_offset {float(offset):.4g} cover "
+                             f"[{low:.4g}, {high:.4g}], the input spans [{float(rows.min()):.4g}, "
+                             f"{float(rows.max()):.4g}]")
+            weight_scale = self.weight_scale_bits
+            if weight_scale is not None and weight_scale.numel() in (1, self.out_features):
+                implied = scale * weight_scale.view(torch.float32).reshape(-1)
+                tiny = torch.finfo(torch.float32).tiny
+                ratio = self.deq_scale_bits.view(torch.float32) / implied.clamp_min(tiny)
+                off = (ratio - 1).abs() > 1e-4
+                if bool(off.any()):
+                    worst = float(ratio[off][(ratio[off].log().abs()).argmax()])
+                    said.append(f"its deq_scale is {worst:.4g}x input_scale x weight_scale in "
+                                f"{int(off.sum())} of {off.numel()} channels (the device scales its output "
+                                "by deq_scale)")
+        return "; ".join(said) or None
+
+    def _static(self, rows: torch.Tensor) -> torch.Tensor:
+        scale = self.input_scale_bits.view(torch.float32)
+        offset = self.input_offset_bits.view(torch.float32)
+        x8 = torch.clamp(torch.round(rows / scale + offset), -128, 127)
+        # the device accumulates in int32: float64 holds every such sum exactly
+        acc = x8.to(torch.float64) @ self.weight.to(torch.float64).T + self.quant_bias.to(torch.float64)
+        return acc * self.deq_scale_bits.view(torch.float32).to(torch.float64)
+
+    def _dynamic(self, rows: torch.Tensor) -> torch.Tensor:
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        x8 = torch.clamp(torch.round(rows / scale), -128, 127)
+        offset = None if self.weight_offset_bits is None else self.weight_offset_bits.view(torch.float32)
+        weight, _ = dequantize(self.weight, self.weight_scale_bits.view(torch.float32), offset,
+                               group_size=self.group_size)
+        out = (x8.to(torch.float64) @ weight.to(torch.float64).T) * scale.to(torch.float64)
+        if self.bias_bits is not None:
+            out = out + self.bias_bits.view(torch.float32).to(torch.float64)
+        return out
+
+
+@dataclass
+class QuantizedLinears:
+    """What ``install_quantized_linears`` did: the checkpoint tensors it read (the caller loads
+    the rest) and the weight type of each Linear layer it made quantized."""
+
+    read: set[str] = field(default_factory=set)
+    layers: dict[str, str] = field(default_factory=dict)  # Linear layer name -> its weight type
+
+    def describe(self) -> str:
+        """``28 W8A8``, ``2 W8A16, 26 W8A8``: the Linear layers of each weight type."""
+        return ", ".join(f"{n} {t}" for t, n in sorted(Counter(self.layers.values()).items()))
+
+
+def install_quantized_linears(model: nn.Module, files: SafetensorsFiles, quant: QuantConfig
+                              ) -> QuantizedLinears:
+    """Each ``nn.Linear`` of ``model`` (built without weights) whose checkpoint weight is quantized
+    made to compute as its weight type says (see the module docstring); UserError naming the tensor
+    where a type cannot be run, or where a quantized tensor has no Linear layer to go to."""
+    done = QuantizedLinears()
+    where = files.directory
+    for name, module in list(model.named_modules()):
+        key = f"{name}.weight"
+        if not isinstance(module, nn.Linear) or key not in files:
+            continue
+        stored = files.stored_dtype(key)
+        if stored is None or stored.is_floating_point:
+            continue  # a float layer (msModelSlim keeps the ones it was told not to quantize)
+        qtype = quant.type_of(key) or "W8A16"
+        base = f"{name}."
+        tensors = {c: files.read(base + c) for c in (*LINEAR_COMPANIONS, "bias") if base + c in files}
+        try:
+            if qtype in WEIGHT_ONLY:
+                if "weight_scale" not in tensors:
+                    raise ValueError("no weight_scale beside the integer weight")
+                weight = files.read(key)
+                if WEIGHT_ONLY[qtype] == 4:
+                    dim = int4_packed_dim(tuple(weight.shape), tuple(tensors["weight_scale"].shape), quant,
+                                          (module.out_features, module.in_features))
+                    weight = unpack_int4(weight, dim) if dim is not None else weight
+                deq, _ = dequantize(weight, tensors["weight_scale"], tensors.get("weight_offset"),
+                                    group_size=quant.group_size)
+                if tuple(deq.shape) != (module.out_features, module.in_features):
+                    raise ValueError(f"dequantizes to {list(deq.shape)}, the layer is "
+                                     f"[{module.out_features}, {module.in_features}]")
+                module._parameters["weight"] = nn.Parameter(deq, requires_grad=False)
+                read = {key, *(base + c for c in LINEAR_COMPANIONS if base + c in files)}
+            elif qtype in ACTIVATION_QUANT:
+                weight = files.read(key)
+                if tuple(weight.shape) != (module.out_features, module.in_features):
+                    raise ValueError(f"shape {list(weight.shape)}, the layer is "
+                                     f"[{module.out_features}, {module.in_features}]")
+                parent, attr = holder_of(model, name)
+                setattr(parent, attr, W8A8Linear(qtype, weight, tensors, quant.group_size))
+                read = {key, *(base + c for c in (*LINEAR_COMPANIONS, "bias") if base + c in files)}
+            else:
+                raise UserError(f"{where}: {key} is quantized as {qtype}, which llmflow cannot run (it runs "
+                                f"{', '.join([*WEIGHT_ONLY, *ACTIVATION_QUANT])}); bisect the device's "
+                                "own dumps instead (dump_bisect)")
+        except ValueError as exc:
+            raise UserError(f"{where}: {key} ({qtype}): {exc}") from exc
+        done.read |= read
+        done.layers[name] = qtype
+    own = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    left = sorted(n for n in files.stored if n not in done.read and n not in own)
+    if left:
+        described = quant.path.name if quant.path else "the description"
+        raise UserError(f"{where}: the quantized tensor {left[0]!r} ({quant.types.get(left[0], 'no type')} "
+                        f"in {described}) belongs to no Linear layer of the model ({len(left)} such "
+                        "tensor(s)): llmflow runs quantized Linear layers only (not quantized KV caches, "
+                        "fused experts or convolutions); bisect the device's own dumps instead (dump_bisect)")
+    return done
+

@@ -1,0 +1,286 @@
+"""An msModelSlim checkpoint as the bisect's target: quantized by the real tool on the CPU from a
+tiny seeded float model, loaded by llmflow with its quantized Linear layers computing as the
+Ascend kernels do, and bisected against the float model.
+
+What is checked: the emulation computes what msModelSlim's own fake-quantized model computes (W8A16,
+W4A16 per-group packed, W8A8 static); W8A8_DYNAMIC quantizes each token alone and W8A8_MIX is dynamic
+at the prefill, static at a decode step; a calibration that clipped one layer's activations, a wrong
+weight scale and a clipped decode-only (W8A8_MIX) layer are each named to their Linear layer
+(Llama, and Qwen2 with its biased projections); an honest checkpoint is never called a fault: the
+verdict says the drift is the quantization's own and which Linear layers to keep in float; types
+llmflow cannot run, and quantized tensors with no Linear layer to go to, are bad input in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from path_helpers import checkout_path
+
+pytest.importorskip("msmodelslim", reason="msmodelslim (the test extra) is not installed")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from bisect_helpers import bisect_dumps, golden_maker, make_dumps, save_char_tokenizer  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from llmflow.errors import UserError  # noqa: E402
+from llmflow.models import build_tiny, load_model  # noqa: E402
+from llmflow.quantized import W8A8Linear, deq_scale_as_float  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SIZE = "layers=4,hidden=64,intermediate=128,seed=3"
+LAYER = 2
+#: ids the fake-quantized model and llmflow's emulation both run
+IDS = [[5, 9, 30, 41, 7, 12, 3, 77]]
+#: scheme -> msModelSlim QuantConfig arguments, whether it calibrates on prompts, its save type
+SCHEMES: dict[str, tuple[dict, bool, str]] = {
+    "w8a16": ({"w_bit": 8, "a_bit": 16, "w_sym": True}, False, "safe_tensor"),
+    "w4a16_group": ({"w_bit": 4, "a_bit": 16, "w_sym": False, "is_lowbit": True, "open_outlier": False,
+                     "group_size": 32}, False, "ascendV1"),
+    "w8a8": ({"w_bit": 8, "a_bit": 8, "w_sym": True}, True, "safe_tensor"),
+    "w8a8_dynamic": ({"w_bit": 8, "a_bit": 8, "w_sym": True, "is_dynamic": True}, True, "safe_tensor"),
+    "w8a8_mix": ({"w_bit": 8, "a_bit": 8, "w_sym": True, "pdmix": True}, True, "ascendV1"),
+}
+
+
+def _quantize(float_dir: Path, scheme: str, out: Path) -> Path:
+    """msModelSlim's checkpoint of ``float_dir`` beside the float model's config and tokenizer, as a
+    user lays it out; ``fake_logits.pt`` holds the logits of msModelSlim's own fake-quantized model."""
+    from msmodelslim import logger as mslogger
+    from msmodelslim.pytorch.llm_ptq.llm_ptq_tools import Calibrator, QuantConfig
+
+    mslogger.setLevel(logging.ERROR)
+    kwargs, calibrates, save_type = SCHEMES[scheme]
+    cfg = QuantConfig(disable_names=[], dev_type="cpu", **{"mm_tensor": False, **kwargs})
+    prompts = [[torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(i))] for i in range(3)]
+    out.mkdir(parents=True)
+    cwd = os.getcwd()
+    os.chdir(out)  # the calibrator leaves a features.npy in the working directory
+    try:
+        model = load_model(str(float_dir)).model
+        calibrator = Calibrator(model, cfg, calib_data=prompts if calibrates else None, disable_level="L0")
+        calibrator.run()
+        with torch.no_grad():
+            fake = model(torch.tensor(IDS)).logits
+        calibrator.save(str(out), save_type=[save_type])
+    finally:
+        os.chdir(cwd)
+    (out / "features.npy").unlink(missing_ok=True)
+    torch.save(fake, out.parent / f"{out.name}.fake_logits.pt")
+    for f in float_dir.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def float_dirs(tmp_path_factory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def float_dir(family: str) -> Path:
+        if family not in made:
+            directory = tmp_path_factory.mktemp(family) / "float"
+            build_tiny(family, SIZE).save_pretrained(str(directory))
+            save_char_tokenizer(directory)
+            made[family] = directory
+        return made[family]
+    return float_dir
+
+
+@pytest.fixture(scope="module")
+def quantized(float_dirs, tmp_path_factory) -> Callable[[str, str], Path]:
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, scheme: str) -> Path:
+        if (family, scheme) not in made:
+            made[family, scheme] = _quantize(float_dirs(family), scheme,
+                                             tmp_path_factory.mktemp(f"{family}-{scheme}") / "quant")
+        return made[family, scheme]
+    return get
+
+
+@pytest.fixture(scope="module")
+def goldens(tmp_path_factory, float_dirs):
+    return golden_maker(tmp_path_factory, lambda family: str(float_dirs(family)))
+
+
+def _edited(folder: Path, dest: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of an msModelSlim checkpoint folder with its tensors edited."""
+    shutil.copytree(folder, dest)
+    weights = next(dest.glob("quant_model_weight*.safetensors"))
+    tensors = load_file(str(weights))
+    edit(tensors)
+    save_file(tensors, str(weights))
+    return dest
+
+
+def _scale_activation_range(prefix: str, factor: float) -> Callable[[dict[str, torch.Tensor]], None]:
+    """A calibration that saw ``factor`` x smaller activations at one Linear layer: input_scale and,
+    consistent with it, deq_scale divided by ``factor`` (the device clips what lies beyond)."""
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        t[prefix + "input_scale"] = t[prefix + "input_scale"] / factor
+        deq = deq_scale_as_float(t[prefix + "deq_scale"]) / factor
+        stored = t[prefix + "deq_scale"]
+        t[prefix + "deq_scale"] = deq if stored.dtype.is_floating_point else \
+            deq.view(torch.int32).to(torch.int64)
+    return edit
+
+
+def _scale_weight(prefix: str, factor: float) -> Callable[[dict[str, torch.Tensor]], None]:
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        t[prefix + "weight_scale"] = t[prefix + "weight_scale"] * factor
+    return edit
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# -- the emulation ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16_group", "w8a8"])
+def test_emulation_computes_what_msmodelslims_fake_quantized_model_computes(scheme, quantized, float_dirs):
+    folder = quantized("llama", scheme)
+    fake = torch.load(folder.parent / f"{folder.name}.fake_logits.pt", weights_only=True)
+    float_logits = load_model(str(float_dirs("llama"))).model(torch.tensor(IDS)).logits
+    loaded = load_model(str(folder))
+    with torch.no_grad():
+        ours = loaded.model(torch.tensor(IDS)).logits
+    quant_error = _rel(fake, float_logits)
+    assert quant_error > 1e-3  # the checkpoint is quantized: the check below can tell
+    assert _rel(ours, fake) < max(1e-5, 0.05 * quant_error), (_rel(ours, fake), quant_error)
+    assert len(loaded.quantized) == 4 * 7 and "msModelSlim checkpoint" in loaded.note
+
+
+def test_dynamic_quantizes_each_token_alone_and_mix_is_static_at_a_decode_step(quantized):
+    dynamic = load_model(str(quantized("llama", "w8a8_dynamic"))).model
+    layer = dynamic.model.layers[1].mlp.down_proj
+    assert isinstance(layer, W8A8Linear) and layer.mode == "dynamic"
+    x = torch.randn(1, 5, layer.in_features, generator=torch.Generator().manual_seed(0))
+    x[0, 2] *= 50  # one token's outlier moves its own scale only
+    whole = layer(x)
+    assert torch.equal(whole[0, 0], layer(x[:, :1])[0, 0])
+    assert torch.equal(whole[0, 4], layer(x[:, 4:5])[0, 0])
+
+    mix = load_model(str(quantized("llama", "w8a8_mix"))).model.model.layers[1].mlp.down_proj
+    assert isinstance(mix, W8A8Linear) and mix.qtype == "W8A8_MIX"
+    assert torch.equal(mix(x[:, :1]), mix._static(x[0, :1]).to(x.dtype).reshape(1, 1, -1))
+    assert torch.equal(mix(x), mix._dynamic(x[0]).to(x.dtype).reshape(1, 5, -1))
+    assert not torch.equal(mix(x)[0, :1], mix(x[:, :1])[0])  # prefill and decode differ
+
+
+# -- the bisect, families x faults ---------------------------------------------------------------------
+
+#: fault -> (scheme, the Linear layer broken in layer LAYER, the edit, what the verdict says of it)
+FAULTS = {
+    "clipped_calibration": ("w8a8", "mlp.down_proj", lambda p: _scale_activation_range(p, 8.0),
+                            "its static activation quantization clips"),
+    "wrong_weight_scale": ("w8a16", "self_attn.o_proj", lambda p: _scale_weight(p, 1.6), None),
+    "clipped_decode_only": ("w8a8_mix", "mlp.down_proj", lambda p: _scale_activation_range(p, 8.0), "clips"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_broken_quantized_layer_is_named(family, fault, quantized, goldens, float_dirs, tmp_path):
+    scheme, linear, edit, says = FAULTS[fault]
+    name = f"model.layers.{LAYER}.{linear}"
+    target = _edited(quantized(family, scheme), tmp_path / "quant", edit(name + "."))
+    dumps = make_dumps(tmp_path, str(float_dirs(family)), target_model=str(target),
+                       golden_dir=goldens(family))
+    v = bisect_dumps(dumps, estimate_cost=False)
+    assert v["status"] == "fail", v["headline"]
+    assert v["first_bad_module"] == name, [c["name"] for c in v["candidates"][:3]]
+    assert v["headline"].startswith(f"{name} ({SCHEMES_TYPE[scheme]}-quantized) is the fault"), v["headline"]
+    assert f"{name} is a {SCHEMES_TYPE[scheme]} Linear layer of the quantized checkpoint" in v["diagnosis"]
+    assert f"disable_names (['{name}'])" in v["diagnosis"]
+    if says:
+        assert says in v["diagnosis"], v["diagnosis"]
+    if fault == "clipped_decode_only":  # the prefill quantizes dynamically: only a decode step shows it
+        assert v["replay"]["step"] > 0, v["replay"]
+
+
+SCHEMES_TYPE = {"w8a8": "W8A8", "w8a16": "W8A16", "w8a8_mix": "W8A8_MIX"}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_honest_checkpoint_is_told_as_its_quantization(family, quantized, goldens, float_dirs, tmp_path):
+    """Honest quantization errs in every Linear layer; the verdict is about the quantization either
+    way: the drift spread over the layers (inconclusive, with the layers to keep in float), or the
+    one Linear layer whose quantization costs most, named as such (a layer with activation
+    outliers: the one msModelSlim users keep in float). Never a module that is not quantized."""
+    dumps = make_dumps(tmp_path, str(float_dirs(family)), target_model=str(quantized(family, "w8a8")),
+                       golden_dir=goldens(family))
+    v = bisect_dumps(dumps, estimate_cost=False)
+    assert any("msModelSlim checkpoint (28 W8A8 Linear layers)" in n for n in v["notes"])
+    if v["status"] == "fail":
+        name = v["first_bad_module"]
+        assert v["headline"].startswith(f"{name} (W8A8-quantized) is the fault"), v["headline"]
+        assert f"disable_names (['{name}'])" in v["diagnosis"]
+        assert "The next most sensitive quantized Linear layers: model.layers." in v["diagnosis"]
+    else:
+        assert v["status"] == "inconclusive" and v["first_bad_module"] is None, v["headline"]
+        assert "the drift is the quantization's own" in v["inconclusive"]["reason"]
+        assert "disable_names=['model.layers." in v["inconclusive"]["next"]
+
+
+# -- the user's way ------------------------------------------------------------------------------------
+
+def _llmflow_run(run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "llmflow", "run", "llama2_bisect", "--run-dir", str(run_dir),
+            "--progress", "plain", "--set", "max_new_tokens=4"]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=run_dir.parent,
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
+
+
+def test_llmflow_run_names_the_clipped_layer_of_a_users_checkpoint(quantized, float_dirs, tmp_path):
+    name = f"model.layers.{LAYER}.mlp.down_proj"
+    target = _edited(quantized("llama", "w8a8"), tmp_path / "w8a8-clipped",
+                     _scale_activation_range(name + ".", 8.0))
+    proc = _llmflow_run(tmp_path / "run", f"golden_model={float_dirs('llama')}", f"target_model={target}")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith(f"FAILED: {name} (W8A8-quantized) is the fault"), last
+    verdict = json.loads((tmp_path / "run" / "bisect" / "verdict.json").read_text())
+    assert "its static activation quantization clips" in verdict["diagnosis"] and verdict["notes"]
+    assert " cover [" in verdict["diagnosis"], verdict["diagnosis"]  # the range it covers, and the input's
+
+
+def test_a_type_llmflow_cannot_run_is_bad_input_in_one_line(quantized, tmp_path):
+    target = tmp_path / "w8a8sc"
+    shutil.copytree(quantized("llama", "w8a8"), target)
+    description = next(target.glob("quant_model_description*.json"))
+    data = json.loads(description.read_text())
+    key = f"model.layers.{LAYER}.mlp.up_proj.weight"
+    data[key] = "W8A8SC"
+    description.write_text(json.dumps(data))
+    proc = subprocess.run([sys.executable, "-m", "llmflow", "run", "llama2_bisect", "--run-dir",
+                           str(tmp_path / "run"), "--set", f"golden_model={target}", "--set",
+                           f"target_model={target}", "--only", "seed", "--only", "dump-npu"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert f"{key} is quantized as W8A8SC, which llmflow cannot run" in last
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_quantized_tensor_with_no_linear_layer_is_bad_input(quantized, tmp_path):
+    """A quantized KV cache's scales (or fused experts') have no Linear layer to go to: refused by
+    name, never loaded half."""
+    name = f"model.layers.{LAYER}.self_attn.k_proj.kv_cache_scale"
+    target = _edited(quantized("llama", "w8a8"), tmp_path / "kv",
+                     lambda t: t.__setitem__(name, torch.ones(16)))
+    with pytest.raises(UserError, match=f"the quantized tensor '{name}'.*belongs to no Linear layer"):
+        load_model(str(target))
