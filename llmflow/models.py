@@ -235,6 +235,8 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
                         "device's own quantized run and bisect that (dump_bisect)")
     module = module.to(device=dev, dtype=dt).eval()
     module.requires_grad_(False)
+    if note:  # (each stage that loads it says so on the console: what runs is not what it may seem)
+        log.info("model %s: %s", model, note)
     return LoadedModel(module, tokenizer, model, dev, dt, note, quantized)
 
 
@@ -318,6 +320,9 @@ def _load_msmodelslim(path: Path, dt: torch.dtype, description: Path
     ``config.json``): built without weights, its quantized Linear layers computing as the Ascend
     kernels do (``quantized.install_quantized_linears``), every other tensor read as stored, cast to
     ``dt``. With the note the console and the verdict repeat: what runs is an emulation."""
+    if not (path / "config.json").is_file():
+        raise UserError(f"model {str(path)!r}: an msModelSlim checkpoint without config.json: copy the float "
+                        "model's config.json and tokenizer files beside its quantized weights")
     quant = QuantConfig.load(description)
     files = SafetensorsFiles(path)
     module, tokenizer = empty_hf_model(path, dt)
@@ -329,7 +334,7 @@ def _load_msmodelslim(path: Path, dt: torch.dtype, description: Path
     log.info("model %s: msModelSlim checkpoint, quantized Linear layers: %s", path, installed.describe())
     note = (f"An msModelSlim checkpoint ({installed.describe()} Linear layers) run by llmflow's emulation "
             "of the Ascend quantized kernels: it shows what the quantization costs, not a fault of the "
-            "device's own kernels (for those, bisect the device's dumps: dump_bisect)")
+            "device's own kernels (for those, bisect the device's dumps: dump_bisect).")
     return module, tokenizer, note, installed.layers
 
 
@@ -367,6 +372,17 @@ def _load_tokenizer(path: Path) -> Any:
         return None  # a model without a tokenizer still runs on input_ids
 
 
+def is_quantized_checkpoint(model: str, base_dir: str | Path = ".") -> bool:
+    """Whether ``model`` names an msModelSlim checkpoint (safetensors with a quant description)."""
+    from llmflow.plugins import is_file_ref
+
+    if not model or model == "smollm2" or model.startswith("tiny-") or is_file_ref(model):
+        return False
+    path = Path(model).expanduser()
+    path = path if path.is_absolute() else Path(base_dir) / path
+    return path.is_dir() and any(path.glob("*.safetensors")) and find_quant_config(path) is not None
+
+
 def checkpoint_dir(model: str, base_dir: str | Path = ".") -> Path | None:
     """The local directory of safetensors files ``model`` loads from: SmolLM2's converted copy, or
     a Hugging Face directory holding ``*.safetensors``; None for a spec built in code (tiny-<family>,
@@ -382,7 +398,7 @@ def checkpoint_dir(model: str, base_dir: str | Path = ".") -> Path | None:
     if not (path.is_dir() and any(path.glob("*.safetensors"))):
         return None
     # an msModelSlim checkpoint is not the model's own tensors: it is loaded whole, emulated
-    return None if find_quant_config(path) is not None else path
+    return None if is_quantized_checkpoint(str(path)) else path
 
 
 def empty_hf_model(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:
@@ -540,7 +556,9 @@ class ByteTokenizer:
 def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool = True) -> list[int]:
     """Token ids of ``prompt``, wrapped in the tokenizer's chat template when it has one."""
     if tokenizer is None:
-        raise UserError("prompt: the model has no tokenizer; give input_ids instead")
+        raise UserError("prompt: the model has no tokenizer to encode it: put its tokenizer files "
+                        "(tokenizer.json, tokenizer_config.json) in the model's folder (an msModelSlim "
+                        "checkpoint's: the float model's, copied beside its weights), or give token ids")
     if chat_template and getattr(tokenizer, "chat_template", None):
         out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                             add_generation_prompt=True, tokenize=True)

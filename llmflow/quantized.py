@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -273,6 +274,20 @@ class W8A8Linear(nn.Module):
         return out
 
 
+class NormBias(nn.Module):
+    """A norm msModelSlim's anti-outlier gave a bias (its ``NormBias``): ``module(x) + bias``. The
+    smoothing divided the norm's weight by a per-channel scale the Linear layers reading it took
+    on; ``unsmooth`` moves it back into them, so each module sees what the float model's sees."""
+
+    def __init__(self, module: nn.Module, bias: torch.Tensor):
+        super().__init__()
+        self.module = module
+        self.bias = nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return self.module(*args, **kwargs) + self.bias
+
+
 @dataclass
 class QuantizedLinears:
     """What ``install_quantized_linears`` did: the checkpoint tensors it read (the caller loads
@@ -280,6 +295,7 @@ class QuantizedLinears:
 
     read: set[str] = field(default_factory=set)
     layers: dict[str, str] = field(default_factory=dict)  # Linear layer name -> its weight type
+    smoothed: list[str] = field(default_factory=list)  # the norms anti-outlier gave a bias (NormBias)
 
     def describe(self) -> str:
         """``28 W8A8``, ``2 W8A16, 26 W8A8``: the Linear layers of each weight type."""
@@ -335,9 +351,16 @@ def install_quantized_linears(model: nn.Module, files: SafetensorsFiles, quant: 
             raise UserError(f"{where}: {key} ({qtype}): {exc}") from exc
         done.read |= read
         done.layers[name] = qtype
+    _install_norm_biases(model, files, done)
     own = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
         {n for n, _ in model.named_buffers(remove_duplicate=False)}
     left = sorted(n for n in files.stored if n not in done.read and n not in own)
+    experts = next((n for n in left if ".experts." in n), None)
+    if experts is not None:  # a checkpoint of experts one by one, a model class that fuses them
+        raise UserError(f"{where}: the checkpoint stores its MoE experts one by one ({experts!r}, "
+                        f"{len(left)} such tensor(s)), which this transformers' {type(model).__name__} "
+                        "fuses into one tensor per projection: llmflow cannot run quantized experts that "
+                        "way; bisect the device's own dumps instead (dump_bisect)")
     if left:
         described = quant.path.name if quant.path else "the description"
         raise UserError(f"{where}: the quantized tensor {left[0]!r} ({quant.types.get(left[0], 'no type')} "
@@ -346,3 +369,112 @@ def install_quantized_linears(model: nn.Module, files: SafetensorsFiles, quant: 
                         "fused experts or convolutions); bisect the device's own dumps instead (dump_bisect)")
     return done
 
+
+def _install_norm_biases(model: nn.Module, files: SafetensorsFiles, done: QuantizedLinears) -> None:
+    """Each norm stored as msModelSlim's anti-outlier leaves it (``N.module.weight``, the norm's
+    own tensors; ``N.bias``, the bias it adds; ``N.weight``, a copy of the norm's weight) wrapped
+    in a ``NormBias``. A bias the inner norm stores where the model's norm has none is added to
+    the outer one (msModelSlim's norm adds both); a copy that differs from the weight is refused:
+    which of the two the device reads is not known."""
+    for name, module in list(model.named_modules()):
+        inner = f"{name}.module."
+        if not name or f"{inner}weight" not in files or module._parameters.get("weight") is None:
+            continue
+        if f"{name}.weight" in files and not torch.equal(files.read(f"{name}.weight").float(),
+                                                         files.read(f"{inner}weight").float()):
+            raise UserError(f"{files.directory}: {name}.weight and {inner}weight differ: an anti-outlier "
+                            "norm stores its weight twice, and which one the device reads is not known")
+        bias = files.read(f"{name}.bias").float() if f"{name}.bias" in files else \
+            torch.zeros(module._parameters["weight"].shape)
+        if f"{inner}bias" in files and module._parameters.get("bias") is None:
+            bias = bias + files.read(f"{inner}bias").float()
+            done.read.add(f"{inner}bias")
+        parent, attr = holder_of(model, name)
+        setattr(parent, attr, NormBias(module, bias))
+        done.read |= {n for n in (f"{name}.weight", f"{name}.bias") if n in files}
+        done.smoothed.append(name)
+
+
+def unsmooth(model: nn.Module, golden_weights: dict[str, torch.Tensor], probe: Callable[[], torch.Tensor],
+             tolerance: float) -> list[str]:
+    """Move each ``NormBias``'s smoothing into the Linear layers that read it: the norm takes the
+    float model's weight (``golden_weights``: norm name -> its weight) and no bias, each Linear
+    layer reading it first computes ``x / s + bias`` (``s``: float weight over smoothed weight,
+    per channel, measured by running the norm with each), so the model computes what it did while
+    each module's input is the float model's. The readers are found by one ``probe`` forward
+    (hooks: the very tensor a norm returns handed to a Linear); a second must give the same output
+    as before within ``tolerance`` (relative L2), else nothing is changed. Returns the norms moved."""
+    norms = {n: m for n, m in model.named_modules() if isinstance(m, NormBias) and n in golden_weights}
+    if not norms:
+        return []
+    seen: dict[int, tuple[str, torch.Tensor]] = {}  # id of a norm's output -> (norm, the output kept alive)
+    readers: dict[str, list[nn.Module]] = {n: [] for n in norms}
+
+    def saw(name: str) -> Callable[..., None]:
+        return lambda _m, _args, out: seen.__setitem__(id(out), (name, out))
+
+    def read(module: nn.Module) -> Callable[..., None]:
+        def hook(_m: nn.Module, args: tuple) -> None:
+            if args and id(args[0]) in seen and seen[id(args[0])][1] is args[0]:
+                readers[seen[id(args[0])][0]].append(module)
+        return hook
+
+    hooks = [m.register_forward_hook(saw(n)) for n, m in norms.items()]
+    hooks += [m.register_forward_pre_hook(read(m)) for m in model.modules()
+              if isinstance(m, (nn.Linear, W8A8Linear))]
+    try:
+        with torch.no_grad():
+            before = probe().float()
+    finally:
+        for h in hooks:
+            h.remove()
+    seen.clear()
+    moved, undo = [], []
+    for name, norm in norms.items():
+        weight = norm.module._parameters["weight"]
+        scale = _smoothing_scale(norm.module, golden_weights[name].to(weight.device, torch.float32))
+        if scale is not None and bool(((scale - 1).abs() <= 1e-3).all()) and not bool(norm.bias.any()):
+            moved.append(name)  # not smoothed (a norm before a float layer): nothing to move
+            continue
+        if scale is None or not readers[name]:
+            continue
+        inverse = (1 / scale).to(weight.dtype)
+        shift = norm.bias.detach().clone()
+        old_weight, old_bias = weight.data.clone(), norm.bias.data.clone()
+        weight.data.copy_(golden_weights[name].to(weight.device, weight.dtype))
+        norm.bias.data.zero_()
+        handles = [m.register_forward_pre_hook(
+            lambda _m, args, inverse=inverse, shift=shift: (args[0] * inverse + shift, *args[1:]))
+            for m in dict.fromkeys(readers[name])]
+        undo.append((weight, old_weight, norm.bias, old_bias, handles))
+        moved.append(name)
+    with torch.no_grad():
+        after = probe().float()
+    if float((after - before).norm() / before.norm().clamp_min(1e-30)) > tolerance:
+        for weight, old_weight, bias, old_bias, handles in undo:  # not a pure rescaling: left as it was
+            weight.data.copy_(old_weight)
+            bias.data.copy_(old_bias)
+            for h in handles:
+                h.remove()
+        return []
+    return moved
+
+
+def _smoothing_scale(norm: nn.Module, golden_weight: torch.Tensor) -> torch.Tensor | None:
+    """Per channel, how much smaller the smoothed norm's output is than the float weight's (the
+    norm run on one probe input with each weight, in float32); None where it is not one scale per
+    channel (a norm that differs otherwise is not a smoothing)."""
+    import copy
+
+    probe = copy.deepcopy(norm).float()
+    x = torch.randn(8, golden_weight.shape[0], generator=torch.Generator().manual_seed(0))
+    x = x.to(golden_weight.device)
+    with torch.no_grad():
+        smoothed = probe(x)
+        probe._parameters["weight"].data.copy_(golden_weight)
+        golden = probe(x)
+    ratio = golden / smoothed
+    scale = ratio.median(dim=0).values
+    if not bool(torch.isfinite(scale).all()) or bool(((ratio - scale).abs() > 1e-3 * scale.abs()).any()):
+        return None
+    return scale

@@ -70,7 +70,8 @@ from llmflow.localize.target_dump import (
     target_routing,
 )
 from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, token_rows
-from llmflow.quantized import W8A8Linear
+from llmflow.models import logits_of
+from llmflow.quantized import NormBias, W8A8Linear, unsmooth
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
     Cost,
@@ -118,10 +119,20 @@ def _load(spec: dict[str, Any]) -> Any:
     return load_model(spec["model"], **{k: spec[k] for k in keys if spec.get(k) is not None})
 
 
+def _notes(target: Any, golden: Any) -> str | None:
+    """What a user must know about the models the bisect ran (``LoadedModel.note``), the golden's
+    said as the golden's (an msModelSlim checkpoint given as the golden)."""
+    said = [getattr(target, "note", None)]
+    note = getattr(golden, "note", None)
+    if note:
+        said.append(f"The golden is {note[:1].lower()}{note[1:]}")
+    return " ".join(n for n in said if n) or None
+
+
 def golden_streamed(inp: BisectInputs) -> bool:
     """Whether the golden is loaded streamed (``golden_weights``); UserError naming the field when
     ``streamed`` is asked of a golden that cannot be (no safetensors checkpoint, or a patch)."""
-    from llmflow.models import checkpoint_dir
+    from llmflow.models import checkpoint_dir, is_quantized_checkpoint
 
     spec, mode = inp.golden_spec, inp.golden_weights
     if mode not in ("auto", "whole", "streamed"):
@@ -133,7 +144,9 @@ def golden_streamed(inp: BisectInputs) -> bool:
         why = "it has a patch, which may rewrite weights that are read only while their layer runs"
     else:
         try:
-            if checkpoint_dir(spec["model"], spec.get("base_dir") or ".") is None:
+            if is_quantized_checkpoint(spec["model"], spec.get("base_dir") or "."):
+                why = "it is an msModelSlim checkpoint, whose quantized layers are built whole"
+            elif checkpoint_dir(spec["model"], spec.get("base_dir") or ".") is None:
                 why = "it has no safetensors checkpoint (smollm2 or a Hugging Face directory)"
         except UserError as exc:  # auto: the whole load reports it, as the golden's load error
             why = str(exc)
@@ -183,6 +196,7 @@ class _Bisect:
             self.target = _load(inp.target_spec)  # type: ignore[arg-type]
             self.phase("load target model")
             structure = self.target.model
+            self.unsmooth_target()
         else:  # the golden model gives the module tree: the target's modules carry its names
             golden = self.golden()
             if golden is None:  # the only model this isolation runs: a spec that cannot load is bad input
@@ -196,6 +210,41 @@ class _Bisect:
         self.golden_checked: set[str] = set()  # modules check_golden_model ran (each once)
         if self.isolation == "target_dump":
             self.check_golden_model()
+
+    def unsmooth_target(self) -> None:
+        """A quantized target smoothed by msModelSlim's anti-outlier divides each norm's weight by a
+        scale its Linear layers took on: a module replayed alone on the golden's inputs would see
+        inputs the target never has. The smoothing is moved into the Linear layers that read each
+        norm (``quantized.unsmooth``), the target computing what it did; where it cannot be, the
+        verdict's note says the modules reading a smoothed norm are not comparable alone."""
+        tgt = self.target
+        smoothed = [n for n, m in tgt.model.named_modules() if isinstance(m, NormBias)]
+        if not smoothed:
+            return
+        golden = self.golden()
+        weights: dict[str, torch.Tensor] = {}
+        if golden is not None and not self.golden_streamed:
+            params = dict(golden.model.named_parameters())
+            weights = {n: params[f"{n}.weight"].detach() for n in smoothed if f"{n}.weight" in params}
+        elif golden is not None:  # streamed: the norms' weights from the golden's checkpoint
+            from llmflow.models import checkpoint_dir
+            from llmflow.safetensors_files import SafetensorsFiles
+
+            spec = self.inp.golden_spec or {}
+            files = SafetensorsFiles(checkpoint_dir(spec["model"], spec.get("base_dir") or "."))  # type: ignore[arg-type]
+            weights = {n: files.read(f"{n}.weight") for n in smoothed if f"{n}.weight" in files}
+        ids = torch.tensor([list(self.inp.prompt_ids)[:32] or [0]], device=tgt.device)
+        tolerance = max(1e-4, 10 * OP_ERROR_FLOOR.get(dtype_name(tgt.dtype), 1e-6))
+        moved = unsmooth(tgt.model, weights, lambda: logits_of(tgt.model(input_ids=ids)), tolerance)
+        if len(moved) == len(smoothed):
+            self.log(f"bisect: the target's anti-outlier smoothing ({len(moved)} norms) moved into the "
+                     "Linear layers that read them: each module replays on the golden's inputs")
+            return
+        left = [n for n in smoothed if n not in moved]
+        tgt.note = ((tgt.note + " ") if tgt.note else "") + (
+            f"Its anti-outlier smoothing could not be moved into the Linear layers after {len(left)} norm(s) "
+            f"({left[0]}, ...): the modules reading them see smoothed inputs in the target, so their own "
+            "error replayed on the golden's inputs is not theirs alone; the decoder layers' errors are.")
 
     def check_golden_model(self, module: str | None = None) -> None:
         """The golden model must be the one that made the golden dump: every own error from the
@@ -738,7 +787,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     result = conclude(inp, tried, chosen, rows=rows, mismatch=mismatch, bad_token=bad_token,
                       stack=b.stack, decode=b.decode, dtype=dtype,
                       device=str(tgt.device) if tgt is not None else "target dump",
-                      problems=problems, note=getattr(tgt, "note", None), own_steps=own_steps,
+                      problems=problems, note=_notes(tgt, b.held.get("golden")), own_steps=own_steps,
                       quantized=getattr(tgt, "quantized", None))
     result.isolation = b.isolation
     if b.isolation == "target_dump":

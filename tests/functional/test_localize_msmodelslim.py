@@ -49,6 +49,8 @@ SCHEMES: dict[str, tuple[dict, bool, str]] = {
     "w8a8": ({"w_bit": 8, "a_bit": 8, "w_sym": True}, True, "safe_tensor"),
     "w8a8_dynamic": ({"w_bit": 8, "a_bit": 8, "w_sym": True, "is_dynamic": True}, True, "safe_tensor"),
     "w8a8_mix": ({"w_bit": 8, "a_bit": 8, "w_sym": True, "pdmix": True}, True, "ascendV1"),
+    # smoothed first (AntiOutlier m2): each norm divided by a per-channel scale its readers take on
+    "w8a8_anti_outlier": ({"w_bit": 8, "a_bit": 8, "w_sym": True}, True, "safe_tensor"),
 }
 
 
@@ -67,6 +69,11 @@ def _quantize(float_dir: Path, scheme: str, out: Path) -> Path:
     os.chdir(out)  # the calibrator leaves a features.npy in the working directory
     try:
         model = load_model(str(float_dir)).model
+        if scheme.endswith("anti_outlier"):
+            from msmodelslim.pytorch.llm_ptq.anti_outlier import AntiOutlier, AntiOutlierConfig
+
+            smooth = AntiOutlierConfig(anti_method="m2", dev_type="cpu")
+            AntiOutlier(model, calib_data=prompts, cfg=smooth).process()
         calibrator = Calibrator(model, cfg, calib_data=prompts if calibrates else None, disable_level="L0")
         calibrator.run()
         with torch.no_grad():
@@ -147,7 +154,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # -- the emulation ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("scheme", ["w8a16", "w4a16_group", "w8a8"])
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16_group", "w8a8", "w8a8_anti_outlier"])
 def test_emulation_computes_what_msmodelslims_fake_quantized_model_computes(scheme, quantized, float_dirs):
     folder = quantized("llama", scheme)
     fake = torch.load(folder.parent / f"{folder.name}.fake_logits.pt", weights_only=True)
@@ -176,6 +183,29 @@ def test_dynamic_quantizes_each_token_alone_and_mix_is_static_at_a_decode_step(q
     assert torch.equal(mix(x[:, :1]), mix._static(x[0, :1]).to(x.dtype).reshape(1, 1, -1))
     assert torch.equal(mix(x), mix._dynamic(x[0]).to(x.dtype).reshape(1, 5, -1))
     assert not torch.equal(mix(x)[0, :1], mix(x[:, :1])[0])  # prefill and decode differ
+
+
+def test_a_smoothed_checkpoint_replays_each_module_on_the_float_models_inputs(quantized, goldens, float_dirs,
+                                                                              tmp_path):
+    """Anti-outlier divides each norm by a scale its Linear readers take on: replayed alone on the
+    golden's (unsmoothed) inputs, every attention and MLP would err by 100%+. The bisect moves the
+    smoothing into the readers first: every module's own error is the quantization's size, and a
+    clipped reader of a smoothed norm is named."""
+    folder = quantized("llama", "w8a8_anti_outlier")
+    loaded = load_model(str(folder))
+    smoothed = [n for n, m in loaded.model.named_modules() if type(m).__name__ == "NormBias"]
+    assert len(smoothed) == 2 * 4 + 1, smoothed
+    dumps = make_dumps(tmp_path / "honest", str(float_dirs("llama")), target_model=str(folder),
+                       golden_dir=goldens("llama"))
+    v = bisect_dumps(dumps, estimate_cost=False)
+    assert max(c["error"] for c in v["candidates"] if c.get("error") is not None) < 0.3, v["candidates"][:3]
+    assert not any("could not be moved" in n for n in v["notes"]), v["notes"]
+    name = f"model.layers.{LAYER}.mlp.gate_proj"  # reads the smoothed post-attention norm
+    target = _edited(folder, tmp_path / "clipped", _scale_activation_range(name + ".", 8.0))
+    dumps = make_dumps(tmp_path / "clipped", str(float_dirs("llama")), target_model=str(target),
+                       golden_dir=goldens("llama"))
+    v = bisect_dumps(dumps, estimate_cost=False)
+    assert v["status"] == "fail" and v["first_bad_module"] == name, v["headline"]
 
 
 # -- the bisect, families x faults ---------------------------------------------------------------------
