@@ -3,8 +3,9 @@ tiny seeded float model, loaded by llmflow with its quantized Linear layers comp
 Ascend kernels do, and bisected against the float model.
 
 What is checked: the emulation computes what msModelSlim's own fake-quantized model computes (W8A16,
-W4A16 per-group packed, W8A8 static); W8A8_DYNAMIC quantizes each token alone and W8A8_MIX is dynamic
-at the prefill, static at a decode step; a calibration that clipped one layer's activations, a wrong
+W4A16 per-group packed, W8A8 static, W8A8 anti-outlier smoothed); W8A8_DYNAMIC quantizes each token
+alone and W8A8_MIX is dynamic at the prefill, static at a decode step; a smoothed checkpoint's
+modules replay on the float model's inputs; a calibration that clipped one layer's activations, a wrong
 weight scale and a clipped decode-only (W8A8_MIX) layer are each named to their Linear layer
 (Llama, and Qwen2 with its biased projections); an honest checkpoint is never called a fault: the
 verdict says the drift is the quantization's own and which Linear layers to keep in float; types
