@@ -385,6 +385,24 @@ def save_char_tokenizer(directory: Path) -> None:
                             unk_token="<unk>").save_pretrained(str(directory))
 
 
+def tiny_model_dirs(factory, size: str, folder: str = "hf") -> Callable[[str], Path]:
+    """A function family -> that family's tiny seeded model of ``size`` saved as a Hugging Face
+    directory with a tokenizer, as a user's model comes, made once per family (``factory`` is
+    pytest's ``tmp_path_factory``)."""
+    from llmflow.models import build_tiny
+
+    made: dict[str, Path] = {}
+
+    def model_dir(family: str) -> Path:
+        if family not in made:
+            directory = factory.mktemp(family) / folder
+            build_tiny(family, size).save_pretrained(str(directory))
+            save_char_tokenizer(directory)
+            made[family] = directory
+        return made[family]
+    return model_dir
+
+
 def user_dump(directory: Path, model: str, scope: dict, *, dtype: str = "float32", patch: str | None = None,
               prompt: str = "Tell me a story.", max_new_tokens: int = 5) -> Path:
     """What a user's own script writes: ``dump_run`` with every step's tensors, inputs and outputs,

@@ -22,10 +22,10 @@ from path_helpers import checkout_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
-from bisect_helpers import bisect_dumps, golden_maker, make_dumps, save_char_tokenizer  # noqa: E402
+from bisect_helpers import bisect_dumps, golden_maker, make_dumps, tiny_model_dirs  # noqa: E402
 from example_faults import faulty_module, make_fault  # noqa: E402
 
-from llmflow.models import build_tiny, load_model  # noqa: E402
+from llmflow.models import load_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 LAYER = 2
@@ -48,16 +48,7 @@ LIBRARY_CASES = [(family, fault) for family, (_, faults) in FAULTS.items() for f
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> Callable[[str], Path]:
     """family -> its tiny model saved as a Hugging Face directory with a tokenizer, made once."""
-    made: dict[str, Path] = {}
-
-    def model_dir(family: str) -> Path:
-        if family not in made:
-            directory = tmp_path_factory.mktemp(family) / "hf"
-            build_tiny(family, SIZE).save_pretrained(str(directory))
-            save_char_tokenizer(directory)
-            made[family] = directory
-        return made[family]
-    return model_dir
+    return tiny_model_dirs(tmp_path_factory, SIZE)
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,11 @@ from path_helpers import checkout_path
 pytest.importorskip("msmodelslim", reason="msmodelslim (the test extra) is not installed")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
-from bisect_helpers import bisect_dumps, golden_maker, make_dumps, save_char_tokenizer  # noqa: E402
+from bisect_helpers import bisect_dumps, golden_maker, make_dumps, tiny_model_dirs  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from llmflow.errors import UserError  # noqa: E402
-from llmflow.models import build_tiny, load_model  # noqa: E402
+from llmflow.models import load_model  # noqa: E402
 from llmflow.quantized import W8A8Linear, deq_scale_as_float  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,16 +92,7 @@ def _quantize(float_dir: Path, scheme: str, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def float_dirs(tmp_path_factory) -> Callable[[str], Path]:
-    made: dict[str, Path] = {}
-
-    def float_dir(family: str) -> Path:
-        if family not in made:
-            directory = tmp_path_factory.mktemp(family) / "float"
-            build_tiny(family, SIZE).save_pretrained(str(directory))
-            save_char_tokenizer(directory)
-            made[family] = directory
-        return made[family]
-    return float_dir
+    return tiny_model_dirs(tmp_path_factory, SIZE, "float")
 
 
 @pytest.fixture(scope="module")
