@@ -1,8 +1,9 @@
 """Show what `llmflow run` would do: stages in order, and whether each runs (and why) or is cached.
 
-Reasons: new, forced, previous run failed, upstream changed, stage type or version changed,
-code changed (a file.py the stage names), parameters changed, outputs changed on disk (a file the
-stage left in its directory was deleted, modified or added). Takes the same
+Reasons: new, forced, previous run failed, upstream changed (a stage it needs runs first: the run
+may then find the same result and keep it cached), stage type or version changed, code changed (the
+content of a file.py the stage names), input changed, parameters changed: NAMES, outputs changed on
+disk (a file the stage left in its directory was deleted, modified or added). Takes the same
 --set/--run-dir/--only/--from/--force as `run`.
 
 Planning runs no code from the workflow: local plugin stages (file.py:Class) are read, not
