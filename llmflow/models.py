@@ -324,7 +324,16 @@ def _load_msmodelslim(path: Path, dt: torch.dtype, description: Path
         raise UserError(f"model {str(path)!r}: an msModelSlim checkpoint without config.json: copy the float "
                         "model's config.json and tokenizer files beside its quantized weights")
     quant = QuantConfig.load(description)
-    files = SafetensorsFiles(path)
+    try:
+        files = SafetensorsFiles(path)
+    except UserError as exc:
+        foreign = [i.name for i in path.glob("*.safetensors.index.json")
+                   if not i.name.startswith("quant_model")]
+        if foreign:  # (the float model's files copied beside msModelSlim's with a wide glob)
+            raise UserError(f"{exc}: {foreign[0]} in {path} is not msModelSlim's (it names the float "
+                            "model's shards); keep only config.json and the tokenizer files of the float "
+                            "model beside the quantized weights") from exc
+        raise
     module, tokenizer = empty_hf_model(path, dt)
     installed = install_quantized_linears(module, files, quant)
     if not installed.layers:

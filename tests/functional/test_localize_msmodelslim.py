@@ -306,3 +306,12 @@ def test_a_quantized_tensor_with_no_linear_layer_is_bad_input(quantized, tmp_pat
                      lambda t: t.__setitem__(name, torch.ones(16)))
     with pytest.raises(UserError, match=f"the quantized tensor '{name}'.*belongs to no Linear layer"):
         load_model(str(target))
+
+
+def test_the_float_models_shard_index_copied_beside_the_weights_is_named(quantized, tmp_path):
+    target = tmp_path / "copied"
+    shutil.copytree(quantized("llama", "w8a8"), target)
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match="model.safetensors.index.json in .* is not msModelSlim's"):
+        load_model(str(target))
