@@ -38,6 +38,15 @@ Quantized weights (msModelSlim's conventions, as its 26.1 writes them; checked a
 * Companion tensors (``weight_scale``, ``weight_offset``, ``deq_scale``, ``quant_bias``,
   ``input_scale``, ``input_offset`` and the W4A8 ones) are consumed, and counted in the summary.
 
+Anti-outlier (smoothed) checkpoints: msModelSlim divides a norm's weight by a per-channel scale
+and multiplies the input columns of the Linear layers reading it by the same scale (the norm then
+stored as ``N.module.weight``, with ``N.bias``, ``N.module.bias`` and a copy ``N.weight``). Each
+such scale is the golden norm's weight over the target's (``smoothing_scales``); a Linear weight
+of the same layer whose input columns carry one (the difference shrinks ``SMOOTHING_GAIN`` times
+once it is divided out) is compared as the float layer it stands for (``smoothing`` names the
+norm), and the norm passes, saying where its scale went. The scale is the norm's own, never fitted
+to the layer, so a fault in the layer is not divided out with it.
+
 Siblings: a tensor in a decoder layer is also judged against the same role in the other layers
 (``model.layers.*.mlp.up_proj.weight``). Honest rounding errs alike in every layer; a tensor whose
 relative distance is ``sibling_ratio`` (the bisect's ratio) times the median of its siblings fails
@@ -230,10 +239,12 @@ def plan_source(src: Checkpoint | DumpWeights) -> tuple[dict[str, Plan], int]:
     quant = src.quant
     plans: dict[str, Plan] = {}
     companions = 0
+    smoothed = {k[: -len(".module.weight")] for k in keys if k.endswith(".module.weight")}
     for key in keys:
         suffix = key.rsplit(".", 1)[-1]
         qtype = quant.type_of(key) if quant else None
-        if suffix in COMPANIONS or (suffix in COMPRESSED_COMPANIONS and qtype in COMPRESSED):
+        if suffix in COMPANIONS or (suffix in COMPRESSED_COMPANIONS and qtype in COMPRESSED) or \
+                _norm_bias_part(key, smoothed):
             companions += 1
             continue
         base = key[: -len("weight")] if key.endswith("weight") else None
@@ -254,6 +265,62 @@ def plan_source(src: Checkpoint | DumpWeights) -> tuple[dict[str, Plan], int]:
         else:  # float, or an integer tensor without a scale: compared as stored
             plans[key] = Plan(key)
     return plans, companions
+
+
+def _norm_bias_part(key: str, smoothed: set[str]) -> bool:
+    """Whether ``key`` is a tensor of an anti-outlier norm other than its weight: its inner copy
+    (``N.module.weight``/``N.module.bias``) or the bias it adds (``N.bias``, compared with none:
+    the float model's norm has none; ``quantized.NormBias``)."""
+    base, _, leaf = key.rpartition(".")
+    if base.endswith(".module") and base[: -len(".module")] in smoothed:
+        return True
+    return leaf == "bias" and base in smoothed
+
+
+def smoothing_scales(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights,
+                     name_map: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """For each norm msModelSlim's anti-outlier smoothed in ``target`` (``N.module.weight``): the
+    per-channel scale its weight was divided by, the golden's weight over the target's; the Linear
+    layers reading it carry that scale on their input columns."""
+    scales: dict[str, torch.Tensor] = {}
+    g_keys = set(golden.keys())
+    for key in target.keys():
+        if not key.endswith(".module.weight"):
+            continue
+        norm = key[: -len(".module.weight")]
+        g_name = map_name(f"{norm}.weight", name_map)
+        if g_name not in g_keys:
+            continue
+        g, t = golden.get(g_name).to(torch.float64), target.get(key).to(torch.float64)
+        if g.shape == t.shape and bool((t != 0).all()):
+            scales[norm] = g / t
+    return scales
+
+
+#: a weight compared after dividing out a norm's smoothing must be this much closer to the golden
+#: than as stored: the norm's own scale explains the difference, not a fault that resembles it
+SMOOTHING_GAIN = 4.0
+
+
+def _unsmoothed(name: str, g: torch.Tensor, t: torch.Tensor, scales: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, str | None]:
+    """``t`` with the smoothing of the norm (of the same layer) whose scale its input columns carry
+    divided out, and that norm; ``t`` and None where none explains the difference."""
+    if t.dim() != 2 or not scales:
+        return t, None
+    layer = layer_of(name)
+    raw = float(torch.linalg.vector_norm(t - g))
+    best: tuple[float, str, torch.Tensor] | None = None
+    for norm, scale in scales.items():
+        if scale.numel() != t.shape[1] or (layer is not None and layer_of(norm) not in (None, layer)):
+            continue
+        back = t / scale.to(t.dtype)
+        err = float(torch.linalg.vector_norm(back - g))
+        if best is None or err < best[0]:
+            best = (err, norm, back)
+    if best is None or not best[0] * SMOOTHING_GAIN < raw:
+        return t, None
+    return best[2], best[1]
 
 
 def _weight_scale(src: Checkpoint | DumpWeights, base: str) -> torch.Tensor:
@@ -355,15 +422,31 @@ def compare_sources(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpW
     (``judge_siblings``); None or 0 judges each tensor alone."""
     g_plans, g_comp = plan_source(golden)
     t_plans, t_comp = plan_source(target)
-    rows = list(_rows(golden, target, g_plans, t_plans, name_map, thresholds, on_tensor))
+    scales = smoothing_scales(golden, target, name_map)
+    rows = list(_rows(golden, target, g_plans, t_plans, name_map, thresholds, on_tensor, scales))
+    _judge_smoothed_norms(rows, scales)
     if sibling_ratio:
         judge_siblings(rows, sibling_ratio)
     return rank_rows(rows), g_comp + t_comp
 
 
+def _judge_smoothed_norms(rows: list[dict[str, Any]], scales: dict[str, torch.Tensor]) -> None:
+    """A smoothed norm differs from the golden's by design where its scale went into the Linear
+    layers after it: its row passes, saying so; a norm none of them carries stays as judged."""
+    carried = {r.get("smoothing") for r in rows}
+    for r in rows:
+        norm = r["name"].removesuffix(".weight")
+        if norm in scales and norm in carried and r.get("status") == "compared":
+            readers = sorted(x["name"] for x in rows if x.get("smoothing") == norm)
+            r.update(verdict="pass", code=None, smoothing=norm,
+                     reason=f"anti-outlier smoothed: its scale went into {', '.join(readers[:3])}"
+                            + (", ..." if len(readers) > 3 else ""))
+
+
 def _rows(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, g_plans: dict[str, Plan],
           t_plans: dict[str, Plan], name_map: dict[str, str] | None, thresholds: dict | None,
-          on_tensor: Callable[[str], None] | None) -> Iterator[dict[str, Any]]:
+          on_tensor: Callable[[str], None] | None, scales: dict[str, torch.Tensor] | None = None
+          ) -> Iterator[dict[str, Any]]:
     """One row per logical tensor, golden order first (shard by shard), then target-only ones."""
     from llmflow.compare.metrics import compare_tensors, judge
 
@@ -401,6 +484,9 @@ def _rows(golden: Checkpoint | DumpWeights, target: Checkpoint | DumpWeights, g_
                    "reason": f"shape mismatch: golden {list(g.shape)}, target {list(t.shape)}"}
             continue
         g, t = g.float(), t.float()  # rebinding drops the stored-dtype originals: bounded memory
+        t, smoothing = _unsmoothed(name, g, t, scales or {})
+        if smoothing is not None:  # compared as the float layer it stands for (see _unsmoothed)
+            row["smoothing"] = smoothing
         row.update(compare_tensors(g, t))
         row["numel"] = g.numel()
         row["l2_distance"] = float(torch.linalg.vector_norm(g - t))
