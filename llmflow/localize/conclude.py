@@ -17,6 +17,7 @@ from typing import Any
 
 from llmflow.compare.thresholds import finite_or_none
 from llmflow.dtypes import DEFAULT_THRESHOLDS, OP_ERROR_FLOOR, dtype_class
+from llmflow.errors import UserError
 from llmflow.results.codec import from_json
 from llmflow.results.verdict import (
     Candidate,
@@ -415,6 +416,21 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
 QUANT_SENSITIVE_SHOWN = 5
 
 
+def _weights_path(spec: dict[str, Any] | None) -> str | None:
+    """Where a side's weights are, for a command to run on them: its checkpoint folder (SmolLM2's
+    converted copy, a model directory), else the spec as given."""
+    from llmflow.models import checkpoint_dir
+
+    model = (spec or {}).get("model")
+    if not model:
+        return None
+    try:
+        found = checkpoint_dir(model, spec.get("base_dir") or ".")  # type: ignore[union-attr]
+    except (UserError, OSError):
+        found = None
+    return str(found) if found is not None else model
+
+
 def _quantized_layer(module: str, qtype: str, detail: str | None, golden: str | None,
                      target: str | None) -> str:
     """What the verdict adds where the module named is a Linear layer of a quantized checkpoint."""
@@ -635,7 +651,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
             ops = ", ".join(o.name.rsplit("/", 1)[-1] for o in level.target_ops_around)
             diagnosis += f" The op level is not comparable: {level.reason} (target ops there: {ops})."
         if quantized and module in quantized:
-            specs = [(spec or {}).get("model") for spec in (inp.golden_spec, inp.target_spec)]
+            specs = [_weights_path(spec) for spec in (inp.golden_spec, inp.target_spec)]
             diagnosis += _quantized_layer(module, quantized[module], chosen.quant_detail, *specs)
             after = [r for r in chosen.ranked if r["name"] in quantized and r["name"] != module
                      and r.get("score") is not None][:QUANT_SENSITIVE_SHOWN - 1]
