@@ -207,7 +207,7 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
         if not path.is_dir():
             raise UserError(f"model {model!r}: not a known spec (smollm2, tiny-llama) and no such "
                             f"directory {path}")
-        description = find_quant_config(path) if any(path.glob("*.safetensors")) else None
+        description = find_quant_config(path) if _weights_dir(str(path), ".") else None
         if description is not None:
             module, tokenizer, note, quantized = _load_msmodelslim(path, dt, description)
         else:
@@ -381,33 +381,33 @@ def _load_tokenizer(path: Path) -> Any:
         return None  # a model without a tokenizer still runs on input_ids
 
 
-def is_quantized_checkpoint(model: str, base_dir: str | Path = ".") -> bool:
-    """Whether ``model`` names an msModelSlim checkpoint (safetensors with a quant description)."""
+def _weights_dir(model: str, base_dir: str | Path) -> Path | None:
+    """The directory of ``*.safetensors`` a model spec names (relative to ``base_dir``); None for
+    a spec built in code (smollm2, tiny-<family>, file.py:callable) or a folder without them."""
     from llmflow.plugins import is_file_ref
 
     if not model or model == "smollm2" or model.startswith("tiny-") or is_file_ref(model):
-        return False
+        return None
     path = Path(model).expanduser()
     path = path if path.is_absolute() else Path(base_dir) / path
-    return path.is_dir() and any(path.glob("*.safetensors")) and find_quant_config(path) is not None
+    return path if path.is_dir() and any(path.glob("*.safetensors")) else None
+
+
+def is_quantized_checkpoint(model: str, base_dir: str | Path = ".") -> bool:
+    """Whether ``model`` names an msModelSlim checkpoint (safetensors with a quant description)."""
+    path = _weights_dir(model, base_dir)
+    return path is not None and find_quant_config(path) is not None
 
 
 def checkpoint_dir(model: str, base_dir: str | Path = ".") -> Path | None:
     """The local directory of safetensors files ``model`` loads from: SmolLM2's converted copy, or
     a Hugging Face directory holding ``*.safetensors``; None for a spec built in code (tiny-<family>,
-    file.py:callable) or a directory of other weight files."""
-    from llmflow.plugins import is_file_ref
-
+    file.py:callable), a directory of other weight files, or an msModelSlim checkpoint (not the
+    model's own tensors: loaded whole, its quantized layers built)."""
     if model == "smollm2":
         return _smollm2_dir()
-    if not model or model.startswith("tiny-") or is_file_ref(model):
-        return None
-    path = Path(model).expanduser()
-    path = path if path.is_absolute() else Path(base_dir) / path
-    if not (path.is_dir() and any(path.glob("*.safetensors"))):
-        return None
-    # an msModelSlim checkpoint is not the model's own tensors: it is loaded whole, emulated
-    return None if is_quantized_checkpoint(str(path)) else path
+    path = _weights_dir(model, base_dir)
+    return path if path is not None and find_quant_config(path) is None else None
 
 
 def empty_hf_model(path: Path, dt: torch.dtype) -> tuple[torch.nn.Module, Any]:

@@ -27,6 +27,7 @@ the device's own kernels: for that, dump the device and bisect its dumps (``dump
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -168,6 +169,12 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor |
                      f"per-group quantization of a weight of shape {list(weight.shape)}")
 
 
+def _prefill(x: torch.Tensor) -> bool:
+    """Whether a Linear layer's input holds more than one position ([batch, positions, features]):
+    a prefill, where W8A8_MIX quantizes dynamically."""
+    return x.dim() >= 2 and x.shape[-2] > 1
+
+
 def _float32_bits(t: torch.Tensor) -> torch.Tensor:
     """A float32 tensor held as its int32 bits: ``Module.to(dtype)`` casts every floating buffer
     (a bf16 model would round its scales), never an integer one."""
@@ -215,8 +222,7 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.float32)
-        prefill = x.dim() >= 2 and x.shape[-2] > 1
-        if self.mode == "dynamic" or (self.mode == "mix" and prefill):
+        if self.mode == "dynamic" or (self.mode == "mix" and _prefill(x)):
             out = self._dynamic(rows)
         else:
             out = self._static(rows)
@@ -228,7 +234,7 @@ class W8A8Linear(nn.Module):
         ``deq_scale`` is the product of the scales it should be. None where neither applies."""
         rows = x.reshape(-1, self.in_features).to(device=self.weight.device, dtype=torch.float32)
         said = []
-        if self.mode == "static" or (self.mode == "mix" and not (x.dim() >= 2 and x.shape[-2] > 1)):
+        if self.mode == "static" or (self.mode == "mix" and not _prefill(x)):
             scale = self.input_scale_bits.view(torch.float32)
             offset = self.input_offset_bits.view(torch.float32)
             level = rows / scale + offset
@@ -464,8 +470,6 @@ def _smoothing_scale(norm: nn.Module, golden_weight: torch.Tensor) -> torch.Tens
     """Per channel, how much smaller the smoothed norm's output is than the float weight's (the
     norm run on one probe input with each weight, in float32); None where it is not one scale per
     channel (a norm that differs otherwise is not a smoothing)."""
-    import copy
-
     probe = copy.deepcopy(norm).float()
     x = torch.randn(8, golden_weight.shape[0], generator=torch.Generator().manual_seed(0))
     x = x.to(golden_weight.device)

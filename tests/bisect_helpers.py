@@ -4,9 +4,11 @@ tiny models, and a headless Chromium runner with what reads its output (DOM, scr
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
+import sys
 import tempfile
 import zlib
 from collections.abc import Callable
@@ -401,6 +403,20 @@ def tiny_model_dirs(factory, size: str, folder: str = "hf") -> Callable[[str], P
             made[family] = directory
         return made[family]
     return model_dir
+
+
+def run_bisect_recipe(run_dir: Path, *sets: str, max_new_tokens: int) -> subprocess.CompletedProcess:
+    """``llmflow run llama2_bisect --set ...`` as a user types it, from ``run_dir``'s parent, with
+    this checkout's llmflow importable."""
+    from path_helpers import checkout_path
+
+    args = [sys.executable, "-m", "llmflow", "run", "llama2_bisect", "--run-dir", str(run_dir),
+            "--progress", "plain", "--set", f"max_new_tokens={max_new_tokens}"]
+    for s in sets:
+        args += ["--set", s]
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=run_dir.parent,
+                          env={**os.environ, "PYTHONPATH": checkout_path(repo)})
 
 
 def user_dump(directory: Path, model: str, scope: dict, *, dtype: str = "float32", patch: str | None = None,

@@ -10,7 +10,6 @@ clean bf16 target blames nothing, a planted fault is named to its layer and modu
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -18,11 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from path_helpers import checkout_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
-from bisect_helpers import bisect_dumps, golden_maker, make_dumps, tiny_model_dirs  # noqa: E402
+from bisect_helpers import bisect_dumps, golden_maker, make_dumps, run_bisect_recipe, tiny_model_dirs  # noqa: E402
 from example_faults import faulty_module, make_fault  # noqa: E402
 
 from llmflow.models import load_model  # noqa: E402
@@ -110,15 +108,6 @@ def test_a_fault_that_does_not_fit_the_family_says_why_before_anything_runs(fami
 
 # -- the user's way --------------------------------------------------------------------------------
 
-def llmflow_run(run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "llmflow", "run", "llama2_bisect", "--run-dir", str(run_dir),
-            "--progress", "plain", "--set", "max_new_tokens=3"]
-    for s in sets:
-        args += ["--set", s]
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=run_dir.parent,
-                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
-
-
 def _patch(fault: str) -> str:
     return f"{REPO / 'plugins' / 'example_faults.py'}:{fault}_layer_{LAYER}"
 
@@ -127,9 +116,10 @@ def _user_runs(model: Path, family: str, run_dir: Path) -> list[subprocess.Compl
     """The family's `llmflow run` with its fault; for GPT-OSS (routed experts only) then again in the
     same run dir (the golden's dump reused) with scale_down_proj, which has no MLP to break there."""
     sets = (f"golden_model={model}", f"target_model={model}")
-    runs = [llmflow_run(run_dir, *sets, f"target_patch={_patch(FAULTS[family][0])}")]
+    runs = [run_bisect_recipe(run_dir, *sets, f"target_patch={_patch(FAULTS[family][0])}", max_new_tokens=3)]
     if family == "gpt-oss":
-        runs.append(llmflow_run(run_dir, *sets, f"target_patch={_patch('scale_down_proj')}"))
+        runs.append(run_bisect_recipe(run_dir, *sets, f"target_patch={_patch('scale_down_proj')}",
+                                      max_new_tokens=3))
     return runs
 
 

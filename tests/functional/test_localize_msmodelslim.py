@@ -30,7 +30,7 @@ from path_helpers import checkout_path
 pytest.importorskip("msmodelslim", reason="msmodelslim (the test extra) is not installed")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
-from bisect_helpers import bisect_dumps, golden_maker, make_dumps, tiny_model_dirs  # noqa: E402
+from bisect_helpers import bisect_dumps, golden_maker, make_dumps, run_bisect_recipe, tiny_model_dirs  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from llmflow.errors import UserError  # noqa: E402
@@ -257,20 +257,12 @@ def test_an_honest_checkpoint_is_told_as_its_quantization(family, quantized, gol
 
 # -- the user's way ------------------------------------------------------------------------------------
 
-def _llmflow_run(run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "llmflow", "run", "llama2_bisect", "--run-dir", str(run_dir),
-            "--progress", "plain", "--set", "max_new_tokens=4"]
-    for s in sets:
-        args += ["--set", s]
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=run_dir.parent,
-                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
-
-
 def test_llmflow_run_names_the_clipped_layer_of_a_users_checkpoint(quantized, float_dirs, tmp_path):
     name = f"model.layers.{LAYER}.mlp.down_proj"
     target = _edited(quantized("llama", "w8a8"), tmp_path / "w8a8-clipped",
                      _scale_activation_range(name + ".", 8.0))
-    proc = _llmflow_run(tmp_path / "run", f"golden_model={float_dirs('llama')}", f"target_model={target}")
+    proc = run_bisect_recipe(tmp_path / "run", f"golden_model={float_dirs('llama')}",
+                             f"target_model={target}", max_new_tokens=4)
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert last.startswith(f"FAILED: {name} (W8A8-quantized) is the fault"), last
