@@ -265,6 +265,23 @@ def shard_errors(golden: torch.Tensor, merge: str, shards: list[torch.Tensor]) -
     return out
 
 
+def share_errors(shares: tuple[list[torch.Tensor], torch.Tensor], partials: list[torch.Tensor]
+                 ) -> tuple[list[float], list[float]]:
+    """Each rank's partial product's distance to its share of the golden output, relative to the
+    share and absolute (``shares``: the shares and the module's response to zero input, its bias,
+    which one rank or none adds before the sum: each rank is measured against its share with or
+    without it, whichever is nearer)."""
+    parts, bias = shares
+    relative, absolute = [], []
+    for share, partial in zip(parts, partials, strict=True):
+        p = partial.double().reshape(share.shape)
+        diff = min(float(torch.linalg.vector_norm(p - share)), float(torch.linalg.vector_norm(p - share - bias)))
+        ref = float(torch.linalg.vector_norm(share))
+        relative.append(diff / ref if ref > 0 else (0.0 if diff == 0 else math.inf))
+        absolute.append(diff)
+    return relative, absolute
+
+
 #: copies of the golden's shape that differ between the ranks, each far from the golden, whose sum
 #: is within this fraction of the worst copy's distance, are partial products left unreduced (a
 #: missing all-reduce, or a tensor dumped before its all-reduce); a fault in one rank's copy, or

@@ -52,7 +52,15 @@ import torch
 from torch import nn
 
 from llmflow.compare.mappings import CONCAT, REPLICATED, SUM, Mapping, ShardRule
-from llmflow.compare.shards import join_tensors, merge_of, rule_merge, shard_errors, standout, unreduced
+from llmflow.compare.shards import (
+    join_tensors,
+    merge_of,
+    rule_merge,
+    share_errors,
+    shard_errors,
+    standout,
+    unreduced,
+)
 from llmflow.dump.arguments import is_cache_type
 from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.formats.base import DumpReader, Entry
@@ -87,7 +95,19 @@ CACHE_SLICED = ("its input {index} is the target's KV cache ({pytype}) and its i
                 "ranks: not replayable from the target dump at a decode step")
 #: why a row-parallel module's error names no rank
 NO_RANK_REDUCED = ("its inputs are sliced over the ranks and its output reduced (row-parallel): the "
-                   "error is the module's, no rank's own")
+                   "error is the module's, no rank's own; a dump of its output before the all-reduce (each "
+                   "rank's partial product) names the rank")
+#: why a module whose ranks hold partial products of whole inputs names no rank
+NO_RANK_WHOLE_INPUTS = ("its output is the ranks' partial products of inputs whole on every rank: how the "
+                        "module splits its work over the ranks is inside it, so no rank's share is known")
+#: why partial products of a module not linear in its sliced inputs name no rank
+NOT_ADDITIVE = ("its output is the ranks' partial products, and the golden module is not linear in its "
+                "sliced inputs: no rank's share of its output can be computed")
+#: why partial products that all stray from their shares name no rank
+NO_RANK_SHARES = ("its output is the ranks' partial products, and no rank's departure from its share of the "
+                  "golden output stands out from the others': the error is the module's, no rank's own")
+#: how far the golden shares' sum may be from its output, relative (its dtype's rounding allowed for)
+ADDITIVE_TOLERANCE = 1e-4
 
 
 def _module_entries(reader: DumpReader, step: int) -> dict[str, dict[int, list[Entry]]]:
@@ -286,8 +306,9 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
             if history is not None and row["replayable"]:
                 row["source"] = f"target dump, steps 0..{step}"
             return row
-        joined = [(i, join_tensors(merges[i], [target.load(e) for e in entries]) if i in merges
-                   else entry_value(target, entries[0])) for i, entries in shards.items()]
+        loaded = {i: [target.load(e) for e in entries] for i, entries in shards.items() if i in merges}
+        joined = [(i, join_tensors(merges[i], loaded[i]) if i in merges else entry_value(target, entries[0]))
+                  for i, entries in shards.items()]
         call = _call(name, module_type, joined, {}, step)
         if call.reason:
             return _not_replayable(name, module_type, call.reason)
@@ -316,9 +337,54 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
                            **own_error(golden_out, join_tensors(merge, target_outs))}
     if merge.startswith(CONCAT):  # each rank's slice of the output depends on its own slice of the input
         return _with_ranks(row, sharding, shard_errors(golden_out, merge, target_outs), ranks)
-    row.update(sharding=sharding, rank_errors=[], shard_rank=None, rank_note=NO_RANK_REDUCED if len(ranks) > 1
-               else None)
+    if merge == SUM and sliced and len(ranks) > 1:  # partial products: each rank's share of the golden's
+        shares = _golden_shares(name, module, golden, joined, loaded, merges, index, golden_out, step,
+                                module_type)
+        if isinstance(shares, str):
+            row.update(sharding=sharding, rank_errors=[], shard_rank=None, rank_note=shares)
+            return row
+        relative, absolute = share_errors(shares, target_outs)
+        row = _with_ranks(row, sharding, relative, ranks)
+        by_size = standout(absolute, ranks)
+        if row["shard_rank"] is not None and (by_size is None or by_size[0] != row["shard_rank"]):
+            row.update(shard_rank=None, rank_note=NO_RANK_SHARES)  # a small share's error, not the module's
+        return row
+    note = (NO_RANK_REDUCED if sliced else NO_RANK_WHOLE_INPUTS) if len(ranks) > 1 else None
+    row.update(sharding=sharding, rank_errors=[], shard_rank=None, rank_note=note)
     return row
+
+
+def _golden_shares(name: str, module: nn.Module, golden: Any, joined: list[tuple[str, Any]],
+                   loaded: dict[str, list[torch.Tensor]], merges: dict[str, str], index: str,
+                   golden_out: torch.Tensor, step: int, module_type: str | None
+                   ) -> tuple[list[torch.Tensor], torch.Tensor] | str:
+    """Each rank's share of the golden module's output where the target's ranks left partial
+    products: the golden module run on the joined inputs with every other rank's slice zeroed,
+    less its output on all-zero slices (a bias: the response to nothing), and that response. A
+    module linear in its sliced inputs (a row-parallel linear) has shares that sum back to its
+    output; one that is not (a norm, an activation) has no shares: why, as a string."""
+    world = len(next(iter(loaded.values())))
+
+    def run(keep: int | None) -> torch.Tensor | None:
+        inputs = [(i, join_tensors(merges[i], [t if r == keep else torch.zeros_like(t)
+                                                for r, t in enumerate(loaded[i])]))
+                  if i in loaded and merges[i].startswith(CONCAT) else (i, v) for i, v in joined]
+        return _run_golden(module, _call(name, module_type, inputs, {}, step), golden).get(index)
+
+    try:
+        response = run(None)
+        shares = [run(k) for k in range(world)]
+    except Exception as exc:  # a module that refuses zeroed inputs leaves its rank unnamed, the row stands
+        return f"its output is the ranks' partial products; the golden module refused a rank's slice alone ({exc})"
+    if response is None or any(s is None for s in shares):
+        return NOT_ADDITIVE
+    shares = [s.double() - response.double() for s in shares]  # type: ignore[union-attr]
+    total = torch.stack(shares).sum(0) + response.double()
+    ref = float(torch.linalg.vector_norm(golden_out.double()))
+    slack = max(ADDITIVE_TOLERANCE, 4 * torch.finfo(golden_out.dtype).eps)
+    if float(torch.linalg.vector_norm(total - golden_out.double())) > slack * ref:
+        return NOT_ADDITIVE
+    return shares, response.double()
 
 
 def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], ranks: list[int],

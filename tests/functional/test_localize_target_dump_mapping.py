@@ -5,7 +5,8 @@ verdict names the golden's modules.
 
 The tensor-parallel target is tests/fixtures/tp_llama.py under torchrun (TP=2) with
 ``--reduce after-mlp``: ``down_proj`` dumps its partial products (the MLP around it all-reduces),
-which have the golden's shape, so the shapes take them for replicated copies. The renamed port is
+which have the golden's shape, so the shapes take them for replicated copies; they differ, so they
+are summed, and each rank's is measured against the golden module on that rank's input slice alone. The renamed port is
 tests/fixtures/renamed_llama.py (``transformer.h.1.attn`` for ``model.layers.1.self_attn``)."""
 
 from __future__ import annotations
@@ -81,7 +82,18 @@ def test_a_sum_rule_joins_partial_products_the_shapes_take_for_copies(tmp_path: 
     for layer in range(3):
         row = rows[f"model.layers.{layer}.mlp.down_proj"]
         assert row.sharding == "inputs concat:2, output sum (shards rule)" and row.error < 1e-5
-        assert row.raw_rel_l2 < 1e-5 and row.rank_errors == [] and "row-parallel" in row.rank_note
+        assert row.raw_rel_l2 < 1e-5 and len(row.rank_errors) == 2 and max(row.rank_errors) < 1e-5
+        assert row.shard_rank is None and row.rank_note is None
+
+
+def test_partial_products_the_shapes_sum_name_the_rank_whose_shard_is_wrong(tp_dumps: Path) -> None:
+    """Without a rule the ranks' differing outputs of the golden's shape are summed; each is
+    measured against the golden down_proj on that rank's slice of its input alone."""
+    verdict, rows = _bisect_tp(tp_dumps, "row_rank1", None)
+    row = rows["model.layers.0.mlp.down_proj"]
+    assert verdict.status == "fail" and verdict.first_bad_module == row.name and verdict.first_bad_rank == 1
+    assert row.sharding == "inputs concat:2, output sum" and row.shard_rank == 1
+    assert abs(row.rank_errors[1] - 0.5) < 1e-3 and row.rank_errors[0] < 1e-5, row.rank_errors
 
 
 def test_a_sum_rule_sums_outputs_that_are_equal_on_every_rank(tmp_path: Path, tp_dumps: Path) -> None:
@@ -100,7 +112,8 @@ def test_the_workflow_names_a_row_parallel_fault_through_the_sum_rule(tmp_path: 
     proc, verdict = _run(tmp_path, _tp(tp_dumps, "golden"), _tp(tp_dumps, "row_rank1"), TP_GOLDEN_MODEL,
                          "--set", f"mapping={mapping}")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert verdict["first_bad_module"] == "model.layers.0.mlp.down_proj" and verdict["first_bad_rank"] is None
+    assert verdict["first_bad_module"] == "model.layers.0.mlp.down_proj" and verdict["first_bad_rank"] == 1
+    assert "rank 1's shard" in verdict["diagnosis"], verdict["diagnosis"]
     top = verdict["candidates"][0]
     assert top["name"] == "model.layers.0.mlp.down_proj"
     assert top["sharding"] == "inputs concat:2, output sum (shards rule)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,9 +34,9 @@ class _Reader:
         return self.tensors[entry.key]
 
 
-def _linear() -> nn.Linear:
+def _linear(bias: bool = False) -> nn.Linear:
     torch.manual_seed(0)
-    return nn.Linear(8, 6, bias=False)
+    return nn.Linear(8, 6, bias=bias)
 
 
 def _golden(module: nn.Module) -> SimpleNamespace:
@@ -46,19 +47,22 @@ def _rule(merge: str) -> ShardRule:
     return ShardRule(re.compile(r"proj"), merge)
 
 
-def _row_parallel(reduced: bool, faulty_rank: int | None, rules: tuple[ShardRule, ...] = ()) -> dict:
-    """Each rank holds half the input features and its half of the weight's columns."""
-    golden = _linear()
+def _row_parallel(reduced: bool, faulty_rank: int | None, rules: tuple[ShardRule, ...] = (), world: int = 2,
+                  bias: bool = False) -> dict:
+    """Each rank holds its slice of the input features and those columns of the weight; with a
+    bias, rank 0 adds it to its partial product (as vLLM's row-parallel linear does)."""
+    golden = _linear(bias)
     x = torch.randn(1, 3, 8)
     reader = _Reader()
+    part = 8 // world
     partial = []
-    for r in (0, 1):
-        w = golden.weight[:, r * 4:(r + 1) * 4] * (1.5 if r == faulty_rank else 1.0)
-        partial.append(F.linear(x[..., r * 4:(r + 1) * 4], w).detach())
-    total = partial[0] + partial[1]
-    by_rank = {r: [reader.add(r, "input", 0, x[..., r * 4:(r + 1) * 4].clone()),
-                   reader.add(r, "output", 1, total.clone() if reduced else partial[r])] for r in (0, 1)}
-    return replay_module("proj", golden, by_rank, reader, _golden(golden), 0, {}, [0, 1], rules=rules)
+    for r in range(world):
+        w = golden.weight[:, r * part:(r + 1) * part] * (1.5 if r == faulty_rank else 1.0)
+        partial.append(F.linear(x[..., r * part:(r + 1) * part], w, golden.bias if r == 0 else None).detach())
+    total = torch.stack(partial).sum(0)
+    by_rank = {r: [reader.add(r, "input", 0, x[..., r * part:(r + 1) * part].clone()),
+                   reader.add(r, "output", 1, total.clone() if reduced else partial[r])] for r in range(world)}
+    return replay_module("proj", golden, by_rank, reader, _golden(golden), 0, {}, list(range(world)), rules=rules)
 
 
 def test_a_row_parallel_output_reduced_inside_is_the_modules_error_with_no_rank() -> None:
@@ -66,14 +70,39 @@ def test_a_row_parallel_output_reduced_inside_is_the_modules_error_with_no_rank(
     assert clean["replayable"] and clean["sharding"] == "inputs concat:2, output replicated"
     assert clean["rel_l2"] < 1e-6 < 0.05 < faulty["rel_l2"]
     assert faulty["shard_rank"] is None and "row-parallel" in faulty["rank_note"]
+    assert "before the all-reduce" in faulty["rank_note"]  # what would name the rank
 
 
-def test_partial_products_are_summed_before_they_are_compared() -> None:
-    """Left for an all-reduce after the module, the ranks' outputs differ: they are summed."""
-    clean, faulty = _row_parallel(False, None), _row_parallel(False, 1)
-    assert clean["sharding"] == "inputs concat:2, output sum" and clean["rel_l2"] < 1e-6
-    assert faulty["sharding"] == "inputs concat:2, output sum" and faulty["rel_l2"] > 0.05
-    assert faulty["shard_rank"] is None
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("faulty_rank", [None, 0, 1])
+def test_partial_products_name_the_rank_whose_share_is_wrong(world: int, bias: bool, faulty_rank: int | None
+                                                             ) -> None:
+    """Left for an all-reduce after the module, the ranks' outputs differ: summed for the module's
+    error, and each compared with the golden module's output on that rank's slice alone."""
+    row = _row_parallel(False, faulty_rank, world=world, bias=bias)
+    assert row["sharding"] == "inputs concat:2, output sum"
+    assert len(row["rank_errors"]) == world and row["rank_note"] is None
+    assert row["shard_rank"] == faulty_rank, row["rank_errors"]
+    if faulty_rank is None:
+        assert row["rel_l2"] < 1e-6 and max(row["rank_errors"]) < 1e-6
+    else:
+        assert row["rel_l2"] > 0.05 and abs(row["rank_errors"][faulty_rank] - 0.5) < 1e-5
+        assert max(e for r, e in enumerate(row["rank_errors"]) if r != faulty_rank) < 1e-6
+
+
+def test_partial_products_of_a_module_not_linear_in_its_slices_name_no_rank() -> None:
+    """A norm over sliced features is not the sum of its runs on each slice: no share exists."""
+    golden = nn.LayerNorm(8)
+    x = torch.randn(1, 3, 8)
+    reader = _Reader()
+    whole = golden(x).detach()
+    by_rank = {r: [reader.add(r, "input", 0, x[..., r * 4:(r + 1) * 4].clone()),
+                   reader.add(r, "output", 1, whole * (0.5 if r else 0.5 + 0.1))] for r in (0, 1)}
+    shapes = {("proj", "0"): [1, 3, 8]}  # the golden dump's input: the slices join on the features
+    row = replay_module("proj", golden, by_rank, reader, _golden(golden), 0, shapes, [0, 1])
+    assert row["sharding"] == "inputs concat:2, output sum" and row["shard_rank"] is None
+    assert row["rank_errors"] == [] and "not linear" in row["rank_note"]
 
 
 def test_a_column_parallel_slice_names_the_rank_whose_own_error_stands_out() -> None:
@@ -91,10 +120,13 @@ def test_a_column_parallel_slice_names_the_rank_whose_own_error_stands_out() -> 
 
 
 def test_a_sum_rule_sums_outputs_equal_on_every_rank() -> None:
-    """All-reduced inside, yet a rule says sum: summed all the same, twice the golden."""
+    """All-reduced inside, yet a rule says sum: summed all the same, twice the golden; each rank's
+    copy is as far from its share as the other's, so no rank is named."""
     row = _row_parallel(True, None, (_rule("sum"),))
     assert row["sharding"] == "inputs concat:2, output sum (shards rule)"
-    assert abs(row["rel_l2"] - 1.0) < 1e-5 and row["rank_errors"] == []
+    assert abs(row["rel_l2"] - 1.0) < 1e-5 and row["shard_rank"] is None
+    assert len(row["rank_errors"]) == 2 and min(row["rank_errors"]) > 0.3
+    assert "no rank's departure" in row["rank_note"]
 
 
 def test_a_replicated_rule_compares_each_differing_copy_and_keeps_the_worst() -> None:
