@@ -11,6 +11,7 @@ reach this module and must start without it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
@@ -100,6 +101,20 @@ CLASS_ALIASES = {
     "w8a16": "int8", "w4a16": "int4", "uint8": "integer", "int16": "integer", "int32": "integer",
     "int64": "integer", "bool": "integer", "long": "integer", "int": "integer",
 }
+
+#: the dtype name that judges a quantized model's tensors, by its Linear layers' weight type (the
+#: msModelSlim names): a model whose matmuls run in int8 or int4 cannot be held to its activations'
+#: dtype; of several types the coarsest judges, activation quantization before weight-only
+QUANTIZATION_DTYPES = {"W4A16": "w4a16", "W4A8": "w4a16", "W8A16": "w8a16", "W8A8": "w8a8", "W8A8S": "w8a8",
+                       "W8A8_DYNAMIC": "w8a8", "W8A8_MIX": "w8a8"}
+
+
+def quantization_dtype(weight_types: Iterable[str]) -> str | None:
+    """The dtype name (a ``CLASS_ALIASES`` key) judging a model whose Linear layers have these
+    quantized weight types; None for none."""
+    names = {QUANTIZATION_DTYPES.get(t.upper(), "w8a8") for t in weight_types}
+    return min(names, key=lambda n: ({"w4a16": 0, "w8a8": 1, "w8a16": 2}[n], n)) if names else None
+
 
 OP_ERROR_FLOOR = {"float32": 1e-6, "float64": 1e-12, "bfloat16": 4e-3, "float16": 5e-4}
 

@@ -31,7 +31,7 @@ from llmflow.compare.rows import Job
 from llmflow.compare.sheets import level_columns, write_sheets
 from llmflow.compare.summary import SummaryBuilder, report_lines
 from llmflow.compare.thresholds import check_dtype_name, check_thresholds, coarser, limited_metrics
-from llmflow.dtypes import dtype_name
+from llmflow.dtypes import QUANTIZATION_DTYPES, dtype_name
 from llmflow.errors import UserError
 from llmflow.formats import DumpReader, open_dump
 from llmflow.plugins import is_file_ref
@@ -96,20 +96,32 @@ def recorded_dtype(reader: DumpReader) -> str | None:
     return None
 
 
+def recorded_quantization(reader: DumpReader) -> str | None:
+    """The dtype judging a quantized model's tensors that its dump recorded (llmflow's env.json:
+    ``torch_settings.quantization``, ``w8a8``), None for a float model's dump."""
+    value = ((reader.env() or {}).get("torch_settings") or {}).get("quantization")
+    return value if isinstance(value, str) and value.lower() in QUANTIZATION_DTYPES.values() else None
+
+
 def judging(golden: DumpReader, target: DumpReader, opts: CompareOptions) -> JudgedAs:
-    """The dtype that judges the float rows and why: given, recorded in the dumps, or each tensor's."""
+    """The dtype that judges the float rows and why: given, recorded in the dumps, or each tensor's;
+    a quantized model's (recorded in its dump) coarsens either: its matmuls ran in int8 or int4."""
+    quant = coarser(recorded_quantization(golden), recorded_quantization(target))
+    quantized = (f"; a quantized checkpoint's Linear layers (recorded in its dump) judge the rows at {quant}"
+                 if quant else "")
     if opts.target_dtype:
-        return JudgedAs(dtype=opts.target_dtype, given=opts.target_dtype, recorded=None,
-                        source="given (--target-dtype / target_dtype)")
+        given = coarser(opts.target_dtype, quant)
+        return JudgedAs(dtype=given, given=given, recorded=None,
+                        source="given (--target-dtype / target_dtype)" + quantized)
     g, t = recorded_dtype(golden), recorded_dtype(target)
-    model = coarser(g, t)
+    model = coarser(coarser(g, t), quant)
     if model is None:
         return JudgedAs(dtype=None, given=None, recorded=None,
                         source="neither dump records its model's dtype")
     sides = " and ".join(f"{side} {d}" for side, d in (("golden", g), ("target", t)) if d)
     return JudgedAs(dtype=model, given=None, recorded=model,
                     source=f"the model dtype the dumps record ({sides}); "
-                           "a coarser tensor dtype judges its own rows")
+                           "a coarser tensor dtype judges its own rows" + quantized)
 
 
 def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpReader, out_dir: str | Path,

@@ -275,7 +275,8 @@ def share_errors(shares: tuple[list[torch.Tensor], torch.Tensor], partials: list
     relative, absolute = [], []
     for share, partial in zip(parts, partials, strict=True):
         p = partial.double().reshape(share.shape)
-        diff = min(float(torch.linalg.vector_norm(p - share)), float(torch.linalg.vector_norm(p - share - bias)))
+        diff = min(float(torch.linalg.vector_norm(p - share)),
+                   float(torch.linalg.vector_norm(p - share - bias)))
         ref = float(torch.linalg.vector_norm(share))
         relative.append(diff / ref if ref > 0 else (0.0 if diff == 0 else math.inf))
         absolute.append(diff)

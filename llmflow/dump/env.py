@@ -16,12 +16,13 @@ import functools
 import os
 import platform
 import sys
+from collections import Counter
 from typing import Any
 
 import torch
 
 import llmflow
-from llmflow.dtypes import dtype_name
+from llmflow.dtypes import dtype_name, quantization_dtype
 from llmflow.redaction import redact_env
 
 ENV_PREFIXES = ("ATB_", "HCCL_", "LCCL_", "ASCEND_", "CUDA_", "CUBLAS_", "TORCH_")
@@ -47,8 +48,11 @@ def _version(dist: str) -> str | None:  # metadata took ~4 ms a dump (2% of a ti
 
 
 def collect_env(model: torch.nn.Module | None = None, *, generation: dict[str, Any] | None = None,
-                tokenizer: Any = None, seed: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything about this process that can change a model's numbers."""
+                tokenizer: Any = None, seed: dict[str, Any] | None = None,
+                quantized: dict[str, str] | None = None) -> dict[str, Any]:
+    """Everything about this process that can change a model's numbers. ``quantized``: the model's
+    quantized Linear layers and their weight types (an msModelSlim checkpoint's,
+    ``LoadedModel.quantized``): recorded with the dtype that judges its tensors."""
     versions = {
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": _version("transformers"), "torch_npu": _version("torch_npu"),
@@ -78,6 +82,9 @@ def collect_env(model: torch.nn.Module | None = None, *, generation: dict[str, A
         if first is not None:
             settings["model_dtype"] = dtype_name(first.dtype)
             settings["model_device"] = str(first.device)
+        if quantized:
+            settings["quantization"] = quantization_dtype(quantized.values())
+            settings["quantized_linears"] = dict(sorted(Counter(quantized.values()).items()))
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "to_dict"):
             model_config = _jsonable(config.to_dict())

@@ -31,7 +31,7 @@ def dump_run(loaded: LoadedModel, input_ids: list[int], max_new_tokens: int, con
 
     def env() -> dict[str, Any]:
         return (redact or Redactor())(collect_env(loaded.model, generation=gen, tokenizer=loaded.tokenizer,
-                                                  seed=seed))
+                                                  seed=seed, quantized=loaded.quantized))
 
     handle = DumpHandle(loaded.model, config, exact_dir=config.dump_path, env_factory=env)
     handle.on_step = on_step

@@ -37,8 +37,16 @@ import torch
 from llmflow.compare.align import steps_text
 from llmflow.compare.divergence import input_difference
 from llmflow.compare.mappings import Mapping, load_mapping
-from llmflow.compare.run import recorded_dtype
-from llmflow.dtypes import DEFAULT_THRESHOLDS, OP_ERROR_FLOOR, dtype_class, dtype_name, torch_dtype
+from llmflow.compare.run import recorded_dtype, recorded_quantization
+from llmflow.compare.thresholds import coarser
+from llmflow.dtypes import (
+    DEFAULT_THRESHOLDS,
+    OP_ERROR_FLOOR,
+    dtype_class,
+    dtype_name,
+    quantization_dtype,
+    torch_dtype,
+)
 from llmflow.dump.memory import Call
 from llmflow.errors import UserError
 from llmflow.formats import open_dump
@@ -730,10 +738,14 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
         b.inp = inp = replace(inp, golden_ids=inp.golden_ids or greedy_ids(b.golden_dump),
                               target_ids=inp.target_ids or greedy_ids(b.target_dump))
     dtype = dtype_name(tgt.dtype) if tgt is not None else target_dump_dtype(b.target_dump)
+    # what judges the logits and the shared errors: a quantized target's matmuls ran in int8 or int4
+    quant = (quantization_dtype(tgt.quantized.values()) if tgt is not None
+             else recorded_quantization(b.target_dump))
+    judged = coarser(dtype, quant) or dtype
     # a side without token ids (a dump without logits) says nothing of where the texts part
     mismatch = first_mismatch(inp.golden_ids, inp.target_ids) if inp.golden_ids and inp.target_ids else None
     rows = token_rows(b.golden_dump, b.target_dump, golden_ids=inp.golden_ids, target_ids=inp.target_ids,
-                      pairs=inp.pairs, target_dtype=dtype, thresholds=inp.thresholds, decode=b.decode)
+                      pairs=inp.pairs, target_dtype=judged, thresholds=inp.thresholds, decode=b.decode)
     bad_token = first_bad_step(rows, mismatch)
     log(f"bisect: first mismatching token {mismatch}, first bad token (logits) {bad_token}")
     b.phase("token: logits per step")
@@ -772,7 +784,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     # where every layer's copy of one module type is off alike (no copy stands out from its peers:
     # a decode kernel every layer runs, checked at the first decode step after a clean prefill)
     chosen = next((t for t in tried if stands_out(t, inp.ratio_threshold)), None) or next(
-        (t for t in tried if shared_error(t, b.stack, dtype) is not None), tried[0])
+        (t for t in tried if shared_error(t, b.stack, judged) is not None), tried[0])
     if b.isolation == "target_dump" and chosen.anomalous and chosen.candidate:
         # the module about to be named, measured against the golden model: its layer must be the
         # golden dump's too (a golden model that differs there alone would blame a clean target)
@@ -785,7 +797,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     problems = [f"golden dump: {p}" for p in b.golden_dump.problems()]
     problems += [f"target dump: {p}" for p in b.target_dump.problems()]
     result = conclude(inp, tried, chosen, rows=rows, mismatch=mismatch, bad_token=bad_token,
-                      stack=b.stack, decode=b.decode, dtype=dtype,
+                      stack=b.stack, decode=b.decode, dtype=judged, compute_dtype=dtype,
                       device=str(tgt.device) if tgt is not None else "target dump",
                       problems=problems, note=_notes(tgt, b.held.get("golden")), own_steps=own_steps,
                       quantized=getattr(tgt, "quantized", None))

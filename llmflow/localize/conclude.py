@@ -114,18 +114,30 @@ LAYER_STANDOUT = 2.0
 #: thresholds), a module standing out by less than this many times the ratio_threshold is taken as
 #: rounding: a median of few peers (a tiny model's 3 other layers) spreads that far on a clean port
 QUIET_STANDOUT = 2.0
+#: the same for a quantized checkpoint's Linear layer: its own error is its quantization's, and an
+#: honest layer with activation outliers stands out that far (6x on tiny Llama and Qwen2 checkpoints
+#: of msModelSlim, alike in fp32, fp16 and bf16) where a calibration that clips stands out at 13-14x
+QUIET_QUANTIZED_STANDOUT = 3.0
 
 
-def below_notice(inp: Any, cand: dict[str, Any] | None, mismatch: int | None, bad_token: int | None) -> bool:
+def quiet_limit(inp: Any, cand: dict[str, Any] | None, quantized: dict[str, str] | None = None) -> float:
+    """The score under which ``cand`` standing out is not called a fault where nothing fails."""
+    quant = bool(cand and quantized and cand.get("name") in quantized)
+    return (QUIET_QUANTIZED_STANDOUT if quant else QUIET_STANDOUT) * inp.ratio_threshold
+
+
+def below_notice(inp: Any, cand: dict[str, Any] | None, mismatch: int | None, bad_token: int | None,
+                 quantized: dict[str, str] | None = None) -> bool:
     """Whether a standing-out candidate is too weak to call a fault where nothing else fails: the
     texts agree, no step's logits fail, and the compare ran with no failing row (``inp``'s
-    ``compare_first_fail`` empty; None: no compare, so nothing says the rows pass)."""
+    ``compare_first_fail`` empty; None: no compare, so nothing says the rows pass). ``quantized``:
+    a quantized target's Linear layers, whose limit is ``QUIET_QUANTIZED_STANDOUT``."""
     if cand is None or mismatch is not None or bad_token is not None or cand.get("overflow"):
         return False
     if getattr(inp, "compare_first_fail", None) != {}:
         return False
     score = cand.get("score")
-    return isinstance(score, (int, float)) and score < QUIET_STANDOUT * inp.ratio_threshold
+    return isinstance(score, (int, float)) and score < quiet_limit(inp, cand, quantized)
 
 
 def layer_fault(step: StepReplay, ratio_threshold: float) -> str | None:
@@ -333,13 +345,15 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
              mismatch: int | None, bad_token: int | None, stack: LayerStack | None,
              decode: Callable[[int], str], dtype: str, device: str, problems: list[str],
              note: str | None = None, own_steps: OwnErrorSteps | None = None,
-             quantized: dict[str, str] | None = None) -> Verdict:
+             quantized: dict[str, str] | None = None, compute_dtype: str | None = None) -> Verdict:
     """The verdict of a bisect from what each replayed step showed (and, where measured, the chosen
     module's own error per step). ``quantized``: the target's quantized Linear layers and their
-    weight types (an msModelSlim checkpoint), whose error is the quantization's own."""
+    weight types (an msModelSlim checkpoint), whose error is the quantization's own. ``dtype``
+    judges (its thresholds, its rounding in words); ``compute_dtype`` (default: ``dtype``) is the
+    one the target ran in, which differs for a quantized target (judged at ``w8a8``)."""
     cand = chosen.candidate
     module = _standing_out(chosen)
-    quiet = module is not None and below_notice(inp, cand, mismatch, bad_token)
+    quiet = module is not None and below_notice(inp, cand, mismatch, bad_token, quantized)
     if quiet and cand is not None:  # a lead too weak to name where every output is within its thresholds
         cand["anomalous"] = False
         module = None
@@ -367,7 +381,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     replay = ReplayInfo(step=chosen.step, why=chosen.why, source=chosen.source,
                         replayed=len(chosen.replayed), not_replayable=len(chosen.not_replayable),
                         reasons=_reasons(chosen.not_replayable), steps_tried=[t.step for t in tried],
-                        ratio_threshold=inp.ratio_threshold, device=device, dtype=dtype,
+                        ratio_threshold=inp.ratio_threshold, device=device, dtype=compute_dtype or dtype,
                         golden_rerun_max_abs_diff=chosen.rerun_diff)
     routing = [r for t in tried for r in t.routing]
     if lead is not None:
@@ -441,12 +455,28 @@ def _quantized_layer(module: str, qtype: str, detail: str | None, golden: str | 
             f"quantize again with it in msModelSlim's disable_names (['{module}']).")
 
 
+def _sensitive_linears(chosen: StepReplay, quantized: dict[str, str]) -> list[dict[str, Any]]:
+    """The replayed rows of the quantized Linear layers with the largest own error, largest first."""
+    return sorted((r for r in chosen.replayed if r["name"] in quantized and r.get("rel_l2") is not None),
+                  key=lambda r: -r["rel_l2"])[:QUANT_SENSITIVE_SHOWN]
+
+
+def _most_sensitive(chosen: StepReplay, quantized: dict[str, str] | None) -> str:
+    """A quantized target that passes: its most sensitive Linear layers, to keep in float for a
+    result nearer the float model (empty for a float target)."""
+    linears = _sensitive_linears(chosen, quantized or {})
+    if not linears:
+        return ""
+    return (" Its most sensitive quantized Linear layers (own error on the golden inputs): "
+            + ", ".join(f"{r['name']} ({r['rel_l2']:.3g})" for r in linears)
+            + "; msModelSlim's disable_names keeps a layer in float.")
+
+
 def _quantization_spread(chosen: StepReplay, quantized: dict[str, str], steps: str) -> tuple[str, str]:
     """Why a quantized checkpoint whose Linear layers err alike is inconclusive, and what to run:
     its most sensitive Linear layers (the largest own error replayed on the golden inputs), the
     ones msModelSlim users keep in float (``disable_names``)."""
-    linears = sorted((r for r in chosen.replayed if r["name"] in quantized and r.get("rel_l2") is not None),
-                     key=lambda r: -r["rel_l2"])[:QUANT_SENSITIVE_SHOWN]
+    linears = _sensitive_linears(chosen, quantized)
     kinds = ", ".join(sorted(set(quantized.values())))
     reason = (f"the target is a quantized checkpoint ({len(quantized)} {kinds} Linear layers) and none of "
               f"its modules' own error stands out at {steps}: the drift is the quantization's own, spread "
@@ -670,8 +700,10 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     worst = f"{cand['name']} at {cand['score']:.1f}x" if cand else "none replayed"
     nothing = (f"No module's own error stands out from the same module in the other layers at {steps} "
                f"(worst: {worst}, threshold {inp.ratio_threshold}x"
-               + (f"; under {QUIET_STANDOUT * inp.ratio_threshold:g}x, taken as rounding where the texts "
-                  "agree and no step's logits and no compare row fail" if quiet else "") + ")")
+               + (f"; under {quiet_limit(inp, cand, quantized):g}x, taken as "
+                  + ("the quantization's own" if cand and cand["name"] in (quantized or {}) else "rounding")
+                  + " where the texts agree and no step's logits and no compare row fail" if quiet else "")
+               + ")")
     missing = [t.missing for t in tried if t.missing]
     if routing:  # near-tied experts swapped by the router's rounding: reported, not a fault
         r = routing[0]
@@ -770,7 +802,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     if mismatch is None:
         headline = "the target matches the golden: the same tokens, logits within the thresholds"
         return "pass", headline, ("The target matches the golden: the same tokens, logits within the "
-                                  "thresholds. " + nothing + "."), None
+                                  f"{dtype} thresholds. " + nothing + "." + _most_sensitive(chosen, quantized)
+                                  ), None
     noisy = _noisiest_types(chosen.replayed, stack)
     headline = (f"no fault: no module stands out at {_step_word(chosen.step)}; the texts part at token "
                 f"{mismatch} through {dtype} rounding")

@@ -56,8 +56,8 @@ from llmflow.compare.shards import (
     join_tensors,
     merge_of,
     rule_merge,
-    share_errors,
     shard_errors,
+    share_errors,
     standout,
     unreduced,
 )
@@ -375,7 +375,8 @@ def _golden_shares(name: str, module: nn.Module, golden: Any, joined: list[tuple
         response = run(None)
         shares = [run(k) for k in range(world)]
     except Exception as exc:  # a module that refuses zeroed inputs leaves its rank unnamed, the row stands
-        return f"its output is the ranks' partial products; the golden module refused a rank's slice alone ({exc})"
+        return (f"its output is the ranks' partial products; the golden module refused a rank's slice "
+                f"alone ({type(exc).__name__}: {str(exc)[:160]})")
     if response is None or any(s is None for s in shares):
         return NOT_ADDITIVE
     shares = [s.double() - response.double() for s in shares]  # type: ignore[union-attr]

@@ -271,6 +271,30 @@ def test_llmflow_run_names_the_clipped_layer_of_a_users_checkpoint(quantized, fl
     assert " cover [" in verdict["diagnosis"], verdict["diagnosis"]  # the range it covers, and the input's
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llmflow_run_judges_an_honest_checkpoint_at_its_quantization_in_any_dtype(dtype, quantized, float_dirs,
+                                                                               tmp_path):
+    """The same honest W8A8 checkpoint run in fp32 or bf16 gets one verdict: its rows and logits
+    judged at w8a8 (its matmuls ran in int8, whatever its activations' dtype), its most sensitive
+    Linear layer (6x its peers on this model) said, not called a fault."""
+    proc = run_bisect_recipe(tmp_path / "run", f"golden_model={float_dirs('llama')}",
+                             f"target_model={quantized('llama', 'w8a8')}", f"target_dtype={dtype}",
+                             max_new_tokens=4)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith("PASSED"), last
+    run = tmp_path / "run"
+    env = json.loads(next((run / "dump-npu").rglob("env.json")).read_text())
+    assert env["torch_settings"]["quantization"] == "w8a8"
+    assert env["torch_settings"]["quantized_linears"] == {"W8A8": 28}
+    judged = json.loads((run / "compare" / "compare_summary.json").read_text())["judged_as"]
+    assert judged["dtype"] == "w8a8" and "quantized checkpoint" in judged["source"], judged
+    verdict = json.loads((run / "bisect" / "verdict.json").read_text())
+    assert "logits within the w8a8 thresholds" in verdict["diagnosis"], verdict["diagnosis"]
+    assert "Its most sensitive quantized Linear layers (own error on the golden inputs): model.layers." \
+        in verdict["diagnosis"], verdict["diagnosis"]
+
+
 def test_a_type_llmflow_cannot_run_is_bad_input_in_one_line(quantized, tmp_path):
     target = tmp_path / "w8a8sc"
     shutil.copytree(quantized("llama", "w8a8"), target)

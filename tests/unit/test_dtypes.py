@@ -16,6 +16,7 @@ from llmflow.dtypes import (
     SMALL_VALUE_ATOL,
     dtype_class,
     dtype_name,
+    quantization_dtype,
     torch_dtype,
 )
 from llmflow.formats.llmflow_dump import SAFETENSORS_DTYPES
@@ -83,6 +84,14 @@ def test_safetensors_codes_name_real_dtypes_and_read_back():
 ])
 def test_dtype_class(spelling, cls):
     assert dtype_class(spelling) == cls
+
+
+@pytest.mark.parametrize(("types", "judged", "cls"), [
+    (["W8A8"], "w8a8", "int8"), (["W8A8_DYNAMIC", "W8A16"], "w8a8", "int8"), (["W8A16"], "w8a16", "int8"),
+    (["W8A8", "W4A16"], "w4a16", "int4"), (["w8a8_mix"], "w8a8", "int8"), ([], None, None)])
+def test_a_quantized_model_is_judged_at_its_coarsest_weight_type(types, judged, cls):
+    assert quantization_dtype(types) == judged
+    assert judged is None or dtype_class(judged) == cls
 
 
 def test_tolerance_tables_are_keyed_by_canonical_names():

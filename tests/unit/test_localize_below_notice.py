@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from llmflow.localize.conclude import QUIET_STANDOUT, below_notice
+from llmflow.localize.conclude import QUIET_QUANTIZED_STANDOUT, QUIET_STANDOUT, below_notice
 
 
 def _inp(compare_first_fail):
@@ -28,3 +28,15 @@ def test_a_standout_stays_a_fault_where_the_evidence_says_so():
     assert not below_notice(_inp({}), weak, None, 3)  # a step's logits fail
     assert not below_notice(_inp({}), {"score": 3.04, "overflow": True}, None, None)
     assert not below_notice(_inp({}), None, None, None)
+
+
+def test_a_quantized_linear_standing_out_where_nothing_fails_is_its_quantization_up_to_its_own_limit():
+    quantized = {"model.layers.1.self_attn.o_proj": "W8A8"}
+    honest = {"name": "model.layers.1.self_attn.o_proj", "score": 6.2}  # activation outliers
+    clipped = {"name": "model.layers.1.self_attn.o_proj", "score": QUIET_QUANTIZED_STANDOUT * 3.0}
+    assert below_notice(_inp({}), honest, None, None, quantized)
+    assert not below_notice(_inp({}), clipped, None, None, quantized)
+    assert not below_notice(_inp({}), honest, None, None)  # a float target's module: the float limit
+    float_module = {"name": "model.layers.1.mlp.act_fn", "score": 6.2}  # not quantized, in a quantized model
+    assert not below_notice(_inp({}), float_module, None, None, quantized)
+    assert not below_notice(_inp({}), honest, 2, None, quantized)  # the texts part: never quiet
