@@ -272,8 +272,8 @@ def test_llmflow_run_names_the_clipped_layer_of_a_users_checkpoint(quantized, fl
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_llmflow_run_judges_an_honest_checkpoint_at_its_quantization_in_any_dtype(dtype, quantized, float_dirs,
-                                                                               tmp_path):
+def test_llmflow_run_judges_an_honest_checkpoint_at_its_quantization_in_any_dtype(dtype, quantized,
+                                                                               float_dirs, tmp_path):
     """The same honest W8A8 checkpoint run in fp32 or bf16 gets one verdict: its rows and logits
     judged at w8a8 (its matmuls ran in int8, whatever its activations' dtype), its most sensitive
     Linear layer (6x its peers on this model) said, not called a fault."""

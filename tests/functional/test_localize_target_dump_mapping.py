@@ -6,8 +6,9 @@ verdict names the golden's modules.
 The tensor-parallel target is tests/fixtures/tp_llama.py under torchrun (TP=2) with
 ``--reduce after-mlp``: ``down_proj`` dumps its partial products (the MLP around it all-reduces),
 which have the golden's shape, so the shapes take them for replicated copies; they differ, so they
-are summed, and each rank's is measured against the golden module on that rank's input slice alone. The renamed port is
-tests/fixtures/renamed_llama.py (``transformer.h.1.attn`` for ``model.layers.1.self_attn``)."""
+are summed, and each rank's is measured against the golden module on that rank's input slice
+alone. The renamed port is tests/fixtures/renamed_llama.py (``transformer.h.1.attn`` for
+``model.layers.1.self_attn``)."""
 
 from __future__ import annotations
 

@@ -61,8 +61,10 @@ def _row_parallel(reduced: bool, faulty_rank: int | None, rules: tuple[ShardRule
         partial.append(F.linear(x[..., r * part:(r + 1) * part], w, golden.bias if r == 0 else None).detach())
     total = torch.stack(partial).sum(0)
     by_rank = {r: [reader.add(r, "input", 0, x[..., r * part:(r + 1) * part].clone()),
-                   reader.add(r, "output", 1, total.clone() if reduced else partial[r])] for r in range(world)}
-    return replay_module("proj", golden, by_rank, reader, _golden(golden), 0, {}, list(range(world)), rules=rules)
+                   reader.add(r, "output", 1, total.clone() if reduced else partial[r])]
+               for r in range(world)}
+    return replay_module("proj", golden, by_rank, reader, _golden(golden), 0, {}, list(range(world)),
+                         rules=rules)
 
 
 def test_a_row_parallel_output_reduced_inside_is_the_modules_error_with_no_rank() -> None:
