@@ -34,9 +34,16 @@ class _Reader:
         return self.tensors[entry.key]
 
 
-def _linear(bias: bool = False) -> nn.Linear:
+class _PortLinear(nn.Linear):
+    """A model's own linear class (its own forward): shares found by zeroing the other slices."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _linear(bias: bool = False, cls: type[nn.Linear] = nn.Linear) -> nn.Linear:
     torch.manual_seed(0)
-    return nn.Linear(8, 6, bias=bias)
+    return cls(8, 6, bias=bias)
 
 
 def _golden(module: nn.Module) -> SimpleNamespace:
@@ -48,10 +55,10 @@ def _rule(merge: str) -> ShardRule:
 
 
 def _row_parallel(reduced: bool, faulty_rank: int | None, rules: tuple[ShardRule, ...] = (), world: int = 2,
-                  bias: bool = False) -> dict:
+                  bias: bool = False, cls: type[nn.Linear] = nn.Linear) -> dict:
     """Each rank holds its slice of the input features and those columns of the weight; with a
     bias, rank 0 adds it to its partial product (as vLLM's row-parallel linear does)."""
-    golden = _linear(bias)
+    golden = _linear(bias, cls)
     x = torch.randn(1, 3, 8)
     reader = _Reader()
     part = 8 // world
@@ -75,14 +82,15 @@ def test_a_row_parallel_output_reduced_inside_is_the_modules_error_with_no_rank(
     assert "before the all-reduce" in faulty["rank_note"]  # what would name the rank
 
 
+@pytest.mark.parametrize("cls", [nn.Linear, _PortLinear])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("faulty_rank", [None, 0, 1])
-def test_partial_products_name_the_rank_whose_share_is_wrong(world: int, bias: bool, faulty_rank: int | None
-                                                             ) -> None:
+def test_partial_products_name_the_rank_whose_share_is_wrong(world: int, bias: bool, faulty_rank: int | None,
+                                                             cls: type[nn.Linear]) -> None:
     """Left for an all-reduce after the module, the ranks' outputs differ: summed for the module's
     error, and each compared with the golden module's output on that rank's slice alone."""
-    row = _row_parallel(False, faulty_rank, world=world, bias=bias)
+    row = _row_parallel(False, faulty_rank, world=world, bias=bias, cls=cls)
     assert row["sharding"] == "inputs concat:2, output sum"
     assert len(row["rank_errors"]) == world and row["rank_note"] is None
     assert row["shard_rank"] == faulty_rank, row["rank_errors"]
