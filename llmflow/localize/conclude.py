@@ -338,7 +338,7 @@ def _step_word(step: int) -> str:
 CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", "score", "z", "anomalous",
                     "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
                     "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note",
-                    "source", "covers")
+                    "rank_source", "source", "covers")
 
 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
@@ -395,8 +395,12 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
                                                       quiet=quiet, quantized=quantized or {})
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
-        diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard has the error of its own "
-                      f"({errors}).")
+        if cand.get("rank_source"):  # its output is one sum over the ranks: the weights told
+            diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard differs from its slice "
+                          f"of the golden's weight ({errors}; from {cand['rank_source']}).")
+        else:
+            diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard has the error of its "
+                          f"own ({errors}).")
     elif module and cand and cand.get("rank_note"):
         diagnosis += f" No rank is named: {cand['rank_note']}."
     diagnosis += _token_sentence(mismatch, detail)

@@ -98,7 +98,7 @@ CACHE_SLICED = ("its input {index} is the target's KV cache ({pytype}) and its i
 #: why a row-parallel module's error names no rank
 NO_RANK_REDUCED = ("its inputs are sliced over the ranks and its output reduced (row-parallel): the "
                    "error is the module's, no rank's own; a dump of its output before the all-reduce (each "
-                   "rank's partial product) names the rank")
+                   "rank's partial product), or of its weights (dump_weight), names the rank")
 #: why a module whose ranks hold partial products of whole inputs names no rank
 NO_RANK_WHOLE_INPUTS = ("its output is the ranks' partial products of inputs whole on every rank: how the "
                         "module splits its work over the ranks is inside it, so no rank's share is known")
@@ -108,6 +108,9 @@ NOT_ADDITIVE = ("its output is the ranks' partial products, and the golden modul
 #: why partial products that all stray from their shares name no rank
 NO_RANK_SHARES = ("its output is the ranks' partial products, and no rank's departure from its share of the "
                   "golden output stands out from the others': the error is the module's, no rank's own")
+#: a dumped weight shard this close to its golden slice (relative L2; a bf16 copy of an fp32
+#: weight is within 4e-3) is the golden's own weight
+WEIGHT_SHARD_MATCH = 1e-2
 #: how far the golden shares' sum may be from its output, relative (its dtype's rounding allowed for)
 ADDITIVE_TOLERANCE = 1e-4
 
@@ -244,14 +247,17 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
                   golden: Any, step: int, golden_shapes: dict[tuple[str, str], list[int]],
                   all_ranks: list[int] | None = None,
                   earlier: dict[int, dict[int, list[Entry]]] | None = None, *,
-                  rules: Sequence[ShardRule] = (), target_name: str | None = None) -> dict[str, Any]:
+                  rules: Sequence[ShardRule] = (), target_name: str | None = None,
+                  weights: dict[int, dict[str, Entry]] | None = None) -> dict[str, Any]:
     """One module's own error from the target dump (see the module docstring): a row as
     ``replay.replay_call`` gives, plus ``sharding`` (how its shards joined), ``rank_errors``
     (each rank's own rel_l2, rank order; empty where no rank has one) and ``shard_rank`` (the rank
     whose own error stands out, else None). A module reading a KV cache at a decode step is run
     over steps 0..``step`` (``earlier``: rank -> step -> its entries before ``step``; None: read
     from the dump) and its row has ``source``. ``name`` is the golden module's name,
-    ``target_name`` the target's (default: the same), which the mapping's shards ``rules`` match."""
+    ``target_name`` the target's (default: the same), which the mapping's shards ``rules`` match.
+    ``weights``: rank -> the module's dumped parameters by name, which name a rank where the
+    output cannot (``_rank_by_weights``)."""
     ranks = sorted(by_rank)
     ruled = rule_merge(target_name or name, rules)  # the output merge a shards rule imposes
     module_type = by_rank[ranks[0]][0].module_type
@@ -355,7 +361,42 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
         return row
     note = (NO_RANK_REDUCED if sliced else NO_RANK_WHOLE_INPUTS) if len(ranks) > 1 else None
     row.update(sharding=sharding, rank_errors=[], shard_rank=None, rank_note=note)
+    if note is not None and weights:  # the ranks' outputs are one sum: their weight shards may still tell
+        _rank_by_weights(row, name, module, golden, weights, ranks, target)
     return row
+
+
+def _rank_by_weights(row: dict[str, Any], name: str, module: nn.Module, golden: Any,
+                     weights: dict[int, dict[str, Entry]], ranks: list[int], target: DumpReader) -> None:
+    """Where a module's output names no rank, the rank whose dumped weight shard differs from its
+    slice of the golden module's weight (msprobe dumps each module's parameters; llmflow's with
+    ``dump_weight``): ``rank_errors`` (each rank's worst parameter), ``shard_rank`` and a
+    ``rank_source``; where every shard matches, the note says the fault is not in the weights."""
+    with layer_weights_held(golden.model, layer_of_name(name) or name):
+        params = dict(module.named_parameters(recurse=False))
+        errors = [0.0] * len(ranks)
+        compared = []
+        for pname, param in params.items():
+            entries = [weights.get(r, {}).get(pname) for r in ranks]
+            if any(e is None or not e.has_data for e in entries):
+                continue
+            merge = merge_of(list(param.shape), [list(e.shape) for e in entries])  # type: ignore[union-attr]
+            if merge is None or merge == SUM:
+                continue
+            shards = [target.load(e).to(torch.float64) for e in entries]  # type: ignore[arg-type]
+            for k, e in enumerate(shard_errors(param.detach().cpu(), merge, shards)):
+                errors[k] = max(errors[k], e)
+            compared.append(pname)
+    if not compared:
+        return
+    rounding = OP_ERROR_FLOOR.get(dtype_name(next(iter(params.values())).dtype), 0.0)
+    named = standout(errors, ranks)
+    if named is not None and named[1] >= rounding:
+        row.update(rank_errors=errors, shard_rank=named[0], rank_note=None,
+                   rank_source=f"its weight shards ({', '.join(compared)}) in the target dump")
+    elif max(errors) < WEIGHT_SHARD_MATCH:
+        row["rank_note"] += (f"; its weight shards ({', '.join(compared)}) match the golden's on every rank: "
+                             "the fault is in its computation or its all-reduce, not a shard")
 
 
 def _golden_shares(name: str, module: nn.Module, golden: Any, joined: list[tuple[str, Any]],
@@ -509,14 +550,26 @@ def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpRe
     earlier = _earlier_entries(target_dump, target_step)
     names = golden_names(target_dump, target_step, modules, mapping)
     rules = mapping.shards if mapping is not None else ()
+    weights = _weight_entries(target_dump) if len(ranks) > 1 else {}
     for target_name, by_rank in _module_entries(target_dump, target_step).items():
         name = names.get(target_name)
         if name is None or not select(name, modules[name]):
             continue
         yield replay_module(name, modules[name], by_rank, target_dump, golden, target_step, shapes, ranks,
-                            earlier.get(target_name, {}), rules=rules, target_name=target_name)
+                            earlier.get(target_name, {}), rules=rules, target_name=target_name,
+                            weights=weights.get(target_name))
         if advance is not None:
             advance()
+
+
+def _weight_entries(reader: DumpReader) -> dict[str, dict[int, dict[str, Entry]]]:
+    """Module name -> rank -> its dumped parameters by their own name (``weight``, ``bias``)."""
+    found: dict[str, dict[int, dict[str, Entry]]] = {}
+    for e in reader.entries():
+        if e.kind == "weight" and "." in e.name:
+            module, _, pname = e.name.rpartition(".")
+            found.setdefault(module, {}).setdefault(e.rank, {})[pname] = e
+    return found
 
 
 def recorded_outputs(reader: DumpReader, step: int) -> Callable[[str], Call | None]:

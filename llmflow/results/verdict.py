@@ -129,6 +129,9 @@ class Candidate:
     shard_rank: int | None = field(default=None, metadata=_doc(
         "the rank whose own error stands out from the other ranks' (null: none does)"))
     rank_note: str | None = field(default=None, metadata=_doc("why no rank can be named, where none can"))
+    rank_source: str | None = field(default=None, metadata=_doc(
+        "what named the rank where its output could not (its weight shards in the target dump); null: "
+        "each rank's output against the golden"))
     source: str | None = field(default=None, metadata=_doc(
         'where its replay differs from the step\'s: "target dump, steps 0..T" (a module reading a KV cache '
         "at decode step T, run on the target's recorded inputs of every step to fill a cache of its own)"))

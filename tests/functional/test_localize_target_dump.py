@@ -34,10 +34,11 @@ QWEN2 = "tiny-qwen2:layers=3,hidden=64,heads=4,kv_heads=2,intermediate=128"
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """golden/ (one process), clean/ and each fault of TP_FAULTS (two ranks, one launch), in module
-    mode with every module's inputs and outputs."""
+    mode with every module's inputs and outputs, and each rank's weight shards."""
     out = tmp_path_factory.mktemp("tp-bisect")
     launch_tp(out, ["golden"], 1)
-    launch_tp(out, ["clean", *(f"{name}={spec}" for name, spec in TP_FAULTS.items())], 2)
+    launch_tp(out, ["clean", *(f"{name}={spec}" for name, spec in TP_FAULTS.items())], 2,
+              options=("--dump-weight",))
     return out
 
 
@@ -104,13 +105,18 @@ def test_an_attention_projection_fault_names_rank_0(dumps: Path) -> None:
     assert verdict.first_bad_rank == 0 and "rank 0's shard" in verdict.headline
 
 
-def test_a_row_parallel_fault_names_the_module_and_no_rank(dumps: Path) -> None:
+def test_a_row_parallel_fault_reduced_inside_is_named_to_its_rank_by_the_weight_shards(dumps: Path) -> None:
+    """down_proj all-reduces inside itself: its output is one sum on both ranks, but each rank's
+    dumped weight shard against its columns of the golden weight names rank 1."""
     verdict = _bisect(dumps, "row_rank1")
     assert verdict.status == "fail" and verdict.first_bad_module == "model.layers.0.mlp.down_proj"
-    assert verdict.first_bad_rank is None
+    assert verdict.first_bad_rank == 1, verdict.diagnosis
     chosen = next(c for c in verdict.candidates if c.name == "model.layers.0.mlp.down_proj")
-    assert chosen.sharding == "inputs concat:2, output replicated" and chosen.rank_errors == []
-    assert "row-parallel" in chosen.rank_note and "No rank is named" in verdict.diagnosis
+    assert chosen.sharding == "inputs concat:2, output replicated" and chosen.rank_note is None
+    assert chosen.rank_errors[0] < 1e-6 and abs(chosen.rank_errors[1] - 0.5) < 1e-5, chosen.rank_errors
+    assert "its weight shards (weight) in the target dump" in verdict.diagnosis, verdict.diagnosis
+    clean = next(c for c in _bisect(dumps, "clean").candidates if c.name == "model.layers.0.mlp.down_proj")
+    assert clean.shard_rank is None and "match the golden's on every rank" in clean.rank_note
 
 
 @pytest.mark.parametrize(("fault", "step"), [("no_reduce", 0), ("no_reduce_decode", 1)])
@@ -180,7 +186,7 @@ def test_a_golden_dump_of_the_decoder_layers_only_still_joins_row_parallel_input
     inp = BisectInputs(golden_dump=tmp_path / "layers", target_dump=_dump(dumps, "row_rank1"),
                        golden_spec={"model": TP_GOLDEN_MODEL})
     verdict = run_bisect(inp, log=lambda _m: None)
-    assert verdict.first_bad_module == "model.layers.0.mlp.down_proj" and verdict.first_bad_rank is None
+    assert verdict.first_bad_module == "model.layers.0.mlp.down_proj" and verdict.first_bad_rank == 1
     assert verdict.replay.not_replayable == 0
 
 

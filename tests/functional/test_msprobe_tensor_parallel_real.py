@@ -4,8 +4,10 @@ writes them) against its one-process golden (``step{N}/proc{pid}``): the ranks' 
 the golden's tensors, a clean port passes with every tensor paired, a fault in rank 1's shard
 of a column-parallel linear is named with its module and rank (by the compare, and by the
 dump_bisect workflow's golden modules on the target's recorded inputs), the workflows' pages
-show that module's output joined from the two ranks as the compare joined it, and a row-parallel
-linear that skips its all-reduce is named at the module whose ranks keep their partial products."""
+show that module's output joined from the two ranks as the compare joined it, a fault in rank 1's
+shard of a row-parallel linear (its output one sum on both ranks) is named with its rank from the
+parameters msprobe dumps, and a row-parallel linear that skips its all-reduce is named at the
+module whose ranks keep their partial products."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from workflow_helpers import REPO, llmflow  # noqa: E402
 
 SCRIPT = REPO / "tests" / "fixtures" / "tp_llama.py"
 FAULT = "1:model.layers.1.mlp.up_proj.weight:1.5"
+ROW_FAULT = "1:model.layers.0.mlp.down_proj.weight:1.5"  # row-parallel: all-reduced inside the linear
 
 
 def _launch(out: Path, runs: list[str], nproc: int) -> None:
@@ -43,7 +46,8 @@ def _launch(out: Path, runs: list[str], nproc: int) -> None:
 def dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tp_msprobe")
     _launch(out, ["golden"], 1)
-    _launch(out, ["clean", f"bad={FAULT}", "noreduce=noreduce:model.layers.1.self_attn.o_proj"], 2)
+    _launch(out, ["clean", f"bad={FAULT}", "noreduce=noreduce:model.layers.1.self_attn.o_proj",
+                  f"rowbad={ROW_FAULT}"], 2)
     return out
 
 
@@ -131,6 +135,22 @@ def test_the_dump_bisect_workflow_names_the_module_and_rank_of_msprobes_rank_fol
     assert heading.text == "The chosen module's output in detail"
     (panel,) = find(dom, "section", id="op-panel")
     assert "model.layers.1.mlp.up_proj" in panel.text and "2 ranks joined" in panel.text
+
+
+def test_the_dump_bisect_workflow_names_a_row_parallel_shards_rank_from_msprobes_parameters(tmp_path, dumps):
+    """Rank 1's shard of a row-parallel down_proj is wrong and the linear all-reduces inside itself:
+    its output is the same sum on both ranks, but msprobe dumps each module's parameters, and each
+    rank's weight shard against its columns of the golden weight names rank 1."""
+    run_dir = tmp_path / "run"
+    proc = llmflow("run", "dump_bisect", "--run-dir", str(run_dir),
+                   "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / 'rowbad'}",
+                   "--set", f"golden_model={SCRIPT}:golden_model")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith("FAILED: model.layers.0.mlp.down_proj (rank 1's shard) is the fault"), last
+    verdict = json.loads((run_dir / "bisect" / "verdict.json").read_text())
+    assert verdict["first_bad_rank"] == 1
+    assert "rank 1's shard differs from its slice of the golden's weight" in verdict["diagnosis"]
 
 
 def test_the_dump_bisect_workflow_names_a_missing_all_reduce_in_msprobes_rank_folders(tmp_path, dumps):

@@ -115,6 +115,28 @@ def test_partial_products_of_a_module_not_linear_in_its_slices_name_no_rank() ->
     assert row["rank_errors"] == [] and "not linear" in row["rank_note"]
 
 
+@pytest.mark.parametrize("in_weights", [True, False])
+def test_a_reduced_output_names_the_rank_whose_dumped_weight_shard_is_wrong(in_weights: bool) -> None:
+    """All-reduced inside, the output is one sum; the ranks' dumped weight shards name rank 1 where
+    its shard is wrong, and say the fault is not a shard where every shard matches."""
+    golden = _linear()
+    x = torch.randn(1, 3, 8)
+    reader = _Reader()
+    shards = [golden.weight[:, r * 4:(r + 1) * 4].detach() * (1.5 if r == 1 else 1.0) for r in (0, 1)]
+    total = sum(F.linear(x[..., r * 4:(r + 1) * 4], shards[r]) for r in (0, 1)).detach()
+    by_rank = {r: [reader.add(r, "input", 0, x[..., r * 4:(r + 1) * 4].clone()),
+                   reader.add(r, "output", 1, total.clone())] for r in (0, 1)}
+    dumped = shards if in_weights else [golden.weight[:, r * 4:(r + 1) * 4].detach() for r in (0, 1)]
+    weights = {r: {"weight": reader.add(r, "weight", 2, dumped[r].clone())} for r in (0, 1)}
+    row = replay_module("proj", golden, by_rank, reader, _golden(golden), 0, {}, [0, 1], weights=weights)
+    assert row["rel_l2"] > 0.05 and row["sharding"] == "inputs concat:2, output replicated"
+    if in_weights:
+        assert row["shard_rank"] == 1 and row["rank_note"] is None and "weight shards" in row["rank_source"]
+        assert row["rank_errors"][0] < 1e-6 and abs(row["rank_errors"][1] - 0.5) < 1e-6
+    else:
+        assert row["shard_rank"] is None and "match the golden's on every rank" in row["rank_note"]
+
+
 def test_a_column_parallel_slice_names_the_rank_whose_own_error_stands_out() -> None:
     golden = _linear()
     x = torch.randn(1, 3, 8)
