@@ -117,16 +117,22 @@ def test_inspect_shows_each_rank_of_a_joined_rows_locator_and_refuses_a_wrong_on
     assert "rank7" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def _dump_bisect(run_dir: Path, dumps: Path, target: str) -> str:
+    """``llmflow run dump_bisect`` on msprobe's golden and ``target`` dumps, which must fail (exit 1):
+    its last line."""
+    proc = llmflow("run", "dump_bisect", "--run-dir", str(run_dir),
+                   "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / target}",
+                   "--set", f"golden_model={SCRIPT}:golden_model")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
 def test_the_dump_bisect_workflow_names_the_module_and_rank_of_msprobes_rank_folders(tmp_path, dumps):
     """The bisect without a target model, on msprobe's own rank folders: each golden module replayed
     on the target's recorded inputs names the column-parallel linear and the rank whose shard is
     wrong; the page's panel shows that module's output joined from both ranks."""
     run_dir = tmp_path / "run"
-    proc = llmflow("run", "dump_bisect", "--run-dir", str(run_dir),
-                   "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / 'bad'}",
-                   "--set", f"golden_model={SCRIPT}:golden_model")
-    last = proc.stdout.strip().splitlines()[-1]
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = _dump_bisect(run_dir, dumps, "bad")
     assert last.startswith("FAILED: model.layers.1.mlp.up_proj (rank 1's shard) is the fault"), last
     verdict = json.loads((run_dir / "bisect" / "verdict.json").read_text())
     assert verdict["isolation"] == "target_dump" and verdict["first_bad_rank"] == 1
@@ -142,11 +148,7 @@ def test_the_dump_bisect_workflow_names_a_row_parallel_shards_rank_from_msprobes
     its output is the same sum on both ranks, but msprobe dumps each module's parameters, and each
     rank's weight shard against its columns of the golden weight names rank 1."""
     run_dir = tmp_path / "run"
-    proc = llmflow("run", "dump_bisect", "--run-dir", str(run_dir),
-                   "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / 'rowbad'}",
-                   "--set", f"golden_model={SCRIPT}:golden_model")
-    last = proc.stdout.strip().splitlines()[-1]
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = _dump_bisect(run_dir, dumps, "rowbad")
     assert last.startswith("FAILED: model.layers.0.mlp.down_proj (rank 1's shard) is the fault"), last
     verdict = json.loads((run_dir / "bisect" / "verdict.json").read_text())
     assert verdict["first_bad_rank"] == 1
@@ -157,11 +159,7 @@ def test_the_dump_bisect_workflow_names_a_missing_all_reduce_in_msprobes_rank_fo
     """layer 1's o_proj leaves its partial products unreduced on both ranks: the attention around it
     is named with the missing all-reduce, not the later modules that see another input per rank."""
     run_dir = tmp_path / "run"
-    proc = llmflow("run", "dump_bisect", "--run-dir", str(run_dir),
-                   "--set", f"golden_dump={dumps / 'golden'}", "--set", f"target_dump={dumps / 'noreduce'}",
-                   "--set", f"golden_model={SCRIPT}:golden_model")
-    last = proc.stdout.strip().splitlines()[-1]
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = _dump_bisect(run_dir, dumps, "noreduce")
     assert last.startswith("FAILED: model.layers.1.self_attn is the fault: the all-reduce of its output is "
                            "missing"), last
     verdict = json.loads((run_dir / "bisect" / "verdict.json").read_text())
