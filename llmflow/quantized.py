@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ from llmflow.safetensors_files import SafetensorsFiles, holder_of
 WEIGHT_ONLY = {"W8A16": 8, "W4A16": 4}
 #: weight types whose Linear layers quantize their activations too, and how
 ACTIVATION_QUANT = {"W8A8": "static", "W8A8S": "static", "W8A8_DYNAMIC": "dynamic", "W8A8_MIX": "mix"}
+#: a static activation quantization that rounds this share of an input's nonzero values to its zero
+#: point loses that input (its scale was calibrated on far larger values): said in ``explain``
+ZERO_POINT_SHARE = 0.5
 #: the tensors msModelSlim stores beside a quantized weight
 LINEAR_COMPANIONS = ("weight_scale", "weight_offset", "deq_scale", "quant_bias", "input_scale",
                      "input_offset")
@@ -230,7 +234,8 @@ class W8A8Linear(nn.Module):
 
     def explain(self, x: torch.Tensor) -> str | None:
         """What this layer's quantization does to input ``x``, in a sentence: how much of it the
-        static activation quantization clips (a calibration that saw smaller values), and whether
+        static activation quantization clips (a calibration that saw smaller values) or rounds to
+        its zero point (one that saw far larger values), and whether
         ``deq_scale`` is the product of the scales it should be. None where neither applies."""
         rows = x.reshape(-1, self.in_features).to(device=self.weight.device, dtype=torch.float32)
         said = []
@@ -247,6 +252,16 @@ class W8A8Linear(nn.Module):
                 said[-1] += (f": input_scale {float(scale):.4g} and input_offset {float(offset):.4g} cover "
                              f"[{low:.4g}, {high:.4g}], the input spans [{float(rows.min()):.4g}, "
                              f"{float(rows.max()):.4g}]")
+            nonzero = int((rows != 0).sum())
+            to_zero = int(((torch.round(level) == torch.round(offset)) & (rows != 0)).sum())
+            if nonzero and to_zero >= ZERO_POINT_SHARE * nonzero:
+                # the median magnitude: one massive value would carry the RMS and hide the many lost
+                step, typical = float(scale.float().mean()), float(rows.abs().median())
+                ratio = step / typical if typical > 0 else math.inf
+                said.append(f"its static activation quantization rounds {to_zero / nonzero:.0%} of the "
+                            f"input's nonzero values to its zero point: its step (input_scale {step:.4g}) "
+                            f"is {ratio:.3g}x the input's median magnitude ({typical:.3g}), a calibration "
+                            "that saw far larger values (such as one token's massive activation)")
             weight_scale = self.weight_scale_bits
             if weight_scale is not None and weight_scale.numel() in (1, self.out_features):
                 implied = scale * weight_scale.view(torch.float32).reshape(-1)

@@ -160,6 +160,20 @@ def test_emulation_computes_what_msmodelslims_fake_quantized_model_computes(sche
     assert len(loaded.quantized) == 4 * 7 and "msModelSlim checkpoint" in loaded.note
 
 
+def test_explain_says_what_a_static_quantization_does_to_an_input(quantized):
+    """An input far beyond the calibrated range is clipped; one far inside it (a scale calibrated on
+    one token's massive activation, a normal token after it) rounds to the zero point: both said."""
+    model = load_model(str(quantized("llama", "w8a8"))).model
+    linear = model.get_submodule(f"model.layers.{LAYER}.mlp.down_proj")
+    assert isinstance(linear, W8A8Linear)
+    x = torch.randn(1, 1, linear.in_features, generator=torch.Generator().manual_seed(0))
+    step = float(linear.input_scale_bits.view(torch.float32).mean())
+    assert "clips" in linear.explain(x * step * 1000)
+    said = linear.explain(x * step * 0.1)
+    assert "rounds 100% of the input's nonzero values to its zero point" in said, said
+    assert linear.explain(x * step * 20) is None  # within range, well resolved: nothing to say
+
+
 def test_dynamic_quantizes_each_token_alone_and_mix_is_static_at_a_decode_step(quantized):
     dynamic = load_model(str(quantized("llama", "w8a8_dynamic"))).model
     layer = dynamic.model.layers[1].mlp.down_proj
