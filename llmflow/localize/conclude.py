@@ -120,9 +120,13 @@ QUIET_STANDOUT = 2.0
 QUIET_QUANTIZED_STANDOUT = 3.0
 
 
+def _is_quantized(cand: dict[str, Any] | None, quantized: dict[str, str] | None) -> bool:
+    return bool(cand and quantized and cand.get("name") in quantized)
+
+
 def quiet_limit(inp: Any, cand: dict[str, Any] | None, quantized: dict[str, str] | None = None) -> float:
     """The score under which ``cand`` standing out is not called a fault where nothing fails."""
-    quant = bool(cand and quantized and cand.get("name") in quantized)
+    quant = _is_quantized(cand, quantized)
     return (QUIET_QUANTIZED_STANDOUT if quant else QUIET_STANDOUT) * inp.ratio_threshold
 
 
@@ -702,12 +706,12 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
             diagnosis += f" Note: {problems[0]}."
         return "fail", headline, diagnosis, None
     worst = f"{cand['name']} at {cand['score']:.1f}x" if cand else "none replayed"
+    quiet_words = (f"; under {quiet_limit(inp, cand, quantized):g}x, taken as "
+                   + ("the quantization's own" if _is_quantized(cand, quantized) else "rounding")
+                   + " where the texts agree and no step's logits and no compare row fail")
     nothing = (f"No module's own error stands out from the same module in the other layers at {steps} "
                f"(worst: {worst}, threshold {inp.ratio_threshold}x"
-               + (f"; under {quiet_limit(inp, cand, quantized):g}x, taken as "
-                  + ("the quantization's own" if cand and cand["name"] in (quantized or {}) else "rounding")
-                  + " where the texts agree and no step's logits and no compare row fail" if quiet else "")
-               + ")")
+               + (quiet_words if quiet else "") + ")")
     missing = [t.missing for t in tried if t.missing]
     if routing:  # near-tied experts swapped by the router's rounding: reported, not a fault
         r = routing[0]
