@@ -323,6 +323,78 @@ class QuantizedLinears:
         return ", ".join(f"{n} {t}" for t, n in sorted(Counter(self.layers.values()).items()))
 
 
+#: the per-expert Linear layers of a mixture of experts as transformers 4 names them (and
+#: msModelSlim quantizes them one by one): ``<experts>.<e>.<name>.weight``
+EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+class UnfusedExperts(nn.Module):
+    """A fused experts module of transformers 5 (``gate_up_proj`` [E, 2I, H] and ``down_proj``
+    [E, H, I], one forward over the routed tokens) as the Linear layers per expert a checkpoint
+    quantized one by one holds (children ``0`` .. ``E-1``, each with ``gate_proj``, ``up_proj``,
+    ``down_proj``), computing what the fused module computes in its eager form: each expert's
+    SwiGLU on its tokens, times the routing weight, added up per token. Same inputs as the fused
+    module (hidden states, top-k expert indices, top-k weights), so the golden's recorded call
+    replays on it."""
+
+    def __init__(self, fused: nn.Module):
+        super().__init__()
+        gate_up, down = fused.gate_up_proj, fused.down_proj
+        inter = down.shape[-1]
+        self.count = gate_up.shape[0]
+        for e in range(self.count):
+            expert = nn.Module()
+            for name, weight in zip(EXPERT_LINEARS, (gate_up[e, :inter], gate_up[e, inter:], down[e]),
+                                    strict=True):
+                linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                   dtype=weight.dtype)
+                linear.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+                setattr(expert, name, linear)
+            self.add_module(str(e), expert)
+        self.act_fn = fused.act_fn
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.count):
+            token, slot = torch.where(top_k_index == e)
+            if token.numel() == 0:
+                continue
+            expert = getattr(self, str(e))
+            x = hidden_states[token]
+            y = expert.down_proj(self.act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+def _plain_fused_experts(module: nn.Module) -> bool:
+    """A transformers 5 experts module ``UnfusedExperts`` computes: SwiGLU experts with gate and up
+    concatenated, not transposed, without biases."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+            and down.dim() == 3 and gate_up.shape[0] == down.shape[0]
+            and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]
+            and getattr(module, "has_gate", True) and not getattr(module, "has_bias", False)
+            and not getattr(module, "is_transposed", False) and getattr(module, "is_concatenated", True)
+            and not getattr(module, "has_post_expert_norm", False) and hasattr(module, "act_fn"))
+
+
+def unfuse_experts(model: nn.Module, stored: Callable[[str], bool]) -> list[str]:
+    """Each fused experts module of ``model`` whose experts the checkpoint stores one by one
+    (``stored("<experts>.0.gate_proj.weight")``) replaced by its ``UnfusedExperts``; returns their
+    names. A fused module of another layout is left as it is (the caller refuses what it cannot
+    fill)."""
+    done = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, UnfusedExperts) or not stored(f"{name}.0.{EXPERT_LINEARS[0]}.weight"):
+            continue
+        if _plain_fused_experts(module):
+            parent, attr = holder_of(model, name)
+            setattr(parent, attr, UnfusedExperts(module))
+            done.append(name)
+    return done
+
+
 def install_quantized_linears(model: nn.Module, files: SafetensorsFiles, quant: QuantConfig
                               ) -> QuantizedLinears:
     """Each ``nn.Linear`` of ``model`` (built without weights) whose checkpoint weight is quantized
@@ -330,6 +402,7 @@ def install_quantized_linears(model: nn.Module, files: SafetensorsFiles, quant: 
     where a type cannot be run, or where a quantized tensor has no Linear layer to go to."""
     done = QuantizedLinears()
     where = files.directory
+    unfuse_experts(model, lambda key: key in files)
     for name, module in list(model.named_modules()):
         key = f"{name}.weight"
         if not isinstance(module, nn.Linear) or key not in files:
@@ -377,11 +450,12 @@ def install_quantized_linears(model: nn.Module, files: SafetensorsFiles, quant: 
         {n for n, _ in model.named_buffers(remove_duplicate=False)}
     left = sorted(n for n in files.stored if n not in done.read and n not in own)
     experts = next((n for n in left if ".experts." in n), None)
-    if experts is not None:  # a checkpoint of experts one by one, a model class that fuses them
+    if experts is not None:  # experts one by one, in a fused layout UnfusedExperts does not compute
         raise UserError(f"{where}: the checkpoint stores its MoE experts one by one ({experts!r}, "
-                        f"{len(left)} such tensor(s)), which this transformers' {type(model).__name__} "
-                        "fuses into one tensor per projection: llmflow cannot run quantized experts that "
-                        "way; bisect the device's own dumps instead (dump_bisect)")
+                        f"{len(left)} such tensor(s)), and this transformers' {type(model).__name__} "
+                        "fuses them in a layout llmflow cannot split (it splits SwiGLU experts stored "
+                        "as gate_up_proj and down_proj, without biases); bisect the device's own dumps "
+                        "instead (dump_bisect)")
     if left:
         described = quant.path.name if quant.path else "the description"
         raise UserError(f"{where}: the quantized tensor {left[0]!r} ({quant.types.get(left[0], 'no type')} "

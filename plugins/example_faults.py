@@ -12,6 +12,11 @@ name                   what it breaks (in decoder layer N)
 =====================  =========================================================================
 scale_down_proj        the MLP's output projection scaled by 0.5 (a wrong dequant/scale factor);
                        in a mixture-of-experts layer, its shared expert's
+per_tensor_int8        the MLP's output projection's input quantized to int8 with one scale for
+                       the whole tensor where it should take one per token (a W8A8 kernel given
+                       the wrong granularity): a token of massive activation sets the scale and
+                       rounds the other tokens to zero; at a decode step the one token is its own
+                       tensor, so this breaks the prefill alone
 wrong_eps              the block's last norm: epsilon -> 0.5 (a wrong config value)
 wrong_act              the MLP's activation -> ReLU (a wrong activation kernel); in a
                        mixture-of-experts layer, its shared expert's
@@ -174,6 +179,17 @@ def _scale_output(module: nn.Module, factor: float, when: Callable[..., bool] | 
 def scale_down_proj(layer: int, factor: float = 0.5) -> Patch:
     def patch(model: nn.Module) -> None:
         _scale_output(_projections(_dense_mlp(model, layer)[1])[-1][1], factor)
+    return patch
+
+
+def per_tensor_int8(layer: int) -> Patch:
+    def quantize(_m: nn.Module, args: tuple, kwargs: dict) -> Any:
+        x = args[0]
+        scale = x.detach().abs().amax().clamp(min=1e-12) / 127  # one scale for every token
+        return ((x / scale).round().clamp(-127, 127) * scale, *args[1:]), kwargs
+
+    def patch(model: nn.Module) -> None:
+        _projections(_dense_mlp(model, layer)[1])[-1][1].register_forward_pre_hook(quantize, with_kwargs=True)
     return patch
 
 
@@ -550,7 +566,8 @@ OUTSIDE_FAULTS: dict[str, tuple[Patch, Callable[[nn.Module], str]]] = {
 
 
 FAULTS: dict[str, Callable[..., Patch]] = {
-    "scale_down_proj": scale_down_proj, "wrong_eps": wrong_eps, "wrong_act": wrong_act,
+    "scale_down_proj": scale_down_proj, "per_tensor_int8": per_tensor_int8, "wrong_eps": wrong_eps,
+    "wrong_act": wrong_act,
     "noisy_q_proj": noisy_q_proj, "scale_attn_out": scale_attn_out, "wrong_rope": wrong_rope,
     "scale_expert": scale_expert, "scale_experts": scale_experts, "wrong_router": wrong_router,
     "decode_attn_scale": decode_attn_scale, "decode_softmax_scale": decode_softmax_scale,
@@ -577,7 +594,7 @@ def faulty_module(model: nn.Module, name: str, layer: int) -> str:
     base, _ = _layer(model, layer)
     if name in ("scale_layer_code", "decode_layer_code"):
         return base
-    if name == "scale_down_proj":
+    if name in ("scale_down_proj", "per_tensor_int8"):
         path, mlp = _dense_mlp(model, layer)
         return f"{path}.{_projections(mlp)[-1][0]}"
     if name == "wrong_act":

@@ -120,8 +120,20 @@ QUIET_STANDOUT = 2.0
 QUIET_QUANTIZED_STANDOUT = 3.0
 
 
+def quantization_of(name: str | None, quantized: dict[str, str] | None) -> str | None:
+    """The quantization module ``name`` computes with: its own (a quantized Linear layer), or the
+    one type of the quantized Linear layers inside it (a mixture of experts whose experts a
+    checkpoint quantized one by one, a block of them); None: none, or several types."""
+    if not name or not quantized:
+        return None
+    if name in quantized:
+        return quantized[name]
+    inner = {q for n, q in quantized.items() if n.startswith(name + ".")}
+    return inner.pop() if len(inner) == 1 else None
+
+
 def _is_quantized(cand: dict[str, Any] | None, quantized: dict[str, str] | None) -> bool:
-    return bool(cand and quantized and cand.get("name") in quantized)
+    return bool(cand and quantization_of(cand.get("name"), quantized))
 
 
 def quiet_limit(inp: Any, cand: dict[str, Any] | None, quantized: dict[str, str] | None = None) -> float:
@@ -249,6 +261,30 @@ class SharedError:
         return other is not None and (other.module_type, other.kv_cache) == (self.module_type, self.kv_cache)
 
 
+#: a candidate whose tokens' mean relative error is this many times its whole output's is said to
+#: err per token (``own_error``: a few tokens of large output carry the whole output's norm)
+PER_TOKEN_SAID = 3.0
+
+
+def whole_rel(row: dict[str, Any]) -> float | None:
+    """A replayed row's whole-output relative error, where its tokens' mean (``token_rel``) is known."""
+    l2, norm = row.get("l2"), row.get("norm")
+    if row.get("token_rel") is None or not isinstance(l2, float) or not isinstance(norm, float) or norm <= 0:
+        return None
+    return l2 / norm
+
+
+def _per_token_sentence(cand: dict[str, Any]) -> str:
+    """Where the module's error is in most of its tokens yet small over its whole output, why the
+    two differ (and why the compare's rows of its output may look fine)."""
+    token, whole = cand.get("token_rel"), whole_rel(cand)
+    if not isinstance(token, float) or whole is None or token < PER_TOKEN_SAID * whole:
+        return ""
+    return (f" Its error is in its tokens: the average token's output is {token:.2g} off, while its output "
+            f"as a whole is only {whole:.2g} off, being carried by a few tokens of far larger output that it "
+            "gets right (a scale or reduction shared by the whole tensor and set by those tokens does this).")
+
+
 def shared_error(step: StepReplay, stack: LayerStack | None, dtype: str) -> SharedError | None:
     """The module type whose median copy over the layers has an own error beyond the target dtype's
     limits for a whole tensor (``DEFAULT_THRESHOLDS``' relative Euclidean distance, loose: a whole
@@ -342,7 +378,7 @@ def _step_word(step: int) -> str:
 CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", "score", "z", "anomalous",
                     "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
                     "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note",
-                    "rank_source", "source", "covers")
+                    "rank_source", "source", "covers", "token_rel")
 
 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
@@ -411,7 +447,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     if note:
         diagnosis += f" {note}"
     top = [Candidate(**{k: r.get(k) for k in CANDIDATE_FIELDS if r.get(k) is not None},
-                     raw_rel_l2=chosen.raw.get(r["name"], {}).get("rel_l2"))
+                     raw_rel_l2=chosen.raw.get(r["name"], {}).get("rel_l2"), whole_rel=whole_rel(r))
            for r in chosen.ranked if r.get("score") is not None][: inp.top_k]
     unrep = [Candidate(name=r["name"], replayable=False, reason=r.get("reason"),
                        raw_rel_l2=chosen.raw.get(r["name"], {}).get("rel_l2")) for r in chosen.not_replayable]
@@ -434,6 +470,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level)
 
 
+#: how many of a quantized block's Linear layers the verdict lists for disable_names
+QUANT_BLOCK_SHOWN = 6
 #: how many of a quantized checkpoint's most sensitive Linear layers the verdict names
 QUANT_SENSITIVE_SHOWN = 5
 
@@ -461,6 +499,20 @@ def _quantized_layer(module: str, qtype: str, detail: str | None, golden: str | 
     return (said + " Its weight against the float one: llmflow run weight_check "
             f"--set golden={golden or 'FLOAT'} --set target={target or 'QUANTIZED'}; to keep it in float, "
             f"quantize again with it in msModelSlim's disable_names (['{module}']).")
+
+
+def _quantized_block(module: str, expert: int | None, quantized: dict[str, str]) -> str:
+    """What the verdict adds where the module named holds quantized Linear layers (a mixture of
+    experts, of which ``expert`` stands out where one does)."""
+    inside = f"{module}.{expert}." if expert is not None else f"{module}."
+    names = sorted((n for n in quantized if n.startswith(inside)), key=lambda n: n.count("."))
+    who = f"{module}'s expert {expert}" if expert is not None else module
+    shown = ", ".join(repr(n) for n in names[:QUANT_BLOCK_SHOWN])
+    shown += ", ..." if len(names) > QUANT_BLOCK_SHOWN else ""
+    qtype = quantization_of(module, quantized)
+    return (f" {who} computes with {len(names)} {qtype} Linear layer(s) of the quantized checkpoint; to "
+            "keep them in float, quantize again with them in "
+            f"msModelSlim's disable_names ([{shown}]).")
 
 
 def _sensitive_linears(chosen: StepReplay, quantized: dict[str, str]) -> list[dict[str, Any]]:
@@ -630,8 +682,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                      "output of the last decoder layer (the dumps hold no output between them)")
         if cand.get("shard_rank") is not None:
             what += f" (rank {cand['shard_rank']}'s shard)"
-        if quantized and module in quantized:  # its error is its quantization's: said where it is named
-            what += f" ({quantized[module]}-quantized)"
+        if quantization_of(module, quantized):  # its error is its quantization's: said where it is named
+            what += f" ({quantization_of(module, quantized)}-quantized)"
         if cand["name"].endswith(KV_CACHE):
             what += " (the keys and values it writes to the KV cache)"
         op = f"; first bad op {chosen.first_op}" if chosen.first_op else ""
@@ -677,6 +729,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                 diagnosis += f"; of its experts, expert {expert} stands out"
             diagnosis += (f"; inside it, {chosen.first_op} is the first op that goes wrong."
                           if chosen.first_op else ".")
+            diagnosis += _per_token_sentence(cand)
             # the same module standing out in other layers too: each is named, not hidden in a median
             others = [r for r in chosen.ranked if r.get("anomalous") and r["name"] != cand["name"]
                       and r.get("module_type") == cand.get("module_type")]
@@ -696,6 +749,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
             if after:
                 diagnosis += (" The next most sensitive quantized Linear layers: "
                               + ", ".join(f"{r['name']} ({r['score']:.1f}x)" for r in after) + ".")
+        elif quantization_of(module, quantized):
+            diagnosis += _quantized_block(module, expert, quantized or {})
         if from_dump and stack is not None and module in stack.layers:  # the dumps hold the layers whole
             diagnosis += (f" The dumps hold no module inside {module}: dump the target with its modules "
                           f"(layer_name: {module}.*, module mode with inputs and outputs) and bisect again "

@@ -24,6 +24,7 @@ from statistics import median
 from typing import Any
 
 from llmflow.compare.thresholds import finite_or_none
+from llmflow.localize.own_error import ranked_l2
 from llmflow.structure import DEFAULT_RATIO_THRESHOLD, LayerStack, layer_index, layer_of, module_type
 
 __all__ = ["DEFAULT_RATIO_THRESHOLD", "first_jump", "is_descendant", "is_overflow", "layer_curve",
@@ -113,7 +114,7 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
     for i, r in enumerate(rows):
         r["layer"] = layer_of(r["name"], stack)
         err = finite_or_none(r.get(key))
-        l2, norm = finite_or_none(r.get("l2")), finite_or_none(r.get("norm"))
+        l2, norm = finite_or_none(ranked_l2(r)), finite_or_none(r.get("norm"))
         if err is not None and key == "rel_l2" and l2 is not None and norm is not None:
             few = (r.get("numel") or SMALL_OUTPUT) < SMALL_OUTPUT
             floor = median_norm.get(r["module_type"], 0.0) * (1.0 if few else NORM_FLOOR_FRACTION)

@@ -114,6 +114,11 @@ class Candidate:
                                      metadata=_doc("its output's error in the dumps (inherited)"))
     max_abs: float | None = None
     cos_dist: float | None = None
+    token_rel: float | None = field(default=None, metadata=_doc(
+        "the mean over its output's tokens of each token's relative error (error is the larger of this "
+        "and the whole output's); null: an output measured whole"))
+    whole_rel: float | None = field(default=None, metadata=_doc(
+        "its whole output's relative error, where token_rel is given"))
     replayable: bool = True
     reason: str | None = None
     routing: str | None = field(default=None,
@@ -168,6 +173,7 @@ class ExpertRow:
     norm: float
     numel: int
     nonfinite: int
+    token_rel: float | None = None
     score: float | None = None
 
 

@@ -7,9 +7,11 @@ W4A16 per-group packed, W8A8 static, W8A8 anti-outlier smoothed); W8A8_DYNAMIC q
 alone and W8A8_MIX is dynamic at the prefill, static at a decode step; a smoothed checkpoint's
 modules replay on the float model's inputs; a calibration that clipped one layer's activations, a wrong
 weight scale and a clipped decode-only (W8A8_MIX) layer are each named to their Linear layer
-(Llama, and Qwen2 with its biased projections); an honest checkpoint is never called a fault: the
-verdict says the drift is the quantization's own and which Linear layers to keep in float; types
-llmflow cannot run, and quantized tensors with no Linear layer to go to, are bad input in one line.
+(Llama, and Qwen2 with its biased projections); a Qwen3-MoE checkpoint quantized expert by expert
+runs split back from transformers 5's fused experts, and its broken expert is named; an honest
+checkpoint is never called a fault: the verdict says the drift is the quantization's own and which
+Linear layers to keep in float; types llmflow cannot run, and quantized tensors with no Linear layer
+to go to, are bad input in one line.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from llmflow.errors import UserError  # noqa: E402
 from llmflow.models import load_model  # noqa: E402
-from llmflow.quantized import W8A8Linear, deq_scale_as_float  # noqa: E402
+from llmflow.quantized import W8A8Linear, deq_scale_as_float, unfuse_experts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SIZE = "layers=4,hidden=64,intermediate=128,seed=3"
@@ -70,6 +72,9 @@ def _quantize(float_dir: Path, scheme: str, out: Path) -> Path:
     os.chdir(out)  # the calibrator leaves a features.npy in the working directory
     try:
         model = load_model(str(float_dir)).model
+        # a mixture of experts as transformers 4 holds it, one Linear per expert projection:
+        # msModelSlim quantizes those one by one (transformers 5 fuses them into 3-D tensors)
+        unfuse_experts(model, lambda _key: True)
         if scheme.endswith("anti_outlier"):
             from msmodelslim.pytorch.llm_ptq.anti_outlier import AntiOutlier, AntiOutlierConfig
 
@@ -137,6 +142,16 @@ def _scale_activation_range(prefix: str, factor: float) -> Callable[[dict[str, t
 def _scale_weight(prefix: str, factor: float) -> Callable[[dict[str, torch.Tensor]], None]:
     def edit(t: dict[str, torch.Tensor]) -> None:
         t[prefix + "weight_scale"] = t[prefix + "weight_scale"] * factor
+    return edit
+
+
+def _scale_deq(prefix: str, factor: float) -> Callable[[dict[str, torch.Tensor]], None]:
+    """A W8A8 layer whose output the device scales ``factor`` x too far (a wrong deq_scale)."""
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        deq = deq_scale_as_float(t[prefix + "deq_scale"]) * factor
+        stored = t[prefix + "deq_scale"]
+        t[prefix + "deq_scale"] = deq if stored.dtype.is_floating_point else \
+            deq.view(torch.int32).to(torch.int64)
     return edit
 
 
@@ -306,6 +321,37 @@ def test_llmflow_run_judges_an_honest_checkpoint_at_its_quantization_in_any_dtyp
     verdict = json.loads((run / "bisect" / "verdict.json").read_text())
     assert "logits within the w8a8 thresholds" in verdict["diagnosis"], verdict["diagnosis"]
     assert "Its most sensitive quantized Linear layers (own error on the golden inputs): model.layers." \
+        in verdict["diagnosis"], verdict["diagnosis"]
+
+
+# -- a mixture of experts quantized expert by expert ----------------------------------------------------
+
+MOE = "qwen3-moe"
+
+
+def test_a_moe_checkpoint_quantized_expert_by_expert_computes_what_msmodelslims_model_computes(quantized):
+    """The checkpoint holds every expert's projections as Linear layers of their own; the model
+    class fuses them: llmflow splits the fused experts back and runs each quantized."""
+    folder = quantized(MOE, "w8a8")
+    loaded = load_model(str(folder))
+    assert loaded.quantized["model.layers.0.mlp.experts.3.down_proj"] == "W8A8"
+    assert sum(".experts." in n for n in loaded.quantized) == 4 * 4 * 3  # layers x experts x projections
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor(IDS)).logits
+    assert _rel(logits, torch.load(folder.parent / f"{folder.name}.fake_logits.pt")) < 1e-5
+
+
+def test_llmflow_run_names_the_expert_whose_quantized_layer_is_wrong(quantized, float_dirs, tmp_path):
+    name = f"model.layers.{LAYER}.mlp.experts"
+    target = _edited(quantized(MOE, "w8a8"), tmp_path / "w8a8-deq", _scale_deq(f"{name}.1.down_proj.", 2.5))
+    proc = run_bisect_recipe(tmp_path / "run", f"golden_model={float_dirs(MOE)}", f"target_model={target}",
+                             max_new_tokens=4)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith(f"FAILED: {name} (expert 1) (W8A8-quantized) is the fault"), last
+    verdict = json.loads((tmp_path / "run" / "bisect" / "verdict.json").read_text())
+    assert verdict["first_bad_expert"] == 1
+    assert f"disable_names (['{name}.1.gate_proj', '{name}.1.up_proj', '{name}.1.down_proj'])" \
         in verdict["diagnosis"], verdict["diagnosis"]
 
 
