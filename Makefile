@@ -14,8 +14,9 @@ demo:
 	if [ $$rc -eq 1 ]; then echo "make demo: OK, llmflow found the planted bug (it exits 1 when it finds a fault)"; \
 	else echo "make demo: expected llmflow to find the planted bug (exit 1), got exit $$rc" >&2; exit 1; fi
 
-# one worker per core, each test file on one worker (module-scoped fixtures such as real msprobe
-# dumps are made once); the slowest tests are listed at the end, to keep the suite's time in view
+# two workers per core, as many as free memory holds (tests/conftest.py), each test file on one
+# worker (module-scoped fixtures such as real msprobe dumps are made once); the slowest tests are
+# listed at the end, to keep the suite's time in view
 test: install
 	.venv/bin/python -m pytest -q -n auto --dist loadfile --durations=40
 
