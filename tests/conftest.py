@@ -14,6 +14,10 @@ import torch
 WORKER_MEMORY_GIB = 3
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _available_gib() -> float | None:
     try:
         for line in open("/proc/meminfo", encoding="ascii"):
@@ -29,10 +33,9 @@ def pytest_xdist_auto_num_workers(config) -> int:
     test's time is a CLI or script subprocess starting (imports read from disk) and writing its
     dumps, which leaves a core idle: on 2 cores, 6 functional test files took 254 s with 2 workers,
     220 s with 4."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     free = _available_gib()
-    by_memory = int(free // WORKER_MEMORY_GIB) if free is not None else cores
-    return max(1, min(2 * cores, by_memory))
+    by_memory = int(free // WORKER_MEMORY_GIB) if free is not None else _cores()
+    return max(1, min(2 * _cores(), by_memory))
 
 
 def _share_cores_among_workers() -> None:
@@ -43,8 +46,7 @@ def _share_cores_among_workers() -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if workers <= 1:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = max(1, cores // workers)
+    share = max(1, _cores() // workers)
     os.environ.setdefault("OMP_NUM_THREADS", str(share))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

@@ -18,6 +18,7 @@ from typing import Any
 from llmflow.compare.thresholds import finite_or_none
 from llmflow.dtypes import DEFAULT_THRESHOLDS, OP_ERROR_FLOOR, dtype_class
 from llmflow.errors import UserError
+from llmflow.localize.own_error import whole_rel
 from llmflow.results.codec import from_json
 from llmflow.results.verdict import (
     Candidate,
@@ -266,14 +267,6 @@ class SharedError:
 PER_TOKEN_SAID = 3.0
 
 
-def whole_rel(row: dict[str, Any]) -> float | None:
-    """A replayed row's whole-output relative error, where its tokens' mean (``token_rel``) is known."""
-    l2, norm = row.get("l2"), row.get("norm")
-    if row.get("token_rel") is None or not isinstance(l2, float) or not isinstance(norm, float) or norm <= 0:
-        return None
-    return l2 / norm
-
-
 def _per_token_sentence(cand: dict[str, Any]) -> str:
     """Where the module's error is in most of its tokens yet small over its whole output, why the
     two differ (and why the compare's rows of its output may look fine)."""
@@ -501,7 +494,7 @@ def _quantized_layer(module: str, qtype: str, detail: str | None, golden: str | 
             f"quantize again with it in msModelSlim's disable_names (['{module}']).")
 
 
-def _quantized_block(module: str, expert: int | None, quantized: dict[str, str]) -> str:
+def _quantized_block(module: str, qtype: str, expert: int | None, quantized: dict[str, str]) -> str:
     """What the verdict adds where the module named holds quantized Linear layers (a mixture of
     experts, of which ``expert`` stands out where one does)."""
     inside = f"{module}.{expert}." if expert is not None else f"{module}."
@@ -509,7 +502,6 @@ def _quantized_block(module: str, expert: int | None, quantized: dict[str, str])
     who = f"{module}'s expert {expert}" if expert is not None else module
     shown = ", ".join(repr(n) for n in names[:QUANT_BLOCK_SHOWN])
     shown += ", ..." if len(names) > QUANT_BLOCK_SHOWN else ""
-    qtype = quantization_of(module, quantized)
     return (f" {who} computes with {len(names)} {qtype} Linear layer(s) of the quantized checkpoint; to "
             "keep them in float, quantize again with them in "
             f"msModelSlim's disable_names ([{shown}]).")
@@ -682,8 +674,9 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                      "output of the last decoder layer (the dumps hold no output between them)")
         if cand.get("shard_rank") is not None:
             what += f" (rank {cand['shard_rank']}'s shard)"
-        if quantization_of(module, quantized):  # its error is its quantization's: said where it is named
-            what += f" ({quantization_of(module, quantized)}-quantized)"
+        qtype = quantization_of(module, quantized)
+        if qtype:  # its error is its quantization's: said where it is named
+            what += f" ({qtype}-quantized)"
         if cand["name"].endswith(KV_CACHE):
             what += " (the keys and values it writes to the KV cache)"
         op = f"; first bad op {chosen.first_op}" if chosen.first_op else ""
@@ -749,8 +742,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
             if after:
                 diagnosis += (" The next most sensitive quantized Linear layers: "
                               + ", ".join(f"{r['name']} ({r['score']:.1f}x)" for r in after) + ".")
-        elif quantization_of(module, quantized):
-            diagnosis += _quantized_block(module, expert, quantized or {})
+        elif qtype:
+            diagnosis += _quantized_block(module, qtype, expert, quantized or {})
         if from_dump and stack is not None and module in stack.layers:  # the dumps hold the layers whole
             diagnosis += (f" The dumps hold no module inside {module}: dump the target with its modules "
                           f"(layer_name: {module}.*, module mode with inputs and outputs) and bisect again "

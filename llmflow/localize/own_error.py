@@ -78,6 +78,15 @@ def ranked_l2(row: dict[str, Any]) -> Any:
     return l2
 
 
+def whole_rel(row: dict[str, Any]) -> float | None:
+    """A row's whole-output relative error (``l2 / norm``), where its tokens' mean (``token_rel``)
+    is known beside it; None elsewhere."""
+    l2, norm = row.get("l2"), row.get("norm")
+    if row.get("token_rel") is None or not isinstance(l2, float) or not isinstance(norm, float) or norm <= 0:
+        return None
+    return l2 / norm
+
+
 def relative_to_update(row: dict[str, Any], update_norm: float | None) -> dict[str, Any]:
     """A decoder layer replayed whole, its own error relative to its output plus what it adds to the
     residual stream (``update_norm``: ||output - input|| of the golden layer), not to its output

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmflow.localize.conclude import _per_token_sentence, whole_rel
-from llmflow.localize.own_error import TOKEN_ROW_MIN, own_error, ranked_l2, relative_to_update
+from llmflow.localize.conclude import _per_token_sentence
+from llmflow.localize.own_error import TOKEN_ROW_MIN, own_error, ranked_l2, relative_to_update, whole_rel
 from llmflow.localize.rank import pick_candidate, rank_modules
 
 
