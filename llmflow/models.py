@@ -50,7 +50,14 @@ import torch
 
 from llmflow.dtypes import dtype_name
 from llmflow.errors import UserError
-from llmflow.quantized import ACTIVATION_QUANT, QuantConfig, find_quant_config, install_quantized_linears
+from llmflow.quantized import (
+    ACTIVATION_QUANT,
+    QuantConfig,
+    QuantizedLinears,
+    checkpoint_renaming,
+    find_quant_config,
+    install_quantized_linears,
+)
 from llmflow.safetensors_files import CheckpointMatch, SafetensorsFiles, holder_of, match_checkpoint
 
 # progress lines of the slow parts (a first GGUF conversion, a model load): the console shows them
@@ -134,6 +141,9 @@ class LoadedModel:
     note: str | None = None  # what a user must know about this model (a model callable's ``note``)
     #: the Linear layers an msModelSlim checkpoint quantizes, and their weight types (``quantized``)
     quantized: dict[str, str] = field(default_factory=dict)
+    #: a quantized Linear layer's name in the checkpoint, where it differs from the model's (a
+    #: checkpoint of transformers 4's layout): the name msModelSlim's ``disable_names`` takes
+    quantized_names: dict[str, str] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -191,7 +201,7 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
     log.info("model %s: loading on %s as %s", model, dev, dtype_name(dt))
     tokenizer: Any = None
     note = None
-    quantized: dict[str, str] = {}
+    installed = QuantizedLinears()
     if model == "smollm2":
         module, tokenizer = _load_hf_dir(_smollm2_dir(), dt)
     elif model.startswith("tiny-"):
@@ -209,7 +219,7 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
                             f"directory {path}")
         description = find_quant_config(path) if _weights_dir(str(path), ".") else None
         if description is not None:
-            module, tokenizer, note, quantized = _load_msmodelslim(path, dt, description)
+            module, tokenizer, note, installed = _load_msmodelslim(path, dt, description)
         else:
             module, tokenizer = _load_hf_dir(path, dt)
     if patch:
@@ -229,7 +239,7 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
                 raise UserError(f"patch {patch!r}: returned {type(patched).__name__}, not a "
                                 "torch.nn.Module (return None to patch in place)")
             module = patched
-    if dev.type not in ("cpu", "cuda") and any(t in ACTIVATION_QUANT for t in quantized.values()):
+    if dev.type not in ("cpu", "cuda") and any(t in ACTIVATION_QUANT for t in installed.layers.values()):
         raise UserError(f"model {model!r}: its W8A8 layers run in float64 (the int8 matmul's exact "
                         f"int32 sums), which {dev.type} lacks: run it with device cpu or cuda, or dump the "
                         "device's own quantized run and bisect that (dump_bisect)")
@@ -237,7 +247,7 @@ def load_model(model: str, *, device: str = "cpu", dtype: str = "float32", patch
     module.requires_grad_(False)
     if note:  # (each stage that loads it says so on the console: what runs is not what it may seem)
         log.info("model %s: %s", model, note)
-    return LoadedModel(module, tokenizer, model, dev, dt, note, quantized)
+    return LoadedModel(module, tokenizer, model, dev, dt, note, installed.layers, installed.stored_names)
 
 
 def _from_callable(fn: Any, ref: str) -> tuple[torch.nn.Module, Any]:
@@ -315,7 +325,7 @@ def _fill(module: torch.nn.Module, files: SafetensorsFiles, match: CheckpointMat
 
 
 def _load_msmodelslim(path: Path, dt: torch.dtype, description: Path
-                      ) -> tuple[torch.nn.Module, Any, str, dict[str, str]]:
+                      ) -> tuple[torch.nn.Module, Any, str, QuantizedLinears]:
     """The model of an msModelSlim checkpoint (its quantized weights beside the float model's
     ``config.json``): built without weights, its quantized Linear layers computing as the Ascend
     kernels do (``quantized.install_quantized_linears``), every other tensor read as stored, cast to
@@ -335,6 +345,9 @@ def _load_msmodelslim(path: Path, dt: torch.dtype, description: Path
                             "model beside the quantized weights") from exc
         raise
     module, tokenizer = empty_hf_model(path, dt)
+    rename = checkpoint_renaming(module)
+    if rename is not None:  # (a checkpoint of transformers 4's layout, as msModelSlim writes one)
+        files, quant = files.renamed(rename), quant.renamed(rename)
     installed = install_quantized_linears(module, files, quant)
     if not installed.layers:
         raise UserError(f"model {str(path)!r}: {description.name} describes a quantized checkpoint, but no "
@@ -344,7 +357,7 @@ def _load_msmodelslim(path: Path, dt: torch.dtype, description: Path
     note = (f"An msModelSlim checkpoint ({installed.describe()} Linear layers) run by llmflow's emulation "
             "of the Ascend quantized kernels: it shows what the quantization costs, not a fault of the "
             "device's own kernels (for those, bisect the device's dumps: dump_bisect).")
-    return module, tokenizer, note, installed.layers
+    return module, tokenizer, note, installed
 
 
 #: the most bytes of a stored tensor mapped at once while casting it: a large tensor (a 128k-token

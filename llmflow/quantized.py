@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
+import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +42,8 @@ from torch import nn
 
 from llmflow.errors import UserError
 from llmflow.safetensors_files import SafetensorsFiles, holder_of
+
+log = logging.getLogger(__name__)
 
 #: weight types whose Linear layers run with a dequantized float weight
 WEIGHT_ONLY = {"W8A16": 8, "W4A16": 4}
@@ -66,6 +70,10 @@ class QuantConfig:
 
     def type_of(self, name: str) -> str | None:
         return self.types.get(name, self.default)
+
+    def renamed(self, rename: Callable[[str], str]) -> QuantConfig:
+        """The same description under the names ``rename`` gives each tensor."""
+        return replace(self, types={rename(k): v for k, v in self.types.items()})
 
     @classmethod
     def load(cls, path: Path) -> QuantConfig:
@@ -316,6 +324,8 @@ class QuantizedLinears:
 
     read: set[str] = field(default_factory=set)
     layers: dict[str, str] = field(default_factory=dict)  # Linear layer name -> its weight type
+    #: a Linear layer's name in the checkpoint, where it differs from the model's (an older layout)
+    stored_names: dict[str, str] = field(default_factory=dict)
     smoothed: list[str] = field(default_factory=list)  # the norms anti-outlier gave a bias (NormBias)
 
     def describe(self) -> str:
@@ -335,17 +345,18 @@ class UnfusedExperts(nn.Module):
     ``down_proj``), computing what the fused module computes in its eager form: each expert's
     SwiGLU on its tokens, times the routing weight, added up per token. Same inputs as the fused
     module (hidden states, top-k expert indices, top-k weights), so the golden's recorded call
-    replays on it."""
+    replays on it. ``names``: the gate, up and down projections' names (Mixtral's were ``w1``,
+    ``w3``, ``w2`` in transformers 4)."""
 
-    def __init__(self, fused: nn.Module):
+    def __init__(self, fused: nn.Module, names: tuple[str, str, str] = EXPERT_LINEARS):
         super().__init__()
         gate_up, down = fused.gate_up_proj, fused.down_proj
         inter = down.shape[-1]
         self.count = gate_up.shape[0]
+        self.names = names
         for e in range(self.count):
             expert = nn.Module()
-            for name, weight in zip(EXPERT_LINEARS, (gate_up[e, :inter], gate_up[e, inter:], down[e]),
-                                    strict=True):
+            for name, weight in zip(names, (gate_up[e, :inter], gate_up[e, inter:], down[e]), strict=True):
                 linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
                                    dtype=weight.dtype)
                 linear.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
@@ -360,14 +371,14 @@ class UnfusedExperts(nn.Module):
             token, slot = torch.where(top_k_index == e)
             if token.numel() == 0:
                 continue
-            expert = getattr(self, str(e))
+            gate, up, down = (getattr(getattr(self, str(e)), name) for name in self.names)
             x = hidden_states[token]
-            y = expert.down_proj(self.act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+            y = down(self.act_fn(gate(x)) * up(x))
             out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
         return out
 
 
-def _plain_fused_experts(module: nn.Module) -> bool:
+def plain_fused_experts(module: nn.Module) -> bool:
     """A transformers 5 experts module ``UnfusedExperts`` computes: SwiGLU experts with gate and up
     concatenated, not transposed, without biases."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
@@ -388,11 +399,54 @@ def unfuse_experts(model: nn.Module, stored: Callable[[str], bool]) -> list[str]
     for name, module in list(model.named_modules()):
         if isinstance(module, UnfusedExperts) or not stored(f"{name}.0.{EXPERT_LINEARS[0]}.weight"):
             continue
-        if _plain_fused_experts(module):
+        if plain_fused_experts(module):
             parent, attr = holder_of(model, name)
             setattr(parent, attr, UnfusedExperts(module))
             done.append(name)
     return done
+
+
+def checkpoint_renaming(model: nn.Module) -> Callable[[str], str] | None:
+    """How this transformers renames a checkpoint's tensors as it loads ``model``: its renaming
+    rules (Mixtral's ``block_sparse_moe.`` -> ``mlp.``), and the projections of each expert it
+    fuses under the names ``UnfusedExperts`` gives them (Mixtral's ``w1``, ``w3``, ``w2`` ->
+    ``gate_proj``, ``up_proj``, ``down_proj``). Read from transformers' own conversion tables, so
+    a checkpoint of the older layout (msModelSlim quantizes a transformers 4 model, whose names
+    it keeps) is renamed as ``from_pretrained`` renames its float twin. None where nothing is
+    renamed: transformers 4 holds a checkpoint's own names."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings
+    except ImportError:
+        return None
+    try:
+        transforms = get_model_conversion_mapping(model)
+    except (AttributeError, TypeError, ValueError) as exc:  # a transformers whose tables read otherwise
+        log.warning("checkpoint names taken as stored: transformers' conversion tables unreadable (%s)", exc)
+        return None
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    projections: dict[str, str] = {}  # an expert projection's stored name -> UnfusedExperts' name
+    for t in transforms:
+        if not isinstance(t, WeightConverter) or len(t.target_patterns) != 1:
+            continue
+        leaves = [m[1] for p in t.source_patterns if (m := re.search(r"experts\.\*\.(\w+)\.weight$", p))]
+        operations = [type(o).__name__ for o in t.operations]
+        if t.target_patterns[0].endswith("experts.gate_up_proj") and len(leaves) == 2 \
+                and operations == ["MergeModulelist", "Concatenate"]:  # gate and up, in this order
+            projections.update(zip(leaves, EXPERT_LINEARS[:2], strict=True))
+        elif t.target_patterns[0].endswith("experts.down_proj") and len(leaves) == 1 \
+                and operations == ["MergeModulelist"]:
+            projections[leaves[0]] = EXPERT_LINEARS[2]
+    projections = {k: v for k, v in projections.items() if k != v}
+    if not renamings and not projections:
+        return None
+    leaf = re.compile(r"(\.experts\.\d+\.)(" + "|".join(map(re.escape, projections)) + r")\.") \
+        if projections else None
+
+    def rename(name: str) -> str:
+        name = apply_renamings(name, renamings)
+        return leaf.sub(lambda m: f"{m[1]}{projections[m[2]]}.", name, count=1) if leaf else name
+    return rename
 
 
 def install_quantized_linears(model: nn.Module, files: SafetensorsFiles, quant: QuantConfig
@@ -438,30 +492,33 @@ def install_quantized_linears(model: nn.Module, files: SafetensorsFiles, quant: 
                 setattr(parent, attr, W8A8Linear(qtype, weight, tensors, quant.group_size))
                 read = {key, *(base + c for c in (*LINEAR_COMPANIONS, "bias") if base + c in files)}
             else:
-                raise UserError(f"{where}: {key} is quantized as {qtype}, which llmflow cannot run (it runs "
-                                f"{', '.join([*WEIGHT_ONLY, *ACTIVATION_QUANT])}); bisect the device's "
-                                "own dumps instead (dump_bisect)")
+                raise UserError(f"{where}: {files.stored_name(key)} is quantized as {qtype}, which llmflow "
+                                f"cannot run (it runs {', '.join([*WEIGHT_ONLY, *ACTIVATION_QUANT])}); "
+                                "bisect the device's own dumps instead (dump_bisect)")
         except ValueError as exc:
-            raise UserError(f"{where}: {key} ({qtype}): {exc}") from exc
+            raise UserError(f"{where}: {files.stored_name(key)} ({qtype}): {exc}") from exc
         done.read |= read
         done.layers[name] = qtype
+        if files.stored_name(key) != key:
+            done.stored_names[name] = files.stored_name(key).removesuffix(".weight")
     _install_norm_biases(model, files, done)
     own = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
         {n for n, _ in model.named_buffers(remove_duplicate=False)}
     left = sorted(n for n in files.stored if n not in done.read and n not in own)
     experts = next((n for n in left if ".experts." in n), None)
     if experts is not None:  # experts one by one, in a fused layout UnfusedExperts does not compute
-        raise UserError(f"{where}: the checkpoint stores its MoE experts one by one ({experts!r}, "
-                        f"{len(left)} such tensor(s)), and this transformers' {type(model).__name__} "
-                        "fuses them in a layout llmflow cannot split (it splits SwiGLU experts stored "
-                        "as gate_up_proj and down_proj, without biases); bisect the device's own dumps "
-                        "instead (dump_bisect)")
+        raise UserError(f"{where}: the checkpoint stores its MoE experts one by one "
+                        f"({files.stored_name(experts)!r}, {len(left)} such tensor(s)), and this "
+                        f"transformers' {type(model).__name__} fuses them in a layout llmflow cannot split "
+                        "(it splits SwiGLU experts stored as gate_up_proj and down_proj, without biases); "
+                        "bisect the device's own dumps instead (dump_bisect)")
     if left:
         described = quant.path.name if quant.path else "the description"
-        raise UserError(f"{where}: the quantized tensor {left[0]!r} ({quant.types.get(left[0], 'no type')} "
-                        f"in {described}) belongs to no Linear layer of the model ({len(left)} such "
-                        "tensor(s)): llmflow runs quantized Linear layers only (not quantized KV caches, "
-                        "fused experts or convolutions); bisect the device's own dumps instead (dump_bisect)")
+        raise UserError(f"{where}: the quantized tensor {files.stored_name(left[0])!r} "
+                        f"({quant.types.get(left[0], 'no type')} in {described}) belongs to no Linear layer "
+                        f"of the model ({len(left)} such tensor(s)): llmflow runs quantized Linear layers "
+                        "only (not quantized KV caches, fused experts or convolutions); bisect the "
+                        "device's own dumps instead (dump_bisect)")
     return done
 
 

@@ -11,10 +11,12 @@ caller loads the model through ``from_pretrained`` instead.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,7 @@ class SafetensorsFiles:
     def __init__(self, directory: Path):
         self.directory = directory
         self.stored: dict[str, Stored] = {}
+        self.stored_names: dict[str, str] = {}  # a renamed tensor's name -> its name in the file
         for shard in _shards(directory):
             table, why = read_table(shard)
             if why is not None:
@@ -70,6 +73,26 @@ class SafetensorsFiles:
 
     def __contains__(self, name: str) -> bool:
         return name in self.stored
+
+    def renamed(self, rename: Callable[[str], str]) -> SafetensorsFiles:
+        """The same tensors under the names ``rename`` gives each (the model's names for a
+        checkpoint stored under an older layout's); ``stored_name`` gives a tensor's name in its
+        file back. UserError where two tensors would take one name."""
+        out = copy.copy(self)
+        out.stored, out.stored_names = {}, {}
+        for name, stored in self.stored.items():
+            new = rename(name)
+            if new in out.stored:
+                raise UserError(f"{self.directory}: tensors {out.stored_name(new)!r} and {name!r} both "
+                                f"stand for {new!r} of the model")
+            out.stored[new] = stored
+            if new != name:
+                out.stored_names[new] = self.stored_name(name)
+        return out
+
+    def stored_name(self, name: str) -> str:
+        """Tensor ``name``'s name in its file (another where ``renamed`` renamed it)."""
+        return self.stored_names.get(name, name)
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name`` in its stored dtype: a copy-on-write memory mapping of its bytes in
@@ -94,7 +117,8 @@ class SafetensorsFiles:
         s = self.stored[name]
         dtype = SAFETENSORS_DTYPES.get(s.dtype)
         if dtype is None:
-            raise UserError(f"{s.file}: tensor {name!r} has dtype {s.dtype}, which this torch cannot hold")
+            raise UserError(f"{s.file}: tensor {self.stored_name(name)!r} has dtype {s.dtype}, which this "
+                            "torch cannot hold")
         size = end - begin
         if size == 0:
             return torch.empty(shape, dtype=dtype)
@@ -103,7 +127,7 @@ class SafetensorsFiles:
             with open(s.file, "rb") as f:
                 mapped = mmap.mmap(f.fileno(), end - first_page, access=mmap.ACCESS_COPY, offset=first_page)
         except (OSError, ValueError) as exc:  # ValueError: the file is shorter than its header says
-            raise UserError(f"{s.file}: cannot read tensor {name!r} ({exc})") from exc
+            raise UserError(f"{s.file}: cannot read tensor {self.stored_name(name)!r} ({exc})") from exc
         data = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=begin - first_page)
         return data.view(dtype).reshape(shape)
 
@@ -222,8 +246,9 @@ def match_checkpoint(model: nn.Module, files: SafetensorsFiles, already: set[str
     known = {n for names, _ in parameters for n in names} | every_buffer | set(already)
     unknown = sorted(n for n in files.stored if n not in known)
     if unknown:
-        raise UserError(f"{directory}: the checkpoint's tensor {unknown[0]!r} is not a parameter of "
-                        f"the model ({len(unknown)} such tensor(s): transformers converts them on load)")
+        raise UserError(f"{directory}: the checkpoint's tensor {files.stored_name(unknown[0])!r} is not a "
+                        f"parameter of the model ({len(unknown)} such tensor(s): transformers converts them "
+                        "on load)")
     return CheckpointMatch(parameters, buffers)
 
 
@@ -234,8 +259,8 @@ def _check_shape(files: SafetensorsFiles, name: str, holder: tuple[nn.Module, st
         tensor = module._buffers[attr]
     stored = files.stored[name].shape
     if tuple(tensor.shape) != stored:
-        raise UserError(f"{files.directory}: tensor {name!r} has shape {list(stored)} in the checkpoint, "
-                        f"{list(tensor.shape)} in the model")
+        raise UserError(f"{files.directory}: tensor {files.stored_name(name)!r} has shape {list(stored)} in "
+                        f"the checkpoint, {list(tensor.shape)} in the model")
 
 
 def _parameter_groups(model: nn.Module, files: SafetensorsFiles) -> list[list[str]]:

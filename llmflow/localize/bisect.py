@@ -79,7 +79,7 @@ from llmflow.localize.target_dump import (
 )
 from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, token_rows
 from llmflow.models import logits_of
-from llmflow.quantized import NormBias, W8A8Linear, unsmooth
+from llmflow.quantized import NormBias, UnfusedExperts, W8A8Linear, unsmooth
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
     Cost,
@@ -589,6 +589,18 @@ class _Bisect:
         if moe.is_fused_experts(t_mod, call):
             chosen.experts = moe.expert_errors(g_mod, t_mod, call, golden=gld, target=tgt)
             chosen.expert = moe.worst_expert(chosen.experts, self.inp.ratio_threshold)
+        if isinstance(t_mod, UnfusedExperts) and chosen.expert is not None:
+            # a quantized checkpoint's experts against the golden's fused ones: no op pairs with
+            # the golden's, so each Linear layer of the expert is replayed alone instead
+            chosen.expert_linears, inputs = moe.expert_linear_errors(
+                g_mod, t_mod, call, name=name, golden=gld, target=tgt, expert=chosen.expert)
+            linear = moe.worst_expert_linear(chosen.expert_linears, chosen.expert, self.inp.ratio_threshold)
+            chosen.expert_linear = linear
+            held = dict(t_mod.named_modules(prefix=name)).get(linear.name) if linear else None
+            if isinstance(held, W8A8Linear):
+                chosen.quant_detail = held.explain(inputs[linear.name])
+            if chosen.expert_linears:
+                return
         g_ops = ops_mod.capture_ops(g_mod, name, call, device=gld.device, dtype=gld.dtype)
         t_ops = ops_mod.capture_ops(t_mod, name, call, device=tgt.device, dtype=tgt.dtype)
         chosen.op_level = ops_mod.comparability(g_ops, t_ops)
@@ -800,7 +812,8 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
                       stack=b.stack, decode=b.decode, dtype=judged, compute_dtype=dtype,
                       device=str(tgt.device) if tgt is not None else "target dump",
                       problems=problems, note=_notes(tgt, b.held.get("golden")), own_steps=own_steps,
-                      quantized=getattr(tgt, "quantized", None))
+                      quantized=getattr(tgt, "quantized", None),
+                      quantized_names=getattr(tgt, "quantized_names", None))
     result.isolation = b.isolation
     if b.isolation == "target_dump":
         asked = {"op_level": inp.op_level, "own_error_steps": inp.own_error_steps > 0,

@@ -23,6 +23,7 @@ from llmflow.results.codec import from_json
 from llmflow.results.verdict import (
     Candidate,
     Evidence,
+    ExpertLinearRow,
     ExpertRow,
     Inconclusive,
     OpLevel,
@@ -67,6 +68,10 @@ class StepReplay:
     first_op: str | None = None
     experts: list[ExpertRow] = field(default_factory=list)
     expert: int | None = None
+    # a quantized checkpoint's experts: each expert's Linear layers alone (``moe.expert_linear_errors``),
+    # and the named expert's Linear layer that stands out (``moe.worst_expert_linear``)
+    expert_linears: list[ExpertLinearRow] = field(default_factory=list)
+    expert_linear: ExpertLinearRow | None = None
     op_level: OpLevel | None = None  # ops.comparability of the chosen module's two op sequences
     overflow_op: OverflowOp | None = None  # ops.overflow_detail of the op where an overflow starts
     # a quantized Linear layer's account of the chosen module's golden input (clipping, scales)
@@ -378,10 +383,13 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
              mismatch: int | None, bad_token: int | None, stack: LayerStack | None,
              decode: Callable[[int], str], dtype: str, device: str, problems: list[str],
              note: str | None = None, own_steps: OwnErrorSteps | None = None,
-             quantized: dict[str, str] | None = None, compute_dtype: str | None = None) -> Verdict:
+             quantized: dict[str, str] | None = None, quantized_names: dict[str, str] | None = None,
+             compute_dtype: str | None = None) -> Verdict:
     """The verdict of a bisect from what each replayed step showed (and, where measured, the chosen
     module's own error per step). ``quantized``: the target's quantized Linear layers and their
-    weight types (an msModelSlim checkpoint), whose error is the quantization's own. ``dtype``
+    weight types (an msModelSlim checkpoint), whose error is the quantization's own;
+    ``quantized_names``: their names in the checkpoint where those differ (what msModelSlim's
+    ``disable_names`` takes). ``dtype``
     judges (its thresholds, its rounding in words); ``compute_dtype`` (default: ``dtype``) is the
     one the target ran in, which differs for a quantized target (judged at ``w8a8``)."""
     cand = chosen.candidate
@@ -425,7 +433,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     else:
         status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
                                                       problems, routing, stack, dtype, shared, own_steps,
-                                                      quiet=quiet, quantized=quantized or {})
+                                                      quiet=quiet, quantized=quantized or {},
+                                                      stored=_stored_name(quantized_names))
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
         if cand.get("rank_source"):  # its output is one sum over the ranks: the weights told
@@ -458,7 +467,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
                                                ("target", inp.target_spec, inp.target_ids))}),
         curves=_curves(chosen.raw, chosen.replayed, stack),
         candidates=top + unrep[:50],
-        ops=chosen.op_rows, experts=chosen.experts, routing=routing, token_rows=rows,
+        ops=chosen.op_rows, experts=chosen.experts, expert_linears=chosen.expert_linears, routing=routing,
+        token_rows=rows,
         problems=problems, notes=[note] if note else [],
         overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level)
 
@@ -484,23 +494,50 @@ def _weights_path(spec: dict[str, Any] | None) -> str | None:
     return str(found) if found is not None else model
 
 
+def _stored_name(quantized_names: dict[str, str] | None) -> Callable[[str], str]:
+    """A quantized Linear layer's name as msModelSlim's ``disable_names`` takes it: the one its
+    checkpoint stores it under (a transformers 4 layout's, where the model names it otherwise)."""
+    names = quantized_names or {}
+    return lambda name: names.get(name, name)
+
+
 def _quantized_layer(module: str, qtype: str, detail: str | None, golden: str | None,
-                     target: str | None) -> str:
+                     target: str | None, stored: Callable[[str], str]) -> str:
     """What the verdict adds where the module named is a Linear layer of a quantized checkpoint."""
     said = f" {module} is a {qtype} Linear layer of the quantized checkpoint"
+    said += f" (stored as {stored(module)})" if stored(module) != module else ""
     said += f"; on the golden input, {detail}." if detail else "."
     return (said + " Its weight against the float one: llmflow run weight_check "
             f"--set golden={golden or 'FLOAT'} --set target={target or 'QUANTIZED'}; to keep it in float, "
-            f"quantize again with it in msModelSlim's disable_names (['{module}']).")
+            f"quantize again with it in msModelSlim's disable_names (['{stored(module)}']).")
 
 
-def _quantized_block(module: str, qtype: str, expert: int | None, quantized: dict[str, str]) -> str:
+def _expert_linear_clause(linear: ExpertLinearRow | None, rows: list[ExpertLinearRow], expert: int,
+                          stored: Callable[[str], str]) -> str:
+    """What the verdict adds where a quantized checkpoint's expert stands out: which of its Linear
+    layers, replayed alone on the golden expert's input, stands out from the same projection in
+    the other experts (or that they err alike)."""
+    if linear is not None:
+        where = f" (stored as {stored(linear.name)})" if stored(linear.name) != linear.name else ""
+        return (f", and of its Linear layers, {linear.projection}{where}: replayed alone on the golden "
+                f"expert's input ({linear.tokens} token(s)) it is {linear.rel_l2:.3g} off, "
+                f"{linear.score:.0f}x the {linear.typical:.2g} of the same projection in the other experts")
+    own = [r for r in rows if r.expert == expert and r.score is not None]
+    if not own:
+        return ""
+    return ("; its Linear layers, each replayed alone on the golden expert's input, err alike ("
+            + ", ".join(f"{r.projection} {r.score:.1f}x" for r in own)
+            + " the same projection in the other experts)")
+
+
+def _quantized_block(module: str, qtype: str, expert: int | None, quantized: dict[str, str],
+                     stored: Callable[[str], str]) -> str:
     """What the verdict adds where the module named holds quantized Linear layers (a mixture of
     experts, of which ``expert`` stands out where one does)."""
     inside = f"{module}.{expert}." if expert is not None else f"{module}."
     names = sorted((n for n in quantized if n.startswith(inside)), key=lambda n: n.count("."))
     who = f"{module}'s expert {expert}" if expert is not None else module
-    shown = ", ".join(repr(n) for n in names[:QUANT_BLOCK_SHOWN])
+    shown = ", ".join(repr(stored(n)) for n in names[:QUANT_BLOCK_SHOWN])
     shown += ", ..." if len(names) > QUANT_BLOCK_SHOWN else ""
     return (f" {who} computes with {len(names)} {qtype} Linear layer(s) of the quantized checkpoint; to "
             "keep them in float, quantize again with them in "
@@ -513,18 +550,20 @@ def _sensitive_linears(chosen: StepReplay, quantized: dict[str, str]) -> list[di
                   key=lambda r: -r["rel_l2"])[:QUANT_SENSITIVE_SHOWN]
 
 
-def _most_sensitive(chosen: StepReplay, quantized: dict[str, str] | None) -> str:
+def _most_sensitive(chosen: StepReplay, quantized: dict[str, str] | None,
+                    stored: Callable[[str], str]) -> str:
     """A quantized target that passes: its most sensitive Linear layers, to keep in float for a
     result nearer the float model (empty for a float target)."""
     linears = _sensitive_linears(chosen, quantized or {})
     if not linears:
         return ""
     return (" Its most sensitive quantized Linear layers (own error on the golden inputs): "
-            + ", ".join(f"{r['name']} ({r['rel_l2']:.3g})" for r in linears)
+            + ", ".join(f"{stored(r['name'])} ({r['rel_l2']:.3g})" for r in linears)
             + "; msModelSlim's disable_names keeps a layer in float.")
 
 
-def _quantization_spread(chosen: StepReplay, quantized: dict[str, str], steps: str) -> tuple[str, str]:
+def _quantization_spread(chosen: StepReplay, quantized: dict[str, str], steps: str,
+                         stored: Callable[[str], str]) -> tuple[str, str]:
     """Why a quantized checkpoint whose Linear layers err alike is inconclusive, and what to run:
     its most sensitive Linear layers (the largest own error replayed on the golden inputs), the
     ones msModelSlim users keep in float (``disable_names``)."""
@@ -537,8 +576,8 @@ def _quantization_spread(chosen: StepReplay, quantized: dict[str, str], steps: s
         return reason, ("dump both sides in module mode and compare them (llmflow compare) to see where the "
                         "error grows")
     reason += "; the most sensitive Linear layers: " + ", ".join(
-        f"{r['name']} ({r['rel_l2']:.3g})" for r in linears)
-    names = ", ".join(f"'{r['name']}'" for r in linears)
+        f"{stored(r['name'])} ({r['rel_l2']:.3g})" for r in linears)
+    names = ", ".join(f"'{stored(r['name'])}'" for r in linears)
     return reason, (f"keep the most sensitive Linear layers in float and quantize again (msModelSlim "
                     f"QuantConfig disable_names=[{names}]), or use a finer scheme (W8A16, per-group "
                     "scales, anti-outlier); then bisect again")
@@ -641,10 +680,11 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
            mismatch: int | None, bad_token: int | None, problems: list[str], routing: list[RoutingRow],
            stack: LayerStack | None, dtype: str,
            shared: SharedError | None = None, own_steps: OwnErrorSteps | None = None,
-           quiet: bool = False, quantized: dict[str, str] | None = None
-           ) -> tuple[str, str, str, Inconclusive | None]:
+           quiet: bool = False, quantized: dict[str, str] | None = None,
+           stored: Callable[[str], str] = str) -> tuple[str, str, str, Inconclusive | None]:
     """(status, headline, diagnosis, inconclusive) from the evidence; ``quiet``: the worst candidate
-    stands out, but too little to name where nothing fails (``below_notice``)."""
+    stands out, but too little to name where nothing fails (``below_notice``); ``stored``: a
+    quantized Linear layer's name in its checkpoint (``_stored_name``)."""
     cand = chosen.candidate
     steps = " and ".join(_step_word(t.step) for t in tried)
     if shared is not None and shared.fails and module == shared.example:
@@ -675,11 +715,14 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         if cand.get("shard_rank") is not None:
             what += f" (rank {cand['shard_rank']}'s shard)"
         qtype = quantization_of(module, quantized)
+        linear = chosen.expert_linear if expert is not None else None
         if qtype:  # its error is its quantization's: said where it is named
             what += f" ({qtype}-quantized)"
         if cand["name"].endswith(KV_CACHE):
             what += " (the keys and values it writes to the KV cache)"
         op = f"; first bad op {chosen.first_op}" if chosen.first_op else ""
+        if linear is not None:
+            op = f"; of the expert's Linear layers, {linear.projection} stands out ({linear.score:.0f}x)"
         level = chosen.op_level
         if level is not None and not level.comparable:
             op += "; op level not comparable (the target runs other ops than the golden)"
@@ -720,6 +763,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                              "error, where the same module in the other layers adds none")
             if expert is not None:
                 diagnosis += f"; of its experts, expert {expert} stands out"
+                diagnosis += _expert_linear_clause(linear, chosen.expert_linears, expert, stored)
             diagnosis += (f"; inside it, {chosen.first_op} is the first op that goes wrong."
                           if chosen.first_op else ".")
             diagnosis += _per_token_sentence(cand)
@@ -736,14 +780,18 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
             diagnosis += f" The op level is not comparable: {level.reason} (target ops there: {ops})."
         if quantized and module in quantized:
             specs = [_weights_path(spec) for spec in (inp.golden_spec, inp.target_spec)]
-            diagnosis += _quantized_layer(module, quantized[module], chosen.quant_detail, *specs)
+            diagnosis += _quantized_layer(module, quantized[module], chosen.quant_detail, *specs, stored)
             after = [r for r in chosen.ranked if r["name"] in quantized and r["name"] != module
                      and r.get("score") is not None][:QUANT_SENSITIVE_SHOWN - 1]
             if after:
                 diagnosis += (" The next most sensitive quantized Linear layers: "
-                              + ", ".join(f"{r['name']} ({r['score']:.1f}x)" for r in after) + ".")
+                              + ", ".join(f"{stored(r['name'])} ({r['score']:.1f}x)" for r in after) + ".")
+        elif linear is not None and linear.name in quantized:
+            specs = [_weights_path(spec) for spec in (inp.golden_spec, inp.target_spec)]
+            diagnosis += _quantized_layer(linear.name, quantized[linear.name], chosen.quant_detail, *specs,
+                                          stored)
         elif qtype:
-            diagnosis += _quantized_block(module, qtype, expert, quantized or {})
+            diagnosis += _quantized_block(module, qtype, expert, quantized or {}, stored)
         if from_dump and stack is not None and module in stack.layers:  # the dumps hold the layers whole
             diagnosis += (f" The dumps hold no module inside {module}: dump the target with its modules "
                           f"(layer_name: {module}.*, module mode with inputs and outputs) and bisect again "
@@ -795,7 +843,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         reason = "the dumps are not whole: " + "; ".join(problems[:3])
         nxt = "rerun the dump stages (llmflow run ... --from dump-golden) and bisect again"
     elif quantized and (bad_token is not None or mismatch is not None or shared is not None):
-        reason, nxt = _quantization_spread(chosen, quantized, steps)
+        reason, nxt = _quantization_spread(chosen, quantized, steps, stored)
     elif shared is not None:  # beyond rounding in the layers alike, but not a clear fault
         reason, nxt = _shared_reason(shared, dtype)
     elif bad_token is not None:
@@ -858,8 +906,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     if mismatch is None:
         headline = "the target matches the golden: the same tokens, logits within the thresholds"
         return "pass", headline, ("The target matches the golden: the same tokens, logits within the "
-                                  f"{dtype} thresholds. " + nothing + "." + _most_sensitive(chosen, quantized)
-                                  ), None
+                                  f"{dtype} thresholds. " + nothing + "."
+                                  + _most_sensitive(chosen, quantized, stored)), None
     noisy = _noisiest_types(chosen.replayed, stack)
     headline = (f"no fault: no module stands out at {_step_word(chosen.step)}; the texts part at token "
                 f"{mismatch} through {dtype} rounding")

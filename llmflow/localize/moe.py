@@ -15,7 +15,10 @@ for that. So:
     the block's own rounding is a routing divergence, reported with the tokens it hit;
   a decoder layer replayed whole has the same routing forced into its routers (``routing_forced``);
   fused experts (one module holding every expert's weights, called with the routing) are split by
-    expert: each expert's contribution alone, golden against target, names the faulty one.
+    expert: each expert's contribution alone, golden against target, names the faulty one;
+  a quantized checkpoint's experts, held expert by expert against the golden's fused ones, are
+    split further: each expert's Linear layers alone, on the golden expert's own inputs, name the
+    projection at fault.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmflow.dtypes import OP_ERROR_FLOOR, dtype_class
 from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.localize.calls import cast_inputs
 from llmflow.localize.own_error import own_error
-from llmflow.results.verdict import ExpertRow, RoutedToken, RoutingRow
+from llmflow.quantized import EXPERT_LINEARS, UnfusedExperts, plain_fused_experts
+from llmflow.results.verdict import ExpertLinearRow, ExpertRow, RoutedToken, RoutingRow
 
 
 def router_of(module: nn.Module) -> tuple[str, nn.Module] | None:
@@ -222,18 +227,28 @@ def is_fused_experts(module: nn.Module, call: Call) -> bool:
     return cls.endswith("experts") and len(ints) == 1 and ints[0].dim() == 2
 
 
+def _routing_args(call: Call) -> tuple[int, int] | None:
+    """Where a fused-experts call holds its top-k expert indices and their weights."""
+    pos = next((i for i, a in enumerate(call.args)
+                if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
+    if pos is None:
+        return None
+    index = call.args[pos]
+    w_pos = next((i for i, a in enumerate(call.args) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                  and a.shape == index.shape), None)
+    return None if w_pos is None else (pos, w_pos)
+
+
 @torch.no_grad()
 def expert_errors(golden_module: nn.Module, target_module: nn.Module, call: Call, *, golden: Any,
                   target: Any) -> list[ExpertRow]:
     """Each expert's contribution alone (the routing weights of every other expert zeroed),
     golden against target: one row per expert the golden routing used."""
-    pos = next(i for i, a in enumerate(call.args)
-               if isinstance(a, torch.Tensor) and not a.is_floating_point())
-    index = call.args[pos]
-    w_pos = next((i for i, a in enumerate(call.args) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                  and a.shape == index.shape), None)
-    if w_pos is None:
+    found = _routing_args(call)
+    if found is None:
         return []
+    pos, w_pos = found
+    index = call.args[pos]
     rows = []
     for e in sorted(set(index.flatten().tolist())):
         args = list(call.args)
@@ -258,3 +273,59 @@ def worst_expert(rows: list[ExpertRow], ratio: float) -> int | None:
     typical = max(median(others), 1e-9)
     worst.score = worst.rel_l2 / typical
     return worst.expert if worst.score >= ratio else None
+
+
+@torch.no_grad()
+def expert_linear_errors(golden_module: nn.Module, target_module: nn.Module, call: Call, *, name: str,
+                         golden: Any, target: Any, expert: int
+                         ) -> tuple[list[ExpertLinearRow], dict[str, torch.Tensor]]:
+    """Each Linear layer of each expert of a target holding its experts as Linear layers
+    (``UnfusedExperts``, a quantized checkpoint) against the golden's fused experts, replayed alone
+    on the golden expert's input: the tokens routed to the expert for its gate and up projections,
+    the golden's SwiGLU of them for its down projection. Each scored against the same projection
+    in the module's other experts. With the inputs of ``expert``'s Linear layers (by name), in the
+    target's dtype, for what a quantized layer says of its input (``W8A8Linear.explain``).
+    Empty where the two sides are not such a pair."""
+    found = _routing_args(call)
+    paired = isinstance(target_module, UnfusedExperts) and plain_fused_experts(golden_module)
+    if found is None or not paired:
+        return [], {}
+    index = call.args[found[0]]
+    hidden = next(a for a in call.args if isinstance(a, torch.Tensor) and a.is_floating_point())
+    g_hidden = cast_inputs(hidden, golden.device, golden.dtype)
+    inter = golden_module.down_proj.shape[-1]
+    rows: list[ExpertLinearRow] = []
+    inputs: dict[str, torch.Tensor] = {}
+    for e in sorted(set(index.flatten().tolist())):
+        token = torch.where(index == e)[0].to(g_hidden.device)
+        x = g_hidden[token]
+        gate_up = golden_module.gate_up_proj[e]
+        gate, up = nn.functional.linear(x, gate_up[:inter]), nn.functional.linear(x, gate_up[inter:])
+        h = golden_module.act_fn(gate) * up
+        reference = {EXPERT_LINEARS[0]: (x, gate), EXPERT_LINEARS[1]: (x, up),
+                     EXPERT_LINEARS[2]: (h, nn.functional.linear(h, golden_module.down_proj[e]))}
+        child = getattr(target_module, str(e))
+        for projection, own_name in zip(EXPERT_LINEARS, target_module.names, strict=True):
+            given, out = reference[projection]
+            given = cast_inputs(given, target.device, target.dtype)
+            err = own_error(out, getattr(child, own_name)(given))
+            linear = f"{name}.{e}.{own_name}"
+            rows.append(ExpertLinearRow(name=linear, expert=int(e), projection=projection,
+                                        tokens=int(token.unique().numel()), rel_l2=err["rel_l2"]))
+            if e == expert:
+                inputs[linear] = given
+    floor = OP_ERROR_FLOOR.get(dtype_class(target.dtype), OP_ERROR_FLOOR["float32"])  # (rounding alone)
+    for row in rows:
+        others = [r.rel_l2 for r in rows if r.projection == row.projection and r.expert != row.expert]
+        if others:
+            row.typical = median(others)
+            row.score = row.rel_l2 / max(row.typical, floor)
+    return rows, inputs
+
+
+def worst_expert_linear(rows: list[ExpertLinearRow], expert: int, ratio: float) -> ExpertLinearRow | None:
+    """``expert``'s Linear layer that stands out from the same projection in the other experts
+    the most, where one stands out ``ratio`` times; None when its Linear layers err alike."""
+    own = [r for r in rows if r.expert == expert and r.score is not None]
+    worst = max(own, key=lambda r: r.score or 0.0, default=None)
+    return worst if worst is not None and (worst.score or 0.0) >= ratio else None

@@ -178,6 +178,21 @@ class ExpertRow:
 
 
 @dataclass
+class ExpertLinearRow:
+    """One Linear layer of one expert a quantized checkpoint holds expert by expert, replayed alone
+    on the golden expert's input (``moe.expert_linear_errors``)."""
+
+    name: str = field(metadata=_doc("the Linear layer as the model names it"))
+    expert: int
+    projection: str = field(metadata=_doc("gate_proj, up_proj or down_proj"))
+    tokens: int
+    rel_l2: float = field(metadata=_doc("its own error (the larger of whole-output and per-token)"))
+    typical: float | None = field(default=None, metadata=_doc(
+        "the median own error of the same projection in the module's other experts"))
+    score: float | None = field(default=None, metadata=_doc("rel_l2 / typical"))
+
+
+@dataclass
 class RoutedToken:
     """A token whose experts differ under the target's own routing."""
 
@@ -421,6 +436,8 @@ class Verdict(VerdictHead):
     candidates: list[Candidate] = field(default_factory=list)
     ops: list[OpRow] = field(default_factory=list)
     experts: list[ExpertRow] = field(default_factory=list)
+    expert_linears: list[ExpertLinearRow] = field(default_factory=list, metadata=_doc(
+        "a quantized checkpoint's experts: each expert's Linear layers replayed alone"))
     routing: list[RoutingRow] = field(default_factory=list)
     token_rows: list[TokenRow] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)

@@ -7,8 +7,10 @@ W4A16 per-group packed, W8A8 static, W8A8 anti-outlier smoothed); W8A8_DYNAMIC q
 alone and W8A8_MIX is dynamic at the prefill, static at a decode step; a smoothed checkpoint's
 modules replay on the float model's inputs; a calibration that clipped one layer's activations, a wrong
 weight scale and a clipped decode-only (W8A8_MIX) layer are each named to their Linear layer
-(Llama, and Qwen2 with its biased projections); a Qwen3-MoE checkpoint quantized expert by expert
-runs split back from transformers 5's fused experts, and its broken expert is named; an honest
+(Llama, and Qwen2 with its biased projections); MoE checkpoints quantized expert by expert (Qwen3-MoE,
+and Mixtral in transformers 4's layout: ``block_sparse_moe``, experts' ``w1``/``w3``/``w2``) run
+split back from transformers 5's fused experts, and a broken expert is named by the names
+msModelSlim gave it; an honest
 checkpoint is never called a fault: the verdict says the drift is the quantization's own and which
 Linear layers to keep in float; types llmflow cannot run, and quantized tensors with no Linear layer
 to go to, are bad input in one line.
@@ -37,7 +39,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from llmflow.errors import UserError  # noqa: E402
 from llmflow.models import load_model  # noqa: E402
-from llmflow.quantized import W8A8Linear, deq_scale_as_float, unfuse_experts  # noqa: E402
+from llmflow.quantized import UnfusedExperts, W8A8Linear, deq_scale_as_float, unfuse_experts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SIZE = "layers=4,hidden=64,intermediate=128,seed=3"
@@ -66,7 +68,6 @@ def _quantize(float_dir: Path, scheme: str, out: Path) -> Path:
     mslogger.setLevel(logging.ERROR)
     kwargs, calibrates, save_type = SCHEMES[scheme]
     cfg = QuantConfig(disable_names=[], dev_type="cpu", **{"mm_tensor": False, **kwargs})
-    prompts = [[torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(i))] for i in range(3)]
     out.mkdir(parents=True)
     cwd = os.getcwd()
     os.chdir(out)  # the calibrator leaves a features.npy in the working directory
@@ -74,7 +75,14 @@ def _quantize(float_dir: Path, scheme: str, out: Path) -> Path:
         model = load_model(str(float_dir)).model
         # a mixture of experts as transformers 4 holds it, one Linear per expert projection:
         # msModelSlim quantizes those one by one (transformers 5 fuses them into 3-D tensors)
+        if model.config.model_type == "mixtral":
+            _as_transformers4_mixtral(model)
         unfuse_experts(model, lambda _key: True)
+        # (Mixtral routes to 2 of 4 experts: 3 prompts leave one expert of a layer without a token,
+        # which msModelSlim cannot calibrate)
+        count = 8 if model.config.model_type == "mixtral" else 3
+        prompts = [[torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(i))]
+                   for i in range(count)]
         if scheme.endswith("anti_outlier"):
             from msmodelslim.pytorch.llm_ptq.anti_outlier import AntiOutlier, AntiOutlierConfig
 
@@ -93,6 +101,17 @@ def _quantize(float_dir: Path, scheme: str, out: Path) -> Path:
         if not f.name.endswith(".safetensors"):
             shutil.copy(f, out / f.name)
     return out
+
+
+def _as_transformers4_mixtral(model: torch.nn.Module) -> None:
+    """Mixtral's modules under the names transformers 4 gives them, which msModelSlim keeps in its
+    checkpoint: each layer's ``block_sparse_moe`` (transformers 5: ``mlp``), each expert's
+    ``w1``, ``w3``, ``w2`` (gate, up, down)."""
+    for layer in model.model.layers:
+        moe = layer._modules.pop("mlp")
+        moe.experts = UnfusedExperts(moe.experts, names=("w1", "w3", "w2"))
+        layer._modules["block_sparse_moe"] = moe
+        object.__setattr__(layer, "mlp", moe)  # (what the layer's forward calls, not a child name)
 
 
 @pytest.fixture(scope="module")
@@ -329,30 +348,49 @@ def test_llmflow_run_judges_an_honest_checkpoint_at_its_quantization_in_any_dtyp
 MOE = "qwen3-moe"
 
 
-def test_a_moe_checkpoint_quantized_expert_by_expert_computes_what_msmodelslims_model_computes(quantized):
+@pytest.mark.parametrize("family", [MOE, "mixtral"])
+def test_a_moe_checkpoint_quantized_expert_by_expert_computes_what_msmodelslims_model_computes(family,
+                                                                                              quantized):
     """The checkpoint holds every expert's projections as Linear layers of their own; the model
-    class fuses them: llmflow splits the fused experts back and runs each quantized."""
-    folder = quantized(MOE, "w8a8")
+    class fuses them: llmflow splits the fused experts back and runs each quantized. A Mixtral
+    checkpoint keeps transformers 4's names, renamed as transformers renames its float twin."""
+    folder = quantized(family, "w8a8")
     loaded = load_model(str(folder))
     assert loaded.quantized["model.layers.0.mlp.experts.3.down_proj"] == "W8A8"
     assert sum(".experts." in n for n in loaded.quantized) == 4 * 4 * 3  # layers x experts x projections
+    if family == "mixtral":
+        assert loaded.quantized_names["model.layers.0.mlp.experts.3.down_proj"] == \
+            "model.layers.0.block_sparse_moe.experts.3.w2"
+        assert "model.layers.0.self_attn.q_proj" not in loaded.quantized_names  # (stored as it is named)
+    else:
+        assert loaded.quantized_names == {}
     with torch.no_grad():
         logits = loaded.model(torch.tensor(IDS)).logits
     assert _rel(logits, torch.load(folder.parent / f"{folder.name}.fake_logits.pt")) < 1e-5
 
 
-def test_llmflow_run_names_the_expert_whose_quantized_layer_is_wrong(quantized, float_dirs, tmp_path):
-    name = f"model.layers.{LAYER}.mlp.experts"
-    target = _edited(quantized(MOE, "w8a8"), tmp_path / "w8a8-deq", _scale_deq(f"{name}.1.down_proj.", 2.5))
-    proc = run_bisect_recipe(tmp_path / "run", f"golden_model={float_dirs(MOE)}", f"target_model={target}",
-                             max_new_tokens=4)
+def test_llmflow_run_names_the_expert_and_its_linear_layer_whose_quantization_is_wrong(quantized, float_dirs,
+                                                                                        tmp_path):
+    """A Mixtral checkpoint in transformers 4's layout: the expert is named as the model names it;
+    of its Linear layers, each replayed alone on the golden expert's input, the one with the wrong
+    deq_scale, for disable_names as msModelSlim named it."""
+    stored = f"model.layers.{LAYER}.block_sparse_moe.experts.0"
+    target = _edited(quantized("mixtral", "w8a8"), tmp_path / "w8a8-deq", _scale_deq(f"{stored}.w2.", 2.5))
+    proc = run_bisect_recipe(tmp_path / "run", f"golden_model={float_dirs('mixtral')}",
+                             f"target_model={target}", max_new_tokens=4)
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert last.startswith(f"FAILED: {name} (expert 1) (W8A8-quantized) is the fault"), last
+    name = f"model.layers.{LAYER}.mlp.experts"
+    assert last.startswith(f"FAILED: {name} (expert 0) (W8A8-quantized) is the fault"), last
+    assert "of the expert's Linear layers, down_proj stands out" in last, last
     verdict = json.loads((tmp_path / "run" / "bisect" / "verdict.json").read_text())
-    assert verdict["first_bad_expert"] == 1
-    assert f"disable_names (['{name}.1.gate_proj', '{name}.1.up_proj', '{name}.1.down_proj'])" \
-        in verdict["diagnosis"], verdict["diagnosis"]
+    assert verdict["first_bad_expert"] == 0
+    said = verdict["diagnosis"]
+    assert f"down_proj (stored as {stored}.w2): replayed alone on the golden expert's input" in said, said
+    assert "its deq_scale is 2.5x input_scale x weight_scale in 64 of 64 channels" in said, said
+    assert f"disable_names (['{stored}.w2'])" in said, said
+    scores = {r["projection"]: r["score"] for r in verdict["expert_linears"] if r["expert"] == 0}
+    assert scores["down_proj"] > 10 > 2 > max(scores["gate_proj"], scores["up_proj"]), scores
 
 
 def test_a_type_llmflow_cannot_run_is_bad_input_in_one_line(quantized, tmp_path):
