@@ -275,7 +275,11 @@ PER_TOKEN_SAID = 3.0
 def _per_token_sentence(cand: dict[str, Any]) -> str:
     """Where the module's error is in most of its tokens yet small over its whole output, why the
     two differ (and why the compare's rows of its output may look fine)."""
-    token, whole = cand.get("token_rel"), whole_rel(cand)
+    token, whole, expert = cand.get("token_rel"), whole_rel(cand), cand.get("expert_rel")
+    if isinstance(expert, float) and isinstance(token, float) and expert >= PER_TOKEN_SAID * token:
+        return (f" Its error is in the tokens routed to expert {cand.get('expert_worst')}: their outputs are "
+                f"{expert:.2g} off on average, the average token's {token:.2g} (an expert that few "
+                "tokens reach moves the output as a whole little).")
     if not isinstance(token, float) or whole is None or token < PER_TOKEN_SAID * whole:
         return ""
     return (f" Its error is in its tokens: the average token's output is {token:.2g} off, while its output "
@@ -376,7 +380,7 @@ def _step_word(step: int) -> str:
 CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", "score", "z", "anomalous",
                     "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
                     "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note",
-                    "rank_source", "source", "covers", "token_rel")
+                    "rank_source", "source", "covers", "token_rel", "expert_rel", "expert_worst")
 
 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],

@@ -70,11 +70,13 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
 
 def ranked_l2(row: dict[str, Any]) -> Any:
     """The distance a row is ranked by, over its norm: ``l2``, or, where its tokens' mean relative
-    error is larger (``token_rel``, see ``own_error``), that times ``norm``; ``l2`` itself (any
-    value) where either is missing."""
-    l2, norm, token_rel = row.get("l2"), row.get("norm"), row.get("token_rel")
-    if isinstance(l2, float) and isinstance(norm, float) and isinstance(token_rel, float):
-        return max(l2, token_rel * norm)
+    error is larger (``token_rel``, see ``own_error``), or a fused experts module's worst expert's
+    tokens' (``expert_rel``, ``moe.expert_token_error``), that times ``norm``; ``l2`` itself (any
+    value) where neither is there."""
+    l2, norm = row.get("l2"), row.get("norm")
+    per_token = [v for v in (row.get("token_rel"), row.get("expert_rel")) if isinstance(v, float)]
+    if isinstance(l2, float) and isinstance(norm, float) and per_token:
+        return max(l2, max(per_token) * norm)
     return l2
 
 

@@ -119,6 +119,10 @@ class Candidate:
         "and the whole output's); null: an output measured whole"))
     whole_rel: float | None = field(default=None, metadata=_doc(
         "its whole output's relative error, where token_rel is given"))
+    expert_rel: float | None = field(default=None, metadata=_doc(
+        "a fused experts module: the mean relative error of the tokens routed to its worst expert "
+        "(error is the larger of this, token_rel and the whole output's)"))
+    expert_worst: int | None = field(default=None, metadata=_doc("that expert"))
     replayable: bool = True
     reason: str | None = None
     routing: str | None = field(default=None,

@@ -371,25 +371,27 @@ def test_a_moe_checkpoint_quantized_expert_by_expert_computes_what_msmodelslims_
 
 def test_llmflow_run_names_the_expert_and_its_linear_layer_whose_quantization_is_wrong(quantized, float_dirs,
                                                                                         tmp_path):
-    """A Mixtral checkpoint in transformers 4's layout: the expert is named as the model names it;
-    of its Linear layers, each replayed alone on the golden expert's input, the one with the wrong
+    """A Mixtral checkpoint in transformers 4's layout: the expert (one that 5 of the prompt's 31
+    tokens reach, its fault diluted over the others) is named as the model names it; of its
+    Linear layers, each replayed alone on the golden expert's input, the one with the wrong
     deq_scale, for disable_names as msModelSlim named it."""
-    stored = f"model.layers.{LAYER}.block_sparse_moe.experts.0"
+    stored = f"model.layers.{LAYER}.block_sparse_moe.experts.1"
     target = _edited(quantized("mixtral", "w8a8"), tmp_path / "w8a8-deq", _scale_deq(f"{stored}.w2.", 2.5))
     proc = run_bisect_recipe(tmp_path / "run", f"golden_model={float_dirs('mixtral')}",
                              f"target_model={target}", max_new_tokens=4)
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     name = f"model.layers.{LAYER}.mlp.experts"
-    assert last.startswith(f"FAILED: {name} (expert 0) (W8A8-quantized) is the fault"), last
+    assert last.startswith(f"FAILED: {name} (expert 1) (W8A8-quantized) is the fault"), last
     assert "of the expert's Linear layers, down_proj stands out" in last, last
     verdict = json.loads((tmp_path / "run" / "bisect" / "verdict.json").read_text())
-    assert verdict["first_bad_expert"] == 0
+    assert verdict["first_bad_expert"] == 1
     said = verdict["diagnosis"]
+    assert "Its error is in the tokens routed to expert 1: their outputs are" in said, said
     assert f"down_proj (stored as {stored}.w2): replayed alone on the golden expert's input" in said, said
     assert "its deq_scale is 2.5x input_scale x weight_scale in 64 of 64 channels" in said, said
     assert f"disable_names (['{stored}.w2'])" in said, said
-    scores = {r["projection"]: r["score"] for r in verdict["expert_linears"] if r["expert"] == 0}
+    scores = {r["projection"]: r["score"] for r in verdict["expert_linears"] if r["expert"] == 1}
     assert scores["down_proj"] > 10 > 2 > max(scores["gate_proj"], scores["up_proj"]), scores
 
 

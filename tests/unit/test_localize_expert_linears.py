@@ -1,18 +1,24 @@
-"""A quantized checkpoint's experts (held expert by expert, ``UnfusedExperts``) against the golden's
-fused experts: each expert's Linear layers replayed alone on the golden expert's inputs
-(``moe.expert_linear_errors``) name the projection at fault, scored against the same projection
-in the other experts; where the expert's Linear layers err alike, none is named."""
+"""Experts, finer than their module: a fused experts module's own error is also measured over the
+tokens of its worst expert (``moe.expert_token_error``), so that a fault in an expert few tokens
+reach is not diluted by the others; a quantized checkpoint's experts (held expert by expert,
+``UnfusedExperts``) against the golden's fused experts: each expert's Linear layers replayed alone
+on the golden expert's inputs (``moe.expert_linear_errors``) name the projection at fault, scored
+against the same projection in the other experts; where the expert's Linear layers err alike,
+none is named."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from llmflow.dump.memory import Call
-from llmflow.localize.conclude import _expert_linear_clause
-from llmflow.localize.moe import expert_linear_errors, worst_expert_linear
+from llmflow.localize.conclude import _expert_linear_clause, _per_token_sentence
+from llmflow.localize.moe import expert_linear_errors, expert_token_error, worst_expert_linear
+from llmflow.localize.own_error import ranked_l2
+from llmflow.localize.replay import replay_call
 from llmflow.models import build_tiny
 from llmflow.quantized import UnfusedExperts
 
@@ -20,10 +26,13 @@ SIZE = "layers=2,hidden=64,intermediate=128,seed=5"
 NAME = "model.layers.1.mlp.experts"
 
 
-def _call(fused: torch.nn.Module, tokens: int = 40, top_k: int = 2) -> Call:
+def _call(fused: torch.nn.Module, tokens: int = 40, top_k: int = 2, rare: int | None = None) -> Call:
+    """The experts' call on random tokens, routed top-k (``rare``: an expert few tokens reach)."""
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, fused.down_proj.shape[1], generator=gen)
     logits = torch.randn(tokens, fused.gate_up_proj.shape[0], generator=gen)
+    if rare is not None:
+        logits[:, rare] -= 2.0
     weights, index = logits.softmax(-1).topk(top_k, dim=-1)
     with torch.no_grad():
         out = fused(hidden, index, weights)
@@ -80,3 +89,43 @@ def test_experts_not_split_are_not_replayed_by_linear_layer():
     side = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
     assert expert_linear_errors(fused, fused, _call(fused), name=NAME, golden=side, target=side,
                                 expert=0) == ([], {})
+
+
+# -- the experts module ranked by its worst expert's tokens ------------------------------------------------
+
+def test_an_expert_few_tokens_reach_is_ranked_by_its_tokens():
+    """A fault in one expert moves only the tokens routed to it: over every token it is diluted,
+    the mean over that expert's tokens shows it whole."""
+    fused, _ = _pair("qwen3-moe")
+    rare = 2
+    call = _call(fused, rare=rare)
+    index = call.args[1]
+    broken = copy.deepcopy(fused)
+    with torch.no_grad():
+        broken.down_proj[rare].mul_(2.0)
+    row = replay_call(broken, call, device=torch.device("cpu"), dtype=torch.float32)
+    reached = int((index == rare).any(dim=-1).sum())
+    assert 0 < reached < len(index) // 4
+    assert row["expert_worst"] == rare
+    assert row["expert_rel"] > 3 * row["token_rel"]  # (its tokens only, each part of its output 2x)
+    assert row["rel_l2"] == row["expert_rel"]
+    assert ranked_l2(row) == pytest.approx(row["expert_rel"] * row["norm"])
+    said = _per_token_sentence(row)
+    assert said.startswith(f" Its error is in the tokens routed to expert {rare}: their outputs are"), said
+
+
+def test_experts_that_round_alike_give_the_tokens_error():
+    fused, _ = _pair("qwen3-moe")
+    call = _call(fused)
+    noisy = copy.deepcopy(fused)
+    with torch.no_grad():
+        for weight in (noisy.gate_up_proj, noisy.down_proj):
+            weight.mul_(1 + 1e-3 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)))
+    row = replay_call(noisy, call, device=torch.device("cpu"), dtype=torch.float32)
+    assert row["expert_rel"] < 2 * row["token_rel"]
+    assert _per_token_sentence(row) == ""
+
+
+def test_a_module_called_without_routing_has_no_expert_error():
+    alone = Call("m", args=[torch.ones(4, 32)])
+    assert expert_token_error(torch.ones(4, 32), torch.ones(4, 32), alone) is None
