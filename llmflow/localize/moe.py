@@ -23,6 +23,7 @@ for that. So:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from statistics import median
@@ -261,6 +262,17 @@ def expert_token_error(golden: torch.Tensor, target: torch.Tensor, call: Call) -
     worst = max(((int(e), float(rel[(index == e).any(dim=-1)].mean())) for e in index.unique().tolist()),
                 key=lambda pair: pair[1], default=None)
     return worst
+
+
+def add_expert_error(row: dict[str, Any], module: nn.Module, call: Call, golden: torch.Tensor,
+                     target: torch.Tensor) -> None:
+    """Where ``module`` is a fused experts module, its own-error ``row`` (``golden`` against
+    ``target``, its output) given its worst expert's tokens' error (``expert_token_error``):
+    ``expert_rel``, ``expert_worst``, and ``rel_l2`` the larger of its own and that."""
+    worst = expert_token_error(golden, target, call) if is_fused_experts(module, call) else None
+    if worst is not None and math.isfinite(row.get("rel_l2", math.inf)):
+        row["expert_rel"], row["expert_worst"] = worst[1], worst[0]
+        row["rel_l2"] = max(row["rel_l2"], worst[1])
 
 
 @torch.no_grad()

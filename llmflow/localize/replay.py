@@ -10,7 +10,6 @@ golden calls come from ``calls.py`` (a dump or an in-memory capture).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -65,11 +64,7 @@ def replay_call(module: nn.Module, call: Call, *, device: torch.device, dtype: t
         row.update(replayable=False, reason=f"replay gave no output {index}")
         return row
     row.update(replayable=True, output=index, **own_error(call.outputs[index], flat[index]))
-    worst = moe.expert_token_error(call.outputs[index], flat[index], call) \
-        if moe.is_fused_experts(module, call) else None
-    if worst is not None and math.isfinite(row["rel_l2"]):  # an expert's tokens: ranked by them too
-        row["expert_rel"], row["expert_worst"] = worst[1], worst[0]
-        row["rel_l2"] = max(row["rel_l2"], worst[1])
+    moe.add_expert_error(row, module, call, call.outputs[index], flat[index])
     choice = moe.choice_error(call.outputs, flat) if index == "0" else None
     if choice is not None:  # a router that also chooses: its choice is its own work too
         row["routing_weights"] = choice["detail"]

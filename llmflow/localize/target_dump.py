@@ -75,7 +75,7 @@ from llmflow.localize.calls import (
     first_call,
     fresh_cache,
 )
-from llmflow.localize.moe import router_of
+from llmflow.localize.moe import add_expert_error, router_of
 from llmflow.localize.own_error import own_error
 from llmflow.streamed import layer_weights_held
 from llmflow.structure import layer_of_name
@@ -341,8 +341,10 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
         row = {"name": name, "module_type": module_type, "replayable": True, "output": index,
                **own_error(golden_out, target_outs[worst])}
         return _with_ranks(row, sharding, errors, ranks)
+    joined_out = join_tensors(merge, target_outs)
     row: dict[str, Any] = {"name": name, "module_type": module_type, "replayable": True, "output": index,
-                           **own_error(golden_out, join_tensors(merge, target_outs))}
+                           **own_error(golden_out, joined_out)}
+    add_expert_error(row, module, call, golden_out, joined_out)
     if merge.startswith(CONCAT):  # each rank's slice of the output depends on its own slice of the input
         return _with_ranks(row, sharding, shard_errors(golden_out, merge, target_outs), ranks)
     if merge == SUM and sliced and len(ranks) > 1:  # partial products: each rank's share of the golden's
@@ -474,7 +476,8 @@ def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], rank
     -> its input entries at steps 0..``step``-1), each rank's golden module runs over those steps
     first, filling a KV cache of its own."""
     golden_outs: list[torch.Tensor] = []
-    seen: list[tuple[list[Any], torch.Tensor]] = []
+    calls: list[Call | None] = []  # each rank's golden call (None: run over the steps before)
+    seen: list[tuple[list[Any], torch.Tensor, Call]] = []
     same_inputs = True  # every rank's tensor inputs at this step equal to rank 0's, bit for bit
     for k, r in enumerate(ranks):
         inputs = [(i, entry_value(target, entries[k])) for i, entries in shards.items()]
@@ -490,18 +493,21 @@ def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], rank
             if isinstance(ran, str):
                 return _not_replayable(name, module_type, ran)
             golden_outs.append(ran)
+            calls.append(None)
             continue
-        again = next((out for before, out in seen if len(before) == len(tensors)
+        again = next(((out, call) for before, out, call in seen if len(before) == len(tensors)
                       and all(torch.equal(a, b) for a, b in zip(before, tensors, strict=True))), None)
         if again is None:
             call = _call(name, module_type, inputs, {}, step)
             if call.reason:
                 return _not_replayable(name, module_type, call.reason)
-            again = _run_golden(module, call, golden).get(index)
-            if again is None:
+            out = _run_golden(module, call, golden).get(index)
+            if out is None:
                 return _not_replayable(name, module_type, f"the golden module gave no output {index}")
-            seen.append((tensors, again))
-        golden_outs.append(again)
+            again = (out, call)
+            seen.append((tensors, *again))
+        golden_outs.append(again[0])
+        calls.append(again[1])
     merge = merge_of(list(golden_outs[0].shape), [list(t.shape) for t in target_outs], target_name, rules)
     if merge is None:
         return _not_replayable(name, module_type, f"output {index}: the ranks' shapes "
@@ -517,6 +523,9 @@ def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], rank
         errors = shard_errors(golden_joined, merge, target_outs)
         return _with_ranks(row, f"inputs whole, output {merge}", errors, ranks)
     per_rank = [own_error(g, t) for g, t in zip(golden_outs, target_outs, strict=True)]
+    for metrics, call, g, t in zip(per_rank, calls, golden_outs, target_outs, strict=True):
+        if call is not None:  # (a fused experts module: its worst expert's tokens too)
+            add_expert_error(metrics, module, call, g, t)
     worst = max(range(len(ranks)), key=lambda k: per_rank[k]["rel_l2"])
     row = {"name": name, "module_type": module_type, "replayable": True, "output": index, **per_rank[worst]}
     row = _with_ranks(row, f"inputs whole, output {merge}", [m["rel_l2"] for m in per_rank], ranks)

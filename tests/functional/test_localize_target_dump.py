@@ -348,3 +348,29 @@ def test_a_golden_model_that_differs_from_the_dump_in_a_later_layer_is_refused(t
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert "does not reproduce the golden dump: model.layers.2" in last, last
     assert verdict is None
+
+
+MOE = "tiny-qwen3-moe:layers=4,experts=16,top_k=2"
+#: the prompt ("Tell me a story about a dragon.", bytes): layer 2 routes 3 of its 31 tokens to expert 3
+MOE_IDS = list(b"Tell me a story about a dragon.")
+
+
+def test_a_dump_of_an_moe_port_names_the_expert_few_tokens_reach(tmp_path: Path) -> None:
+    """One expert of 16 (top 2) whose output weights are 1.5x, reached by 3 of the prompt's 31
+    tokens in its layer: over every token its error is diluted; over its own tokens it is whole,
+    and the golden experts run on the target dump's inputs name it."""
+    from llmflow.dump.config import DumpConfig
+    from llmflow.dump.run import dump_run
+    from llmflow.models import load_model
+
+    dump_run(load_model(MOE), MOE_IDS, 2, DumpConfig(dump_path=str(tmp_path / "golden"), token_range="all"))
+    target = load_model(MOE, dtype="bfloat16")
+    with torch.no_grad():
+        target.model.get_submodule("model.layers.2.mlp.experts").down_proj[3].mul_(1.5)
+    dump_run(target, MOE_IDS, 2, DumpConfig(dump_path=str(tmp_path / "target"), token_range="all"))
+    proc, verdict = _run(tmp_path, str(tmp_path / "golden"), str(tmp_path / "target"), MOE)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert verdict["first_bad_module"] == "model.layers.2.mlp.experts", verdict["headline"]
+    top = verdict["candidates"][0]
+    assert top["expert_worst"] == 3 and top["expert_rel"] > 3 * top["token_rel"], top
+    assert "Its error is in the tokens routed to expert 3" in verdict["diagnosis"], verdict["diagnosis"]
