@@ -7,10 +7,10 @@ W4A16 per-group packed, W8A8 static, W8A8 anti-outlier smoothed); W8A8_DYNAMIC q
 alone and W8A8_MIX is dynamic at the prefill, static at a decode step; a smoothed checkpoint's
 modules replay on the float model's inputs; a calibration that clipped one layer's activations, a wrong
 weight scale and a clipped decode-only (W8A8_MIX) layer are each named to their Linear layer
-(Llama, and Qwen2 with its biased projections); MoE checkpoints quantized expert by expert (Qwen3-MoE,
-and Mixtral in transformers 4's layout: ``block_sparse_moe``, experts' ``w1``/``w3``/``w2``) run
-split back from transformers 5's fused experts, and a broken expert is named by the names
-msModelSlim gave it; an honest
+(Llama, and Qwen2 with its biased projections); MoE checkpoints quantized expert by expert (Qwen3-MoE;
+Mixtral in transformers 4's layout: ``block_sparse_moe``, experts' ``w1``/``w3``/``w2``;
+DeepSeek-V3, its experts W8A8_DYNAMIC) run split back from transformers 5's fused experts, and a
+broken expert is named down to its Linear layer, by the names msModelSlim gave it; an honest
 checkpoint is never called a fault: the verdict says the drift is the quantization's own and which
 Linear layers to keep in float; types llmflow cannot run, and quantized tensors with no Linear layer
 to go to, are bad input in one line.
@@ -393,6 +393,24 @@ def test_llmflow_run_names_the_expert_and_its_linear_layer_whose_quantization_is
     assert f"disable_names (['{stored}.w2'])" in said, said
     scores = {r["projection"]: r["score"] for r in verdict["expert_linears"] if r["expert"] == 1}
     assert scores["down_proj"] > 10 > 2 > max(scores["gate_proj"], scores["up_proj"]), scores
+
+
+def test_llmflow_run_names_a_dynamic_experts_linear_layer_whose_weight_scale_is_wrong(quantized, float_dirs,
+                                                                                      tmp_path):
+    """DeepSeek-V3 (MLA attention, a shared expert): msModelSlim quantizes its MLPs and experts
+    W8A8_DYNAMIC (each token's activations alone); one expert's up_proj with a 1.5x weight_scale
+    is named to that Linear layer."""
+    name = f"model.layers.{LAYER}.mlp.experts"
+    target = _edited(quantized("deepseek-v3", "w8a8"), tmp_path / "ws",
+                     _scale_weight(f"{name}.1.up_proj.", 1.5))
+    proc = run_bisect_recipe(tmp_path / "run", f"golden_model={float_dirs('deepseek-v3')}",
+                             f"target_model={target}", max_new_tokens=4)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith(f"FAILED: {name} (expert 1) (W8A8_DYNAMIC-quantized) is the fault"), last
+    assert "of the expert's Linear layers, up_proj stands out" in last, last
+    verdict = json.loads((tmp_path / "run" / "bisect" / "verdict.json").read_text())
+    assert f"disable_names (['{name}.1.up_proj'])" in verdict["diagnosis"], verdict["diagnosis"]
 
 
 def test_a_type_llmflow_cannot_run_is_bad_input_in_one_line(quantized, tmp_path):
