@@ -90,6 +90,7 @@ from llmflow.results.verdict import (
     OwnErrorSteps,
     Verdict,
 )
+from llmflow.streamed import layer_weights_held
 from llmflow.structure import LayerStack, find_layer_stack, layer_of
 
 #: other layers' copies of the chosen module replayed per step for the reference median
@@ -592,8 +593,9 @@ class _Bisect:
         if isinstance(t_mod, UnfusedExperts) and chosen.expert is not None:
             # a quantized checkpoint's experts against the golden's fused ones: no op pairs with
             # the golden's, so each Linear layer of the expert is replayed alone instead
-            chosen.expert_linears, inputs = moe.expert_linear_errors(
-                g_mod, t_mod, call, name=name, golden=gld, target=tgt, expert=chosen.expert)
+            with layer_weights_held(gld.model, layer_of(name, self.stack) or name):  # (read directly)
+                chosen.expert_linears, inputs = moe.expert_linear_errors(
+                    g_mod, t_mod, call, name=name, golden=gld, target=tgt, expert=chosen.expert)
             linear = moe.worst_expert_linear(chosen.expert_linears, chosen.expert, self.inp.ratio_threshold)
             chosen.expert_linear = linear
             held = dict(t_mod.named_modules(prefix=name)).get(linear.name) if linear else None

@@ -393,9 +393,9 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     module's own error per step). ``quantized``: the target's quantized Linear layers and their
     weight types (an msModelSlim checkpoint), whose error is the quantization's own;
     ``quantized_names``: their names in the checkpoint where those differ (what msModelSlim's
-    ``disable_names`` takes). ``dtype``
-    judges (its thresholds, its rounding in words); ``compute_dtype`` (default: ``dtype``) is the
-    one the target ran in, which differs for a quantized target (judged at ``w8a8``)."""
+    ``disable_names`` takes). ``dtype`` judges (its thresholds, its rounding in words);
+    ``compute_dtype`` (default: ``dtype``) is the one the target ran in, which differs for a
+    quantized target (judged at ``w8a8``)."""
     cand = chosen.candidate
     module = _standing_out(chosen)
     quiet = module is not None and below_notice(inp, cand, mismatch, bad_token, quantized)

@@ -259,9 +259,8 @@ def expert_token_error(golden: torch.Tensor, target: torch.Tensor, call: Call) -
     g_rows = g.norm(dim=1)
     rel = d.norm(dim=1) / g_rows.clamp(min=max(float(g_rows.median()) * TOKEN_ROW_FLOOR, 1e-30))
     index = index.to("cpu")
-    worst = max(((int(e), float(rel[(index == e).any(dim=-1)].mean())) for e in index.unique().tolist()),
-                key=lambda pair: pair[1], default=None)
-    return worst
+    return max(((int(e), float(rel[(index == e).any(dim=-1)].mean())) for e in index.unique().tolist()),
+               key=lambda pair: pair[1], default=None)
 
 
 def add_expert_error(row: dict[str, Any], module: nn.Module, call: Call, golden: torch.Tensor,

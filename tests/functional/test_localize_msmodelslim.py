@@ -374,13 +374,23 @@ def test_llmflow_run_names_the_expert_and_its_linear_layer_whose_quantization_is
     """A Mixtral checkpoint in transformers 4's layout: the expert (one that 5 of the prompt's 31
     tokens reach, its fault diluted over the others) is named as the model names it; of its
     Linear layers, each replayed alone on the golden expert's input, the one with the wrong
-    deq_scale, for disable_names as msModelSlim named it."""
+    deq_scale, for disable_names as msModelSlim named it. The golden is stored in the model's own
+    (fused) names, so the bisect streams it layer by layer."""
     stored = f"model.layers.{LAYER}.block_sparse_moe.experts.1"
     target = _edited(quantized("mixtral", "w8a8"), tmp_path / "w8a8-deq", _scale_deq(f"{stored}.w2.", 2.5))
-    proc = run_bisect_recipe(tmp_path / "run", f"golden_model={float_dirs('mixtral')}",
-                             f"target_model={target}", max_new_tokens=4)
+    golden = tmp_path / "float-fused"
+    golden.mkdir()
+    fused = load_model(str(float_dirs("mixtral"))).model.state_dict()
+    save_file({k: v.contiguous() for k, v in fused.items()}, str(golden / "model.safetensors"),
+              metadata={"format": "pt"})
+    for f in float_dirs("mixtral").iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, golden / f.name)
+    proc = run_bisect_recipe(tmp_path / "run", f"golden_model={golden}", f"target_model={target}",
+                             max_new_tokens=4)
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "bisect: golden model loaded streamed" in proc.stdout, proc.stdout[-3000:]
     name = f"model.layers.{LAYER}.mlp.experts"
     assert last.startswith(f"FAILED: {name} (expert 1) (W8A8-quantized) is the fault"), last
     assert "of the expert's Linear layers, down_proj stands out" in last, last
