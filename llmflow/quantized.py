@@ -412,8 +412,9 @@ def checkpoint_renaming(model: nn.Module) -> Callable[[str], str] | None:
     fuses under the names ``UnfusedExperts`` gives them (Mixtral's ``w1``, ``w3``, ``w2`` ->
     ``gate_proj``, ``up_proj``, ``down_proj``). Read from transformers' own conversion tables, so
     a checkpoint of the older layout (msModelSlim quantizes a transformers 4 model, whose names
-    it keeps) is renamed as ``from_pretrained`` renames its float twin. None where nothing is
-    renamed: transformers 4 holds a checkpoint's own names."""
+    it keeps) is renamed as ``from_pretrained`` renames its float twin (its legacy renamings, such
+    as ``LayerNorm.gamma``, included). None where this transformers has no such tables:
+    transformers 4 holds a checkpoint's own names."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings

@@ -601,7 +601,7 @@ class _Bisect:
             held = dict(t_mod.named_modules(prefix=name)).get(linear.name) if linear else None
             if isinstance(held, W8A8Linear):
                 chosen.quant_detail = held.explain(inputs[linear.name])
-            if chosen.expert_linears:
+            if chosen.expert_linears and not cand.get("overflow"):  # (an overflow's first op still wanted)
                 return
         g_ops = ops_mod.capture_ops(g_mod, name, call, device=gld.device, dtype=gld.dtype)
         t_ops = ops_mod.capture_ops(t_mod, name, call, device=tgt.device, dtype=tgt.dtype)

@@ -272,11 +272,14 @@ class SharedError:
 PER_TOKEN_SAID = 3.0
 
 
-def _per_token_sentence(cand: dict[str, Any]) -> str:
+def _per_token_sentence(cand: dict[str, Any], expert_named: int | None = None) -> str:
     """Where the module's error is in most of its tokens yet small over its whole output, why the
-    two differ (and why the compare's rows of its output may look fine)."""
+    two differ (and why the compare's rows of its output may look fine); where it is in one
+    expert's tokens, which (said only where the expert the verdict names, ``expert_named``, is
+    that one or none is named)."""
     token, whole, expert = cand.get("token_rel"), whole_rel(cand), cand.get("expert_rel")
-    if isinstance(expert, float) and isinstance(token, float) and expert >= PER_TOKEN_SAID * token:
+    agrees = expert_named is None or expert_named == cand.get("expert_worst")
+    if isinstance(expert, float) and isinstance(token, float) and expert >= PER_TOKEN_SAID * token and agrees:
         return (f" Its error is in the tokens routed to expert {cand.get('expert_worst')}: their outputs are "
                 f"{expert:.2g} off on average, the average token's {token:.2g} (an expert that few "
                 "tokens reach moves the output as a whole little).")
@@ -770,7 +773,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                 diagnosis += _expert_linear_clause(linear, chosen.expert_linears, expert, stored)
             diagnosis += (f"; inside it, {chosen.first_op} is the first op that goes wrong."
                           if chosen.first_op else ".")
-            diagnosis += _per_token_sentence(cand)
+            diagnosis += _per_token_sentence(cand, expert)
             # the same module standing out in other layers too: each is named, not hidden in a median
             others = [r for r in chosen.ranked if r.get("anomalous") and r["name"] != cand["name"]
                       and r.get("module_type") == cand.get("module_type")]

@@ -240,13 +240,19 @@ def _routing_args(call: Call) -> tuple[int, int] | None:
     return None if w_pos is None else (pos, w_pos)
 
 
+#: the share of the most excess error an expert's tokens must hold to be the one named
+EXPERT_EXCESS_SHARE = 0.9
+
+
 def expert_token_error(golden: torch.Tensor, target: torch.Tensor, call: Call) -> tuple[int, float] | None:
-    """The expert whose tokens' outputs err most, and that error: per token, its output row's
-    relative error (a row's norm floored as ``own_error`` floors it); per expert, the mean over the
-    tokens routed to it; the largest of these. One expert of many at fault moves only its tokens:
-    measured over every token (whole or the token mean) a fault in an expert that 5 of 31 tokens
-    reach is diluted to a sixth, and one expert of 128 (top 8) to a sixteenth. None where the
-    output has no token rows to match the routing's."""
+    """The expert whose tokens' outputs err most, and the mean error of its tokens: per token, its
+    output row's relative error (a row's norm floored as ``own_error`` floors it). One expert of
+    many at fault moves only its tokens: measured over every token (whole or the token mean) a
+    fault in an expert that 5 of 31 tokens reach is diluted to a sixth, and one expert of 128 (top
+    8) to a sixteenth. The expert is the one whose tokens hold the most error above the median
+    token's, not the one whose tokens' mean is largest: an expert that one bad token also reaches
+    (routed to the faulty one and to it) has a mean of that token's whole error, the faulty expert
+    every bad token. None where the output has no token rows to match the routing's."""
     found = _routing_args(call)
     if found is None or golden.shape != target.shape or golden.dim() < 1:
         return None
@@ -259,8 +265,17 @@ def expert_token_error(golden: torch.Tensor, target: torch.Tensor, call: Call) -
     g_rows = g.norm(dim=1)
     rel = d.norm(dim=1) / g_rows.clamp(min=max(float(g_rows.median()) * TOKEN_ROW_FLOOR, 1e-30))
     index = index.to("cpu")
-    return max(((int(e), float(rel[(index == e).any(dim=-1)].mean())) for e in index.unique().tolist()),
-               key=lambda pair: pair[1], default=None)
+    excess = (rel - rel.median()).clamp(min=0)
+    reached = {int(e): (index == e).any(dim=-1) for e in index.unique().tolist()}
+    if not reached:
+        return None
+    held = {e: float(excess[m].sum()) for e, m in reached.items()}
+    mean = {e: float(rel[m].mean()) for e, m in reached.items()}
+    # of the experts holding (nearly) all the excess, the one whose tokens are all bad: an expert
+    # reached by the bad tokens and some good ones holds as much, over more tokens
+    most = max(held.values())
+    worst = max((e for e in reached if held[e] >= EXPERT_EXCESS_SHARE * most), key=lambda e: (mean[e], -e))
+    return worst, mean[worst]
 
 
 def add_expert_error(row: dict[str, Any], module: nn.Module, call: Call, golden: torch.Tensor,
@@ -358,9 +373,17 @@ def expert_linear_errors(golden_module: nn.Module, target_module: nn.Module, cal
     return rows, inputs
 
 
+#: how many times the bisect's ratio an expert's Linear layer must stand out from the same
+#: projection in the other experts to be named: experts see few tokens each (2 against 20 in a
+#: tiny MoE), so an honest quantization's projections already spread 4-5x around their median,
+#: where a wrong scale stands out 16-60x
+EXPERT_LINEAR_MARGIN = 2.0
+
+
 def worst_expert_linear(rows: list[ExpertLinearRow], expert: int, ratio: float) -> ExpertLinearRow | None:
     """``expert``'s Linear layer that stands out from the same projection in the other experts
-    the most, where one stands out ``ratio`` times; None when its Linear layers err alike."""
+    the most, where one stands out ``ratio`` x ``EXPERT_LINEAR_MARGIN`` times; None when its
+    Linear layers err alike."""
     own = [r for r in rows if r.expert == expert and r.score is not None]
     worst = max(own, key=lambda r: r.score or 0.0, default=None)
-    return worst if worst is not None and (worst.score or 0.0) >= ratio else None
+    return worst if worst is not None and (worst.score or 0.0) >= ratio * EXPERT_LINEAR_MARGIN else None

@@ -340,6 +340,7 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
         worst = max(range(len(ranks)), key=lambda k: errors[k])
         row = {"name": name, "module_type": module_type, "replayable": True, "output": index,
                **own_error(golden_out, target_outs[worst])}
+        add_expert_error(row, module, call, golden_out, target_outs[worst])
         return _with_ranks(row, sharding, errors, ranks)
     joined_out = join_tensors(merge, target_outs)
     row: dict[str, Any] = {"name": name, "module_type": module_type, "replayable": True, "output": index,
@@ -523,6 +524,7 @@ def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], rank
         errors = shard_errors(golden_joined, merge, target_outs)
         return _with_ranks(row, f"inputs whole, output {merge}", errors, ranks)
     per_rank = [own_error(g, t) for g, t in zip(golden_outs, target_outs, strict=True)]
+    whole = [m["rel_l2"] for m in per_rank]  # (what ``unreduced`` weighs partial products against)
     for metrics, call, g, t in zip(per_rank, calls, golden_outs, target_outs, strict=True):
         if call is not None:  # (a fused experts module: its worst expert's tokens too)
             add_expert_error(metrics, module, call, g, t)
@@ -532,7 +534,7 @@ def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], rank
     if len(ranks) > 1 and same_inputs and any(not torch.equal(target_outs[0], t) for t in target_outs[1:]):
         # one input on every rank, outputs of the golden's shape that differ: partial products left
         # unreduced make this module the fault, whatever the modules after it show
-        summed = unreduced(golden_outs[0], target_outs, row["rel_l2"])
+        summed = unreduced(golden_outs[0], target_outs, whole[worst])
         if summed is not None:
             row["unreduced"] = summed
     return row

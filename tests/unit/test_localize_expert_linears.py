@@ -21,6 +21,7 @@ from llmflow.localize.own_error import ranked_l2
 from llmflow.localize.replay import replay_call
 from llmflow.models import build_tiny
 from llmflow.quantized import UnfusedExperts
+from llmflow.results.verdict import ExpertLinearRow
 
 SIZE = "layers=2,hidden=64,intermediate=128,seed=5"
 NAME = "model.layers.1.mlp.experts"
@@ -129,3 +130,34 @@ def test_experts_that_round_alike_give_the_tokens_error():
 def test_a_module_called_without_routing_has_no_expert_error():
     alone = Call("m", args=[torch.ones(4, 32)])
     assert expert_token_error(torch.ones(4, 32), torch.ones(4, 32), alone) is None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_expert_named_is_the_faulty_one_not_one_its_bad_tokens_also_reach(seed):
+    """Top 4 of 16: each bad token also reaches three other experts, some reached by no other
+    token (their mean is that bad token's whole error); the faulty expert holds every bad token."""
+    fused = build_tiny("qwen3-moe", "layers=2,hidden=64,intermediate=128,seed=5,experts=16,top_k=4"
+                       ).get_submodule(NAME).eval()
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(20, 64, generator=gen)
+    weights, index = torch.randn(20, 16, generator=gen).softmax(-1).topk(4, dim=-1)
+    with torch.no_grad():
+        call = Call(NAME, type(fused).__name__, [hidden, index, weights],
+                    outputs={"0": fused(hidden, index, weights)})
+    broken_expert = int(index[0, 0])
+    broken = copy.deepcopy(fused)
+    with torch.no_grad():
+        broken.down_proj[broken_expert].mul_(1.3)
+    row = replay_call(broken, call, device=torch.device("cpu"), dtype=torch.float32)
+    assert row["expert_worst"] == broken_expert
+
+
+def test_an_expert_linear_layer_is_named_beyond_twice_the_bisects_ratio():
+    """An honest quantization's projections spread 4-5x around their median over experts of few
+    tokens: under twice the ratio nothing is named."""
+    def rows(score: float) -> list[ExpertLinearRow]:
+        return [ExpertLinearRow(name=f"e.0.{p}", expert=0, projection=p, tokens=10, rel_l2=0.1,
+                                typical=0.1 / s, score=s)
+                for p, s in (("gate_proj", 1.0), ("down_proj", score))]
+    assert worst_expert_linear(rows(4.6), 0, ratio=3.0) is None
+    assert worst_expert_linear(rows(7.0), 0, ratio=3.0).projection == "down_proj"
