@@ -785,8 +785,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         if level is not None and not level.comparable:
             ops = ", ".join(o.name.rsplit("/", 1)[-1] for o in level.target_ops_around)
             diagnosis += f" The op level is not comparable: {level.reason} (target ops there: {ops})."
+        specs = [_weights_path(spec) for spec in (inp.golden_spec, inp.target_spec)] if quantized else []
         if quantized and module in quantized:
-            specs = [_weights_path(spec) for spec in (inp.golden_spec, inp.target_spec)]
             diagnosis += _quantized_layer(module, quantized[module], chosen.quant_detail, *specs, stored)
             after = [r for r in chosen.ranked if r["name"] in quantized and r["name"] != module
                      and r.get("score") is not None][:QUANT_SENSITIVE_SHOWN - 1]
@@ -794,7 +794,6 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                 diagnosis += (" The next most sensitive quantized Linear layers: "
                               + ", ".join(f"{stored(r['name'])} ({r['score']:.1f}x)" for r in after) + ".")
         elif linear is not None and linear.name in quantized:
-            specs = [_weights_path(spec) for spec in (inp.golden_spec, inp.target_spec)]
             diagnosis += _quantized_layer(linear.name, quantized[linear.name], chosen.quant_detail, *specs,
                                           stored)
         elif qtype:

@@ -35,7 +35,7 @@ from torch import nn
 from llmflow.dtypes import OP_ERROR_FLOOR, dtype_class
 from llmflow.dump.memory import Call, flatten_outputs
 from llmflow.localize.calls import cast_inputs
-from llmflow.localize.own_error import TOKEN_ROW_FLOOR, TOKEN_ROW_MIN, own_error
+from llmflow.localize.own_error import own_error, token_row_errors
 from llmflow.quantized import EXPERT_LINEARS, UnfusedExperts, plain_fused_experts
 from llmflow.results.verdict import ExpertLinearRow, ExpertRow, RoutedToken, RoutingRow
 
@@ -254,17 +254,10 @@ def expert_token_error(golden: torch.Tensor, target: torch.Tensor, call: Call) -
     (routed to the faulty one and to it) has a mean of that token's whole error, the faulty expert
     every bad token. None where the output has no token rows to match the routing's."""
     found = _routing_args(call)
-    if found is None or golden.shape != target.shape or golden.dim() < 1:
+    rel = token_row_errors(golden, target) if found is not None else None
+    index = call.args[found[0]].to("cpu") if found is not None else None
+    if rel is None or index is None or rel.shape[0] != index.shape[0]:
         return None
-    index = call.args[found[0]]
-    width = golden.shape[-1]
-    g = golden.detach().to("cpu", torch.float64).reshape(-1, width)
-    if width < TOKEN_ROW_MIN or g.shape[0] != index.shape[0] or g.shape[0] < 2:
-        return None
-    d = target.detach().to("cpu", torch.float64).reshape(-1, width) - g
-    g_rows = g.norm(dim=1)
-    rel = d.norm(dim=1) / g_rows.clamp(min=max(float(g_rows.median()) * TOKEN_ROW_FLOOR, 1e-30))
-    index = index.to("cpu")
     excess = (rel - rel.median()).clamp(min=0)
     reached = {int(e): (index == e).any(dim=-1) for e in index.unique().tolist()}
     if not reached:
@@ -361,7 +354,7 @@ def expert_linear_errors(golden_module: nn.Module, target_module: nn.Module, cal
             err = own_error(out, getattr(child, own_name)(given))
             linear = f"{name}.{e}.{own_name}"
             rows.append(ExpertLinearRow(name=linear, expert=int(e), projection=projection,
-                                        tokens=int(token.unique().numel()), rel_l2=err["rel_l2"]))
+                                        tokens=int(token.numel()), rel_l2=err["rel_l2"]))
             if e == expert:
                 inputs[linear] = given
     floor = OP_ERROR_FLOOR.get(dtype_class(target.dtype), OP_ERROR_FLOOR["float32"])  # (rounding alone)

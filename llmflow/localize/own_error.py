@@ -17,6 +17,24 @@ TOKEN_ROW_MIN = 16
 TOKEN_ROW_FLOOR = 0.1
 
 
+def row_rel(g_rows: torch.Tensor, d_rows: torch.Tensor) -> torch.Tensor:
+    """Each token row's relative error from the rows' golden norms and error norms, a row's norm
+    floored at TOKEN_ROW_FLOOR x the median row's (the one definition ``token_rel`` and the MoE
+    experts' tokens, ``moe.expert_token_error``, both use)."""
+    return d_rows / g_rows.clamp(min=max(float(g_rows.median()) * TOKEN_ROW_FLOOR, 1e-30))
+
+
+def token_row_errors(golden: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
+    """``row_rel`` of each token row (the last dimension) of an output of at least two rows of
+    TOKEN_ROW_MIN values, in float64 on CPU; None for another output or differing shapes."""
+    width = golden.shape[-1] if golden.dim() else 1
+    if golden.shape != target.shape or width < TOKEN_ROW_MIN or golden.numel() < 2 * width:
+        return None
+    g = golden.detach().to("cpu", torch.float64).reshape(-1, width)
+    d = target.detach().to("cpu", torch.float64).reshape(-1, width) - g
+    return row_rel(g.norm(dim=1), d.norm(dim=1))
+
+
 def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     """The error metrics ranking and charts use (computed in float64, on CPU).
 
@@ -53,8 +71,7 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     if width >= TOKEN_ROW_MIN and g.numel() >= 2 * width:
         g_rows, d_rows = g.reshape(-1, width).norm(dim=1), d.reshape(-1, width).norm(dim=1)
         gn, l2 = float(g_rows.norm()), float(d_rows.norm())
-        floor = max(float(g_rows.median()) * TOKEN_ROW_FLOOR, tiny)
-        token_rel = float((d_rows / g_rows.clamp(min=floor)).mean())
+        token_rel = float(row_rel(g_rows, d_rows).mean())
     else:
         gn, l2 = float(g.norm()), float(d.norm())
     cos = float(torch.dot(g, t) / max(gn * float(t.norm()), tiny)) if g.numel() else 1.0
