@@ -59,11 +59,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_for_workers(address: str, n: int, timeout: float = 90) -> None:
+def _wait_for_workers(address: str, n: int, procs: tuple[subprocess.Popen, ...] = (),
+                      logs: Path | None = None, timeout: float = 240) -> None:
+    """Wait until the scheduler answers and ``n`` workers have joined it. On a loaded CI host the
+    scheduler may take longer than one client's connect timeout to start answering, so the client
+    is retried until the deadline; a process that exits meanwhile fails at once with its log."""
     from dask.distributed import Client
 
-    with Client(address, timeout="30s") as client:
-        client.wait_for_workers(n, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        for p, log in zip(procs, ["scheduler.log", "worker0.log", "worker1.log"]):
+            if p.poll() is not None:
+                tail = (logs / log).read_text(errors="replace")[-2000:] if logs else ""
+                pytest.fail(f"dask {log.removesuffix('.log')} exited with {p.returncode}:\n{tail}")
+        left = deadline - time.monotonic()
+        try:
+            with Client(address, timeout=f"{max(int(min(left, 60)), 5)}s") as client:
+                client.wait_for_workers(n, timeout=max(left, 5))
+            return
+        except (OSError, TimeoutError):
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(2)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +104,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
                                        "--name", f"w{i}"], env=env, stdout=subprocess.DEVNULL,
                                       stderr=open(logs / f"worker{i}.log", "wb"), start_new_session=True))
     try:
-        _wait_for_workers(address, 2)
+        _wait_for_workers(address, 2, tuple(procs), logs)
         yield address, die_dir
     finally:
         for p in procs:
