@@ -17,8 +17,15 @@ from typing import Any
 
 from llmflow.compare.thresholds import finite_or_none
 from llmflow.dtypes import DEFAULT_THRESHOLDS, OP_ERROR_FLOOR, dtype_class
-from llmflow.errors import UserError
 from llmflow.localize.own_error import whole_rel
+from llmflow.localize.quantized_words import (
+    expert_linear_clause,
+    most_sensitive,
+    quantization_of,
+    quantization_spread,
+    quantized_sentences,
+    stored_name,
+)
 from llmflow.results.codec import from_json
 from llmflow.results.verdict import (
     Candidate,
@@ -124,18 +131,6 @@ QUIET_STANDOUT = 2.0
 #: honest layer with activation outliers stands out that far (6x on tiny Llama and Qwen2 checkpoints
 #: of msModelSlim, alike in fp32, fp16 and bf16) where a calibration that clips stands out at 13-14x
 QUIET_QUANTIZED_STANDOUT = 3.0
-
-
-def quantization_of(name: str | None, quantized: dict[str, str] | None) -> str | None:
-    """The quantization module ``name`` computes with: its own (a quantized Linear layer), or the
-    one type of the quantized Linear layers inside it (a mixture of experts whose experts a
-    checkpoint quantized one by one, a block of them); None: none, or several types."""
-    if not name or not quantized:
-        return None
-    if name in quantized:
-        return quantized[name]
-    inner = {q for n, q in quantized.items() if n.startswith(name + ".")}
-    return inner.pop() if len(inner) == 1 else None
 
 
 def _is_quantized(cand: dict[str, Any] | None, quantized: dict[str, str] | None) -> bool:
@@ -441,7 +436,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
                                                       problems, routing, stack, dtype, shared, own_steps,
                                                       quiet=quiet, quantized=quantized or {},
-                                                      stored=_stored_name(quantized_names))
+                                                      stored=stored_name(quantized_names))
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
         if cand.get("rank_source"):  # its output is one sum over the ranks: the weights told
@@ -478,116 +473,6 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         token_rows=rows,
         problems=problems, notes=[note] if note else [],
         overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level)
-
-
-#: how many of a quantized block's Linear layers the verdict lists for disable_names
-QUANT_BLOCK_SHOWN = 6
-#: how many of a quantized checkpoint's most sensitive Linear layers the verdict names
-QUANT_SENSITIVE_SHOWN = 5
-
-
-def _weights_path(spec: dict[str, Any] | None) -> str | None:
-    """Where a side's weights are, for a command to run on them: its checkpoint folder (SmolLM2's
-    converted copy, a model directory), else the spec as given."""
-    from llmflow.models import checkpoint_dir
-
-    model = (spec or {}).get("model")
-    if not model:
-        return None
-    try:
-        found = checkpoint_dir(model, spec.get("base_dir") or ".")  # type: ignore[union-attr]
-    except (UserError, OSError):
-        found = None
-    return str(found) if found is not None else model
-
-
-def _stored_name(quantized_names: dict[str, str] | None) -> Callable[[str], str]:
-    """A quantized Linear layer's name as msModelSlim's ``disable_names`` takes it: the one its
-    checkpoint stores it under (a transformers 4 layout's, where the model names it otherwise)."""
-    names = quantized_names or {}
-    return lambda name: names.get(name, name)
-
-
-def _quantized_layer(module: str, qtype: str, detail: str | None, golden: str | None,
-                     target: str | None, stored: Callable[[str], str]) -> str:
-    """What the verdict adds where the module named is a Linear layer of a quantized checkpoint."""
-    said = f" {module} is a {qtype} Linear layer of the quantized checkpoint"
-    said += f" (stored as {stored(module)})" if stored(module) != module else ""
-    said += f"; on the golden input, {detail}." if detail else "."
-    return (said + " Its weight against the float one: llmflow run weight_check "
-            f"--set golden={golden or 'FLOAT'} --set target={target or 'QUANTIZED'}; to keep it in float, "
-            f"quantize again with it in msModelSlim's disable_names (['{stored(module)}']).")
-
-
-def _expert_linear_clause(linear: ExpertLinearRow | None, rows: list[ExpertLinearRow], expert: int,
-                          stored: Callable[[str], str]) -> str:
-    """What the verdict adds where a quantized checkpoint's expert stands out: which of its Linear
-    layers, replayed alone on the golden expert's input, stands out from the same projection in
-    the other experts (or that they err alike)."""
-    if linear is not None:
-        where = f" (stored as {stored(linear.name)})" if stored(linear.name) != linear.name else ""
-        return (f", and of its Linear layers, {linear.projection}{where}: replayed alone on the golden "
-                f"expert's input ({linear.tokens} token(s)) it is {linear.rel_l2:.3g} off, "
-                f"{linear.score:.0f}x the {linear.typical:.2g} of the same projection in the other experts")
-    own = [r for r in rows if r.expert == expert and r.score is not None]
-    if not own:
-        return ""
-    return ("; its Linear layers, each replayed alone on the golden expert's input, err alike ("
-            + ", ".join(f"{r.projection} {r.score:.1f}x" for r in own)
-            + " the same projection in the other experts)")
-
-
-def _quantized_block(module: str, qtype: str, expert: int | None, quantized: dict[str, str],
-                     stored: Callable[[str], str]) -> str:
-    """What the verdict adds where the module named holds quantized Linear layers (a mixture of
-    experts, of which ``expert`` stands out where one does)."""
-    inside = f"{module}.{expert}." if expert is not None else f"{module}."
-    names = sorted((n for n in quantized if n.startswith(inside)), key=lambda n: n.count("."))
-    who = f"{module}'s expert {expert}" if expert is not None else module
-    shown = ", ".join(repr(stored(n)) for n in names[:QUANT_BLOCK_SHOWN])
-    shown += ", ..." if len(names) > QUANT_BLOCK_SHOWN else ""
-    return (f" {who} computes with {len(names)} {qtype} Linear layer(s) of the quantized checkpoint; to "
-            "keep them in float, quantize again with them in "
-            f"msModelSlim's disable_names ([{shown}]).")
-
-
-def _sensitive_linears(chosen: StepReplay, quantized: dict[str, str]) -> list[dict[str, Any]]:
-    """The replayed rows of the quantized Linear layers with the largest own error, largest first."""
-    return sorted((r for r in chosen.replayed if r["name"] in quantized and r.get("rel_l2") is not None),
-                  key=lambda r: -r["rel_l2"])[:QUANT_SENSITIVE_SHOWN]
-
-
-def _most_sensitive(chosen: StepReplay, quantized: dict[str, str] | None,
-                    stored: Callable[[str], str]) -> str:
-    """A quantized target that passes: its most sensitive Linear layers, to keep in float for a
-    result nearer the float model (empty for a float target)."""
-    linears = _sensitive_linears(chosen, quantized or {})
-    if not linears:
-        return ""
-    return (" Its most sensitive quantized Linear layers (own error on the golden inputs): "
-            + ", ".join(f"{stored(r['name'])} ({r['rel_l2']:.3g})" for r in linears)
-            + "; msModelSlim's disable_names keeps a layer in float.")
-
-
-def _quantization_spread(chosen: StepReplay, quantized: dict[str, str], steps: str,
-                         stored: Callable[[str], str]) -> tuple[str, str]:
-    """Why a quantized checkpoint whose Linear layers err alike is inconclusive, and what to run:
-    its most sensitive Linear layers (the largest own error replayed on the golden inputs), the
-    ones msModelSlim users keep in float (``disable_names``)."""
-    linears = _sensitive_linears(chosen, quantized)
-    kinds = ", ".join(sorted(set(quantized.values())))
-    reason = (f"the target is a quantized checkpoint ({len(quantized)} {kinds} Linear layers) and none of "
-              f"its modules' own error stands out at {steps}: the drift is the quantization's own, spread "
-              "over the layers, not one layer's fault")
-    if not linears:
-        return reason, ("dump both sides in module mode and compare them (llmflow compare) to see where the "
-                        "error grows")
-    reason += "; the most sensitive Linear layers: " + ", ".join(
-        f"{stored(r['name'])} ({r['rel_l2']:.3g})" for r in linears)
-    names = ", ".join(f"'{stored(r['name'])}'" for r in linears)
-    return reason, (f"keep the most sensitive Linear layers in float and quantize again (msModelSlim "
-                    f"QuantConfig disable_names=[{names}]), or use a finer scheme (W8A16, per-group "
-                    "scales, anti-outlier); then bisect again")
 
 
 def _side_label(inp: Any, side: str, spec: dict[str, Any] | None) -> str:
@@ -691,7 +576,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
            stored: Callable[[str], str] = str) -> tuple[str, str, str, Inconclusive | None]:
     """(status, headline, diagnosis, inconclusive) from the evidence; ``quiet``: the worst candidate
     stands out, but too little to name where nothing fails (``below_notice``); ``stored``: a
-    quantized Linear layer's name in its checkpoint (``_stored_name``)."""
+    quantized Linear layer's name in its checkpoint (``stored_name``)."""
     cand = chosen.candidate
     steps = " and ".join(_step_word(t.step) for t in tried)
     if shared is not None and shared.fails and module == shared.example:
@@ -708,105 +593,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                      "forward itself: a residual add, a scale, a reshape, or what it hands a module.")
         return "fail", headline, diagnosis, None
     if module and cand:
-        where = _step_word(chosen.step)
-        from_dump = chosen.source == "target dump"
-        alone = ("its output in the target dump, against the golden module run on the same recorded inputs"
-                 if from_dump else "replayed alone on the golden inputs")
-        if from_dump and cand.get("source"):  # a KV cache reader, run over every step before this one
-            alone += f" ({cand['source']}, filling a KV cache of its own)"
-        what = f"{module}" + (f" (expert {expert})" if expert is not None else "")
-        if len(cand.get("covers") or ()) > 1:  # the final norm and lm_head, replayed as one
-            what = " and ".join(cand["covers"])
-            alone = ("the target's logits, against the golden's " + what + " run on the target's recorded "
-                     "output of the last decoder layer (the dumps hold no output between them)")
-        if cand.get("shard_rank") is not None:
-            what += f" (rank {cand['shard_rank']}'s shard)"
-        qtype = quantization_of(module, quantized)
-        linear = chosen.expert_linear if expert is not None else None
-        if qtype:  # its error is its quantization's: said where it is named
-            what += f" ({qtype}-quantized)"
-        if cand["name"].endswith(KV_CACHE):
-            what += " (the keys and values it writes to the KV cache)"
-        op = f"; first bad op {chosen.first_op}" if chosen.first_op else ""
-        if linear is not None:
-            op = f"; of the expert's Linear layers, {linear.projection} stands out ({linear.score:.0f}x)"
-        level = chosen.op_level
-        if level is not None and not level.comparable:
-            op += "; op level not comparable (the target runs other ops than the golden)"
-        if cand.get("overflow"):
-            o = chosen.overflow_op
-            how = (f" ({o.api} in {o.dtype}: {o.inf} Inf, {o.nan} NaN from inputs up to "
-                   f"{o.input_max_abs:.3g})") if o else ""
-            headline = (f"{what} overflows: replayed alone on finite golden inputs at {where} it gives "
-                        f"Inf/NaN where the golden is finite{op}")
-            diagnosis = (f"{what} is the fault, an overflow: {alone} at {where}, "
-                         f"{cand['nonfinite']} of its {cand.get('numel')} output values are Inf/NaN where "
-                         "the golden's are finite")
-            diagnosis += (f"; inside it, {chosen.first_op} is the first op whose output overflows{how}."
-                          if chosen.first_op else ".")
-            origin = _overflow_scan_origin(inp)
-            if origin:
-                agrees = _related(origin.name, module)
-                diagnosis += (f" Consistent with this, {_scan_sentence(origin)}." if agrees else
-                              f" Note: {_scan_sentence(origin)}, elsewhere.")
-        else:
-            if cand["typical"] and cand.get("peers", 1) == 0:  # one of a kind: the final norm, lm_head ...
-                are = "are" if len(cand.get("covers") or ()) > 1 else "is"
-                headline = (f"{what} {are} the fault: {cand['score']:.0f}x the median own error of the "
-                            f"model's modules (no other layer has this module), at {where}{op}")
-                diagnosis = (f"{what} {are} the fault: {alone} at {where} it adds {cand['error']:.3g} "
-                             f"relative error, {cand['score']:.0f}x the {cand['typical']:.2g} the model's "
-                             "modules add at the median (no other layer has this module to compare it with)")
-            elif cand["typical"]:
-                headline = (f"{what} is the fault: {cand['score']:.0f}x the own error of the same module in "
-                            f"the other layers, at {where}{op}")
-                diagnosis = (f"{what} is the fault: {alone} at {where} it adds "
-                             f"{cand['error']:.3g} relative error, {cand['score']:.0f}x the "
-                             f"{cand['typical']:.2g} the same module adds in the other layers")
-            else:  # the other layers' copies match the golden exactly: a ratio to 0 says nothing
-                headline = (f"{what} is the fault: an own error of {cand['error']:.3g} where the same module "
-                            f"in the other layers has none, at {where}{op}")
-                diagnosis = (f"{what} is the fault: {alone} at {where} it adds {cand['error']:.3g} relative "
-                             "error, where the same module in the other layers adds none")
-            if expert is not None:
-                diagnosis += f"; of its experts, expert {expert} stands out"
-                diagnosis += _expert_linear_clause(linear, chosen.expert_linears, expert, stored)
-            diagnosis += (f"; inside it, {chosen.first_op} is the first op that goes wrong."
-                          if chosen.first_op else ".")
-            diagnosis += _per_token_sentence(cand, expert)
-            # the same module standing out in other layers too: each is named, not hidden in a median
-            others = [r for r in chosen.ranked if r.get("anomalous") and r["name"] != cand["name"]
-                      and r.get("module_type") == cand.get("module_type")]
-            if others:
-                names = ", ".join(r["name"] for r in others[:3]) + (", ..." if len(others) > 3 else "")
-                headline += f"; also in {names}"
-                diagnosis += (f" The same module stands out in {len(others)} more layer(s): "
-                              + ", ".join(f"{r['name']} ({r['error']:.3g})" for r in others[:8]) + ".")
-        if level is not None and not level.comparable:
-            ops = ", ".join(o.name.rsplit("/", 1)[-1] for o in level.target_ops_around)
-            diagnosis += f" The op level is not comparable: {level.reason} (target ops there: {ops})."
-        specs = [_weights_path(spec) for spec in (inp.golden_spec, inp.target_spec)] if quantized else []
-        if quantized and module in quantized:
-            diagnosis += _quantized_layer(module, quantized[module], chosen.quant_detail, *specs, stored)
-            after = [r for r in chosen.ranked if r["name"] in quantized and r["name"] != module
-                     and r.get("score") is not None][:QUANT_SENSITIVE_SHOWN - 1]
-            if after:
-                diagnosis += (" The next most sensitive quantized Linear layers: "
-                              + ", ".join(f"{stored(r['name'])} ({r['score']:.1f}x)" for r in after) + ".")
-        elif linear is not None and linear.name in quantized:
-            diagnosis += _quantized_layer(linear.name, quantized[linear.name], chosen.quant_detail, *specs,
-                                          stored)
-        elif qtype:
-            diagnosis += _quantized_block(module, qtype, expert, quantized or {}, stored)
-        if from_dump and stack is not None and module in stack.layers:  # the dumps hold the layers whole
-            diagnosis += (f" The dumps hold no module inside {module}: dump the target with its modules "
-                          f"(layer_name: {module}.*, module mode with inputs and outputs) and bisect again "
-                          "to name the one.")
-        if chosen.step > 0 and not from_dump:
-            diagnosis += _decode_path(chosen, tried, own_steps, inp.ratio_threshold)
-        if problems:
-            diagnosis += f" Note: {problems[0]}."
-        return "fail", headline, diagnosis, None
+        return _fault(inp, tried, chosen, module, expert, problems, stack, own_steps, quantized or {},
+                      stored)
     worst = f"{cand['name']} at {cand['score']:.1f}x" if cand else "none replayed"
     quiet_words = (f"; under {quiet_limit(inp, cand, quantized):g}x, taken as "
                    + ("the quantization's own" if _is_quantized(cand, quantized) else "rounding")
@@ -814,13 +602,147 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     nothing = (f"No module's own error stands out from the same module in the other layers at {steps} "
                f"(worst: {worst}, threshold {inp.ratio_threshold}x"
                + (quiet_words if quiet else "") + ")")
-    missing = [t.missing for t in tried if t.missing]
     if routing:  # near-tied experts swapped by the router's rounding: reported, not a fault
         r = routing[0]
         toks = ", ".join(repr(t.text) for t in r.tokens[:5])
         nothing += (f"; routing diverges in {r.module} at {_step_word(r.step)} for {toks}: "
                     f"{r.detail} (the router's own error does not stand out: rounding picked other "
                     "experts for near-tied tokens)")
+    reason, nxt = _inconclusive_reason(inp, tried, chosen, between, mismatch, bad_token, problems, shared,
+                                       dtype, steps, quantized or {}, stored)
+    origin = _overflow_scan_origin(inp)
+    if reason and origin:
+        reason += (f"; {_scan_sentence(origin)}, but replayed on the golden inputs no module overflows: "
+                   "the overflow needs values only the target's own run produces (upstream drift, its own "
+                   "KV cache)")
+    if reason:
+        diagnosis = nothing + ". Inconclusive: " + reason + "."
+        return "inconclusive", reason, diagnosis, Inconclusive(reason, nxt or "")
+    unknown = [side for side, ids in (("golden", inp.golden_ids), ("target", inp.target_ids)) if not ids]
+    if mismatch is None and unknown:  # nothing to say of the tokens: only of the modules replayed
+        held = f"the {unknown[0]} dump holds no" if len(unknown) == 1 else "neither dump holds any"
+        headline = f"no module stands out at {steps}; the tokens were not compared ({held} logits)"
+        return "pass", headline, (nothing + f". The tokens were not compared: {held} logits or token ids "
+                                  "(dump with logits, or give the generation files)."), None
+    if mismatch is None:
+        headline = "the target matches the golden: the same tokens, logits within the thresholds"
+        return "pass", headline, ("The target matches the golden: the same tokens, logits within the "
+                                  f"{dtype} thresholds. " + nothing + "."
+                                  + most_sensitive(chosen.replayed, quantized, stored)), None
+    noisy = _noisiest_types(chosen.replayed, stack)
+    headline = (f"no fault: no module stands out at {_step_word(chosen.step)}; the texts part at token "
+                f"{mismatch} through {dtype} rounding")
+    diagnosis = (nothing + f": the drift is the {dtype} rounding of every layer adding up, not one faulty op"
+                 + (f" (largest own errors: {noisy})." if noisy else "."))
+    return "pass", headline, diagnosis, None
+
+
+def _fault(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str, expert: int | None,
+           problems: list[str], stack: LayerStack | None, own_steps: OwnErrorSteps | None,
+           quantized: dict[str, str], stored: Callable[[str], str]) -> tuple[str, str, str, None]:
+    """The words of a fault: ``module`` (its expert where one stands out), whose own error, replayed
+    on the golden inputs or read from the target dump, stands out from the same module elsewhere."""
+    cand = chosen.candidate
+    where = _step_word(chosen.step)
+    from_dump = chosen.source == "target dump"
+    alone = ("its output in the target dump, against the golden module run on the same recorded inputs"
+             if from_dump else "replayed alone on the golden inputs")
+    if from_dump and cand.get("source"):  # a KV cache reader, run over every step before this one
+        alone += f" ({cand['source']}, filling a KV cache of its own)"
+    what = f"{module}" + (f" (expert {expert})" if expert is not None else "")
+    if len(cand.get("covers") or ()) > 1:  # the final norm and lm_head, replayed as one
+        what = " and ".join(cand["covers"])
+        alone = ("the target's logits, against the golden's " + what + " run on the target's recorded "
+                 "output of the last decoder layer (the dumps hold no output between them)")
+    if cand.get("shard_rank") is not None:
+        what += f" (rank {cand['shard_rank']}'s shard)"
+    qtype = quantization_of(module, quantized)
+    linear = chosen.expert_linear if expert is not None else None
+    if qtype:  # its error is its quantization's: said where it is named
+        what += f" ({qtype}-quantized)"
+    if cand["name"].endswith(KV_CACHE):
+        what += " (the keys and values it writes to the KV cache)"
+    op = f"; first bad op {chosen.first_op}" if chosen.first_op else ""
+    if linear is not None:
+        op = f"; of the expert's Linear layers, {linear.projection} stands out ({linear.score:.0f}x)"
+    level = chosen.op_level
+    if level is not None and not level.comparable:
+        op += "; op level not comparable (the target runs other ops than the golden)"
+    if cand.get("overflow"):
+        o = chosen.overflow_op
+        how = (f" ({o.api} in {o.dtype}: {o.inf} Inf, {o.nan} NaN from inputs up to "
+               f"{o.input_max_abs:.3g})") if o else ""
+        headline = (f"{what} overflows: replayed alone on finite golden inputs at {where} it gives "
+                    f"Inf/NaN where the golden is finite{op}")
+        diagnosis = (f"{what} is the fault, an overflow: {alone} at {where}, "
+                     f"{cand['nonfinite']} of its {cand.get('numel')} output values are Inf/NaN where "
+                     "the golden's are finite")
+        diagnosis += (f"; inside it, {chosen.first_op} is the first op whose output overflows{how}."
+                      if chosen.first_op else ".")
+        origin = _overflow_scan_origin(inp)
+        if origin:
+            agrees = _related(origin.name, module)
+            diagnosis += (f" Consistent with this, {_scan_sentence(origin)}." if agrees else
+                          f" Note: {_scan_sentence(origin)}, elsewhere.")
+    else:
+        if cand["typical"] and cand.get("peers", 1) == 0:  # one of a kind: the final norm, lm_head ...
+            are = "are" if len(cand.get("covers") or ()) > 1 else "is"
+            headline = (f"{what} {are} the fault: {cand['score']:.0f}x the median own error of the "
+                        f"model's modules (no other layer has this module), at {where}{op}")
+            diagnosis = (f"{what} {are} the fault: {alone} at {where} it adds {cand['error']:.3g} "
+                         f"relative error, {cand['score']:.0f}x the {cand['typical']:.2g} the model's "
+                         "modules add at the median (no other layer has this module to compare it with)")
+        elif cand["typical"]:
+            headline = (f"{what} is the fault: {cand['score']:.0f}x the own error of the same module in "
+                        f"the other layers, at {where}{op}")
+            diagnosis = (f"{what} is the fault: {alone} at {where} it adds "
+                         f"{cand['error']:.3g} relative error, {cand['score']:.0f}x the "
+                         f"{cand['typical']:.2g} the same module adds in the other layers")
+        else:  # the other layers' copies match the golden exactly: a ratio to 0 says nothing
+            headline = (f"{what} is the fault: an own error of {cand['error']:.3g} where the same module "
+                        f"in the other layers has none, at {where}{op}")
+            diagnosis = (f"{what} is the fault: {alone} at {where} it adds {cand['error']:.3g} relative "
+                         "error, where the same module in the other layers adds none")
+        if expert is not None:
+            diagnosis += f"; of its experts, expert {expert} stands out"
+            diagnosis += expert_linear_clause(linear, chosen.expert_linears, expert, stored)
+        diagnosis += (f"; inside it, {chosen.first_op} is the first op that goes wrong."
+                      if chosen.first_op else ".")
+        diagnosis += _per_token_sentence(cand, expert)
+        # the same module standing out in other layers too: each is named, not hidden in a median
+        others = [r for r in chosen.ranked if r.get("anomalous") and r["name"] != cand["name"]
+                  and r.get("module_type") == cand.get("module_type")]
+        if others:
+            names = ", ".join(r["name"] for r in others[:3]) + (", ..." if len(others) > 3 else "")
+            headline += f"; also in {names}"
+            diagnosis += (f" The same module stands out in {len(others)} more layer(s): "
+                          + ", ".join(f"{r['name']} ({r['error']:.3g})" for r in others[:8]) + ".")
+    if level is not None and not level.comparable:
+        ops = ", ".join(o.name.rsplit("/", 1)[-1] for o in level.target_ops_around)
+        diagnosis += f" The op level is not comparable: {level.reason} (target ops there: {ops})."
+    if quantized:
+        diagnosis += quantized_sentences(module, expert, linear, chosen.ranked, chosen.quant_detail,
+                                         (inp.golden_spec, inp.target_spec), quantized, stored)
+    if from_dump and stack is not None and module in stack.layers:  # the dumps hold the layers whole
+        diagnosis += (f" The dumps hold no module inside {module}: dump the target with its modules "
+                      f"(layer_name: {module}.*, module mode with inputs and outputs) and bisect again "
+                      "to name the one.")
+    if chosen.step > 0 and not from_dump:
+        diagnosis += _decode_path(chosen, tried, own_steps, inp.ratio_threshold)
+    if problems:
+        diagnosis += f" Note: {problems[0]}."
+    return "fail", headline, diagnosis, None
+
+
+def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
+                        between: tuple[str, float] | None, mismatch: int | None, bad_token: int | None,
+                        problems: list[str], shared: SharedError | None, dtype: str, steps: str,
+                        quantized: dict[str, str], stored: Callable[[str], str],
+                        ) -> tuple[str | None, str | None]:
+    """Where no module is named a fault: why the evidence does not cover the question, and what to
+    run next, in the order the causes are checked; (None, None) where it does."""
+    cand = chosen.candidate
+    missing = [t.missing for t in tried if t.missing]
     reason, nxt = None, None
     if chosen.missing and chosen.missing_next:  # what was missing is known, and what to give
         reason, nxt = chosen.missing, chosen.missing_next
@@ -849,7 +771,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         reason = "the dumps are not whole: " + "; ".join(problems[:3])
         nxt = "rerun the dump stages (llmflow run ... --from dump-golden) and bisect again"
     elif quantized and (bad_token is not None or mismatch is not None or shared is not None):
-        reason, nxt = _quantization_spread(chosen, quantized, steps, stored)
+        reason, nxt = quantization_spread(chosen.replayed, quantized, steps, stored)
     elif shared is not None:  # beyond rounding in the layers alike, but not a clear fault
         reason, nxt = _shared_reason(shared, dtype)
     elif bad_token is not None:
@@ -895,31 +817,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         nxt = f"bisect with replay_step: {mismatch}, or leave replay_step unset to let the bisect choose"
     if reason is None and shared is not None:  # (after "the texts part at a step not replayed")
         reason, nxt = _shared_reason(shared, dtype)
-    origin = _overflow_scan_origin(inp)
-    if reason and origin:
-        reason += (f"; {_scan_sentence(origin)}, but replayed on the golden inputs no module overflows: "
-                   "the overflow needs values only the target's own run produces (upstream drift, its own "
-                   "KV cache)")
-    if reason:
-        diagnosis = nothing + ". Inconclusive: " + reason + "."
-        return "inconclusive", reason, diagnosis, Inconclusive(reason, nxt or "")
-    unknown = [side for side, ids in (("golden", inp.golden_ids), ("target", inp.target_ids)) if not ids]
-    if mismatch is None and unknown:  # nothing to say of the tokens: only of the modules replayed
-        held = f"the {unknown[0]} dump holds no" if len(unknown) == 1 else "neither dump holds any"
-        headline = f"no module stands out at {steps}; the tokens were not compared ({held} logits)"
-        return "pass", headline, (nothing + f". The tokens were not compared: {held} logits or token ids "
-                                  "(dump with logits, or give the generation files)."), None
-    if mismatch is None:
-        headline = "the target matches the golden: the same tokens, logits within the thresholds"
-        return "pass", headline, ("The target matches the golden: the same tokens, logits within the "
-                                  f"{dtype} thresholds. " + nothing + "."
-                                  + _most_sensitive(chosen, quantized, stored)), None
-    noisy = _noisiest_types(chosen.replayed, stack)
-    headline = (f"no fault: no module stands out at {_step_word(chosen.step)}; the texts part at token "
-                f"{mismatch} through {dtype} rounding")
-    diagnosis = (nothing + f": the drift is the {dtype} rounding of every layer adding up, not one faulty op"
-                 + (f" (largest own errors: {noisy})." if noisy else "."))
-    return "pass", headline, diagnosis, None
+    return reason, nxt
 
 
 def _shared_reason(shared: SharedError, dtype: str) -> tuple[str, str]:

@@ -68,7 +68,7 @@ def _wait_for_workers(address: str, n: int, procs: tuple[subprocess.Popen, ...] 
 
     deadline = time.monotonic() + timeout
     while True:
-        for p, log in zip(procs, ["scheduler.log", "worker0.log", "worker1.log"]):
+        for p, log in zip(procs, ["scheduler.log", "worker0.log", "worker1.log"], strict=False):
             if p.poll() is not None:
                 tail = (logs / log).read_text(errors="replace")[-2000:] if logs else ""
                 pytest.fail(f"dask {log.removesuffix('.log')} exited with {p.returncode}:\n{tail}")

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from llmflow.dump.memory import Call
-from llmflow.localize.conclude import _expert_linear_clause, _per_token_sentence
+from llmflow.localize.conclude import _per_token_sentence
 from llmflow.localize.moe import expert_linear_errors, expert_token_error, worst_expert_linear
 from llmflow.localize.own_error import ranked_l2
+from llmflow.localize.quantized_words import expert_linear_clause
 from llmflow.localize.replay import replay_call
 from llmflow.models import build_tiny
 from llmflow.quantized import UnfusedExperts
@@ -63,7 +64,7 @@ def test_the_projection_whose_weight_is_off_is_named(family, projection):
     assert worst.score > 1e4  # the other experts' copies compute exactly
     assert sorted(inputs) == sorted(f"{NAME}.2.{n}" for n in split.names)
     assert inputs[f"{NAME}.2.{split.names[2]}"].shape[-1] == fused.down_proj.shape[-1]  # the SwiGLU's width
-    said = _expert_linear_clause(worst, rows, 2, lambda n: n.replace("mlp", "block_sparse_moe"))
+    said = expert_linear_clause(worst, rows, 2, lambda n: n.replace("mlp", "block_sparse_moe"))
     assert said.startswith(f", and of its Linear layers, {projection} (stored as "
                            f"model.layers.1.block_sparse_moe.experts.2.{own}): replayed alone"), said
 
@@ -80,7 +81,7 @@ def test_an_expert_whose_linear_layers_err_alike_names_none():
     side = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
     rows, _ = expert_linear_errors(fused, split, _call(fused), name=NAME, golden=side, target=side, expert=2)
     assert worst_expert_linear(rows, 2, ratio=10.0) is None
-    said = _expert_linear_clause(None, rows, 2, str)
+    said = expert_linear_clause(None, rows, 2, str)
     assert said.startswith("; its Linear layers, each replayed alone on the golden expert's input, "
                            "err alike (gate_proj "), said
 
