@@ -82,6 +82,8 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, str | tuple[str, ...]], dict[str, 
     "olmo": ("olmo", {}, {}), "olmo2": ("olmo2", {}, {}), "falcon": ("falcon", {}, {}),
     "gpt2": ("gpt2", {"intermediate": "n_inner"}, {}), "gpt-neox": ("gpt_neox", {}, {}),
     "starcoder2": ("starcoder2", {}, {}), "glm4": ("glm4", {}, {"head_dim": 16}),
+    "granite": ("granite", {}, {}), "nemotron": ("nemotron", {}, {}), "cohere": ("cohere", {}, {}),
+    "bloom": ("bloom", {}, {}), "codegen": ("codegen", {"intermediate": "n_inner"}, {"rotary_dim": 8}),
     "mixtral": ("mixtral", {"experts": "num_local_experts", "top_k": "num_experts_per_tok"}, {}),
     "qwen2-moe": ("qwen2_moe", {"experts": "num_experts", "top_k": "num_experts_per_tok",
                                 "intermediate": ("moe_intermediate_size", "shared_expert_intermediate_size")},
@@ -580,7 +582,8 @@ def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool = True) -> li
     if tokenizer is None:
         raise UserError("prompt: the model has no tokenizer to encode it: put its tokenizer files "
                         "(tokenizer.json, tokenizer_config.json) in the model's folder (an msModelSlim "
-                        "checkpoint's: the float model's, copied beside its weights), or give token ids")
+                        "checkpoint's: the float model's, copied beside its weights), return (model, "
+                        "tokenizer) from a file.py:callable model, or give token ids")
     if chat_template and getattr(tokenizer, "chat_template", None):
         out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                             add_generation_prompt=True, tokenize=True)

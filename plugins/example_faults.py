@@ -154,9 +154,12 @@ def _dense_mlp(model: nn.Module, layer: int) -> tuple[str, nn.Module]:
         for attr, child in modules[moe].named_children():
             if len(_projections(child)) >= 2 and _activation_name(child) is not None:
                 return f"{moe}.{attr}", child
-    raise ValueError(f"example_faults: layer {layer} ({type(block).__name__}) has no dense MLP: its "
-                     "mixture of experts has no shared expert (its faults: scale_expert, scale_experts, "
-                     "wrong_router)")
+    if roles.get("moe"):
+        raise ValueError(f"example_faults: layer {layer} ({type(block).__name__}) has no dense MLP: its "
+                         "mixture of experts has no shared expert (its faults: scale_expert, scale_experts, "
+                         "wrong_router)")
+    raise ValueError(f"example_faults: layer {layer} ({type(block).__name__}) has no MLP module: its feed-"
+                     "forward Linear layers sit in the layer itself (its faults: scale_attn_out, wrong_eps)")
 
 
 def _first_tensor(out: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:

@@ -52,7 +52,7 @@ from llmflow.errors import UserError
 from llmflow.formats import open_dump
 from llmflow.formats.base import DumpReader
 from llmflow.localize import cost as cost_mod
-from llmflow.localize import moe
+from llmflow.localize import moe, rounding
 from llmflow.localize import ops as ops_mod
 from llmflow.localize.calls import NO_INPUTS, calls_from_dump
 from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude, shared_error, stands_out
@@ -67,7 +67,7 @@ from llmflow.localize.golden import (
 )
 from llmflow.localize.options import BisectInputs
 from llmflow.localize.own_error import relative_to_update, update_errors, update_norm
-from llmflow.localize.rank import pick_candidate, rank_modules
+from llmflow.localize.rank import pick_candidate, rank_modules, set_aside
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
 from llmflow.localize.target_dump import (
     golden_names,
@@ -541,11 +541,43 @@ class _Bisect:
         replayed += result.cache_writes  # what each attention wrote into its KV cache, ranked alike
         result.routing = moe.routing_divergences(result.rows, step, self.decode_position(step))
         self.rank(result, replayed, "module: isolation replay", result.source)
+        self.set_aside_rounding(result)
         if replayed and not result.anomalous and self.stack is not None:
             if before is not None:  # the prefill from the dump: its decoder layers' recorded calls
                 layer_calls = calls_from_dump(self.golden_dump, step, names=set(self.stack.layers))
             self.replay_layers_whole(result, layer_calls)
         return result
+
+    def set_aside_rounding(self, result: StepReplay) -> None:
+        """Check the step's candidate against the golden module run in the target's dtype on its
+        device (``rounding.py``): one whose own error is within ``ratio_threshold`` times that
+        rounding is set aside (``result.rounding``), and the next candidate checked, up to
+        ``ROUNDING_CHECKED``. Overflows stand whatever the rounding."""
+        gld, tgt = self.golden(), self.target
+        if gld is None or tgt is None or result.call_of is None:
+            return
+        golden_modules = dict(gld.model.named_modules())
+        for _ in range(rounding.ROUNDING_CHECKED):
+            cand = result.candidate
+            if not cand or not cand.get("anomalous") or cand.get("overflow"):
+                return
+            name = cand["name"].removesuffix(KV_CACHE)
+            call, module = result.call_of(name), golden_modules.get(name)
+            if (call is None or not call.replayable or module is None
+                    or rounding.copy_bytes(module, tgt.dtype) > rounding.ROUNDING_COPY_LIMIT):
+                return
+            with layer_weights_held(gld.model, layer_of(name, self.stack) or name):
+                row = rounding.rounding_row(module, call, device=tgt.device, dtype=tgt.dtype,
+                                            call_of=result.call_of)
+            ratio = rounding.to_rounding(cand, row, kv_cache=name != cand["name"])
+            cand["rounding_ratio"] = ratio
+            if ratio is None or ratio >= self.inp.ratio_threshold:
+                return
+            self.log(f"bisect: {cand['name']} stands out {cand['score']:.1f}x from its peers, but only "
+                     f"{ratio:.2f}x the golden module's own rounding in {dtype_name(tgt.dtype)}: set aside")
+            result.rounding.append(dict(cand))
+            result.ranked = set_aside(result.ranked, cand)
+            result.candidate = pick_candidate(result.ranked)
 
     def replay_layers_whole(self, result: StepReplay, calls: Iterable[Call]) -> None:
         """Each of the target's decoder layers run whole on its golden ``calls`` (the golden dump's

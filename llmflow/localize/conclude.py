@@ -95,6 +95,9 @@ class StepReplay:
     # isolation from the target dump: why the code before or after the decoder layers, which the
     # dumps do not hold, was not replayed (``target_dump.outside_layer_rows``)
     ends_not_replayed: list[str] = field(default_factory=list)
+    # candidates set aside: standing out from their peers by no more than the golden module's own
+    # rounding in the target's dtype (``rounding.py``), each with its ``rounding_ratio``
+    rounding: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def replayed(self) -> list[dict[str, Any]]:
@@ -378,7 +381,8 @@ def _step_word(step: int) -> str:
 CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", "score", "z", "anomalous",
                     "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
                     "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note",
-                    "rank_source", "source", "covers", "token_rel", "expert_rel", "expert_worst")
+                    "rank_source", "source", "covers", "token_rel", "expert_rel", "expert_worst",
+                    "rounding_ratio")
 
 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
@@ -447,6 +451,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
                           f"own ({errors}).")
     elif module and cand and cand.get("rank_note"):
         diagnosis += f" No rank is named: {cand['rank_note']}."
+    if chosen.rounding:
+        diagnosis += " " + _rounding_sentence(chosen.rounding, compute_dtype or dtype)
     diagnosis += _token_sentence(mismatch, detail)
     if note:
         diagnosis += f" {note}"
@@ -492,7 +498,7 @@ def _token_detail(inp: Any, mismatch: int | None, rows: list[TokenRow],
     t = inp.target_ids[mismatch] if mismatch < len(inp.target_ids) else None
     at = next((r for r in rows if r.step == mismatch), None)
     return TokenDetail(step=mismatch, golden_token=decode(g) if g is not None else None,
-                       target_token=decode(t) if t is not None else None,
+                       target_token=decode(t) if t is not None else None, golden_id=g, target_id=t,
                        golden_margin=at.golden_margin if at else None, kl=at.kl if at else None,
                        logits_max_abs_error=at.max_absolute_error if at else None)
 
@@ -596,6 +602,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         return _fault(inp, tried, chosen, module, expert, problems, stack, own_steps, quantized or {},
                       stored)
     worst = f"{cand['name']} at {cand['score']:.1f}x" if cand else "none replayed"
+    if _set_aside(cand, inp.ratio_threshold):
+        worst += " (set aside: the golden module's own rounding in the target's dtype)"
     quiet_words = (f"; under {quiet_limit(inp, cand, quantized):g}x, taken as "
                    + ("the quantization's own" if _is_quantized(cand, quantized) else "rounding")
                    + " where the texts agree and no step's logits and no compare row fail")
@@ -624,14 +632,19 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         headline = f"no module stands out at {steps}; the tokens were not compared ({held} logits)"
         return "pass", headline, (nothing + f". The tokens were not compared: {held} logits or token ids "
                                   "(dump with logits, or give the generation files)."), None
-    if mismatch is None:
+    rounds = bad_token is not None and _rounding_explains(chosen, bad_token, inp.ratio_threshold)
+    if mismatch is None and not rounds:
         headline = "the target matches the golden: the same tokens, logits within the thresholds"
         return "pass", headline, ("The target matches the golden: the same tokens, logits within the "
                                   f"{dtype} thresholds. " + nothing + "."
                                   + most_sensitive(chosen.replayed, quantized, stored)), None
     noisy = _noisiest_types(chosen.replayed, stack)
-    headline = (f"no fault: no module stands out at {_step_word(chosen.step)}; the texts part at token "
-                f"{mismatch} through {dtype} rounding")
+    parts = (f"the texts part at token {mismatch}" if mismatch is not None
+             else f"the same tokens, the logits past the {dtype} thresholds at step {bad_token}")
+    where = _step_word(chosen.step)
+    headline = f"no fault: no module stands out at {where}; {parts} through {dtype} rounding"
+    if rounds and cand:
+        headline += f", which rounds more in {cand['name']} (as in the golden module itself)"
     diagnosis = (nothing + f": the drift is the {dtype} rounding of every layer adding up, not one faulty op"
                  + (f" (largest own errors: {noisy})." if noisy else "."))
     return "pass", headline, diagnosis, None
@@ -703,6 +716,9 @@ def _fault(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str, e
                         f"in the other layers has none, at {where}{op}")
             diagnosis = (f"{what} is the fault: {alone} at {where} it adds {cand['error']:.3g} relative "
                          "error, where the same module in the other layers adds none")
+        if isinstance(cand.get("rounding_ratio"), float):  # (rounding.py: not the dtype's own)
+            diagnosis += (f", {cand['rounding_ratio']:.0f}x what the golden module itself gives in the "
+                          "target's dtype on the same inputs")
         if expert is not None:
             diagnosis += f"; of its experts, expert {expert} stands out"
             diagnosis += expert_linear_clause(linear, chosen.expert_linears, expert, stored)
@@ -774,6 +790,8 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         reason, nxt = quantization_spread(chosen.replayed, quantized, steps, stored)
     elif shared is not None:  # beyond rounding in the layers alike, but not a clear fault
         reason, nxt = _shared_reason(shared, dtype)
+    elif bad_token is not None and _rounding_explains(chosen, bad_token, inp.ratio_threshold):
+        pass  # the module standing out at that step is the dtype's own rounding: a pass, said so
     elif bad_token is not None:
         reason = (f"the logits fail the {dtype} thresholds at step {bad_token}, but no module's own error "
                   f"stands out when replayed at {steps}: the fault may live in state carried between steps "
@@ -782,7 +800,13 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         ends = [n for t in tried for n in t.ends_not_replayed]
         if ends:  # named: the modules outside the layers this evidence leaves out
             reason += f"; outside the decoder layers, not replayed: {ends[0]}"
-        if cand is not None and cand.get("score") is not None:  # the strongest lead, not called a fault
+        rounds = _set_aside(cand, inp.ratio_threshold)
+        if rounds:  # the module standing out is the dtype's own rounding: what the logits may show
+            reason += (f"; the module standing out most, {cand['name']} at {cand['score']:.1f}x the typical "
+                       f"own error of its kind, errs as the golden module itself does in the target's dtype "
+                       f"({cand['rounding_ratio']:.2f}x): the logits may fail through that dtype's rounding "
+                       "there, which the golden run in that dtype would show too")
+        elif cand is not None and cand.get("score") is not None:  # the strongest lead, not called a fault
             reason += (f"; the strongest lead, not called a fault, is {cand['name']} at {cand['score']:.1f}x "
                        "the typical own error of its kind")
         seen = {t.step for t in tried}
@@ -797,6 +821,10 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         else:  # the step and those before it that a replay would pick were replayed already
             nxt = (f"dump both sides in module mode at step {bad_token} and compare them (llmflow compare): "
                    "the first failing row is where the error enters; or lower ratio_threshold")
+        if rounds:
+            nxt = ("bisect the golden model run in the target's dtype against the golden (in the recipe: "
+                   "--set target_model=<the golden model> --set target_dtype=<the target's dtype>): where it "
+                   "fails these logits too, the drift is the dtype's; else " + nxt)
     elif chosen.not_replayable:
         reason = (f"{len(chosen.not_replayable)} module(s) could not be replayed at "
                   f"{_step_word(chosen.step)}{_reason_list(chosen)}: the fault may be among them")
@@ -818,6 +846,30 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
     if reason is None and shared is not None:  # (after "the texts part at a step not replayed")
         reason, nxt = _shared_reason(shared, dtype)
     return reason, nxt
+
+
+def _set_aside(cand: dict[str, Any] | None, ratio_threshold: float) -> bool:
+    """Whether ``cand`` stands out from its peers by no more than the golden module's own rounding in
+    the target's dtype (``rounding.py``)."""
+    ratio = (cand or {}).get("rounding_ratio")
+    return isinstance(ratio, float) and ratio < ratio_threshold
+
+
+def _rounding_explains(chosen: StepReplay, bad_token: int, ratio_threshold: float) -> bool:
+    """Whether the step whose logits fail was replayed whole and what stands out there is the
+    dtype's own rounding: its candidate set aside (``_set_aside``), every module replayed."""
+    return (chosen.step == bad_token and not chosen.not_replayable and bool(chosen.replayed)
+            and _set_aside(chosen.candidate, ratio_threshold))
+
+
+def _rounding_sentence(rows: list[dict[str, Any]], dtype: str) -> str:
+    """The modules standing out from their peers that the golden module's own rounding in the
+    target's dtype explains (``rounding.py``), set aside rather than named."""
+    said = ", ".join(f"{r['name']} ({r['score']:.1f}x its peers, {r['rounding_ratio']:.2f}x the golden "
+                     "module's own error)" for r in rows)
+    return (f"Set aside: {said}: run in {dtype} on the target's device on the same golden inputs, the golden "
+            f"module itself errs as much, so {dtype} rounds more there (a sensitive input), not a fault in "
+            "the target's code.")
 
 
 def _shared_reason(shared: SharedError, dtype: str) -> tuple[str, str]:
@@ -912,9 +964,12 @@ def _reason_list(step: StepReplay, n: int = 3) -> str:
 def _token_sentence(mismatch: int | None, detail: TokenDetail) -> str:
     if mismatch is None or detail.golden_margin is None:
         return ""
-    s = (f" The texts first differ at generated token {mismatch} ({detail.golden_token!r} -> "
-         f"{detail.target_token!r}), where the golden's top-2 logit margin was "
-         f"{detail.golden_margin:.3g}")
+    tokens = f"{detail.golden_token!r} -> {detail.target_token!r}"
+    both = f"{detail.golden_token}{detail.target_token}"
+    if detail.golden_token == detail.target_token or "\ufffd" in both:
+        tokens += f", token ids {detail.golden_id} -> {detail.target_id}"  # (texts that print alike)
+    s = (f" The texts first differ at generated token {mismatch} ({tokens}), where the golden's top-2 "
+         f"logit margin was {detail.golden_margin:.3g}")
     err = detail.logits_max_abs_error
     if isinstance(err, (int, float)) and err >= detail.golden_margin:
         return s + f" and the target's logits there differ by up to {err:.3g}: enough to swap the top two."

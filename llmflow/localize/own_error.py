@@ -42,8 +42,9 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     and ``token_rel``; max_abs: max |t - g|; max_rel: max |t - g| / max |g|; cos_dist: 1 - cosine
     similarity; l2, norm: ||t - g|| and ||g|| themselves (ranking floors tiny norms with them);
     numel; nonfinite: how many of the target's values are Inf/NaN where the golden's are finite (an
-    overflow). Where there are any, every error metric is +inf: the output is infinitely wrong,
-    never "no error" (a NaN would compare as neither large nor small).
+    overflow; not where the golden's value is beyond the target dtype's range: ``_without_saturated``).
+    Where there are any, every error metric is +inf: the output is infinitely wrong, never "no error"
+    (a NaN would compare as neither large nor small).
 
     token_rel (an output of at least two rows of TOKEN_ROW_MIN values): the mean over its rows
     (tokens) of each row's own relative error. Measured whole, an output's error is its largest
@@ -57,6 +58,7 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     if g.shape != t.shape:
         return {"rel_l2": math.inf, "max_abs": math.inf, "max_rel": math.inf, "cos_dist": math.inf,
                 "l2": math.inf, "norm": float(g.norm()), "numel": g.numel(), "nonfinite": 0}
+    g, t = _without_saturated(g, t, target.dtype)
     nonfinite = int((~torch.isfinite(t) & torch.isfinite(g)).sum())
     if nonfinite:
         finite = g[torch.isfinite(g)]
@@ -83,6 +85,22 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     if token_rel is not None:
         row["token_rel"] = token_rel
     return row
+
+
+def _without_saturated(g: torch.Tensor, t: torch.Tensor, target_dtype: torch.dtype,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g`` and ``t`` with the values the target's dtype cannot hold set to 0 on both sides: a
+    golden value beyond its largest finite value (a causal mask written as float32's minimum) is
+    +-Inf there, the faithful cast, not an overflow and not an error. The limit is bfloat16's at
+    most: an op replayed on inputs cast to bfloat16 may return float32 (a softmax's upcast), its
+    mask already -Inf; a golden value past bfloat16's range is such a sentinel, never a result."""
+    if not target_dtype.is_floating_point or target_dtype == torch.float64:
+        return g, t
+    limit = min(torch.finfo(target_dtype).max, torch.finfo(torch.bfloat16).max)
+    saturated = torch.isinf(t) & torch.isfinite(g) & (g.abs() > limit) & (torch.sign(t) == torch.sign(g))
+    if not bool(saturated.any()):
+        return g, t
+    return g.masked_fill(saturated, 0.0), t.masked_fill(saturated, 0.0)
 
 
 def ranked_l2(row: dict[str, Any]) -> Any:

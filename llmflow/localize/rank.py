@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from statistics import median
 from typing import Any
 
@@ -28,7 +28,8 @@ from llmflow.localize.own_error import ranked_l2
 from llmflow.structure import DEFAULT_RATIO_THRESHOLD, LayerStack, layer_index, layer_of, module_type
 
 __all__ = ["DEFAULT_RATIO_THRESHOLD", "first_jump", "is_descendant", "is_overflow", "layer_curve",
-           "layer_index", "layer_of", "module_type", "overflow_reason", "pick_candidate", "rank_modules"]
+           "layer_index", "layer_of", "module_type", "overflow_reason", "pick_candidate", "rank_modules",
+           "set_aside"]
 
 #: A module with no peers (a type seen once: the final norm, lm_head, the rotary embedding) is
 #: compared with the median of all modules; rounding differs more between kinds of module than
@@ -153,12 +154,26 @@ def rank_modules(rows: Iterable[dict[str, Any]], *, key: str = "rel_l2",
         r.setdefault("score", None)
         r.setdefault("z", None)
         r.setdefault("anomalous", False)
+    return _ordered(rows, lambda r: overflows.get(id(r)))
+
+
+def _ordered(rows: list[dict[str, Any]], overflow_at: Callable[[dict[str, Any]], int | None],
+             ) -> list[dict[str, Any]]:
+    """``rows`` in the ranking's order, numbered: overflows first in execution order
+    (``overflow_at``), then the anomalous rows, each group by score, worst first."""
     # (a tie, as a container and the one module inside it that does all its work: the inner first)
-    rows.sort(key=lambda r: (id(r) not in overflows, overflows.get(id(r), 0), not r["anomalous"],
+    rows.sort(key=lambda r: (overflow_at(r) is None, overflow_at(r) or 0, not r["anomalous"],
                              r["score"] is None, -(r["score"] or 0.0), -r["name"].count("."), r["name"]))
     for rank, r in enumerate(rows, 1):
         r["rank"] = rank
     return rows
+
+
+def set_aside(ranked: list[dict[str, Any]], row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ranking with ``row`` (one of its rows) no longer anomalous, in the ranking's order: a
+    module standing out from its peers that a later check explains (``rounding.py``)."""
+    row["anomalous"] = False
+    return _ordered(ranked, lambda r: r["rank"] if r.get("overflow") else None)
 
 
 def _update_scores(rows: list[dict[str, Any]]) -> None:

@@ -62,6 +62,8 @@ class TokenDetail:
     step: int | None = None
     golden_token: str | None = None
     target_token: str | None = None
+    golden_id: int | None = None
+    target_id: int | None = None
     golden_margin: float | None = None
     kl: float | None = None
     logits_max_abs_error: float | None = None
@@ -123,6 +125,10 @@ class Candidate:
         "a fused experts module: the mean relative error of the tokens routed to its worst expert "
         "(error is the larger of this, token_rel and the whole output's)"))
     expert_worst: int | None = field(default=None, metadata=_doc("that expert"))
+    rounding_ratio: float | None = field(default=None, metadata=_doc(
+        "its own error over that of the golden module run in the target's dtype on its device on the "
+        "same inputs (the dtype's own rounding there); a module under ratio_threshold of it is set aside, "
+        "not named; null: not checked, or the two compute alike"))
     replayable: bool = True
     reason: str | None = None
     routing: str | None = field(default=None,

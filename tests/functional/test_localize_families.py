@@ -18,7 +18,9 @@ from llmflow.models import load_model  # noqa: E402
 LAYER = 4
 SIZE = "layers=6,hidden=64,intermediate=128,seed=3"
 CUSTOM = "tests/fixtures/custom_model.py:build"  # a hand-written decoder with other names
-DENSE = ["llama", "qwen2", "mistral", "phi3", "gemma2", "gpt2", "gpt-neox", "falcon"]
+# bloom and codegen write their causal masks as float32's minimum, which bf16 holds as -inf: the
+# faithful cast, never the first bad op
+DENSE = ["llama", "qwen2", "mistral", "phi3", "gemma2", "gpt2", "gpt-neox", "falcon", "bloom", "codegen"]
 DENSE_FAULTS = ["scale_down_proj", "wrong_act", "wrong_eps", "scale_attn_out"]
 MOE = ["mixtral", "qwen2-moe"]
 MOE_FAULTS = ["scale_expert", "wrong_router", "scale_attn_out", "wrong_eps"]
@@ -57,6 +59,8 @@ def test_fault_named_to_layer_and_module(family, fault, goldens, tmp_path):
     assert v["first_bad_module"] == want, [c["name"] for c in v["candidates"][:3]]
     assert v["first_bad_layer"] and want.startswith(v["first_bad_layer"] + ".")
     assert v["first_bad_op"] and v["first_bad_op"].startswith(want)
+    op = next(o for o in v["ops"] if o["name"] == v["first_bad_op"])
+    assert op["iso"] is None or op["iso"] != "inf", op  # no overflow planted: no op overflows
 
 
 @pytest.mark.parametrize("fault", MOE_FAULTS)
