@@ -98,3 +98,30 @@ def test_an_overflow_keeps_its_place_when_another_row_is_set_aside() -> None:
     assert ranked[0]["overflow"]
     ranked = set_aside(ranked, next(r for r in ranked if r["name"] == "model.layers.1.self_attn"))
     assert ranked[0]["name"] == "model.layers.4.mlp.act_fn" and ranked[1]["name"] == "model.layers.3.mlp"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_mask_past_the_lower_dtypes_range_is_its_faithful_cast_not_an_overflow(dtype: torch.dtype) -> None:
+    from llmflow.localize.own_error import own_error
+
+    golden = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    golden[0, :5] = torch.finfo(torch.float32).min  # a causal mask as float32's minimum: -inf in bf16
+    row = own_error(golden, golden.to(dtype))
+    assert row["nonfinite"] == 0 and 0 < row["rel_l2"] < 0.01
+    upcast = own_error(golden, golden.to(torch.bfloat16).float())  # a softmax's float32 upcast of it
+    assert upcast["nonfinite"] == 0
+    overflow = golden.to(dtype)
+    overflow[1, 0] = float("inf")  # a value the golden holds in range: a real overflow
+    assert own_error(golden, overflow)["nonfinite"] == 1
+
+
+def test_tokens_that_print_alike_are_told_apart_by_their_ids() -> None:
+    from llmflow.localize.conclude import _token_sentence
+    from llmflow.results.verdict import TokenDetail
+
+    alike = TokenDetail(step=1, golden_token="\ufffd", target_token="\ufffd", golden_id=231, target_id=232,
+                        golden_margin=0.1)
+    assert "token ids 231 -> 232" in _token_sentence(1, alike)
+    plain = TokenDetail(step=1, golden_token=" a", target_token=" b", golden_id=3, target_id=4,
+                        golden_margin=0.1)
+    assert "token ids" not in _token_sentence(1, plain) and "' a' -> ' b'" in _token_sentence(1, plain)
