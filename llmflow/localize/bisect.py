@@ -70,11 +70,14 @@ from llmflow.localize.own_error import relative_to_update, update_errors, update
 from llmflow.localize.rank import pick_candidate, rank_modules, set_aside
 from llmflow.localize.replay import is_branch, replay_call, replay_modules
 from llmflow.localize.target_dump import (
+    golden_input_shapes,
     golden_names,
     layer_updates,
+    module_entries,
     outside_layer_rows,
     raw_errors_joined,
     replay_target_dump,
+    rounding_of,
     target_routing,
 )
 from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, token_rows
@@ -430,6 +433,7 @@ class _Bisect:
                               "in module mode with tensor_part 2)")
         self.rank(result, result.replayed, "module: isolation from the target dump",
                   f"target dump, {len(self.target_dump.ranks())} rank(s)")
+        self.set_aside_rounding(result, self.rounding_in_dump(step, t_step, known))
         if result.replayed and not result.anomalous and self.stack is not None and not layers_whole:
             # no module stands out: what a layer does between its modules (its own code, or a change to
             # what a module receives) shows only in the layer replayed whole
@@ -448,6 +452,26 @@ class _Bisect:
             result.layer_update_errors = update_errors(whole, updates)
             self.phase("module: decoder layers replayed whole", f"{len(result.layer_errors)} layers")
         return result
+
+    def rounding_in_dump(self, step: int, t_step: int,
+                         known: dict[str, str]) -> Callable[[str], dict[str, Any] | None]:
+        """The golden module's own rounding row in the target dump's dtype, on the target's recorded
+        inputs at ``t_step`` (golden ``step``; ``target_dump.rounding_of``); ``known``: target name ->
+        golden name."""
+        golden, dtype = self.held["golden"], torch_dtype(target_dump_dtype(self.target_dump))
+        target_names = {g: t for t, g in known.items()}
+
+        def reference(name: str) -> dict[str, Any] | None:
+            module = dict(golden.model.named_modules()).get(name)
+            target_name = target_names.get(name)
+            if module is None or target_name is None or dtype == golden.dtype:
+                return None
+            by_rank = module_entries(self.target_dump, t_step).get(target_name)
+            if not by_rank or rounding.copy_bytes(module, dtype) > rounding.ROUNDING_COPY_LIMIT:
+                return None
+            return rounding_of(name, module, by_rank, self.target_dump, golden, t_step,
+                               golden_input_shapes(self.golden_dump, step), dtype, target_name=target_name)
+        return reference
 
     def layer_updates(self, step: int, t_step: int, known: dict[str, str]) -> dict[str, float]:
         """Decoder layer -> what it adds to the residual stream at the step: the golden dump's
@@ -541,43 +565,53 @@ class _Bisect:
         replayed += result.cache_writes  # what each attention wrote into its KV cache, ranked alike
         result.routing = moe.routing_divergences(result.rows, step, self.decode_position(step))
         self.rank(result, replayed, "module: isolation replay", result.source)
-        self.set_aside_rounding(result)
+        self.set_aside_rounding(result, self.rounding_in_target(result))
         if replayed and not result.anomalous and self.stack is not None:
             if before is not None:  # the prefill from the dump: its decoder layers' recorded calls
                 layer_calls = calls_from_dump(self.golden_dump, step, names=set(self.stack.layers))
             self.replay_layers_whole(result, layer_calls)
         return result
 
-    def set_aside_rounding(self, result: StepReplay) -> None:
-        """Check the step's candidate against the golden module run in the target's dtype on its
-        device (``rounding.py``): one whose own error is within ``ratio_threshold`` times that
-        rounding is set aside (``result.rounding``), and the next candidate checked, up to
-        ``ROUNDING_CHECKED``. Overflows stand whatever the rounding."""
-        gld, tgt = self.golden(), self.target
-        if gld is None or tgt is None or result.call_of is None:
-            return
-        golden_modules = dict(gld.model.named_modules())
+    def set_aside_rounding(self, result: StepReplay,
+                           reference: Callable[[str], dict[str, Any] | None]) -> None:
+        """Check the step's candidate against the golden module's own rounding in the target's dtype
+        (``reference(name)``: its row, None where it cannot be had; ``rounding.py``): one whose own
+        error is within ``ratio_threshold`` times that is set aside (``result.rounding``) and the
+        next candidate checked, up to ``ROUNDING_CHECKED``. Overflows stand whatever the rounding."""
+        dtype = self.target.dtype if self.target is not None else target_dump_dtype(self.target_dump)
         for _ in range(rounding.ROUNDING_CHECKED):
             cand = result.candidate
             if not cand or not cand.get("anomalous") or cand.get("overflow"):
                 return
-            name = cand["name"].removesuffix(KV_CACHE)
-            call, module = result.call_of(name), golden_modules.get(name)
-            if (call is None or not call.replayable or module is None
-                    or rounding.copy_bytes(module, tgt.dtype) > rounding.ROUNDING_COPY_LIMIT):
-                return
-            with layer_weights_held(gld.model, layer_of(name, self.stack) or name):
-                row = rounding.rounding_row(module, call, device=tgt.device, dtype=tgt.dtype,
-                                            call_of=result.call_of)
-            ratio = rounding.to_rounding(cand, row, kv_cache=name != cand["name"])
+            row = reference(cand["name"].removesuffix(KV_CACHE))
+            ratio = rounding.to_rounding(cand, row, kv_cache=cand["name"].endswith(KV_CACHE)) if row else None
             cand["rounding_ratio"] = ratio
             if ratio is None or ratio >= self.inp.ratio_threshold:
                 return
             self.log(f"bisect: {cand['name']} stands out {cand['score']:.1f}x from its peers, but only "
-                     f"{ratio:.2f}x the golden module's own rounding in {dtype_name(tgt.dtype)}: set aside")
+                     f"{ratio:.2f}x the golden module's own rounding in {dtype_name(dtype)}: set aside")
             result.rounding.append(dict(cand))
             result.ranked = set_aside(result.ranked, cand)
             result.candidate = pick_candidate(result.ranked)
+
+    def rounding_in_target(self, result: StepReplay) -> Callable[[str], dict[str, Any] | None]:
+        """The golden module's own rounding row in the target model's dtype, on its device, on the
+        golden call the target module was replayed on (``rounding.rounding_row``)."""
+        def reference(name: str) -> dict[str, Any] | None:
+            tgt = self.target
+            if tgt is None or result.call_of is None:
+                return None
+            gld = self.golden()  # (loaded here: only where a candidate stands out)
+            if gld is None:
+                return None
+            call, module = result.call_of(name), dict(gld.model.named_modules()).get(name)
+            if (call is None or not call.replayable or module is None
+                    or rounding.copy_bytes(module, tgt.dtype) > rounding.ROUNDING_COPY_LIMIT):
+                return None
+            with layer_weights_held(gld.model, layer_of(name, self.stack) or name):
+                return rounding.rounding_row(module, call, device=tgt.device, dtype=tgt.dtype,
+                                             call_of=result.call_of)
+        return reference
 
     def replay_layers_whole(self, result: StepReplay, calls: Iterable[Call]) -> None:
         """Each of the target's decoder layers run whole on its golden ``calls`` (the golden dump's

@@ -632,19 +632,14 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         headline = f"no module stands out at {steps}; the tokens were not compared ({held} logits)"
         return "pass", headline, (nothing + f". The tokens were not compared: {held} logits or token ids "
                                   "(dump with logits, or give the generation files)."), None
-    rounds = bad_token is not None and _rounding_explains(chosen, bad_token, inp.ratio_threshold)
-    if mismatch is None and not rounds:
+    if mismatch is None:
         headline = "the target matches the golden: the same tokens, logits within the thresholds"
         return "pass", headline, ("The target matches the golden: the same tokens, logits within the "
                                   f"{dtype} thresholds. " + nothing + "."
                                   + most_sensitive(chosen.replayed, quantized, stored)), None
     noisy = _noisiest_types(chosen.replayed, stack)
-    parts = (f"the texts part at token {mismatch}" if mismatch is not None
-             else f"the same tokens, the logits past the {dtype} thresholds at step {bad_token}")
-    where = _step_word(chosen.step)
-    headline = f"no fault: no module stands out at {where}; {parts} through {dtype} rounding"
-    if rounds and cand:
-        headline += f", which rounds more in {cand['name']} (as in the golden module itself)"
+    headline = (f"no fault: no module stands out at {_step_word(chosen.step)}; the texts part at token "
+                f"{mismatch} through {dtype} rounding")
     diagnosis = (nothing + f": the drift is the {dtype} rounding of every layer adding up, not one faulty op"
                  + (f" (largest own errors: {noisy})." if noisy else "."))
     return "pass", headline, diagnosis, None
@@ -790,8 +785,6 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         reason, nxt = quantization_spread(chosen.replayed, quantized, steps, stored)
     elif shared is not None:  # beyond rounding in the layers alike, but not a clear fault
         reason, nxt = _shared_reason(shared, dtype)
-    elif bad_token is not None and _rounding_explains(chosen, bad_token, inp.ratio_threshold):
-        pass  # the module standing out at that step is the dtype's own rounding: a pass, said so
     elif bad_token is not None:
         reason = (f"the logits fail the {dtype} thresholds at step {bad_token}, but no module's own error "
                   f"stands out when replayed at {steps}: the fault may live in state carried between steps "
@@ -853,13 +846,6 @@ def _set_aside(cand: dict[str, Any] | None, ratio_threshold: float) -> bool:
     the target's dtype (``rounding.py``)."""
     ratio = (cand or {}).get("rounding_ratio")
     return isinstance(ratio, float) and ratio < ratio_threshold
-
-
-def _rounding_explains(chosen: StepReplay, bad_token: int, ratio_threshold: float) -> bool:
-    """Whether the step whose logits fail was replayed whole and what stands out there is the
-    dtype's own rounding: its candidate set aside (``_set_aside``), every module replayed."""
-    return (chosen.step == bad_token and not chosen.not_replayable and bool(chosen.replayed)
-            and _set_aside(chosen.candidate, ratio_threshold))
 
 
 def _rounding_sentence(rows: list[dict[str, Any]], dtype: str) -> str:

@@ -42,7 +42,7 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     and ``token_rel``; max_abs: max |t - g|; max_rel: max |t - g| / max |g|; cos_dist: 1 - cosine
     similarity; l2, norm: ||t - g|| and ||g|| themselves (ranking floors tiny norms with them);
     numel; nonfinite: how many of the target's values are Inf/NaN where the golden's are finite (an
-    overflow; not where the golden's value is beyond the target dtype's range: ``_without_saturated``).
+    overflow; not where the golden's value is past bfloat16's range, a mask: ``_without_saturated``).
     Where there are any, every error metric is +inf: the output is infinitely wrong, never "no error"
     (a NaN would compare as neither large nor small).
 
@@ -91,12 +91,13 @@ def _without_saturated(g: torch.Tensor, t: torch.Tensor, target_dtype: torch.dty
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``g`` and ``t`` with the values the target's dtype cannot hold set to 0 on both sides: a
     golden value beyond its largest finite value (a causal mask written as float32's minimum) is
-    +-Inf there, the faithful cast, not an overflow and not an error. The limit is bfloat16's at
-    most: an op replayed on inputs cast to bfloat16 may return float32 (a softmax's upcast), its
-    mask already -Inf; a golden value past bfloat16's range is such a sentinel, never a result."""
+    +-Inf there, the faithful cast, not an overflow and not an error. The limit is bfloat16's
+    whatever the target's dtype: a golden value past it is such a sentinel, never a result (an op
+    replayed on inputs cast to bfloat16 may return float32, a softmax's upcast, its mask already
+    -Inf), while a float16 target's Inf for a golden 1e5 is a real overflow."""
     if not target_dtype.is_floating_point or target_dtype == torch.float64:
         return g, t
-    limit = min(torch.finfo(target_dtype).max, torch.finfo(torch.bfloat16).max)
+    limit = torch.finfo(torch.bfloat16).max
     saturated = torch.isinf(t) & torch.isfinite(g) & (g.abs() > limit) & (torch.sign(t) == torch.sign(g))
     if not bool(saturated.any()):
         return g, t

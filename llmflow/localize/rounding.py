@@ -11,8 +11,12 @@ exactly as much; a fault in the target's code adds error beyond it. So a module 
 named a fault only where its own error is ``ratio_threshold`` times that of the golden module run
 so (``to_rounding``); one that is not is reported as sensitive to the dtype, not as a fault.
 
-Where the two sides compute alike (the same dtype on the same device), the golden module run so
-gives the golden output exactly: its rounding is 0 and nothing is set aside.
+From a target dump (``isolate: target_dump``) the golden module, run on the target's recorded
+inputs, is the reference; its rounding there is the same module cast to the dump's dtype on those
+inputs (``target_dump.rounding_of``, on the golden's device). Where the two sides compute alike
+(the same dtype on the same device), the golden module run so gives the golden output exactly: its
+rounding is 0 and nothing is set aside. A module that routes tokens is checked with the golden
+routing only (its own choice in the lower dtype may pick other experts: a discrete change).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from llmflow.localize.replay import replay_call
 
 #: the most candidates of one step checked against their golden module's rounding (each check is one
 #: module replayed once more); past them the next candidate is named as the ranking gives it
-ROUNDING_CHECKED = 4
+ROUNDING_CHECKED = 8
 #: a module whose parameters in the target's dtype take more than this is not copied for the check
 #: (the experts of a large mixture of experts: tens of GB in one layer); its candidate stands as ranked
 ROUNDING_COPY_LIMIT = 4 << 30
@@ -73,23 +77,26 @@ def rounding_row(golden_module: nn.Module, call: Call, *, device: torch.device, 
     MoE block is replayed with its golden routing (its router's call, from ``call_of``)."""
     context: dict[str, Call] = {call.name: call}
     router = moe.router_of(golden_module)
-    if router is not None and call_of is not None:
-        routed = call_of(f"{call.name}.{router[0]}")
-        if routed is not None:
-            context[routed.name] = routed
-    cast = _cast_copy(golden_module, device, dtype)
+    if router is not None:  # its own routing in the lower dtype could pick other experts: not rounding
+        routed = call_of(f"{call.name}.{router[0]}") if call_of is not None else None
+        if routed is None:
+            return {"name": call.name, "replayable": False, "reason": "no golden router call"}
+        context[routed.name] = routed
     try:
+        cast = _cast_copy(golden_module, device, dtype)
         return replay_call(cast, call, device=device, dtype=dtype, context=context)
-    finally:
-        del cast
+    except Exception as exc:  # (a device too full for the copy, a module that cannot be copied)
+        return {"name": call.name, "replayable": False, "reason": f"{type(exc).__name__}: {str(exc)[:160]}"}
 
 
 def to_rounding(candidate: dict[str, Any], rounding: dict[str, Any], *, kv_cache: bool) -> float | None:
     """How many times the golden module's own rounding (``rounding_row``) the candidate's own error
     is, measured alike (``_relative``; a KV cache write's ``kv_cache_rel_l2``); None where the golden
     module run so has no error (the two sides compute alike) or the replay gave none."""
-    if not rounding.get("replayable"):
-        return None
+    if not rounding.get("replayable") or rounding.get("routing_weights") or rounding.get("routing_flips"):
+        return None  # (a router whose choice differs in the lower dtype: a discrete change, not rounding)
+    if candidate.get("expert_rel") is not None:  # its worst expert's tokens: the copy's worst may be
+        return None  # another expert's, a larger baseline that would set a rare expert's fault aside
     if kv_cache:
         own, base = candidate.get("rel_l2"), rounding.get("kv_cache_rel_l2")
     else:

@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator, Sequence
 from copy import deepcopy as copy_module
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -115,7 +116,7 @@ WEIGHT_SHARD_MATCH = 1e-2
 ADDITIVE_TOLERANCE = 1e-4
 
 
-def _module_entries(reader: DumpReader, step: int) -> dict[str, dict[int, list[Entry]]]:
+def module_entries(reader: DumpReader, step: int) -> dict[str, dict[int, list[Entry]]]:
     """Module name -> rank -> its entries at ``step``, names in rank 0's execution order."""
     found: dict[str, dict[int, list[Entry]]] = {}
     for e in reader.entries():
@@ -141,7 +142,7 @@ def golden_names(reader: DumpReader, step: int, golden_modules: Collection[str],
     """Target module name -> the golden module it is, for the modules ``reader`` recorded at
     ``step``: the same name where the golden has it, else the name the mapping's rules give (one
     the golden has). Modules neither names are left out."""
-    recorded = _module_entries(reader, step)
+    recorded = module_entries(reader, step)
     found = {name: name for name in recorded if name in golden_modules}
     if mapping is not None:
         rest = [(name, by_rank[min(by_rank)][0].module_type) for name, by_rank in recorded.items()
@@ -150,7 +151,7 @@ def golden_names(reader: DumpReader, step: int, golden_modules: Collection[str],
     return found
 
 
-def _golden_input_shapes(reader: DumpReader, step: int) -> dict[tuple[str, str], list[int]]:
+def golden_input_shapes(reader: DumpReader, step: int) -> dict[tuple[str, str], list[int]]:
     """(module, input index) -> the golden's shape at ``step`` (what joined shards must make)."""
     return {(e.name, e.index): list(e.shape) for e in reader.entries()
             if e.step == step and e.level == "module" and e.kind == "input" and e.rank == 0
@@ -540,6 +541,60 @@ def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], rank
     return row
 
 
+def rounding_of(name: str, module: nn.Module, by_rank: dict[int, list[Entry]], target: DumpReader,
+                golden: Any, step: int, golden_shapes: dict[tuple[str, str], list[int]], dtype: torch.dtype,
+                *, target_name: str | None = None) -> dict[str, Any] | None:
+    """The golden module's own rounding in ``dtype`` on the target's recorded inputs (its first
+    rank's): own_error of the golden module cast to ``dtype`` (``rounding.py``) against the golden
+    module, both on those inputs (over the steps before where it reads a KV cache). None where the
+    first rank's inputs are not the golden's whole ones (sliced over the ranks), the module routes
+    tokens (its own choice in the lower dtype is no rounding), or the inputs cannot be rebuilt."""
+    if router_of(module) is not None:
+        return None
+    rank = sorted(by_rank)[0]
+    ins, outs = first_call(by_rank[rank])
+    index = "0" if any(e.index == "0" for e in outs) else min((e.index for e in outs), default=None)
+    if not ins or index is None or any(e.is_tensor and not e.has_data for e in ins):
+        return None
+    if any(e.is_tensor and golden_shapes.get((name, e.index)) not in (None, list(e.shape)) for e in ins):
+        return None
+    inputs = [(e.index, entry_value(target, e)) for e in ins]
+    try:
+        return _rounding_of(name, module, ins, inputs, index, target, golden, step, dtype, rank, target_name)
+    except Exception:  # (a device too full for the copy, a module that cannot be copied): not checked
+        return None
+
+
+def _rounding_of(name: str, module: nn.Module, ins: list[Entry], inputs: list[tuple[str, Any]], index: str,
+                 target: DumpReader, golden: Any, step: int, dtype: torch.dtype, rank: int,
+                 target_name: str | None) -> dict[str, Any] | None:
+    """``rounding_of`` once its inputs are known: the two runs, and their own error."""
+    from llmflow.localize.rounding import _cast_copy  # (rounding imports replay, which this module need not)
+
+    module_type = ins[0].module_type
+    lower = SimpleNamespace(model=golden.model, device=golden.device, dtype=dtype)  # the golden, cast
+    with layer_weights_held(golden.model, layer_of_name(name) or name):
+        cast = _cast_copy(module, golden.device, dtype)
+        if step > 0 and _decode_cache(ins) is not None:
+            history, missing = _earlier_inputs(target_name or name, [rank], target, step, None)
+            if missing is not None:
+                return None
+            steps = [[(e.index, entry_value(target, e)) for e in past] for past in history[rank]]
+            ran = [_golden_over_steps(name, m, module_type, [*steps, inputs], side, index)
+                   for m, side in ((module, golden), (cast, lower))]
+            if any(isinstance(out, str) for out in ran):
+                return None
+            return {"name": name, "replayable": True, **own_error(ran[0], ran[1])}
+        call = _call(name, module_type, inputs, {}, step)
+        if call.reason:
+            return None
+        exact, rounded = (_run_golden(m, call, side).get(index)
+                          for m, side in ((module, golden), (cast, lower)))
+    if exact is None or rounded is None:
+        return None
+    return {"name": name, "replayable": True, **own_error(exact, rounded)}
+
+
 def _with_ranks(row: dict[str, Any], sharding: str, errors: list[float], ranks: list[int]) -> dict[str, Any]:
     """The row with each rank's own error and the rank that stands out (one rank: none to name)."""
     named = standout(errors, ranks) if len(ranks) > 1 else None
@@ -556,13 +611,13 @@ def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpRe
     order: the golden model's module of the same name, or of the name ``mapping`` gives it, run on
     the target's inputs (``replay_module``). Modules the golden model does not have are skipped."""
     modules = dict(golden.model.named_modules())
-    shapes = _golden_input_shapes(golden_dump, golden_step)
+    shapes = golden_input_shapes(golden_dump, golden_step)
     ranks = target_dump.ranks()
     earlier = _earlier_entries(target_dump, target_step)
     names = golden_names(target_dump, target_step, modules, mapping)
     rules = mapping.shards if mapping is not None else ()
     weights = _weight_entries(target_dump) if len(ranks) > 1 else {}
-    for target_name, by_rank in _module_entries(target_dump, target_step).items():
+    for target_name, by_rank in module_entries(target_dump, target_step).items():
         name = names.get(target_name)
         if name is None or not select(name, modules[name]):
             continue
@@ -611,8 +666,8 @@ def target_routing(golden: Any, golden_dump: DumpReader, target_dump: DumpReader
     estimated: dict[str, Call] = {}
     unrecorded = [layer for layer, names in routers.items() if names and recorded(names[0]) is None]
     if unrecorded and len(target_dump.ranks()) == 1:
-        entries = _module_entries(target_dump, step)
-        shapes, earlier = _golden_input_shapes(golden_dump, step), _earlier_entries(target_dump, step)
+        entries = module_entries(target_dump, step)
+        shapes, earlier = golden_input_shapes(golden_dump, step), _earlier_entries(target_dump, step)
         in_dtype = replace(golden, dtype=dtype)
         for layer in (name for name in unrecorded if name in entries):
             with layer_weights_held(golden.model, layer):

