@@ -578,7 +578,8 @@ class _Bisect:
         (``reference(name)``: its row, None where it cannot be had; ``rounding.py``): one whose own
         error is within ``ratio_threshold`` times that is set aside (``result.rounding``) and the
         next candidate checked, up to ``ROUNDING_CHECKED``. Overflows stand whatever the rounding."""
-        dtype = self.target.dtype if self.target is not None else target_dump_dtype(self.target_dump)
+        tgt = self.target
+        dtype = dtype_name(tgt.dtype) if tgt is not None else target_dump_dtype(self.target_dump)
         for _ in range(rounding.ROUNDING_CHECKED):
             cand = result.candidate
             if not cand or not cand.get("anomalous") or cand.get("overflow"):
@@ -589,7 +590,7 @@ class _Bisect:
             if ratio is None or ratio >= self.inp.ratio_threshold:
                 return
             self.log(f"bisect: {cand['name']} stands out {cand['score']:.1f}x from its peers, but only "
-                     f"{ratio:.2f}x the golden module's own rounding in {dtype_name(dtype)}: set aside")
+                     f"{ratio:.2f}x the golden module's own rounding in {dtype}: set aside")
             result.rounding.append(dict(cand))
             result.ranked = set_aside(result.ranked, cand)
             result.candidate = pick_candidate(result.ranked)
