@@ -47,7 +47,7 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
                "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
-def _cast_copy(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def cast_copy(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """A copy of ``module`` as ``module.to(device, dtype)`` would make it (what ``load_model`` does
     to the target), made without first copying its weights in their own dtype, and without hooks."""
     memo: dict[int, Any] = {}
@@ -65,7 +65,7 @@ def _cast_copy(module: nn.Module, device: torch.device, dtype: torch.dtype) -> n
 
 
 def copy_bytes(module: nn.Module, dtype: torch.dtype) -> int:
-    """What ``_cast_copy`` of ``module`` allocates for its floating parameters."""
+    """What ``cast_copy`` of ``module`` allocates for its floating parameters."""
     size = torch.empty((), dtype=dtype).element_size()
     return sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in module.parameters())
 
@@ -83,7 +83,7 @@ def rounding_row(golden_module: nn.Module, call: Call, *, device: torch.device, 
             return {"name": call.name, "replayable": False, "reason": "no golden router call"}
         context[routed.name] = routed
     try:
-        cast = _cast_copy(golden_module, device, dtype)
+        cast = cast_copy(golden_module, device, dtype)
         return replay_call(cast, call, device=device, dtype=dtype, context=context)
     except Exception as exc:  # (a device too full for the copy, a module that cannot be copied)
         return {"name": call.name, "replayable": False, "reason": f"{type(exc).__name__}: {str(exc)[:160]}"}

@@ -78,6 +78,7 @@ from llmflow.localize.calls import (
 )
 from llmflow.localize.moe import add_expert_error, router_of
 from llmflow.localize.own_error import own_error
+from llmflow.localize.rounding import cast_copy
 from llmflow.streamed import layer_weights_held
 from llmflow.structure import layer_of_name
 
@@ -569,12 +570,10 @@ def _rounding_of(name: str, module: nn.Module, ins: list[Entry], inputs: list[tu
                  target: DumpReader, golden: Any, step: int, dtype: torch.dtype, rank: int,
                  target_name: str | None) -> dict[str, Any] | None:
     """``rounding_of`` once its inputs are known: the two runs, and their own error."""
-    from llmflow.localize.rounding import _cast_copy  # (rounding imports replay, which this module need not)
-
     module_type = ins[0].module_type
     lower = SimpleNamespace(model=golden.model, device=golden.device, dtype=dtype)  # the golden, cast
     with layer_weights_held(golden.model, layer_of_name(name) or name):
-        cast = _cast_copy(module, golden.device, dtype)
+        cast = cast_copy(module, golden.device, dtype)
         if step > 0 and _decode_cache(ins) is not None:
             history, missing = _earlier_inputs(target_name or name, [rank], target, step, None)
             if missing is not None:

@@ -12,7 +12,7 @@ from torch import nn
 from llmflow.dump.memory import Call
 from llmflow.localize.rank import pick_candidate, rank_modules, set_aside
 from llmflow.localize.replay import replay_call
-from llmflow.localize.rounding import _cast_copy, copy_bytes, rounding_row, to_rounding
+from llmflow.localize.rounding import cast_copy, copy_bytes, rounding_row, to_rounding
 from llmflow.models import build_tiny
 
 CPU = torch.device("cpu")
@@ -32,7 +32,7 @@ def test_the_cast_copy_computes_as_the_module_cast_whole_and_leaves_it_untouched
     mlp, call = _mlp_call()
     seen: list[int] = []
     mlp.register_forward_pre_hook(lambda *_: seen.append(1))
-    cast = _cast_copy(mlp, CPU, torch.bfloat16)
+    cast = cast_copy(mlp, CPU, torch.bfloat16)
     whole = copy.deepcopy(mlp).to(torch.bfloat16)
     x = call.args[0].to(torch.bfloat16)
     with torch.no_grad():
