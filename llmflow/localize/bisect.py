@@ -461,16 +461,24 @@ class _Bisect:
         golden, dtype = self.held["golden"], torch_dtype(target_dump_dtype(self.target_dump))
         target_names = {g: t for t, g in known.items()}
 
+        @functools.cache
+        def read() -> tuple[dict[str, Any], dict[str, Any], dict[tuple[str, str], list[int]]]:
+            # (the dumps' indexes read once for every candidate checked, and only where one is)
+            return (dict(golden.model.named_modules()), module_entries(self.target_dump, t_step),
+                    golden_input_shapes(self.golden_dump, step))
+
         def reference(name: str) -> dict[str, Any] | None:
-            module = dict(golden.model.named_modules()).get(name)
             target_name = target_names.get(name)
-            if module is None or target_name is None or dtype == golden.dtype:
+            if target_name is None or dtype == golden.dtype:
                 return None
-            by_rank = module_entries(self.target_dump, t_step).get(target_name)
-            if not by_rank or rounding.copy_bytes(module, dtype) > rounding.ROUNDING_COPY_LIMIT:
+            modules, entries, shapes = read()
+            module, by_rank = modules.get(name), entries.get(target_name)
+            if module is None or not by_rank:
                 return None
-            return rounding_of(name, module, by_rank, self.target_dump, golden, t_step,
-                               golden_input_shapes(self.golden_dump, step), dtype, target_name=target_name)
+            if rounding.copy_bytes(module, dtype) > rounding.ROUNDING_COPY_LIMIT:
+                return None
+            return rounding_of(name, module, by_rank, self.target_dump, golden, t_step, shapes, dtype,
+                               target_name=target_name)
         return reference
 
     def layer_updates(self, step: int, t_step: int, known: dict[str, str]) -> dict[str, float]:
@@ -598,14 +606,17 @@ class _Bisect:
     def rounding_in_target(self, result: StepReplay) -> Callable[[str], dict[str, Any] | None]:
         """The golden module's own rounding row in the target model's dtype, on its device, on the
         golden call the target module was replayed on (``rounding.rounding_row``)."""
+        @functools.cache
+        def golden_modules() -> dict[str, Any]:  # (the golden loaded here: only where a candidate stands out)
+            gld = self.golden()
+            return dict(gld.model.named_modules()) if gld is not None else {}
+
         def reference(name: str) -> dict[str, Any] | None:
             tgt = self.target
-            if tgt is None or result.call_of is None:
+            if tgt is None or result.call_of is None or not golden_modules():
                 return None
-            gld = self.golden()  # (loaded here: only where a candidate stands out)
-            if gld is None:
-                return None
-            call, module = result.call_of(name), dict(gld.model.named_modules()).get(name)
+            gld = self.golden()  # (held by now)
+            call, module = result.call_of(name), golden_modules().get(name)
             if (call is None or not call.replayable or module is None
                     or rounding.copy_bytes(module, tgt.dtype) > rounding.ROUNDING_COPY_LIMIT):
                 return None
