@@ -173,6 +173,29 @@ def _input_merge(name: str, index: str, shards: list[Entry], golden_shapes: dict
     return merge_of(golden, shapes)
 
 
+def _input_shards(name: str, inputs: dict[int, list[Entry]], golden_shapes: dict[tuple[str, str], list[int]],
+                  module: nn.Module) -> tuple[dict[str, list[Entry]], dict[str, str]] | str:
+    """Each input's entries across the ranks (rank order) by index, the same call structure on
+    every rank, and how each tensor input's shards join into the golden's (``_input_merge``); why
+    they do not, as a string."""
+    ranks = sorted(inputs)
+    shards: dict[str, list[Entry]] = {}
+    for i in [e.index for e in inputs[ranks[0]]]:
+        found = [next((e for e in inputs[r] if e.index == i), None) for r in ranks]
+        if any(e is None for e in found):
+            return f"input {i} is not recorded on every rank"
+        shards[i] = found  # type: ignore[assignment]
+    merges: dict[str, str] = {}
+    for i, entries in shards.items():
+        if entries[0].is_tensor:
+            merge = _input_merge(name, i, entries, golden_shapes, module)
+            if merge is None:
+                shapes = [e.shape for e in entries]
+                return f"input {i}: the ranks' shapes {shapes} do not join into the golden's"
+            merges[i] = merge
+    return shards, merges
+
+
 def _not_replayable(name: str, module_type: str | None, reason: str) -> dict[str, Any]:
     return {"name": name, "module_type": module_type, "replayable": False, "reason": reason}
 
@@ -277,22 +300,10 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
     if any(e.is_tensor and not e.has_data for ins, _o in calls.values() for e in ins):
         return _not_replayable(name, module_type,
                                "inputs dumped as statistics only (dump with data_mode tensor)")
-    # each input's shards across the ranks, by index (the same call structure on every rank)
-    indexes = [e.index for e in calls[ranks[0]][0]]
-    shards: dict[str, list[Entry]] = {}
-    for i in indexes:
-        found = [next((e for e in calls[r][0] if e.index == i), None) for r in ranks]
-        if any(e is None for e in found):
-            return _not_replayable(name, module_type, f"input {i} is not recorded on every rank")
-        shards[i] = found  # type: ignore[assignment]
-    merges: dict[str, str] = {}
-    for i, entries in shards.items():
-        if entries[0].is_tensor:
-            merge = _input_merge(name, i, entries, golden_shapes, module)
-            if merge is None:
-                return _not_replayable(name, module_type, f"input {i}: the ranks' shapes "
-                                       f"{[e.shape for e in entries]} do not join into the golden's")
-            merges[i] = merge
+    gathered = _input_shards(name, {r: ins for r, (ins, _o) in calls.items()}, golden_shapes, module)
+    if isinstance(gathered, str):
+        return _not_replayable(name, module_type, gathered)
+    shards, merges = gathered
     sliced = sorted({m for m in merges.values() if m.startswith(CONCAT)})
     cache = _decode_cache(calls[ranks[0]][0]) if step > 0 else None
     history: dict[int, list[list[Entry]]] | None = None
@@ -545,23 +556,34 @@ def _per_rank(name: str, module: nn.Module, shards: dict[str, list[Entry]], rank
 def rounding_of(name: str, module: nn.Module, by_rank: dict[int, list[Entry]], target: DumpReader,
                 golden: Any, step: int, golden_shapes: dict[tuple[str, str], list[int]], dtype: torch.dtype,
                 *, target_name: str | None = None) -> dict[str, Any] | None:
-    """The golden module's own rounding in ``dtype`` on the target's recorded inputs (its first
-    rank's): own_error of the golden module cast to ``dtype`` (``rounding.py``) against the golden
-    module, both on those inputs (over the steps before where it reads a KV cache). None where the
-    first rank's inputs are not the golden's whole ones (sliced over the ranks), the module routes
-    tokens (its own choice in the lower dtype is no rounding), or the inputs cannot be rebuilt."""
+    """The golden module's own rounding in ``dtype`` on the target's recorded inputs: own_error of
+    the golden module cast to ``dtype`` (``rounding.py``) against the golden module, both on those
+    inputs (the first rank's; inputs sliced over the ranks joined as the replay joins them; over the
+    steps before where it reads a KV cache). None where the module routes tokens (its own choice in
+    the lower dtype is no rounding), reads a KV cache with sliced inputs (not refilled, as in the
+    replay), or the inputs cannot be rebuilt."""
     if router_of(module) is not None:
         return None
-    rank = sorted(by_rank)[0]
-    ins, outs = first_call(by_rank[rank])
+    ranks = sorted(by_rank)
+    calls = {r: first_call(by_rank[r])[0] for r in ranks}
+    ins, outs = first_call(by_rank[ranks[0]])
     index = "0" if any(e.index == "0" for e in outs) else min((e.index for e in outs), default=None)
     if not ins or index is None or any(e.is_tensor and not e.has_data for e in ins):
         return None
-    if any(e.is_tensor and golden_shapes.get((name, e.index)) not in (None, list(e.shape)) for e in ins):
+    gathered = _input_shards(name, calls, golden_shapes, module)
+    if isinstance(gathered, str):
         return None
-    inputs = [(e.index, entry_value(target, e)) for e in ins]
+    shards, merges = gathered
+    sliced = {i for i, merge in merges.items() if merge.startswith(CONCAT)}
+    if sliced and (step > 0 and _decode_cache(ins) is not None
+                   or any(not e.has_data for i in sliced for e in shards[i])):
+        return None
+    # a sliced input joined from every rank's shard (only those loaded); the rest are the first rank's
+    inputs = [(i, join_tensors(merges[i], [target.load(e) for e in entries]) if i in sliced
+               else entry_value(target, entries[0])) for i, entries in shards.items()]
     try:
-        return _rounding_of(name, module, ins, inputs, index, target, golden, step, dtype, rank, target_name)
+        return _rounding_of(name, module, ins, inputs, index, target, golden, step, dtype, ranks[0],
+                            target_name)
     except Exception:  # (a device too full for the copy, a module that cannot be copied): not checked
         return None
 

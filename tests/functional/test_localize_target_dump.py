@@ -208,6 +208,34 @@ def test_a_module_missing_on_one_rank_is_not_replayed_from_the_other(dumps: Path
     assert not alone["replayable"] and alone["reason"] == "not recorded on rank(s) 1"
 
 
+@pytest.mark.parametrize("step", [0, 1])
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.down_proj", "model.layers.2.self_attn.o_proj"])
+def test_the_rounding_check_of_a_row_parallel_linear_joins_its_sliced_inputs(dumps: Path, name: str,
+                                                                             step: int) -> None:
+    """A row-parallel linear's inputs are sliced over the ranks: its golden rounding in bf16 is
+    measured on the inputs joined (each rank's shard), as its replay joins them."""
+    from llmflow.formats import open_dump
+    from llmflow.localize.own_error import own_error
+    from llmflow.localize.rounding import cast_copy
+    from llmflow.localize.target_dump import golden_input_shapes, module_entries, rounding_of
+    from llmflow.models import load_model
+
+    target = open_dump(_dump(dumps, "clean"))
+    by_rank = module_entries(target, step)[name]
+    assert sorted(by_rank) == [0, 1]
+    shapes = golden_input_shapes(open_dump(_dump(dumps, "golden")), step)
+    golden = load_model(TP_GOLDEN_MODEL)
+    module = golden.model.get_submodule(name)
+    row = rounding_of(name, module, by_rank, target, golden, step, shapes, torch.bfloat16)
+    shards = [target.load(next(e for e in by_rank[r] if e.kind == "input" and e.index == "0")) for r in (0, 1)]
+    assert shards[0].shape[-1] == module.in_features // 2  # each rank holds half the features
+    joined = torch.cat(shards, dim=-1)
+    with torch.no_grad():
+        expected = own_error(module(joined), cast_copy(module, golden.device, torch.bfloat16)(joined.bfloat16()))
+    assert row is not None and row["replayable"] and row["rel_l2"] > 0
+    assert row["rel_l2"] == pytest.approx(expected["rel_l2"], rel=1e-6)
+
+
 def test_isolation_mode_choice_and_bad_values() -> None:
     class Ranks:
         def __init__(self, n: int):
