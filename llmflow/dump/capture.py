@@ -33,7 +33,7 @@ from llmflow.dtypes import dtype_name
 from llmflow.dump import copies, tensor_meta
 from llmflow.dump.api import use_compiled_dispatch
 from llmflow.dump.config import DumpConfig
-from llmflow.dump.copies import TensorKeeper, device_copy, host_copy
+from llmflow.dump.copies import TensorKeeper, device_copy, host_copy, local_tensor
 from llmflow.dump.recorder import Sink, use_compiled_forward, walk_inputs, walk_output
 from llmflow.dump.stats import KERNEL_DTYPES, CpuStats
 from llmflow.dump.topology import module_tree
@@ -359,6 +359,14 @@ class DumpSession(Sink, _ENTRIES_BASE):
         # no helper call for what one line does (the version counter, CpuStats.__call__)
         if self.stopped is not None:
             return
+        ttype = type(t)
+        if ttype is not torch.Tensor and ttype is not torch.nn.Parameter:  # a subclass: a DTensor say
+            plain = local_tensor(t)
+            if plain is None:
+                self._not_stored(name, kind, index, t, level, module_type, step,
+                                 f"a {ttype.__name__} holds no plain tensor to copy")
+                return
+            t = plain
         if step is None:
             step = self.step
             order = self.order
@@ -425,6 +433,18 @@ class DumpSession(Sink, _ENTRIES_BASE):
         else:  # the weights (step -1: read once, nothing to learn from), a statistics dump's logits
             payload, event = device_copy(src) if stats_only else host_copy(src)
         self.writer.submit(row, payload, event, nbytes=data_bytes)
+
+    def _not_stored(self, name: str, kind: str, index: str, t: torch.Tensor, level: str,
+                    module_type: str | None, step: int | None, why: str) -> None:
+        """An index row for a tensor the dump cannot copy: its shape and dtype, and why."""
+        if step is None:
+            step, order = self.step, self.order
+            self.order = order + 1
+        else:
+            order = self.entries
+        self.entries += 1
+        self._add_finite_row((step, name, kind, index, level, order, dtype_name(t.dtype), tuple(t.shape),
+                              module_type, None, False, None, None, str(self.entries), {"not_stored": why}))
 
     # The recorder's sink methods and the walk's leaves: replaced by the compiled capture's where
     # it is built (``use_compiled_capture`` below: capture.cpp walks each call's values as

@@ -53,6 +53,33 @@ def fence(streams: Iterable[StreamKey]) -> list[Any]:
     return events
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """A tensor subclass as the plain tensor this process holds of it: a ``DTensor`` (transformers'
+    tensor and expert parallelism, FSDP) as its local shard, the rank's own, as a Megatron-style
+    port's ranks hold theirs (the compare and the bisect join the ranks' shards by their shapes;
+    gathering the whole would be a collective inside a hook); another subclass that has plain
+    storage under it as that. None where nothing plain can be had (a wrapper subclass without
+    storage of its own: a quantized tensor type, say)."""
+    for _ in range(4):  # (a DTensor's local tensor may itself be a wrapper: unwrap a few levels)
+        if type(t) in (torch.Tensor, torch.nn.Parameter):
+            return t
+        to_local = getattr(t, "to_local", None)
+        if callable(to_local):
+            t = to_local()
+            continue
+        wait = getattr(t, "trigger_wait", None)  # an async collective's result: wait for it
+        if callable(wait):
+            t = wait()
+            continue
+        break
+    try:
+        plain = t.as_subclass(torch.Tensor)
+        plain.untyped_storage()  # (a wrapper subclass has none: this raises)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    return plain
+
+
 def device_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """A copy of ``t`` on its own device, plus what the writer waits on (None on the CPU, see
     ``_after_copy``).

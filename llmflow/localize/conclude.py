@@ -270,15 +270,24 @@ class SharedError:
 PER_TOKEN_SAID = 3.0
 
 
+def expert_of_tokens(cand: dict[str, Any]) -> int | None:
+    """The expert of a fused experts module whose tokens carry its error: their mean relative error
+    ``PER_TOKEN_SAID`` times the average token's (``moe.add_expert_error``); None where none does."""
+    token, expert = cand.get("token_rel"), cand.get("expert_rel")
+    if isinstance(expert, float) and isinstance(token, float) and expert >= PER_TOKEN_SAID * token:
+        return cand.get("expert_worst")
+    return None
+
+
 def _per_token_sentence(cand: dict[str, Any], expert_named: int | None = None) -> str:
     """Where the module's error is in most of its tokens yet small over its whole output, why the
     two differ (and why the compare's rows of its output may look fine); where it is in one
     expert's tokens, which (said only where the expert the verdict names, ``expert_named``, is
     that one or none is named)."""
     token, whole, expert = cand.get("token_rel"), whole_rel(cand), cand.get("expert_rel")
-    agrees = expert_named is None or expert_named == cand.get("expert_worst")
-    if isinstance(expert, float) and isinstance(token, float) and expert >= PER_TOKEN_SAID * token and agrees:
-        return (f" Its error is in the tokens routed to expert {cand.get('expert_worst')}: their outputs are "
+    routed = expert_of_tokens(cand)
+    if routed is not None and expert_named in (None, routed):
+        return (f" Its error is in the tokens routed to expert {routed}: their outputs are "
                 f"{expert:.2g} off on average, the average token's {token:.2g} (an expert that few "
                 "tokens reach moves the output as a whole little).")
     if not isinstance(token, float) or whole is None or token < PER_TOKEN_SAID * whole:
@@ -382,7 +391,7 @@ CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", 
                     "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
                     "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note",
                     "rank_source", "source", "covers", "token_rel", "expert_rel", "expert_worst",
-                    "rounding_ratio")
+                    "weight_expert", "rounding_ratio")
 
 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
@@ -409,6 +418,11 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     if lead is not None:
         module = None
     expert = chosen.expert if module else None
+    if module and cand and expert is None and not chosen.experts:  # no per-expert replay (a target dump):
+        # the expert whose weight rows differ (expert parallel, weights dumped), else whose routed
+        # tokens carry the module's error
+        expert = cand.get("weight_expert")
+        expert = expert if expert is not None else expert_of_tokens(cand)
     shard_rank = cand.get("shard_rank") if module and cand else None
     if module is None:
         module = layer_fault(chosen, inp.ratio_threshold)
@@ -444,8 +458,10 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
         if cand.get("rank_source"):  # its output is one sum over the ranks: the weights told
+            rows_of = (f" in expert {cand['weight_expert']}'s rows" if cand.get("weight_expert") is not None
+                       else "")
             diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard differs from its slice "
-                          f"of the golden's weight ({errors}; from {cand['rank_source']}).")
+                          f"of the golden's weight{rows_of} ({errors}; from {cand['rank_source']}).")
         else:
             diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard has the error of its "
                           f"own ({errors}).")
@@ -657,13 +673,15 @@ def _fault(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str, e
              if from_dump else "replayed alone on the golden inputs")
     if from_dump and cand.get("source"):  # a KV cache reader, run over every step before this one
         alone += f" ({cand['source']}, filling a KV cache of its own)"
-    what = f"{module}" + (f" (expert {expert})" if expert is not None else "")
+    which = [f"expert {expert}"] if expert is not None else []
+    if cand.get("shard_rank") is not None:
+        which.append(f"rank {cand['shard_rank']}'s shard")
+    what = module
     if len(cand.get("covers") or ()) > 1:  # the final norm and lm_head, replayed as one
         what = " and ".join(cand["covers"])
         alone = ("the target's logits, against the golden's " + what + " run on the target's recorded "
                  "output of the last decoder layer (the dumps hold no output between them)")
-    if cand.get("shard_rank") is not None:
-        what += f" (rank {cand['shard_rank']}'s shard)"
+    what += f" ({', '.join(which)})" if which else ""
     qtype = quantization_of(module, quantized)
     linear = chosen.expert_linear if expert is not None else None
     if qtype:  # its error is its quantization's: said where it is named

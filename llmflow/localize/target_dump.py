@@ -104,6 +104,9 @@ NO_RANK_REDUCED = ("its inputs are sliced over the ranks and its output reduced 
 #: why a module whose ranks hold partial products of whole inputs names no rank
 NO_RANK_WHOLE_INPUTS = ("its output is the ranks' partial products of inputs whole on every rank: how the "
                         "module splits its work over the ranks is inside it, so no rank's share is known")
+#: why the output of a module whose ranks all give the same one names no rank
+NO_RANK_SAME_OUTPUT = ("every rank gives the same output (reduced inside the module, or computed whole on "
+                       "each), so its error is no one rank's")
 #: why partial products of a module not linear in its sliced inputs name no rank
 NOT_ADDITIVE = ("its output is the ranks' partial products, and the golden module is not linear in its "
                 "sliced inputs: no rank's share of its output can be computed")
@@ -326,6 +329,13 @@ def replay_module(name: str, module: nn.Module, by_rank: dict[int, list[Entry]],
                             module_type, history, rules, target_name or name)
             if history is not None and row["replayable"]:
                 row["source"] = f"target dump, steps 0..{step}"
+            if (row["replayable"] and len(ranks) > 1 and row["shard_rank"] is None and "unreduced" not in row
+                    and all(torch.equal(target_outs[0], t) for t in target_outs[1:])):
+                # one output on every rank (reduced inside the module, as an expert-parallel experts
+                # module all-reduces its ranks' experts): its weight shards may still name the rank
+                row["rank_note"] = NO_RANK_SAME_OUTPUT
+                if weights:
+                    _rank_by_weights(row, name, module, golden, weights, ranks, target)
             return row
         loaded = {i: [target.load(e) for e in entries] for i, entries in shards.items() if i in merges}
         joined = [(i, join_tensors(merges[i], loaded[i]) if i in merges else entry_value(target, entries[0]))
@@ -388,9 +398,11 @@ def _rank_by_weights(row: dict[str, Any], name: str, module: nn.Module, golden: 
     slice of the golden module's weight (msprobe dumps each module's parameters; llmflow's with
     ``dump_weight``): ``rank_errors`` (each rank's worst parameter), ``shard_rank`` and a
     ``rank_source``; where every shard matches, the note says the fault is not in the weights."""
+    experts = getattr(module, "num_experts", None)  # a fused experts module: one row block per expert
     with layer_weights_held(golden.model, layer_of_name(name) or name):
         params = dict(module.named_parameters(recurse=False))
         errors = [0.0] * len(ranks)
+        by_expert = [0.0] * experts if isinstance(experts, int) and experts > 1 else []
         compared = []
         for pname, param in params.items():
             entries = [weights.get(r, {}).get(pname) for r in ranks]
@@ -400,8 +412,13 @@ def _rank_by_weights(row: dict[str, Any], name: str, module: nn.Module, golden: 
             if merge is None or merge == SUM:
                 continue
             shards = [target.load(e).to(torch.float64) for e in entries]  # type: ignore[arg-type]
-            for k, e in enumerate(shard_errors(param.detach().cpu(), merge, shards)):
+            golden_param = param.detach().cpu()
+            for k, e in enumerate(shard_errors(golden_param, merge, shards)):
                 errors[k] = max(errors[k], e)
+            if by_expert and param.dim() == 3 and param.shape[0] == len(by_expert) and merge == f"{CONCAT}:0":
+                # the experts split over the ranks (expert parallelism): each expert's rows on their own
+                for k, e in enumerate(shard_errors(golden_param, merge, list(torch.cat(shards).split(1)))):
+                    by_expert[k] = max(by_expert[k], e)
             compared.append(pname)
     if not compared:
         return
@@ -410,6 +427,9 @@ def _rank_by_weights(row: dict[str, Any], name: str, module: nn.Module, golden: 
     if named is not None and named[1] >= rounding:
         row.update(rank_errors=errors, shard_rank=named[0], rank_note=None,
                    rank_source=f"its weight shards ({', '.join(compared)}) in the target dump")
+        expert = standout(by_expert, list(range(len(by_expert))))
+        if expert is not None and expert[1] >= rounding:
+            row["weight_expert"] = expert[0]
     elif max(errors) < WEIGHT_SHARD_MATCH:
         row["rank_note"] += (f"; its weight shards ({', '.join(compared)}) match the golden's on every rank: "
                              "the fault is in its computation or its all-reduce, not a shard")

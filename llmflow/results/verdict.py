@@ -125,6 +125,9 @@ class Candidate:
         "a fused experts module: the mean relative error of the tokens routed to its worst expert "
         "(error is the larger of this, token_rel and the whole output's)"))
     expert_worst: int | None = field(default=None, metadata=_doc("that expert"))
+    weight_expert: int | None = field(default=None, metadata=_doc(
+        "a fused experts module whose experts are split over the ranks (expert parallelism): the expert "
+        "whose weight rows in the target dump differ from the golden's, where one stands out"))
     rounding_ratio: float | None = field(default=None, metadata=_doc(
         "its own error over that of the golden module run in the target's dtype on its device on the "
         "same inputs (the dtype's own rounding there); a module under ratio_threshold of it is set aside, "

@@ -227,11 +227,13 @@ def test_the_rounding_check_of_a_row_parallel_linear_joins_its_sliced_inputs(dum
     golden = load_model(TP_GOLDEN_MODEL)
     module = golden.model.get_submodule(name)
     row = rounding_of(name, module, by_rank, target, golden, step, shapes, torch.bfloat16)
-    shards = [target.load(next(e for e in by_rank[r] if e.kind == "input" and e.index == "0")) for r in (0, 1)]
+    shards = [target.load(next(e for e in by_rank[r] if e.kind == "input" and e.index == "0"))
+              for r in (0, 1)]
     assert shards[0].shape[-1] == module.in_features // 2  # each rank holds half the features
     joined = torch.cat(shards, dim=-1)
     with torch.no_grad():
-        expected = own_error(module(joined), cast_copy(module, golden.device, torch.bfloat16)(joined.bfloat16()))
+        cast = cast_copy(module, golden.device, torch.bfloat16)
+        expected = own_error(module(joined), cast(joined.bfloat16()))
     assert row is not None and row["replayable"] and row["rel_l2"] > 0
     assert row["rel_l2"] == pytest.approx(expected["rel_l2"], rel=1e-6)
 

@@ -505,3 +505,57 @@ def test_inference_tensors_are_recorded_each_time_they_are_seen(tmp_path):
                                                 ("second", "input"), ("second", "output")]
     assert len({e.key for e in rows}) == 4
     assert all(e.stats["max"] == 5.0 and e.stats["mean"] == 2.5 for e in rows)
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass over plain storage (as a library tags its tensors)."""
+
+
+class _NoStorage(torch.Tensor):
+    """A wrapper subclass with no storage of its own (as a quantized tensor type is): any op on it
+    is refused, so the dump must not touch its data."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} on a tensor without storage")
+
+
+class _SubclassOutputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tagged = torch.nn.Linear(4, 4)
+        self.wrapped = torch.nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tagged(x).as_subclass(_Tagged)
+        self.wrapped(_NoStorage(y))  # an output the model does not use further
+        return y.as_subclass(torch.Tensor) * 2
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-capture", "python-capture"])
+def test_tensor_subclasses_are_dumped_as_their_plain_data_or_recorded_as_not_stored(tmp_path, compiled):
+    from llmflow.dump import capture
+
+    model, x = _SubclassOutputs(), torch.randn(2, 4)
+    was = capture.use_compiled_capture(compiled)
+    try:
+        handle = register_hook(model, DumpConfig(dump_path=str(tmp_path / "d"), token_range="all"))
+        with torch.no_grad():
+            model(x)
+            expected = torch.nn.functional.linear(x, model.tagged.weight, model.tagged.bias)
+        handle.remove()
+    finally:
+        capture.use_compiled_capture(was)
+    r = LlmflowDumpReader(tmp_path / "d" / "llmflow_dump")
+    entries = {(e.name, e.kind, e.index): e for e in r.entries() if e.step == 0}
+    assert bits_equal(r.load(entries[("tagged", "input", "0")]), x)
+    tagged = r.load(entries[("tagged", "output", "0")])
+    assert type(tagged) is torch.Tensor and bits_equal(tagged, expected)
+    for kind in ("input", "output"):
+        wrapped = entries[("wrapped", kind, "0")]
+        assert not wrapped.has_data and wrapped.shape == (2, 4) and wrapped.dtype == "float32"
+        assert wrapped.extra["not_stored"] == "a _NoStorage holds no plain tensor to copy"
