@@ -17,9 +17,11 @@ The head of a step is its last output 0 of a floating dtype, 2 or 3 dims, that i
   parameter), for dumps with API calls alone (msprobe L1).
 
 Where the vocabulary is known a module must match it too. A head that computed every position
-(``[batch, tokens, vocab]``: a loop without a KV cache, a prefill without ``logits_to_keep``) is
-left out: the next token's logits would be a slice of what its file holds. ``generate()`` and
-serving engines compute the head on the last position alone.
+(``[batch, tokens, vocab]``: a loop calling the model itself, without a KV cache or at the
+prefill without ``logits_to_keep``) gives its last position, the next token's logits
+(``extra["position"] = "last"``; its statistics are the whole head's, so a statistics-only head
+of many positions gives none). ``generate()`` and serving engines compute the head on the last
+position alone.
 """
 
 from __future__ import annotations
@@ -85,19 +87,20 @@ def derived_logits(entries: list[Entry]) -> list[Entry]:
     out = []
     for key, head in heads.items():
         shape = head.shape or ()
-        if len(shape) == 3 and shape[1] != 1:
-            # every position's logits (a loop without a KV cache): the next token's are a slice of
-            # them, not what the head's file (the row's locator) holds, so no logits row
-            continue
+        extra, stats = {"logits_of": head.name}, head.stats
+        if len(shape) == 3 and shape[1] != 1:  # every position's logits: the next token's are the last
+            if not head.has_data:  # (the statistics recorded are of every position: not the last's)
+                continue
+            extra["position"], stats = "last", None
         out.append(Entry(step=head.step, rank=head.rank, name="logits", kind="output", index="0",
                          level="logits", order=last[key] + 1, dtype="float32",
-                         shape=(shape[0], shape[-1]), stats=head.stats, has_data=head.has_data,
-                         key=head.key, extra={"logits_of": head.name}))
+                         shape=(shape[0], shape[-1]), stats=stats, has_data=head.has_data,
+                         key=head.key, extra=extra))
     return out
 
 
 def as_logits(tensor: torch.Tensor) -> torch.Tensor:
     """A head's output as llmflow's logits entry holds it: ``[batch, vocab]``, float32 (the same
-    numbers as the head's file)."""
-    rows = tensor.reshape(tensor.shape[0], tensor.shape[-1]) if tensor.dim() == 3 else tensor
+    numbers as the head's file; of a head over every position, its last: the next token's)."""
+    rows = tensor[:, -1, :] if tensor.dim() == 3 else tensor
     return rows.to(torch.float32)

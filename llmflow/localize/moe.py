@@ -96,25 +96,64 @@ def routing_forced(model: nn.Module, layers: Collection[str],
     decoder layer replayed whole is judged on its arithmetic, not on near-tied experts that its
     rounding routed elsewhere (the routers' own replays judge the routing). Yields how many
     routers were forced."""
-    handles = []
-    for name, module in model.named_modules():
-        found = router_of(module)
-        if found is None or not any(name.startswith(layer + ".") for layer in layers):
-            continue
-        attr, router = found
-        call = router_call(f"{name}.{attr}")
-        forced = _rebuild(call.outputs) if call is not None and call.outputs else None
-        if forced is None:
-            continue
-
-        def hook(_m: nn.Module, _args: Any, out: Any, forced: Any = forced) -> Any:
-            return _like(forced, out) if _same_shapes(forced, out) else None
-        handles.append(router.register_forward_hook(hook))
+    handles = [handle for name, module in model.named_modules()
+               if router_of(module) is not None and any(name.startswith(layer + ".") for layer in layers)
+               and (handle := _force_router(name, module, router_call)) is not None]
     try:
         yield len(handles)
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def block_routing_forced(name: str, block: nn.Module, router_call: Callable[[str], Call | None]
+                         ) -> Iterator[bool]:
+    """``routing_forced`` for one MoE block (``name``) replayed alone: its router gives the recorded
+    routing. Yields whether it does (a router without a recorded call, or of other shapes, runs)."""
+    handle = _force_router(name, block, router_call)
+    try:
+        yield handle is not None
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _force_router(name: str, block: nn.Module, router_call: Callable[[str], Call | None]) -> Any:
+    """A forward hook on MoE block ``name``'s router that returns its recorded call's output
+    wherever the shapes agree; None where no call is recorded."""
+    attr, router = router_of(block)  # type: ignore[misc]
+    call = router_call(f"{name}.{attr}")
+    forced = _rebuild(call.outputs) if call is not None and call.outputs else None
+    if forced is None or not choice_follows_logits(call.outputs):  # (a choice its logits do not explain
+        return None  # is the router's own fault, which the block replayed with its own routing shows)
+
+    def hook(_m: nn.Module, _args: Any, out: Any) -> Any:
+        return _like(forced, out) if _same_shapes(forced, out) else None
+    return router.register_forward_hook(hook)
+
+
+def choice_follows_logits(outputs: dict[str, torch.Tensor]) -> bool:
+    """Whether a router's recorded choice is the top-k of its own recorded logits (every expert a
+    token was sent to scores at least as high as every other): then a choice that differs from the
+    golden's is its logits' matter, which the router's own replay judges. True for a router that
+    records no choice (its block chooses from the logits); False for a choice without logits of
+    every expert beside it to explain it."""
+    index = next((t for t in outputs.values() if not t.is_floating_point() and t.dim() == 2), None)
+    if index is None:
+        return True
+    tokens, k = index.shape
+    logits = next((t for t in outputs.values() if t.is_floating_point() and t.dim() >= 2
+                   and t.numel() // t.shape[-1] == tokens and t.shape[-1] > k), None)
+    if logits is None:
+        return False
+    scores = logits.reshape(tokens, -1).float()
+    chosen = index.to(device=scores.device, dtype=torch.long)
+    if bool((chosen < 0).any() or (chosen >= scores.shape[-1]).any()):
+        return False
+    lowest_chosen = scores.gather(-1, chosen).min(-1).values
+    highest_other = scores.scatter(-1, chosen, float("-inf")).max(-1).values
+    return bool((lowest_chosen >= highest_other).all())
 
 
 def choice_error(golden: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict[str, Any] | None:

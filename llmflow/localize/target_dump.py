@@ -44,6 +44,7 @@ attention stays not replayable, with the reason.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import nullcontext
 from copy import deepcopy as copy_module
 from dataclasses import replace
 from types import SimpleNamespace
@@ -76,7 +77,7 @@ from llmflow.localize.calls import (
     first_call,
     fresh_cache,
 )
-from llmflow.localize.moe import add_expert_error, router_of
+from llmflow.localize.moe import add_expert_error, block_routing_forced, router_of
 from llmflow.localize.own_error import own_error
 from llmflow.localize.rounding import cast_copy
 from llmflow.streamed import layer_weights_held
@@ -647,10 +648,14 @@ def _with_ranks(row: dict[str, Any], sharding: str, errors: list[float], ranks: 
 def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpReader, *, golden_step: int,
                        target_step: int, select: Callable[[str, nn.Module], bool],
                        advance: Callable[[], None] | None = None,
-                       mapping: Mapping | None = None) -> Iterator[dict[str, Any]]:
+                       mapping: Mapping | None = None,
+                       routing: Callable[[str], Call | None] | None = None) -> Iterator[dict[str, Any]]:
     """One row per selected module the target dump recorded at ``target_step``, in its execution
     order: the golden model's module of the same name, or of the name ``mapping`` gives it, run on
-    the target's inputs (``replay_module``). Modules the golden model does not have are skipped."""
+    the target's inputs (``replay_module``). Modules the golden model does not have are skipped.
+    ``routing`` (router name -> its recorded call): an MoE block is replayed with the target's
+    routing forced into its router (row ``routing: "target"``), so near-tied experts its rounding
+    routed elsewhere are no error of the block's; its router's own replay judges the routing."""
     modules = dict(golden.model.named_modules())
     shapes = golden_input_shapes(golden_dump, golden_step)
     ranks = target_dump.ranks()
@@ -662,9 +667,15 @@ def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpRe
         name = names.get(target_name)
         if name is None or not select(name, modules[name]):
             continue
-        yield replay_module(name, modules[name], by_rank, target_dump, golden, target_step, shapes, ranks,
-                            earlier.get(target_name, {}), rules=rules, target_name=target_name,
-                            weights=weights.get(target_name))
+        module = modules[name]
+        with (block_routing_forced(name, module, routing) if routing is not None and router_of(module)
+              else nullcontext(False)) as forced:
+            row = replay_module(name, module, by_rank, target_dump, golden, target_step, shapes, ranks,
+                                earlier.get(target_name, {}), rules=rules, target_name=target_name,
+                                weights=weights.get(target_name))
+        if forced and row.get("replayable"):
+            row["routing"] = "target"
+        yield row
         if advance is not None:
             advance()
 

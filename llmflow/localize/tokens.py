@@ -95,10 +95,15 @@ def first_bad_step(rows: list[TokenRow], first_mismatch_step: int | None) -> int
 
 
 def greedy_ids(reader: DumpReader, rank: int = 0) -> list[int]:
-    """The token each step's logits choose (argmax of the last position), steps in order: what a
-    greedy run generated, for dumps made without llmflow's generation file."""
+    """The token each step's logits choose (argmax of the last position), steps 0, 1, ... in order:
+    what a greedy run generated, for dumps made without llmflow's generation file. It stops at the
+    first step without logits: the list's positions are steps (a dump whose logits start at step 1
+    would otherwise give step 1's token as step 0's)."""
     ids = []
-    for _step, entry in sorted(logits_entries(reader, rank).items()):
-        logits = reader.load(entry).float()
+    found = logits_entries(reader, rank)
+    for step in range(len(found)):
+        if step not in found:
+            break
+        logits = reader.load(found[step]).float()
         ids.append(int(logits.reshape(-1, logits.shape[-1])[-1].argmax()))
     return ids

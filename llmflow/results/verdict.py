@@ -134,8 +134,9 @@ class Candidate:
         "not named; null: not checked, or the two compute alike"))
     replayable: bool = True
     reason: str | None = None
-    routing: str | None = field(default=None,
-                                metadata=_doc('"golden": an MoE block replayed with the golden routing'))
+    routing: str | None = field(default=None, metadata=_doc(
+        '"golden": an MoE block replayed with the golden routing (the target model replayed); "target": '
+        "with the target's recorded routing (the golden module on a target dump)"))
     own_routing_rel_l2: float | None = None
     overflow: bool | None = None
     nonfinite: int | None = None

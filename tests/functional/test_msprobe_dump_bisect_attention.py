@@ -6,6 +6,7 @@ named at its layer, never "could not be replayed"; a fault between a layer's mod
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,7 +36,7 @@ config = {{"task": "tensor", "dump_path": out, "rank": [], "step": [], "level": 
 with open(out + ".json", "w") as f:
     json.dump(config, f)
 debugger = PrecisionDebugger(config_path=out + ".json")
-ids, past = torch.tensor([encode_prompt(lm.tokenizer, "The story of a dragon")]), None
+ids, past, made = torch.tensor([encode_prompt(lm.tokenizer, "The story of a dragon")]), None, []
 with torch.no_grad():
     for _ in range(3):  # one msprobe step per token, as a serving loop steps it
         debugger.start(model=lm.model)
@@ -43,6 +44,9 @@ with torch.no_grad():
         debugger.stop()
         debugger.step()
         past, ids = result.past_key_values, result.logits[:, -1:].argmax(-1)
+        made.append(int(ids))
+with open(out + ".tokens.json", "w") as f:
+    json.dump(made, f)
 """
 
 
@@ -85,6 +89,22 @@ def test_a_fault_between_a_layers_modules_is_a_lead_never_a_pass(tmp_path, dumps
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert last.startswith("INCONCLUSIVE: model.layers.1, replayed whole from the target dump"), last
+
+
+def test_the_tokens_of_a_loop_whose_prefill_computes_every_position_are_read_step_by_step(tmp_path, dumps):
+    """The loop calls the model itself: its prefill's lm_head gives every prompt position's logits
+    (msprobe records ``[1, prompt, vocab]``), the decode steps one position's. Each step's token is
+    the last position's choice, so the verdict's tokens are the ones the loop generated, at their
+    steps, and the decode-only attention fault's tokens part where they do."""
+    made = {name: json.loads((dumps / f"{name}.tokens.json").read_text()) for name in ("golden", "attn")}
+    _dump_bisect(tmp_path, dumps, "attn")
+    verdict = json.loads((tmp_path / "run" / "bisect" / "verdict.json").read_text())
+    rows = {r["step"]: r for r in verdict["token_rows"]}
+    assert sorted(rows) == [0, 1, 2], sorted(rows)
+    assert [rows[s]["golden_token"] for s in range(3)] == made["golden"]
+    assert [rows[s]["target_token"] for s in range(3)] == made["attn"]
+    parted = next((s for s in range(3) if made["golden"][s] != made["attn"][s]), None)
+    assert verdict["first_mismatch_token"] == parted
 
 
 def _dump_bisect(tmp_path: Path, dumps: Path, target: str):

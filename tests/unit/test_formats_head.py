@@ -43,9 +43,18 @@ def test_the_head_of_each_step_gives_one_logits_entry():
     assert all(e.order > 2 and e.key == f"lm_head.{e.step}.pt" for e in logits)
 
 
-def test_no_logits_from_every_position_a_wrong_width_or_a_dump_that_has_them():
-    every_position = [_embedding_weight(), _out("lm_head", (1, 7, VOCAB))]
-    assert derived_logits(every_position) == []
+def test_a_head_over_every_position_gives_its_last_the_next_tokens_logits():
+    every_position = derived_logits([_embedding_weight(), _out("lm_head", (1, 7, VOCAB))])
+    assert [(e.step, e.shape, e.extra) for e in every_position] == [
+        (0, (1, VOCAB), {"logits_of": "lm_head", "position": "last"})]
+    assert every_position[0].stats is None  # (the head's statistics are of all seven positions)
+    head = torch.randn(1, 7, VOCAB, dtype=torch.bfloat16)
+    assert torch.equal(as_logits(head), head[:, -1, :].float())
+    # statistics alone of every position: no logits row (nothing says the last position's)
+    assert derived_logits([_embedding_weight(), _out("lm_head", (1, 7, VOCAB), data=False)]) == []
+
+
+def test_no_logits_from_a_wrong_width_or_a_dump_that_has_them():
     wrong_width = [_embedding_weight(), _embedding_call(0), _out("lm_head", (1, 1, 64))]
     assert derived_logits(wrong_width) == []
     own = Entry(step=0, rank=0, name="logits", kind="output", index="0", level="logits", order=9,
