@@ -74,8 +74,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor | None:
         break
     try:
         plain = t.as_subclass(torch.Tensor)
-        plain.untyped_storage()  # (a wrapper subclass has none: this raises)
-    except (RuntimeError, TypeError, NotImplementedError):
+        # a wrapper subclass has no storage of its own (this raises), or dispatches the alias back
+        # to itself (a plain tensor is not what comes back)
+        if type(plain) is not torch.Tensor:
+            return None
+        plain.untyped_storage().data_ptr()
+    except Exception:  # (whatever a subclass's own dispatch raises: the dump must not fail the forward)
         return None
     return plain
 

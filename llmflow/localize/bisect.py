@@ -367,7 +367,7 @@ class _Bisect:
         layers = set(self.stack.layers) if self.stack is not None else set()
 
         @functools.cache
-        def routing_found() -> Callable[[str], Any]:  # made once, where an MoE block or layer is replayed
+        def routing_found() -> Callable[[str], Any]:  # made once, where a layer is replayed whole
             return target_routing(golden, self.golden_dump, self.target_dump, t_step, layers,
                                   torch_dtype(target_dump_dtype(self.target_dump)))
 
@@ -376,7 +376,7 @@ class _Bisect:
         result.rows = list(replay_target_dump(golden, self.golden_dump, self.target_dump, golden_step=step,
                                               target_step=t_step, select=self.select,
                                               advance=task.advance if task is not None else None,
-                                              mapping=self.mapping, routing=routing))
+                                              mapping=self.mapping, routing=True))
         layers_whole = not result.rows and bool(layers & set(known.values()))
         if layers_whole:  # the decoder layers and nothing inside them (module_list auto): the rows
             task = self.progress(f"decoder layers replayed whole, step {step}", float(len(layers))) \

@@ -44,7 +44,6 @@ attention stays not replayable, with the reason.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import nullcontext
 from copy import deepcopy as copy_module
 from dataclasses import replace
 from types import SimpleNamespace
@@ -77,7 +76,7 @@ from llmflow.localize.calls import (
     first_call,
     fresh_cache,
 )
-from llmflow.localize.moe import add_expert_error, block_routing_forced, router_of
+from llmflow.localize.moe import add_expert_error, block_routing_forced, rounding_flips, router_of
 from llmflow.localize.own_error import own_error
 from llmflow.localize.rounding import cast_copy
 from llmflow.streamed import layer_weights_held
@@ -648,14 +647,15 @@ def _with_ranks(row: dict[str, Any], sharding: str, errors: list[float], ranks: 
 def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpReader, *, golden_step: int,
                        target_step: int, select: Callable[[str, nn.Module], bool],
                        advance: Callable[[], None] | None = None,
-                       mapping: Mapping | None = None,
-                       routing: Callable[[str], Call | None] | None = None) -> Iterator[dict[str, Any]]:
+                       mapping: Mapping | None = None, routing: bool = False) -> Iterator[dict[str, Any]]:
     """One row per selected module the target dump recorded at ``target_step``, in its execution
     order: the golden model's module of the same name, or of the name ``mapping`` gives it, run on
     the target's inputs (``replay_module``). Modules the golden model does not have are skipped.
-    ``routing`` (router name -> its recorded call): an MoE block is replayed with the target's
-    routing forced into its router (row ``routing: "target"``), so near-tied experts its rounding
-    routed elsewhere are no error of the block's; its router's own replay judges the routing."""
+    ``routing``: an MoE block whose golden router, on the target's input, routes a few tokens
+    otherwise than the target recorded, as rounding's near ties do (``moe.rounding_flips``), is
+    replayed again with the target's routing forced into its router (row ``routing: "target"``,
+    ``own_routing_rel_l2`` its error with the golden router's): those tokens are no error of the
+    block's, and its router's own replay judges the router."""
     modules = dict(golden.model.named_modules())
     shapes = golden_input_shapes(golden_dump, golden_step)
     ranks = target_dump.ranks()
@@ -663,21 +663,67 @@ def replay_target_dump(golden: Any, golden_dump: DumpReader, target_dump: DumpRe
     names = golden_names(target_dump, target_step, modules, mapping)
     rules = mapping.shards if mapping is not None else ()
     weights = _weight_entries(target_dump) if len(ranks) > 1 else {}
-    for target_name, by_rank in module_entries(target_dump, target_step).items():
+    entries = module_entries(target_dump, target_step)
+    for target_name, by_rank in entries.items():
         name = names.get(target_name)
         if name is None or not select(name, modules[name]):
             continue
-        module = modules[name]
-        with (block_routing_forced(name, module, routing) if routing is not None and router_of(module)
-              else nullcontext(False)) as forced:
-            row = replay_module(name, module, by_rank, target_dump, golden, target_step, shapes, ranks,
-                                earlier.get(target_name, {}), rules=rules, target_name=target_name,
-                                weights=weights.get(target_name))
-        if forced and row.get("replayable"):
-            row["routing"] = "target"
-        yield row
+
+        def replay(target_name: str = target_name, by_rank: dict[int, list[Entry]] = by_rank,
+                   name: str = name) -> dict[str, Any]:
+            return replay_module(name, modules[name], by_rank, target_dump, golden, target_step, shapes,
+                                 ranks, earlier.get(target_name, {}), rules=rules, target_name=target_name,
+                                 weights=weights.get(target_name))
+        found = router_of(modules[name]) if routing else None
+        yield _with_target_routing(name, modules[name], found, replay, entries, target_name, target_dump) \
+            if found is not None else replay()
         if advance is not None:
             advance()
+
+
+def _with_target_routing(name: str, block: nn.Module, found: tuple[str, nn.Module],
+                         replay: Callable[[], dict[str, Any]], entries: dict[str, dict[int, list[Entry]]],
+                         target_name: str, target: DumpReader) -> dict[str, Any]:
+    """An MoE block's row (``replay_target_dump``'s ``routing``): replayed with its golden router's
+    own routing, and again with the target's where they differ as rounding's near ties do."""
+    attr, router = found
+    seen: list[Any] = []
+    handle = router.register_forward_hook(lambda _m, _a, out: seen.append(out) and None)
+    try:
+        row = replay()
+    finally:
+        handle.remove()
+    recorded = _recorded_routing(entries.get(f"{target_name}.{attr}"), target)
+    if not row.get("replayable") or not seen or recorded is None:
+        return row
+    dtype = next((e.dtype for e in first_call(next(iter(entries[target_name].values())))[0]
+                  if e.is_tensor and e.dtype and "float" in e.dtype), "float32")
+    if not rounding_flips(flatten_outputs(seen[0]), recorded, dtype):
+        return row
+    with block_routing_forced(name, block, recorded) as fired:
+        forced = replay()
+    if not forced.get("replayable") or not fired:
+        return row
+    forced.update(routing="target", own_routing_rel_l2=row["rel_l2"])
+    return forced
+
+
+def _recorded_routing(by_rank: dict[int, list[Entry]] | None,
+                      target: DumpReader) -> dict[str, torch.Tensor] | None:
+    """A router's recorded outputs (index -> tensor) at the step, where every rank recorded the
+    same (a rank whose tokens differ would force another rank's routing); None otherwise."""
+    if not by_rank:
+        return None
+    outputs = []
+    for rank in sorted(by_rank):
+        outs = {e.index: target.load(e) for e in first_call(by_rank[rank])[1] if e.is_tensor and e.has_data}
+        if not outs:
+            return None
+        outputs.append(outs)
+    first = outputs[0]
+    same = all(o.keys() == first.keys() and all(torch.equal(o[k], first[k]) for k in first)
+               for o in outputs[1:])
+    return first if same else None
 
 
 def _weight_entries(reader: DumpReader) -> dict[str, dict[int, dict[str, Entry]]]:

@@ -370,7 +370,8 @@ def _op_panel(ctx: StageContext, tap: _RowTap, golden_dump: str, target_dump: st
         for side, dump in dumps.items():
             reader = open_dump(dump)
             locators[side], join = _row_parts(row, side)
-            loaded = [reader.load(find_entries(reader, loc, step=None)[0]) for loc in locators[side]]
+            loaded = [reader.load(_row_entry(find_entries(reader, loc, step=None), row))
+                      for loc in locators[side]]
             tensors[side] = join(loaded)
     except Exception as exc:  # a damaged or moved dump: the page goes on without the panel
         ctx.log(f"{ctx.stage_id}: no op panel: {row.get('name')} step {row.get('step')}: {exc}")
@@ -390,6 +391,12 @@ def _op_panel(ctx: StageContext, tap: _RowTap, golden_dump: str, target_dump: st
                     per_step_label=f"raw error of {name}'s output per step "
                                    "(compare rows; grey: after the texts part)",
                     diverged_after=min(parted) - 1 if parted else None, title=_TITLE[which])
+
+
+def _row_entry(found: list[Any], row: dict[str, Any]) -> Any:
+    """Of the entries stored at a row's locator, the row's own (a logits entry shares its file with
+    the output head that computed every position, and holds its last position alone)."""
+    return next((e for e in found if e.name == row.get("name")), found[0])
 
 
 def _row_parts(row: dict[str, Any], side: str) -> tuple[list[str], Callable[[list[Any]], Any]]:

@@ -524,15 +524,34 @@ class _NoStorage(torch.Tensor):
         raise NotImplementedError(f"{func} on a tensor without storage")
 
 
+class _Unwrapping(torch.Tensor):
+    """A wrapper subclass whose ops run on the tensor it wraps and come back wrapped (as a float8
+    or NF4 tensor type's do): an alias of it is itself again, never a plain tensor."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        made = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        made.inner = inner
+        return made
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda v: v.inner if isinstance(v, _Unwrapping) else v  # noqa: E731
+        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+        return _Unwrapping(out) if isinstance(out, torch.Tensor) else out
+
+
 class _SubclassOutputs(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.tagged = torch.nn.Linear(4, 4)
         self.wrapped = torch.nn.Identity()
+        self.unwrapping = torch.nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tagged(x).as_subclass(_Tagged)
-        self.wrapped(_NoStorage(y))  # an output the model does not use further
+        self.wrapped(_NoStorage(y))  # outputs the model does not use further
+        self.unwrapping(_Unwrapping(y.as_subclass(torch.Tensor)))
         return y.as_subclass(torch.Tensor) * 2
 
 
@@ -555,7 +574,8 @@ def test_tensor_subclasses_are_dumped_as_their_plain_data_or_recorded_as_not_sto
     assert bits_equal(r.load(entries[("tagged", "input", "0")]), x)
     tagged = r.load(entries[("tagged", "output", "0")])
     assert type(tagged) is torch.Tensor and bits_equal(tagged, expected)
-    for kind in ("input", "output"):
-        wrapped = entries[("wrapped", kind, "0")]
-        assert not wrapped.has_data and wrapped.shape == (2, 4) and wrapped.dtype == "float32"
-        assert wrapped.extra["not_stored"] == "a _NoStorage holds no plain tensor to copy"
+    for name, cls in (("wrapped", "_NoStorage"), ("unwrapping", "_Unwrapping")):
+        for kind in ("input", "output"):
+            wrapped = entries[(name, kind, "0")]
+            assert not wrapped.has_data and wrapped.shape == (2, 4) and wrapped.dtype == "float32"
+            assert wrapped.extra["not_stored"] == f"a {cls} holds no plain tensor to copy"
