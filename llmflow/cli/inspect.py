@@ -101,7 +101,10 @@ def execute(args: argparse.Namespace) -> int:
     d = describe(reader, found[0])
     _show(con, d, full=args.full)
     if len(found) > 1:  # one tensor recorded as several entries (an unchanged repeat)
-        con.print("the same tensor is also: " + ", ".join(f"{e.name} {e.kind} {e.index}" for e in found[1:]))
+        con.print("the same tensor is also: " + ", ".join(
+            f"{e.name} {e.kind} {e.index}" + (" (its last position: llmflow inspect DUMP logits)"
+                                              if e.extra.get("position") == "last" else "")
+            for e in found[1:]))
     verdict_line(True, f"{d['name']} {d['kind']} {d['index']}, step {d['step']}")
     return EXIT_PASSED
 

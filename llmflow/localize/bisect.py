@@ -65,6 +65,7 @@ from llmflow.localize.golden import (
     golden_rerun_steps,
     rerun_fidelity,
 )
+from llmflow.localize.handed_down import first_handed_down
 from llmflow.localize.options import BisectInputs
 from llmflow.localize.own_error import relative_to_update, update_errors, update_norm
 from llmflow.localize.rank import pick_candidate, rank_modules, set_aside
@@ -86,6 +87,7 @@ from llmflow.quantized import NormBias, UnfusedExperts, W8A8Linear, unsmooth
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
     Cost,
+    HandedDown,
     ModelRuns,
     OpRow,
     OpTensors,
@@ -351,6 +353,19 @@ class _Bisect:
         """The target's step paired with a golden step (the align stage's pairs; else the same)."""
         pair = next((p for p in self.inp.pairs or [] if p["golden_step"] == golden_step), None)
         return pair["target_step"] if pair else golden_step
+
+    def handed_down(self, dtype: str) -> HandedDown | None:
+        """Where no module stands out: the first module handed a keyword input its enclosing module
+        was given otherwise (``handed_down.py``), over every step the golden dump holds (each dump
+        against itself, so steps after the texts part count as well: rounding that parts them at
+        the first token hides no decode-only change)."""
+        steps = [(s, self.target_step(s)) for s in self.golden_dump.steps()]
+        found = first_handed_down(self.golden_dump, self.target_dump, steps, self.mapping, dtype)
+        self.phase("module: inputs handed down", f"{len(steps)} steps")
+        if found is not None:
+            self.log(f"bisect: {found.module} is handed a changed {found.input}: not the one "
+                     f"{found.enclosing} was given, at step {found.step}")
+        return found
 
     def replay_from_target_dump(self, step: int, why: str) -> StepReplay:
         """Isolation from the target's dump at one step: the golden module on the target's inputs."""
@@ -883,6 +898,9 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
         named = chosen.candidate["name"].removesuffix(KV_CACHE)
         for module in dict.fromkeys((layer_of(named, b.stack) or named, named)):  # where the dump holds it
             b.check_golden_model(module)
+    # nothing stands out: a side input (positions, mask) changed on its way into a module, which a
+    # replay on the recorded inputs is given changed as well
+    handed = b.handed_down(dtype) if not differs and not any(t.anomalous for t in tried) else None
     b.op_level(chosen)
     own_steps = b.own_error_per_step(chosen)
     cost = b.cost(tried, chosen)
@@ -893,7 +911,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
                       device=str(tgt.device) if tgt is not None else "target dump",
                       problems=problems, note=_notes(tgt, b.held.get("golden")), own_steps=own_steps,
                       quantized=getattr(tgt, "quantized", None),
-                      quantized_names=getattr(tgt, "quantized_names", None))
+                      quantized_names=getattr(tgt, "quantized_names", None), handed_down=handed)
     result.isolation = b.isolation
     if b.isolation == "target_dump":
         asked = {"op_level": inp.op_level, "own_error_steps": inp.own_error_steps > 0,

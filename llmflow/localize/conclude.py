@@ -32,6 +32,7 @@ from llmflow.results.verdict import (
     Evidence,
     ExpertLinearRow,
     ExpertRow,
+    HandedDown,
     Inconclusive,
     OpLevel,
     OpRow,
@@ -270,11 +271,24 @@ class SharedError:
 PER_TOKEN_SAID = 3.0
 
 
+#: the median token error the tokens an expert does not reach are floored at (fp32's op rounding):
+#: bit-exact other tokens do not make any error of its own tokens a fault of its own
+REST_FLOOR = 1e-6
+
+
 def expert_of_tokens(cand: dict[str, Any]) -> int | None:
-    """The expert of a fused experts module whose tokens carry its error: their mean relative error
-    ``PER_TOKEN_SAID`` times the average token's (``moe.add_expert_error``); None where none does."""
+    """The expert of a fused experts module whose tokens carry its error (``moe.add_expert_error``):
+    their mean relative error ``PER_TOKEN_SAID`` times the average token's, or their median that
+    many times the median of the tokens it does not reach (an expert that top-2 of 4 routing sends
+    half the tokens to lifts the average to half its own; a median, as one bad token that every
+    expert it reaches shares is no expert's fault); None where none does."""
     token, expert = cand.get("token_rel"), cand.get("expert_rel")
-    if isinstance(expert, float) and isinstance(token, float) and expert >= PER_TOKEN_SAID * token:
+    median_, rest = cand.get("expert_median_rel"), cand.get("expert_rest_rel")
+    if not isinstance(expert, float) or expert <= 0:
+        return None
+    if (isinstance(token, float) and expert >= PER_TOKEN_SAID * token) or (
+            isinstance(median_, float) and isinstance(rest, float)
+            and median_ >= PER_TOKEN_SAID * max(rest, REST_FLOOR)):
         return cand.get("expert_worst")
     return None
 
@@ -287,8 +301,11 @@ def _per_token_sentence(cand: dict[str, Any], expert_named: int | None = None) -
     token, whole, expert = cand.get("token_rel"), whole_rel(cand), cand.get("expert_rel")
     routed = expert_of_tokens(cand)
     if routed is not None and expert_named in (None, routed):
+        rest = cand.get("expert_rest_rel")
+        others = [f"the other tokens' {rest:.2g} at the median"] if isinstance(rest, float) else []
+        others += [f"the average token's {token:.2g}"] if isinstance(token, float) else []
         return (f" Its error is in the tokens routed to expert {routed}: their outputs are "
-                f"{expert:.2g} off on average, the average token's {token:.2g} (an expert that few "
+                f"{expert:.2g} off on average, {', '.join(others)} (an expert that few "
                 "tokens reach moves the output as a whole little).")
     if not isinstance(token, float) or whole is None or token < PER_TOKEN_SAID * whole:
         return ""
@@ -391,7 +408,7 @@ CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", 
                     "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
                     "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note",
                     "rank_source", "source", "covers", "token_rel", "expert_rel", "expert_worst",
-                    "weight_expert", "rounding_ratio")
+                    "expert_median_rel", "expert_rest_rel", "weight_expert", "rounding_ratio")
 
 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
@@ -399,14 +416,15 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
              decode: Callable[[int], str], dtype: str, device: str, problems: list[str],
              note: str | None = None, own_steps: OwnErrorSteps | None = None,
              quantized: dict[str, str] | None = None, quantized_names: dict[str, str] | None = None,
-             compute_dtype: str | None = None) -> Verdict:
+             compute_dtype: str | None = None, handed_down: HandedDown | None = None) -> Verdict:
     """The verdict of a bisect from what each replayed step showed (and, where measured, the chosen
     module's own error per step). ``quantized``: the target's quantized Linear layers and their
     weight types (an msModelSlim checkpoint), whose error is the quantization's own;
     ``quantized_names``: their names in the checkpoint where those differ (what msModelSlim's
     ``disable_names`` takes). ``dtype`` judges (its thresholds, its rounding in words);
     ``compute_dtype`` (default: ``dtype``) is the one the target ran in, which differs for a
-    quantized target (judged at ``w8a8``)."""
+    quantized target (judged at ``w8a8``). ``handed_down``: a module handed a keyword input changed
+    (``handed_down.py``), the fault where nothing else is named."""
     cand = chosen.candidate
     module = _standing_out(chosen)
     quiet = module is not None and below_notice(inp, cand, mismatch, bad_token, quantized)
@@ -437,6 +455,10 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     unreduced = next((r for r in chosen.replayed if r.get("unreduced") is not None), None)
     if unreduced is not None and lead is None:
         module, expert, shard_rank, shared = unreduced["name"], None, None, None
+    # a side input changed on its way into a module: the fault where nothing else is named
+    handed = handed_down if module is None and lead is None and unreduced is None else None
+    if handed is not None:
+        module, shared = handed.module, None
     layer = layer_of(module, stack) if module else None
     detail = _token_detail(inp, mismatch, rows, decode)
     replay = ReplayInfo(step=chosen.step, why=chosen.why, source=chosen.source,
@@ -450,6 +472,9 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     elif unreduced is not None:
         status, headline, diagnosis, why_not = _unreduced_fault(unreduced, chosen.step)
         cand = None  # the ranked candidate's rank notes are not this module's
+    elif handed is not None:
+        status, headline, diagnosis, why_not = _handed_down_fault(handed, tried)
+        cand = None
     else:
         status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
                                                       problems, routing, stack, dtype, shared, own_steps,
@@ -460,13 +485,17 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         if cand.get("rank_source"):  # its output is one sum over the ranks: the weights told
             rows_of = (f" in expert {cand['weight_expert']}'s rows" if cand.get("weight_expert") is not None
                        else "")
-            diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard differs from its slice "
-                          f"of the golden's weight{rows_of} ({errors}; from {cand['rank_source']}).")
+            diagnosis += (f" Of the ranks it is sharded over, rank {shard_rank}'s shard differs from its "
+                          f"slice of the golden's weight{rows_of} ({errors}; from {cand['rank_source']}).")
         else:
-            diagnosis += (f" Of the tensor-parallel ranks, rank {shard_rank}'s shard has the error of its "
+            diagnosis += (f" Of the ranks it is sharded over, rank {shard_rank}'s shard has the error of its "
                           f"own ({errors}).")
     elif module and cand and cand.get("rank_note"):
         diagnosis += f" No rank is named: {cand['rank_note']}."
+    if handed_down is not None and handed is None:  # found, but something else is named: said too
+        what = handed_down.input.removeprefix("kw:")
+        diagnosis += (f" Also, {handed_down.module} is handed a changed {what} at "
+                      f"{_step_word(handed_down.step)}: not the one {handed_down.enclosing} was given.")
     if chosen.rounding:
         diagnosis += " " + _rounding_sentence(chosen.rounding, compute_dtype or dtype)
     diagnosis += _token_sentence(mismatch, detail)
@@ -494,7 +523,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         ops=chosen.op_rows, experts=chosen.experts, expert_linears=chosen.expert_linears, routing=routing,
         token_rows=rows,
         problems=problems, notes=[note] if note else [],
-        overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level)
+        overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level, handed_down=handed_down)
 
 
 def _side_label(inp: Any, side: str, spec: dict[str, Any] | None) -> str:
@@ -587,6 +616,29 @@ def _unreduced_fault(row: dict[str, Any], step: int) -> tuple[str, str, str, Non
                  "all-reduce of the row-parallel linear inside it, or right after it, is missing or skipped. "
                  "The modules after it see another input on each rank, so what stands out there is not their "
                  "own error.")
+    return "fail", headline, diagnosis, None
+
+
+def _handed_down_fault(found: HandedDown, tried: list[StepReplay]) -> tuple[str, str, str, None]:
+    """The verdict's words for a module handed a keyword input unlike its enclosing module's."""
+    where = _step_word(found.step) + (f", rank {found.rank}" if found.rank else "")
+    what = found.input.removeprefix("kw:")
+    if found.difference is None:
+        how = "its size or non-finite values changed"
+    elif found.limit == 0.0:
+        how = f"{found.difference:.0%} of its elements changed"
+    else:
+        how = f"relative difference {found.difference:.3g}"
+    steps = " and ".join(_step_word(t.step) for t in tried)
+    headline = (f"{found.module} is handed a changed {what}: not the one {found.enclosing} was given, at "
+                f"{where} ({how}); the golden's passes it on unchanged")
+    diagnosis = (f"{found.module} is where the fault enters: at {where} the target hands it the keyword "
+                 f"input {what} changed from the one {found.enclosing} was given ({how}"
+                 + (f", beyond the {found.limit:.2g} a cast on the way gives" if found.limit else "")
+                 + f"), where the golden hands it on unchanged. What changes it is {found.enclosing}'s own "
+                 f"code or a hook or wrapper around {found.module}: an off-by-one position, a mask cut at "
+                 f"the wrong window, a cache position of another step. Replayed at {steps}, no module's own "
+                 "error stands out: a module replayed on its recorded inputs is given the changed input too.")
     return "fail", headline, diagnosis, None
 
 

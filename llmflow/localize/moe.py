@@ -297,8 +297,10 @@ def _routing_args(call: Call) -> tuple[int, int] | None:
 EXPERT_EXCESS_SHARE = 0.9
 
 
-def expert_token_error(golden: torch.Tensor, target: torch.Tensor, call: Call) -> tuple[int, float] | None:
-    """The expert whose tokens' outputs err most, and the mean error of its tokens: per token, its
+def expert_token_error(golden: torch.Tensor, target: torch.Tensor,
+                       call: Call) -> tuple[int, float, float, float | None] | None:
+    """The expert whose tokens' outputs err most, the mean and the median error of its tokens, and
+    the median of the tokens it does not reach (None where it reaches every one): per token, its
     output row's relative error (a row's norm floored as ``own_error`` floors it). One expert of
     many at fault moves only its tokens: measured over every token (whole or the token mean) a
     fault in an expert that 5 of 31 tokens reach is diluted to a sixth, and one expert of 128 (top
@@ -321,17 +323,20 @@ def expert_token_error(golden: torch.Tensor, target: torch.Tensor, call: Call) -
     # reached by the bad tokens and some good ones holds as much, over more tokens
     most = max(held.values())
     worst = max((e for e in reached if held[e] >= EXPERT_EXCESS_SHARE * most), key=lambda e: (mean[e], -e))
-    return worst, mean[worst]
+    rest = ~reached[worst]
+    return (worst, mean[worst], float(rel[reached[worst]].median()),
+            float(rel[rest].median()) if bool(rest.any()) else None)
 
 
 def add_expert_error(row: dict[str, Any], module: nn.Module, call: Call, golden: torch.Tensor,
                      target: torch.Tensor) -> None:
     """Where ``module`` is a fused experts module, its own-error ``row`` (``golden`` against
     ``target``, its output) given its worst expert's tokens' error (``expert_token_error``):
-    ``expert_rel``, ``expert_worst``, and ``rel_l2`` the larger of its own and that."""
+    ``expert_rel``, ``expert_worst``, ``expert_median_rel`` and ``expert_rest_rel`` (its tokens'
+    median and the other tokens'), and ``rel_l2`` the larger of its own and that."""
     worst = expert_token_error(golden, target, call) if is_fused_experts(module, call) else None
     if worst is not None and math.isfinite(row.get("rel_l2", math.inf)):
-        row["expert_rel"], row["expert_worst"] = worst[1], worst[0]
+        row["expert_worst"], row["expert_rel"], row["expert_median_rel"], row["expert_rest_rel"] = worst
         row["rel_l2"] = max(row["rel_l2"], worst[1])
 
 

@@ -142,11 +142,13 @@ def _earlier_entries(reader: DumpReader, step: int) -> dict[str, dict[int, dict[
 
 
 def golden_names(reader: DumpReader, step: int, golden_modules: Collection[str],
-                 mapping: Mapping | None = None) -> dict[str, str]:
+                 mapping: Mapping | None = None,
+                 recorded: dict[str, dict[int, list[Entry]]] | None = None) -> dict[str, str]:
     """Target module name -> the golden module it is, for the modules ``reader`` recorded at
-    ``step``: the same name where the golden has it, else the name the mapping's rules give (one
-    the golden has). Modules neither names are left out."""
-    recorded = module_entries(reader, step)
+    ``step`` (``recorded``: its ``module_entries`` there, where read already): the same name where
+    the golden has it, else the name the mapping's rules give (one the golden has). Modules neither
+    names are left out."""
+    recorded = module_entries(reader, step) if recorded is None else recorded
     found = {name: name for name in recorded if name in golden_modules}
     if mapping is not None:
         rest = [(name, by_rank[min(by_rank)][0].module_type) for name, by_rank in recorded.items()

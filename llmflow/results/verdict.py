@@ -125,6 +125,10 @@ class Candidate:
         "a fused experts module: the mean relative error of the tokens routed to its worst expert "
         "(error is the larger of this, token_rel and the whole output's)"))
     expert_worst: int | None = field(default=None, metadata=_doc("that expert"))
+    expert_median_rel: float | None = field(default=None, metadata=_doc(
+        "the median relative error of the tokens routed to that expert"))
+    expert_rest_rel: float | None = field(default=None, metadata=_doc(
+        "the median relative error of the tokens not routed to that expert (null: every token is)"))
     weight_expert: int | None = field(default=None, metadata=_doc(
         "a fused experts module whose experts are split over the ranks (expert parallelism): the expert "
         "whose weight rows in the target dump differ from the golden's, where one stands out"))
@@ -346,6 +350,24 @@ class Overflow:
 
 
 @dataclass
+class HandedDown:
+    """A module handed a keyword input unlike the one its enclosing module was given, where the
+    golden's passes it on unchanged (``localize/handed_down.py``): read from the two dumps."""
+
+    module: str = field(metadata=_doc("the module handed the changed input (the golden's name)"))
+    enclosing: str = field(metadata=_doc("the enclosing module that was given the original"))
+    input: str = field(metadata=_doc('the keyword input, as the dumps index it ("kw:position_embeddings.1")'))
+    step: int = field(metadata=_doc("the golden step it was found at"))
+    target_step: int
+    rank: int
+    difference: float | None = field(metadata=_doc(
+        "relative L2 distance of a floating input from the enclosing module's, the share of elements "
+        "changed of an integer or boolean one (null: a non-finite value changed, or its size)"))
+    limit: float = field(metadata=_doc("the difference a cast on the way stays within"))
+    shape: list[int] | None = None
+
+
+@dataclass
 class OpRef:
     """An op by name, API and output shape."""
 
@@ -465,6 +487,9 @@ class Verdict(VerdictHead):
         default=None, metadata=_doc("the chosen module's own error per step (null: not measured)"))
     skipped: dict[str, str] = field(default_factory=dict, metadata=_doc(
         "phase (op_level, own_error_steps, cost_estimate) -> why it did not run"))
+    handed_down: HandedDown | None = field(default=None, metadata=_doc(
+        "where no module stands out: a module handed a keyword input its enclosing module was given "
+        "otherwise (null: none found, or not checked)"))
 
 
 #: the name the bisect has always returned

@@ -3,7 +3,8 @@ which no dump holds, so the golden attention is run on the target's recorded inp
 0..t with a DynamicCache of its own; its output at step t against the recorded one is the
 attention's own error at t. A decode-kernel fault is named at a decode step on several families,
 a clean port passes, the golden replayed on its own dump is exact, and a dump without an earlier
-step's inputs says which step is missing."""
+step's inputs says which step is missing. A side input (rotary tables, mask) changed on its way into
+the attention is read from the dumps: the attention is named where its layer was given another."""
 
 from __future__ import annotations
 
@@ -94,22 +95,42 @@ def test_a_decode_kernel_fault_names_the_attention_at_a_decode_step(dumps, famil
 
 
 #: decode-only faults that change what the attention receives (a pre-hook): recorded as its inputs,
-#: so the attention replayed on them reproduces them; only its layer replayed whole shows them
+#: so the attention replayed on them reproduces them
 INPUT_FAULTS = ("decode_rope_shift", "decode_mask_oldest")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def layer_mask_is_a_tensor(target: Path, step: int) -> bool:
+    """Whether layer 1 was given its attention mask as a tensor at ``step`` (a family whose decode
+    step passes none has its attention handed one the mask fault makes up)."""
+    return any(e.name == "model.layers.1" and e.index == "kw:attention_mask" and e.is_tensor
+               for e in open_dump(target).entries() if e.step == step and e.kind == "input")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3"])
 @pytest.mark.parametrize("fault", INPUT_FAULTS)
-def test_a_change_between_a_layers_modules_is_inconclusive_naming_the_layer(dumps, family: str,
-                                                                            fault: str) -> None:
-    """Never "no fault": the layer replayed whole stands out where none of its modules does, and
-    the verdict says so, with the bisect that sees it (the target model) as what to run next."""
-    verdict = bisect(dumps, family, faulty(dumps, family, fault))
-    assert verdict.status == "inconclusive", verdict.headline
-    reason = verdict.inconclusive.reason
-    assert reason.startswith("model.layers.1, replayed whole from the target dump, has "), reason
-    assert "none of its modules' own error stands out" in reason
-    assert "isolate: target_model" in verdict.inconclusive.next
+def test_a_side_input_changed_on_its_way_names_the_module_it_enters(dumps, family: str, fault: str) -> None:
+    """The rotary tables or the mask a layer hands its attention changed at decode steps: the
+    attention is named where the layer was given the input it changed (read from the dumps: the
+    golden's attention is handed its layer's very tensor); a mask the layer was not given as a
+    tensor leaves the layer replayed whole as the lead, never "no fault"."""
+    target = faulty(dumps, family, fault)
+    verdict = bisect(dumps, family, target)
+    found = verdict.handed_down
+    if fault == "decode_mask_oldest" and not layer_mask_is_a_tensor(target, 1):
+        assert verdict.status == "inconclusive" and found is None, verdict.headline
+        reason = verdict.inconclusive.reason
+        assert reason.startswith("model.layers.1, replayed whole from the target dump, has "), reason
+        assert "none of its modules' own error stands out" in reason
+        assert "isolate: target_model" in verdict.inconclusive.next
+        return
+    want = "kw:position_embeddings" if fault == "decode_rope_shift" else "kw:attention_mask"
+    headline = verdict.headline
+    assert verdict.status == "fail" and verdict.first_bad_module == "model.layers.1.self_attn", headline
+    assert verdict.first_bad_layer == "model.layers.1" and verdict.inconclusive is None
+    assert found is not None and found.enclosing == "model.layers.1" and found.input.startswith(want), found
+    assert found.step == 1 and (found.difference is None or found.difference > found.limit > 0)
+    assert headline.startswith(f"model.layers.1.self_attn is handed a changed {want[3:]}"), headline
+    assert "at decode step 1" in headline and "the golden's passes it on unchanged" in headline
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
@@ -117,6 +138,7 @@ def test_a_change_between_a_layers_modules_is_inconclusive_naming_the_layer(dump
 def test_a_clean_ports_layers_replayed_whole_do_not_stand_out(dumps, family: str, replay_step: int) -> None:
     verdict = bisect(dumps, family, dumps(family, "clean"), replay_step=replay_step)
     assert verdict.status == "pass" and verdict.inconclusive is None, verdict.headline
+    assert verdict.handed_down is None  # its bf16 side inputs are handed on as the golden's are
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -180,13 +202,30 @@ def test_dump_bisect_names_a_decode_fault_the_users_way(tmp_path: Path, dumps) -
     assert verdict["candidates"][0]["source"] == f"target dump, steps 0..{verdict['replay']['step']}"
 
 
-def test_dump_bisect_says_inconclusive_naming_the_layer_the_users_way(tmp_path: Path, dumps) -> None:
-    """A rotary shift a hook puts into what layer 1's attention receives: exit 3, the layer named,
-    and a next: line saying which bisect sees the module."""
+def test_dump_bisect_names_a_changed_side_input_the_users_way(tmp_path: Path, dumps) -> None:
+    """A rotary shift a hook puts into what layer 1's attention receives: exit 1, the attention and
+    the input named in the last line, the verdict's handed_down block in verdict.json."""
     target = faulty(dumps, "qwen2", "decode_rope_shift")
-    proc = llmflow("run", str(WORKFLOW), "--run-dir", str(tmp_path / "run"), "--set",
+    run_dir = tmp_path / "run"
+    proc = llmflow("run", str(WORKFLOW), "--run-dir", str(run_dir), "--set",
                    f"golden_dump={golden(dumps, 'qwen2')}", "--set", f"target_dump={target}",
                    "--set", f"golden_model={spec('qwen2')}", timeout=300)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert last.startswith("FAILED: model.layers.1.self_attn is handed a changed position_embeddings"), last
+    verdict = json.loads((run_dir / "bisect" / "verdict.json").read_text())
+    assert verdict["handed_down"]["enclosing"] == "model.layers.1" and verdict["handed_down"]["step"] == 1
+    assert verdict["first_bad_module"] == "model.layers.1.self_attn"
+
+
+def test_dump_bisect_says_inconclusive_naming_the_layer_the_users_way(tmp_path: Path, dumps) -> None:
+    """The oldest cached positions masked where layer 1 was given no mask tensor: no input to read
+    the change from, so exit 3, the layer named, and a next: line saying which bisect sees it."""
+    target = faulty(dumps, "llama", "decode_mask_oldest")
+    assert not layer_mask_is_a_tensor(target, 1)
+    proc = llmflow("run", str(WORKFLOW), "--run-dir", str(tmp_path / "run"), "--set",
+                   f"golden_dump={golden(dumps, 'llama')}", "--set", f"target_dump={target}",
+                   "--set", f"golden_model={spec('llama')}", timeout=300)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert lines[-1].startswith("INCONCLUSIVE: model.layers.1, replayed whole from the target"), lines[-1]

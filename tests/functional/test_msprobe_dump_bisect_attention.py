@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,20 @@ def test_the_tokens_of_a_loop_whose_prefill_computes_every_position_are_read_ste
     assert [rows[s]["target_token"] for s in range(3)] == made["attn"]
     parted = next((s for s in range(3) if made["golden"][s] != made["attn"][s]), None)
     assert verdict["first_mismatch_token"] == parted
+
+
+def test_inspect_of_the_prefill_head_says_where_the_logits_are(dumps):
+    """The head's file holds every prompt position; the step's logits are its last position: asked
+    by the file's locator, inspect shows the head's tensor and says which entry is the logits."""
+    logits = llmflow("inspect", str(dumps / "golden"), "logits", "--step", "0")
+    assert logits.returncode == 0, logits.stdout[-2000:] + logits.stderr[-2000:]
+    assert re.search(r"shape \[1, \d+\]", logits.stdout), logits.stdout[:500]  # the last position's
+    lines = logits.stdout.splitlines()
+    where = next(line.split()[1] for line in lines if line.strip().startswith("locator "))
+    head = llmflow("inspect", str(dumps / "golden"), where)
+    assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
+    assert head.stdout.startswith("lm_head output 0"), head.stdout[:500]
+    assert "the same tensor is also: logits output 0 (its last position" in head.stdout, head.stdout[-800:]
 
 
 def _dump_bisect(tmp_path: Path, dumps: Path, target: str):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llmflow.dump.memory import Call
-from llmflow.localize.conclude import _per_token_sentence
+from llmflow.localize.conclude import _per_token_sentence, expert_of_tokens
 from llmflow.localize.moe import expert_linear_errors, expert_token_error, worst_expert_linear
 from llmflow.localize.own_error import ranked_l2
 from llmflow.localize.quantized_words import expert_linear_clause
@@ -162,3 +162,30 @@ def test_an_expert_linear_layer_is_named_beyond_twice_the_bisects_ratio():
                 for p, s in (("gate_proj", 1.0), ("down_proj", score))]
     assert worst_expert_linear(rows(4.6), 0, ratio=3.0) is None
     assert worst_expert_linear(rows(7.0), 0, ratio=3.0).projection == "down_proj"
+
+
+def test_the_tokens_an_expert_does_not_reach_are_measured_at_the_median() -> None:
+    """Top-2 of 4 experts: expert 1 reaches half the tokens. A fault in it puts error in every one
+    of them (its median far above the others'); one bad token that reaches it too puts error in
+    one (its median that of the others): only the first names the expert."""
+
+    torch.manual_seed(0)
+    tokens = 32
+    index = torch.stack([torch.arange(tokens) % 4, (torch.arange(tokens) + 1) % 4], dim=1)
+    weights = torch.full((tokens, 2), 0.5)
+    call = Call("model.layers.0.mlp.experts", args=[torch.randn(tokens, 32), index, weights])
+    golden = torch.randn(tokens, 32)
+    rounding = golden * (1 + 1e-3 * torch.randn(tokens, 32))
+    faulty = rounding.clone()
+    reached = (index == 1).any(dim=-1)
+    faulty[reached] *= 1.3
+    worst, mean, median, rest = expert_token_error(golden, faulty, call)
+    row = {"expert_worst": worst, "expert_rel": mean, "expert_median_rel": median, "expert_rest_rel": rest,
+           "token_rel": mean * reached.float().mean().item()}
+    assert worst == 1 and median > 3 * rest and expert_of_tokens(row) == 1
+    one_bad = rounding.clone()
+    one_bad[1] *= 2.0  # token 1 reaches experts 1 and 2
+    worst, mean, median, rest = expert_token_error(golden, one_bad, call)
+    row = {"expert_worst": worst, "expert_rel": mean, "expert_median_rel": median, "expert_rest_rel": rest,
+           "token_rel": 2.0 / tokens}
+    assert expert_of_tokens(row) is None, row
