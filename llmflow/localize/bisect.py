@@ -55,7 +55,14 @@ from llmflow.localize import cost as cost_mod
 from llmflow.localize import moe, rounding
 from llmflow.localize import ops as ops_mod
 from llmflow.localize.calls import NO_INPUTS, calls_from_dump
-from llmflow.localize.conclude import KV_CACHE, StepReplay, conclude, shared_error, stands_out
+from llmflow.localize.conclude import (
+    KV_CACHE,
+    StepReplay,
+    conclude,
+    expert_of_tokens,
+    shared_error,
+    stands_out,
+)
 from llmflow.localize.golden import (
     dump_has_layer_inputs,
     golden_call,
@@ -366,6 +373,26 @@ class _Bisect:
             self.log(f"bisect: {found.module} is handed a changed {found.input}: not the one "
                      f"{found.enclosing} was given, at step {found.step}")
         return found
+
+    def expert_at_prefill(self, chosen: StepReplay) -> None:
+        """A fused experts module named at a decode step from a target dump, whose expert that step
+        does not tell (its one token reaches its top-k experts alike): the expert its tokens name at
+        the prefill (``conclude.expert_of_tokens`` on its row there), kept as ``prefill_expert``."""
+        cand = chosen.candidate
+        if (self.isolation != "target_dump" or not chosen.anomalous or not cand or chosen.step == 0
+                or not str(cand.get("module_type") or "").lower().endswith("experts")
+                or cand.get("weight_expert") is not None
+                or expert_of_tokens(cand) is not None):
+            return
+        name = cand["name"]
+        rows = replay_target_dump(self.held["golden"], self.golden_dump, self.target_dump, golden_step=0,
+                                  target_step=self.target_step(0), select=lambda n, _m: n == name,
+                                  mapping=self.mapping)
+        row = next((r for r in rows if r["name"] == name and r.get("replayable")), None)
+        expert = expert_of_tokens(row) if row is not None else None
+        if expert is not None:
+            cand["prefill_expert"] = expert
+            self.log(f"bisect: {name}: at the prefill its error is in the tokens routed to expert {expert}")
 
     def replay_from_target_dump(self, step: int, why: str) -> StepReplay:
         """Isolation from the target's dump at one step: the golden module on the target's inputs."""
@@ -902,6 +929,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     # replay on the recorded inputs is given changed as well
     handed = b.handed_down(dtype) if not differs and not any(t.anomalous for t in tried) else None
     b.op_level(chosen)
+    b.expert_at_prefill(chosen)
     own_steps = b.own_error_per_step(chosen)
     cost = b.cost(tried, chosen)
     problems = [f"golden dump: {p}" for p in b.golden_dump.problems()]

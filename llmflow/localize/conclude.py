@@ -299,7 +299,10 @@ def _per_token_sentence(cand: dict[str, Any], expert_named: int | None = None) -
     expert's tokens, which (said only where the expert the verdict names, ``expert_named``, is
     that one or none is named)."""
     token, whole, expert = cand.get("token_rel"), whole_rel(cand), cand.get("expert_rel")
-    routed = expert_of_tokens(cand)
+    routed, prefill = expert_of_tokens(cand), cand.get("prefill_expert")
+    if routed is None and prefill is not None and expert_named in (None, prefill):
+        return (f" At the prefill its error is in the tokens routed to expert {prefill}; at this step "
+                "its tokens are too few to tell its experts apart (each reaches its top-k experts alike).")
     if routed is not None and expert_named in (None, routed):
         rest = cand.get("expert_rest_rel")
         others = [f"the other tokens' {rest:.2g} at the median"] if isinstance(rest, float) else []
@@ -408,7 +411,8 @@ CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", 
                     "max_abs", "cos_dist", "replayable", "reason", "routing", "own_routing_rel_l2",
                     "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note",
                     "rank_source", "source", "covers", "token_rel", "expert_rel", "expert_worst",
-                    "expert_median_rel", "expert_rest_rel", "weight_expert", "rounding_ratio")
+                    "expert_median_rel", "expert_rest_rel", "prefill_expert", "weight_expert",
+                    "rounding_ratio")
 
 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
@@ -441,6 +445,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         # tokens carry the module's error
         expert = cand.get("weight_expert")
         expert = expert if expert is not None else expert_of_tokens(cand)
+        expert = expert if expert is not None else cand.get("prefill_expert")
     shard_rank = cand.get("shard_rank") if module and cand else None
     if module is None:
         module = layer_fault(chosen, inp.ratio_threshold)

@@ -129,6 +129,9 @@ class Candidate:
         "the median relative error of the tokens routed to that expert"))
     expert_rest_rel: float | None = field(default=None, metadata=_doc(
         "the median relative error of the tokens not routed to that expert (null: every token is)"))
+    prefill_expert: int | None = field(default=None, metadata=_doc(
+        "a fused experts module named at a decode step from a target dump, its expert not told there: "
+        "the expert whose tokens carry its error at the prefill"))
     weight_expert: int | None = field(default=None, metadata=_doc(
         "a fused experts module whose experts are split over the ranks (expert parallelism): the expert "
         "whose weight rows in the target dump differ from the golden's, where one stands out"))

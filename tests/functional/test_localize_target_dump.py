@@ -410,16 +410,17 @@ def test_a_dump_of_an_moe_port_names_the_expert_few_tokens_reach(tmp_path: Path)
 def test_a_dump_of_an_moe_port_names_the_expert_half_the_tokens_reach(tmp_path: Path, family: str) -> None:
     """Expert 1 of 4 (top 2) with output weights 1.5x, a bf16 target dumped the user's way: it
     reaches about half the prompt's tokens, so its tokens err only ~2x the average token; against
-    the tokens it does not reach (bf16 rounding alone) they stand out, and the verdict names it."""
+    the tokens it does not reach (bf16 rounding alone) they stand out, and the verdict names it,
+    also where it speaks of a decode step (the prefill's tokens name the expert)."""
     from llmflow.dump.config import DumpConfig
     from llmflow.dump.run import dump_run
     from llmflow.models import load_model
 
     model = f"tiny-{family}:layers=4,hidden=64,intermediate=128,experts=4,top_k=2,seed=3"
-    dump_run(load_model(model), MOE_IDS, 1, DumpConfig(dump_path=str(tmp_path / "golden"), token_range="all"))
+    dump_run(load_model(model), MOE_IDS, 2, DumpConfig(dump_path=str(tmp_path / "golden"), token_range="all"))
     target = load_model(model, dtype="bfloat16", patch="plugins/example_faults.py:scale_expert_layer_2",
                         base_dir=REPO)
-    dump_run(target, MOE_IDS, 1, DumpConfig(dump_path=str(tmp_path / "target"), token_range="all"))
+    dump_run(target, MOE_IDS, 2, DumpConfig(dump_path=str(tmp_path / "target"), token_range="all"))
     proc, verdict = _run(tmp_path, str(tmp_path / "golden"), str(tmp_path / "target"), model)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert verdict["first_bad_module"] == "model.layers.2.mlp.experts", verdict["headline"]
@@ -427,3 +428,14 @@ def test_a_dump_of_an_moe_port_names_the_expert_half_the_tokens_reach(tmp_path: 
     top = verdict["candidates"][0]
     assert top["expert_worst"] == 1 and top["expert_median_rel"] > 3 * top["expert_rest_rel"], top
     assert "Its error is in the tokens routed to expert 1" in verdict["diagnosis"], verdict["diagnosis"]
+    if family != "qwen3-moe":  # (the family whose token at decode step 1 reaches expert 1)
+        return
+    # at a decode step its one token reaches two experts alike: the prefill's tokens name the expert
+    proc, verdict = _run(tmp_path / "decode", str(tmp_path / "golden"), str(tmp_path / "target"), model,
+                         "--set", "replay_step=1")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert verdict["replay"]["step"] == 1 and verdict["first_bad_module"] == "model.layers.2.mlp.experts"
+    top = verdict["candidates"][0]
+    assert top.get("expert_worst") is None and top["prefill_expert"] == 1, top
+    assert verdict["first_bad_expert"] == 1, verdict["headline"]
+    assert "At the prefill its error is in the tokens routed to expert 1" in verdict["diagnosis"]
