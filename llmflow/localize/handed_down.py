@@ -208,7 +208,7 @@ def _handed_down_at(pairs: tuple[_Pairs, _Pairs], golden: dict[str, dict[int, li
                 found = difference(*loaded) if loaded is not None else None
                 if found is None:
                     continue
-                limit = handed_down_limit(*loaded, dtype)  # type: ignore[misc]
+                limit = handed_down_limit(loaded[0], loaded[1], dtype)
                 if found > limit:
                     shape = list(entry.shape) if entry.shape is not None else None
                     return HandedDown(module=g_name, enclosing=g_parent, input=index, step=-1, target_step=-1,
