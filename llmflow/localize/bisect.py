@@ -58,6 +58,7 @@ from llmflow.localize.calls import NO_INPUTS, calls_from_dump
 from llmflow.localize.conclude import (
     KV_CACHE,
     StepReplay,
+    below_notice,
     conclude,
     expert_of_tokens,
     shared_error,
@@ -925,9 +926,13 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
         named = chosen.candidate["name"].removesuffix(KV_CACHE)
         for module in dict.fromkeys((layer_of(named, b.stack) or named, named)):  # where the dump holds it
             b.check_golden_model(module)
-    # nothing stands out: a side input (positions, mask) changed on its way into a module, which a
-    # replay on the recorded inputs is given changed as well
-    handed = b.handed_down(dtype) if not differs and not any(t.anomalous for t in tried) else None
+    # nothing stands out (or only a lead too weak to name where every output is within its thresholds):
+    # a side input (positions, mask) changed on its way into a module, which a replay on the recorded
+    # inputs is given changed as well
+    quantized = getattr(tgt, "quantized", None)
+    named = [t for t in tried
+             if t.anomalous and not below_notice(inp, t.candidate, mismatch, bad_token, quantized)]
+    handed = b.handed_down(dtype) if not differs and not named else None
     b.op_level(chosen)
     b.expert_at_prefill(chosen)
     own_steps = b.own_error_per_step(chosen)
@@ -938,7 +943,7 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
                       stack=b.stack, decode=b.decode, dtype=judged, compute_dtype=dtype,
                       device=str(tgt.device) if tgt is not None else "target dump",
                       problems=problems, note=_notes(tgt, b.held.get("golden")), own_steps=own_steps,
-                      quantized=getattr(tgt, "quantized", None),
+                      quantized=quantized,
                       quantized_names=getattr(tgt, "quantized_names", None), handed_down=handed)
     result.isolation = b.isolation
     if b.isolation == "target_dump":

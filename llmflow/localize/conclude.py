@@ -911,9 +911,26 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         reason = (f"the texts part at step {mismatch}, but step {chosen.step} was replayed (replay_step): "
                   "the evidence does not cover the step where the divergence starts")
         nxt = f"bisect with replay_step: {mismatch}, or leave replay_step unset to let the bisect choose"
+    elif (failing := _compare_fail_not_replayed(inp, tried)) is not None:
+        reason = (f"the compare's first failing row, {failing.get('name')}, is at step {failing['step']}, "
+                  f"but step {chosen.step} was replayed (replay_step): the evidence does not cover the step "
+                  "where the error shows first")
+        nxt = (f"bisect with replay_step: {failing['step']}, or leave replay_step unset to let the bisect "
+               "choose")
     if reason is None and shared is not None:  # (after "the texts part at a step not replayed")
         reason, nxt = _shared_reason(shared, dtype)
     return reason, nxt
+
+
+def _compare_fail_not_replayed(inp: Any, tried: list[StepReplay]) -> dict[str, Any] | None:
+    """The compare's first failing row where it is at a step the bisect was told not to replay
+    (``replay_step`` set elsewhere); None where the compare fails no row, or at a step replayed. (Left
+    unset, the bisect replays that step itself.)"""
+    failing = getattr(inp, "compare_first_fail", None) or {}
+    step = failing.get("step")
+    if getattr(inp, "replay_step", None) is None or not isinstance(step, int):
+        return None
+    return failing if step not in {t.step for t in tried} else None
 
 
 def _set_aside(cand: dict[str, Any] | None, ratio_threshold: float) -> bool:

@@ -428,6 +428,16 @@ def test_a_dump_of_an_moe_port_names_the_expert_half_the_tokens_reach(tmp_path: 
     top = verdict["candidates"][0]
     assert top["expert_worst"] == 1 and top["expert_median_rel"] > 3 * top["expert_rest_rel"], top
     assert "Its error is in the tokens routed to expert 1" in verdict["diagnosis"], verdict["diagnosis"]
+    if family == "mixtral":  # its token at decode step 1 misses expert 1: asked to replay that step
+        # alone, the bisect finds nothing there, yet the compare fails at the prefill: not a pass
+        proc, verdict = _run(tmp_path / "decode", str(tmp_path / "golden"), str(tmp_path / "target"), model,
+                             "--set", "replay_step=1")
+        assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert verdict["status"] == "inconclusive", verdict["headline"]
+        assert verdict["replay"]["steps_tried"] == [1], verdict["replay"]
+        reason = verdict["inconclusive"]["reason"]
+        assert "is at step 0, but step 1 was replayed" in reason, reason
+        assert "replay_step: 0" in verdict["inconclusive"]["next"]
     if family != "qwen3-moe":  # (the family whose token at decode step 1 reaches expert 1)
         return
     # at a decode step its one token reaches two experts alike: the prefill's tokens name the expert
