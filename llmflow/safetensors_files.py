@@ -24,19 +24,17 @@ import orjson
 import torch
 from torch import nn
 
+from llmflow.dtypes import SAFETENSORS_CODES, torch_dtype
 from llmflow.errors import DumpFormatError, UserError
 from llmflow.regular_files import open_regular, regular_file
 
 MAX_HEADER = 100 << 20  # the most a safetensors header may take (the library's own limit)
 
-#: safetensors dtype names -> torch dtypes (the format's spec; F8 types where this torch has them)
+#: safetensors dtype codes -> the torch dtypes this torch has (the codes the dump writer writes,
+#: declared once in ``llmflow.dtypes``; complex64 among them: Llama 4's rotary hands its attention
+#: complex angles)
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-    **{k: getattr(torch, v) for k, v in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
-       if hasattr(torch, v)},
-}
+    code: dtype for name, code in SAFETENSORS_CODES.items() if (dtype := torch_dtype(name)) is not None}
 
 
 @dataclass(frozen=True, slots=True)  # (one per tensor of a data file: no __dict__)

@@ -361,8 +361,8 @@ def _rotary(model: nn.Module) -> nn.Module:
 
 def decode_rope_shift(layer: int, positions: int = 1) -> Patch:
     """The new token's rotary angles ``positions`` ahead: cos/sin rotated by ``positions`` times
-    each frequency (cos(a+b) = cos a cos b - sin a sin b), as a kernel with an off-by-one cache
-    position would compute them."""
+    each frequency (cos(a+b) = cos a cos b - sin a sin b; complex angles, Llama 4's, multiplied by
+    the turn), as a kernel with an off-by-one cache position would compute them."""
     def patch(model: nn.Module) -> None:
         rotary = _rotary(model)
 
@@ -370,6 +370,10 @@ def decode_rope_shift(layer: int, positions: int = 1) -> Patch:
             pe = kwargs.get("position_embeddings")
             if pe is None or not _decoding(args, kwargs):
                 return None
+            if isinstance(pe, torch.Tensor) and pe.is_complex():  # Llama 4: each angle a unit complex number
+                f = rotary.inv_freq.to(pe.device, torch.float32) * positions
+                turn = torch.polar(torch.ones_like(f), f).to(pe.dtype)
+                return args, {**kwargs, "position_embeddings": pe * turn}
             cos, sin = pe
             f = rotary.inv_freq.to(cos.device, torch.float32) * positions
             f = torch.cat([f, f])[: cos.shape[-1]]

@@ -79,14 +79,16 @@ def _stats_differ(a: Entry, b: Entry) -> bool:
 
 
 def difference(handed: torch.Tensor, given: torch.Tensor) -> float | None:
-    """How far ``handed`` is from ``given``: the relative L2 distance of floating tensors (inf where
-    they differ in a non-finite value, or ``given`` is all zero and they differ), the share of
-    elements that differ of integer and boolean ones; 0.0 where they are equal. An additive mask's
+    """How far ``handed`` is from ``given``: the relative L2 distance of floating (and complex)
+    tensors (inf where they differ in a non-finite value, or ``given`` is all zero and they
+    differ), the share of elements that differ of integer and boolean ones; 0.0 where they are
+    equal. An additive mask's
     "masked" values (``_MASKED``) are one value; a NaN in both places is no change. None for
     tensors of other sizes (a port that slices the input on the way: not comparable here)."""
     if handed.numel() != given.numel():
         return None
-    a, b = handed.reshape(-1), given.reshape(-1)
+    # complex angles (Llama 4's rotary) as their real and imaginary parts
+    a, b = (torch.view_as_real(x).reshape(-1) if x.is_complex() else x.reshape(-1) for x in (handed, given))
     if not (a.is_floating_point() or b.is_floating_point()):
         return float((a != b).double().mean()) if a.numel() else 0.0
     a, b = (torch.where(x <= _MASKED, -math.inf, x.double()) for x in (a, b))
@@ -104,7 +106,7 @@ def handed_down_limit(handed: torch.Tensor, given: torch.Tensor, dtype: str | No
     """The difference a cast on the way stays within: ``HANDED_DOWN_FLOORS`` times the coarsest
     OP_ERROR_FLOOR of the two tensors' dtypes and the one the target ran in (``dtype``); 0.0 for
     integers and booleans, where any element changed is a change."""
-    if not (handed.is_floating_point() or given.is_floating_point()):
+    if not any(t.is_floating_point() or t.is_complex() for t in (handed, given)):
         return 0.0
     classes = {dtype_class(str(t.dtype)) for t in (handed, given)} | {dtype_class(dtype)}
     return HANDED_DOWN_FLOORS * max((OP_ERROR_FLOOR[c] for c in classes if c in OP_ERROR_FLOOR),

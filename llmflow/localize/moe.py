@@ -293,11 +293,41 @@ def _routing_args(call: Call) -> tuple[int, int] | None:
     return None if w_pos is None else (pos, w_pos)
 
 
+def _expert_major(module: nn.Module, call: Call) -> int | None:
+    """The number of experts of a fused experts module called on its tokens repeated once per
+    expert, expert by expert, each copy scaled by the token's routing score there (0 where the
+    router did not pick that expert), as Llama 4's MoE calls its experts; None for another call."""
+    n = getattr(module, "num_experts", None)
+    tensors = [a for a in call.args if isinstance(a, torch.Tensor)]
+    if not (type(module).__name__.lower().endswith("experts") and isinstance(n, int) and n > 1
+            and len(tensors) == 1 and tensors[0].is_floating_point() and tensors[0].dim() == 2
+            and tensors[0].shape[0] % n == 0):
+        return None
+    return n
+
+
+def _row_experts(module: nn.Module, call: Call) -> torch.Tensor | None:
+    """The experts each row of a fused experts module's output went through, one row of expert
+    indices per output row: the routing's top-k indices where the call is given them (one row per
+    token); for an expert-major call (``_expert_major``) the row's expert, -1 for a copy of a token
+    the router did not send there (zero in, zero out). None for another module or call."""
+    found = _routing_args(call)
+    if found is not None and is_fused_experts(module, call):
+        return call.args[found[0]].to("cpu")
+    n = _expert_major(module, call)
+    if n is None:
+        return None
+    rows = next(a for a in call.args if isinstance(a, torch.Tensor)).detach().to("cpu")
+    routed = rows.abs().amax(dim=-1) > 0
+    expert = torch.arange(rows.shape[0]) // (rows.shape[0] // n)
+    return torch.where(routed, expert, -1).unsqueeze(-1)
+
+
 #: the share of the most excess error an expert's tokens must hold to be the one named
 EXPERT_EXCESS_SHARE = 0.9
 
 
-def expert_token_error(golden: torch.Tensor, target: torch.Tensor,
+def expert_token_error(golden: torch.Tensor, target: torch.Tensor, module: nn.Module,
                        call: Call) -> tuple[int, float, float, float | None] | None:
     """The expert whose tokens' outputs err most, the mean and the median error of its tokens, and
     the median of the tokens it does not reach (None where it reaches every one): per token, its
@@ -307,14 +337,18 @@ def expert_token_error(golden: torch.Tensor, target: torch.Tensor,
     8) to a sixteenth. The expert is the one whose tokens hold the most error above the median
     token's, not the one whose tokens' mean is largest: an expert that one bad token also reaches
     (routed to the faulty one and to it) has a mean of that token's whole error, the faulty expert
-    every bad token. None where the output has no token rows to match the routing's."""
-    found = _routing_args(call)
-    rel = token_row_errors(golden, target) if found is not None else None
-    index = call.args[found[0]].to("cpu") if found is not None else None
+    every bad token. None where the output has no token rows to match the routing's (the rows of
+    ``_row_experts``)."""
+    index = _row_experts(module, call)
+    rel = token_row_errors(golden, target) if index is not None else None
     if rel is None or index is None or rel.shape[0] != index.shape[0]:
         return None
+    routed = (index >= 0).any(dim=-1)  # (an expert-major call's rows of tokens not sent there: out)
+    rel, index = rel[routed], index[routed]
+    if not rel.numel():
+        return None
     excess = (rel - rel.median()).clamp(min=0)
-    reached = {int(e): (index == e).any(dim=-1) for e in index.unique().tolist()}
+    reached = {int(e): (index == e).any(dim=-1) for e in index.unique().tolist() if e >= 0}
     if not reached:
         return None
     held = {e: float(excess[m].sum()) for e, m in reached.items()}
@@ -334,7 +368,7 @@ def add_expert_error(row: dict[str, Any], module: nn.Module, call: Call, golden:
     ``target``, its output) given its worst expert's tokens' error (``expert_token_error``):
     ``expert_rel``, ``expert_worst``, ``expert_median_rel`` and ``expert_rest_rel`` (its tokens'
     median and the other tokens'), and ``rel_l2`` the larger of its own and that."""
-    worst = expert_token_error(golden, target, call) if is_fused_experts(module, call) else None
+    worst = expert_token_error(golden, target, module, call)
     if worst is not None and math.isfinite(row.get("rel_l2", math.inf)):
         row["expert_worst"], row["expert_rel"], row["expert_median_rel"], row["expert_rest_rel"] = worst
         row["rel_l2"] = max(row["rel_l2"], worst[1])

@@ -53,6 +53,9 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     input scale set by that one token rounds the rest to zero) moved the whole tensor by 1.2%, the
     mean token by 97%. Where every token rounds alike, the two agree.
     """
+    if golden.is_complex() or target.is_complex():  # complex angles (Llama 4's rotary): both parts
+        golden, target = (torch.view_as_real(x).flatten(-2) if x.is_complex() else x
+                          for x in (golden, target))
     g = golden.detach().to("cpu", torch.float64).reshape(-1)
     t = target.detach().to("cpu", torch.float64).reshape(-1)
     if g.shape != t.shape:

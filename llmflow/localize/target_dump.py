@@ -158,10 +158,15 @@ def golden_names(reader: DumpReader, step: int, golden_modules: Collection[str],
 
 
 def golden_input_shapes(reader: DumpReader, step: int) -> dict[tuple[str, str], list[int]]:
-    """(module, input index) -> the golden's shape at ``step`` (what joined shards must make)."""
-    return {(e.name, e.index): list(e.shape) for e in reader.entries()
-            if e.step == step and e.level == "module" and e.kind == "input" and e.rank == 0
-            and e.is_tensor and e.shape is not None}
+    """(module, input index) -> the golden's shape at ``step`` (what joined shards must make), of
+    the module's first call there, the one replayed (``first_call``: Llama 4's qk_norm is called on
+    the queries, then on the keys, of other shapes)."""
+    inputs = [e for e in reader.entries() if e.step == step and e.level == "module" and e.kind == "input"
+              and e.rank == 0 and e.is_tensor and e.shape is not None]
+    shapes: dict[tuple[str, str], list[int]] = {}
+    for e in sorted(inputs, key=lambda e: e.order):
+        shapes.setdefault((e.name, e.index), list(e.shape))
+    return shapes
 
 
 def _input_merge(name: str, index: str, shards: list[Entry], golden_shapes: dict[tuple[str, str], list[int]],

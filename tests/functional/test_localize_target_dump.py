@@ -406,12 +406,13 @@ def test_a_dump_of_an_moe_port_names_the_expert_few_tokens_reach(tmp_path: Path)
     assert "Its error is in the tokens routed to expert 3" in verdict["diagnosis"], verdict["diagnosis"]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "deepseek-v3", "llama4"])
 def test_a_dump_of_an_moe_port_names_the_expert_half_the_tokens_reach(tmp_path: Path, family: str) -> None:
     """Expert 1 of 4 (top 2) with output weights 1.5x, a bf16 target dumped the user's way: it
     reaches about half the prompt's tokens, so its tokens err only ~2x the average token; against
     the tokens it does not reach (bf16 rounding alone) they stand out, and the verdict names it,
-    also where it speaks of a decode step (the prefill's tokens name the expert)."""
+    also where it speaks of a decode step (the prefill's tokens name the expert). Llama 4 hands its
+    experts every token once per expert, unrouted copies zeroed: the rows name the expert."""
     from llmflow.dump.config import DumpConfig
     from llmflow.dump.run import dump_run
     from llmflow.models import load_model
@@ -422,8 +423,9 @@ def test_a_dump_of_an_moe_port_names_the_expert_half_the_tokens_reach(tmp_path: 
                         base_dir=REPO)
     dump_run(target, MOE_IDS, 2, DumpConfig(dump_path=str(tmp_path / "target"), token_range="all"))
     proc, verdict = _run(tmp_path, str(tmp_path / "golden"), str(tmp_path / "target"), model)
+    experts = "model.layers.2.feed_forward.experts" if family == "llama4" else "model.layers.2.mlp.experts"
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert verdict["first_bad_module"] == "model.layers.2.mlp.experts", verdict["headline"]
+    assert verdict["first_bad_module"] == experts, verdict["headline"]
     assert verdict["first_bad_expert"] == 1 and "(expert 1)" in verdict["headline"], verdict["headline"]
     top = verdict["candidates"][0]
     assert top["expert_worst"] == 1 and top["expert_median_rel"] > 3 * top["expert_rest_rel"], top

@@ -106,7 +106,7 @@ def layer_mask_is_a_tensor(target: Path, step: int) -> bool:
                for e in open_dump(target).entries() if e.step == step and e.kind == "input")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3", "llama4"])  # (llama4: complex angles)
 @pytest.mark.parametrize("fault", INPUT_FAULTS)
 def test_a_side_input_changed_on_its_way_names_the_module_it_enters(dumps, family: str, fault: str) -> None:
     """The rotary tables or the mask a layer hands its attention changed at decode steps: the
@@ -133,7 +133,8 @@ def test_a_side_input_changed_on_its_way_names_the_module_it_enters(dumps, famil
     assert "at decode step 1" in headline and "the golden's passes it on unchanged" in headline
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+# (llama4: its qk_norm is called twice a step, on the queries and on the keys)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "llama4"])
 @pytest.mark.parametrize("replay_step", [0, 1, 2, 4])
 def test_a_clean_ports_layers_replayed_whole_do_not_stand_out(dumps, family: str, replay_step: int) -> None:
     verdict = bisect(dumps, family, dumps(family, "clean"), replay_step=replay_step)

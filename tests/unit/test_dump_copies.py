@@ -326,3 +326,33 @@ def test_a_step_that_raises_or_a_dump_closed_mid_step_puts_the_thresholds_back(t
     finally:
         handle.remove()
     assert gc.get_threshold() == before
+
+
+def test_every_dtype_the_dump_stores_reads_back_as_itself(tmp_path):
+    """The dump writes every dtype safetensors has a code for (complex64: Llama 4's rotary hands
+    its attention complex angles); the reader takes each back, values and dtype alike."""
+    class Angles(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.angles = Angles()
+
+        def forward(self, hidden, value):  # (a float first input: an integer one would start a new run)
+            return self.angles(value)
+
+    values = {dtype: torch.arange(6).reshape(2, 3).to(dtype) for dtype in SAFETENSORS_DTYPES}
+    values[torch.complex64] = torch.polar(torch.ones(2, 3), torch.arange(6.0).reshape(2, 3))
+    model = Outer()
+    h = register_hook(model, DumpConfig(dump_path=str(tmp_path / "d"), token_range="all"))
+    for t in values.values():
+        model(torch.ones(2, 3), t)
+    h.remove()
+    r = LlmflowDumpReader(h.dumps[0])
+    read = [r.load(e) for e in sorted(r.entries(), key=lambda e: e.step)
+            if e.name == "angles" and e.kind == "output"]
+    assert [t.dtype for t in read] == list(values)
+    for got, want in zip(read, values.values(), strict=True):
+        assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)), want.dtype

@@ -9,9 +9,10 @@ PKG = Path(__file__).resolve().parents[2] / "llmflow"
 RANK = {"__main__": 9, "cli": 8, "workflow": 7, "stages": 6, "localize": 5, "checks": 4, "dump": 3,
         "compare": 3, "report": 2, "formats": 2, "native": 2, "streamed": 2, "data": 1, "models": 1,
         "structure": 1, "seeding": 1, "quantized": 0.5, "plugins": 0, "resources": 0, "options": 0,
-        "results": 0, "atomic": 0, "interrupts": 0, "dtypes": 0, "operators": 0, "safetensors_files": 0,
+        "results": 0, "atomic": 0, "interrupts": 0, "dtypes": -0.25, "operators": 0, "safetensors_files": 0,
         "collector": 0, "errors": -1, "redaction": -1, "regular_files": -0.5}
-# (regular_files: below safetensors_files, above errors; quantized: below models, above safetensors_files)
+# (regular_files: below safetensors_files, above errors; dtypes: below safetensors_files; quantized:
+# below models, above safetensors_files)
 
 
 def _imports(path: Path) -> set[str]:

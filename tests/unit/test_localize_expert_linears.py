@@ -130,7 +130,7 @@ def test_experts_that_round_alike_give_the_tokens_error():
 
 def test_a_module_called_without_routing_has_no_expert_error():
     alone = Call("m", args=[torch.ones(4, 32)])
-    assert expert_token_error(torch.ones(4, 32), torch.ones(4, 32), alone) is None
+    assert expert_token_error(torch.ones(4, 32), torch.ones(4, 32), torch.nn.Identity(), alone) is None
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -164,6 +164,10 @@ def test_an_expert_linear_layer_is_named_beyond_twice_the_bisects_ratio():
     assert worst_expert_linear(rows(7.0), 0, ratio=3.0).projection == "down_proj"
 
 
+class Experts(torch.nn.Module):
+    """Stands for a fused experts module (told by its class name and its call's routing)."""
+
+
 def test_the_tokens_an_expert_does_not_reach_are_measured_at_the_median() -> None:
     """Top-2 of 4 experts: expert 1 reaches half the tokens. A fault in it puts error in every one
     of them (its median far above the others'); one bad token that reaches it too puts error in
@@ -179,13 +183,41 @@ def test_the_tokens_an_expert_does_not_reach_are_measured_at_the_median() -> Non
     faulty = rounding.clone()
     reached = (index == 1).any(dim=-1)
     faulty[reached] *= 1.3
-    worst, mean, median, rest = expert_token_error(golden, faulty, call)
+    experts = Experts()
+    worst, mean, median, rest = expert_token_error(golden, faulty, experts, call)
     row = {"expert_worst": worst, "expert_rel": mean, "expert_median_rel": median, "expert_rest_rel": rest,
            "token_rel": mean * reached.float().mean().item()}
     assert worst == 1 and median > 3 * rest and expert_of_tokens(row) == 1
     one_bad = rounding.clone()
     one_bad[1] *= 2.0  # token 1 reaches experts 1 and 2
-    worst, mean, median, rest = expert_token_error(golden, one_bad, call)
+    worst, mean, median, rest = expert_token_error(golden, one_bad, experts, call)
     row = {"expert_worst": worst, "expert_rel": mean, "expert_median_rel": median, "expert_rest_rel": rest,
            "token_rel": 2.0 / tokens}
     assert expert_of_tokens(row) is None, row
+
+
+def test_llama4s_experts_called_expert_by_expert_name_the_faulty_one() -> None:
+    """Llama 4's MoE hands its experts every token once per expert, expert by expert, each copy
+    scaled by its routing score (0 where the router did not pick the expert): the rows of one
+    expert are its tokens, the zero rows no one's, and the expert with the error is named."""
+    model = build_tiny("llama4", "layers=2,hidden=64,intermediate=128,seed=5,experts=4,top_k=1")
+    moe = model.get_submodule("model.layers.1.feed_forward").eval()
+    hidden = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
+    captured: dict[str, torch.Tensor] = {}
+    handle = moe.experts.register_forward_pre_hook(lambda _m, args: captured.update(x=args[0]))
+    with torch.no_grad():
+        moe(hidden)
+    handle.remove()
+    x = captured["x"]
+    assert x.shape[0] == 4 * 24 and int((x.abs().amax(-1) > 0).sum()) == 24  # top 1: one live copy a token
+    call = Call("model.layers.1.feed_forward.experts", type(moe.experts).__name__, [x])
+    with torch.no_grad():
+        call.outputs = {"0": moe.experts(x)}
+    broken = copy.deepcopy(moe.experts)
+    with torch.no_grad():
+        broken.down_proj[2].mul_(1.3)
+    row = replay_call(broken, call, device=torch.device("cpu"), dtype=torch.float32)
+    assert row["expert_worst"] == 2 and expert_of_tokens(row) == 2, row
+    assert row["expert_rest_rel"] == 0.0 and row["expert_median_rel"] > 0.2, row
+    clean = replay_call(copy.deepcopy(moe.experts), call, device=torch.device("cpu"), dtype=torch.float32)
+    assert expert_of_tokens(clean) is None, clean

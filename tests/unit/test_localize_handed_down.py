@@ -66,3 +66,14 @@ def test_the_limit_is_the_coarsest_dtypes_rounding_and_zero_for_integers() -> No
     assert handed_down_limit(of(torch.bfloat16), of(torch.float32), "float32") == bf16
     tables = torch.randn(64)
     assert difference(tables.bfloat16().float(), tables) < bf16
+
+
+def test_complex_angles_differ_by_both_parts_within_a_floating_limit() -> None:
+    """Llama 4's rotary hands its attention unit complex numbers: a turn is a relative distance,
+    judged by a float's limit, not a share of elements changed."""
+    angles = torch.polar(torch.ones(6, 8), torch.arange(48.0).reshape(6, 8) / 10)
+    turned = angles * torch.polar(torch.ones(8), torch.full((8,), 0.1))
+    assert difference(angles, angles.clone()) == 0.0
+    turn = abs(complex(math.cos(0.1) - 1, math.sin(0.1)))
+    assert difference(turned, angles) == pytest.approx(turn, rel=1e-5)
+    assert handed_down_limit(turned, angles, "bfloat16") > 0

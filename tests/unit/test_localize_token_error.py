@@ -90,3 +90,12 @@ def test_an_error_against_output_plus_update_drops_the_token_mean():
     row = {"name": "model.layers.1", "replayable": True, **own_error(g, t)}
     moved = relative_to_update(row, update_norm=row["norm"])
     assert "token_rel" not in moved and moved["rel_l2"] == pytest.approx(row["l2"] / (2 * row["norm"]))
+
+
+def test_complex_outputs_err_in_both_parts() -> None:
+    """Complex angles (Llama 4's rotary) measured whole: an error in the imaginary part alone counts."""
+    golden = torch.polar(torch.ones(6, 8), torch.arange(48.0).reshape(6, 8) / 10)
+    target = torch.complex(golden.real, golden.imag * 1.1)
+    row = own_error(golden, target)
+    expected = float((golden.imag * 0.1).norm() / golden.abs().norm())
+    assert row["rel_l2"] == pytest.approx(expected, rel=1e-4) and row["numel"] == 96
