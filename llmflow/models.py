@@ -115,6 +115,8 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, str | tuple[str, ...]], dict[str, 
                     "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
     "minimax": ("minimax", {"experts": "num_local_experts", "top_k": "num_experts_per_tok"},
                 {"head_dim": 16}),
+    # PhiMoE: its router's weights (sparsemixer) keep the experts within a margin of the best
+    "phimoe": ("phimoe", {"experts": "num_local_experts", "top_k": "num_experts_per_tok"}, {}),
     # Llama 4: every layer's MoE has a shared expert; its rotary hands the attention complex angles
     "llama4": ("llama4_text", {"experts": "num_local_experts", "top_k": "num_experts_per_tok",
                                "intermediate": ("intermediate_size", "intermediate_size_mlp")},

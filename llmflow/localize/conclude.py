@@ -323,10 +323,15 @@ def shared_error(step: StepReplay, stack: LayerStack | None, dtype: str) -> Shar
     tensor carries the rounding of every op before it, one module's own error far less) and
     ``SHARED_RATIO`` times the typical module type's, or None; what the attentions write into their
     KV caches by the tighter ``KV_WRITE_RATIO`` and ``KV_WRITE_FLOORS``. Of types that nest (an
-    o_proj inside its self_attn) with errors within 2x of the worst, the innermost."""
+    o_proj inside its self_attn) with errors within 2x of the worst, the innermost. Copies set aside
+    as the golden module's own rounding (``step.rounding``) are left out."""
     limits = DEFAULT_THRESHOLDS.get(dtype_class(dtype), {}).get("relative_euclidean_distance")
+    # copies whose error is the golden module's own rounding in the target's dtype (``rounding.py``)
+    # are no fault of the port's, shared or not
+    rounding = {r["name"] for r in step.rounding}
     by_type = {t: finite for t, copies in _errors_by_type(step.replayed + step.cache_writes, stack).items()
-               if (finite := [(n, e) for n, e in copies if finite_or_none(e) is not None])}
+               if (finite := [(n, e) for n, e in copies
+                              if finite_or_none(e) is not None and n not in rounding])}
     if not limits or not by_type:
         return None
     medians = {t: median(e for _, e in copies) for t, copies in by_type.items()}

@@ -93,8 +93,15 @@ def to_rounding(candidate: dict[str, Any], rounding: dict[str, Any], *, kv_cache
     """How many times the golden module's own rounding (``rounding_row``) the candidate's own error
     is, measured alike (``_relative``; a KV cache write's ``kv_cache_rel_l2``); None where the golden
     module run so has no error (the two sides compute alike) or the replay gave none."""
-    if not rounding.get("replayable") or rounding.get("routing_weights") or rounding.get("routing_flips"):
-        return None  # (a router whose choice differs in the lower dtype: a discrete change, not rounding)
+    if not rounding.get("replayable") or rounding.get("routing_flips"):
+        return None  # (an MoE block whose own routing in the lower dtype picks other experts)
+    if rounding.get("routing_weights") is not None:  # a router that also chooses: its error is the
+        # larger of its logits' and its weights' where the experts agree; the golden router rounds
+        # its weights as much where they are a discontinuous function of the logits (PhiMoE's
+        # sparsemixer keeps the experts within a margin of the best: a near tie moves one across)
+        own, base = candidate.get("rel_l2"), rounding.get("rel_l2")
+        ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (own, base))
+        return own / base if ok and base > 0 else None
     if candidate.get("expert_rel") is not None:  # its worst expert's tokens: the copy's worst may be
         return None  # another expert's, a larger baseline that would set a rare expert's fault aside
     if kv_cache:

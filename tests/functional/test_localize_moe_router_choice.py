@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bisect_helpers import bisect_dumps, make_dumps
 from path_helpers import checkout_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,3 +63,22 @@ def test_a_router_choosing_wrong_is_named(tmp_path, family, fault):
     assert verdict["first_bad_module"] == gate, verdict["headline"]
     chosen = next(c for c in verdict["candidates"] if c["name"] == gate)
     assert chosen["anomalous"], chosen
+
+
+def test_a_phimoe_port_blames_no_router_for_bf16_and_names_one_computing_wrong(tmp_path):
+    """PhiMoE's router (sparsemixer) weighs a token's experts by the softmax of the logits within a
+    margin of the best: where bf16 moves a logit across it, a weight jumps though the experts agree
+    (on some CPUs its own error is 20-30x the other layers' routers on a clean port). The golden
+    router run in bf16 jumps alike: a clean port is never failed; a router computing wrong is named."""
+    model = "tiny-phimoe:layers=4,hidden=64,intermediate=128,seed=1"
+    dumps = make_dumps(tmp_path / "clean", model)
+    clean = bisect_dumps(dumps, estimate_cost=False)
+    assert clean["status"] != "fail" and clean["first_bad_module"] is None, clean["headline"]
+    routers = [c for c in clean["candidates"] if c["name"].endswith("mlp.router") and c.get("rounding_ratio")]
+    assert all(c["rounding_ratio"] < 3 for c in routers), routers  # (where they stood out: set aside)
+    (tmp_path / "faulty").mkdir()
+    patch = "plugins/example_faults.py:wrong_router_layer_2"
+    faulty_dumps = make_dumps(tmp_path / "faulty", model, golden_dir=dumps["golden_dump"], patch=patch)
+    faulty = bisect_dumps(faulty_dumps, estimate_cost=False)
+    assert faulty["status"] == "fail", faulty["headline"]
+    assert faulty["first_bad_module"] == "model.layers.2.mlp.router", faulty["headline"]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from llmflow.dump.memory import Call
+from llmflow.localize.conclude import StepReplay, shared_error
 from llmflow.localize.rank import pick_candidate, rank_modules, set_aside
 from llmflow.localize.replay import replay_call
 from llmflow.localize.rounding import cast_copy, copy_bytes, rounding_row, to_rounding
@@ -125,3 +126,42 @@ def test_tokens_that_print_alike_are_told_apart_by_their_ids() -> None:
     plain = TokenDetail(step=1, golden_token=" a", target_token=" b", golden_id=3, target_id=4,
                         golden_margin=0.1)
     assert "token ids" not in _token_sentence(1, plain) and "' a' -> ' b'" in _token_sentence(1, plain)
+
+
+def test_a_router_whose_weights_jump_in_bf16_is_measured_against_the_golden_routers_jump() -> None:
+    """PhiMoE's router weighs a token's experts by the softmax of the logits within a margin of the
+    best: where bf16 moves a logit across it, a weight jumps though the experts agree. The golden
+    router cast to bf16 jumps alike (ratio 1); one computing its weights wrong does not."""
+    model = build_tiny("phimoe", "layers=2,hidden=64,intermediate=128,seed=1,init=0.2")
+    router = model.get_submodule("model.layers.1.mlp.router").eval()
+    hidden = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        outputs = dict(enumerate(router(hidden)))
+    call = Call("model.layers.1.mlp.router", type(router).__name__, [hidden],
+                outputs={str(i): t for i, t in outputs.items()})
+    target = cast_copy(router, CPU, torch.bfloat16)
+    clean = replay_call(target, call, device=CPU, dtype=torch.bfloat16)
+    reference = rounding_row(router, call, device=CPU, dtype=torch.bfloat16)
+    assert clean.get("routing_weights") and clean["rel_l2"] > 0, clean
+    assert to_rounding(clean, reference, kv_cache=False) == pytest.approx(1.0)
+    forward = target.forward
+
+    def unnormalised(x):  # the weights as the softmax over every expert (no margin)
+        logits, _weights, experts = forward(x)
+        return logits, torch.softmax(logits.float(), -1).gather(-1, experts).to(logits.dtype), experts
+    target.forward = unnormalised
+    faulty = replay_call(target, call, device=CPU, dtype=torch.bfloat16)
+    assert to_rounding(faulty, reference, kv_cache=False) > 3
+
+
+def test_copies_set_aside_as_rounding_are_no_shared_error() -> None:
+    """A module type beyond the dtype's limit in some layers, each copy set aside as the golden
+    module's own rounding there: no fault the layers share."""
+    errors = {f"model.layers.{i}.{t}": e for i in range(4) for t, e in
+              (("q_proj", 0.003), ("mlp", 0.005), ("input_layernorm", 0.001))}
+    errors |= {f"model.layers.{i}.mlp.router": 0.065 if i else 0.003 for i in range(4)}
+    rows = [{"name": n, "rel_l2": e, "replayable": True} for n, e in errors.items()]
+    step = StepReplay(step=0, why="test", rows=rows)
+    assert shared_error(step, None, "bfloat16") is not None
+    step.rounding = [{"name": f"model.layers.{i}.mlp.router"} for i in (1, 2, 3)]
+    assert shared_error(step, None, "bfloat16") is None
