@@ -251,10 +251,16 @@ def wrong_rope(layer: int) -> Patch:
 
 
 def _expert_weights(model: nn.Module, layer: int) -> list[tuple[nn.Module, str]]:
-    """(module, parameter name) of every expert's output projection in layer ``layer``'s MoE."""
-    experts = part(model, layer, "experts")
-    if isinstance(getattr(experts, "down_proj", None), torch.Tensor):  # fused: [E, hidden, inter]
-        return [(experts, "down_proj")]
+    """(module, parameter name) of every expert's output projection in layer ``layer``'s MoE: the
+    last experts module that is not a shared expert (JetMoE's output_linear after its input_linear)."""
+    name, block = _layer(model, layer)
+    found = [n for n in block_roles(block, name).get("experts", []) if "shared" not in n.rsplit(".", 1)[-1]]
+    if not found:
+        raise ValueError(f"example_faults: layer {layer} ({type(block).__name__}) has no routed experts")
+    experts = dict(model.named_modules())[found[-1]]
+    for attr in ("down_proj", "weight"):  # fused: one [E, out, in] tensor (JetMoE's is its weight)
+        if isinstance(getattr(experts, attr, None), torch.Tensor) and getattr(experts, attr).dim() == 3:
+            return [(experts, attr)]
     return [(_projections(e)[-1][1], "weight") for e in experts.children()]
 
 
