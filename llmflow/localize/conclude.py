@@ -933,7 +933,8 @@ def _compare_fail_not_replayed(inp: Any, tried: list[StepReplay]) -> dict[str, A
     unset, the bisect replays that step itself.)"""
     failing = getattr(inp, "compare_first_fail", None) or {}
     step = failing.get("step")
-    if getattr(inp, "replay_step", None) is None or not isinstance(step, int):
+    if (getattr(inp, "replay_step", None) is None or not isinstance(step, int)
+            or step >= len(getattr(inp, "golden_ids", None) or [])):  # (past the steps generated: no replay)
         return None
     return failing if step not in {t.step for t in tried} else None
 

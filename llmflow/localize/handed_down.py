@@ -85,10 +85,11 @@ def difference(handed: torch.Tensor, given: torch.Tensor) -> float | None:
     equal. An additive mask's
     "masked" values (``_MASKED``) are one value; a NaN in both places is no change. None for
     tensors of other sizes (a port that slices the input on the way: not comparable here)."""
-    if handed.numel() != given.numel():
-        return None
     # complex angles (Llama 4's rotary) as their real and imaginary parts
-    a, b = (torch.view_as_real(x).reshape(-1) if x.is_complex() else x.reshape(-1) for x in (handed, given))
+    a, b = (torch.view_as_real(x.resolve_conj()).reshape(-1) if x.is_complex() else x.reshape(-1)
+            for x in (handed, given))
+    if a.numel() != b.numel():
+        return None
     if not (a.is_floating_point() or b.is_floating_point()):
         return float((a != b).double().mean()) if a.numel() else 0.0
     a, b = (torch.where(x <= _MASKED, -math.inf, x.double()) for x in (a, b))

@@ -293,17 +293,32 @@ def _routing_args(call: Call) -> tuple[int, int] | None:
     return None if w_pos is None else (pos, w_pos)
 
 
+#: how far apart (L2, unit rows) one token's copies may be in an expert-major call: its routing
+#: scores scale each copy in the model's dtype, which rounds each element (bf16: ~0.4% each)
+EXPERT_MAJOR_SPREAD = 0.05
+
+
 def _expert_major(module: nn.Module, call: Call) -> int | None:
     """The number of experts of a fused experts module called on its tokens repeated once per
     expert, expert by expert, each copy scaled by the token's routing score there (0 where the
     router did not pick that expert), as Llama 4's MoE calls its experts; None for another call."""
     n = getattr(module, "num_experts", None)
-    tensors = [a for a in call.args if isinstance(a, torch.Tensor)]
+    x = call.args[0] if len(call.args) == 1 and not call.kwargs else None
     if not (type(module).__name__.lower().endswith("experts") and isinstance(n, int) and n > 1
-            and len(tensors) == 1 and tensors[0].is_floating_point() and tensors[0].dim() == 2
-            and tensors[0].shape[0] % n == 0):
+            and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() == 2
+            and x.shape[0] % n == 0 and x.shape[0]):
         return None
-    return n
+    # told by its rows, not by its shape (JetMoE's experts take rows grouped by expert, of uneven
+    # sizes): each token's copies are one row scaled, and at least one is zero (top-k < experts)
+    copies = x.detach().to("cpu", torch.float32).reshape(n, x.shape[0] // n, -1)
+    norms = copies.norm(dim=-1)
+    routed = norms > 0
+    if bool(routed.all(dim=0).any()):
+        return None
+    unit = copies / norms.clamp(min=1e-30).unsqueeze(-1)
+    first = unit[routed.int().argmax(dim=0), torch.arange(unit.shape[1])]  # each token's first copy
+    spread = (unit - first).norm(dim=-1)[routed]
+    return n if not spread.numel() or float(spread.max()) < EXPERT_MAJOR_SPREAD else None
 
 
 def _row_experts(module: nn.Module, call: Call) -> torch.Tensor | None:
@@ -317,7 +332,7 @@ def _row_experts(module: nn.Module, call: Call) -> torch.Tensor | None:
     n = _expert_major(module, call)
     if n is None:
         return None
-    rows = next(a for a in call.args if isinstance(a, torch.Tensor)).detach().to("cpu")
+    rows = call.args[0].detach().to("cpu")
     routed = rows.abs().amax(dim=-1) > 0
     expert = torch.arange(rows.shape[0]) // (rows.shape[0] // n)
     return torch.where(routed, expert, -1).unsqueeze(-1)

@@ -54,8 +54,8 @@ def own_error(golden: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     mean token by 97%. Where every token rounds alike, the two agree.
     """
     if golden.is_complex() or target.is_complex():  # complex angles (Llama 4's rotary): both parts
-        golden, target = (torch.view_as_real(x).flatten(-2) if x.is_complex() else x
-                          for x in (golden, target))
+        golden, target = (torch.view_as_real(x.resolve_conj().reshape(*x.shape[:-1] or (1,), -1))
+                          .flatten(-2) if x.is_complex() else x for x in (golden, target))
     g = golden.detach().to("cpu", torch.float64).reshape(-1)
     t = target.detach().to("cpu", torch.float64).reshape(-1)
     if g.shape != t.shape:

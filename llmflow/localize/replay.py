@@ -68,6 +68,8 @@ def replay_call(module: nn.Module, call: Call, *, device: torch.device, dtype: t
     choice = moe.choice_error(call.outputs, flat) if index == "0" else None
     if choice is not None:  # a router that also chooses: its choice is its own work too
         row["routing_weights"] = choice["detail"]
+        # its two parts kept apart: each is measured against the golden router's own (rounding.py)
+        row["logits_rel_l2"], row["routing_weights_rel_l2"] = row["rel_l2"], choice["rel_l2"]
         if choice["rel_l2"] > row["rel_l2"]:  # its error is the choice's (rank.py reads l2 first)
             row["rel_l2"] = choice["rel_l2"]
             row.pop("l2", None)

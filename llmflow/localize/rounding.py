@@ -95,13 +95,19 @@ def to_rounding(candidate: dict[str, Any], rounding: dict[str, Any], *, kv_cache
     module run so has no error (the two sides compute alike) or the replay gave none."""
     if not rounding.get("replayable") or rounding.get("routing_flips"):
         return None  # (an MoE block whose own routing in the lower dtype picks other experts)
-    if rounding.get("routing_weights") is not None:  # a router that also chooses: its error is the
-        # larger of its logits' and its weights' where the experts agree; the golden router rounds
-        # its weights as much where they are a discontinuous function of the logits (PhiMoE's
-        # sparsemixer keeps the experts within a margin of the best: a near tie moves one across)
-        own, base = candidate.get("rel_l2"), rounding.get("rel_l2")
-        ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (own, base))
-        return own / base if ok and base > 0 else None
+    if rounding.get("routing_weights") is not None:  # a router that also chooses: its logits and
+        # its weights where the experts agree, each against the golden router's own, the larger
+        # ratio (the golden router rounds its weights as much where they are a discontinuous
+        # function of the logits: PhiMoE's sparsemixer keeps the experts within a margin of the
+        # best, and a near tie moves one across; its logits say whether they are the golden's)
+        parts = [(candidate.get(key), rounding.get(key))
+                 for key in ("logits_rel_l2", "routing_weights_rel_l2")]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for part in parts for v in part):
+            return None
+        # (a part with no error on either side says nothing; one the golden router has none of is
+        # the target's own)
+        ratios = [own / base if base > 0 else math.inf for own, base in parts if own > 0 or base > 0]
+        return max(ratios) if ratios else None
     if candidate.get("expert_rel") is not None:  # its worst expert's tokens: the copy's worst may be
         return None  # another expert's, a larger baseline that would set a rare expert's fault aside
     if kv_cache:

@@ -221,3 +221,22 @@ def test_llama4s_experts_called_expert_by_expert_name_the_faulty_one() -> None:
     assert row["expert_rest_rel"] == 0.0 and row["expert_median_rel"] > 0.2, row
     clean = replay_call(copy.deepcopy(moe.experts), call, device=torch.device("cpu"), dtype=torch.float32)
     assert expert_of_tokens(clean) is None, clean
+
+
+def test_experts_given_bare_rows_of_another_layout_are_not_taken_expert_by_expert() -> None:
+    """An experts module called on one tensor of rows whose count divides by its experts is not
+    Llama 4's layout unless each token's copies are one row scaled with one zero at least (JetMoE's
+    rows are grouped by expert in groups of uneven sizes)."""
+    class ParallelExperts(torch.nn.Module):
+        num_experts = 4
+
+    rows = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    call = Call("model.layers.0.mlp.output_linear", "ParallelExperts", [rows])
+    assert expert_token_error(rows, rows * 1.5, ParallelExperts(), call) is None
+    token = torch.randn(4, 32)
+    scores = torch.tensor([[0.7, 0.0, 0.3, 0.0]] * 4).T.reshape(4, 4, 1)  # top 2 of 4: experts 0 and 2
+    copies = (token.unsqueeze(0) * scores).reshape(16, 32)
+    faulty = copies.clone()
+    faulty[8:12] *= 1.3  # expert 2's rows
+    call = Call("model.layers.0.feed_forward.experts", "ParallelExperts", [copies])
+    assert expert_token_error(copies, faulty, ParallelExperts(), call)[0] == 2

@@ -128,13 +128,15 @@ def test_tokens_that_print_alike_are_told_apart_by_their_ids() -> None:
     assert "token ids" not in _token_sentence(1, plain) and "' a' -> ' b'" in _token_sentence(1, plain)
 
 
-def test_a_router_whose_weights_jump_in_bf16_is_measured_against_the_golden_routers_jump() -> None:
+@pytest.mark.parametrize("seed", range(3))
+def test_a_router_whose_weights_jump_in_bf16_is_measured_against_the_golden_routers_jump(seed: int) -> None:
     """PhiMoE's router weighs a token's experts by the softmax of the logits within a margin of the
     best: where bf16 moves a logit across it, a weight jumps though the experts agree. The golden
-    router cast to bf16 jumps alike (ratio 1); one computing its weights wrong does not."""
+    router cast to bf16 jumps alike (ratio 1); one computing its weights wrong does not, nor one
+    whose logits are wrong where the golden's weights jump too (each part against its own)."""
     model = build_tiny("phimoe", "layers=2,hidden=64,intermediate=128,seed=1,init=0.2")
     router = model.get_submodule("model.layers.1.mlp.router").eval()
-    hidden = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(64, 64, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         outputs = dict(enumerate(router(hidden)))
     call = Call("model.layers.1.mlp.router", type(router).__name__, [hidden],
@@ -152,6 +154,11 @@ def test_a_router_whose_weights_jump_in_bf16_is_measured_against_the_golden_rout
     target.forward = unnormalised
     faulty = replay_call(target, call, device=CPU, dtype=torch.bfloat16)
     assert to_rounding(faulty, reference, kv_cache=False) > 3
+    scaled = cast_copy(router, CPU, torch.bfloat16)
+    with torch.no_grad():
+        scaled.weight[0].mul_(1.2)  # one expert's logits 20% off
+    wrong_logits = replay_call(scaled, call, device=CPU, dtype=torch.bfloat16)
+    assert to_rounding(wrong_logits, reference, kv_cache=False) > 3
 
 
 def test_copies_set_aside_as_rounding_are_no_shared_error() -> None:
