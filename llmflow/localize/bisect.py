@@ -930,9 +930,9 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     # a side input (positions, mask) changed on its way into a module, which a replay on the recorded
     # inputs is given changed as well
     quantized = getattr(tgt, "quantized", None)
-    named = [t for t in tried
-             if t.anomalous and not below_notice(inp, t.candidate, mismatch, bad_token, quantized)]
-    handed = b.handed_down(dtype) if not differs and not named else None
+    nameable = [t for t in tried
+                if t.anomalous and not below_notice(inp, t.candidate, mismatch, bad_token, quantized)]
+    handed = b.handed_down(dtype) if not differs and not nameable else None
     b.op_level(chosen)
     b.expert_at_prefill(chosen)
     own_steps = b.own_error_per_step(chosen)

@@ -82,9 +82,9 @@ def difference(handed: torch.Tensor, given: torch.Tensor) -> float | None:
     """How far ``handed`` is from ``given``: the relative L2 distance of floating (and complex)
     tensors (inf where they differ in a non-finite value, or ``given`` is all zero and they
     differ), the share of elements that differ of integer and boolean ones; 0.0 where they are
-    equal. An additive mask's
-    "masked" values (``_MASKED``) are one value; a NaN in both places is no change. None for
-    tensors of other sizes (a port that slices the input on the way: not comparable here)."""
+    equal. An additive mask's "masked" values (``_MASKED``) are one value; a NaN in both places is
+    no change. None for tensors of other sizes (a port that slices the input on the way: not
+    comparable here)."""
     # complex angles (Llama 4's rotary) as their real and imaginary parts
     a, b = (torch.view_as_real(x.resolve_conj()).reshape(-1) if x.is_complex() else x.reshape(-1)
             for x in (handed, given))

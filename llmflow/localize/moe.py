@@ -298,10 +298,11 @@ def _routing_args(call: Call) -> tuple[int, int] | None:
 EXPERT_MAJOR_SPREAD = 0.05
 
 
-def _expert_major(module: nn.Module, call: Call) -> int | None:
-    """The number of experts of a fused experts module called on its tokens repeated once per
-    expert, expert by expert, each copy scaled by the token's routing score there (0 where the
-    router did not pick that expert), as Llama 4's MoE calls its experts; None for another call."""
+def _expert_major(module: nn.Module, call: Call) -> torch.Tensor | None:
+    """Each input row's expert (-1: a copy of a token the router did not send there, zero in and
+    zero out) of a fused experts module called on its tokens repeated once per expert, expert by
+    expert, each copy scaled by the token's routing score there, as Llama 4's MoE calls its
+    experts; None for another call."""
     n = getattr(module, "num_experts", None)
     x = call.args[0] if len(call.args) == 1 and not call.kwargs else None
     if not (type(module).__name__.lower().endswith("experts") and isinstance(n, int) and n > 1
@@ -318,7 +319,10 @@ def _expert_major(module: nn.Module, call: Call) -> int | None:
     unit = copies / norms.clamp(min=1e-30).unsqueeze(-1)
     first = unit[routed.int().argmax(dim=0), torch.arange(unit.shape[1])]  # each token's first copy
     spread = (unit - first).norm(dim=-1)[routed]
-    return n if not spread.numel() or float(spread.max()) < EXPERT_MAJOR_SPREAD else None
+    if spread.numel() and float(spread.max()) >= EXPERT_MAJOR_SPREAD:
+        return None
+    expert = torch.arange(n).unsqueeze(-1).expand_as(routed)
+    return torch.where(routed, expert, -1).reshape(-1)
 
 
 def _row_experts(module: nn.Module, call: Call) -> torch.Tensor | None:
@@ -329,13 +333,8 @@ def _row_experts(module: nn.Module, call: Call) -> torch.Tensor | None:
     found = _routing_args(call)
     if found is not None and is_fused_experts(module, call):
         return call.args[found[0]].to("cpu")
-    n = _expert_major(module, call)
-    if n is None:
-        return None
-    rows = call.args[0].detach().to("cpu")
-    routed = rows.abs().amax(dim=-1) > 0
-    expert = torch.arange(rows.shape[0]) // (rows.shape[0] // n)
-    return torch.where(routed, expert, -1).unsqueeze(-1)
+    experts = _expert_major(module, call)
+    return experts.unsqueeze(-1) if experts is not None else None
 
 
 #: the share of the most excess error an expert's tokens must hold to be the one named
