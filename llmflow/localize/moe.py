@@ -325,15 +325,36 @@ def _expert_major(module: nn.Module, call: Call) -> torch.Tensor | None:
     return torch.where(routed, expert, -1).reshape(-1)
 
 
+def _expert_grouped(module: nn.Module, call: Call) -> torch.Tensor | None:
+    """Each input row's expert of an experts module called on rows grouped by expert with the
+    groups' sizes, ``(rows, sizes)``, as JetMoE calls its ``input_linear`` and ``output_linear``
+    (the first ``sizes[0]`` rows expert 0's, and so on); None for another call."""
+    n = getattr(module, "num_experts", None)
+    if len(call.args) != 2 or call.kwargs or not isinstance(n, int) or n < 2:
+        return None
+    x, sizes = call.args
+    if isinstance(sizes, torch.Tensor) and sizes.dim() == 1 and not sizes.is_floating_point():
+        sizes = sizes.tolist()
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2 and isinstance(sizes, (list, tuple))
+            and len(sizes) == n and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                        for s in sizes)
+            and sum(sizes) == x.shape[0]):
+        return None
+    return torch.repeat_interleave(torch.arange(n), torch.tensor(sizes, dtype=torch.long))
+
+
 def _row_experts(module: nn.Module, call: Call) -> torch.Tensor | None:
     """The experts each row of a fused experts module's output went through, one row of expert
     indices per output row: the routing's top-k indices where the call is given them (one row per
     token); for an expert-major call (``_expert_major``) the row's expert, -1 for a copy of a token
-    the router did not send there (zero in, zero out). None for another module or call."""
+    the router did not send there (zero in, zero out); for rows grouped by expert
+    (``_expert_grouped``) the row's expert. None for another module or call."""
     found = _routing_args(call)
     if found is not None and is_fused_experts(module, call):
         return call.args[found[0]].to("cpu")
     experts = _expert_major(module, call)
+    if experts is None:
+        experts = _expert_grouped(module, call)
     return experts.unsqueeze(-1) if experts is not None else None
 
 

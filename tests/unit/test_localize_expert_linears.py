@@ -240,3 +240,36 @@ def test_experts_given_bare_rows_of_another_layout_are_not_taken_expert_by_exper
     faulty[8:12] *= 1.3  # expert 2's rows
     call = Call("model.layers.0.feed_forward.experts", "ParallelExperts", [copies])
     assert expert_token_error(copies, faulty, ParallelExperts(), call)[0] == 2
+
+
+def test_jetmoes_experts_given_rows_grouped_by_expert_name_the_faulty_one() -> None:
+    """JetMoE calls its experts (``input_linear``, ``output_linear``) on rows sorted by expert with
+    the groups' sizes as a list: each row's expert is its group's, and the expert with the error is
+    named; a size list that does not add up to the rows is not taken as one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("jetmoe", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, kv_channels=16,
+                               num_local_experts=4, num_experts_per_tok=2, vocab_size=64)
+    torch.manual_seed(2)
+    moe = AutoModelForCausalLM.from_config(cfg).model.layers[0].mlp.eval()
+    captured: dict[str, tuple] = {}
+    handle = moe.output_linear.register_forward_pre_hook(lambda _m, args: captured.update(args=args))
+    with torch.no_grad():
+        moe(torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(1)))
+    handle.remove()
+    rows, sizes = captured["args"]
+    assert isinstance(sizes, list) and sum(sizes) == rows.shape[0] == 24 and sizes[1] > 0, sizes
+    call = Call("model.layers.0.mlp.output_linear", type(moe.output_linear).__name__, [rows, sizes])
+    with torch.no_grad():
+        call.outputs = {"0": moe.output_linear(rows, sizes)}
+    broken = copy.deepcopy(moe.output_linear)
+    with torch.no_grad():
+        broken.weight[1].mul_(1.3)
+    row = replay_call(broken, call, device=torch.device("cpu"), dtype=torch.float32)
+    assert row["expert_worst"] == 1 and expert_of_tokens(row) == 1, row
+    cpu = torch.device("cpu")
+    clean = replay_call(copy.deepcopy(moe.output_linear), call, device=cpu, dtype=torch.float32)
+    assert expert_of_tokens(clean) is None, clean
+    uneven = Call(call.name, call.module_type, [rows, [*sizes[:-1], sizes[-1] + 1]], outputs=call.outputs)
+    assert expert_token_error(call.outputs["0"], call.outputs["0"] * 1.5, moe.output_linear, uneven) is None
