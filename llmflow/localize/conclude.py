@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from statistics import median
 from typing import Any
 
+from llmflow.compare.codes import Code
 from llmflow.compare.thresholds import finite_or_none
 from llmflow.dtypes import DEFAULT_THRESHOLDS, OP_ERROR_FLOOR, dtype_class
 from llmflow.localize.own_error import whole_rel
@@ -489,7 +491,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         status, headline, diagnosis, why_not = _judge(inp, tried, chosen, module, expert, mismatch, bad_token,
                                                       problems, routing, stack, dtype, shared, own_steps,
                                                       quiet=quiet, quantized=quantized or {},
-                                                      stored=stored_name(quantized_names))
+                                                      stored=stored_name(quantized_names),
+                                                      dtype_drift=_dtype_drift(inp, rows, bad_token))
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
         if cand.get("rank_source"):  # its output is one sum over the ranks: the weights told
@@ -657,10 +660,12 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
            stack: LayerStack | None, dtype: str,
            shared: SharedError | None = None, own_steps: OwnErrorSteps | None = None,
            quiet: bool = False, quantized: dict[str, str] | None = None,
-           stored: Callable[[str], str] = str) -> tuple[str, str, str, Inconclusive | None]:
+           stored: Callable[[str], str] = str, dtype_drift: bool = False
+           ) -> tuple[str, str, str, Inconclusive | None]:
     """(status, headline, diagnosis, inconclusive) from the evidence; ``quiet``: the worst candidate
     stands out, but too little to name where nothing fails (``below_notice``); ``stored``: a
-    quantized Linear layer's name in its checkpoint (``stored_name``)."""
+    quantized Linear layer's name in its checkpoint (``stored_name``); ``dtype_drift``: failing
+    logits are the dtype's own (``_dtype_drift``)."""
     cand = chosen.candidate
     steps = " and ".join(_step_word(t.step) for t in tried)
     if shared is not None and shared.fails and module == shared.example:
@@ -695,7 +700,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                     f"{r.detail} (the router's own error does not stand out: rounding picked other "
                     "experts for near-tied tokens)")
     reason, nxt = _inconclusive_reason(inp, tried, chosen, between, mismatch, bad_token, problems, shared,
-                                       dtype, steps, quantized or {}, stored)
+                                       dtype, steps, quantized or {}, stored, dtype_drift)
     origin = _overflow_scan_origin(inp)
     if reason and origin:
         reason += (f"; {_scan_sentence(origin)}, but replayed on the golden inputs no module overflows: "
@@ -704,6 +709,15 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     if reason:
         diagnosis = nothing + ". Inconclusive: " + reason + "."
         return "inconclusive", reason, diagnosis, Inconclusive(reason, nxt or "")
+    if bad_token is not None:  # (only with dtype_drift: every other failing-logits case has a reason)
+        headline = (f"no fault: the target is the golden model itself in {dtype}; its logits fail the "
+                    f"{dtype} thresholds at step {bad_token} through that dtype's own rounding")
+        diagnosis = (nothing + ". The target is the golden model itself (the same model on the same "
+                     f"device, no patch) run in {dtype}: only the dtype differs, so its logits failing the "
+                     f"{dtype} thresholds at step {bad_token} is how far {dtype}'s rounding takes this model "
+                     f"on this prompt, not a fault. A port whose logits fail as these do there drifts as "
+                     f"{dtype} does.")
+        return "pass", headline, diagnosis, None
     unknown = [side for side, ids in (("golden", inp.golden_ids), ("target", inp.target_ids)) if not ids]
     if mismatch is None and unknown:  # nothing to say of the tokens: only of the modules replayed
         held = f"the {unknown[0]} dump holds no" if len(unknown) == 1 else "neither dump holds any"
@@ -829,7 +843,7 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
                         between: tuple[str, float] | None, mismatch: int | None, bad_token: int | None,
                         problems: list[str], shared: SharedError | None, dtype: str, steps: str,
                         quantized: dict[str, str], stored: Callable[[str], str],
-                        ) -> tuple[str | None, str | None]:
+                        dtype_drift: bool = False) -> tuple[str | None, str | None]:
     """Where no module is named a fault: why the evidence does not cover the question, and what to
     run next, in the order the causes are checked; (None, None) where it does."""
     cand = chosen.candidate
@@ -865,6 +879,8 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         reason, nxt = quantization_spread(chosen.replayed, quantized, steps, stored)
     elif shared is not None:  # beyond rounding in the layers alike, but not a clear fault
         reason, nxt = _shared_reason(shared, dtype)
+    elif bad_token is not None and dtype_drift:
+        pass  # the dtype's own drift: a pass (``_judge``), with nothing else to run
     elif bad_token is not None:
         reason = (f"the logits fail the {dtype} thresholds at step {bad_token}, but no module's own error "
                   f"stands out when replayed at {steps}: the fault may live in state carried between steps "
@@ -925,6 +941,32 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
     if reason is None and shared is not None:  # (after "the texts part at a step not replayed")
         reason, nxt = _shared_reason(shared, dtype)
     return reason, nxt
+
+
+def _dtype_drift(inp: Any, rows: list[TokenRow], bad_token: int | None) -> bool:
+    """Whether the logits failing at ``bad_token`` are the dtype's own drift: the target is the
+    golden model itself in another dtype (``golden_in_another_dtype``), its logits there are finite
+    and fail by their metrics (not NaN/Inf, not shapes), and no overflow scan found NaN/Inf in the
+    target dump (an overflow is no drift, whatever made it)."""
+    if bad_token is None or not golden_in_another_dtype(inp) or _overflow_scan_origin(inp) is not None:
+        return False
+    row = next((r for r in rows if r.step == bad_token), None)
+    return row is not None and row.code == Code.THRESHOLD_FAIL.value
+
+
+def golden_in_another_dtype(inp: Any) -> bool:
+    """Whether the target is the golden model itself run in another dtype: the same model on the
+    same device, no patch on either side (the recipe's ``target_model`` set to the golden's, only
+    ``target_dtype`` changed). Its drift is then that dtype's rounding and nothing else: the baseline a
+    port in that dtype is measured against."""
+    golden, target = inp.golden_spec or {}, inp.target_spec
+    if not target or golden.get("patch") or target.get("patch"):
+        return False
+    model = str(golden.get("model") or "")
+    same_place = Path(model).is_absolute() or golden.get("base_dir") == target.get("base_dir")
+    return (bool(model) and model == str(target.get("model") or "") and same_place
+            and (golden.get("device") or "cpu") == (target.get("device") or "cpu")
+            and golden.get("dtype") != target.get("dtype"))
 
 
 def _compare_fail_not_replayed(inp: Any, tried: list[StepReplay]) -> dict[str, Any] | None:

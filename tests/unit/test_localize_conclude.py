@@ -10,7 +10,7 @@ import pytest
 from llmflow.localize.conclude import StepReplay, conclude
 from llmflow.localize.rank import pick_candidate, rank_modules
 from llmflow.results.codec import to_json
-from llmflow.results.verdict import OpLevel, OpRef, OverflowOp
+from llmflow.results.verdict import OpLevel, OpRef, OverflowOp, TokenRow
 
 
 @dataclass
@@ -96,10 +96,55 @@ def test_no_module_replayed_is_inconclusive():
     assert v.replay.reasons == {"no inputs recorded": ["model.layers.0.mlp"]}
 
 
+PORT = {"model": "m", "dtype": "bfloat16", "device": "cpu", "patch": "port.py:fused_kernels"}
+
+
 def test_failing_logits_with_nothing_standing_out_is_inconclusive_not_rounding():
-    v = verdict([replay(3), replay(0)], mismatch=5, bad_token=3, inp=Inputs(target_ids=[1, 2, 3, 4, 5, 9]))
+    v = verdict([replay(3), replay(0)], mismatch=5, bad_token=3,
+                inp=Inputs(target_ids=[1, 2, 3, 4, 5, 9], target_spec=PORT))
     assert v.status == "inconclusive" and "rounding" not in v.diagnosis
     assert "step 3" in v.inconclusive.reason and "replay_step" in v.inconclusive.next
+
+
+@pytest.mark.parametrize(("target", "code", "status"), [
+    ({"model": "m", "dtype": "bfloat16", "device": "cpu"}, "threshold_fail", "pass"),
+    ({"model": "m", "dtype": "bfloat16"}, "threshold_fail", "pass"),  # (the device's default: cpu)
+    ({"model": "m", "dtype": "bfloat16", "device": "cpu"}, "nan_inf", "inconclusive"),
+    (PORT, "threshold_fail", "inconclusive"),
+    ({"model": "m", "dtype": "bfloat16", "device": "npu:0"}, "threshold_fail", "inconclusive"),
+    ({"model": "other", "dtype": "bfloat16", "device": "cpu"}, "threshold_fail", "inconclusive"),
+    ({"model": "m", "dtype": "float32", "device": "cpu"}, "threshold_fail", "inconclusive"),
+    (None, "threshold_fail", "inconclusive"),
+])
+def test_failing_logits_of_the_golden_model_itself_in_another_dtype_are_that_dtypes_drift(target, code,
+                                                                                          status):
+    """The same model on the same device, no patch, only the dtype changed: finite logits failing the
+    dtype's thresholds with nothing standing out are the dtype's own rounding (the baseline a port
+    is measured against, which a port's inconclusive verdict advises running), not a loop back to
+    that advice; logits with NaN/Inf, another device, model or patch, or no target model stay
+    inconclusive."""
+    inp = Inputs(target_ids=[1, 2, 3, 4, 5, 9], target_spec=target)
+    tried = [replay(3), replay(0)]
+    rows = [TokenRow(step=3, target_step=3, code=code), TokenRow(step=5, target_step=5, same_token=False)]
+    v = conclude(inp, tried, tried[0], rows=rows, mismatch=5, bad_token=3, stack=None, decode=str,
+                 dtype="bfloat16", device="cpu", problems=[])
+    assert v.status == status, v.headline
+    if status == "pass":
+        assert v.inconclusive is None and v.first_bad_module is None
+        assert v.headline.startswith("no fault: the target is the golden model itself in bfloat16; its "
+                                     "logits fail the bfloat16 thresholds at step 3"), v.headline
+    else:
+        assert v.inconclusive.reason.startswith("the logits fail the bfloat16 thresholds at step 3")
+
+
+def test_an_overflow_in_the_golden_model_itself_in_another_dtype_is_no_drift():
+    """NaN/Inf the overflow scan found in the target dump is not the dtype's drift, even where the
+    target is the golden model itself."""
+    inp = Inputs(target_ids=[1, 9, 9, 9])
+    inp.overflow_scan = {"first_origin": {"name": "model.layers.3", "kind": "nan", "step": 0, "rank": 0}}
+    v = conclude(inp, [replay(0)], replay(0), rows=[TokenRow(step=0, target_step=0, code="threshold_fail")],
+                 mismatch=1, bad_token=0, stack=None, decode=str, dtype="bfloat16", device="cpu", problems=[])
+    assert v.status == "inconclusive" and "no module overflows" in v.inconclusive.reason
 
 
 def test_modules_that_could_not_be_replayed_make_it_inconclusive_and_are_named():
