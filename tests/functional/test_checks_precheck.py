@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,14 +116,29 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def test_fp16_softmax_without_max_subtraction_fails_and_reproduces(tmp_path, dumps):
-    proc = llmflow("precheck", str(dumps["naive"]), "-o", str(tmp_path / "out"), "--repro", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def naive_checked(dumps, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, Path]:
+    """``llmflow precheck`` of the naive-softmax dump with ``--repro``, run once for the tests that
+    read it, into an existing folder holding a file of the user's (notes.txt): that folder, the
+    finished process, and a copy of the folder as the precheck left it (a copy keeps each file's
+    size and mtime, all llmflow's list of its outputs records)."""
+    tmp = tmp_path_factory.mktemp("naive_checked")
+    out = tmp / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = llmflow("precheck", str(dumps["naive"]), "-o", str(out), "--repro", cwd=tmp)
+    shutil.copytree(out, tmp / "as_written", symlinks=True)
+    return out, proc, tmp / "as_written"
+
+
+def test_fp16_softmax_without_max_subtraction_fails_and_reproduces(tmp_path, naive_checked):
+    out, proc, _ = naive_checked
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert last_line(proc).startswith("FAILED: 1 of ")
-    r = report(tmp_path / "out")
+    r = report(out)
     assert r["first_fail"]["name"] == "model.layers.1.self_attn/softmax.0"
     assert r["first_fail"]["module"] == "model.layers.1.self_attn" and "NaN/Inf" in r["first_fail"]["reason"]
-    script = tmp_path / "out" / r["repros"][0]["script"]
+    script = out / r["repros"][0]["script"]
     fresh = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True, timeout=120,
                            cwd=tmp_path)
     assert fresh.returncode == 1 and "REPRODUCED" in fresh.stdout, fresh.stdout + fresh.stderr
@@ -131,8 +147,6 @@ def test_fp16_softmax_without_max_subtraction_fails_and_reproduces(tmp_path, dum
 def test_a_call_name_from_a_hostile_dump_stays_text_in_its_repro_script(tmp_path, dumps):
     """The repro script's docstring names the call; a name that closes the docstring must not make
     the rest of it code the user runs."""
-    import shutil
-
     dump = tmp_path / "dump"
     shutil.copytree(dumps["naive"], dump)
     payload = '"""; import pathlib; pathlib.Path("pwned").write_text("x"); """\\'
@@ -189,8 +203,6 @@ def test_a_registered_reference_checks_a_custom_op(tmp_path, dumps):
 def test_a_damaged_dump_is_never_passed(tmp_path, dumps, which):
     """A copy cut short (its weights' file or a step's): the calls it still holds may all pass,
     the verdict may not."""
-    import shutil
-
     dump = tmp_path / "copy"
     shutil.copytree(dumps["shifted"], dump)
     data = sorted(dump.rglob("data/*.safetensors"))[which]
@@ -219,13 +231,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, dumps, args):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_o_writes_beside_the_users_files_and_refuses_to_replace_them(tmp_path, dumps):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    first = llmflow("precheck", str(dumps["naive"]), "-o", str(out), "--repro", cwd=tmp_path)
+def test_o_writes_beside_the_users_files_and_refuses_to_replace_them(tmp_path, dumps, naive_checked):
+    # the first precheck, with --repro, into a folder holding the user's notes.txt (the fixture's)
+    first_out, first, as_written = naive_checked
     assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-2000:]
-    assert (out / "repro").is_dir() and f"tables: {out / 'precheck.csv'}" in first.stdout
+    assert (as_written / "repro").is_dir() and f"tables: {first_out / 'precheck.csv'}" in first.stdout
+    assert (as_written / "notes.txt").read_text() == "mine"
+    out = tmp_path / "out"
+    shutil.copytree(as_written, out, symlinks=True)
     # a rerun replaces its own outputs (the repro folder it no longer writes goes), keeps the user's
     again = llmflow("precheck", str(dumps["naive"]), "-o", str(out), cwd=tmp_path)
     assert again.returncode == 1, again.stdout[-3000:] + again.stderr[-2000:]
@@ -245,8 +258,10 @@ def test_o_writes_beside_the_users_files_and_refuses_to_replace_them(tmp_path, d
         assert "Traceback" not in proc.stderr and last_line(proc).startswith("FAILED: -o ")
     assert (theirs / "repro" / "case.py").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
     assert sorted(p.name for p in theirs.iterdir()) == ["repro"] and not (dumps["naive"] / "out").exists()
-    # a file the user added to llmflow's repro folder makes it the user's: refused too
-    llmflow("precheck", str(dumps["naive"]), "-o", str(out), "--repro", cwd=tmp_path)
+    # a file the user added to llmflow's repro folder makes it the user's: refused too (the folder
+    # as the --repro precheck wrote it)
+    shutil.rmtree(out)
+    shutil.copytree(as_written, out, symlinks=True)
     (next((out / "repro").iterdir()) / "my_variant.py").write_text("mine")
     proc = llmflow("precheck", str(dumps["naive"]), "-o", str(out), cwd=tmp_path)
     assert proc.returncode == 2 and "repro is not what llmflow wrote there" in proc.stderr
@@ -296,7 +311,6 @@ def test_a_dump_cannot_make_the_precheck_call_what_is_not_a_tensor_op(tmp_path, 
     (of a pickle it ships, weights_only=False): the precheck calls neither, lists the call as not
     checked, and every file stays as it was."""
     import pickle
-    import shutil
 
     dump = tmp_path / "dump"
     shutil.copytree(dumps["shifted"], dump)

@@ -68,10 +68,14 @@ def test_the_bisect_says_on_the_console_when_each_phase_ends(decode_fault_run):
     assert re.search(r" s \(\d+ steps x \d+ modules, dump \+ layer re-run\)$", ended[4]), ended[4]
 
 
-def test_replaying_a_step_that_holds_no_fault_is_inconclusive_and_says_what_next(tmp_path):
+def test_replaying_a_step_that_holds_no_fault_is_inconclusive_and_says_what_next(decode_fault_run, tmp_path):
+    """In a copy of the decode fault's run dir: only the replayed step changes, so both dumps are
+    reused and the bisect alone runs again, on the step the user chose."""
     run = tmp_path / "run"
+    shutil.copytree(decode_fault_run[0], run, symlinks=True)
     proc = llmflow_run(run, *tiny_sets(f"target_patch={FAULT}", "replay_step=0"))
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "dump-golden: cached" in proc.stdout and "dump-npu: cached" in proc.stdout, proc.stdout[-3000:]
     assert last_line(proc).startswith("INCONCLUSIVE: the logits fail")
     nxt = [ln for ln in proc.stdout.splitlines() if ln.startswith("next:")]
     assert nxt and "--set replay_step=1" in nxt[0]
@@ -84,10 +88,14 @@ def test_replaying_a_step_that_holds_no_fault_is_inconclusive_and_says_what_next
     assert "dump-golden: cached" in again.stdout and "dump-npu: cached" in again.stdout
 
 
-def test_a_clean_port_passes(tmp_path):
+def test_a_clean_port_passes(decode_fault_run, tmp_path):
+    """In a copy of the decode fault's run dir (the same golden): the golden's dump is reused, the
+    target without the fault is dumped again and passes."""
+    shutil.copytree(decode_fault_run[0], tmp_path / "run", symlinks=True)
     proc = llmflow_run(tmp_path / "run", *tiny_sets())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert last_line(proc).startswith("PASSED")
+    assert "dump-golden: cached" in proc.stdout and "dump-npu: cached" not in proc.stdout, proc.stdout[-3000:]
 
 
 def test_a_bad_set_value_is_exit_2_in_one_line(tmp_path):

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from path_helpers import checkout_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -95,20 +97,43 @@ def test_a_dump_dir_holding_a_scripts_dump_is_refused_and_left_alone(tmp_path):
     assert hashes(dump) == before
 
 
-def test_the_stage_rewrites_its_own_dump_and_no_other_run_may(tmp_path):
-    out = tmp_path / "empty"
-    out.mkdir()  # an empty folder is free
-    first = run(tmp_path, out, "run")
-    assert first.returncode == 0, first.stdout + first.stderr
+@pytest.fixture(scope="module")
+def _first_run_saved(tmp_path_factory) -> tuple[Path, Path]:
+    """The workflow run once (``--run-dir run``) with its dump into ``external``, an empty folder
+    it was given: the folder it ran in, and a copy of that folder as the run left it."""
+    base = tmp_path_factory.mktemp("first_run")
+    work = base / "work"
+    out = work / "external"
+    out.mkdir(parents=True)  # an empty folder is free
+    first = run(work, out, "run")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    shutil.copytree(work, base / "saved", symlinks=True)
+    return work, base / "saved"
+
+
+@pytest.fixture
+def first_run(_first_run_saved) -> Path:
+    """The folder of the workflow's first run (see ``_first_run_saved``), put back as that run
+    left it, at the same path: the run dir and the dump's owner mark name it, and a copy keeps each
+    file's size and mtime, all the run's cache records of them."""
+    work, saved = _first_run_saved
+    shutil.rmtree(work)
+    shutil.copytree(saved, work, symlinks=True)
+    return work
+
+
+def test_the_stage_rewrites_its_own_dump_and_no_other_run_may(first_run):
+    work = first_run
+    out = work / "external"  # the first run's dump_dir, an empty folder before it
     (out / "notes.txt").write_text("the user's notes beside the dump\n")
-    rerun = run(tmp_path, out, "run", "--force")  # the same stage of the same run dir: its own dump
+    rerun = run(work, out, "run", "--force")  # the same stage of the same run dir: its own dump
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert (out / "notes.txt").read_text() == "the user's notes beside the dump\n"
     reader = LlmflowDumpReader(out)
     assert reader.meta()["complete"] and reader.problems() == [] and reader.steps() == [0, 1]
     before = hashes(out)
-    other = run(tmp_path, out, "other-run")
-    assert_bad_input(other, f"dump_dir {out}", str(tmp_path / "run"))
+    other = run(work, out, "other-run")
+    assert_bad_input(other, f"dump_dir {out}", str(work / "run"))
     assert hashes(out) == before
 
 
@@ -130,20 +155,17 @@ def test_a_dump_script_replaces_its_own_dump_but_not_the_users_files(tmp_path):
     assert hashes(users) == {"env.json": hashlib.sha256(b'{"my": "environment"}\n').hexdigest()}
 
 
-def test_a_dump_deleted_from_its_dump_dir_is_dumped_again_not_taken_from_the_cache(tmp_path):
+def test_a_dump_deleted_from_its_dump_dir_is_dumped_again_not_taken_from_the_cache(first_run):
     """The dump stage's result rests on the dump it wrote outside the run dir: a rank folder
     removed there (a clean-up, a disk quota) makes the stage run again, never a cached PASS over a
     dump that is no longer there."""
-    out = tmp_path / "external"
-    first = run(tmp_path, out, "rd")
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    import shutil
-
+    work = first_run
+    out = work / "external"  # the first run's dump_dir
     shutil.rmtree(out / "rank0")
-    again = run(tmp_path, out, "rd")
+    again = run(work, out, "run")
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"dump: running (outputs changed on disk ({out} is gone" in again.stdout or \
         f"dump: running (outputs changed on disk ({out} was modified" in again.stdout, again.stdout
     assert (out / "rank0" / "index.jsonl").is_file() and not LlmflowDumpReader(out).problems()
-    cached = run(tmp_path, out, "rd")
+    cached = run(work, out, "run")
     assert "dump: cached" in cached.stdout, cached.stdout

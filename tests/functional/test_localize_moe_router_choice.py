@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,17 +45,32 @@ def no_renormalisation(model):
 '''
 
 
+@pytest.fixture(scope="module")
+def golden_runs() -> dict[str, Path]:
+    """family -> the run dir of its first bisect. Every bisect of a family runs the same golden (the
+    unpatched model in fp32, the recipe's prompt, 4 tokens): a later one starts from a copy of that
+    run dir, where the golden's dump is reused and only the target's stages run again."""
+    return {}
+
+
 @pytest.mark.parametrize(("family", "fault"), [("mixtral", "top1"), ("mixtral", "no_renormalisation"),
                                                ("qwen3-moe", "top1"), ("deepseek-v3", "no_renormalisation")])
-def test_a_router_choosing_wrong_is_named(tmp_path, family, fault):
+def test_a_router_choosing_wrong_is_named(tmp_path, family, fault, golden_runs):
     (tmp_path / "router_faults.py").write_text(PATCHES, encoding="utf-8")
     model = f"tiny-{family}:layers=4"
     run_dir = tmp_path / "run"
+    reused = family in golden_runs
+    if reused:
+        shutil.copytree(golden_runs[family], run_dir, symlinks=True)
     cmd = [sys.executable, "-m", "llmflow", "run", "llama2_bisect", "--run-dir", str(run_dir), "--progress",
            "plain", "--set", f"golden_model={model}", "--set", f"target_model={model}",
            "--set", "max_new_tokens=4", "--set", f"target_patch={tmp_path / 'router_faults.py'}:{fault}"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600,
                           env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
+    if reused:
+        assert "dump-golden: cached" in done.stdout, done.stdout[-3000:]
+    elif "dump-golden: done" in done.stdout:
+        golden_runs[family] = run_dir
     last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     gate = f"model.layers.{LAYER}.mlp.gate"

@@ -136,6 +136,29 @@ def goldens(tmp_path_factory, float_dirs):
     return golden_maker(tmp_path_factory, lambda family: str(float_dirs(family)))
 
 
+@pytest.fixture(scope="module")
+def golden_runs() -> dict[str, Path]:
+    """golden model dir -> the run dir of the first `llmflow run` of it. The runs of one golden dump
+    the same thing (the float model in fp32, the recipe's prompt, 4 tokens): a later one starts from a
+    copy of that run dir, where the golden's dump is reused and only the target's stages run again."""
+    return {}
+
+
+def _run_recipe(run: Path, golden: Path, golden_runs: dict[str, Path],
+                *sets: str) -> subprocess.CompletedProcess:
+    """``run_bisect_recipe`` of ``golden`` (4 tokens) against ``sets``, from a copy of an earlier
+    run dir of the same golden where there is one (its golden dump then cached)."""
+    reused = str(golden) in golden_runs
+    if reused:
+        shutil.copytree(golden_runs[str(golden)], run, symlinks=True)
+    proc = run_bisect_recipe(run, f"golden_model={golden}", *sets, max_new_tokens=4)
+    if reused:
+        assert "dump-golden: cached" in proc.stdout, proc.stdout[-3000:]
+    elif "dump-golden: done" in proc.stdout:
+        golden_runs[str(golden)] = run
+    return proc
+
+
 def _edited(folder: Path, dest: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
     """A copy of an msModelSlim checkpoint folder with its tensors edited."""
     shutil.copytree(folder, dest)
@@ -305,12 +328,12 @@ def test_an_honest_checkpoint_is_told_as_its_quantization(family, quantized, gol
 
 # -- the user's way ------------------------------------------------------------------------------------
 
-def test_llmflow_run_names_the_clipped_layer_of_a_users_checkpoint(quantized, float_dirs, tmp_path):
+def test_llmflow_run_names_the_clipped_layer_of_a_users_checkpoint(quantized, float_dirs, golden_runs,
+                                                                   tmp_path):
     name = f"model.layers.{LAYER}.mlp.down_proj"
     target = _edited(quantized("llama", "w8a8"), tmp_path / "w8a8-clipped",
                      _scale_activation_range(name + ".", 8.0))
-    proc = run_bisect_recipe(tmp_path / "run", f"golden_model={float_dirs('llama')}",
-                             f"target_model={target}", max_new_tokens=4)
+    proc = _run_recipe(tmp_path / "run", float_dirs("llama"), golden_runs, f"target_model={target}")
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert last.startswith(f"FAILED: {name} (W8A8-quantized) is the fault"), last
@@ -321,13 +344,13 @@ def test_llmflow_run_names_the_clipped_layer_of_a_users_checkpoint(quantized, fl
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_llmflow_run_judges_an_honest_checkpoint_at_its_quantization_in_any_dtype(dtype, quantized,
-                                                                               float_dirs, tmp_path):
+                                                                               float_dirs, golden_runs,
+                                                                               tmp_path):
     """The same honest W8A8 checkpoint run in fp32 or bf16 gets one verdict: its rows and logits
     judged at w8a8 (its matmuls ran in int8, whatever its activations' dtype), its most sensitive
     Linear layer (6x its peers on this model) said, not called a fault."""
-    proc = run_bisect_recipe(tmp_path / "run", f"golden_model={float_dirs('llama')}",
-                             f"target_model={quantized('llama', 'w8a8')}", f"target_dtype={dtype}",
-                             max_new_tokens=4)
+    proc = _run_recipe(tmp_path / "run", float_dirs("llama"), golden_runs,
+                       f"target_model={quantized('llama', 'w8a8')}", f"target_dtype={dtype}")
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert last.startswith("PASSED"), last

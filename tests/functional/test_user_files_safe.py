@@ -295,14 +295,18 @@ def hold_mid_dump(model):
 '''
 
 
-def _dump_workflow(tmp_path: Path) -> Path:
+def _dump_workflow(tmp_path: Path, dump_dir: str | None = None) -> Path:
+    """A seed stage and a dump stage (held mid-dump where $HOLD_FILE exists), in ``tmp_path``; its
+    dump goes to the stage's own folder, or to ``dump_dir`` (relative to ``tmp_path``) if given."""
     (tmp_path / "hold.py").write_text(HOLD_PATCH)
+    dump = {"model": TINY, "prompt": "hello there", "max_new_tokens": 4, "patch": "hold.py:hold_mid_dump",
+            "seed_settings": "${stages.seed.outputs.settings}"}
+    if dump_dir is not None:
+        dump["dump_dir"] = dump_dir
     wf = tmp_path / "wf.yaml"
     wf.write_text(json.dumps({"name": "dump-term", "stages": {
         "seed": {"uses": "seed", "with": {"seed": 7}},
-        "dump": {"uses": "dump", "needs": ["seed"], "with": {
-            "model": TINY, "prompt": "hello there", "max_new_tokens": 4, "patch": "hold.py:hold_mid_dump",
-            "seed_settings": "${stages.seed.outputs.settings}"}},
+        "dump": {"uses": "dump", "needs": ["seed"], "with": dump},
     }}))
     return wf
 
@@ -326,13 +330,24 @@ def _same_dump(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference_dump(tmp_path_factory) -> Path:
-    """The dump workflow run once, uninterrupted: what a rerun after a signal must dump."""
-    tmp = tmp_path_factory.mktemp("reference")
-    wf = _dump_workflow(tmp)
-    reference = llmflow("run", str(wf), "--run-dir", str(tmp / "run"), cwd=tmp)
-    assert reference.returncode == 0, reference.stdout + reference.stderr
-    return tmp / "run" / "dump" / "dump"
+def first_dump(tmp_path_factory) -> tuple[Path, Path]:
+    """The dump workflow run once, uninterrupted, with ``--run-dir run`` and its dump into
+    ``mydump``, a new folder beside it: the folder it ran in (for the one test that dumps there
+    again), and a copy of its dump (what a rerun after a signal must dump; where a dump is written
+    changes none of its entries or tensors)."""
+    tmp = tmp_path_factory.mktemp("first")
+    wf = _dump_workflow(tmp, "mydump")
+    first = llmflow("run", str(wf), "--run-dir", "run", cwd=tmp)
+    assert first.returncode == 0, first.stdout + first.stderr
+    reference = tmp_path_factory.mktemp("reference") / "dump"
+    shutil.copytree(tmp / "mydump", reference, symlinks=True)
+    return tmp, reference
+
+
+@pytest.fixture(scope="module")
+def reference_dump(first_dump) -> Path:
+    """What the dump workflow dumps, run uninterrupted: what a rerun after a signal must dump."""
+    return first_dump[1]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -366,32 +381,27 @@ def test_a_signal_mid_dump_stops_the_worker_too_and_a_rerun_dumps_the_same(tmp_p
 # -- a dump into a folder that holds an earlier dump ---------------------------------------------
 
 def _redump_workflow(tmp_path: Path) -> Path:
-    """A workflow whose one dump stage writes into ``mydump`` beside it (the stage's dump_dir)."""
-    wf = tmp_path / "wf.yaml"
-    wf.write_text(json.dumps({"name": "redump", "stages": {
-        "dump": {"uses": "dump", "with": {"model": TINY, "prompt": "hello", "max_new_tokens": 2,
-                                          "dump_dir": "mydump"}},
-    }}))
-    return wf
+    """A workflow whose dump stage writes into ``mydump`` beside it (the stage's dump_dir)."""
+    return _dump_workflow(tmp_path, "mydump")
 
 
-def test_a_new_dump_replaces_the_old_one_and_keeps_the_users_files_beside_it(tmp_path):
-    wf = _redump_workflow(tmp_path)
-    first = llmflow("run", str(wf), "--run-dir", "run", cwd=tmp_path)
-    assert first.returncode == 0, first.stdout + first.stderr
-    dump = tmp_path / "mydump"
+def test_a_new_dump_replaces_the_old_one_and_keeps_the_users_files_beside_it(first_dump):
+    # the fixture ran the workflow once (exit 0), its dump into mydump, a new folder then
+    work = first_dump[0]
+    wf = work / "wf.yaml"
+    dump = work / "mydump"
     old_files = {p.relative_to(dump) for p in (dump / "rank0").rglob("*")}
     # the user's notes next to the earlier dump, inside its rank folder and its data folder
     (dump / "rank0" / "notes.txt").write_text("this dump was taken on the NPU\n")
     user_files(dump / "rank0" / "data")
     before = {k: v for k, v in hashes(dump).items() if "notes" in k or "sub" in k or "hidden" in k}
-    rerun = llmflow("run", str(wf), "--run-dir", "run", "--force", cwd=tmp_path)
+    rerun = llmflow("run", str(wf), "--run-dir", "run", "--force", cwd=work)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_kept(before, dump)
     assert {p.relative_to(dump) for p in (dump / "rank0").rglob("*")} == old_files | {Path(k) for k in before}
     reader = LlmflowDumpReader(dump)
     assert reader.meta()["complete"] and reader.problems() == []
-    assert reader.steps() == [0, 1]
+    assert reader.steps() == [0, 1, 2, 3]
 
 
 def test_a_dump_refuses_a_rank_folder_that_is_a_link_and_leaves_its_target_alone(tmp_path):
