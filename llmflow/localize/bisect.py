@@ -196,6 +196,25 @@ def target_dump_dtype(reader: DumpReader) -> str:
     return dtype_name(found.dtype) if found is not None else "float32"
 
 
+def dumps_made_as_specs(inp: BisectInputs, golden: DumpReader, target: DumpReader, isolation: str) -> bool:
+    """Whether the two dumps were made as the model specs say, so that what the specs are (the
+    golden model itself in another dtype: ``conclude.golden_in_another_dtype``) speaks for the
+    target's dump: the target model replayed (not its dump alone), one rank, no quantized model, and
+    each dump's recorded device and dtype (env.json) those of its spec, on one device."""
+    if isolation != "target_model" or inp.target_spec is None or len(target.ranks()) > 1:
+        return False
+    if recorded_quantization(golden) or recorded_quantization(target):
+        return False
+    recorded = []
+    for reader, spec in ((golden, inp.golden_spec), (target, inp.target_spec)):
+        settings = (reader.env() or {}).get("torch_settings") or {}
+        device, dtype = settings.get("model_device"), recorded_dtype(reader)
+        if not isinstance(device, str) or dtype != dtype_name(spec.get("dtype") or "float32"):
+            return False
+        recorded.append(device)
+    return recorded[0] == recorded[1]
+
+
 class _Bisect:
     """One bisect's state: the dumps, the models (the golden loaded on first need), the timings."""
 
@@ -944,7 +963,8 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
                       device=str(tgt.device) if tgt is not None else "target dump",
                       problems=problems, note=_notes(tgt, b.held.get("golden")), own_steps=own_steps,
                       quantized=quantized,
-                      quantized_names=getattr(tgt, "quantized_names", None), handed_down=handed)
+                      quantized_names=getattr(tgt, "quantized_names", None), handed_down=handed,
+                      dumps_as_specs=dumps_made_as_specs(inp, b.golden_dump, b.target_dump, b.isolation))
     result.isolation = b.isolation
     if b.isolation == "target_dump":
         asked = {"op_level": inp.op_level, "own_error_steps": inp.own_error_steps > 0,

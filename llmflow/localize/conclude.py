@@ -17,7 +17,7 @@ from statistics import median
 from typing import Any
 
 from llmflow.compare.codes import Code
-from llmflow.compare.thresholds import finite_or_none
+from llmflow.compare.thresholds import coarser, finite_or_none
 from llmflow.dtypes import DEFAULT_THRESHOLDS, OP_ERROR_FLOOR, dtype_class
 from llmflow.localize.own_error import whole_rel
 from llmflow.localize.quantized_words import (
@@ -427,7 +427,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
              decode: Callable[[int], str], dtype: str, device: str, problems: list[str],
              note: str | None = None, own_steps: OwnErrorSteps | None = None,
              quantized: dict[str, str] | None = None, quantized_names: dict[str, str] | None = None,
-             compute_dtype: str | None = None, handed_down: HandedDown | None = None) -> Verdict:
+             compute_dtype: str | None = None, handed_down: HandedDown | None = None,
+             dumps_as_specs: bool = False) -> Verdict:
     """The verdict of a bisect from what each replayed step showed (and, where measured, the chosen
     module's own error per step). ``quantized``: the target's quantized Linear layers and their
     weight types (an msModelSlim checkpoint), whose error is the quantization's own;
@@ -435,7 +436,9 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     ``disable_names`` takes). ``dtype`` judges (its thresholds, its rounding in words);
     ``compute_dtype`` (default: ``dtype``) is the one the target ran in, which differs for a
     quantized target (judged at ``w8a8``). ``handed_down``: a module handed a keyword input changed
-    (``handed_down.py``), the fault where nothing else is named."""
+    (``handed_down.py``), the fault where nothing else is named. ``dumps_as_specs``: the dumps were
+    made as the two specs say (the bisect's ``dumps_made_as_specs``), so a target spec that is the
+    golden's in a coarser dtype (``golden_in_another_dtype``) speaks for the target dump."""
     cand = chosen.candidate
     module = _standing_out(chosen)
     quiet = module is not None and below_notice(inp, cand, mismatch, bad_token, quantized)
@@ -492,7 +495,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
                                                       problems, routing, stack, dtype, shared, own_steps,
                                                       quiet=quiet, quantized=quantized or {},
                                                       stored=stored_name(quantized_names),
-                                                      dtype_drift=_dtype_drift(inp, rows, bad_token))
+                                                      dtype_drift=_dtype_drift(inp, rows, bad_token,
+                                                                               dumps_as_specs))
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
         if cand.get("rank_source"):  # its output is one sum over the ranks: the weights told
@@ -709,14 +713,14 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     if reason:
         diagnosis = nothing + ". Inconclusive: " + reason + "."
         return "inconclusive", reason, diagnosis, Inconclusive(reason, nxt or "")
-    if bad_token is not None:  # (only with dtype_drift: every other failing-logits case has a reason)
+    if bad_token is not None and dtype_drift:  # (no reason above: failing logits that are the dtype's)
         headline = (f"no fault: the target is the golden model itself in {dtype}; its logits fail the "
                     f"{dtype} thresholds at step {bad_token} through that dtype's own rounding")
-        diagnosis = (nothing + ". The target is the golden model itself (the same model on the same "
-                     f"device, no patch) run in {dtype}: only the dtype differs, so its logits failing the "
-                     f"{dtype} thresholds at step {bad_token} is how far {dtype}'s rounding takes this model "
-                     f"on this prompt, not a fault. A port whose logits fail as these do there drifts as "
-                     f"{dtype} does.")
+        diagnosis = (nothing + ". The target is the golden model itself (its dump and spec: the same model "
+                     f"on the same device, no patch) run in {dtype}: only the dtype differs, so its logits "
+                     f"failing the {dtype} thresholds at step {bad_token} is how far {dtype} on this device "
+                     "takes this model on this prompt, not a fault. A port in that dtype whose logits fail "
+                     "alike there drifts no further than this.")
         return "pass", headline, diagnosis, None
     unknown = [side for side, ids in (("golden", inp.golden_ids), ("target", inp.target_ids)) if not ids]
     if mismatch is None and unknown:  # nothing to say of the tokens: only of the modules replayed
@@ -943,30 +947,39 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
     return reason, nxt
 
 
-def _dtype_drift(inp: Any, rows: list[TokenRow], bad_token: int | None) -> bool:
-    """Whether the logits failing at ``bad_token`` are the dtype's own drift: the target is the
-    golden model itself in another dtype (``golden_in_another_dtype``), its logits there are finite
-    and fail by their metrics (not NaN/Inf, not shapes), and no overflow scan found NaN/Inf in the
-    target dump (an overflow is no drift, whatever made it)."""
-    if bad_token is None or not golden_in_another_dtype(inp) or _overflow_scan_origin(inp) is not None:
+#: token-row codes that say the logits are not a drift: not finite, not comparable, not read
+_NOT_DRIFT = {Code.NAN_INF.value, Code.NO_FINITE.value, Code.SHAPE_MISMATCH.value, Code.LOAD_ERROR.value,
+              Code.STATS_MISSING.value, Code.EMPTY_TENSOR.value, Code.DTYPE_MISMATCH.value}
+
+
+def _dtype_drift(inp: Any, rows: list[TokenRow], bad_token: int | None, dumps_as_specs: bool) -> bool:
+    """Whether the logits failing at ``bad_token`` are the dtype's own drift: the target's spec is the
+    golden's in a coarser dtype (``golden_in_another_dtype``) and the dumps were made as the specs say
+    (``dumps_as_specs``), the logits fail there by their metrics, no step's logits hold NaN/Inf or
+    fail to compare, and no overflow scan found NaN/Inf in the target dump (an overflow is no drift,
+    whatever made it)."""
+    if (bad_token is None or not dumps_as_specs or not golden_in_another_dtype(inp)
+            or _overflow_scan_origin(inp) is not None or any(r.code in _NOT_DRIFT for r in rows)):
         return False
     row = next((r for r in rows if r.step == bad_token), None)
     return row is not None and row.code == Code.THRESHOLD_FAIL.value
 
 
 def golden_in_another_dtype(inp: Any) -> bool:
-    """Whether the target is the golden model itself run in another dtype: the same model on the
-    same device, no patch on either side (the recipe's ``target_model`` set to the golden's, only
-    ``target_dtype`` changed). Its drift is then that dtype's rounding and nothing else: the baseline a
-    port in that dtype is measured against."""
+    """Whether the target's spec is the golden's with only the dtype changed, to a coarser one: the
+    same model on the same device, no patch on either side (the recipe's ``target_model`` set to the
+    golden's, only ``target_dtype`` changed). Its drift is then that dtype's rounding on that device
+    and nothing else: the baseline a port in that dtype is measured against. (Whether the dumps were
+    made so is the bisect's to check: ``conclude``'s ``dumps_as_specs``.)"""
     golden, target = inp.golden_spec or {}, inp.target_spec
     if not target or golden.get("patch") or target.get("patch"):
         return False
     model = str(golden.get("model") or "")
     same_place = Path(model).is_absolute() or golden.get("base_dir") == target.get("base_dir")
+    g_dtype, t_dtype = (str(side.get("dtype") or "float32") for side in (golden, target))
     return (bool(model) and model == str(target.get("model") or "") and same_place
             and (golden.get("device") or "cpu") == (target.get("device") or "cpu")
-            and golden.get("dtype") != target.get("dtype"))
+            and t_dtype != g_dtype and coarser(g_dtype, t_dtype) == t_dtype)
 
 
 def _compare_fail_not_replayed(inp: Any, tried: list[StepReplay]) -> dict[str, Any] | None:

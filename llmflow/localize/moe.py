@@ -330,7 +330,8 @@ def _expert_grouped(module: nn.Module, call: Call) -> torch.Tensor | None:
     groups' sizes, ``(rows, sizes)``, as JetMoE calls its ``input_linear`` and ``output_linear``
     (the first ``sizes[0]`` rows expert 0's, and so on); None for another call."""
     n = getattr(module, "num_experts", None)
-    if len(call.args) != 2 or call.kwargs or not isinstance(n, int) or n < 2:
+    if (not type(module).__name__.lower().endswith("experts") or len(call.args) != 2 or call.kwargs
+            or not isinstance(n, int) or n < 2):
         return None
     x, sizes = call.args
     if isinstance(sizes, torch.Tensor) and sizes.dim() == 1 and not sizes.is_floating_point():

@@ -106,28 +106,36 @@ def test_failing_logits_with_nothing_standing_out_is_inconclusive_not_rounding()
     assert "step 3" in v.inconclusive.reason and "replay_step" in v.inconclusive.next
 
 
-@pytest.mark.parametrize(("target", "code", "status"), [
-    ({"model": "m", "dtype": "bfloat16", "device": "cpu"}, "threshold_fail", "pass"),
-    ({"model": "m", "dtype": "bfloat16"}, "threshold_fail", "pass"),  # (the device's default: cpu)
-    ({"model": "m", "dtype": "bfloat16", "device": "cpu"}, "nan_inf", "inconclusive"),
-    (PORT, "threshold_fail", "inconclusive"),
-    ({"model": "m", "dtype": "bfloat16", "device": "npu:0"}, "threshold_fail", "inconclusive"),
-    ({"model": "other", "dtype": "bfloat16", "device": "cpu"}, "threshold_fail", "inconclusive"),
-    ({"model": "m", "dtype": "float32", "device": "cpu"}, "threshold_fail", "inconclusive"),
-    (None, "threshold_fail", "inconclusive"),
+BF16 = {"model": "m", "dtype": "bfloat16", "device": "cpu"}
+
+
+@pytest.mark.parametrize(("target", "codes", "made_so", "status"), [
+    (BF16, ("threshold_fail",), True, "pass"),
+    ({"model": "m", "dtype": "bfloat16"}, ("threshold_fail",), True, "pass"),  # (the device's default: cpu)
+    (BF16, ("threshold_fail",), False, "inconclusive"),
+    (BF16, ("nan_inf",), True, "inconclusive"),
+    (BF16, ("threshold_fail", "nan_inf"), True, "inconclusive"),
+    (PORT, ("threshold_fail",), True, "inconclusive"),
+    ({"model": "m", "dtype": "bfloat16", "device": "npu:0"}, ("threshold_fail",), True, "inconclusive"),
+    ({"model": "other", "dtype": "bfloat16", "device": "cpu"}, ("threshold_fail",), True, "inconclusive"),
+    ({"model": "m", "dtype": "float32", "device": "cpu"}, ("threshold_fail",), True, "inconclusive"),
+    ({"model": "m", "device": "cpu"}, ("threshold_fail",), True, "inconclusive"),  # (no dtype: float32)
+    ({"model": "m", "dtype": "float64", "device": "cpu"}, ("threshold_fail",), True, "inconclusive"),
+    (None, ("threshold_fail",), True, "inconclusive"),
 ])
-def test_failing_logits_of_the_golden_model_itself_in_another_dtype_are_that_dtypes_drift(target, code,
-                                                                                          status):
-    """The same model on the same device, no patch, only the dtype changed: finite logits failing the
-    dtype's thresholds with nothing standing out are the dtype's own rounding (the baseline a port
-    is measured against, which a port's inconclusive verdict advises running), not a loop back to
-    that advice; logits with NaN/Inf, another device, model or patch, or no target model stay
-    inconclusive."""
+def test_failing_logits_of_the_golden_model_itself_in_another_dtype_are_that_dtypes_drift(target, codes,
+                                                                                          made_so, status):
+    """The same model on the same device, no patch, only the dtype changed to a coarser one, and the
+    dumps made so: finite logits failing the dtype's thresholds with nothing standing out are the
+    dtype's own rounding (the baseline a port is measured against, which a port's inconclusive
+    verdict advises running), not a loop back to that advice. Dumps not made as the specs say, a
+    step's logits with NaN/Inf, another device, model or patch, the same or a finer dtype, or no
+    target model stay inconclusive."""
     inp = Inputs(target_ids=[1, 2, 3, 4, 5, 9], target_spec=target)
     tried = [replay(3), replay(0)]
-    rows = [TokenRow(step=3, target_step=3, code=code), TokenRow(step=5, target_step=5, same_token=False)]
+    rows = [TokenRow(step=3 + i, target_step=3 + i, code=code) for i, code in enumerate(codes)]
     v = conclude(inp, tried, tried[0], rows=rows, mismatch=5, bad_token=3, stack=None, decode=str,
-                 dtype="bfloat16", device="cpu", problems=[])
+                 dtype="bfloat16", device="cpu", problems=[], dumps_as_specs=made_so)
     assert v.status == status, v.headline
     if status == "pass":
         assert v.inconclusive is None and v.first_bad_module is None
@@ -143,7 +151,8 @@ def test_an_overflow_in_the_golden_model_itself_in_another_dtype_is_no_drift():
     inp = Inputs(target_ids=[1, 9, 9, 9])
     inp.overflow_scan = {"first_origin": {"name": "model.layers.3", "kind": "nan", "step": 0, "rank": 0}}
     v = conclude(inp, [replay(0)], replay(0), rows=[TokenRow(step=0, target_step=0, code="threshold_fail")],
-                 mismatch=1, bad_token=0, stack=None, decode=str, dtype="bfloat16", device="cpu", problems=[])
+                 mismatch=1, bad_token=0, stack=None, decode=str, dtype="bfloat16", device="cpu", problems=[],
+                 dumps_as_specs=True)
     assert v.status == "inconclusive" and "no module overflows" in v.inconclusive.reason
 
 
@@ -273,3 +282,34 @@ def test_the_decode_path_sentence_follows_the_prefills_own_error(own, peers, say
                           rows=[OwnErrorStep(step=0, own_error=own, peer_median=peers, peers=3)])
     assert says in _decode_path(chosen, [chosen], steps, 3.0)
     assert "not measured" in _decode_path(chosen, [chosen], None, 3.0)
+
+
+class _Dump:
+    """A dump reader's env.json and ranks, as ``dumps_made_as_specs`` reads them."""
+
+    def __init__(self, device: str | None, dtype: str | None, quantization: str | None = None, ranks=(0,)):
+        self._env = {"torch_settings": {"model_device": device, "model_dtype": dtype,
+                                        "quantization": quantization}}
+        self._ranks = list(ranks)
+
+    def env(self):
+        return self._env
+
+    def ranks(self):
+        return self._ranks
+
+
+@pytest.mark.parametrize(("golden", "target", "isolation", "made_so"), [
+    (_Dump("cpu", "float32"), _Dump("cpu", "bfloat16"), "target_model", True),
+    (_Dump("cpu", "float32"), _Dump("npu:0", "bfloat16"), "target_model", False),  # made elsewhere
+    (_Dump("cpu", "float32"), _Dump("cpu", "float16"), "target_model", False),  # not the spec's dtype
+    (_Dump("cpu", "float32"), _Dump("cpu", "bfloat16", ranks=(0, 1)), "target_model", False),
+    (_Dump("cpu", "float32"), _Dump("cpu", "bfloat16", quantization="w8a8"), "target_model", False),
+    (_Dump("cpu", "float32"), _Dump(None, "bfloat16"), "target_model", False),  # nothing recorded
+    (_Dump("cpu", "float32"), _Dump("cpu", "bfloat16"), "target_dump", False),
+])
+def test_the_dumps_speak_for_the_specs_only_where_they_record_what_the_specs_say(golden, target, isolation,
+                                                                                 made_so):
+    from llmflow.localize.bisect import dumps_made_as_specs
+
+    assert dumps_made_as_specs(Inputs(), golden, target, isolation) is made_so

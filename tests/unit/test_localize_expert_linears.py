@@ -273,3 +273,9 @@ def test_jetmoes_experts_given_rows_grouped_by_expert_name_the_faulty_one() -> N
     assert expert_of_tokens(clean) is None, clean
     uneven = Call(call.name, call.module_type, [rows, [*sizes[:-1], sizes[-1] + 1]], outputs=call.outputs)
     assert expert_token_error(call.outputs["0"], call.outputs["0"] * 1.5, moe.output_linear, uneven) is None
+
+    class Packed(torch.nn.Module):  # (rows of sequences and their lengths: not experts, whatever its fields)
+        num_experts = 4
+
+    packed = Call("model.layers.0.packed", "Packed", [rows, sizes], outputs=call.outputs)
+    assert expert_token_error(call.outputs["0"], call.outputs["0"] * 1.5, Packed(), packed) is None
