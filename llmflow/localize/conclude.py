@@ -713,7 +713,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     if reason:
         diagnosis = nothing + ". Inconclusive: " + reason + "."
         return "inconclusive", reason, diagnosis, Inconclusive(reason, nxt or "")
-    if bad_token is not None and dtype_drift:  # (no reason above: failing logits that are the dtype's)
+    if dtype_drift:  # (no reason above: the failing logits are the dtype's own, ``_dtype_drift``)
         headline = (f"no fault: the target is the golden model itself in {dtype}; its logits fail the "
                     f"{dtype} thresholds at step {bad_token} through that dtype's own rounding")
         diagnosis = (nothing + ". The target is the golden model itself (its dump and spec: the same model "
@@ -883,7 +883,7 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         reason, nxt = quantization_spread(chosen.replayed, quantized, steps, stored)
     elif shared is not None:  # beyond rounding in the layers alike, but not a clear fault
         reason, nxt = _shared_reason(shared, dtype)
-    elif bad_token is not None and dtype_drift:
+    elif dtype_drift:  # (``bad_token`` set: ``_dtype_drift``)
         pass  # the dtype's own drift: a pass (``_judge``), with nothing else to run
     elif bad_token is not None:
         reason = (f"the logits fail the {dtype} thresholds at step {bad_token}, but no module's own error "
