@@ -24,6 +24,7 @@ its captures in memory.
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import math
 import time
@@ -52,7 +53,7 @@ from llmflow.errors import UserError
 from llmflow.formats import open_dump
 from llmflow.formats.base import DumpReader
 from llmflow.localize import cost as cost_mod
-from llmflow.localize import moe, rounding
+from llmflow.localize import dtype_baseline, moe, rounding
 from llmflow.localize import ops as ops_mod
 from llmflow.localize.calls import NO_INPUTS, calls_from_dump
 from llmflow.localize.conclude import (
@@ -89,18 +90,20 @@ from llmflow.localize.target_dump import (
     rounding_of,
     target_routing,
 )
-from llmflow.localize.tokens import first_bad_step, first_mismatch, greedy_ids, token_rows
+from llmflow.localize.tokens import failing_steps, first_bad_step, first_mismatch, greedy_ids, token_rows
 from llmflow.models import logits_of
 from llmflow.quantized import NormBias, UnfusedExperts, W8A8Linear, unsmooth
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
     Cost,
+    DtypeBaseline,
     HandedDown,
     ModelRuns,
     OpRow,
     OpTensors,
     OwnErrorStep,
     OwnErrorSteps,
+    TokenRow,
     Verdict,
 )
 from llmflow.streamed import layer_weights_held
@@ -867,6 +870,40 @@ class _Bisect:
         cost.bisect_phase_seconds = self.phases
         return cost
 
+    def dtype_baseline(self, rows: list[TokenRow], failing: list[int], judged: str) -> DtypeBaseline | None:
+        """The golden model itself in the target's dtype on the target's device, re-run through the
+        ``failing`` steps (whose logits fail, up to where the texts part: ``dtype_baseline.py``); None
+        where it says nothing: no target model (a dump's device is not this process's), a quantized
+        one, no prompt ids, no failing step, or a golden that already computes as the target does.
+        Asked by the verdict only where failing logits are all that is left to explain: the golden
+        model held is released first, so the process holds the target and this one."""
+        inp, tgt = self.inp, self.target
+        if tgt is None or getattr(tgt, "quantized", None) or not failing or not inp.golden_spec:
+            return None
+        if not inp.prompt_ids or len(inp.golden_ids) <= max(failing):
+            return None
+        dtype, device = dtype_name(tgt.dtype), str(tgt.device)
+        golden = inp.golden_spec
+        if (torch.device(golden.get("device") or "cpu") == torch.device(device)
+                and dtype_name(golden.get("dtype") or "float32") == dtype):
+            return None  # (it would reproduce the golden: an error of 0 explains nothing)
+        self.held.pop("golden", None)
+        gc.collect()
+        spec = {**golden, "dtype": dtype, "device": device}
+        self.log(f"bisect: the golden model in {dtype} on {device}, re-run through step {max(failing)}: how "
+                 "far that dtype alone takes the logits")
+        try:
+            model = _load_streamed(spec, inp.layers) if self.golden_streamed else _load(spec)
+            found = dtype_baseline.measure(
+                self.golden_dump, self.target_dump, model, prompt_ids=inp.prompt_ids,
+                golden_ids=inp.golden_ids, rows=rows, failing=failing, dtype=dtype, device=device,
+                judge_dtype=judged, thresholds=inp.thresholds)
+        except Exception as exc:  # (a device too full for it, a golden that loads in no other dtype)
+            why = f"{type(exc).__name__}: {str(exc)[:200]}"
+            found = dtype_baseline.unmeasured(dtype, device, failing[0], why)
+        self.phase("dtype baseline: the golden model in the target's dtype")
+        return found
+
 
 def replay_plan(inp: BisectInputs, mismatch: int | None, bad_token: int | None) -> tuple[int, str]:
     """The step to replay first, and why."""
@@ -964,7 +1001,8 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
                       problems=problems, note=_notes(tgt, b.held.get("golden")), own_steps=own_steps,
                       quantized=quantized,
                       quantized_names=getattr(tgt, "quantized_names", None), handed_down=handed,
-                      dumps_as_specs=dumps_made_as_specs(inp, b.golden_dump, b.target_dump, b.isolation))
+                      dumps_as_specs=dumps_made_as_specs(inp, b.golden_dump, b.target_dump, b.isolation),
+                      dtype_baseline=lambda: b.dtype_baseline(rows, failing_steps(rows, mismatch), judged))
     result.isolation = b.isolation
     if b.isolation == "target_dump":
         asked = {"op_level": inp.op_level, "own_error_steps": inp.own_error_steps > 0,

@@ -16,9 +16,11 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from llmflow.compare.align import steps_text
 from llmflow.compare.codes import Code
 from llmflow.compare.thresholds import coarser, finite_or_none
 from llmflow.dtypes import DEFAULT_THRESHOLDS, OP_ERROR_FLOOR, dtype_class
+from llmflow.localize.dtype_baseline import OnDemand
 from llmflow.localize.own_error import whole_rel
 from llmflow.localize.quantized_words import (
     expert_linear_clause,
@@ -31,6 +33,7 @@ from llmflow.localize.quantized_words import (
 from llmflow.results.codec import from_json
 from llmflow.results.verdict import (
     Candidate,
+    DtypeBaseline,
     Evidence,
     ExpertLinearRow,
     ExpertRow,
@@ -428,7 +431,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
              note: str | None = None, own_steps: OwnErrorSteps | None = None,
              quantized: dict[str, str] | None = None, quantized_names: dict[str, str] | None = None,
              compute_dtype: str | None = None, handed_down: HandedDown | None = None,
-             dumps_as_specs: bool = False) -> Verdict:
+             dumps_as_specs: bool = False,
+             dtype_baseline: Callable[[], DtypeBaseline | None] | None = None) -> Verdict:
     """The verdict of a bisect from what each replayed step showed (and, where measured, the chosen
     module's own error per step). ``quantized``: the target's quantized Linear layers and their
     weight types (an msModelSlim checkpoint), whose error is the quantization's own;
@@ -438,8 +442,11 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     quantized target (judged at ``w8a8``). ``handed_down``: a module handed a keyword input changed
     (``handed_down.py``), the fault where nothing else is named. ``dumps_as_specs``: the dumps were
     made as the two specs say (the bisect's ``dumps_made_as_specs``), so a target spec that is the
-    golden's in a coarser dtype (``golden_in_another_dtype``) speaks for the target dump."""
+    golden's in a coarser dtype (``golden_in_another_dtype``) speaks for the target dump.
+    ``dtype_baseline``: measures the golden model itself in the target's dtype (``dtype_baseline.py``),
+    called only where the logits fail and nothing else explains it."""
     cand = chosen.candidate
+    baseline = OnDemand(dtype_baseline)
     module = _standing_out(chosen)
     quiet = module is not None and below_notice(inp, cand, mismatch, bad_token, quantized)
     if quiet and cand is not None:  # a lead too weak to name where every output is within its thresholds
@@ -496,7 +503,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
                                                       quiet=quiet, quantized=quantized or {},
                                                       stored=stored_name(quantized_names),
                                                       dtype_drift=_dtype_drift(inp, rows, bad_token,
-                                                                               dumps_as_specs))
+                                                                               dumps_as_specs),
+                                                      baseline=baseline)
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
         if cand.get("rank_source"):  # its output is one sum over the ranks: the weights told
@@ -540,7 +548,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         ops=chosen.op_rows, experts=chosen.experts, expert_linears=chosen.expert_linears, routing=routing,
         token_rows=rows,
         problems=problems, notes=[note] if note else [],
-        overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level, handed_down=handed_down)
+        overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level, handed_down=handed_down,
+        dtype_baseline=baseline.value)
 
 
 def _side_label(inp: Any, side: str, spec: dict[str, Any] | None) -> str:
@@ -664,12 +673,14 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
            stack: LayerStack | None, dtype: str,
            shared: SharedError | None = None, own_steps: OwnErrorSteps | None = None,
            quiet: bool = False, quantized: dict[str, str] | None = None,
-           stored: Callable[[str], str] = str, dtype_drift: bool = False
-           ) -> tuple[str, str, str, Inconclusive | None]:
+           stored: Callable[[str], str] = str, dtype_drift: bool = False,
+           baseline: OnDemand | None = None) -> tuple[str, str, str, Inconclusive | None]:
     """(status, headline, diagnosis, inconclusive) from the evidence; ``quiet``: the worst candidate
     stands out, but too little to name where nothing fails (``below_notice``); ``stored``: a
     quantized Linear layer's name in its checkpoint (``stored_name``); ``dtype_drift``: failing
-    logits are the dtype's own (``_dtype_drift``)."""
+    logits are the dtype's own (``_dtype_drift``); ``baseline``: the golden model itself in the target's
+    dtype, measured where failing logits are all that is left to explain."""
+    baseline = baseline or OnDemand(None)
     cand = chosen.candidate
     steps = " and ".join(_step_word(t.step) for t in tried)
     if shared is not None and shared.fails and module == shared.example:
@@ -704,7 +715,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                     f"{r.detail} (the router's own error does not stand out: rounding picked other "
                     "experts for near-tied tokens)")
     reason, nxt = _inconclusive_reason(inp, tried, chosen, between, mismatch, bad_token, problems, shared,
-                                       dtype, steps, quantized or {}, stored, dtype_drift)
+                                       dtype, steps, quantized or {}, stored, dtype_drift, baseline)
     origin = _overflow_scan_origin(inp)
     if reason and origin:
         reason += (f"; {_scan_sentence(origin)}, but replayed on the golden inputs no module overflows: "
@@ -722,6 +733,9 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                      "takes this model on this prompt, not a fault. A port in that dtype whose logits fail "
                      "alike there drifts no further than this.")
         return "pass", headline, diagnosis, None
+    measured = baseline.value
+    if measured is not None and measured.covers:  # (no reason above: the port drifts as the dtype does)
+        return _dtype_baseline_pass(measured, nothing, steps, dtype)
     unknown = [side for side, ids in (("golden", inp.golden_ids), ("target", inp.target_ids)) if not ids]
     if mismatch is None and unknown:  # nothing to say of the tokens: only of the modules replayed
         held = f"the {unknown[0]} dump holds no" if len(unknown) == 1 else "neither dump holds any"
@@ -847,9 +861,11 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
                         between: tuple[str, float] | None, mismatch: int | None, bad_token: int | None,
                         problems: list[str], shared: SharedError | None, dtype: str, steps: str,
                         quantized: dict[str, str], stored: Callable[[str], str],
-                        dtype_drift: bool = False) -> tuple[str | None, str | None]:
+                        dtype_drift: bool = False, baseline: OnDemand | None = None
+                        ) -> tuple[str | None, str | None]:
     """Where no module is named a fault: why the evidence does not cover the question, and what to
-    run next, in the order the causes are checked; (None, None) where it does."""
+    run next, in the order the causes are checked; (None, None) where it does (the failing logits
+    within the golden model's own drift in the target's dtype: ``baseline.value.covers``)."""
     cand = chosen.candidate
     missing = [t.missing for t in tried if t.missing]
     reason, nxt = None, None
@@ -885,7 +901,9 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         reason, nxt = _shared_reason(shared, dtype)
     elif dtype_drift:  # (``bad_token`` set: ``_dtype_drift``)
         pass  # the dtype's own drift: a pass (``_judge``), with nothing else to run
-    elif bad_token is not None:
+    elif bad_token is not None and not _drifts_as_dtype(baseline):  # (else: the checks below, then a
+        # pass in ``_judge``: the port drifts no further than the golden model itself in its dtype)
+        measured = baseline.value if baseline else None
         reason = (f"the logits fail the {dtype} thresholds at step {bad_token}, but no module's own error "
                   f"stands out when replayed at {steps}: the fault may live in state carried between steps "
                   "(a KV cache written wrong at earlier steps), in a module the replay cannot isolate, or "
@@ -897,24 +915,33 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         if rounds:  # the module standing out is the dtype's own rounding: what the logits may show
             reason += (f"; the module standing out most, {cand['name']} at {cand['score']:.1f}x the typical "
                        f"own error of its kind, errs as the golden module itself does in the target's dtype "
-                       f"({cand['rounding_ratio']:.2f}x): the logits may fail through that dtype's rounding "
-                       "there, which the golden run in that dtype would show too")
+                       f"({cand['rounding_ratio']:.2f}x)" + ("" if measured is not None else
+                                                             ": the logits may fail through that dtype's "
+                                                             "rounding there, which the golden run in that "
+                                                             "dtype would show too"))
         elif cand is not None and cand.get("score") is not None:  # the strongest lead, not called a fault
             reason += (f"; the strongest lead, not called a fault, is {cand['name']} at {cand['score']:.1f}x "
                        "the typical own error of its kind")
+        if measured is not None:
+            reason += "; " + _baseline_words(measured)
+        # the step to look at: the first whose logits go beyond the dtype's own drift, where measured
+        beyond = measured is not None and not measured.error and not measured.covers
+        focus = measured.step if beyond else bad_token
+        which = ("the first step whose logits go beyond the dtype's own drift"
+                 if beyond and focus != bad_token else "the step whose logits fail")
         seen = {t.step for t in tried}
-        earlier = [s for s in dict.fromkeys((bad_token - 1, 0)) if 0 <= s < bad_token and s not in seen]
-        if bad_token not in seen:
-            nxt = (f"replay the step whose logits fail: bisect replay_step: {bad_token} (in the recipe: "
-                   f"--set replay_step={bad_token}), or leave replay_step unset to let the bisect choose")
+        earlier = [s for s in dict.fromkeys((focus - 1, 0)) if 0 <= s < focus and s not in seen]
+        if focus not in seen:
+            nxt = (f"replay {which}: bisect replay_step: {focus} (in the recipe: --set replay_step={focus})"
+                   + (", or leave replay_step unset to let the bisect choose" if focus == bad_token else ""))
         elif earlier:
             steps_left = " or ".join(map(str, earlier))
             nxt = (f"replay an earlier step (bisect replay_step: {steps_left}), dump both sides in module "
                    "mode at that step and compare them (llmflow compare), or lower ratio_threshold")
         else:  # the step and those before it that a replay would pick were replayed already
-            nxt = (f"dump both sides in module mode at step {bad_token} and compare them (llmflow compare): "
+            nxt = (f"dump both sides in module mode at step {focus} and compare them (llmflow compare): "
                    "the first failing row is where the error enters; or lower ratio_threshold")
-        if rounds:
+        if rounds and measured is None:
             nxt = ("bisect the golden model run in the target's dtype against the golden (in the recipe: "
                    "--set target_model=<the golden model> --set target_dtype=<the target's dtype>): where it "
                    "fails these logits too, the drift is the dtype's; else " + nxt)
@@ -945,6 +972,44 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
     if reason is None and shared is not None:  # (after "the texts part at a step not replayed")
         reason, nxt = _shared_reason(shared, dtype)
     return reason, nxt
+
+
+def _drifts_as_dtype(baseline: OnDemand | None) -> bool:
+    """Whether the golden model itself in the target's dtype, measured now, drifts as far as the
+    target at the failing step (``DtypeBaseline.covers``)."""
+    measured = baseline() if baseline is not None else None
+    return measured is not None and measured.covers
+
+
+def _baseline_words(measured: DtypeBaseline) -> str:
+    """What the golden model itself in the target's dtype showed, where it does not explain the
+    failing logits (or could not be run)."""
+    run = f"the golden model itself in {measured.dtype} on {measured.device}"
+    if measured.error:
+        return f"{run} could not be run to measure that dtype's own drift: {measured.error}"
+    t, b = measured.target_rel_l2, measured.baseline_rel_l2
+    if not isinstance(t, float) or not isinstance(b, float):
+        return f"{run} gave logits that could not be measured at step {measured.step}"
+    times = f"{t / b:.1f}x its" if b > 0 else "where it has none"
+    return (f"at step {measured.step} the target's logits are {t:.3g} from the golden's (relative L2), "
+            f"{times} {b:.3g} for {run}: error of the port's own, beyond that dtype's rounding")
+
+
+def _dtype_baseline_pass(measured: DtypeBaseline, nothing: str, steps: str,
+                         dtype: str) -> tuple[str, str, str, None]:
+    """The pass of a port whose failing logits are within the golden model's own drift in its dtype."""
+    t, b = measured.target_rel_l2, measured.baseline_rel_l2
+    failing = measured.failing_steps or [measured.step]
+    at = f"step {failing[0]}" if len(failing) == 1 else f"steps {steps_text(failing)}"
+    headline = (f"no fault: no module stands out at {steps}; the logits fail the {dtype} thresholds at {at} "
+                f"no more than the golden model itself does in {measured.dtype} on {measured.device} "
+                f"(relative L2 {t:.3g} against its {b:.3g} at step {measured.step})")
+    diagnosis = (nothing + f". The golden model itself, run in {measured.dtype} on {measured.device} on the "
+                 f"golden's tokens, drifts from the golden's logits as far as the target at each failing "
+                 f"step ({at}; relative L2 of the last position, the target within {measured.factor:g}x of "
+                 f"it: {t:.3g} against {b:.3g} at step {measured.step}), so the failing logits are how far "
+                 f"{measured.dtype} takes this model on this prompt, not a fault of the port.")
+    return "pass", headline, diagnosis, None
 
 
 #: token-row codes that say the logits are not a drift: not finite, not comparable, not read

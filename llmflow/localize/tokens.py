@@ -83,15 +83,19 @@ def token_rows(golden: DumpReader, target: DumpReader, *, golden_ids: list[int],
     return rows
 
 
-def first_bad_step(rows: list[TokenRow], first_mismatch_step: int | None) -> int | None:
-    """The first step whose logits fail, up to the first mismatching token.
+def failing_steps(rows: list[TokenRow], first_mismatch_step: int | None) -> list[int]:
+    """The steps whose logits fail, up to the first mismatching token, in order.
 
     After the texts part, each side continues its own text: a failing step there compares the
     logits of two different contexts, which says nothing about a fault, so it is not counted."""
-    for r in rows:
-        if r.verdict == "fail" and (first_mismatch_step is None or r.step <= first_mismatch_step):
-            return r.step
-    return None
+    return [r.step for r in rows
+            if r.verdict == "fail" and (first_mismatch_step is None or r.step <= first_mismatch_step)]
+
+
+def first_bad_step(rows: list[TokenRow], first_mismatch_step: int | None) -> int | None:
+    """The first step whose logits fail, up to the first mismatching token (``failing_steps``)."""
+    failing = failing_steps(rows, first_mismatch_step)
+    return failing[0] if failing else None
 
 
 def greedy_ids(reader: DumpReader, rank: int = 0) -> list[int]:

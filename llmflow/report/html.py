@@ -286,6 +286,7 @@ def render_report(*, title: str, verdict: Verdict | None = None, outcome: hv.Sta
         "tree": _tree(topology, v, levels),
         "op_panel": op_panel,
         "own_steps": _own_error_steps(v),
+        "dtype_baseline": _dtype_baseline(v) if logits_shown else None,
         "candidates": table_view(_with_row_links(v.candidates, levels),
                                  table_id="t-candidates", highlight=v.first_bad_module,
                                  max_rows=max_rows, lead=CANDIDATE_LEAD) if v and v.candidates else None,
@@ -321,6 +322,21 @@ def _own_error_steps(v: Verdict | None) -> dict[str, Any] | None:
         return None
     return {"module": own.module, "metric": own.metric, "peers": peers, "chart": chart,
             "table": table_view(_rows(own.rows), table_id="t-own-steps", filters=False)}
+
+
+def _dtype_baseline(v: Verdict | None) -> dict[str, Any] | None:
+    """The logits' error per step, the target's beside the golden model's own in the target's dtype
+    (``Verdict.dtype_baseline``), as a line chart."""
+    base = v.dtype_baseline if v is not None else None
+    if base is None:
+        return None
+    series = {"target": {r.step: r.target_rel_l2 for r in base.steps if r.target_rel_l2 is not None},
+              f"golden model in {base.dtype}": {r.step: r.baseline_rel_l2 for r in base.steps
+                                                if r.baseline_rel_l2 is not None}}
+    chart = line_chart("logits: relative L2 from the golden's, per step", series, x_label="step",
+                       mark_x=base.step)
+    return {"dtype": base.dtype, "device": base.device, "step": base.step, "factor": f"{base.factor:g}",
+            "covers": base.covers, "error": base.error, "chart": chart}
 
 
 def _tree(topology: Mapping[str, Any] | None, v: Verdict | None,

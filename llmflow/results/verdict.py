@@ -371,6 +371,42 @@ class HandedDown:
 
 
 @dataclass
+class DtypeBaselineStep:
+    """The logits of one step, the target's and the golden model's own in the target's dtype, each
+    against the golden dump's (last position, relative L2)."""
+
+    step: int
+    target_rel_l2: float | None
+    baseline_rel_l2: float | None
+    baseline_verdict: str = field(metadata=_doc("the golden model's own logits at the thresholds: pass, warn "
+                                                "or fail"))
+
+
+@dataclass
+class DtypeBaseline:
+    """Where a port's logits fail and no module stands out: the golden model itself run in the
+    target's dtype on the target's device, teacher-forced on the golden's tokens
+    (``localize/dtype_baseline.py``); how far the target's logits are from the golden's, against how
+    far that dtype's own rounding takes them."""
+
+    dtype: str
+    device: str
+    step: int = field(metadata=_doc("the failing step the figures are of: the first the golden model's own "
+                                    "error does not cover, else the first failing"))
+    failing_steps: list[int] = field(default_factory=list, metadata=_doc(
+        "the steps whose logits fail, up to where the texts part: each judged"))
+    target_rel_l2: float | None = None
+    baseline_rel_l2: float | None = None
+    factor: float = field(default=2.0, metadata=_doc(
+        "how many times the golden model's own error the target's may be and still be the dtype's own"))
+    covers: bool = field(default=False, metadata=_doc(
+        "at every failing step the target's error is within factor times the golden model's own: the "
+        "dtype's drift"))
+    steps: list[DtypeBaselineStep] = field(default_factory=list)
+    error: str | None = field(default=None, metadata=_doc("why it could not be measured (null: it was)"))
+
+
+@dataclass
 class OpRef:
     """An op by name, API and output shape."""
 
@@ -493,6 +529,9 @@ class Verdict(VerdictHead):
     handed_down: HandedDown | None = field(default=None, metadata=_doc(
         "where no module stands out: a module handed a keyword input its enclosing module was given "
         "otherwise (null: none found, or not checked)"))
+    dtype_baseline: DtypeBaseline | None = field(default=None, metadata=_doc(
+        "where the logits fail and no module stands out: the golden model itself in the target's dtype "
+        "(null: not measured)"))
 
 
 #: the name the bisect has always returned

@@ -1,0 +1,139 @@
+"""A bf16 port whose logits fail their thresholds with no module standing out is read against the
+golden model itself run in bf16 on the same tokens: a port that drifts as bf16 itself does passes,
+saying so with both figures; one whose logits go further at a later step (its forward's own code
+scales the decode logits, outside any module) stays inconclusive, naming that step and both
+figures. Run as a user runs it: ``llmflow run`` on a workflow of their own that extends the shipped
+recipe with logits thresholds bf16 always exceeds (so the logits fail on every CPU), a golden given
+as a model spec (loaded whole) and as a Hugging Face directory (streamed layer by layer)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
+from bisect_helpers import tiny_model_dirs  # noqa: E402
+from workflow_helpers import REPO, llmflow  # noqa: E402
+
+SIZE = "layers=3,hidden=64,intermediate=128,seed=5"
+#: family -> how the golden is given: a model spec (loaded whole) or a Hugging Face directory
+#: (streamed layer by layer from its safetensors, in the target's dtype for the baseline too)
+GOLDENS = {"qwen2": "spec", "gemma2": "directory"}
+
+PATCHES = '''
+import functools
+
+
+def no_change(model):
+    """A port that computes as the golden model does in its dtype (fused kernels, say, that round
+    alike)."""
+
+
+def scale_decode_logits(model):
+    """The port's forward scales the logits of every decode step by 1.5 after lm_head ran (its own
+    code, no module): each call after the first (the prefill) of its generation."""
+    forward, calls = model.forward, []
+
+    @functools.wraps(forward)
+    def scaled(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append(1)
+        if len(calls) > 1:
+            out.logits = out.logits * 1.5
+        return out
+
+    model.forward = scaled
+'''
+
+
+@pytest.fixture(scope="module")
+def user_files(tmp_path_factory) -> dict[str, Path]:
+    """The user's workflow (the shipped recipe, its logits judged at limits bf16 rounding always
+    exceeds) and their patches."""
+    folder = tmp_path_factory.mktemp("user")
+    workflow = folder / "tight_logits.yaml"
+    workflow.write_text(textwrap.dedent(f"""\
+        name: tight-logits
+        description: the bisect recipe, its bf16 logits judged at limits bf16 rounding always exceeds
+        extends: {REPO / "workflows" / "recipes" / "bisect_base.yaml"}
+        stages:
+          bisect:
+            with:
+              thresholds: {{bfloat16: {{relative_euclidean_distance: {{warn: 1.0e-7, fail: 1.0e-6}}}}}}
+        """), encoding="utf-8")
+    patches = folder / "port.py"
+    patches.write_text(PATCHES, encoding="utf-8")
+    return {"workflow": workflow, "patches": patches}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return tiny_model_dirs(tmp_path_factory, SIZE)
+
+
+@pytest.fixture(scope="module")
+def golden_runs() -> dict[str, Path]:
+    """family -> the run dir of its first bisect: a later one starts from a copy (the golden's dump
+    reused, only the target's stages run again)."""
+    return {}
+
+
+def _bisect(family: str, patch: str, tmp_path: Path, user_files, model_dirs,
+            golden_runs) -> tuple[int, str, dict]:
+    model = f"tiny-{family}:{SIZE}" if GOLDENS[family] == "spec" else str(model_dirs(family))
+    run = tmp_path / "run"
+    reused = family in golden_runs
+    if reused:
+        shutil.copytree(golden_runs[family], run, symlinks=True)
+    proc = llmflow("run", str(user_files["workflow"]), "--run-dir", str(run), "--progress", "plain",
+                   "--set", f"golden_model={model}", "--set", f"target_model={model}",
+                   "--set", "max_new_tokens=3", "--set", f"target_patch={user_files['patches']}:{patch}",
+                   timeout=600)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, proc.stderr[-3000:]
+    if reused:
+        assert "dump-golden: cached" in proc.stdout, proc.stdout[-3000:]
+    elif "dump-golden: done" in proc.stdout:
+        golden_runs[family] = run
+    if GOLDENS[family] == "directory":
+        assert "golden model loaded streamed" in out, out[-3000:]
+    verdict = json.loads((run / "bisect" / "verdict.json").read_text())
+    return proc.returncode, proc.stdout.strip().splitlines()[-1], verdict
+
+
+@pytest.mark.parametrize("family", GOLDENS)
+def test_a_port_whose_logits_fail_as_the_dtype_itself_does_passes(family, tmp_path, user_files, model_dirs,
+                                                                  golden_runs):
+    rc, last, v = _bisect(family, "no_change", tmp_path, user_files, model_dirs, golden_runs)
+    assert rc == 0 and last.startswith("PASSED (no fault: no module stands out at "), last
+    assert ("the logits fail the bfloat16 thresholds at steps 0..2 no more than the golden model itself "
+            "does in bfloat16 on cpu") in last, last
+    base = v["dtype_baseline"]
+    assert base["covers"] and base["failing_steps"] == [0, 1, 2] and base["error"] is None
+    # the port computes as the golden model in bf16 does: the two errors are one
+    for row in base["steps"]:
+        assert row["target_rel_l2"] == pytest.approx(row["baseline_rel_l2"], rel=1e-3), row
+        assert 0 < row["baseline_rel_l2"] < 0.1 and row["baseline_verdict"] == "fail", row
+    assert "Against the dtype's own drift" in (tmp_path / "run" / "report" / "report.html").read_text()
+
+
+@pytest.mark.parametrize("family", GOLDENS)
+def test_decode_logits_beyond_the_dtypes_drift_are_the_ports_own(family, tmp_path, user_files, model_dirs,
+                                                                 golden_runs):
+    rc, last, v = _bisect(family, "scale_decode_logits", tmp_path, user_files, model_dirs, golden_runs)
+    assert rc == 3, last
+    assert last.startswith("INCONCLUSIVE: the logits fail the bfloat16 thresholds at step 0"), last
+    base = v["dtype_baseline"]
+    assert not base["covers"] and base["step"] == 1 and base["failing_steps"] == [0, 1, 2]
+    assert base["target_rel_l2"] > 10 * base["baseline_rel_l2"] > 0, base
+    prefill = base["steps"][0]  # the prefill is the golden model's own drift: the fault is decode only
+    assert prefill["target_rel_l2"] == pytest.approx(prefill["baseline_rel_l2"], rel=1e-3), prefill
+    reason, nxt = v["inconclusive"]["reason"], v["inconclusive"]["next"]
+    assert "at step 1 the target's logits are " in reason and "for the golden model itself in bfloat16 on " \
+           "cpu: error of the port's own" in reason, reason
+    assert "step 1" in nxt, nxt

@@ -1,0 +1,119 @@
+"""A port's failing logits read against the golden model itself in the port's dtype: within its
+drift at every failing step is a pass, beyond it at one step is the port's own error (inconclusive,
+both figures and that step named), and the baseline is measured only where failing logits are all
+that is left to explain."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_localize_conclude import PORT, Inputs, replay
+
+from llmflow.localize.conclude import conclude
+from llmflow.localize.dtype_baseline import FACTOR, covers, last_position, unmeasured
+from llmflow.results.codec import from_json, to_json
+from llmflow.results.verdict import DtypeBaseline, DtypeBaselineStep, TokenRow, Verdict
+
+
+@pytest.mark.parametrize(("target", "baseline", "covered"), [
+    (0.010, 0.006, True),
+    (0.012, 0.006, True),  # (exactly FACTOR times)
+    (0.0121, 0.006, False),
+    (0.004, 0.006, True),  # (a port rounding less than the golden's eager kernels)
+    (0.01, 0.0, False),  # the golden model computes as the golden: nothing to explain the drift
+    (0.0, 0.0, False),
+    (math.nan, 0.006, False),
+    (0.01, math.inf, False),
+    (math.inf, 0.006, False),
+    (None, 0.006, False),
+    (0.01, None, False),
+])
+def test_a_target_error_is_covered_within_factor_times_the_golden_models_own(target, baseline, covered):
+    assert FACTOR == 2.0
+    assert covers(target, baseline) is covered
+
+
+def test_the_last_position_is_taken_of_a_prefill_that_holds_every_position():
+    logits = torch.arange(24, dtype=torch.bfloat16).reshape(1, 3, 8)
+    assert torch.equal(last_position(logits), torch.arange(16, 24, dtype=torch.float32))
+    assert torch.equal(last_position(logits[:, -1]), torch.arange(16, 24, dtype=torch.float32))
+    assert last_position(torch.ones(8)).shape == (8,)
+
+
+def _baseline(covered: bool, step: int = 3, failing: tuple[int, ...] = (3, 4)) -> DtypeBaseline:
+    target, base = (0.011, 0.009) if covered else (0.2, 0.008)
+    return DtypeBaseline(dtype="bfloat16", device="cpu", step=step, failing_steps=list(failing),
+                         target_rel_l2=target, baseline_rel_l2=base, covers=covered,
+                         steps=[DtypeBaselineStep(step=s, target_rel_l2=target, baseline_rel_l2=base,
+                                                  baseline_verdict="fail") for s in failing])
+
+
+def _conclude(tried, baseline, *, bad_token=3, problems=(), inp=None):
+    calls: list[int] = []
+
+    def measure() -> DtypeBaseline | None:
+        calls.append(1)
+        return baseline
+
+    inp = inp or Inputs(target_ids=[1, 2, 3, 4, 5, 9], target_spec=PORT)
+    rows = [TokenRow(step=bad_token, target_step=bad_token, code="threshold_fail", verdict="fail")]
+    v = conclude(inp, tried, tried[0], rows=rows, mismatch=5, bad_token=bad_token, stack=None, decode=str,
+                 dtype="bfloat16", device="cpu", problems=list(problems), dtype_baseline=measure)
+    return v, len(calls)
+
+
+def test_failing_logits_within_the_golden_models_own_drift_pass():
+    v, calls = _conclude([replay(3), replay(0)], _baseline(True))
+    assert calls == 1 and v.status == "pass" and v.inconclusive is None and v.first_bad_module is None
+    assert v.headline.startswith(
+        "no fault: no module stands out at decode step 3 and the prefill (step 0); the logits fail the "
+        "bfloat16 thresholds at steps 3..4 no more than the golden model itself does in bfloat16 on cpu "
+        "(relative L2 0.011 against its 0.009 at step 3)"), v.headline
+    assert v.dtype_baseline is not None and v.dtype_baseline.covers
+    back = from_json(Verdict, to_json(v))  # written to verdict.json and read back as the same type
+    assert back.dtype_baseline == v.dtype_baseline
+
+
+def test_failing_logits_beyond_it_at_a_later_step_are_the_ports_own_and_point_there():
+    """Step 3 fails as bf16 itself does, step 4 goes far beyond: the verdict names step 4, both
+    figures, and sends the user to that step, not to the first failing one."""
+    v, calls = _conclude([replay(3), replay(0)], _baseline(False, step=4))
+    assert calls == 1 and v.status == "inconclusive"
+    reason = v.inconclusive.reason
+    assert reason.startswith("the logits fail the bfloat16 thresholds at step 3"), reason
+    assert ("at step 4 the target's logits are 0.2 from the golden's (relative L2), 25.0x its 0.008 for the "
+            "golden model itself in bfloat16 on cpu: error of the port's own") in reason, reason
+    assert "replay_step: 4" in v.inconclusive.next and "target_dtype" not in v.inconclusive.next
+    assert v.dtype_baseline is not None and not v.dtype_baseline.covers
+
+
+def test_a_baseline_that_could_not_run_is_said_and_the_advice_stays():
+    v, _ = _conclude([replay(3), replay(0)], unmeasured("bfloat16", "cpu", 3, "OutOfMemoryError: no room"))
+    assert v.status == "inconclusive"
+    assert ("the golden model itself in bfloat16 on cpu could not be run to measure that dtype's own drift: "
+            "OutOfMemoryError: no room") in v.inconclusive.reason
+
+
+def test_no_baseline_keeps_the_inconclusive_verdict_as_it_was():
+    v, calls = _conclude([replay(3), replay(0)], None)
+    assert calls == 1 and v.status == "inconclusive" and v.dtype_baseline is None
+    assert "golden model itself" not in v.inconclusive.reason
+
+
+@pytest.mark.parametrize("case", ["problems", "standing_out", "unreplayable"])
+def test_a_covering_baseline_never_hides_another_cause(case):
+    """Dumps with problems and a module that stands out are judged before the logits (the baseline
+    is not even measured); modules that could not be replayed keep the verdict inconclusive though
+    the logits drift as the dtype does."""
+    tried = {"problems": [replay(3), replay(0)],
+             "standing_out": [replay(3, bad={"model.layers.2.mlp.down_proj": 0.2}), replay(0)],
+             "unreplayable": [replay(3, unreplayable=2), replay(0)]}[case]
+    v, calls = _conclude(tried, _baseline(True), problems=["target dump: index lines lost"]
+                         if case == "problems" else ())
+    assert v.status != "pass", v.headline
+    if case == "unreplayable":
+        assert calls == 1 and "could not be replayed" in v.inconclusive.reason
+    else:
+        assert calls == 0 and v.dtype_baseline is None
