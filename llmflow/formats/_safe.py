@@ -200,6 +200,57 @@ def torch_load(path: Path, mmap: bool = False) -> torch.Tensor:
     return obj
 
 
+#: a zip archive's last record (torch.save writes no archive comment after it)
+_ZIP_END = b"PK\x05\x06"
+_ZIP_END_SIZE = 22
+
+
+def cut_short(path: Path) -> str | None:
+    """Why a ``.pt``/``.pth``/``.npy`` data file cannot be whole, from its ends alone (no load): a
+    zip-format torch file whose last bytes are not the archive's end record, an ``.npy`` shorter
+    than its header says; None where it looks whole (or is of another kind). Two small reads: run
+    for every file a dump's index names, where a load would read the whole file."""
+    try:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(128)
+            if head[:4] == b"PK\x03\x04":
+                if size < _ZIP_END_SIZE:
+                    return "cut short: smaller than a zip archive's end record"
+                f.seek(size - _ZIP_END_SIZE)
+                if f.read(4) != _ZIP_END:
+                    return "cut short: no zip end record at its end (a copy stopped early?)"
+                return None
+            if head[:6] == b"\x93NUMPY":
+                return _npy_cut_short(f, size)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    except DumpFormatError as exc:  # (not a regular file)
+        return str(exc).removeprefix(f"{path}: ")
+    return None
+
+
+def _npy_cut_short(f: Any, size: int) -> str | None:
+    """``cut_short`` of an open ``.npy`` file of ``size`` bytes: its header's shape and dtype give
+    its length."""
+    import numpy as np
+    from numpy.lib import format as npy_format
+
+    readers = {(1, 0): npy_format.read_array_header_1_0, (2, 0): npy_format.read_array_header_2_0}
+    try:
+        f.seek(0)
+        read_header = readers.get(npy_format.read_magic(f))
+        if read_header is None:
+            return None  # (a later format version: judged when loaded)
+        shape, _, dtype = read_header(f)
+    except Exception as exc:  # ValueError (a bad header), EOFError
+        return f"unreadable .npy header ({exc})"
+    if dtype.hasobject:
+        return None  # (refused when loaded: objects are never read)
+    need = f.tell() + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return f"cut short: {size} bytes, its header says {need}" if size < need else None
+
+
 def numpy_load(path: Path) -> torch.Tensor:
     """A tensor from a ``.npy`` file (``allow_pickle=False``; object arrays are refused)."""
     import numpy as np

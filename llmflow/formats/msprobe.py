@@ -68,6 +68,7 @@ from llmflow.dtypes import dtype_name
 from llmflow.errors import DumpFormatError
 from llmflow.formats._safe import (
     check_shape,
+    cut_short,
     expect,
     is_dir,
     list_dir,
@@ -377,12 +378,15 @@ class MsprobeDumpReader(DumpReader):
                             self._values(wctx, "weight", "0", v, out)
             if lost:
                 missing = [n for n in lost if n not in files]
-                odd = [n for n in lost if n in files]
-                for names, why in ((missing, "missing from"), (odd, "not regular files in")):
+                odd = [n for n in lost if files.get(n) is False]
+                short = [n for n in lost if isinstance(files.get(n), str)]
+                for names, why in ((missing, "missing from"), (odd, "not regular files in"),
+                                   (short, "that are not whole in")):
                     if names:
+                        said = f": {files[names[0]]}" if names is short else ""
                         self._problems.append(
                             f"{folder / DUMP_FILE}: names {len(names)} tensor file(s) {why} "
-                            f"dump_tensor_data (first: {names[0][:120]}); read as statistics only")
+                            f"dump_tensor_data (first: {names[0][:120]}{said}); read as statistics only")
             if blind:
                 self._problems.append(
                     f"{folder / DUMP_FILE}: {len(blind)} tensor value(s) carry no statistic and no data "
@@ -397,10 +401,23 @@ class MsprobeDumpReader(DumpReader):
         self.entries()
         return self._api_calls.get((entry.rank, entry.step, entry.name)) if entry.level == "api" else None
 
-    def _data_files(self, folder: Path) -> dict[str, bool]:
-        """Name -> is it a regular file (a FIFO or a device is never opened), of dump_tensor_data."""
+    def _data_files(self, folder: Path) -> dict[str, bool | str]:
+        """Name -> is it a regular file (a FIFO or a device is never opened), of dump_tensor_data;
+        ``_whole`` puts why one is cut short in place of True."""
         d = folder / "dump_tensor_data"
         return {e.name: _is_file(e) for e in list_dir(d)} if d.is_dir() else {}
+
+    @staticmethod
+    def _whole(folder: Path, files: dict[str, bool | str], name: str) -> bool:
+        """Whether dump_tensor_data's file ``name`` is there, a regular file and whole by its ends
+        (``cut_short``: a copy stopped early leaves a file that lists fine); why not is kept in
+        ``files``."""
+        found = files.get(name, False)
+        if found is True:
+            why = cut_short(folder / "dump_tensor_data" / name)
+            if why:
+                files[name] = found = why
+        return found is True
 
     def _values(
         self, ctx: tuple, kind: str, index: str, value: Any, out: list[Entry], depth: int = 0
@@ -445,7 +462,7 @@ class MsprobeDumpReader(DumpReader):
             stats = {ours: v for k, ours in _STAT_KEYS if (v := statistic(value.get(k))) is not None}
             e.stats = stats or None
             data_name = value.get("data_name")
-            e.has_data = isinstance(data_name, str) and files.get(data_name, False)
+            e.has_data = isinstance(data_name, str) and self._whole(folder, files, data_name)
             if isinstance(data_name, str) and not e.has_data:
                 lost.append(data_name)
             if not stats and not e.has_data and not isinstance(data_name, str) and kind != "weight":

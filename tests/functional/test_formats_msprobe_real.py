@@ -4,6 +4,7 @@ folder per token (``debugger.step()``) and one folder for all tokens (split by t
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -124,3 +125,26 @@ def test_l1_statistics_per_step_folders(dumps, hooked) -> None:
     e = _out(r, 1, "/embedding.0")
     want = hooked[1]["model.embed_tokens"]["output"]
     assert e.stats["mean"] == pytest.approx(want.mean().item(), rel=1e-4, abs=1e-7)
+
+
+def test_a_tensor_file_cut_short_is_no_whole_dump(dumps, tmp_path) -> None:
+    """A copy of a real L1 tensor dump with one ``.pt`` file cut to half its size (a copy that
+    stopped early): ``inspect`` fails naming the file, and a statistics compare against the whole
+    dump is not passed (the statistics in dump.json alone would pass it); the whole dump inspects
+    clean."""
+    from workflow_helpers import llmflow
+
+    whole = dumps[("L1", "tensor")]
+    copy = tmp_path / "copied"
+    shutil.copytree(whole, copy)
+    victim = sorted(copy.rglob("Functional.linear.*.forward.output.0.pt"))[0]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    proc = llmflow("inspect", str(whole))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    proc = llmflow("inspect", str(copy))
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("FAILED: the dump cannot be trusted whole"), last
+    assert f"(first: {victim.name}: cut short: no zip end record at its end" in proc.stdout, proc.stdout
+    proc = llmflow("compare", "-gp", str(whole), "-mp", str(copy), "-st", "-o", str(tmp_path / "out"))
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 3 and last.startswith("INCONCLUSIVE: the target dump cannot be trusted"), last

@@ -276,3 +276,38 @@ def test_msprobe_deeply_nested_construct_json(tmp_path: Path) -> None:
     with pytest.raises(DumpFormatError, match="construct.json") as info:
         open_dump(root).entries()
     one_line(info.value)
+
+
+def test_msprobe_tensor_files_cut_short_are_read_as_statistics_only(tmp_path: Path) -> None:
+    """A ``.pt`` whose zip end record is gone and an ``.npy`` shorter than its header says list
+    fine but are not whole: each entry is read as statistics only and the dump says why."""
+    import numpy as np
+
+    root = _msprobe(tmp_path, ["a.pt", "b.pt", "c.npy", "d.npy"])
+    data = root / "step0" / "rank0" / "dump_tensor_data"
+    for name in ("c.npy", "d.npy"):
+        (data / name).unlink()
+        np.save(data / name, np.ones(2, dtype=np.float32))
+    assert open_dump(root).problems() == []
+    for name in ("b.pt", "d.npy"):
+        (data / name).write_bytes((data / name).read_bytes()[:-3])
+    r = open_dump(root)
+    assert [e.has_data for e in r.entries() if e.level == "module"] == [True, False, True, False]
+    problems = r.problems()
+    assert len(problems) == 1, problems
+    assert ("names 2 tensor file(s) that are not whole in dump_tensor_data (first: b.pt: cut short: no zip "
+            "end record at its end") in problems[0]
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b"", None),  # (an empty file is no zip or .npy: the load says what it is)
+    (b"PK\x03\x04" + b"\0" * 10, "smaller than a zip archive's end record"),
+    (b"\x93NUMPY\x01\x00" + b"\xff" * 10, "unreadable .npy header"),
+])
+def test_a_data_file_too_odd_to_measure_is_said_in_one_line(tmp_path: Path, content: bytes, why) -> None:
+    from llmflow.formats._safe import cut_short
+
+    path = tmp_path / "x.pt"
+    path.write_bytes(content)
+    said = cut_short(path)
+    assert (said is None) if why is None else (why in said and "\n" not in said), said
