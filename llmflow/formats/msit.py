@@ -63,11 +63,12 @@ def _tree_modules(node: Any, path: Path, out: dict[str, str], depth: int = 0) ->
     expect(isinstance(node, dict) and isinstance(node.get("name"), str), path,
            "model_tree.json node without a string 'name'")
     expect(depth < 256, path, "model_tree.json nested deeper than 256 levels")
-    out[strip_root(node["name"])] = str(node.get("type") or "")
     children = node.get("children") or []
     expect(isinstance(children, list), path, "model_tree.json 'children' is not a list")
     for c in children:
         _tree_modules(c, path, out, depth + 1)
+    # after its children: the order module outputs are made in (a module's ends after its children's)
+    out[strip_root(node["name"])] = str(node.get("type") or "")
 
 
 def _float(v: str) -> float | None:
@@ -163,13 +164,26 @@ class MsitDumpReader(DumpReader):
             return f"{strip_root(m['module'])}/{m['api']}.{m['n'] or 0}", "api", m["api"]
         return name, "module", None
 
+    @staticmethod
+    def _run_order(named: tuple[str, str, str | None], positions: dict[str, int]) -> tuple[int, int, int]:
+        """Where a module or API folder's tensors come in the run: modules as their outputs are made
+        (``positions``: each module's place in model_tree.json listed after its children, a module's
+        output ending after theirs, so the first failing row is the innermost module, not the
+        model), an API call inside its module before the module's output, by its count; folders
+        the tree does not name last."""
+        name, level, _ = named
+        if level == "api":
+            module, _, call = name.rpartition("/")
+            count = call.rpartition(".")[2]
+            return positions.get(module, len(positions)), 0, int(count) if count.isdigit() else 0
+        return positions.get(name, len(positions)), 1, 0
+
     def _token(self, rank: int, step: int, token_dir: Path, types: dict[str, str]) -> list[Entry]:
         out: list[Entry] = []
-        folders = [d for d in list_dir(token_dir) if is_dir(d)]
-        order_of = {strip_root(n): i for i, n in enumerate(types)}  # model_tree is in call order
-        folders.sort(key=lambda d: order_of.get(strip_root(d.name), len(order_of)))
-        for d in folders:
-            name, level, mtype = self._name(d.name, types)
+        folders = [(d, self._name(d.name, types)) for d in list_dir(token_dir) if is_dir(d)]
+        positions = {module: i for i, module in enumerate(types)}
+        folders.sort(key=lambda found: self._run_order(found[1], positions))
+        for d, (name, level, mtype) in folders:
             found: dict[tuple[str, str], Entry] = {}
             for f in list_dir(Path(d.path)):
                 m = _FILE.match(f.name)

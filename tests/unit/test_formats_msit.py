@@ -42,19 +42,32 @@ def test_names_indices_and_values(tmp_path: Path) -> None:
     assert got[1:] == [
         (0, "model.embed", "input", "0", "module", "int64"),
         (0, "model.embed", "output", "0", "module", "bfloat16"),
+        # an API call inside a module ends before the module's output does
+        (0, "model.attn/matmul.0", "input", "0", "api", "float32"),
+        (0, "model.attn/matmul.0", "output", "0", "api", "float32"),
         (0, "model.attn", "input", "0", "module", "float32"),
         (0, "model.attn", "input", "1", "module", "float32"),
         (0, "model.attn", "output", "0", "module", "float32"),
         (0, "model.attn", "output", "1.0", "module", "float32"),
         (0, "model.attn", "output", "1.1", "module", "float32"),
-        (0, "model.attn/matmul.0", "input", "0", "api", "float32"),
-        (0, "model.attn/matmul.0", "output", "0", "api", "float32"),
         (1, "model.embed", "input", "0", "module", "int64"),
         (1, "model.embed", "output", "0", "module", "float32"),
     ]
     e = next(e for e in r.entries() if e.name == "model.attn" and e.index == "1.1")
     assert torch.equal(r.load(e), torch.arange(8.0).reshape(2, 4) * 5)
     assert r.entries()[2].module_type == "Embedding"
+
+
+def test_a_module_comes_after_the_modules_inside_it(tmp_path: Path) -> None:
+    """The order module outputs are made in: the model's own row last, so a compare's first failing
+    row is the innermost module that fails, not the model around it."""
+    x = torch.ones(2, 4)
+    tokens = {0: {"": {"inputs": (x,), "output": x}, "model": {"inputs": (x,), "output": x},
+                  "model.attn": {"inputs": (x,), "output": x}, "model.embed": {"inputs": (x,), "output": x}}}
+    r = MsitDumpReader(write_msit_dump(tmp_path, tokens, tree=TREE, device="cpu", pid=1,
+                                       timestamp="20250101_000000"))
+    names = list(dict.fromkeys(e.name for e in r.entries() if e.step == 0))
+    assert names == ["model.embed", "model.attn", "model", ""]
     assert r.topology()["children"][0]["name"] == "model"
 
 
