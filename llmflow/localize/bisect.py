@@ -90,7 +90,14 @@ from llmflow.localize.target_dump import (
     rounding_of,
     target_routing,
 )
-from llmflow.localize.tokens import failing_steps, first_bad_step, first_mismatch, greedy_ids, token_rows
+from llmflow.localize.tokens import (
+    failing_steps,
+    first_bad_step,
+    first_mismatch,
+    greedy_ids,
+    logits_entries,
+    token_rows,
+)
 from llmflow.models import logits_of
 from llmflow.quantized import NormBias, UnfusedExperts, W8A8Linear, unsmooth
 from llmflow.results.verdict import (
@@ -103,6 +110,7 @@ from llmflow.results.verdict import (
     OpTensors,
     OwnErrorStep,
     OwnErrorSteps,
+    TeacherForced,
     TokenRow,
     Verdict,
 )
@@ -252,6 +260,7 @@ class _Bisect:
         self.op_tensors: dict[str, Any] = {}  # the first bad op's tensors (ops.op_tensors)
         self.op_tensors_info: OpTensors | None = None
         self.golden_checked: set[str] = set()  # modules check_golden_model ran (each once)
+        self.forced_logits: torch.Tensor | None = None  # the target's on the golden's tokens (teacher_forced)
         if self.isolation == "target_dump":
             self.check_golden_model()
 
@@ -870,7 +879,63 @@ class _Bisect:
         cost.bisect_phase_seconds = self.phases
         return cost
 
-    def dtype_baseline(self, rows: list[TokenRow], failing: list[int], judged: str) -> DtypeBaseline | None:
+    def teacher_forced(self, mismatch: int, judged: str) -> TeacherForced | None:
+        """The target run once more on the golden's tokens (teacher-forced, through its own decoding
+        loop), its logits at each step after ``mismatch`` against the golden dump's, judged at
+        ``judged``; None where no target model is held (a dump alone holds no step on the golden's
+        text), no prompt ids, or no step after the part."""
+        from llmflow.compare.metrics import compare_tensors
+        from llmflow.compare.thresholds import judge
+        from llmflow.models import greedy_steps
+
+        inp, tgt = self.inp, self.target
+        golden_logits = logits_entries(self.golden_dump)
+        after = [k for k in range(mismatch + 1, len(inp.golden_ids)) if k in golden_logits]
+        if tgt is None or not inp.prompt_ids or not after:
+            return None
+        eos = getattr(tgt.tokenizer, "eos_token_id", None)
+        _, logits = greedy_steps(tgt.model, inp.prompt_ids, len(inp.golden_ids), eos_token_id=eos,
+                                 force_ids=inp.golden_ids, stop_after=len(inp.golden_ids), keep_logits=True)
+        self.forced_logits = logits
+        found = TeacherForced(after=mismatch)
+        furthest = -1.0
+        for k in after:
+            if logits is None or k >= logits.shape[0]:
+                break
+            golden = dtype_baseline.last_position(self.golden_dump.load(golden_logits[k]))
+            metrics = compare_tensors(golden, logits[k].float())
+            judged_row = judge(metrics, judged, inp.thresholds)
+            found.steps.append(k)
+            rel = metrics.get("relative_euclidean_distance")
+            if isinstance(rel, float) and rel > furthest:  # (NaN compares false: a failing step anyway)
+                found.furthest, furthest = k, rel
+            if judged_row.verdict == "fail":
+                found.failing.append(k)
+                if found.first_fail is None:
+                    found.first_fail, found.reason = k, judged_row.reason
+        self.log(f"bisect: the target on the golden's tokens after the part at token {mismatch}: logits "
+                 + (f"first fail at step {found.first_fail}" if found.first_fail is not None else
+                    f"within the thresholds at steps {steps_text(found.steps)}"))
+        self.phase("token: the target teacher-forced on the golden's tokens")
+        return found
+
+    def target_logits(self, rows: list[TokenRow], forced: TeacherForced | None) -> Callable[[int], Any]:
+        """Golden step -> the target's logits there: its dump's up to where the texts part (paired by
+        ``rows``), its run on the golden's tokens after it (``teacher_forced``); None where neither."""
+        t_log = logits_entries(self.target_dump)
+        target_step = {r.step: r.target_step for r in rows}
+        after = forced.after if forced is not None else None
+
+        def logits(step: int) -> torch.Tensor | None:
+            if after is not None and step > after:
+                held = self.forced_logits
+                return held[step] if held is not None and step < held.shape[0] else None
+            found = t_log.get(target_step.get(step, -1))
+            return self.target_dump.load(found) if found is not None else None
+        return logits
+
+    def dtype_baseline(self, rows: list[TokenRow], failing: list[int], judged: str,
+                       forced: TeacherForced | None = None) -> DtypeBaseline | None:
         """The golden model itself in the target's dtype on the target's device, re-run through the
         ``failing`` steps (whose logits fail, up to where the texts part: ``dtype_baseline.py``); None
         where it says nothing: no target model (a dump's device is not this process's), a quantized
@@ -895,8 +960,8 @@ class _Bisect:
         try:
             model = _load_streamed(spec, inp.layers) if self.golden_streamed else _load(spec)
             found = dtype_baseline.measure(
-                self.golden_dump, self.target_dump, model, prompt_ids=inp.prompt_ids,
-                golden_ids=inp.golden_ids, rows=rows, failing=failing, dtype=dtype, device=device,
+                self.golden_dump, self.target_logits(rows, forced), model, prompt_ids=inp.prompt_ids,
+                golden_ids=inp.golden_ids, failing=failing, dtype=dtype, device=device,
                 judge_dtype=judged, thresholds=inp.thresholds)
         except Exception as exc:  # (a device too full for it, a golden that loads in no other dtype)
             why = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -964,6 +1029,21 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
                 "nothing stands out at the prefill"
             tried.append(b.replay_step(1, f"{seen}: the first decode step too, where the decode kernel runs "
                                           "against the KV cache"))
+    forced = None
+    if (mismatch is not None and inp.replay_step is None and not differs
+            and not any(stands_out(t, inp.ratio_threshold) for t in tried)):
+        # the texts part through rounding, so far: the steps after the part, where each side continues
+        # its own text, are checked with the target on the golden's tokens (a fault that first shows
+        # there would pass unseen); the first whose logits fail is replayed, else the one whose logits
+        # are furthest from the golden's (a fault too small yet to fail them, growing with the cache)
+        forced = b.teacher_forced(mismatch, judged)
+        late, what = None, ""
+        if forced is not None:
+            late, what = ((forced.first_fail, "first fail") if forced.first_fail is not None else
+                          (forced.furthest, "are furthest from the golden's"))
+        if late is not None and late not in {t.step for t in tried}:
+            tried.append(b.replay_step(late, f"the texts part at token {mismatch}; on the golden's tokens "
+                                             f"the target's logits {what} at this step, after the part"))
     failing = inp.compare_first_fail or {}
     if (not any(stands_out(t, inp.ratio_threshold) for t in tried) and inp.replay_step is None
             and not differs and isinstance(failing.get("step"), int)
@@ -995,6 +1075,8 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     cost = b.cost(tried, chosen)
     problems = [f"golden dump: {p}" for p in b.golden_dump.problems()]
     problems += [f"target dump: {p}" for p in b.target_dump.problems()]
+    # the steps whose logits fail: up to where the texts part, else on the golden's tokens after it
+    logits_failing = failing_steps(rows, mismatch) or (forced.failing if forced is not None else [])
     result = conclude(inp, tried, chosen, rows=rows, mismatch=mismatch, bad_token=bad_token,
                       stack=b.stack, decode=b.decode, dtype=judged, compute_dtype=dtype,
                       device=str(tgt.device) if tgt is not None else "target dump",
@@ -1002,7 +1084,8 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
                       quantized=quantized,
                       quantized_names=getattr(tgt, "quantized_names", None), handed_down=handed,
                       dumps_as_specs=dumps_made_as_specs(inp, b.golden_dump, b.target_dump, b.isolation),
-                      dtype_baseline=lambda: b.dtype_baseline(rows, failing_steps(rows, mismatch), judged))
+                      dtype_baseline=lambda: b.dtype_baseline(rows, logits_failing, judged, forced),
+                      teacher_forced=forced)
     result.isolation = b.isolation
     if b.isolation == "target_dump":
         asked = {"op_level": inp.op_level, "own_error_steps": inp.own_error_steps > 0,

@@ -48,6 +48,7 @@ from llmflow.results.verdict import (
     RoutingRow,
     ScanOrigin,
     SideText,
+    TeacherForced,
     Texts,
     TokenDetail,
     TokenRow,
@@ -432,7 +433,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
              quantized: dict[str, str] | None = None, quantized_names: dict[str, str] | None = None,
              compute_dtype: str | None = None, handed_down: HandedDown | None = None,
              dumps_as_specs: bool = False,
-             dtype_baseline: Callable[[], DtypeBaseline | None] | None = None) -> Verdict:
+             dtype_baseline: Callable[[], DtypeBaseline | None] | None = None,
+             teacher_forced: TeacherForced | None = None) -> Verdict:
     """The verdict of a bisect from what each replayed step showed (and, where measured, the chosen
     module's own error per step). ``quantized``: the target's quantized Linear layers and their
     weight types (an msModelSlim checkpoint), whose error is the quantization's own;
@@ -444,7 +446,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     made as the two specs say (the bisect's ``dumps_made_as_specs``), so a target spec that is the
     golden's in a coarser dtype (``golden_in_another_dtype``) speaks for the target dump.
     ``dtype_baseline``: measures the golden model itself in the target's dtype (``dtype_baseline.py``),
-    called only where the logits fail and nothing else explains it."""
+    called only where the logits fail and nothing else explains it. ``teacher_forced``: the target's
+    logits on the golden's tokens after the step where the texts part (``TeacherForced``)."""
     cand = chosen.candidate
     baseline = OnDemand(dtype_baseline)
     module = _standing_out(chosen)
@@ -504,7 +507,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
                                                       stored=stored_name(quantized_names),
                                                       dtype_drift=_dtype_drift(inp, rows, bad_token,
                                                                                dumps_as_specs),
-                                                      baseline=baseline)
+                                                      baseline=baseline, forced=teacher_forced)
     if module and cand and shard_rank is not None:
         errors = ", ".join(f"rank {r}: {e:.3g}" for r, e in enumerate(cand.get("rank_errors") or []))
         if cand.get("rank_source"):  # its output is one sum over the ranks: the weights told
@@ -549,7 +552,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         token_rows=rows,
         problems=problems, notes=[note] if note else [],
         overflow=overflow_evidence(inp, chosen, module), op_level=chosen.op_level, handed_down=handed_down,
-        dtype_baseline=baseline.value)
+        dtype_baseline=baseline.value, teacher_forced=teacher_forced)
 
 
 def _side_label(inp: Any, side: str, spec: dict[str, Any] | None) -> str:
@@ -674,12 +677,14 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
            shared: SharedError | None = None, own_steps: OwnErrorSteps | None = None,
            quiet: bool = False, quantized: dict[str, str] | None = None,
            stored: Callable[[str], str] = str, dtype_drift: bool = False,
-           baseline: OnDemand | None = None) -> tuple[str, str, str, Inconclusive | None]:
+           baseline: OnDemand | None = None, forced: TeacherForced | None = None
+           ) -> tuple[str, str, str, Inconclusive | None]:
     """(status, headline, diagnosis, inconclusive) from the evidence; ``quiet``: the worst candidate
     stands out, but too little to name where nothing fails (``below_notice``); ``stored``: a
     quantized Linear layer's name in its checkpoint (``stored_name``); ``dtype_drift``: failing
     logits are the dtype's own (``_dtype_drift``); ``baseline``: the golden model itself in the target's
-    dtype, measured where failing logits are all that is left to explain."""
+    dtype, measured where failing logits are all that is left to explain; ``forced``: the target's
+    logits on the golden's tokens after the texts part."""
     baseline = baseline or OnDemand(None)
     cand = chosen.candidate
     steps = " and ".join(_step_word(t.step) for t in tried)
@@ -715,7 +720,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                     f"{r.detail} (the router's own error does not stand out: rounding picked other "
                     "experts for near-tied tokens)")
     reason, nxt = _inconclusive_reason(inp, tried, chosen, between, mismatch, bad_token, problems, shared,
-                                       dtype, steps, quantized or {}, stored, dtype_drift, baseline)
+                                       dtype, steps, quantized or {}, stored, dtype_drift, baseline, forced)
     origin = _overflow_scan_origin(inp)
     if reason and origin:
         reason += (f"; {_scan_sentence(origin)}, but replayed on the golden inputs no module overflows: "
@@ -735,7 +740,7 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
         return "pass", headline, diagnosis, None
     measured = baseline.value
     if measured is not None and measured.covers:  # (no reason above: the port drifts as the dtype does)
-        return _dtype_baseline_pass(measured, nothing, steps, dtype)
+        return _dtype_baseline_pass(measured, nothing, steps, dtype, forced)
     unknown = [side for side, ids in (("golden", inp.golden_ids), ("target", inp.target_ids)) if not ids]
     if mismatch is None and unknown:  # nothing to say of the tokens: only of the modules replayed
         held = f"the {unknown[0]} dump holds no" if len(unknown) == 1 else "neither dump holds any"
@@ -751,7 +756,8 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
     headline = (f"no fault: no module stands out at {_step_word(chosen.step)}; the texts part at token "
                 f"{mismatch} through {dtype} rounding")
     diagnosis = (nothing + f": the drift is the {dtype} rounding of every layer adding up, not one faulty op"
-                 + (f" (largest own errors: {noisy})." if noisy else "."))
+                 + (f" (largest own errors: {noisy})." if noisy else ".")
+                 + _after_part_sentence(inp, mismatch, forced))
     return "pass", headline, diagnosis, None
 
 
@@ -861,8 +867,8 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
                         between: tuple[str, float] | None, mismatch: int | None, bad_token: int | None,
                         problems: list[str], shared: SharedError | None, dtype: str, steps: str,
                         quantized: dict[str, str], stored: Callable[[str], str],
-                        dtype_drift: bool = False, baseline: OnDemand | None = None
-                        ) -> tuple[str | None, str | None]:
+                        dtype_drift: bool = False, baseline: OnDemand | None = None,
+                        forced: TeacherForced | None = None) -> tuple[str | None, str | None]:
     """Where no module is named a fault: why the evidence does not cover the question, and what to
     run next, in the order the causes are checked; (None, None) where it does (the failing logits
     within the golden model's own drift in the target's dtype: ``baseline.value.covers``)."""
@@ -959,6 +965,22 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
                "(llmflow compare)" + (", or bisect with the target model (isolate: target_model, "
                                       "target_model_spec), which replays them on a golden re-run"
                                       if unchecked.source.startswith("target dump") else ""))
+    elif forced is not None and forced.first_fail is not None and not _drifts_as_dtype(baseline):
+        # (nothing stands out there either; else a pass in ``_judge``: the dtype's own drift)
+        reason = (f"the texts part at token {forced.after} through {dtype} rounding, but on the golden's "
+                  f"tokens (teacher-forced) the target's logits fail the {dtype} thresholds at step "
+                  f"{forced.first_fail}, after the part ({forced.reason}), and no module's own error stands "
+                  f"out when replayed at {steps}: the fault may live in state carried between steps (a KV "
+                  "cache written wrong), in a module the replay cannot isolate, or be spread over many "
+                  "layers")
+        if baseline is not None and baseline.value is not None:
+            reason += "; " + _baseline_words(baseline.value)
+        before = forced.first_fail - 1
+        nxt = (f"replay the step before it (bisect replay_step: {before}), where state it reads may have "
+               "been written wrong, or lower ratio_threshold"
+               if before > forced.after and before not in {t.step for t in tried} else
+               f"lower ratio_threshold, or bisect a prompt whose texts do not part before step "
+               f"{forced.first_fail} (llmflow run badcase_bisect ranks prompts by how far the target drifts)")
     elif mismatch is not None and inp.replay_step is not None and mismatch != chosen.step:
         reason = (f"the texts part at step {mismatch}, but step {chosen.step} was replayed (replay_step): "
                   "the evidence does not cover the step where the divergence starts")
@@ -972,6 +994,19 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
     if reason is None and shared is not None:  # (after "the texts part at a step not replayed")
         reason, nxt = _shared_reason(shared, dtype)
     return reason, nxt
+
+
+def _after_part_sentence(inp: Any, mismatch: int, forced: TeacherForced | None) -> str:
+    """What the pass of texts parted through rounding says of the steps after the part."""
+    last = len(getattr(inp, "golden_ids", None) or []) - 1
+    if forced is not None and forced.steps:
+        return (f" On the golden's tokens (teacher-forced) the target's logits stay within the thresholds at "
+                f"every step after the part ({steps_text(forced.steps)}).")
+    if mismatch < last:
+        return (f" Steps after token {mismatch}, where each side continues its own text, are not checked: "
+                "the target ran only on its own text (a bisect with the target model runs it on the "
+                "golden's too).")
+    return ""
 
 
 def _drifts_as_dtype(baseline: OnDemand | None) -> bool:
@@ -995,12 +1030,14 @@ def _baseline_words(measured: DtypeBaseline) -> str:
             f"{times} {b:.3g} for {run}: error of the port's own, beyond that dtype's rounding")
 
 
-def _dtype_baseline_pass(measured: DtypeBaseline, nothing: str, steps: str,
-                         dtype: str) -> tuple[str, str, str, None]:
+def _dtype_baseline_pass(measured: DtypeBaseline, nothing: str, steps: str, dtype: str,
+                         forced: TeacherForced | None = None) -> tuple[str, str, str, None]:
     """The pass of a port whose failing logits are within the golden model's own drift in its dtype."""
     t, b = measured.target_rel_l2, measured.baseline_rel_l2
     failing = measured.failing_steps or [measured.step]
     at = f"step {failing[0]}" if len(failing) == 1 else f"steps {steps_text(failing)}"
+    if forced is not None and forced.failing:  # (the steps after the part, on the golden's tokens)
+        at += f" (on the golden's tokens, after the texts part at token {forced.after})"
     headline = (f"no fault: no module stands out at {steps}; the logits fail the {dtype} thresholds at {at} "
                 f"no more than the golden model itself does in {measured.dtype} on {measured.device} "
                 f"(relative L2 {t:.3g} against its {b:.3g} at step {measured.step})")

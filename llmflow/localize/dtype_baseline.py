@@ -24,7 +24,7 @@ import torch
 from llmflow.formats.base import DumpReader
 from llmflow.localize.golden import golden_rerun
 from llmflow.localize.tokens import logits_entries
-from llmflow.results.verdict import DtypeBaseline, DtypeBaselineStep, TokenRow
+from llmflow.results.verdict import DtypeBaseline, DtypeBaselineStep
 
 #: how many times the golden model's own logits error in the target's dtype the target's may be and
 #: still be that dtype's drift: a port's kernels (fused attention, another reduction order) round
@@ -40,33 +40,32 @@ def last_position(logits: torch.Tensor) -> torch.Tensor:
     return flat.reshape(-1, flat.shape[-1])[-1] if flat.dim() > 1 else flat
 
 
-def measure(golden_dump: DumpReader, target_dump: DumpReader, baseline: Any, *, prompt_ids: list[int],
-            golden_ids: list[int], rows: list[TokenRow], failing: list[int], dtype: str, device: str,
+def measure(golden_dump: DumpReader, target_logits: Callable[[int], torch.Tensor | None], baseline: Any, *,
+            prompt_ids: list[int], golden_ids: list[int], failing: list[int], dtype: str, device: str,
             judge_dtype: str, thresholds: dict[str, Any] | None) -> DtypeBaseline:
     """``baseline`` (the golden model loaded in the target's dtype on its device, a LoadedModel)
     re-run on the prompt through the last of the ``failing`` steps with the golden's tokens forced;
     its logits and the target's at each step against the golden dump's. It covers the target where
     every failing step is within ``FACTOR`` (a port may fail at its first step as the dtype does and
     further on through a fault of its own); ``step`` is the first it does not cover, else the first
-    failing. ``rows``: the token rows, which pair each golden step with the target's;
-    ``judge_dtype``/``thresholds`` judge the logits."""
+    failing. ``target_logits(step)``: the target's logits at a golden step (its dump's, or its run on
+    the golden's tokens after the texts part), None where it has none; ``judge_dtype``/``thresholds``
+    judge the logits."""
     from llmflow.compare.metrics import compare_tensors
     from llmflow.compare.thresholds import judge
 
     last = max(failing)
     rerun = golden_rerun(baseline, prompt_ids, golden_ids, last, select=lambda name, module: False)
-    g_log, t_log = logits_entries(golden_dump), logits_entries(target_dump)
-    target_step = {r.step: r.target_step for r in rows}
+    g_log = logits_entries(golden_dump)
     found = DtypeBaseline(dtype=dtype, device=device, step=failing[0], factor=FACTOR)
     for s, rerun_logits in enumerate(rerun.logits[: last + 1]):
         if s not in g_log:
             continue
         golden = last_position(golden_dump.load(g_log[s]))
         own = compare_tensors(golden, last_position(rerun_logits))
-        target_rel = None
-        if target_step.get(s) in t_log:
-            target = last_position(target_dump.load(t_log[target_step[s]]))
-            target_rel = compare_tensors(golden, target).get("relative_euclidean_distance")
+        target, target_rel = target_logits(s), None
+        if target is not None:
+            target_rel = compare_tensors(golden, last_position(target)).get("relative_euclidean_distance")
         found.steps.append(DtypeBaselineStep(
             step=s, target_rel_l2=target_rel, baseline_rel_l2=own.get("relative_euclidean_distance"),
             baseline_verdict=judge(own, judge_dtype, thresholds).verdict))

@@ -371,6 +371,22 @@ class HandedDown:
 
 
 @dataclass
+class TeacherForced:
+    """Where the texts part with nothing standing out: the target run once more on the golden's
+    tokens (teacher-forced), its logits at each step after the part against the golden dump's, so
+    a fault that first shows after the texts part is not passed unseen."""
+
+    after: int = field(metadata=_doc("the step where the texts part"))
+    steps: list[int] = field(default_factory=list, metadata=_doc("the steps checked, each after the part"))
+    failing: list[int] = field(default_factory=list, metadata=_doc("those whose logits fail the thresholds"))
+    first_fail: int | None = field(default=None, metadata=_doc(
+        "the first of them whose logits fail the thresholds (null: none)"))
+    reason: str | None = field(default=None, metadata=_doc("the thresholds it fails, as a compare row says"))
+    furthest: int | None = field(default=None, metadata=_doc(
+        "the step whose logits are furthest from the golden's (relative L2): replayed where none fails"))
+
+
+@dataclass
 class DtypeBaselineStep:
     """The logits of one step, the target's and the golden model's own in the target's dtype, each
     against the golden dump's (last position, relative L2)."""
@@ -529,6 +545,9 @@ class Verdict(VerdictHead):
     handed_down: HandedDown | None = field(default=None, metadata=_doc(
         "where no module stands out: a module handed a keyword input its enclosing module was given "
         "otherwise (null: none found, or not checked)"))
+    teacher_forced: TeacherForced | None = field(default=None, metadata=_doc(
+        "where the texts part with nothing standing out: the target's logits on the golden's tokens after "
+        "the part (null: not run)"))
     dtype_baseline: DtypeBaseline | None = field(default=None, metadata=_doc(
         "where the logits fail and no module stands out: the golden model itself in the target's dtype "
         "(null: not measured)"))

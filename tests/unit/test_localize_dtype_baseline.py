@@ -14,7 +14,7 @@ from test_localize_conclude import PORT, Inputs, replay
 from llmflow.localize.conclude import conclude
 from llmflow.localize.dtype_baseline import FACTOR, covers, last_position, unmeasured
 from llmflow.results.codec import from_json, to_json
-from llmflow.results.verdict import DtypeBaseline, DtypeBaselineStep, TokenRow, Verdict
+from llmflow.results.verdict import DtypeBaseline, DtypeBaselineStep, TeacherForced, TokenRow, Verdict
 
 
 @pytest.mark.parametrize(("target", "baseline", "covered"), [
@@ -117,3 +117,52 @@ def test_a_covering_baseline_never_hides_another_cause(case):
         assert calls == 1 and "could not be replayed" in v.inconclusive.reason
     else:
         assert calls == 0 and v.dtype_baseline is None
+
+
+# -- after the texts part: the target on the golden's tokens (teacher-forced) --------------------
+
+def _parted(forced: TeacherForced | None, baseline: DtypeBaseline | None = None):
+    """Texts that part at token 4 of 8 with nothing standing out at the steps replayed."""
+    inp = Inputs(golden_ids=list(range(1, 9)), target_ids=[1, 2, 3, 4, 9, 9, 9, 9], target_spec=PORT)
+    tried = [replay(4), replay(0)] + ([replay(forced.first_fail)] if forced and forced.first_fail else [])
+    return conclude(inp, tried, tried[0], rows=[], mismatch=4, bad_token=None, stack=None, decode=str,
+                    dtype="bfloat16", device="cpu", problems=[], teacher_forced=forced,
+                    dtype_baseline=(lambda: baseline) if baseline is not None else None)
+
+
+def test_texts_parted_by_rounding_pass_where_the_steps_after_hold_on_the_golden_tokens():
+    v = _parted(TeacherForced(after=4, steps=[5, 6, 7]))
+    assert v.status == "pass" and v.headline.startswith("no fault: no module stands out"), v.headline
+    assert ("On the golden's tokens (teacher-forced) the target's logits stay within the thresholds at every "
+            "step after the part (5..7).") in v.diagnosis
+    assert from_json(Verdict, to_json(v)).teacher_forced == v.teacher_forced
+
+
+def test_a_step_after_the_part_failing_on_the_golden_tokens_is_never_a_pass():
+    forced = TeacherForced(after=4, steps=[5, 6, 7], failing=[6, 7], first_fail=6,
+                           reason="cosine_similarity 0.5 < fail 0.98 (bfloat16)")
+    v = _parted(forced, _baseline(False, step=6, failing=(6, 7)))
+    assert v.status == "inconclusive", v.headline
+    reason = v.inconclusive.reason
+    assert reason.startswith(
+        "the texts part at token 4 through bfloat16 rounding, but on the golden's tokens (teacher-forced) "
+        "the target's logits fail the bfloat16 thresholds at step 6, after the part (cosine_similarity 0.5 "
+        "< fail 0.98 (bfloat16))"), reason
+    assert "at step 6 the target's logits are 0.2 from the golden's" in reason, reason
+    assert "replay_step: 5" in v.inconclusive.next
+
+
+def test_steps_after_the_part_failing_as_the_dtype_itself_does_pass_saying_where():
+    forced = TeacherForced(after=4, steps=[5, 6, 7], failing=[6, 7], first_fail=6, reason="r")
+    v = _parted(forced, _baseline(True, step=6, failing=(6, 7)))
+    assert v.status == "pass", v.headline
+    assert ("the logits fail the bfloat16 thresholds at steps 6..7 (on the golden's tokens, after the texts "
+            "part at token 4) no more than the golden model itself does in bfloat16 on cpu") in v.headline
+
+
+def test_steps_after_the_part_not_checked_are_said_so():
+    """From a target dump alone no step after the part runs on the golden's text: the pass says
+    which steps it does not speak for."""
+    v = _parted(None)
+    assert v.status == "pass" and "Steps after token 4, where each side continues its own text, are not " \
+                                  "checked" in v.diagnosis, v.diagnosis
