@@ -8,7 +8,8 @@ them, ``OUT/.llmflow-outputs.json`` (name, size and mtime of each; a folder, suc
 its earlier outputs, removes those it no longer writes and leaves everything else alone. A file at
 one of its names that the list does not vouch for (the user's, or one of llmflow's edited since)
 is refused before any work, as is an OUT that is or lies inside one of the inputs (one that holds
-an input, ``-o .`` beside the dumps, is fine: nothing below OUT's top is ever written).
+an input, ``-o .`` beside the dumps, is fine: nothing below OUT's top is ever written) or inside
+any other dump.
 
 Writing is all or nothing:
 
@@ -75,6 +76,19 @@ def _refuse_overlap(out: Path, flag: str, inputs: Mapping[str, str | Path], sugg
             continue
         raise UserError(f"{flag} {out}: {where}; write the tables to a folder of their own "
                         f"(e.g. {flag} {suggest})")
+
+
+def _refuse_inside_dump(out: Path, flag: str, suggest: str) -> None:
+    """UserError when ``out`` is or lies inside a dump (any format a reader claims), an input or
+    not: tables written there would become part of a dump that took device time to make."""
+    from llmflow.formats import dump_around
+
+    found = dump_around(out)
+    if found is not None:
+        folder, fmt = found
+        where = "is" if Path(os.path.realpath(out)) == folder else "lies inside"
+        raise UserError(f"{flag} {out}: {where} the {fmt} dump {folder}; write the tables to a folder of "
+                        f"their own (e.g. {flag} {suggest})")
 
 
 def _fingerprint(st: os.stat_result) -> dict[str, int]:
@@ -195,6 +209,7 @@ class StagedDir:
         self.names = list(names)
         self._ancestor = _existing_ancestor(self.out, flag)
         _refuse_overlap(self.out, flag, inputs or {}, suggest)
+        _refuse_inside_dump(self.out, flag, suggest)
         self.tmp: Path | None = None
         self._created: list[Path] = []  # folders this command created, deepest last
         self._lock_fd: int | None = None

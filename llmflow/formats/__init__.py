@@ -17,7 +17,7 @@ from llmflow.errors import UserError
 from llmflow.formats.base import DumpReader, Entry
 from llmflow.plugins import broken_plugins
 
-__all__ = ["DumpReader", "Entry", "locator", "locator_prefix", "open_dump", "reader_types"]
+__all__ = ["DumpReader", "Entry", "dump_around", "locator", "locator_prefix", "open_dump", "reader_types"]
 
 
 def reader_types() -> dict[str, type[DumpReader]]:
@@ -35,6 +35,21 @@ def reader_types() -> dict[str, type[DumpReader]]:
 
 def _detected(p: Path, types: dict[str, type[DumpReader]]) -> type[DumpReader] | None:
     return next((cls for cls in types.values() if cls.detect(p)), None)
+
+
+def dump_around(path: str | Path) -> tuple[Path, str] | None:
+    """The dump folder ``path`` is or lies inside (its nearest existing folder or any above it),
+    with the dump's format; None where no reader claims any of them."""
+    types = reader_types()
+    here = Path(os.path.realpath(path))
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    for folder in (here, *here.parents):
+        if folder.is_dir() and (cls := _detected(folder, types)) is not None:
+            dump = Path(os.path.realpath(cls.dump_folder(folder)))
+            if here == dump or here.is_relative_to(dump):  # (else a folder beside the dump, in its
+                return dump, cls.format                    # dump_path: the user's)
+    return None
 
 
 def open_dump(path: str | Path, format: str | None = None) -> DumpReader:

@@ -105,6 +105,11 @@ class AtbDumpReader(DumpReader):
     def detect(cls, path: Path) -> bool:
         return locate_msit(Path(path), SUB) is not None
 
+    @classmethod
+    def dump_folder(cls, path: Path) -> Path:
+        found = locate_msit(Path(path), SUB)  # (the msit_dump_* folder above its tensors folder)
+        return found[0].parent if found is not None else Path(path)
+
     # -- topology ---------------------------------------------------------------------------
     def models(self, pid: str) -> list[tuple[int, int, str, dict]]:
         """``(start, count, model name, json)`` of the model files of one process, by start."""

@@ -110,6 +110,13 @@ class DumpReader(ABC):
     def detect(cls, path: Path) -> bool:
         """True when ``path`` looks like a dump of this format (cheap: a few stat/open calls)."""
 
+    @classmethod
+    def dump_folder(cls, path: Path) -> Path:
+        """The folder of the dump ``detect`` claims at ``path``: ``path`` itself, unless the format
+        also takes the folder a dump was written under (msit's ``dump_path``), which is not the
+        dump's (a folder beside the dump in it is the user's)."""
+        return Path(path)
+
     @abstractmethod
     def entries(self) -> list[Entry]:
         """Every entry, sorted by (rank, step, order)."""

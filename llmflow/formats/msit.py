@@ -110,6 +110,11 @@ class MsitDumpReader(DumpReader):
         p = Path(path)
         return locate_msit(p, SUB) is not None or (p.is_dir() and (p / "model_tree.json").is_file())
 
+    @classmethod
+    def dump_folder(cls, path: Path) -> Path:
+        found = locate_msit(Path(path), SUB)  # (the msit_dump_* folder above its tensors folder)
+        return found[0].parent if found is not None else Path(path)
+
     def _ranks(self) -> list[tuple[int, str, Path]]:
         if self._only is not None:  # the user pointed at one {device}_{pid} folder
             return [(0, self._only, self.tensors_dir / self._only)]

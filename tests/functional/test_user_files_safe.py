@@ -146,6 +146,30 @@ def test_compare_output_that_is_or_lies_inside_an_input_is_refused(tmp_path, dum
     assert hashes(tmp_path) == before
 
 
+def test_compare_output_inside_any_dump_is_refused_and_beside_one_is_not(tmp_path, dumps):
+    """A dump that is not an input is as much the user's: tables are never written into one (an
+    llmflow dump's rank folder, an msit dump, an msprobe rank folder), while a folder beside a dump
+    in the folder it was written under (msit's dump_path) is the user's to use."""
+    from format_writers import write_msit_dump
+
+    work = tmp_path / "dumps"
+    other = as_dump(work, "other")
+    one_call = {"model": {"inputs": (torch.ones(2),), "output": torch.ones(2)}}
+    msit = write_msit_dump(work / "msit_out", {0: one_call}, timestamp="20250101_000000")
+    probe = work / "probe" / "step0" / "rank0"
+    probe.mkdir(parents=True)
+    (probe / "dump.json").write_text(json.dumps({"task": "statistics", "level": "L1", "data": {}}))
+    before = hashes(tmp_path)
+    for out, says in ((other / "rank0", f"lies inside the llmflow dump {other}"),
+                      (msit / "new", f"lies inside the msit dump {msit}"),
+                      (probe, f"is the msprobe dump {probe}")):
+        assert_bad_input(compare("-gp", "g", "-mp", "t", "-o", str(out), cwd=work), says)
+        assert hashes(tmp_path) == before
+    proc = compare("-gp", "g", "-mp", "t", "-o", "msit_out/tables", cwd=work)
+    assert proc.returncode == 0, proc.stdout
+    assert (work / "msit_out" / "tables" / "compare_summary.json").is_file()
+
+
 # A metric that is slow from the moment the compare's first table shows in its staging folder:
 # the test signals then, and the compare has many slow pairs left whatever the machine's load
 # (a metric slow throughout leaves a race: all rows of one chunk come at once, near the end).
