@@ -82,8 +82,23 @@ def _iso(target: OpCall, golden: OpCall) -> float | None:
 
 
 def align_ops(golden: list[OpCall], target: list[OpCall]) -> list[tuple[OpCall | None, OpCall | None]]:
-    """Pairs (golden, target) in execution order; None on the side that lacks the op."""
-    sm = difflib.SequenceMatcher(a=[c.name for c in golden], b=[c.name for c in target], autojunk=False)
+    """Pairs (golden, target) in execution order; None on the side that lacks the op. By name; where
+    names pair fewer than half the golden's ops and (API, output shape) pair more, by those: a
+    target that wraps or renames the module's children (``mlp.inner.gate_proj``) runs the golden's
+    ops under other names."""
+    by_name = _aligned(golden, target, lambda c: c.name)
+    named = sum(g is not None and t is not None for g, t in by_name)
+    if 2 * named >= len(golden):
+        return by_name
+    by_signature = _aligned(golden, target, _op_signature)
+    return by_signature if sum(g is not None and t is not None for g, t in by_signature) > named else by_name
+
+
+def _aligned(golden: list[OpCall], target: list[OpCall],
+             key: Any) -> list[tuple[OpCall | None, OpCall | None]]:
+    """``align_ops`` by one key: equal keys pair, and a run of others of the same length on both
+    sides pairs by position (an op swapped for another)."""
+    sm = difflib.SequenceMatcher(a=[key(c) for c in golden], b=[key(c) for c in target], autojunk=False)
     pairs: list[tuple[OpCall | None, OpCall | None]] = []
     for tag, i1, i2, j1, j2 in sm.get_opcodes():
         if tag == "equal" or (tag == "replace" and i2 - i1 == j2 - j1):

@@ -111,6 +111,25 @@ def test_align_ops_pairs_a_different_api_and_marks_extra_ops():
                      (None, "m/mul.1")]
 
 
+def test_ops_of_children_renamed_by_a_wrapper_pair_by_api_and_shape():
+    """A target that wraps the module (``mlp.inner.*``) runs the golden's ops under other names:
+    they pair by API and output shape, and the wrapper's own op is the one only the target runs
+    (by name alone the wrapper's ``mlp/mul.0`` took the golden's ``mlp/mul.0`` and the rest stayed
+    unpaired)."""
+    g = [_op("mlp.gate_proj/linear.0", (1, 4, 16)), _op("mlp.act_fn/silu.0", (1, 4, 16)),
+         _op("mlp.up_proj/linear.0", (1, 4, 16)), _op("mlp/mul.0", (1, 4, 16)),
+         _op("mlp.down_proj/linear.0", (1, 4, 8))]
+    t = [_op("mlp.inner.gate_proj/linear.0", (1, 4, 16)), _op("mlp.inner.act_fn/silu.0", (1, 4, 16)),
+         _op("mlp.inner.up_proj/linear.0", (1, 4, 16)), _op("mlp.inner/mul.0", (1, 4, 16)),
+         _op("mlp.inner.down_proj/linear.0", (1, 4, 8)), _op("mlp/mul.0", (1, 4, 8))]
+    pairs = [(a and a.name, b and b.name) for a, b in align_ops(g, t)]
+    assert pairs == [(a.name, b.name) for a, b in zip(g, t[:5], strict=True)] + [(None, "mlp/mul.0")]
+    # names that pair most ops keep pairing by name (an op inserted with the golden's shape is extra)
+    t2 = [_op("mlp.gate_proj/linear.0", (1, 4, 16)), _op("mlp/add.0", (1, 4, 16))] + g[1:]
+    assert [(a and a.name, b and b.name) for a, b in align_ops(g, t2)][:2] == [
+        ("mlp.gate_proj/linear.0", "mlp.gate_proj/linear.0"), (None, "mlp/add.0")]
+
+
 def test_own_error_of_an_overflow_is_infinite_and_counted():
     golden = torch.tensor([1.0, -2.0, 3.0, float("-inf")])
     err = own_error(golden, torch.tensor([1.0, float("nan"), float("inf"), float("-inf")]))
