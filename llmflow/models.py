@@ -586,10 +586,22 @@ class ByteTokenizer:
 def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool = True) -> list[int]:
     """Token ids of ``prompt``, wrapped in the tokenizer's chat template when it has one."""
     if tokenizer is None:
-        raise UserError("prompt: the model has no tokenizer to encode it: put its tokenizer files "
-                        "(tokenizer.json, tokenizer_config.json) in the model's folder (an msModelSlim "
-                        "checkpoint's: the float model's, copied beside its weights), return (model, "
-                        "tokenizer) from a file.py:callable model, or give token ids")
+        raise UserError(f"prompt: the model has no tokenizer to encode it: {_GIVE_TOKENIZER}")
+    ids = _encoded(tokenizer, prompt, chat_template)
+    if not ids and prompt:  # (transformers builds a tokenizer of an empty vocabulary where a model's
+        # folder has no tokenizer files, rather than saying so)
+        raise UserError(f"prompt: the model's tokenizer ({type(tokenizer).__name__}) encodes it to no "
+                        f"tokens: its folder holds no vocabulary; {_GIVE_TOKENIZER}")
+    return ids
+
+
+#: how to give a model the tokenizer it lacks
+_GIVE_TOKENIZER = ("put its tokenizer files (tokenizer.json, tokenizer_config.json) in the model's folder "
+                   "(an msModelSlim checkpoint's: the float model's, copied beside its weights), return "
+                   "(model, tokenizer) from a file.py:callable model, or give token ids")
+
+
+def _encoded(tokenizer: Any, prompt: str, chat_template: bool) -> list[int]:
     if chat_template and getattr(tokenizer, "chat_template", None):
         out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                             add_generation_prompt=True, tokenize=True)

@@ -116,6 +116,18 @@ def test_local_hf_directory(tmp_path):
         encode_prompt(lm.tokenizer, "hi")
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_model_folder_without_tokenizer_files_is_told_to_get_them(tmp_path, family):
+    """transformers gives some families' folders without tokenizer files a tokenizer of an empty
+    vocabulary (Qwen2's) and others none (Llama's): either way the prompt is refused in one line
+    saying which files to put there, never "no tokens to run"."""
+    build_tiny(family, "layers=1,hidden=32").save_pretrained(tmp_path / "hf")
+    lm = load_model(str(tmp_path / "hf"))
+    with pytest.raises(UserError, match=r"^prompt: the model('s tokenizer \(\w+\) encodes it to no tokens|"
+                                        r" has no tokenizer).*put its tokenizer files \(tokenizer.json"):
+        encode_prompt(lm.tokenizer, "hi")
+
+
 def test_encode_prompt_and_greedy_generate_agree_with_a_plain_loop():
     tok = ByteTokenizer()
     assert encode_prompt(tok, "hé") == [256, 104, 195, 169] and tok.decode([104, 195, 169, 257]) == "hé"
