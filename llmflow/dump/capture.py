@@ -269,6 +269,11 @@ class DumpSession(Sink, _ENTRIES_BASE):
         if self.in_step:  # closed from inside a forward (an exit from a hook, say)
             self.end_step(self.step,
                           error="the step's forward never returned (the dump was closed during it)")
+        wanted = self.config.token_range
+        if self.step >= 0 and wanted != "all" and not any(s <= self.step for s in wanted):  # type: ignore[union-attr]
+            log.warning("llmflow dump %s: token_range %s: the run made steps 0..%d only, so no step of it "
+                        "was dumped (the logits of every step are); the prefill is step 0", self.dump_dir,
+                        wanted, self.step)
         stop = {"truncated": True, "stop_reason": self.stopped} if self.stopped else {}
         self.writer.close(complete=complete, rank_meta=stop, steps=self.step + 1,
                           truncated=self.stopped is not None, stop_reason=self.stopped)

@@ -264,3 +264,16 @@ def test_a_golden_and_a_target_hooked_with_one_dump_path_get_a_dump_each(tmp_pat
         assert len(found) == 1
         dtypes.append(found.pop())
     assert dtypes == ["float32", "bfloat16"]
+
+
+def test_a_token_range_the_run_never_reaches_is_said_when_the_dump_ends(tmp_path):
+    """token_range=[50] on a 5-token generation dumps the logits alone: the user is told, once, when
+    the dump ends, not left with a dump that holds no module."""
+    script = HEAD + HOOK.replace("token_range=list(range(8))", "token_range=[50, 60]") + GENERATE
+    proc, dump = _run(script, tmp_path, "late")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("token_range [50, 60]: the run made steps 0..4 only, so no step of it was "
+                             "dumped") == 1, proc.stderr[-2000:]
+    assert {e.level for e in open_dump(dump).entries()} == {"logits"}
+    proc, _ = _run(QUICK_START, tmp_path, "reached")
+    assert "token_range" not in proc.stderr, proc.stderr[-2000:]
