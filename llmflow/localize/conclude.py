@@ -824,11 +824,13 @@ def _fault(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str, e
             diagnosis = (f"{what} is the fault: {alone} at {where} it adds "
                          f"{cand['error']:.3g} relative error, {cand['score']:.0f}x the "
                          f"{cand['typical']:.2g} the same module adds in the other layers")
-        else:  # the other layers' copies match the golden exactly: a ratio to 0 says nothing
-            headline = (f"{what} is the fault: an own error of {cand['error']:.3g} where the same module "
-                        f"in the other layers has none, at {where}{op}")
+        else:  # the other copies (or modules) match the golden exactly: a ratio to 0 says nothing
+            one_of_a_kind = cand.get("peers", 1) == 0  # (the model's other modules are its peers)
+            others = "the model's other modules" if one_of_a_kind else "the same module in the other layers"
+            headline = (f"{what} is the fault: an own error of {cand['error']:.3g} where {others} "
+                        f"{'have' if one_of_a_kind else 'has'} none, at {where}{op}")
             diagnosis = (f"{what} is the fault: {alone} at {where} it adds {cand['error']:.3g} relative "
-                         "error, where the same module in the other layers adds none")
+                         f"error, where {others} {'add' if one_of_a_kind else 'adds'} none")
         if isinstance(cand.get("rounding_ratio"), float):  # (rounding.py: not the dtype's own)
             diagnosis += (f", {cand['rounding_ratio']:.0f}x what the golden module itself gives in the "
                           "target's dtype on the same inputs")
@@ -1027,7 +1029,9 @@ def _baseline_words(measured: DtypeBaseline) -> str:
         return f"{run} gave logits that could not be measured at step {measured.step}"
     times = f"{t / b:.1f}x its" if b > 0 else "where it has none"
     return (f"at step {measured.step} the target's logits are {t:.3g} from the golden's (relative L2), "
-            f"{times} {b:.3g} for {run}: error of the port's own, beyond that dtype's rounding")
+            f"{times} {b:.3g} for {run}: error of the port's own, beyond that dtype's rounding, which no "
+            "module replayed alone shows (code between the modules, the model's own forward: a logits "
+            "soft-cap or scale, a residual, is where a replay does not look)")
 
 
 def _dtype_baseline_pass(measured: DtypeBaseline, nothing: str, steps: str, dtype: str,

@@ -227,6 +227,20 @@ def test_a_fault_where_the_other_layers_have_no_own_error_is_not_a_ratio_to_zero
     assert "x the own error" not in v.headline and "adds none" in v.diagnosis
 
 
+def test_a_module_of_one_kind_faulty_where_no_other_module_errs_is_not_said_to_have_other_layers():
+    """The embedding (no copy in other layers) of an fp32 target whose other modules match the golden
+    exactly: its error is set against the model's other modules, not "the other layers"."""
+    rows = [{"name": "model.embed_tokens", "replayable": True, "rel_l2": 2.0}]
+    rows += [{"name": f"model.layers.{i}.mlp.down_proj", "replayable": True, "rel_l2": 0.0} for i in range(6)]
+    s = StepReplay(step=2, why="test", source="dump", rows=rows)
+    s.ranked = rank_modules(s.replayed)
+    s.candidate = pick_candidate(s.ranked)
+    v = verdict([s], mismatch=2, bad_token=2)
+    assert v.status == "fail" and v.first_bad_module == "model.embed_tokens", v.headline
+    assert "where the model's other modules have none" in v.headline, v.headline
+    assert "other layers" not in v.headline
+
+
 def test_a_decoder_layer_replayed_whole_stands_out_only_well_beyond_the_module_threshold():
     from llmflow.localize.conclude import LAYER_STANDOUT, StepReplay, _layer_standing_out
 
