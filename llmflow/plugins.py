@@ -160,6 +160,48 @@ def is_file_ref(ref: str) -> bool:
     return bool(sep) and path.endswith(".py") and attr.isidentifier()
 
 
+def file_ref_problem(path: Path, attr: str) -> str | None:
+    """Why ``path`` cannot give ``attr`` as ``load_file_ref`` would import it, read without running
+    it (its syntax tree): it does not parse, or defines no such name at its top level; None where it
+    may (a name defined, assigned or imported there, or a module ``__getattr__``, ``*`` import,
+    ``globals()`` or ``exec`` that can make any name). Lets a run refuse a misspelt callable before
+    hours of dumping."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except SyntaxError as exc:
+        return f"{path.name} does not parse: line {exc.lineno}: {exc.msg}"
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"{path.name} cannot be read: {exc}"
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.add(alias.asname or alias.name.split(".")[0])
+        else:  # assignments, also inside if/try at the top level
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                    names.add(sub.id)
+                elif isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
+                    names.add(sub.name)
+    dynamic = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                  and n.func.id in ("globals", "exec") for n in ast.walk(tree))  # (names made at run
+    if attr in names or "__getattr__" in names or dynamic:  # time: only importing it can tell)
+        return None
+    import difflib
+
+    close = difflib.get_close_matches(attr, sorted(names), n=1)
+    functions = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+    listed = ", ".join(functions[:8]) + (", ..." if len(functions) > 8 else "")
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (its functions: {listed})" if functions else ""
+    return f"{path.name} defines no {attr!r}{hint}"
+
+
 def load_file_ref(ref: str, base_dir: str | Path = ".") -> Any:
     """Import ``name`` from ``path/to/file.py`` (relative to ``base_dir``)."""
     path_s, _, attr = ref.rpartition(":")

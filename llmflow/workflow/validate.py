@@ -22,7 +22,7 @@ import jsonschema
 import yaml
 
 from llmflow.errors import UserError, one_line
-from llmflow.plugins import find_group, is_file_ref, suggest
+from llmflow.plugins import file_ref_problem, find_group, is_file_ref, suggest
 from llmflow.redaction import Redactor, secret_env_values
 from llmflow.stages.base import Stage, fill_defaults
 from llmflow.workflow import dag
@@ -153,11 +153,18 @@ def _check_paths(wf: Workflow, checked: Checked) -> None:
             continue
         if not is_file_ref(value):
             continue
-        path = Path(value.rpartition(":")[0]).expanduser()
-        if (wf.directory / path).exists():  # (an absolute path, or a relative one only the workflow's
-            continue  # folder holds, kept as typed by path_from_current_dir)
+        text, _, attr = value.rpartition(":")
+        path = Path(text).expanduser()
+        found = wf.directory / path  # (an absolute path, or a relative one only the workflow's folder
+        # holds, kept as typed by path_from_current_dir)
+        if found.is_file():
+            why = file_ref_problem(found, attr)
+            if why is None:
+                continue
+            said = f"param {name}: {value}: {why}"
+        else:
+            said = f"param {name}: no such file {os.path.abspath(path)}"
         about = str(wf.params[name].get("description", "")).split(";")[0].split(". ")[0][:120]
-        said = f"param {name}: no such file {os.path.abspath(path)}"
         mark = None if name in checked.given else wf.key_mark("params", name)
         checked.errors.append(ValidationError(said + (f" ({about})" if about else ""), mark))
 

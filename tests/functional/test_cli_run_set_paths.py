@@ -134,6 +134,38 @@ def test_a_missing_patch_is_bad_input_before_the_golden_dump_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize(("source", "ref", "says"), [
+    ("def scale_layer_2(model):\n    pass\n", "scale_layer2",
+     "port.py defines no 'scale_layer2' (did you mean 'scale_layer_2'?)"),
+    ("def a(model):\n    pass\n", "nothing_like_it",
+     "port.py defines no 'nothing_like_it' (its functions: a)"),
+    ("def a(model:\n", "a", "port.py does not parse: line 1"),
+])
+def test_a_patch_file_without_the_callable_is_bad_input_before_the_golden_dump_runs(tmp_path, source, ref,
+                                                                                    says):
+    """The file is read, not run: a misspelt callable or a file that does not parse fails before hours
+    of golden dump, naming the nearest name or the file's functions."""
+    (tmp_path / "port.py").write_text(source)
+    proc = llmflow("run", "llama2_bisect", "--set", f"golden_model={TINY}", "--set", f"target_model={TINY}",
+                   "--set", f"target_patch=port.py:{ref}", "--run-dir", "run", cwd=tmp_path)
+    assert_bad_input(proc, f"param target_patch: {tmp_path / 'port.py'}:{ref}: {says}")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("source", [
+    "def __getattr__(name):\n    return lambda model: None\n",  # (as plugins/example_faults.py makes them)
+    "from os.path import *\n",
+    "globals()['made'] = lambda model: None\n",
+    "if True:\n    made = lambda model: None\n",
+    "from functools import partial as made\n",
+])
+def test_a_callable_made_at_import_is_left_to_the_import(tmp_path, source):
+    from llmflow.plugins import file_ref_problem
+
+    (tmp_path / "port.py").write_text(source)
+    assert file_ref_problem(tmp_path / "port.py", "made") is None
+
+
 def test_only_says_which_results_it_keeps_are_stale(tmp_path):
     """``--only bisect`` after a parameter the dumps depend on changed: the dumps' previous results
     are used as they are, and the run and the plan say they are stale and how to redo them."""
