@@ -139,6 +139,12 @@ class DumpReader(ABC):
         A compare or bisect on a dump with problems never reports PASSED."""
         return []
 
+    def native_names(self, query: str) -> set[str]:
+        """The entry names a name of the dump's own tool stands for (msprobe's record names,
+        ``Functional.linear.13.forward``), so a user can ask ``inspect`` for a tensor as that tool
+        named it; empty where the format names entries as llmflow does."""
+        return set()
+
     def steps(self) -> list[int]:
         return sorted({e.step for e in self.entries() if e.step >= 0})
 

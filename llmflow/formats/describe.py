@@ -86,7 +86,10 @@ def find_entries(reader: DumpReader, query: str, *, step: int | None = None, ind
     if not found:
         wanted, prefix = _as_locator(query, reader), locator_prefix(reader)
         found = [e for e in entries
-                 if e.has_data and (e.key in wanted or locator(reader, e, prefix) in wanted)]
+                 if e.has_data and (e.key in wanted or locator(reader, e, prefix) in wanted
+                                    or Path(e.key).name == query)]
+    if not found and (native := reader.native_names(query)):  # (the dump's own tool's name)
+        found = [e for e in entries if e.name in native]
     if not found:
         close = difflib.get_close_matches(query, sorted({e.name for e in entries}), n=3)
         hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""

@@ -395,6 +395,22 @@ class MsprobeDumpReader(DumpReader):
         _caches_given(out)
         return out
 
+    def native_names(self, query: str) -> set[str]:
+        """msprobe's record name (``Functional.linear.13.forward``, ``Module.model.layers.0.mlp.
+        LlamaMLP.forward.0``), also as its data files begin (``...forward.output.0.pt``): the entry
+        names it was read as."""
+        self.entries()
+        record = query
+        for suffix in (".pt", ".npy"):
+            record = record.removesuffix(suffix)
+        for part in (".input.", ".output.", ".parameters."):  # (a data file's name: record.part.index)
+            record = record.split(part, 1)[0]
+        named = {name for (_, _, name), call in self._api_calls.items() if call.record_name == record}
+        parsed = parse_name(record)
+        if not named and parsed is not None and parsed[0] == "module":
+            named.add(parsed[1])
+        return named
+
     def api_call(self, entry: Entry) -> ApiCall | None:
         """The dump.json record of an API entry's call, as msprobe names it (its group tells
         ``Tensor.__rsub__`` from ``Torch.sub``); None for module and weight entries."""

@@ -148,3 +148,22 @@ def test_a_tensor_file_cut_short_is_no_whole_dump(dumps, tmp_path) -> None:
     proc = llmflow("compare", "-gp", str(whole), "-mp", str(copy), "-st", "-o", str(tmp_path / "out"))
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 3 and last.startswith("INCONCLUSIVE: the target dump cannot be trusted"), last
+
+
+def test_inspect_finds_a_tensor_by_msprobes_own_names(dumps) -> None:
+    """An msprobe user asks for ``Functional.linear.13.forward`` (a dump.json record) or its data
+    file's name, as msprobe's own compare table shows them: the entries llmflow read it as."""
+    from workflow_helpers import llmflow
+
+    dump = dumps[("L1", "tensor")]
+    data = sorted(dump.rglob("Functional.linear.*.forward.output.0.pt"))[0]
+    record = data.name.removesuffix(".output.0.pt")
+    listed = llmflow("inspect", str(dump), record)
+    assert listed.returncode == 0, listed.stdout[-2000:] + listed.stderr[-2000:]
+    assert data.name in listed.stdout, listed.stdout
+    assert listed.stdout.strip().splitlines()[-1].startswith("PASSED ("), listed.stdout
+    one = llmflow("inspect", str(dump), data.name, "--step", "0")
+    last = one.stdout.strip().splitlines()[-1]
+    assert one.returncode == 0 and last.startswith("PASSED (/linear.") and "output 0, step 0" in last, last
+    module = llmflow("inspect", str(dumps[("L0", "tensor")]), "Module.model.layers.0.mlp.LlamaMLP.forward.0")
+    assert module.returncode == 0 and "model.layers.0.mlp" in module.stdout, module.stdout[-2000:]
