@@ -936,19 +936,25 @@ class _Bisect:
 
     def dtype_baseline(self, rows: list[TokenRow], failing: list[int], judged: str,
                        forced: TeacherForced | None = None) -> DtypeBaseline | None:
-        """The golden model itself in the target's dtype on the target's device, re-run through the
+        """The golden model itself in the target's dtype on the target's device (a target known by
+        its dump alone: on the golden's device, in the dtype the dump records), re-run through the
         ``failing`` steps (whose logits fail, up to where the texts part: ``dtype_baseline.py``); None
-        where it says nothing: no target model (a dump's device is not this process's), a quantized
-        one, no prompt ids, no failing step, or a golden that already computes as the target does.
-        Asked by the verdict only where failing logits are all that is left to explain: the golden
-        model held is released first, so the process holds the target and this one."""
+        where it says nothing: a quantized target, no golden model, no prompt ids, no failing step,
+        or a golden that already computes as the target does. Asked by the verdict only where failing
+        logits are all that is left to explain: the golden model held is released first, so the
+        process holds the target (where it is loaded) and this one."""
         inp, tgt = self.inp, self.target
-        if tgt is None or getattr(tgt, "quantized", None) or not failing or not inp.golden_spec:
-            return None
-        if not inp.prompt_ids or len(inp.golden_ids) <= max(failing):
-            return None
-        dtype, device = dtype_name(tgt.dtype), str(tgt.device)
         golden = inp.golden_spec
+        if not failing or not golden or not inp.prompt_ids or len(inp.golden_ids) <= max(failing):
+            return None
+        if tgt is not None:
+            if getattr(tgt, "quantized", None):
+                return None
+            dtype, device = dtype_name(tgt.dtype), str(tgt.device)
+        else:
+            if recorded_quantization(self.target_dump):
+                return None
+            dtype, device = target_dump_dtype(self.target_dump), str(golden.get("device") or "cpu")
         if (torch.device(golden.get("device") or "cpu") == torch.device(device)
                 and dtype_name(golden.get("dtype") or "float32") == dtype):
             return None  # (it would reproduce the golden: an error of 0 explains nothing)

@@ -66,9 +66,22 @@ def user_files(tmp_path_factory) -> dict[str, Path]:
             with:
               thresholds: {{bfloat16: {{relative_euclidean_distance: {{warn: 1.0e-7, fail: 1.0e-6}}}}}}
         """), encoding="utf-8")
+    from_dump = folder / "tight_logits_from_dump.yaml"
+    from_dump.write_text(textwrap.dedent(f"""\
+        name: tight-logits-from-dump
+        description: the same, the target's modules known by its dump alone (inputs and outputs)
+        extends: {workflow}
+        stages:
+          dump-npu:
+            with:
+              tensor_part: 2
+          bisect:
+            with:
+              isolate: target_dump
+        """), encoding="utf-8")
     patches = folder / "port.py"
     patches.write_text(PATCHES, encoding="utf-8")
-    return {"workflow": workflow, "patches": patches}
+    return {"workflow": workflow, "from_dump": from_dump, "patches": patches}
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +133,22 @@ def test_a_port_whose_logits_fail_as_the_dtype_itself_does_passes(family, tmp_pa
         assert row["target_rel_l2"] == pytest.approx(row["baseline_rel_l2"], rel=1e-3), row
         assert 0 < row["baseline_rel_l2"] < 0.1 and row["baseline_verdict"] == "fail", row
     assert "Against the dtype's own drift" in (tmp_path / "run" / "report" / "report.html").read_text()
+
+
+def test_a_target_known_by_its_dump_is_read_against_the_golden_model_in_the_dumps_dtype(tmp_path,
+                                                                                        user_files):
+    """From the target's dump alone (an NPU's, say) the golden model runs in the dtype the dump
+    records on the golden's own device: the same port passes, saying on which device."""
+    model = f"tiny-qwen2:{SIZE}"
+    proc = llmflow("run", str(user_files["from_dump"]), "--run-dir", str(tmp_path / "run"), "--progress",
+                   "plain", "--set", f"golden_model={model}", "--set", f"target_model={model}",
+                   "--set", "max_new_tokens=3", "--set", f"target_patch={user_files['patches']}:no_change",
+                   timeout=600)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 0, last
+    assert "no more than the golden model itself does in bfloat16 on cpu" in last, last
+    v = json.loads((tmp_path / "run" / "bisect" / "verdict.json").read_text())
+    assert v["isolation"] == "target_dump" and v["dtype_baseline"]["covers"], v["dtype_baseline"]
 
 
 @pytest.mark.parametrize("family", GOLDENS)
