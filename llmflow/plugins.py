@@ -183,12 +183,16 @@ def file_ref_problem(path: Path, attr: str) -> str | None:
                 if alias.name == "*":
                     return None
                 names.add(alias.asname or alias.name.split(".")[0])
-        else:  # assignments, also inside if/try at the top level
+        else:  # assignments, definitions and imports, also inside if/try at the top level
             for sub in ast.walk(node):
                 if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
                     names.add(sub.id)
-                elif isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
+                elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                     names.add(sub.name)
+                elif isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    if any(alias.name == "*" for alias in sub.names):
+                        return None
+                    names.update(alias.asname or alias.name.split(".")[0] for alias in sub.names)
     dynamic = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                   and n.func.id in ("globals", "exec") for n in ast.walk(tree))  # (names made at run
     if attr in names or "__getattr__" in names or dynamic:  # time: only importing it can tell)

@@ -98,7 +98,7 @@ from llmflow.localize.tokens import (
     logits_entries,
     token_rows,
 )
-from llmflow.models import logits_of
+from llmflow.models import logits_of, resolve_dtype
 from llmflow.quantized import NormBias, UnfusedExperts, W8A8Linear, unsmooth
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
@@ -117,6 +117,9 @@ from llmflow.results.verdict import (
 from llmflow.streamed import layer_weights_held
 from llmflow.structure import LayerStack, find_layer_stack, layer_of
 
+#: the most a golden that loads whole only may take in the target's dtype for the dtype baseline,
+#: loaded beside the target (a golden stored as safetensors is streamed: one layer at a time)
+BASELINE_WHOLE_LIMIT = 16 << 30
 #: other layers' copies of the chosen module replayed per step for the reference median
 OWN_ERROR_PEERS = 8
 
@@ -894,8 +897,14 @@ class _Bisect:
         if tgt is None or not inp.prompt_ids or not after:
             return None
         eos = getattr(tgt.tokenizer, "eos_token_id", None)
-        _, logits = greedy_steps(tgt.model, inp.prompt_ids, len(inp.golden_ids), eos_token_id=eos,
-                                 force_ids=inp.golden_ids, stop_after=len(inp.golden_ids), keep_logits=True)
+        try:
+            _, logits = greedy_steps(tgt.model, inp.prompt_ids, len(inp.golden_ids), eos_token_id=eos,
+                                     force_ids=inp.golden_ids, stop_after=len(inp.golden_ids),
+                                     keep_logits=True)
+        except (RuntimeError, MemoryError, ValueError) as exc:  # (a device too full for another run):
+            # the verdict then says the steps after the part are not checked
+            self.log(f"bisect: the target could not run on the golden's tokens: {type(exc).__name__}: {exc}")
+            return None
         self.forced_logits = logits
         found = TeacherForced(after=mismatch)
         furthest = -1.0
@@ -955,11 +964,19 @@ class _Bisect:
             if recorded_quantization(self.target_dump):
                 return None
             dtype, device = target_dump_dtype(self.target_dump), str(golden.get("device") or "cpu")
-        if (torch.device(golden.get("device") or "cpu") == torch.device(device)
+        if (_same_device(golden.get("device") or "cpu", device)
                 and dtype_name(golden.get("dtype") or "float32") == dtype):
             return None  # (it would reproduce the golden: an error of 0 explains nothing)
-        self.held.pop("golden", None)
+        on_target = tgt is not None
+        held = self.held.pop("golden", None)
+        whole = (None if self.golden_streamed or held is None else
+                 rounding.copy_bytes(held.model, resolve_dtype(dtype)))
+        del held
         gc.collect()
+        if whole is not None and whole > BASELINE_WHOLE_LIMIT:
+            return dtype_baseline.unmeasured(
+                dtype, device, failing[0], f"the golden model loads whole only (no safetensors checkpoint to "
+                f"stream), {whole / 2**30:.1f} GiB in {dtype} beside the target", on_target)
         spec = {**golden, "dtype": dtype, "device": device}
         self.log(f"bisect: the golden model in {dtype} on {device}, re-run through step {max(failing)}: how "
                  "far that dtype alone takes the logits")
@@ -968,12 +985,20 @@ class _Bisect:
             found = dtype_baseline.measure(
                 self.golden_dump, self.target_logits(rows, forced), model, prompt_ids=inp.prompt_ids,
                 golden_ids=inp.golden_ids, failing=failing, dtype=dtype, device=device,
-                judge_dtype=judged, thresholds=inp.thresholds)
-        except Exception as exc:  # (a device too full for it, a golden that loads in no other dtype)
+                judge_dtype=judged, thresholds=inp.thresholds, on_target_device=on_target)
+        except (UserError, RuntimeError, OSError, MemoryError, ValueError) as exc:  # (a device too full
+            # for it, a golden that loads in no other dtype); a fault of llmflow's own is not hidden
+            self.log(f"bisect: the golden model in {dtype} could not be run: {type(exc).__name__}: {exc}")
             why = f"{type(exc).__name__}: {str(exc)[:200]}"
-            found = dtype_baseline.unmeasured(dtype, device, failing[0], why)
+            found = dtype_baseline.unmeasured(dtype, device, failing[0], why, on_target)
         self.phase("dtype baseline: the golden model in the target's dtype")
         return found
+
+
+def _same_device(a: str, b: str) -> bool:
+    """Whether two device names are one device (``cuda`` is ``cuda:0``)."""
+    da, db = torch.device(a), torch.device(b)
+    return da.type == db.type and (da.index or 0) == (db.index or 0)
 
 
 def replay_plan(inp: BisectInputs, mismatch: int | None, bad_token: int | None) -> tuple[int, str]:
@@ -1081,8 +1106,8 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     cost = b.cost(tried, chosen)
     problems = [f"golden dump: {p}" for p in b.golden_dump.problems()]
     problems += [f"target dump: {p}" for p in b.target_dump.problems()]
-    # the steps whose logits fail: up to where the texts part, else on the golden's tokens after it
-    logits_failing = failing_steps(rows, mismatch) or (forced.failing if forced is not None else [])
+    # the steps whose logits fail: up to where the texts part, and on the golden's tokens after it
+    logits_failing = failing_steps(rows, mismatch) + (forced.failing if forced is not None else [])
     result = conclude(inp, tried, chosen, rows=rows, mismatch=mismatch, bad_token=bad_token,
                       stack=b.stack, decode=b.decode, dtype=judged, compute_dtype=dtype,
                       device=str(tgt.device) if tgt is not None else "target dump",

@@ -449,9 +449,17 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
     called only where the logits fail and nothing else explains it. ``teacher_forced``: the target's
     logits on the golden's tokens after the step where the texts part (``TeacherForced``)."""
     cand = chosen.candidate
-    baseline = OnDemand(dtype_baseline)
+    # the golden model in the target's dtype explains finite logits only: not NaN/Inf nor an overflow
+    drift_possible = (not any(r.code in _NOT_DRIFT for r in rows) and _overflow_scan_origin(inp) is None)
+    baseline = OnDemand(dtype_baseline if drift_possible else None)
     module = _standing_out(chosen)
     quiet = module is not None and below_notice(inp, cand, mismatch, bad_token, quantized)
+    if (module is not None and not quiet and cand is not None and teacher_forced is not None
+            and teacher_forced.first_fail is None and chosen.step == teacher_forced.furthest):
+        # a step replayed only because its logits, on the golden's tokens, are furthest from the
+        # golden's while within the thresholds: held to the bar of a run where nothing fails
+        score = cand.get("score")
+        quiet = isinstance(score, (int, float)) and score < quiet_limit(inp, cand, quantized)
     if quiet and cand is not None:  # a lead too weak to name where every output is within its thresholds
         cand["anomalous"] = False
         module = None
@@ -875,6 +883,9 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
     run next, in the order the causes are checked; (None, None) where it does (the failing logits
     within the golden model's own drift in the target's dtype: ``baseline.value.covers``)."""
     cand = chosen.candidate
+    # the causes checked after the failing logits, which stand whatever the dtype's drift: the
+    # baseline (a model load and a re-run) is measured only where none of them applies
+    others_first = _cheap_cause(inp, tried, chosen, mismatch)
     missing = [t.missing for t in tried if t.missing]
     reason, nxt = None, None
     if chosen.missing and chosen.missing_next:  # what was missing is known, and what to give
@@ -909,8 +920,9 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         reason, nxt = _shared_reason(shared, dtype)
     elif dtype_drift:  # (``bad_token`` set: ``_dtype_drift``)
         pass  # the dtype's own drift: a pass (``_judge``), with nothing else to run
-    elif bad_token is not None and not _drifts_as_dtype(baseline):  # (else: the checks below, then a
-        # pass in ``_judge``: the port drifts no further than the golden model itself in its dtype)
+    elif bad_token is not None and not (others_first is None and _drifts_as_dtype(baseline)):
+        # (else: the checks below, then a pass in ``_judge``: the port drifts no further than the
+        # golden model itself in its dtype; measured only where none of those checks applies)
         measured = baseline.value if baseline else None
         reason = (f"the logits fail the {dtype} thresholds at step {bad_token}, but no module's own error "
                   f"stands out when replayed at {steps}: the fault may live in state carried between steps "
@@ -967,7 +979,8 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
                "(llmflow compare)" + (", or bisect with the target model (isolate: target_model, "
                                       "target_model_spec), which replays them on a golden re-run"
                                       if unchecked.source.startswith("target dump") else ""))
-    elif forced is not None and forced.first_fail is not None and not _drifts_as_dtype(baseline):
+    elif (forced is not None and forced.first_fail is not None
+          and not (others_first is None and _drifts_as_dtype(baseline))):
         # (nothing stands out there either; else a pass in ``_judge``: the dtype's own drift)
         reason = (f"the texts part at token {forced.after} through {dtype} rounding, but on the golden's "
                   f"tokens (teacher-forced) the target's logits fail the {dtype} thresholds at step "
@@ -1005,10 +1018,23 @@ def _after_part_sentence(inp: Any, mismatch: int, forced: TeacherForced | None) 
         return (f" On the golden's tokens (teacher-forced) the target's logits stay within the thresholds at "
                 f"every step after the part ({steps_text(forced.steps)}).")
     if mismatch < last:
-        return (f" Steps after token {mismatch}, where each side continues its own text, are not checked: "
-                "the target ran only on its own text (a bisect with the target model runs it on the "
-                "golden's too).")
+        return (f" Steps after token {mismatch}, where each side continues its own text, are not checked "
+                "(the target was not run on the golden's text: that needs the target model and the "
+                "prompt's token ids).")
     return ""
+
+
+def _cheap_cause(inp: Any, tried: list[StepReplay], chosen: StepReplay, mismatch: int | None) -> str | None:
+    """Which of the causes ``_inconclusive_reason`` checks after the failing logits applies (modules
+    not replayed at a step tried, a step asked that misses the divergence or the compare's first
+    failing row); None where none does."""
+    if chosen.not_replayable or any(t is not chosen and t.not_replayable for t in tried):
+        return "not replayed"
+    if mismatch is not None and inp.replay_step is not None and mismatch != chosen.step:
+        return "replay_step"
+    if _compare_fail_not_replayed(inp, tried) is not None:
+        return "compare row"
+    return None
 
 
 def _drifts_as_dtype(baseline: OnDemand | None) -> bool:
@@ -1026,10 +1052,14 @@ def _baseline_words(measured: DtypeBaseline) -> str:
         return f"{run} could not be run to measure that dtype's own drift: {measured.error}"
     t, b = measured.target_rel_l2, measured.baseline_rel_l2
     if not isinstance(t, float) or not isinstance(b, float):
-        return f"{run} gave logits that could not be measured at step {measured.step}"
-    times = f"{t / b:.1f}x its" if b > 0 else "where it has none"
+        return (f"the logits at step {measured.step} could not be measured against {run} (the target's or "
+                "the golden model's own are missing)")
+    if not math.isfinite(t):
+        return (f"at step {measured.step} the target's logits hold NaN/Inf, where those of {run} are "
+                f"{b:.3g} from the golden's (relative L2): error of the port's own")
+    against = f"{t / b:.1f}x its {b:.3g} for {run}" if b > 0 else f"where {run} reproduces them exactly"
     return (f"at step {measured.step} the target's logits are {t:.3g} from the golden's (relative L2), "
-            f"{times} {b:.3g} for {run}: error of the port's own, beyond that dtype's rounding, which no "
+            f"{against}: error of the port's own, beyond that dtype's rounding, which no "
             "module replayed alone shows (code between the modules, the model's own forward: a logits "
             "soft-cap or scale, a residual, is where a replay does not look)")
 
@@ -1039,9 +1069,12 @@ def _dtype_baseline_pass(measured: DtypeBaseline, nothing: str, steps: str, dtyp
     """The pass of a port whose failing logits are within the golden model's own drift in its dtype."""
     t, b = measured.target_rel_l2, measured.baseline_rel_l2
     failing = measured.failing_steps or [measured.step]
-    at = f"step {failing[0]}" if len(failing) == 1 else f"steps {steps_text(failing)}"
-    if forced is not None and forced.failing:  # (the steps after the part, on the golden's tokens)
-        at += f" (on the golden's tokens, after the texts part at token {forced.after})"
+    after = [k for k in failing if forced is not None and k > forced.after]  # (on the golden's tokens)
+    before = [k for k in failing if k not in after]
+    parts = [("step " if len(ks) == 1 else "steps ") + steps_text(ks) for ks in (before, after) if ks]
+    if after:
+        parts[-1] += f" (on the golden's tokens, after the texts part at token {forced.after})"  # type: ignore[union-attr]
+    at = " and ".join(parts)
     headline = (f"no fault: no module stands out at {steps}; the logits fail the {dtype} thresholds at {at} "
                 f"no more than the golden model itself does in {measured.dtype} on {measured.device} "
                 f"(relative L2 {t:.3g} against its {b:.3g} at step {measured.step})")
@@ -1049,7 +1082,12 @@ def _dtype_baseline_pass(measured: DtypeBaseline, nothing: str, steps: str, dtyp
                  f"golden's tokens, drifts from the golden's logits as far as the target at each failing "
                  f"step ({at}; relative L2 of the last position, the target within {measured.factor:g}x of "
                  f"it: {t:.3g} against {b:.3g} at step {measured.step}), so the failing logits are how far "
-                 f"{measured.dtype} takes this model on this prompt, not a fault of the port.")
+                 f"{measured.dtype} takes this model on this prompt, not a fault of the port."
+                 + (f" Both ran on {measured.device}: a fault of that device's own {measured.dtype} kernels "
+                    "would show in both (the golden model in that dtype on another device would tell)."
+                    if measured.on_target_device and measured.device != "cpu" else
+                    f" The target ran on its own device, known by its dump; the golden model ran on "
+                    f"{measured.device}." if not measured.on_target_device else ""))
     return "pass", headline, diagnosis, None
 
 

@@ -42,7 +42,8 @@ def last_position(logits: torch.Tensor) -> torch.Tensor:
 
 def measure(golden_dump: DumpReader, target_logits: Callable[[int], torch.Tensor | None], baseline: Any, *,
             prompt_ids: list[int], golden_ids: list[int], failing: list[int], dtype: str, device: str,
-            judge_dtype: str, thresholds: dict[str, Any] | None) -> DtypeBaseline:
+            judge_dtype: str, thresholds: dict[str, Any] | None,
+            on_target_device: bool = True) -> DtypeBaseline:
     """``baseline`` (the golden model loaded in the target's dtype on its device, a LoadedModel)
     re-run on the prompt through the last of the ``failing`` steps with the golden's tokens forced;
     its logits and the target's at each step against the golden dump's. It covers the target where
@@ -57,7 +58,8 @@ def measure(golden_dump: DumpReader, target_logits: Callable[[int], torch.Tensor
     last = max(failing)
     rerun = golden_rerun(baseline, prompt_ids, golden_ids, last, select=lambda name, module: False)
     g_log = logits_entries(golden_dump)
-    found = DtypeBaseline(dtype=dtype, device=device, step=failing[0], factor=FACTOR)
+    found = DtypeBaseline(dtype=dtype, device=device, on_target_device=on_target_device, step=failing[0],
+                          factor=FACTOR)
     for s, rerun_logits in enumerate(rerun.logits[: last + 1]):
         if s not in g_log:
             continue
@@ -65,9 +67,9 @@ def measure(golden_dump: DumpReader, target_logits: Callable[[int], torch.Tensor
         own = compare_tensors(golden, last_position(rerun_logits))
         target, target_rel = target_logits(s), None
         if target is not None:
-            target_rel = compare_tensors(golden, last_position(target)).get("relative_euclidean_distance")
+            target_rel = _rel_l2(golden, last_position(target))
         found.steps.append(DtypeBaselineStep(
-            step=s, target_rel_l2=target_rel, baseline_rel_l2=own.get("relative_euclidean_distance"),
+            step=s, target_rel_l2=target_rel, baseline_rel_l2=_rel_l2(golden, last_position(rerun_logits)),
             baseline_verdict=judge(own, judge_dtype, thresholds).verdict))
     measured = {r.step: r for r in found.steps}
     if any(s not in measured for s in failing):
@@ -83,6 +85,18 @@ def measure(golden_dump: DumpReader, target_logits: Callable[[int], torch.Tensor
     return found
 
 
+def _rel_l2(golden: torch.Tensor, other: torch.Tensor) -> float | None:
+    """``other``'s relative L2 distance from ``golden``, as the compare measures it; inf where
+    ``other`` holds NaN/Inf the golden does not (the compare's distance leaves such elements out,
+    which would let logits with a few NaN pass as close)."""
+    from llmflow.compare.metrics import compare_tensors
+
+    if other.shape == golden.shape and int((~torch.isfinite(other) & torch.isfinite(golden)).sum()):
+        return math.inf
+    rel = compare_tensors(golden, other).get("relative_euclidean_distance")
+    return float(rel) if isinstance(rel, (int, float)) else None
+
+
 def covers(target_rel: float | None, baseline_rel: float | None) -> bool:
     """Whether a target error of ``target_rel`` is within ``FACTOR`` times the golden model's own in
     the target's dtype (``baseline_rel``): finite both, and a baseline of 0 covers nothing."""
@@ -93,9 +107,10 @@ def covers(target_rel: float | None, baseline_rel: float | None) -> bool:
     return target_rel <= FACTOR * baseline_rel
 
 
-def unmeasured(dtype: str, device: str, step: int, why: str) -> DtypeBaseline:
+def unmeasured(dtype: str, device: str, step: int, why: str, on_target_device: bool = True) -> DtypeBaseline:
     """The baseline that could not be run, and why (the verdict says so)."""
-    return DtypeBaseline(dtype=dtype, device=device, step=step, factor=FACTOR, error=why)
+    return DtypeBaseline(dtype=dtype, device=device, on_target_device=on_target_device, step=step,
+                         factor=FACTOR, error=why)
 
 
 class OnDemand:

@@ -407,8 +407,11 @@ class DtypeBaseline:
 
     dtype: str
     device: str
-    step: int = field(metadata=_doc("the failing step the figures are of: the first the golden model's own "
-                                    "error does not cover, else the first failing"))
+    on_target_device: bool = field(default=True, metadata=_doc(
+        "run on the target's own device (false: a target known by its dump, run on the golden's)"))
+    step: int = field(default=0, metadata=_doc(
+        "the failing step the figures are of: the first the golden model's own error does not cover, else "
+        "the first failing"))
     failing_steps: list[int] = field(default_factory=list, metadata=_doc(
         "the steps whose logits fail, up to where the texts part: each judged"))
     target_rel_l2: float | None = None

@@ -158,6 +158,8 @@ def test_a_patch_file_without_the_callable_is_bad_input_before_the_golden_dump_r
     "globals()['made'] = lambda model: None\n",
     "if True:\n    made = lambda model: None\n",
     "from functools import partial as made\n",
+    "try:\n    from functools import partial as made\nexcept ImportError:\n    pass\n",
+    "try:\n    from os.path import *\nexcept ImportError:\n    pass\n",
 ])
 def test_a_callable_made_at_import_is_left_to_the_import(tmp_path, source):
     from llmflow.plugins import file_ref_problem

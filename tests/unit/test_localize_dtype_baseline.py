@@ -50,7 +50,7 @@ def _baseline(covered: bool, step: int = 3, failing: tuple[int, ...] = (3, 4)) -
                                                   baseline_verdict="fail") for s in failing])
 
 
-def _conclude(tried, baseline, *, bad_token=3, problems=(), inp=None):
+def _conclude(tried, baseline, *, bad_token=3, problems=(), inp=None, code="threshold_fail"):
     calls: list[int] = []
 
     def measure() -> DtypeBaseline | None:
@@ -58,7 +58,7 @@ def _conclude(tried, baseline, *, bad_token=3, problems=(), inp=None):
         return baseline
 
     inp = inp or Inputs(target_ids=[1, 2, 3, 4, 5, 9], target_spec=PORT)
-    rows = [TokenRow(step=bad_token, target_step=bad_token, code="threshold_fail", verdict="fail")]
+    rows = [TokenRow(step=bad_token, target_step=bad_token, code=code, verdict="fail")]
     v = conclude(inp, tried, tried[0], rows=rows, mismatch=5, bad_token=bad_token, stack=None, decode=str,
                  dtype="bfloat16", device="cpu", problems=list(problems), dtype_baseline=measure)
     return v, len(calls)
@@ -102,21 +102,22 @@ def test_no_baseline_keeps_the_inconclusive_verdict_as_it_was():
     assert "golden model itself" not in v.inconclusive.reason
 
 
-@pytest.mark.parametrize("case", ["problems", "standing_out", "unreplayable"])
+@pytest.mark.parametrize("case", ["problems", "standing_out", "unreplayable", "unreplayable_elsewhere",
+                                  "nan_inf"])
 def test_a_covering_baseline_never_hides_another_cause(case):
-    """Dumps with problems and a module that stands out are judged before the logits (the baseline
-    is not even measured); modules that could not be replayed keep the verdict inconclusive though
-    the logits drift as the dtype does."""
+    """Dumps with problems, a module that stands out, modules that could not be replayed (at the
+    step chosen or another tried) and logits holding NaN/Inf are judged without the baseline: it is
+    not even measured (a model load and a re-run that could not change the verdict)."""
     tried = {"problems": [replay(3), replay(0)],
              "standing_out": [replay(3, bad={"model.layers.2.mlp.down_proj": 0.2}), replay(0)],
-             "unreplayable": [replay(3, unreplayable=2), replay(0)]}[case]
-    v, calls = _conclude(tried, _baseline(True), problems=["target dump: index lines lost"]
-                         if case == "problems" else ())
+             "unreplayable": [replay(3, unreplayable=2), replay(0)],
+             "unreplayable_elsewhere": [replay(3), replay(0, unreplayable=2)],
+             "nan_inf": [replay(3), replay(0)]}[case]
+    code = "nan_inf" if case == "nan_inf" else "threshold_fail"
+    problems = ["target dump: index lines lost"] if case == "problems" else ()
+    v, calls = _conclude(tried, _baseline(True), problems=problems, code=code)
     assert v.status != "pass", v.headline
-    if case == "unreplayable":
-        assert calls == 1 and "could not be replayed" in v.inconclusive.reason
-    else:
-        assert calls == 0 and v.dtype_baseline is None
+    assert calls == 0 and v.dtype_baseline is None
 
 
 # -- after the texts part: the target on the golden's tokens (teacher-forced) --------------------
@@ -152,6 +153,33 @@ def test_a_step_after_the_part_failing_on_the_golden_tokens_is_never_a_pass():
     assert "replay_step: 5" in v.inconclusive.next
 
 
+def test_steps_before_and_after_the_part_are_each_said_where_they_ran():
+    """A step failing before the texts part (the target's own text) and steps after it (on the
+    golden's tokens), all within the dtype's drift: the headline tells the two apart."""
+    forced = TeacherForced(after=4, steps=[5, 6, 7], failing=[6, 7], first_fail=6, reason="r")
+    inp = Inputs(golden_ids=list(range(1, 9)), target_ids=[1, 2, 3, 4, 9, 9, 9, 9], target_spec=PORT)
+    tried = [replay(3), replay(0), replay(6)]
+    v = conclude(inp, tried, tried[0], rows=[TokenRow(step=3, target_step=3, code="threshold_fail",
+                                                       verdict="fail")],
+                 mismatch=4, bad_token=3, stack=None, decode=str, dtype="bfloat16", device="cpu", problems=[],
+                 teacher_forced=forced, dtype_baseline=lambda: _baseline(True, step=3, failing=(3, 6, 7)))
+    assert v.status == "pass", v.headline
+    assert ("the logits fail the bfloat16 thresholds at step 3 and steps 6..7 (on the golden's tokens, after "
+            "the texts part at token 4) no more than") in v.headline, v.headline
+
+
+def test_logits_with_nan_are_never_within_the_dtypes_drift():
+    """The compare's distance leaves out non-finite elements: a few NaN among close logits would
+    measure close. Here they are infinitely far, never covered."""
+    from llmflow.localize.dtype_baseline import _rel_l2
+
+    golden = torch.linspace(-3, 3, 64)
+    target = golden + 0.001
+    assert 0 < _rel_l2(golden, target) < 0.01
+    target[5] = float("nan")
+    assert _rel_l2(golden, target) == math.inf and not covers(_rel_l2(golden, target), 0.01)
+
+
 def test_steps_after_the_part_failing_as_the_dtype_itself_does_pass_saying_where():
     forced = TeacherForced(after=4, steps=[5, 6, 7], failing=[6, 7], first_fail=6, reason="r")
     v = _parted(forced, _baseline(True, step=6, failing=(6, 7)))
@@ -166,3 +194,19 @@ def test_steps_after_the_part_not_checked_are_said_so():
     v = _parted(None)
     assert v.status == "pass" and "Steps after token 4, where each side continues its own text, are not " \
                                   "checked" in v.diagnosis, v.diagnosis
+
+
+@pytest.mark.parametrize(("error", "status"), [(0.018, "pass"), (0.25, "fail")])
+def test_a_step_replayed_for_being_furthest_names_only_a_clear_stand_out(error, status):
+    """No step after the part fails on the golden's tokens; the one furthest from the golden's is
+    replayed: a module standing out a little there (4x) is held to the bar of a run where nothing
+    fails, one far out (55x) is named."""
+    forced = TeacherForced(after=4, steps=[5, 6, 7], furthest=6)
+    inp = Inputs(golden_ids=list(range(1, 9)), target_ids=[1, 2, 3, 4, 9, 9, 9, 9], target_spec=PORT)
+    late = replay(6, bad={"model.layers.2.mlp.down_proj": error})
+    tried = [replay(4), replay(0), late]
+    v = conclude(inp, tried, late, rows=[], mismatch=4, bad_token=None, stack=None, decode=str,
+                 dtype="bfloat16", device="cpu", problems=[], teacher_forced=forced)
+    assert v.status == status, v.headline
+    if status == "fail":
+        assert v.first_bad_module == "model.layers.2.mlp.down_proj"
