@@ -52,12 +52,11 @@ class _WeightsElsewhere(argparse.Action):
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    # (msprobe's spellings too: msprobe compare -tp TARGET -gp GOLDEN -o OUT)
-    parser.add_argument("-gp", "--golden-path", "--golden_path", required=True,
-                        help="golden dump directory or tensor file")
-    parser.add_argument("-mp", "--my-path", "-tp", "--target-path", "--target_path", dest="my_path",
-                        required=True, help="target dump directory or tensor file (msprobe's -tp)")
-    parser.add_argument("-o", "--output", "--output_path", dest="output", default=None,
+    # (msprobe's short spelling too: msprobe compare -tp TARGET -gp GOLDEN -o OUT)
+    parser.add_argument("-gp", "--golden-path", required=True, help="golden dump directory or tensor file")
+    parser.add_argument("-mp", "--my-path", "-tp", dest="my_path", required=True,
+                        help="target dump directory or tensor file (msprobe's -tp)")
+    parser.add_argument("-o", "--output", default=None,
                         help="output directory (default: ./llmflow_compare_<timestamp>)")
     parser.add_argument("-l", dest="log_level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
                         help="msit's short form of --log-level")

@@ -54,8 +54,7 @@ def test_a_level_without_rows_says_so(tmp_path):
 def test_msprobe_users_flags_name_the_same_paths(tmp_path):
     """msprobe compare -tp TARGET -gp GOLDEN -o OUT, as msprobe users type it."""
     g, t = as_dump(tmp_path, "g", steps=[0]), as_dump(tmp_path, "t", steps=[0], noise=0.5)
-    for flags in (["-tp", str(t), "-gp", str(g), "-o", "a"],
-                  ["--target_path", str(t), "--golden_path", str(g), "--output_path", "b"]):
+    for flags in (["-tp", str(t), "-gp", str(g), "-o", "a"],):
         done = llmflow("compare", *flags, cwd=tmp_path)
         last = done.stdout.strip().splitlines()[-1]
         assert done.returncode == 1 and last.startswith("FAILED: "), done.stdout
