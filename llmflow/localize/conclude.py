@@ -1069,11 +1069,12 @@ def _dtype_baseline_pass(measured: DtypeBaseline, nothing: str, steps: str, dtyp
     """The pass of a port whose failing logits are within the golden model's own drift in its dtype."""
     t, b = measured.target_rel_l2, measured.baseline_rel_l2
     failing = measured.failing_steps or [measured.step]
-    after = [k for k in failing if forced is not None and k > forced.after]  # (on the golden's tokens)
+    part = forced.after if forced is not None else None  # (steps after it ran on the golden's tokens)
+    after = [k for k in failing if part is not None and k > part]
     before = [k for k in failing if k not in after]
     parts = [("step " if len(ks) == 1 else "steps ") + steps_text(ks) for ks in (before, after) if ks]
     if after:
-        parts[-1] += f" (on the golden's tokens, after the texts part at token {forced.after})"  # type: ignore[union-attr]
+        parts[-1] += f" (on the golden's tokens, after the texts part at token {part})"
     at = " and ".join(parts)
     headline = (f"no fault: no module stands out at {steps}; the logits fail the {dtype} thresholds at {at} "
                 f"no more than the golden model itself does in {measured.dtype} on {measured.device} "

@@ -63,13 +63,13 @@ def measure(golden_dump: DumpReader, target_logits: Callable[[int], torch.Tensor
     for s, rerun_logits in enumerate(rerun.logits[: last + 1]):
         if s not in g_log:
             continue
-        golden = last_position(golden_dump.load(g_log[s]))
-        own = compare_tensors(golden, last_position(rerun_logits))
+        golden, rerun_last = last_position(golden_dump.load(g_log[s])), last_position(rerun_logits)
+        own = compare_tensors(golden, rerun_last)
         target, target_rel = target_logits(s), None
         if target is not None:
             target_rel = _rel_l2(golden, last_position(target))
         found.steps.append(DtypeBaselineStep(
-            step=s, target_rel_l2=target_rel, baseline_rel_l2=_rel_l2(golden, last_position(rerun_logits)),
+            step=s, target_rel_l2=target_rel, baseline_rel_l2=_rel_l2(golden, rerun_last, own),
             baseline_verdict=judge(own, judge_dtype, thresholds).verdict))
     measured = {r.step: r for r in found.steps}
     if any(s not in measured for s in failing):
@@ -85,15 +85,16 @@ def measure(golden_dump: DumpReader, target_logits: Callable[[int], torch.Tensor
     return found
 
 
-def _rel_l2(golden: torch.Tensor, other: torch.Tensor) -> float | None:
-    """``other``'s relative L2 distance from ``golden``, as the compare measures it; inf where
-    ``other`` holds NaN/Inf the golden does not (the compare's distance leaves such elements out,
-    which would let logits with a few NaN pass as close)."""
+def _rel_l2(golden: torch.Tensor, other: torch.Tensor, metrics: dict[str, Any] | None = None) -> float | None:
+    """``other``'s relative L2 distance from ``golden``, as the compare measures it (``metrics``: the
+    pair's ``compare_tensors`` row, where already made); inf where ``other`` holds NaN/Inf the golden
+    does not (the compare's distance leaves such elements out, which would let logits with a few NaN
+    pass as close)."""
     from llmflow.compare.metrics import compare_tensors
 
     if other.shape == golden.shape and int((~torch.isfinite(other) & torch.isfinite(golden)).sum()):
         return math.inf
-    rel = compare_tensors(golden, other).get("relative_euclidean_distance")
+    rel = (metrics or compare_tensors(golden, other)).get("relative_euclidean_distance")
     return float(rel) if isinstance(rel, (int, float)) else None
 
 
