@@ -944,14 +944,15 @@ class _Bisect:
         return logits
 
     def dtype_baseline(self, rows: list[TokenRow], failing: list[int], judged: str,
-                       forced: TeacherForced | None = None) -> DtypeBaseline | None:
+                       forced: TeacherForced | None = None, warning: bool = False) -> DtypeBaseline | None:
         """The golden model itself in the target's dtype on the target's device (a target known by
         its dump alone: on the golden's device, in the dtype the dump records), re-run through the
         ``failing`` steps (whose logits fail, up to where the texts part: ``dtype_baseline.py``); None
         where it says nothing: a quantized target, no golden model, no prompt ids, no failing step,
         or a golden that already computes as the target does. Asked by the verdict only where failing
         logits are all that is left to explain: the golden model held is released first, so the
-        process holds the target (where it is loaded) and this one."""
+        process holds the target (where it is loaded) and this one. ``warning``: no step's logits
+        fail, ``failing`` are those that warn."""
         inp, tgt = self.inp, self.target
         golden = inp.golden_spec
         if not failing or not golden or not inp.prompt_ids or len(inp.golden_ids) <= max(failing):
@@ -974,9 +975,11 @@ class _Bisect:
         del held
         gc.collect()
         if whole is not None and whole > BASELINE_WHOLE_LIMIT:
-            return dtype_baseline.unmeasured(
+            found = dtype_baseline.unmeasured(
                 dtype, device, failing[0], f"the golden model loads whole only (no safetensors checkpoint to "
                 f"stream), {whole / 2**30:.1f} GiB in {dtype} beside the target", on_target)
+            found.warning = warning
+            return found
         spec = {**golden, "dtype": dtype, "device": device}
         self.log(f"bisect: the golden model in {dtype} on {device}, re-run through step {max(failing)}: how "
                  "far that dtype alone takes the logits")
@@ -991,6 +994,7 @@ class _Bisect:
             self.log(f"bisect: the golden model in {dtype} could not be run: {type(exc).__name__}: {exc}")
             why = f"{type(exc).__name__}: {str(exc)[:200]}"
             found = dtype_baseline.unmeasured(dtype, device, failing[0], why, on_target)
+        found.warning = warning
         self.phase("dtype baseline: the golden model in the target's dtype")
         return found
 
@@ -1108,6 +1112,9 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
     problems += [f"target dump: {p}" for p in b.target_dump.problems()]
     # the steps whose logits fail: up to where the texts part, and on the golden's tokens after it
     logits_failing = failing_steps(rows, mismatch) + (forced.failing if forced is not None else [])
+    # where none fails, the steps whose logits warn: a port error too small yet to fail them (a logits
+    # scale in its forward) is told from the dtype's own drift the same way
+    logits_judged = logits_failing or failing_steps(rows, mismatch, verdict="warn")
     result = conclude(inp, tried, chosen, rows=rows, mismatch=mismatch, bad_token=bad_token,
                       stack=b.stack, decode=b.decode, dtype=judged, compute_dtype=dtype,
                       device=str(tgt.device) if tgt is not None else "target dump",
@@ -1115,7 +1122,8 @@ def run_bisect(inp: BisectInputs, *, log: Callable[[str], None] = print,
                       quantized=quantized,
                       quantized_names=getattr(tgt, "quantized_names", None), handed_down=handed,
                       dumps_as_specs=dumps_made_as_specs(inp, b.golden_dump, b.target_dump, b.isolation),
-                      dtype_baseline=lambda: b.dtype_baseline(rows, logits_failing, judged, forced),
+                      dtype_baseline=lambda: b.dtype_baseline(rows, logits_judged, judged, forced,
+                                                              warning=not logits_failing),
                       teacher_forced=forced)
     result.isolation = b.isolation
     if b.isolation == "target_dump":

@@ -747,8 +747,34 @@ def _judge(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str | 
                      "alike there drifts no further than this.")
         return "pass", headline, diagnosis, None
     measured = baseline.value
-    if measured is not None and measured.covers:  # (no reason above: the port drifts as the dtype does)
+    if measured is not None and measured.covers and not measured.warning:  # (no reason above: the port
+        # drifts as the dtype does)
         return _dtype_baseline_pass(measured, nothing, steps, dtype, forced)
+    status, headline, diagnosis, none = _plain_pass(inp, chosen, nothing, steps, mismatch, dtype, quantized,
+                                                    stored, stack, forced)
+    if measured is not None and measured.warning:
+        diagnosis += " " + _warning_sentence(measured)
+    return status, headline, diagnosis, none
+
+
+def _warning_sentence(measured: DtypeBaseline) -> str:
+    """What the golden model itself in the target's dtype says of logits that warn, in a pass."""
+    warned = measured.failing_steps or [measured.step]
+    at = ("step " if len(warned) == 1 else "steps ") + steps_text(warned)
+    run = f"the golden model itself in {measured.dtype} on {measured.device}"
+    if measured.error or not isinstance(measured.target_rel_l2, float):
+        return (f"Where the logits warn ({at}), {run} could not tell them from that dtype's own drift"
+                + (f": {measured.error}." if measured.error else "."))
+    return (f"Where the logits warn ({at}), they are no further from the golden's than those of {run} "
+            f"(relative L2 {measured.target_rel_l2:.3g} against its {measured.baseline_rel_l2:.3g} at step "
+            f"{measured.step}): that dtype's own drift.")
+
+
+def _plain_pass(inp: Any, chosen: StepReplay, nothing: str, steps: str, mismatch: int | None, dtype: str,
+                quantized: dict[str, str] | None, stored: Callable[[str], str], stack: LayerStack | None,
+                forced: TeacherForced | None) -> tuple[str, str, str, None]:
+    """The pass where no module stands out and nothing is left to explain: the tokens agree, or they
+    part through the dtype's rounding (or were not compared)."""
     unknown = [side for side, ids in (("golden", inp.golden_ids), ("target", inp.target_ids)) if not ids]
     if mismatch is None and unknown:  # nothing to say of the tokens: only of the modules replayed
         held = f"the {unknown[0]} dump holds no" if len(unknown) == 1 else "neither dump holds any"
@@ -1006,8 +1032,49 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
                   "where the error shows first")
         nxt = (f"bisect with replay_step: {failing['step']}, or leave replay_step unset to let the bisect "
                "choose")
+    elif (bad_token is None and (forced is None or forced.first_fail is None) and others_first is None
+          and (beyond := _warning_beyond_drift(baseline)) is not None):
+        reason, nxt = _warning_reason(beyond, cand, mismatch, dtype, steps, tried)
     if reason is None and shared is not None:  # (after "the texts part at a step not replayed")
         reason, nxt = _shared_reason(shared, dtype)
+    return reason, nxt
+
+
+def _warning_beyond_drift(baseline: OnDemand | None) -> DtypeBaseline | None:
+    """The golden model itself in the target's dtype, measured now where no step's logits fail but
+    some warn, where the target's warning logits go beyond its drift; None where they do not, or
+    where it could not say."""
+    measured = baseline() if baseline is not None else None
+    if measured is None or not measured.warning or measured.error or measured.covers:
+        return None
+    if not isinstance(measured.target_rel_l2, float) or not isinstance(measured.baseline_rel_l2, float):
+        return None
+    return measured
+
+
+def _warning_reason(measured: DtypeBaseline, cand: dict[str, Any] | None, mismatch: int | None, dtype: str,
+                    steps: str, tried: list[StepReplay]) -> tuple[str, str]:
+    """Why a port whose logits only warn, further than the dtype's own drift takes them, is not
+    passed: an error of its own too small yet to fail the thresholds (a logits scale in its forward
+    changes no greedy token), which no module replayed alone shows."""
+    warned = measured.failing_steps or [measured.step]
+    at = ("step " if len(warned) == 1 else "steps ") + steps_text(warned)
+    tokens = ("the greedy tokens agree" if mismatch is None else
+              f"the texts part at token {mismatch} and up to there")
+    reason = (f"{tokens} and no step's logits fail the {dtype} thresholds, but they warn at {at}, and no "
+              f"module's own error stands out when replayed at {steps}; " + _baseline_words(measured))
+    if cand is not None and cand.get("score") is not None:
+        reason += (f"; the strongest lead, not called a fault, is {cand['name']} at {cand['score']:.1f}x the "
+                   "typical own error of its kind")
+    focus = measured.step
+    if focus not in {t.step for t in tried}:
+        nxt = (f"replay the first step whose logits go beyond the dtype's own drift: bisect replay_step: "
+               f"{focus} (in the recipe: --set replay_step={focus}); a scale or soft-cap the model's forward "
+               "applies to the logits shows in no module")
+    else:
+        nxt = (f"dump both sides in module mode at step {focus} and compare them (llmflow compare): a logits "
+               "row that drifts where no module's row does is the model's own forward (a logits scale or "
+               "soft-cap); or tighten the logits thresholds (thresholds: {relative_euclidean_distance: ...})")
     return reason, nxt
 
 

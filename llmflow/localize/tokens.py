@@ -83,13 +83,13 @@ def token_rows(golden: DumpReader, target: DumpReader, *, golden_ids: list[int],
     return rows
 
 
-def failing_steps(rows: list[TokenRow], first_mismatch_step: int | None) -> list[int]:
-    """The steps whose logits fail, up to the first mismatching token, in order.
+def failing_steps(rows: list[TokenRow], first_mismatch_step: int | None, verdict: str = "fail") -> list[int]:
+    """The steps whose logits fail (``verdict``: or warn), up to the first mismatching token, in order.
 
     After the texts part, each side continues its own text: a failing step there compares the
     logits of two different contexts, which says nothing about a fault, so it is not counted."""
     return [r.step for r in rows
-            if r.verdict == "fail" and (first_mismatch_step is None or r.step <= first_mismatch_step)]
+            if r.verdict == verdict and (first_mismatch_step is None or r.step <= first_mismatch_step)]
 
 
 def first_bad_step(rows: list[TokenRow], first_mismatch_step: int | None) -> int | None:

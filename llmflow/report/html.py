@@ -336,7 +336,8 @@ def _dtype_baseline(v: Verdict | None) -> dict[str, Any] | None:
     chart = line_chart("logits: relative L2 from the golden's, per step", series, x_label="step",
                        mark_x=base.step)
     return {"dtype": base.dtype, "device": base.device, "step": base.step, "factor": f"{base.factor:g}",
-            "covers": base.covers, "error": base.error, "chart": chart}
+            "covers": base.covers, "error": base.error, "chart": chart,
+            "judged": "warn (none fails)" if base.warning else "fail"}
 
 
 def _tree(topology: Mapping[str, Any] | None, v: Verdict | None,

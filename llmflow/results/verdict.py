@@ -400,7 +400,7 @@ class DtypeBaselineStep:
 
 @dataclass
 class DtypeBaseline:
-    """Where a port's logits fail and no module stands out: the golden model itself run in the
+    """Where a port's logits fail (or warn) and no module stands out: the golden model itself run in the
     target's dtype on the target's device, teacher-forced on the golden's tokens
     (``localize/dtype_baseline.py``); how far the target's logits are from the golden's, against how
     far that dtype's own rounding takes them."""
@@ -413,7 +413,11 @@ class DtypeBaseline:
         "the failing step the figures are of: the first the golden model's own error does not cover, else "
         "the first failing"))
     failing_steps: list[int] = field(default_factory=list, metadata=_doc(
-        "the steps whose logits fail, up to where the texts part: each judged"))
+        "the steps whose logits fail, up to where the texts part: each judged (where none fails, those "
+        "whose logits warn: ``warning``)"))
+    warning: bool = field(default=False, metadata=_doc(
+        "no step's logits fail: the steps judged are those whose logits warn (a port error too small yet "
+        "to fail the thresholds is told from the dtype's drift too)"))
     target_rel_l2: float | None = None
     baseline_rel_l2: float | None = None
     factor: float = field(default=2.0, metadata=_doc(

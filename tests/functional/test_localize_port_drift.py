@@ -29,6 +29,20 @@ PATCHES = '''
 import functools
 
 
+def scale_logits(model):
+    """The port's forward scales every step's logits by 1.1 (a temperature applied twice, say): no
+    greedy token changes, and the bf16 logits warn at the shipped thresholds without failing."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def scaled(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 1.1
+        return out
+
+    model.forward = scaled
+
+
 def no_change(model):
     """A port that computes as the golden model does in its dtype (fused kernels, say, that round
     alike)."""
@@ -79,9 +93,26 @@ def user_files(tmp_path_factory) -> dict[str, Path]:
             with:
               isolate: target_dump
         """), encoding="utf-8")
+    shipped = folder / "shipped_limits.yaml"
+    shipped.write_text(textwrap.dedent(f"""\
+        name: shipped-limits
+        description: the bisect recipe as shipped
+        extends: {REPO / "workflows" / "recipes" / "bisect_base.yaml"}
+        """), encoding="utf-8")
+    warn_only = folder / "warn_only.yaml"
+    warn_only.write_text(textwrap.dedent(f"""\
+        name: warn-only
+        description: the bisect recipe, its bf16 logits warned at any drift and failed at none
+        extends: {REPO / "workflows" / "recipes" / "bisect_base.yaml"}
+        stages:
+          bisect:
+            with:
+              thresholds: {{bfloat16: {{relative_euclidean_distance: {{warn: 1.0e-7, fail: 10}}}}}}
+        """), encoding="utf-8")
     patches = folder / "port.py"
     patches.write_text(PATCHES, encoding="utf-8")
-    return {"workflow": workflow, "from_dump": from_dump, "patches": patches}
+    return {"workflow": workflow, "from_dump": from_dump, "shipped": shipped, "warn_only": warn_only,
+            "patches": patches}
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +128,15 @@ def golden_runs() -> dict[str, Path]:
 
 
 def _bisect(family: str, patch: str, tmp_path: Path, user_files, model_dirs,
-            golden_runs) -> tuple[int, str, dict]:
+            golden_runs, workflow: str = "workflow") -> tuple[int, str, dict]:
+    """The user's workflow (``workflow``: its key in ``user_files``) run on the family's tiny model
+    with the patch; (exit code, last line, verdict.json)."""
     model = f"tiny-{family}:{SIZE}" if GOLDENS[family] == "spec" else str(model_dirs(family))
     run = tmp_path / "run"
-    reused = family in golden_runs
+    reused = workflow == "workflow" and family in golden_runs
     if reused:
         shutil.copytree(golden_runs[family], run, symlinks=True)
-    proc = llmflow("run", str(user_files["workflow"]), "--run-dir", str(run), "--progress", "plain",
+    proc = llmflow("run", str(user_files[workflow]), "--run-dir", str(run), "--progress", "plain",
                    "--set", f"golden_model={model}", "--set", f"target_model={model}",
                    "--set", "max_new_tokens=3", "--set", f"target_patch={user_files['patches']}:{patch}",
                    timeout=600)
@@ -111,7 +144,7 @@ def _bisect(family: str, patch: str, tmp_path: Path, user_files, model_dirs,
     assert "Traceback" not in out, proc.stderr[-3000:]
     if reused:
         assert "dump-golden: cached" in proc.stdout, proc.stdout[-3000:]
-    elif "dump-golden: done" in proc.stdout:
+    elif "dump-golden: done" in proc.stdout and workflow == "workflow":
         golden_runs[family] = run
     if GOLDENS[family] == "directory":
         assert "golden model loaded streamed" in out, out[-3000:]
@@ -166,3 +199,34 @@ def test_decode_logits_beyond_the_dtypes_drift_are_the_ports_own(family, tmp_pat
     assert "at step 1 the target's logits are " in reason and "for the golden model itself in bfloat16 on " \
            "cpu: error of the port's own" in reason, reason
     assert "step 1" in nxt, nxt
+
+
+def test_logits_that_warn_beyond_the_dtypes_drift_are_not_passed(tmp_path, user_files, model_dirs,
+                                                                 golden_runs):
+    """At the shipped thresholds a 10% logits scale warns and never fails, and changes no greedy
+    token: read against the golden model itself in bf16 (streamed from the user's Gemma2 directory,
+    whose forward soft-caps the logits) it is the port's own error, inconclusive."""
+    rc, last, v = _bisect("gemma2", "scale_logits", tmp_path, user_files, model_dirs, golden_runs,
+                          workflow="shipped")
+    assert rc == 3 and last.startswith("INCONCLUSIVE: "), last
+    assert "no step's logits fail the bfloat16 thresholds, but they warn at step" in last, last
+    base = v["dtype_baseline"]
+    assert base["warning"] and not base["covers"] and base["error"] is None, base
+    assert base["target_rel_l2"] > 5 * base["baseline_rel_l2"] > 0, base
+    assert v["first_bad_token"] is None and v["first_bad_module"] is None, v["headline"]
+    reason, nxt = v["inconclusive"]["reason"], v["inconclusive"]["next"]
+    assert "error of the port's own" in reason and "for the golden model itself in bfloat16 on cpu" in reason
+    assert "logits scale" in nxt, nxt
+    assert "whose logits warn (none fails)" in (tmp_path / "run" / "report" / "report.html").read_text()
+
+
+def test_logits_that_warn_as_the_dtype_itself_does_pass(tmp_path, user_files, model_dirs, golden_runs):
+    """Logits warned at any drift: a port that computes as the golden model does in bf16 passes,
+    its diagnosis giving both figures."""
+    rc, last, v = _bisect("qwen2", "no_change", tmp_path, user_files, model_dirs, golden_runs,
+                          workflow="warn_only")
+    assert rc == 0 and last.startswith("PASSED ("), last
+    base = v["dtype_baseline"]
+    assert base["warning"] and base["covers"] and base["failing_steps"] == [0, 1, 2], base
+    assert "Where the logits warn (steps 0..2), they are no further from the golden's than those of the " \
+           "golden model itself in bfloat16 on cpu" in v["diagnosis"], v["diagnosis"]

@@ -210,3 +210,62 @@ def test_a_step_replayed_for_being_furthest_names_only_a_clear_stand_out(error, 
     assert v.status == status, v.headline
     if status == "fail":
         assert v.first_bad_module == "model.layers.2.mlp.down_proj"
+
+
+# -- logits that warn, none failing: a port error too small yet to fail them ----------------------
+
+def _warning(baseline: DtypeBaseline | None, mismatch: int | None = None, tried=None):
+    """Logits that warn at steps 0..2 and fail nowhere, nothing standing out at the steps replayed."""
+    if baseline is not None:
+        baseline.warning, baseline.failing_steps = True, [0, 1, 2]
+    ids = [1, 2, 3, 4, 5, 6]
+    parted = ids if mismatch is None else ids[:mismatch] + [9] * (6 - mismatch)
+    inp = Inputs(golden_ids=ids, target_ids=parted, target_spec=PORT)
+    rows = [TokenRow(step=s, target_step=s, code="threshold_warn", verdict="warn") for s in range(3)]
+    tried = tried or [replay(0), replay(1)]
+    return conclude(inp, tried, tried[0], rows=rows, mismatch=mismatch, bad_token=None, stack=None,
+                    decode=str, dtype="bfloat16", device="cpu", problems=[],
+                    dtype_baseline=(lambda: baseline) if baseline is not None else None)
+
+
+@pytest.mark.parametrize("mismatch", [None, 4])
+def test_warning_logits_beyond_the_dtypes_drift_are_not_passed(mismatch):
+    v = _warning(_baseline(False, step=0), mismatch)
+    assert v.status == "inconclusive" and v.first_bad_module is None
+    tokens = "the greedy tokens agree" if mismatch is None else "the texts part at token 4 and up to there"
+    reason = v.inconclusive.reason
+    assert reason.startswith(
+        f"{tokens} and no step's logits fail the bfloat16 thresholds, but they warn at steps 0..2"), reason
+    assert "25.0x its 0.008 for the golden model itself in bfloat16 on cpu" in v.inconclusive.reason
+    # step 0 was replayed: what is left is the logits row against the modules' rows
+    assert v.inconclusive.next.startswith("dump both sides in module mode at step 0"), v.inconclusive.next
+
+
+def test_warning_logits_beyond_the_drift_at_a_step_not_replayed_point_there():
+    v = _warning(_baseline(False, step=2))
+    assert v.status == "inconclusive" and "--set replay_step=2" in v.inconclusive.next, v.inconclusive.next
+
+
+def test_warning_logits_within_the_dtypes_drift_pass_with_both_figures():
+    v = _warning(_baseline(True, step=0))
+    assert v.status == "pass" and v.headline.startswith("the target matches the golden"), v.headline
+    assert ("Where the logits warn (steps 0..2), they are no further from the golden's than those of the "
+            "golden model itself in bfloat16 on cpu (relative L2 0.011 against its 0.009 at step 0)"
+            ) in v.diagnosis, v.diagnosis
+
+
+@pytest.mark.parametrize("baseline", [None, "error"])
+def test_warning_logits_the_baseline_cannot_judge_stay_a_pass(baseline):
+    """Within the thresholds and nothing standing out: a baseline that was not measured (a quantized
+    target, a golden in the target's dtype) or could not run leaves the pass as the thresholds say."""
+    measured = unmeasured("bfloat16", "cpu", 0, "OutOfMemoryError: no room") if baseline else None
+    v = _warning(measured)
+    assert v.status == "pass" and v.inconclusive is None, v.headline
+    if baseline:
+        assert "could not tell them from that dtype's own drift: OutOfMemoryError: no room" in v.diagnosis
+
+
+def test_warning_logits_never_hide_a_module_standing_out():
+    v = _warning(_baseline(False, step=0), tried=[replay(0, bad={"model.layers.2.mlp.down_proj": 0.2}),
+                                                 replay(1)])
+    assert v.status == "fail" and v.first_bad_module == "model.layers.2.mlp.down_proj"
