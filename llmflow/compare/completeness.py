@@ -22,11 +22,12 @@ The last two are listed, not counted against the compare.
 The compare is *incomplete* (its verdict fail) when nothing paired, when more than half of the
 counted golden rows are unpaired, when a level both dumps hold paired nothing, when a decoder
 layer the golden dumped has no row in the target in a step both dumps hold (a compare that
-never saw a layer cannot say the target matches there), when the target dumped a level but not
-at every step the golden dumped it (a token_range without the prefill: ``--steps`` picks the
-steps both hold), or when only the logits paired while the golden holds other levels. ``assess``
-also names the likely cause: different naming (a mapping is needed), different token ranges or
-steps, tensors the target did not dump, a side with no usable data.
+never saw a layer cannot say the target matches there), when the target holds no row of a rank
+the golden dumped, when the target dumped a level but not at every step the golden dumped it (a
+token_range without the prefill: ``--steps`` picks the steps both hold), or when only the logits
+paired while the golden holds other levels. ``assess`` also names the likely cause: different
+naming (a mapping is needed), ranks or token ranges or steps, tensors the target did not dump, a
+side with no usable data.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
     paired = unpaired = golden_only = 0
     lost = {"name": None, "target": None, "steps": set()}
     spans, layers_seen = _reach(pairs)
+    target_ranks = set(target.ranks())
+    ranks_lost: set[int] = set()  # golden ranks the target holds no row of
     layers_lost: dict[str, set[int]] = {}  # golden layers without a target row -> their steps
     steps_lost: dict[str, set[int]] = {}  # level -> golden steps with no target row of that level
     for p in pairs:
@@ -78,6 +81,9 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
             elif (lv, p.golden.kind) not in target_buckets or not ({"any", p.golden.kind} & mapped):
                 how = "not_in_target"
                 not_in_target[f"{lv} {p.golden.kind}"] += 1
+            elif target_ranks and p.rank not in target_ranks:
+                how = "unpaired"
+                ranks_lost.add(p.rank)
             elif (lv, p.target_step) not in target_steps:
                 how = "unpaired"
                 lost["steps"].add(p.golden_step)  # type: ignore[union-attr]
@@ -113,16 +119,17 @@ def assess(pairing: Pairing, golden: DumpReader, target: DumpReader) -> Coverage
     # out the prefill): those steps were never compared
     steps_not_in_target = {lv: sorted(steps) for lv, steps in steps_lost.items() if levels[lv]["paired"]}
     incomplete = (paired_too_little(paired, unpaired) or bool(empty_levels) or bool(layers_lost)
-                  or bool(only_logits) or bool(steps_not_in_target))
+                  or bool(only_logits) or bool(steps_not_in_target) or bool(ranks_lost))
     out = Coverage(
         state="incomplete" if incomplete else "complete", paired=paired, unpaired=unpaired,
         considered=considered, golden_only=golden_only, missing_step_rows=pairing.missing_rows,
         levels={lv: LevelCoverage(**d) for lv, d in levels.items()}, levels_without_pairs=empty_levels,
         not_in_target=dict(not_in_target), causes=[], headline=None,
-        layers_not_in_target=sorted(layers_lost, key=_layer_order), steps_not_in_target=steps_not_in_target)
+        layers_not_in_target=sorted(layers_lost, key=_layer_order), steps_not_in_target=steps_not_in_target,
+        ranks_not_in_target=sorted(ranks_lost))
     if not incomplete:
         return out
-    causes = _causes(pairing, golden, target, lost, not_in_target, layers_lost)
+    causes = _causes(pairing, golden, target, lost, not_in_target, layers_lost, ranks_lost)
     out.causes = causes
     where = ", ".join(f"{lv} {d['unpaired']}" for lv, d in levels.items() if d["unpaired"])
     if pairing.missing_rows:
@@ -176,8 +183,14 @@ def _layer_order(layer: str) -> tuple[str, int]:
 
 
 def _causes(pairing: Pairing, golden: DumpReader, target: DumpReader, lost: dict[str, Any],
-            not_in_target: Counter[str], layers_lost: dict[str, set[int]]) -> list[str]:
+            not_in_target: Counter[str], layers_lost: dict[str, set[int]], ranks_lost: set[int]) -> list[str]:
     causes = []
+    g_ranks, t_ranks = golden.ranks(), target.ranks()
+    common = sorted(set(g_ranks) & set(t_ranks))
+    if ranks_lost and common:  # (each of their rows unpaired: said once, not as layers or names lost)
+        causes.append(f"the target holds no rank {steps_text(sorted(ranks_lost))} (golden rank "
+                      f"{steps_text(g_ranks)}, target rank {steps_text(t_ranks)}): compare a rank both hold "
+                      f"(-r {common[0]}), or give the target's dump of every rank")
     if layers_lost:
         names = sorted(layers_lost, key=_layer_order)
         shown = ", ".join(names[:3]) + (f" ... ({len(names)} layers)" if len(names) > 3 else "")
@@ -195,8 +208,8 @@ def _causes(pairing: Pairing, golden: DumpReader, target: DumpReader, lost: dict
                       f"{steps_text(target.steps())}); "
                       "check token_range and --prefill-offset, or compare the steps both dumps hold "
                       "(--steps)")
-    g_ranks, t_ranks = golden.ranks(), target.ranks()
-    if lost["name"] and lost["name"] == lost["target"] and g_ranks != t_ranks:  # (named alike, apart)
+    if (ranks_lost and not common) or (lost["name"] and lost["name"] == lost["target"] and g_ranks != t_ranks
+                                       and not ranks_lost):  # (named alike, apart)
         causes.append(f"the dumps hold different ranks (golden rank {steps_text(g_ranks)}, target rank "
                       f"{steps_text(t_ranks)}): compare a rank both hold (-r N), or give each side its "
                       "dump's own folder, not one rank's folder")
@@ -208,11 +221,11 @@ def _causes(pairing: Pairing, golden: DumpReader, target: DumpReader, lost: dict
                       f"{lost['target']!r}): an op-mapping file pairs them ({hint})")
     for side, reader in (("golden", golden), ("target", target)):
         tensors = [e for e in reader.entries() if e.dtype is not None and e.step >= 0]
-        if tensors and not any(e.has_data for e in tensors):
-            usable = sum(1 for e in tensors if e.stats)
-            causes.append(f"the {side} dump holds statistics only" + (
-                f" and {len(tensors) - usable} of its {len(tensors)} tensor entries have none" if
-                usable < len(tensors) else ": its rows compare statistics"))
+        usable = sum(1 for e in tensors if e.stats)
+        if tensors and usable < len(tensors) and not any(e.has_data for e in tensors):
+            # (statistics compare as rows do: only entries with neither leave rows without data)
+            causes.append(f"the {side} dump holds statistics only and {len(tensors) - usable} of its "
+                          f"{len(tensors)} tensor entries have none")
     if not_in_target and not causes:
         kinds = ", ".join(f"{k} ({n})" for k, n in not_in_target.most_common(3))
         causes.append(f"the target dump has no {kinds} entries")

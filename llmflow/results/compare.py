@@ -156,6 +156,9 @@ class Coverage:
     steps_not_in_target: dict[str, list[int]] = doc(
         "Level -> golden steps at which the target, though it dumped that level, has no row of it "
         "(the compare is incomplete; --steps compares the steps both dumps hold).", default_factory=dict)
+    ranks_not_in_target: list[int] = doc(
+        "Golden ranks the target holds no row of (the compare is incomplete; -r compares a rank both "
+        "hold).", default_factory=list)
 
 
 @dataclass

@@ -106,11 +106,12 @@ def stage_key(checked: Checked, sid: str, states: dict[str, StageState], run_dir
     spec = checked.workflow.stages[sid]
     params = resolve_with(checked, sid, {d: states[d].outputs for d in spec.needs})
     identity = stage_identity(spec.uses, checked.classes[sid], spec.base_dir)
-    dirs = [checked.workflow.directory, spec.base_dir, Path.cwd()]
+    dirs = [checked.workflow.directory, spec.base_dir]
     writes_to = getattr(checked.classes[sid], "writes_to", ())
     typed: dict[str, str] = {}
-    inputs = referenced_inputs(params, dirs, run_dir, writes_to, checked.order, typed)
-    code = {**referenced_code(params, dirs), **inputs}
+    inputs = referenced_inputs(params, dirs, run_dir, writes_to, checked.order, typed, cwd=Path.cwd(),
+                               schema=getattr(checked.classes[sid], "params_schema", None))
+    code = {**referenced_code(params, [*dirs, Path.cwd()]), **inputs}
     upstream = {d: states[d].fingerprint for d in spec.needs}
     contents = {d: states[d].content or "" for d in spec.needs if states[d].content}
     # what it reads of a needed stage is that stage's result, not how it was made: its content key

@@ -115,7 +115,8 @@ INPUT_PREFIX = "input:"
 
 
 def referenced_inputs(params: Any, dirs: Iterable[Path], run_dir: Path, writes_to: Iterable[str] = (),
-                      stages: Iterable[str] = (), typed: dict[str, str] | None = None) -> dict[str, str]:
+                      stages: Iterable[str] = (), typed: dict[str, str] | None = None,
+                      cwd: Path | None = None, schema: dict[str, Any] | None = None) -> dict[str, str]:
     """``input:<path>`` -> a hash of the name, size and modification time of every file at each
     parameter string that names an existing file or folder (a dump, a checkpoint, a mapping file),
     found as ``referenced_code`` finds code: a dump written again in place changes the stage's
@@ -125,18 +126,25 @@ def referenced_inputs(params: Any, dirs: Iterable[Path], run_dir: Path, writes_t
     the stages that made them; the run dir itself or a folder holding it is not an input, nor a
     parameter in ``writes_to``: where the stage writes, ``Stage.writes_to``. Anything else in the
     run dir, a dump the user keeps in an adopted folder, is an input like any other.) ``typed``,
-    when given, gets each key's path as the parameter spells it, for messages."""
+    when given, gets each key's path as the parameter spells it, for messages.
+
+    A string is looked up in ``dirs`` (the workflow's folders), then in ``cwd`` only where it is
+    written as a path (a separator, a leading ``.`` or ``~``, a suffix): a bare word (``cpu``,
+    ``all``, ``module``) is a value, and a folder of that name where the user happens to run from
+    must not change the stage's key. Nor is a value the stage's ``schema`` enumerates for its
+    parameter (``mode: module``) an input, wherever a folder of that name lies."""
     out: dict[str, str] = {}
     dirs = list(dirs)
     inside = run_dir.resolve()
     own = [inside / sid for sid in stages]
     destinations = set(writes_to)
+    props = (schema or {}).get("properties") or {}
     for at, text in strings(params):
         if (at and at[0] in destinations) or not text or "\n" in text or len(text) > 4096:
             continue
-        if is_file_ref(text):
+        if is_file_ref(text) or (at and text in ((props.get(at[0]) or {}).get("enum") or ())):
             continue
-        for base in dirs:
+        for base in dirs + ([cwd] if cwd is not None and _written_as_path(text) else []):
             path = Path(text) if os.path.isabs(text) else base / text
             try:
                 if not path.exists():
@@ -154,6 +162,12 @@ def referenced_inputs(params: Any, dirs: Iterable[Path], run_dir: Path, writes_t
                 pass
             break
     return out
+
+
+def _written_as_path(text: str) -> bool:
+    """Whether ``text`` is written as a path (``./x``, ``dumps/golden``, ``~/m``, ``map.json``), not
+    as a bare word that a folder of the same name would happen to match."""
+    return "/" in text or os.sep in text or text.startswith((".", "~")) or bool(Path(text).suffix)
 
 
 def listing_hash(path: Path) -> str:

@@ -59,3 +59,35 @@ def test_the_same_command_from_another_directory_reuses_the_cache(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         seen.append(_align(proc))
     assert seen == ["running (new)", "cached", "cached", "cached"]
+
+
+def _stage_line(proc, stage: str) -> str:
+    found = re.findall(rf"{stage}: (cached|running.*)", proc.stdout)
+    assert found, proc.stdout + proc.stderr
+    return found[0]
+
+
+def test_folders_named_like_parameter_values_leave_the_cache_alone(tmp_path):
+    """A folder named as a parameter's value (``cpu``, ``all``, ``local``) where the user runs from,
+    or one of the values the stage enumerates (``executor: local``, ``kl: logits``) beside the
+    workflow, is not read as an input: the dumps compared before stay cached."""
+    work = tmp_path / "work"
+    work.mkdir()
+    wf = work / "wf.yaml"
+    shutil.copy(COMPARE_DUMPS, wf)
+    as_dump(work, "g")
+    as_dump(work, "t", noise=1e-3)
+    here = tmp_path / "here"
+    here.mkdir()
+    args = ("run", str(wf), "--set", f"golden_dump={work / 'g'}", "--set", f"target_dump={work / 't'}",
+            "--run-dir", str(work / "rd"))
+    first = llmflow(*args, cwd=here)
+    assert first.returncode == 0, first.stdout + first.stderr
+    for word in ("cpu", "all", "auto", "local", "logits", "module", "float32", "bfloat16"):
+        (here / word).mkdir()
+        (here / word / "notes.txt").write_text("the user's own\n")
+    for word in ("local", "logits"):
+        (work / word).mkdir()
+    again = llmflow(*args, cwd=here)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert [_stage_line(again, s) for s in ("align", "compare")] == ["cached", "cached"], again.stdout

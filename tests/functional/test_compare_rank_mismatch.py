@@ -56,3 +56,22 @@ def test_different_ranks_are_named_as_the_cause(tmp_path, dumps):
     assert proc.returncode in (1, 3), proc.stdout + proc.stderr
     assert "the dumps hold different ranks (golden rank 0, target rank 1)" in proc.stdout, proc.stdout
     assert "name their tensors differently" not in proc.stdout
+
+
+def test_a_golden_rank_the_target_lacks_is_named_and_never_passes(tmp_path, dumps):
+    """A golden of two ranks against a target of one of them: the other rank's rows are said to be
+    missing as a rank (not as layers the target "stops short" of, nor as different naming), and the
+    compare is incomplete even though every row of the rank both hold paired and passes."""
+    env = {**os.environ, "PYTHONPATH": checkout_path(REPO)}
+    for rank in ("0", "1"):
+        proc = subprocess.run([sys.executable, str(dumps / "dump.py"), str(tmp_path / "golden")],
+                              capture_output=True, text=True, timeout=300, env={**env, "RANK": rank})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "llmflow", "compare", "-gp", str(tmp_path / "golden"), "-mp",
+                           str(dumps / "target"), "-o", str(tmp_path / "out"), "--no-xlsx"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode in (1, 3) and last.startswith(("FAILED", "INCONCLUSIVE")), proc.stdout
+    assert "the target holds no rank 0 (golden rank 0..1, target rank 1): compare a rank both hold (-r 1)" \
+        in proc.stdout, proc.stdout
+    assert "name their tensors differently" not in proc.stdout and "layers" not in last, last
