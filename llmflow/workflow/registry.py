@@ -48,7 +48,7 @@ def resolve_stage(uses: str, base_dir: Path, trust_plugins: bool = True) -> type
             path = file_ref_path(uses, base_dir)
             if not path.is_file():
                 raise UserError(f"{uses}: no such file {path}")
-            return read_stage_class(path, uses.rpartition(":")[2], uses)
+            return _schema_checked(read_stage_class(path, uses.rpartition(":")[2], uses), uses)
         try:
             obj = plugins.load_file_ref(uses, base_dir)
         except SystemExit as exc:  # the plugin's import-time code exited: its failure, not ours
@@ -60,7 +60,30 @@ def resolve_stage(uses: str, base_dir: Path, trust_plugins: bool = True) -> type
         obj = found[uses].load()
     if not (isinstance(obj, type) and issubclass(obj, Stage)):
         raise UserError(f"{uses!r} is not a llmflow.stages.base.Stage subclass")
-    return obj
+    return _schema_checked(obj, uses)
+
+
+def _schema_checked(cls: type[Stage], uses: str) -> type[Stage]:
+    """``cls`` once its ``params_schema`` is a JSON Schema (draft-07) whose defaults it accepts: a
+    plugin's typo (``"type": "strin"``, a ``pattern`` that is no regex) is a UserError naming the
+    stage and the keyword, not a traceback from the first parameter checked against it."""
+    import jsonschema
+
+    schema = getattr(cls, "params_schema", None)
+    if not isinstance(schema, dict):
+        raise UserError(f"{uses}: params_schema is not a mapping (a JSON Schema object), got {schema!r:.80}")
+    meta = jsonschema.Draft7Validator(jsonschema.Draft7Validator.META_SCHEMA,
+                                      format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER)
+    bad = next(iter(sorted(meta.iter_errors(schema), key=lambda e: list(map(str, e.absolute_path)))), None)
+    if bad is not None:
+        where = ".".join(map(str, bad.absolute_path)) or "the schema itself"
+        raise UserError(f"{uses}: params_schema is not a valid JSON Schema at {where}: {bad.message}")
+    for name, prop in (schema.get("properties") or {}).items():
+        if isinstance(prop, dict) and "default" in prop:
+            wrong = next(iter(jsonschema.Draft7Validator(prop).iter_errors(prop["default"])), None)
+            if wrong is not None:
+                raise UserError(f"{uses}: params_schema.properties.{name}.default: {wrong.message}")
+    return cls
 
 
 def load_registered() -> tuple[dict[str, type[Stage]], dict[str, str]]:

@@ -183,6 +183,29 @@ def test_plugin_problems_found_statically(tmp_path, source, says):
     assert f"{wf}:3:" in proc.stdout and says in proc.stdout
 
 
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ('{"type": "object", "properties": {"size": {"type": "strin"}}}',
+         "params_schema is not a valid JSON Schema at properties.size.type"),
+        ('{"type": "object", "properties": {"size": {"type": "string", "pattern": "("}}}',
+         "params_schema is not a valid JSON Schema at properties.size.pattern: '(' is not a 'regex'"),
+        ('{"type": "object", "properties": {"size": {"type": "integer", "default": "notint"}}}',
+         "params_schema.properties.size.default: 'notint' is not of type 'integer'"),
+    ],
+)
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_a_plugin_schema_with_a_typo_is_one_line_naming_it(tmp_path, schema, says, command):
+    """The plugin author's most likely mistake, in a trusted run as in a static read: one line
+    naming the plugin and the keyword, exit 2, no traceback."""
+    wf = _plugin_workflow(tmp_path, schema=schema, size=3)
+    extra = ["--run-dir", str(tmp_path / "run")] if command == "run" else []
+    proc = llmflow(command, str(wf), *extra)
+    assert_bad_input(proc)
+    assert "sneaky.py:Sneaky: " + says in proc.stdout, proc.stdout
+    assert not (tmp_path / "run" / "s").exists()
+
+
 def test_a_trusted_plugin_that_exits_at_import(tmp_path):
     (tmp_path / "bye.py").write_text("import sys\nsys.exit(3)\n")
     wf = write_workflow(tmp_path, "name: p\nstages:\n  s: {uses: bye.py:Gone}\n")
