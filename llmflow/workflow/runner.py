@@ -219,6 +219,11 @@ class _Run:
             outputs = {}
         if not isinstance(outputs, dict):
             raise TypeError(f"run() returned {type(outputs).__name__}, expected a dict of outputs")
+        declared = getattr(self.checked.classes[sid], "outputs", None) or {}
+        lacking = [name for name in declared if name not in outputs]
+        if lacking:  # (the stage's fault, not left to the stage that reads it: nothing is kept)
+            raise ValueError(f"run() returned no {lacking[0]!r} of the outputs it declares "
+                             f"({', '.join(declared)}): return each, None where it has no value")
         final = self.run_dir / sid
         outputs = st.rewrite_paths(outputs, str(tmp), str(final))
         summary = st.rewrite_paths(ctx.summary, str(tmp), str(final))

@@ -289,3 +289,37 @@ def test_a_workflow_without_stages_is_bad_input_not_a_pass(tmp_path, text):
     assert_bad_input(proc)
     assert f"{wf}:" in proc.stderr and "the workflow has no stages" in proc.stderr, proc.stderr
     assert not (tmp_path / "r" / "summary.json").exists()
+
+
+LACKING = '''
+from llmflow.stages.base import Stage
+
+
+class Lacking(Stage):
+    """Declares an output its run() does not return."""
+
+    type = "lacking"
+    params_schema = {"type": "object", "properties": {}}
+    outputs = {"x": "the value the next stage reads"}
+
+    def run(self, ctx):
+        return None
+'''
+
+
+def test_a_stage_that_returns_no_declared_output_fails_itself_and_keeps_nothing(tmp_path):
+    """Its own failure (exit 1, naming the output), not the next stage's bad input; not cached."""
+    (tmp_path / "lacking.py").write_text(LACKING)
+    wf = write_workflow(tmp_path, """
+        name: p
+        stages:
+          a: {uses: lacking.py:Lacking}
+          b: {uses: seed, needs: [a], with: {seed: "${stages.a.outputs.x}"}}
+    """)
+    for _ in range(2):  # (again: a stage that failed is run again, never read back as done)
+        proc = llmflow("run", str(wf), "--run-dir", str(tmp_path / "run"))
+        last = proc.stdout.strip().splitlines()[-1]
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert last.startswith("FAILED: stage 'a' failed: ValueError: run() returned no 'x' of the "
+                               "outputs it declares (x)"), last
+    assert not (tmp_path / "run" / "a").exists()
