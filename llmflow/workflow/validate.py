@@ -342,6 +342,7 @@ def check(
     _check_params(wf, set_params, checked)
     if runtime:
         _check_paths(wf, checked)
+        _check_env(wf, checked)
         for name in wf.params:
             if name not in checked.params:
                 checked.errors.append(
@@ -354,6 +355,24 @@ def check(
     _check_with(wf, checked)
     checked.redact = Redactor(secret_env_values(_env_refs(wf), os.environ))
     return checked
+
+
+def _check_env(wf: Workflow, checked: Checked) -> None:
+    """Every ``${env.NAME}`` without a default names a variable that is set: found now, not by
+    its stage after the stages before it ran (a golden dump takes hours)."""
+    for sid, st in wf.stages.items():
+        for rel, text in strings(st.with_):
+            if not has_refs(text):
+                continue
+            try:
+                refs = [p for p in parse(text) if isinstance(p, Ref) and p.kind == "env"]
+            except InterpolationError:
+                continue  # (reported by _check_refs)
+            for ref in refs:
+                if ref.default is None and ref.name not in os.environ:
+                    checked.errors.append(ValidationError(
+                        f"{ref.text}: environment variable {ref.name!r} is not set (give a default: "
+                        f"${{env.{ref.name}:-VALUE}})", wf.mark("stages", sid, "with", *rel)))
 
 
 def _env_refs(wf: Workflow) -> list[tuple[str, str | None]]:

@@ -11,6 +11,7 @@ import pytest
 from rich.console import Console
 
 from llmflow.workflow import run_workflow, validate_workflow
+from llmflow.workflow.marks import WorkflowError
 from llmflow.workflow.progress import PlainReporter, RichReporter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -106,9 +107,26 @@ def test_env_references_at_run_time(tmp_path, monkeypatch):
     assert run_workflow(wf, run_dir=tmp_path / "r").stages["a"].outputs["value"] == "dflt/y"
     monkeypatch.delenv("ENGINE_TEST_Y")
     assert validate_workflow(wf) == []  # unset env is a run-time matter
-    res = run_workflow(wf, run_dir=tmp_path / "r")
-    assert res.exit_code == 2
-    assert "environment variable 'ENGINE_TEST_Y' is not set" in res.stages["a"].error
+    with pytest.raises(WorkflowError, match=r"wf.yaml:3:\d+: \$\{env.ENGINE_TEST_Y\}: environment variable "
+                                            "'ENGINE_TEST_Y' is not set"):
+        run_workflow(wf, run_dir=tmp_path / "r")  # (before any stage runs)
+
+
+def test_an_unset_env_reference_of_a_later_stage_stops_the_run_before_the_first(tmp_path, monkeypatch):
+    """Found before stage a runs (a golden dump of hours), not when stage b starts after it."""
+    wf = write_workflow(
+        tmp_path,
+        """
+        name: e
+        stages:
+          a: {uses: "{HELPERS}:EchoStage", with: {value: 1}}
+          b: {uses: "{HELPERS}:EchoStage", needs: [a], with: {value: "${env.ENGINE_TEST_Z}"}}
+    """,
+    )
+    monkeypatch.delenv("ENGINE_TEST_Z", raising=False)
+    with pytest.raises(WorkflowError, match="'ENGINE_TEST_Z' is not set"):
+        run_workflow(wf, run_dir=tmp_path / "r")
+    assert not (tmp_path / "r" / "a").exists()
 
 
 def test_escape_and_path_outputs(tmp_path):
