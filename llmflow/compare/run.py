@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from llmflow.compare.rows import Job
 from llmflow.compare.sheets import level_columns, write_sheets
 from llmflow.compare.summary import SummaryBuilder, report_lines
 from llmflow.compare.thresholds import check_dtype_name, check_thresholds, coarser, limited_metrics
-from llmflow.dtypes import QUANTIZATION_DTYPES, dtype_name
+from llmflow.dtypes import QUANTIZATION_DTYPES, dtype_class, dtype_name
 from llmflow.errors import UserError
 from llmflow.formats import DumpReader, open_dump
 from llmflow.plugins import is_file_ref
@@ -96,6 +97,20 @@ def recorded_dtype(reader: DumpReader) -> str | None:
     return None
 
 
+def outputs_dtype(reader: DumpReader) -> str | None:
+    """The float dtype most of a dump's outputs are in, for a dump that records no model dtype
+    (msprobe, msit, ATB): its module (or layer) outputs', else its API calls'; None where it holds
+    no float output. A bf16 model's float32 upcasts (an RMSNorm's, a softmax's) are the few: they
+    carry the bf16 error of what they were computed from, and are judged at bf16 with the rest."""
+    for levels in (("module", "layer"), ("api",)):
+        counts = Counter(dtype_name(e.dtype) for e in reader.entries()
+                         if e.kind == "output" and e.level in levels and e.dtype
+                         and dtype_class(e.dtype) != "integer")
+        if counts:
+            return counts.most_common(1)[0][0]
+    return None
+
+
 def recorded_quantization(reader: DumpReader) -> str | None:
     """The dtype judging a quantized model's tensors that its dump recorded (llmflow's env.json:
     ``torch_settings.quantization``, ``w8a8``), None for a float model's dump."""
@@ -114,14 +129,17 @@ def judging(golden: DumpReader, target: DumpReader, opts: CompareOptions) -> Jud
         return JudgedAs(dtype=given, given=given, recorded=None,
                         source="given (--target-dtype / target_dtype)" + quantized)
     g, t = recorded_dtype(golden), recorded_dtype(target)
+    what = "the model dtype the dumps record"
+    if g is None and t is None:  # (msprobe, msit, ATB dumps): the dtype their outputs are in
+        g, t = outputs_dtype(golden), outputs_dtype(target)
+        what = "the dtype most of each dump's outputs are in (neither records its model's dtype)"
     model = coarser(coarser(g, t), quant)
     if model is None:
         return JudgedAs(dtype=None, given=None, recorded=None,
                         source="neither dump records its model's dtype")
     sides = " and ".join(f"{side} {d}" for side, d in (("golden", g), ("target", t)) if d)
     return JudgedAs(dtype=model, given=None, recorded=model,
-                    source=f"the model dtype the dumps record ({sides}); "
-                           "a coarser tensor dtype judges its own rows" + quantized)
+                    source=f"{what} ({sides}); a coarser tensor dtype judges its own rows" + quantized)
 
 
 def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpReader, out_dir: str | Path,

@@ -109,7 +109,8 @@ class JudgedAs:
 
     dtype: str | None = doc("null: each tensor's own dtype.")
     given: str | None = doc("--target-dtype / target_dtype.")
-    recorded: str | None = doc("The model dtype the dumps record.")
+    recorded: str | None = doc("The model dtype the dumps record (where neither records one: the dtype "
+                               "most of their outputs are in).")
     source: str
 
 
