@@ -35,8 +35,10 @@ op that turns token ids into hidden states, called once per pass):
 * else (level L0) the first module record of an ``...Embedding`` class in dump.json order
   (``Module.model.embed_tokens.Embedding.forward.k``, whatever its counter starts at): every
   call of it opens a pass;
-* a folder with neither (a dump filtered by ``scope``/``list``) falls back on its first record:
-  each call of that opens a pass.
+* a folder with neither (a dump filtered by ``scope``/``list``) falls back on its first record
+  where that is a module's: each call of it opens a pass; where it is an API's (``"list":
+  ["linear"]``: an API is called many times in one pass, so its calls cannot tell passes apart)
+  the folder is read as one pass, its calls paired by their counters as msprobe pairs them.
 
 Records before the first pass (a ``generate()`` loop's setup: ``Torch.isin``, ``cumsum``) belong
 to the first token, and the loop's work between two passes (``argmax`` of the logits, stopping
@@ -192,7 +194,7 @@ def pass_starts(records: list[tuple[str, Any]]) -> list[bool]:
     """For each forward record ``(name, record)`` of one step folder, in dump.json order: does it
     open a forward pass? The rule (the module docstring's "Steps"): each ``embedding`` API call
     that looks up the first call's table, else each call of the first embedding module, else
-    each call of the folder's first record."""
+    each call of the folder's first record where that is a module's, else only the first record."""
     names = [k for k, _ in records]
     parsed = [parse_name(k) for k in names]
     api = next((i for i, p in enumerate(parsed) if _is_embedding(p, "api")), None)
@@ -200,6 +202,8 @@ def pass_starts(records: list[tuple[str, Any]]) -> list[bool]:
         anchor, table = _base(names[api]), _table(records[api][1])
         return [_base(k) == anchor and _table(v) == table for k, v in records]
     module = next((k for k, p in zip(names, parsed, strict=True) if _is_embedding(p, "module")), None)
+    if module is None and names and (parsed[0] is None or parsed[0][0] != "module"):
+        return [i == 0 for i in range(len(names))]  # (an API's calls: one pass, see above)
     anchor = _base(module if module is not None else names[0]) if names else ""
     return [_base(k) == anchor for k in names]
 
