@@ -950,10 +950,11 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         # (else: the checks below, then a pass in ``_judge``: the port drifts no further than the
         # golden model itself in its dtype; measured only where none of those checks applies)
         measured = baseline.value if baseline else None
+        entered = _where_rows_fail(inp, bad_token)  # (where the compare saw it: said in place of the
+        # places a fault may hide)
         reason = (f"the logits fail the {dtype} thresholds at step {bad_token}, but no module's own error "
-                  f"stands out when replayed at {steps}: the fault may live in state carried between steps "
-                  "(a KV cache written wrong at earlier steps), in a module the replay cannot isolate, or "
-                  "be spread over many layers")
+                  f"stands out when replayed at {steps}: "
+                  + (entered[0] if entered is not None else _unseen_causes(bad_token)))
         ends = [n for t in tried for n in t.ends_not_replayed]
         if ends:  # named: the modules outside the layers this evidence leaves out
             reason += f"; outside the decoder layers, not replayed: {ends[0]}"
@@ -965,7 +966,7 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
                                                              ": the logits may fail through that dtype's "
                                                              "rounding there, which the golden run in that "
                                                              "dtype would show too"))
-        elif cand is not None and cand.get("score") is not None:  # the strongest lead, not called a fault
+        elif cand is not None and _a_lead(cand):  # the strongest lead, not called a fault
             reason += (f"; the strongest lead, not called a fault, is {cand['name']} at {cand['score']:.1f}x "
                        "the typical own error of its kind")
         if measured is not None:
@@ -987,6 +988,8 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         else:  # the step and those before it that a replay would pick were replayed already
             nxt = (f"dump both sides in module mode at step {focus} and compare them (llmflow compare): "
                    "the first failing row is where the error enters; or lower ratio_threshold")
+        if entered is not None and entered[1] and not beyond:  # (the rows say where to look)
+            nxt = entered[1]
         if rounds and measured is None:
             nxt = ("bisect the golden model run in the target's dtype against the golden (in the recipe: "
                    "--set target_model=<the golden model> --set target_dtype=<the target's dtype>): where it "
@@ -1040,6 +1043,48 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
     return reason, nxt
 
 
+def _unseen_causes(step: int) -> str:
+    """Where a fault no module replayed alone shows may be, at ``step``: state carried between
+    steps only after the prefill (at step 0 nothing came before)."""
+    carried = ("" if step == 0 else
+               "in state carried between steps (a KV cache written wrong at earlier steps), ")
+    return (f"the fault may live {carried}in a module the replay cannot isolate, in code between the modules "
+            "(an attention mask or positions the model's forward builds, a logits soft-cap or scale), or be "
+            "spread over many layers")
+
+
+def _where_rows_fail(inp: Any, step: int) -> tuple[str, str | None] | None:
+    """What the compare's first failing row (``compare_first_fail``) says of where the error enters,
+    where it is at or before ``step`` and no module replayed stands out: the logits alone (every
+    module's output before them passes: the model's forward after its last module), or a module or
+    layer whose modules are right on the golden inputs (what it is handed differs). (sentence, what
+    to run next or None); None where the compare says nothing of it."""
+    row = getattr(inp, "compare_first_fail", None) or {}
+    name, at = row.get("name"), row.get("step")
+    if not isinstance(name, str) or not isinstance(at, int) or at > step:
+        return None
+    if name == "logits" or name.endswith("lm_head"):
+        return (f"the compare's first failing row is the {name} at step {at}: every module's output before "
+                "them passes, so the error enters after the last module dumped, in the model's own forward "
+                "(a logits soft-cap or scale) or its head"), (
+                "compare the target's forward after its last decoder layer with the golden's (its final "
+                "norm, lm_head and what it does to the logits: final_logit_softcapping, a scale)")
+    cache = ", or at a decode step the KV cache it reads" if at > 0 else ""
+    return (f"the compare's first failing row is {name} at step {at}, yet no module replayed on the golden "
+            "inputs errs beyond its peers: what the model's forward hands it differs (an attention mask, a "
+            f"sliding window, positions{cache}), or the error builds up over the modules before it"), (
+            f"compare what {name} is handed at step {at} on both sides (dump its inputs as tensors, keyword "
+            "inputs included: module mode, tensor_part 2, and llmflow compare), and the model config's mask "
+            "settings (sliding_window, layer_types)")
+
+
+def _a_lead(cand: dict[str, Any]) -> bool:
+    """Whether the worst candidate is worth naming as a lead: its own error above the typical of
+    its kind (a score of 0.0x, every module without error, leads nowhere)."""
+    score = cand.get("score")
+    return isinstance(score, (int, float)) and score > 1.0
+
+
 def _warning_beyond_drift(baseline: OnDemand | None) -> DtypeBaseline | None:
     """The golden model itself in the target's dtype, measured now where no step's logits fail but
     some warn, where the target's warning logits go beyond its drift; None where they do not, or
@@ -1063,7 +1108,7 @@ def _warning_reason(measured: DtypeBaseline, cand: dict[str, Any] | None, mismat
               f"the texts part at token {mismatch} and up to there")
     reason = (f"{tokens} and no step's logits fail the {dtype} thresholds, but they warn at {at}, and no "
               f"module's own error stands out when replayed at {steps}; " + _baseline_words(measured))
-    if cand is not None and cand.get("score") is not None:
+    if cand is not None and _a_lead(cand):
         reason += (f"; the strongest lead, not called a fault, is {cand['name']} at {cand['score']:.1f}x the "
                    "typical own error of its kind")
     focus = measured.step

@@ -106,6 +106,40 @@ def test_failing_logits_with_nothing_standing_out_is_inconclusive_not_rounding()
     assert "step 3" in v.inconclusive.reason and "replay_step" in v.inconclusive.next
 
 
+@dataclass
+class WithCompare(Inputs):
+    compare_first_fail: dict | None = None
+
+
+@pytest.mark.parametrize(("bad_token", "row", "says", "next_says"), [
+    (0, None, "the fault may live in a module the replay cannot isolate", None),
+    (3, None, "in state carried between steps (a KV cache written wrong at earlier steps)", None),
+    (0, {"step": 0, "name": "logits"}, "the compare's first failing row is the logits at step 0: every module's "
+     "output before them passes", "final_logit_softcapping"),
+    (0, {"step": 0, "name": "model.layers.0"}, "the compare's first failing row is model.layers.0 at step 0, "
+     "yet no module replayed on the golden inputs errs beyond its peers: what the model's forward hands it "
+     "differs (an attention mask, a sliding window, positions)", "sliding_window"),
+    (3, {"step": 3, "name": "model.layers.2"}, "positions, or at a decode step the KV cache it reads)",
+     "compare what model.layers.2 is handed at step 3"),
+    (0, {"step": 2, "name": "model.layers.0"}, "the fault may live in a module", None),  # (after: not it)
+])
+def test_failing_logits_with_nothing_standing_out_say_where_the_compare_saw_the_error(bad_token, row, says,
+                                                                                       next_says):
+    """At the prefill nothing was carried from an earlier step; the compare's first failing row, at or
+    before the failing step, says where to look (the logits alone: the forward after the last module;
+    a layer whose modules are right on the golden inputs: what it is handed)."""
+    tried = [replay(bad_token)] + ([replay(0)] if bad_token else [replay(1)])
+    inp = WithCompare(target_ids=[1, 2, 3, 4, 5, 9], target_spec=PORT, compare_first_fail=row)
+    v = verdict(tried, mismatch=5, bad_token=bad_token, inp=inp)
+    reason = v.inconclusive.reason
+    assert v.status == "inconclusive" and says in reason, reason
+    # (the places a fault may hide, a KV cache only after the prefill, where the compare names none)
+    assert ("KV cache written wrong" in reason) == (bad_token > 0 and row is None), reason
+    assert "strongest lead" not in reason or " at 0.0x" not in reason, reason
+    if next_says:
+        assert next_says in v.inconclusive.next, v.inconclusive.next
+
+
 BF16 = {"model": "m", "dtype": "bfloat16", "device": "cpu"}
 
 
