@@ -114,8 +114,8 @@ class WithCompare(Inputs):
 @pytest.mark.parametrize(("bad_token", "row", "says", "next_says"), [
     (0, None, "the fault may live in a module the replay cannot isolate", None),
     (3, None, "in state carried between steps (a KV cache written wrong at earlier steps)", None),
-    (0, {"step": 0, "name": "logits"}, "the compare's first failing row is the logits at step 0: every module's "
-     "output before them passes", "final_logit_softcapping"),
+    (0, {"step": 0, "name": "logits"}, "the compare's first failing row is the logits at step 0: every "
+     "module's output before them passes", "final_logit_softcapping"),
     (0, {"step": 0, "name": "model.layers.0"}, "the compare's first failing row is model.layers.0 at step 0, "
      "yet no module replayed on the golden inputs errs beyond its peers: what the model's forward hands it "
      "differs (an attention mask, a sliding window, positions)", "sliding_window"),
