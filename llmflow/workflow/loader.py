@@ -82,6 +82,8 @@ class _Loader:
         for sid, stage in own.data["stages"].items():
             if "uses" in stage:
                 own.uses_dirs[sid] = path.parent
+        if len(stack) > 1:  # a base or include: its path defaults name files beside it
+            _anchor_path_defaults(own.data["params"], path.parent)
         for section, name in doc.included:
             if name in own.data[section]:
                 what = "param" if section == "params" else "stage"
@@ -174,6 +176,25 @@ class _Loader:
                     doc.uses_dirs[name] = sub.uses_dirs[name]
         doc.marks.drop(*replaced, *dropped)
         doc.marks.copy_from(sub.marks, *replaced)
+
+
+def _anchor_path_defaults(params: dict[str, Any], folder: Path) -> None:
+    """A ``format: path`` param's default in a recipe another file extends or includes, written
+    relative to the recipe (``../plugins/demo_bug.py:f``), made absolute where it names a file
+    beside it: the merged workflow reads relative paths from the top file's folder, where the
+    recipe's would name nothing (or something else). Names (``smollm2``) and paths that are not
+    there are left as written."""
+    for spec in params.values():
+        default = spec.get("default") if isinstance(spec, dict) and spec.get("format") == "path" else None
+        if not isinstance(default, str) or not default.strip():
+            continue
+        text, sep, attr = default.rpartition(":") if default.rpartition(":")[0].endswith(".py") else \
+            (default, "", "")
+        if os.path.isabs(text) or text.startswith("~"):
+            continue
+        beside = folder / text
+        if beside.exists():
+            spec["default"] = os.path.normpath(str(beside.resolve())) + sep + attr
 
 
 def load_workflow(path: str | Path) -> Workflow:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from llmflow.workflow import WorkflowError, dag, load_workflow, validate_workflo
 from llmflow.workflow.interpolate import InterpolationError, Ref, parse, resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from workflow_helpers import write_workflow  # noqa: E402
+from workflow_helpers import REPO, write_workflow  # noqa: E402
 
 
 def test_marks_for_keys_and_values(tmp_path):
@@ -164,3 +165,26 @@ def test_dag_order_cycle_and_reachability():
     assert dag.find_cycle(needs) is None
     assert dag.find_cycle({"a": ["c"], "b": ["a"], "c": ["b"]}) == ["a", "c", "b", "a"]
     assert dag.find_cycle({"a": ["a"]}) == ["a", "a"]
+
+
+def test_a_recipes_path_defaults_name_files_beside_the_recipe(tmp_path, monkeypatch):
+    """A user's workflow anywhere extending the shipped llama2_bisect: its target_model default,
+    ``../plugins/demo_bug.py:...`` beside the recipe, names the shipped plugin from any current
+    directory; a name (smollm2) stays a name, and the user's own relative default is theirs."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "port.py").write_text("def f(model):\n    pass\n")
+    (mine / "my.yaml").write_text(textwrap.dedent(f"""\
+        name: my-bisect
+        extends: {REPO / "workflows" / "llama2_bisect.yaml"}
+        params:
+          golden_model: {{default: port.py:f}}
+        """))
+    for cwd in (tmp_path, mine, REPO):
+        monkeypatch.chdir(cwd)
+        params = load_workflow(mine / "my.yaml").params
+        demo = f"{REPO / 'plugins' / 'demo_bug.py'}:smollm2_with_planted_bug"
+        assert params["target_model"]["default"] == demo
+        assert params["golden_model"]["default"] == "port.py:f"
+    assert load_workflow(REPO / "workflows" / "llama2_bisect.yaml").params["target_model"]["default"] == \
+        "../plugins/demo_bug.py:smollm2_with_planted_bug"
