@@ -1,7 +1,8 @@
 """Show what a dump holds, or one of its tensors (as Polygraphy's inspect data does).
 
   llmflow inspect DUMP                       steps, ranks and per level: entries, names, kinds
-                                             (exit 1 when the dump is damaged: its problems listed)
+                                             (exit 1 when the dump is damaged, its problems
+                                             listed, or holds nothing)
   llmflow inspect DUMP NAME [--step N] [--index I] [--kind input|output] [--rank R] [--full]
 
 NAME is a module path (``model.layers.3.mlp``), ``logits``, an API name, or a locator from a
@@ -71,6 +72,11 @@ def execute(args: argparse.Namespace) -> int:
         if s["problems"]:  # (as a compare of it never passes)
             verdict_line(False, f"the dump cannot be trusted whole: {len(s['problems'])} problem(s) above; "
                                 f"{s['entries']} entries readable")
+            return EXIT_FAILED
+        if not s["entries"]:  # (what a debugger leaves when it started but no forward ran: as a
+            # compare of it pairs nothing, it never passes)
+            verdict_line(False, "the dump holds no entries: nothing was recorded (no forward pass ran "
+                                "between the debugger's start and stop, or every module was filtered out)")
             return EXIT_FAILED
         verdict_line(True, f"{s['entries']} entries in {len(s['levels'])} levels")
         return EXIT_PASSED

@@ -2,7 +2,8 @@
 CPU): with no embedding call to tell forward passes apart, a folder is one pass (one step) whose
 calls pair by their counters, not one token per linear call; with ``debugger.step()`` after each
 forward, each folder is its token. The scaled weight's linear fails first, in both layouts, and a
-filtered golden compares against an unfiltered target."""
+filtered golden compares against an unfiltered target. A debugger that recorded nothing is no
+dump that inspect passes."""
 
 from __future__ import annotations
 
@@ -54,6 +55,16 @@ for run, bad, only in (("golden", False, ["linear"]), ("bad", True, ["linear"]),
                 ids = torch.cat([ids, logits[:, -1:].argmax(-1)], 1)
             if layout == "one_folder":
                 dbg.stop()
+
+# a debugger started and stopped with no forward pass between
+model = load_model("tiny-llama:layers=2,hidden=64,seed=0").model.eval()
+json.dump({"task": "tensor", "dump_path": "nothing", "rank": [], "step": [], "level": "L1", "seed": 1234,
+           "tensor": {"scope": [], "list": [], "data_mode": ["all"]}}, open("cfg.json", "w"))
+PrecisionDebugger._instance = None
+dbg = PrecisionDebugger(config_path="cfg.json")
+dbg.start(model=model)
+dbg.stop()
+dbg.step()
 """
 
 
@@ -101,3 +112,11 @@ def test_a_filtered_golden_against_an_unfiltered_target_compares_every_linear(du
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert summary["levels"]["api"]["first_fail"]["name"] == BAD_API, summary["levels"]["api"]
     assert "have no target step" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_dump_of_no_forward_pass_is_no_pass_for_inspect(dumps):
+    proc = subprocess.run([sys.executable, "-m", "llmflow", "inspect", str(dumps / "nothing")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": checkout_path(REPO)})
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("FAILED: the dump holds no entries"), proc.stdout
