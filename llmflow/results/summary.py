@@ -51,6 +51,8 @@ class StageSummary:
     outputs: dict[str, Any] = doc("The outputs other stages reference.")
     outcome: StageOutcome | None
     error: str | None = doc("Why it failed or was skipped.")
+    stale: str | None = doc("Why its result, used as it was because --only left the stage out, is not "
+                            "what this run's params and inputs make (null: it is, or it ran).", default=None)
 
 
 @dataclass

@@ -37,6 +37,7 @@ class StageResult:
     started: str | None = None
     finished: str | None = None
     duration_s: float | None = None
+    stale: str | None = None  # why a result left out by --only is not what this run's params make
 
     def to_json(self) -> dict[str, Any]:
         """The stage's entry in summary.json."""
@@ -50,6 +51,7 @@ class StageResult:
             "outputs": self.outputs,
             "outcome": self.outcome,
             "error": self.error,
+            "stale": self.stale,
         }
 
 
@@ -96,9 +98,14 @@ class RunResult:
         if self.failed:
             first = self.failed[0]
             return one_line(f"stage {first.id!r} failed: {first.error} ({tally})")
+        stale = [r.id for r in self.stages.values() if r.stale]
+        # (a result --only left out, made from other params or inputs: said first, where a long
+        # headline cut short cannot lose it)
+        aside = (f"stale results used (--only: run without it to redo them): {', '.join(stale)}; "
+                 if stale else "")
         if self.conclusion is not None:
-            return one_line(self.conclusion.headline)
-        return tally
+            return one_line(aside + self.conclusion.headline)
+        return aside + tally
 
 
 def run_status(stages: dict[str, StageResult], conclusion: Conclusion | None) -> str:

@@ -85,6 +85,7 @@ class _Run:
                 state = st.read_state(self.run_dir / sid)
                 if state is not None:
                     stale = stale_reason(self.checked, sid, self.states, self.run_dir, state)
+                    self.results[sid].stale = stale or None
                     self._use_state(sid, state, "not selected, previous result" + (
                         f"; STALE ({stale}): run without --only to redo it" if stale else ""))
         self.summary.write("running")

@@ -179,5 +179,13 @@ def test_only_says_which_results_it_keeps_are_stale(tmp_path):
     stale = [ln for ln in again.stdout.splitlines() if "STALE (parameters changed: max_new_tokens)" in ln]
     assert {ln.split("] ")[-1].split(":")[0] for ln in stale} == {"dump-golden", "dump-npu"}, again.stdout
     assert all("run without --only to redo it" in ln for ln in stale)
+    # the machine-readable record and the last line say so too: its params are not its results'
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["params"]["max_new_tokens"] == 2
+    assert {sid for sid, st in summary["stages"].items() if st["stale"]} == {"dump-golden", "dump-npu"}
+    assert summary["stages"]["dump-golden"]["stale"] == "parameters changed: max_new_tokens"
+    last = again.stdout.strip().splitlines()[-1]
+    assert last.startswith("PASSED (stale results used (--only: run without it to redo them): dump-golden, "
+                           "dump-npu; "), last
     plan = llmflow("plan", "llama2_bisect", *sets, *only, cwd=tmp_path)
     assert "its result is stale" in plan.stdout, plan.stdout
