@@ -128,18 +128,23 @@ def judging(golden: DumpReader, target: DumpReader, opts: CompareOptions) -> Jud
         given = coarser(opts.target_dtype, quant)
         return JudgedAs(dtype=given, given=given, recorded=None,
                         source="given (--target-dtype / target_dtype)" + quantized)
-    g, t = recorded_dtype(golden), recorded_dtype(target)
-    what = "the model dtype the dumps record"
-    if g is None and t is None:  # (msprobe, msit, ATB dumps): the dtype their outputs are in
-        g, t = outputs_dtype(golden), outputs_dtype(target)
-        what = "the dtype most of each dump's outputs are in (neither records its model's dtype)"
-    model = coarser(coarser(g, t), quant)
+    found: dict[str, str] = {}  # side -> "<dtype> recorded" / "<dtype> in most outputs"
+    dtypes: list[str | None] = []
+    for side, reader in (("golden", golden), ("target", target)):
+        d, how = recorded_dtype(reader), "recorded"
+        if d is None:  # (msprobe, msit, ATB dumps): the dtype most of its outputs are in
+            d, how = outputs_dtype(reader), "in most of its outputs"
+        dtypes.append(d)
+        if d is not None:
+            found[side] = f"{d} {how}"
+    model = coarser(coarser(*dtypes), quant)
     if model is None:
         return JudgedAs(dtype=None, given=None, recorded=None,
                         source="neither dump records its model's dtype")
-    sides = " and ".join(f"{side} {d}" for side, d in (("golden", g), ("target", t)) if d)
+    sides = " and ".join(f"{side} {d}" for side, d in found.items())
     return JudgedAs(dtype=model, given=None, recorded=model,
-                    source=f"{what} ({sides}); a coarser tensor dtype judges its own rows" + quantized)
+                    source=f"the model dtype each dump records, else the dtype most of its outputs are in "
+                           f"({sides}); a coarser tensor dtype judges its own rows" + quantized)
 
 
 def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpReader, out_dir: str | Path,

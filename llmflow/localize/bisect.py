@@ -978,7 +978,7 @@ class _Bisect:
             found = dtype_baseline.unmeasured(
                 dtype, device, failing[0], f"the golden model loads whole only (no safetensors checkpoint to "
                 f"stream), {whole / 2**30:.1f} GiB in {dtype} beside the target", on_target)
-            found.warning = warning
+            found.warning, found.failing_steps = warning, list(failing)
             return found
         spec = {**golden, "dtype": dtype, "device": device}
         self.log(f"bisect: the golden model in {dtype} on {device}, re-run through step {max(failing)}: how "
@@ -994,6 +994,7 @@ class _Bisect:
             self.log(f"bisect: the golden model in {dtype} could not be run: {type(exc).__name__}: {exc}")
             why = f"{type(exc).__name__}: {str(exc)[:200]}"
             found = dtype_baseline.unmeasured(dtype, device, failing[0], why, on_target)
+            found.failing_steps = list(failing)
         found.warning = warning
         self.phase("dtype baseline: the golden model in the target's dtype")
         return found

@@ -765,9 +765,14 @@ def _warning_sentence(measured: DtypeBaseline) -> str:
     if measured.error or not isinstance(measured.target_rel_l2, float):
         return (f"Where the logits warn ({at}), {run} could not tell them from that dtype's own drift"
                 + (f": {measured.error}." if measured.error else "."))
+    figures = (f"relative L2 {measured.target_rel_l2:.3g} against its {measured.baseline_rel_l2:.3g} at step "
+               f"{measured.step}")
+    if not measured.covers:  # (off the target's device: ``_warning_beyond_drift``)
+        return (f"Where the logits warn ({at}), they are further from the golden's than those of {run} "
+                f"({figures}), which ran on another device than the target's: its kernels round otherwise, "
+                "so logits within their thresholds are not held to it.")
     return (f"Where the logits warn ({at}), they are no further from the golden's than those of {run} "
-            f"(relative L2 {measured.target_rel_l2:.3g} against its {measured.baseline_rel_l2:.3g} at step "
-            f"{measured.step}): that dtype's own drift.")
+            f"({figures}): that dtype's own drift.")
 
 
 def _plain_pass(inp: Any, chosen: StepReplay, nothing: str, steps: str, mismatch: int | None, dtype: str,
@@ -950,7 +955,7 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
         # (else: the checks below, then a pass in ``_judge``: the port drifts no further than the
         # golden model itself in its dtype; measured only where none of those checks applies)
         measured = baseline.value if baseline else None
-        entered = _where_rows_fail(inp, bad_token)  # (where the compare saw it: said in place of the
+        entered = _where_rows_fail(inp, bad_token, tried)  # (where the compare saw it: said in place of the
         # places a fault may hide)
         reason = (f"the logits fail the {dtype} thresholds at step {bad_token}, but no module's own error "
                   f"stands out when replayed at {steps}: "
@@ -1053,15 +1058,18 @@ def _unseen_causes(step: int) -> str:
             "spread over many layers")
 
 
-def _where_rows_fail(inp: Any, step: int) -> tuple[str, str | None] | None:
-    """What the compare's first failing row (``compare_first_fail``) says of where the error enters,
-    where it is at or before ``step`` and no module replayed stands out: the logits alone (every
-    module's output before them passes: the model's forward after its last module), or a module or
-    layer whose modules are right on the golden inputs (what it is handed differs). (sentence, what
-    to run next or None); None where the compare says nothing of it."""
+def _where_rows_fail(inp: Any, step: int, tried: list[StepReplay]) -> tuple[str, str | None] | None:
+    """What the compare's first failing row (``compare_first_fail``: a whole compare's, every row
+    paired) says of where the error enters, where it is at or before ``step`` at a step replayed
+    with nothing standing out: the logits alone (every module's output before them passes: the
+    model's forward after its last module), or a module or layer whose modules are right on the
+    golden inputs (what it is handed differs). (sentence, what to run next or None); None where
+    the compare says nothing of it, or of a step not replayed."""
     row = getattr(inp, "compare_first_fail", None) or {}
     name, at = row.get("name"), row.get("step")
     if not isinstance(name, str) or not isinstance(at, int) or at > step:
+        return None
+    if at not in {t.step for t in tried if t.replayed}:
         return None
     if name == "logits" or name.endswith("lm_head"):
         return (f"the compare's first failing row is the {name} at step {at}: every module's output before "
@@ -1091,6 +1099,9 @@ def _warning_beyond_drift(baseline: OnDemand | None) -> DtypeBaseline | None:
     where it could not say."""
     measured = baseline() if baseline is not None else None
     if measured is None or not measured.warning or measured.error or measured.covers:
+        return None
+    if not measured.on_target_device:  # (a target known by its dump: the baseline ran on the golden's
+        # device, whose kernels round otherwise; logits within their thresholds are not held to it)
         return None
     if not isinstance(measured.target_rel_l2, float) or not isinstance(measured.baseline_rel_l2, float):
         return None

@@ -34,6 +34,7 @@ from llmflow.workflow.loader import load_workflow
 from llmflow.workflow.marks import WorkflowError
 from llmflow.workflow.registry import (
     INPUT_PREFIX,
+    is_file_ref,
     listing_hash,
     referenced_code,
     referenced_inputs,
@@ -48,7 +49,7 @@ from llmflow.workflow.state import (
     read_state,
     upstream_unchanged,
 )
-from llmflow.workflow.validate import Checked, SetParams, check, resolve_with
+from llmflow.workflow.validate import Checked, SetParams, check, resolve_with, unset_env
 
 
 @dataclass
@@ -110,7 +111,8 @@ def stage_key(checked: Checked, sid: str, states: dict[str, StageState], run_dir
     writes_to = getattr(checked.classes[sid], "writes_to", ())
     typed: dict[str, str] = {}
     inputs = referenced_inputs(params, dirs, run_dir, writes_to, checked.order, typed, cwd=Path.cwd(),
-                               schema=getattr(checked.classes[sid], "params_schema", None))
+                               schema=getattr(checked.classes[sid], "params_schema", None),
+                               any_word=is_file_ref(spec.uses))
     code = {**referenced_code(params, [*dirs, Path.cwd()]), **inputs}
     upstream = {d: states[d].fingerprint for d in spec.needs}
     contents = {d: states[d].content or "" for d in spec.needs if states[d].content}
@@ -249,7 +251,11 @@ def previous_failures(run_dir: Path) -> set[str]:
 
 
 def missing_upstream(checked: Checked, sel: Selection, run_dir: Path) -> None:
-    """``--only``: every stage a selected one needs must be selected or have a completed result."""
+    """``--only``: every stage a selected one needs must be selected or have a completed result;
+    and no selected stage names an unset environment variable (``unset_env``)."""
+    unset = unset_env(checked.workflow, [sid for sid in checked.order if sid in sel.selected])
+    if unset:
+        raise WorkflowError(unset)
     for sid in checked.order:
         if sid not in sel.selected:
             continue

@@ -72,18 +72,38 @@ def _schema_checked(cls: type[Stage], uses: str) -> type[Stage]:
     schema = getattr(cls, "params_schema", None)
     if not isinstance(schema, dict):
         raise UserError(f"{uses}: params_schema is not a mapping (a JSON Schema object), got {schema!r:.80}")
+    plain = _as_json(schema)  # (a tuple is a list to JSON: ``"type": ("string", "null")`` is valid)
     meta = jsonschema.Draft7Validator(jsonschema.Draft7Validator.META_SCHEMA,
                                       format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER)
-    bad = next(iter(sorted(meta.iter_errors(schema), key=lambda e: list(map(str, e.absolute_path)))), None)
+    bad = next(iter(sorted(meta.iter_errors(plain), key=lambda e: list(map(str, e.absolute_path)))), None)
     if bad is not None:
         where = ".".join(map(str, bad.absolute_path)) or "the schema itself"
         raise UserError(f"{uses}: params_schema is not a valid JSON Schema at {where}: {bad.message}")
-    for name, prop in (schema.get("properties") or {}).items():
-        if isinstance(prop, dict) and "default" in prop:
-            wrong = next(iter(jsonschema.Draft7Validator(prop).iter_errors(prop["default"])), None)
-            if wrong is not None:
-                raise UserError(f"{uses}: params_schema.properties.{name}.default: {wrong.message}")
+    props = plain.get("properties") if isinstance(plain.get("properties"), dict) else {}
+    # the defaults given (a None default: "not given", as Stage.params fills it) checked against the
+    # whole schema, so a ``$ref`` resolves; only errors at a default's own parameter count
+    defaults = {name: prop["default"] for name, prop in props.items()
+                if isinstance(prop, dict) and prop.get("default") is not None}
+    try:
+        wrong = next((e for e in jsonschema.Draft7Validator(plain).iter_errors(defaults)
+                      if e.absolute_path and e.absolute_path[0] in defaults), None)
+    except jsonschema.exceptions.SchemaError:
+        wrong = None
+    except Exception as exc:  # (a reference that resolves nowhere): said, not a traceback
+        raise UserError(f"{uses}: params_schema cannot be applied to its defaults: "
+                        f"{type(exc).__name__}: {exc}") from None
+    if wrong is not None:
+        raise UserError(f"{uses}: params_schema.properties.{wrong.absolute_path[0]}.default: {wrong.message}")
     return cls
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` with tuples as lists, as JSON would read it back."""
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_json(v) for v in value]
+    return value
 
 
 def load_registered() -> tuple[dict[str, type[Stage]], dict[str, str]]:
@@ -139,7 +159,8 @@ INPUT_PREFIX = "input:"
 
 def referenced_inputs(params: Any, dirs: Iterable[Path], run_dir: Path, writes_to: Iterable[str] = (),
                       stages: Iterable[str] = (), typed: dict[str, str] | None = None,
-                      cwd: Path | None = None, schema: dict[str, Any] | None = None) -> dict[str, str]:
+                      cwd: Path | None = None, schema: dict[str, Any] | None = None,
+                      any_word: bool = False) -> dict[str, str]:
     """``input:<path>`` -> a hash of the name, size and modification time of every file at each
     parameter string that names an existing file or folder (a dump, a checkpoint, a mapping file),
     found as ``referenced_code`` finds code: a dump written again in place changes the stage's
@@ -152,22 +173,26 @@ def referenced_inputs(params: Any, dirs: Iterable[Path], run_dir: Path, writes_t
     when given, gets each key's path as the parameter spells it, for messages.
 
     A string is looked up in ``dirs`` (the workflow's folders), then in ``cwd`` only where it is
-    written as a path (a separator, a leading ``.`` or ``~``, a suffix): a bare word (``cpu``,
-    ``all``, ``module``) is a value, and a folder of that name where the user happens to run from
-    must not change the stage's key. Nor is a value the stage's ``schema`` enumerates for its
+    written as a path (a separator, a leading ``.`` or ``~``, a suffix): the built-in stages read a
+    relative path from the workflow's folder, so a bare word (``cpu``, ``all``, ``module``) is a
+    value to them, and a folder of that name where the user happens to run from must not change
+    the stage's key. ``any_word``: every string in ``cwd`` too (a plugin's stage may open a bare
+    name from the current directory). Nor is a value the stage's ``schema`` enumerates for its
     parameter (``mode: module``) an input, wherever a folder of that name lies."""
     out: dict[str, str] = {}
     dirs = list(dirs)
     inside = run_dir.resolve()
     own = [inside / sid for sid in stages]
     destinations = set(writes_to)
-    props = (schema or {}).get("properties") or {}
+    props = (schema or {}).get("properties")
+    props = props if isinstance(props, dict) else {}
     for at, text in strings(params):
         if (at and at[0] in destinations) or not text or "\n" in text or len(text) > 4096:
             continue
-        if is_file_ref(text) or (at and text in ((props.get(at[0]) or {}).get("enum") or ())):
+        prop = props.get(at[0]) if at else None
+        if is_file_ref(text) or (isinstance(prop, dict) and text in (prop.get("enum") or ())):
             continue
-        for base in dirs + ([cwd] if cwd is not None and _written_as_path(text) else []):
+        for base in dirs + ([cwd] if cwd is not None and (any_word or _written_as_path(text)) else []):
             path = Path(text) if os.path.isabs(text) else base / text
             try:
                 if not path.exists():

@@ -342,7 +342,6 @@ def check(
     _check_params(wf, set_params, checked)
     if runtime:
         _check_paths(wf, checked)
-        _check_env(wf, checked)
         for name in wf.params:
             if name not in checked.params:
                 checked.errors.append(
@@ -357,10 +356,13 @@ def check(
     return checked
 
 
-def _check_env(wf: Workflow, checked: Checked) -> None:
-    """Every ``${env.NAME}`` without a default names a variable that is set: found now, not by
-    its stage after the stages before it ran (a golden dump takes hours)."""
-    for sid, st in wf.stages.items():
+def unset_env(wf: Workflow, stage_ids: Iterable[str]) -> list[ValidationError]:
+    """Each ``${env.NAME}`` without a default, in the parameters of the stages ``stage_ids`` (those
+    a run will run), whose variable is not set: found before the run starts, not by its stage
+    after the stages before it ran (a golden dump takes hours)."""
+    errors: list[ValidationError] = []
+    for sid in stage_ids:
+        st = wf.stages[sid]
         for rel, text in strings(st.with_):
             if not has_refs(text):
                 continue
@@ -370,9 +372,10 @@ def _check_env(wf: Workflow, checked: Checked) -> None:
                 continue  # (reported by _check_refs)
             for ref in refs:
                 if ref.default is None and ref.name not in os.environ:
-                    checked.errors.append(ValidationError(
+                    errors.append(ValidationError(
                         f"{ref.text}: environment variable {ref.name!r} is not set (give a default: "
                         f"${{env.{ref.name}:-VALUE}})", wf.mark("stages", sid, "with", *rel)))
+    return errors
 
 
 def _env_refs(wf: Workflow) -> list[tuple[str, str | None]]:

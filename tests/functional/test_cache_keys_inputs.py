@@ -69,8 +69,8 @@ def _stage_line(proc, stage: str) -> str:
 
 def test_folders_named_like_parameter_values_leave_the_cache_alone(tmp_path):
     """A folder named as a parameter's value (``cpu``, ``all``, ``local``) where the user runs from,
-    or one of the values the stage enumerates (``executor: local``, ``kl: logits``) beside the
-    workflow, is not read as an input: the dumps compared before stay cached."""
+    or a value the stage enumerates (``executor: local``) beside the workflow, is not read as an
+    input: the dumps compared before stay cached."""
     work = tmp_path / "work"
     work.mkdir()
     wf = work / "wf.yaml"

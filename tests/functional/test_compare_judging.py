@@ -57,7 +57,8 @@ def test_bf16_logits_are_judged_at_the_model_dtype(tmp_path: Path, dumps, capsys
     rc, _, summary, logits = compare(tmp_path, dumps["fp32"], dumps["bf16"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "judged at bfloat16: the model dtype the dumps record (golden float32 and target bfloat16)" in out
+    assert ("judged at bfloat16: the model dtype each dump records, else the dtype most of its outputs are "
+            "in (golden float32 recorded and target bfloat16 recorded)") in out
     assert summary["judged_as"]["dtype"] == "bfloat16" and summary["judged_as"]["recorded"] == "bfloat16"
     # the logits are stored upcast (float32 on both sides), yet judged at bf16
     assert logits[0]["target_dtype"] == "float32" and logits[0]["verdict"] == "pass"

@@ -206,6 +206,21 @@ def test_a_plugin_schema_with_a_typo_is_one_line_naming_it(tmp_path, schema, say
     assert not (tmp_path / "run" / "s").exists()
 
 
+@pytest.mark.parametrize("schema", [
+    '{"type": "object", "properties": {"size": {"type": ("integer", "null"), "default": 1}}}',
+    '{"type": "object", "definitions": {"n": {"type": "integer"}}, '
+    '"properties": {"size": {"$ref": "#/definitions/n", "default": 2}}}',
+    '{"type": "object", "properties": {"size": True, "label": {"type": "string", "default": None}}}',
+])
+def test_a_plugin_schema_json_schema_allows_is_taken(tmp_path, schema):
+    """Tuples (as Python writes an array), a ``$ref`` to the schema's definitions, a property schema
+    of ``true`` and a None default: valid, validated and run."""
+    wf = _plugin_workflow(tmp_path, schema=schema, size=3)
+    assert llmflow("validate", str(wf), "--trust-plugins").returncode == 0
+    proc = llmflow("run", str(wf), "--run-dir", str(tmp_path / "run"))
+    assert "s: done" in proc.stdout, proc.stdout + proc.stderr  # (t, a seed, is given s's file: not this)
+
+
 def test_a_trusted_plugin_that_exits_at_import(tmp_path):
     (tmp_path / "bye.py").write_text("import sys\nsys.exit(3)\n")
     wf = write_workflow(tmp_path, "name: p\nstages:\n  s: {uses: bye.py:Gone}\n")

@@ -269,3 +269,13 @@ def test_warning_logits_never_hide_a_module_standing_out():
     v = _warning(_baseline(False, step=0), tried=[replay(0, bad={"model.layers.2.mlp.down_proj": 0.2}),
                                                  replay(1)])
     assert v.status == "fail" and v.first_bad_module == "model.layers.2.mlp.down_proj"
+
+
+def test_warning_logits_beyond_a_baseline_run_off_the_targets_device_stay_a_pass():
+    """A target known by its dump (another device's kernels): logits within their thresholds are not
+    held to the golden model's drift on the golden's device; the figures are said."""
+    measured = _baseline(False, step=0)
+    measured.on_target_device = False
+    v = _warning(measured)
+    assert v.status == "pass" and v.inconclusive is None, v.headline
+    assert "which ran on another device than the target's" in v.diagnosis, v.diagnosis

@@ -127,6 +127,8 @@ def test_an_unset_env_reference_of_a_later_stage_stops_the_run_before_the_first(
     with pytest.raises(WorkflowError, match="'ENGINE_TEST_Z' is not set"):
         run_workflow(wf, run_dir=tmp_path / "r")
     assert not (tmp_path / "r" / "a").exists()
+    # a run of stage a alone (--only a) needs no variable of b's
+    assert run_workflow(wf, run_dir=tmp_path / "r", only=["a"]).stages["a"].status == "done"
 
 
 def test_escape_and_path_outputs(tmp_path):
