@@ -978,14 +978,24 @@ class _Bisect:
             found = dtype_baseline.unmeasured(
                 dtype, device, failing[0], f"the golden model loads whole only (no safetensors checkpoint to "
                 f"stream), {whole / 2**30:.1f} GiB in {dtype} beside the target", on_target)
-            found.warning, found.failing_steps = warning, list(failing)
-            return found
-        spec = {**golden, "dtype": dtype, "device": device}
+        else:
+            found = self._measure_baseline(rows, failing, judged, forced, dtype, device, on_target)
+            self.phase("dtype baseline: the golden model in the target's dtype")
+        found.warning, found.failing_steps = warning, found.failing_steps or list(failing)
+        return found
+
+    def _measure_baseline(self, rows: list[TokenRow], failing: list[int], judged: str,
+                          forced: TeacherForced | None, dtype: str, device: str,
+                          on_target: bool) -> DtypeBaseline:
+        """The golden model loaded in ``dtype`` on ``device`` and re-run (``dtype_baseline.measure``);
+        unmeasured, saying why, where it cannot be loaded or run there."""
+        inp = self.inp
+        spec = {**inp.golden_spec, "dtype": dtype, "device": device}
         self.log(f"bisect: the golden model in {dtype} on {device}, re-run through step {max(failing)}: how "
                  "far that dtype alone takes the logits")
         try:
             model = _load_streamed(spec, inp.layers) if self.golden_streamed else _load(spec)
-            found = dtype_baseline.measure(
+            return dtype_baseline.measure(
                 self.golden_dump, self.target_logits(rows, forced), model, prompt_ids=inp.prompt_ids,
                 golden_ids=inp.golden_ids, failing=failing, dtype=dtype, device=device,
                 judge_dtype=judged, thresholds=inp.thresholds, on_target_device=on_target)
@@ -993,11 +1003,7 @@ class _Bisect:
             # for it, a golden that loads in no other dtype); a fault of llmflow's own is not hidden
             self.log(f"bisect: the golden model in {dtype} could not be run: {type(exc).__name__}: {exc}")
             why = f"{type(exc).__name__}: {str(exc)[:200]}"
-            found = dtype_baseline.unmeasured(dtype, device, failing[0], why, on_target)
-            found.failing_steps = list(failing)
-        found.warning = warning
-        self.phase("dtype baseline: the golden model in the target's dtype")
-        return found
+            return dtype_baseline.unmeasured(dtype, device, failing[0], why, on_target)
 
 
 def _same_device(a: str, b: str) -> bool:

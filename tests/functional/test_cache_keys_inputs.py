@@ -17,11 +17,15 @@ from workflow_helpers import REPO, llmflow  # noqa: E402
 COMPARE_DUMPS = REPO / "workflows" / "compare_dumps.yaml"
 
 
-def _align(proc) -> str:
-    """The line the reporter printed for stage align (``align: cached``, ``align: running (...)``)."""
-    found = re.findall(r"align: (cached|running.*)", proc.stdout)
+def _stage_line(proc, stage: str) -> str:
+    """What the reporter printed for ``stage`` (``align: cached``, ``align: running (...)``)."""
+    found = re.findall(rf"{stage}: (cached|running.*)", proc.stdout)
     assert found, proc.stdout + proc.stderr
     return found[0]
+
+
+def _align(proc) -> str:
+    return _stage_line(proc, "align")
 
 
 def test_a_dump_replaced_inside_an_adopted_run_dir_is_compared_again(tmp_path):
@@ -59,12 +63,6 @@ def test_the_same_command_from_another_directory_reuses_the_cache(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         seen.append(_align(proc))
     assert seen == ["running (new)", "cached", "cached", "cached"]
-
-
-def _stage_line(proc, stage: str) -> str:
-    found = re.findall(rf"{stage}: (cached|running.*)", proc.stdout)
-    assert found, proc.stdout + proc.stderr
-    return found[0]
 
 
 def test_folders_named_like_parameter_values_leave_the_cache_alone(tmp_path):
