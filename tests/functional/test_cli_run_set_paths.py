@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compare_helpers import as_dump  # noqa: E402
-from workflow_helpers import assert_bad_input, llmflow  # noqa: E402
+from workflow_helpers import REPO, assert_bad_input, llmflow  # noqa: E402
 
 from llmflow.workflow.validate import path_from_current_dir  # noqa: E402
 
@@ -189,3 +189,17 @@ def test_only_says_which_results_it_keeps_are_stale(tmp_path):
                            "dump-npu; "), last
     plan = llmflow("plan", "llama2_bisect", *sets, *only, cwd=tmp_path)
     assert "its result is stale" in plan.stdout, plan.stdout
+
+
+def test_a_workflow_extending_the_shipped_recipe_from_elsewhere_plans(tmp_path):
+    """The recipes README's way: my.yaml in a folder of the user's, extending llama2_bisect, whose
+    target_model default names ../plugins/demo_bug.py beside the recipe: planned from that folder
+    and from another alike."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "my.yaml").write_text(f"name: my-bisect\nextends: {REPO / 'workflows' / 'llama2_bisect.yaml'}\n"
+                                  "params:\n  max_new_tokens: {default: 4}\n", encoding="utf-8")
+    for cwd in (mine, tmp_path):
+        proc = llmflow("plan", str(mine / "my.yaml"), "--run-dir", str(tmp_path / "run"), cwd=cwd)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.strip().splitlines()[-1].startswith("PASSED"), proc.stdout
