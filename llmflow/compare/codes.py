@@ -18,6 +18,10 @@ threshold_fail            fail        a metric is beyond its fail limit
 error_jump                fail        beyond a warn limit, and the error is ``jump_ratio`` times
                                       the same module's in the previous layer or more
                                       (``llmflow.compare.jumps``)
+checksum_differs          fail        both sides recorded a CRC-32 of the tensor's bytes
+                                      (msprobe ``summary_mode: md5``, llmflow ``crc32``) and
+                                      they differ: asked for bitwise identity, whatever the
+                                      statistics say
 dtype_mismatch            warn        integer data on one side, floating on the other
 nan_inf_shared            warn        NaN/Inf on the golden side too (not the target's doing)
 empty_tensor              warn        both sides hold zero elements: nothing to compare
@@ -45,6 +49,7 @@ class Code(str, Enum):
     NAN_INF = "nan_inf"
     THRESHOLD_FAIL = "threshold_fail"
     ERROR_JUMP = "error_jump"
+    CHECKSUM_DIFFERS = "checksum_differs"
     DTYPE_MISMATCH = "dtype_mismatch"
     NAN_INF_SHARED = "nan_inf_shared"
     EMPTY_TENSOR = "empty_tensor"
@@ -62,9 +67,9 @@ SEVERITY: tuple[Code, ...] = tuple(Code)  # declaration order: worst first
 VERDICT: dict[Code, str] = {
     Code.LOAD_ERROR: "fail", Code.SHAPE_MISMATCH: "fail", Code.STATS_MISSING: "fail",
     Code.NO_FINITE: "fail", Code.NAN_INF: "fail", Code.THRESHOLD_FAIL: "fail",
-    Code.ERROR_JUMP: "fail",
+    Code.ERROR_JUMP: "fail", Code.CHECKSUM_DIFFERS: "fail",
     Code.DTYPE_MISMATCH: "warn", Code.NAN_INF_SHARED: "warn", Code.EMPTY_TENSOR: "warn",
-    Code.ROUTING_MISMATCH: "warn",    Code.THRESHOLD_WARN: "warn", Code.OK: "pass",
+    Code.ROUTING_MISMATCH: "warn", Code.THRESHOLD_WARN: "warn", Code.OK: "pass",
     Code.UNMATCHED_GOLDEN: "unmatched", Code.UNMATCHED_TARGET: "unmatched",
 }
 VERDICTS = ("pass", "warn", "fail", "unmatched")

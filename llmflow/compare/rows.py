@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from llmflow.compare.algorithms import load_algorithms, run_algorithm
-from llmflow.compare.codes import Code
+from llmflow.compare.codes import RANK_OF_VALUE, Code
 from llmflow.compare.mappings import REPLICATED, SUM
 from llmflow.compare.match import Pair
 from llmflow.compare.metrics import compare_tensors, judge
@@ -247,6 +247,10 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
                    tripped=",".join(f"{m}={lv}" for m, lv in j.tripped.items()))
         if ranks_said is not None and j.verdict != "pass":
             row["reason"] = f"{ranks_said}; {row['reason']}"
+        differs = _checksums_differ(p) if use_stats else None
+        if differs and RANK_OF_VALUE[j.code] > RANK_OF_VALUE[Code.CHECKSUM_DIFFERS.value]:
+            row.update(verdict="fail", code=Code.CHECKSUM_DIFFERS.value,
+                       reason="; ".join(r for r in (differs, row["reason"]) if r))
         if dtype == "integer" and j.code == Code.THRESHOLD_FAIL.value and _routing_indices(p):
             _as_routing(row)
     except LoadFailed as exc:  # a corrupt tensor file must not stop a 100k-row compare
@@ -254,6 +258,24 @@ def compute_row(job: Job, p: Pair) -> dict[str, Any]:
     except Exception as exc:
         row.update(verdict="fail", code=Code.LOAD_ERROR.value, reason=f"error: {type(exc).__name__}: {exc}")
     return row
+
+
+def _checksums_differ(p: Pair) -> str | None:
+    """Why a statistics row fails bitwise, or None: both sides recorded a CRC-32 of the tensor's
+    bytes (msprobe ``summary_mode: md5``, llmflow ``crc32``) for one tensor of the same dtype and
+    shape, and they differ. Statistics within tolerance do not make such a pair pass: a dump taken
+    with checksums asks whether the bytes are identical (a rerun, a refactor, a determinism
+    check). A pair the checksums cannot speak for (other dtypes, a joined or summed target) is
+    judged by its statistics alone."""
+    if len(p.targets) != 1 or p.merge:
+        return None
+    g, t = p.golden, p.targets[0]
+    if g is None or g.dtype != t.dtype or g.shape != t.shape:
+        return None
+    g_crc, t_crc = g.extra.get("crc32"), t.extra.get("crc32")
+    if not isinstance(g_crc, int) or not isinstance(t_crc, int) or g_crc == t_crc:
+        return None
+    return f"CRC-32 differs (golden {g_crc:08x}, target {t_crc:08x}): the bytes are not identical"
 
 
 def _joined_target(job: Job, p: Pair, g: torch.Tensor, row: dict[str, Any]

@@ -54,6 +54,9 @@ and min (read as 1 and 0); peers write ``"nan"``/``"inf"`` strings (read as NaN/
 tensor's statistics, compared as such). ``null`` or another string is "not available": the
 statistic is left out of the entry, and the compare judges what both sides have. A tensor value
 with no statistic and no data file cannot be compared: it is listed in ``problems()``.
+``summary_mode: md5`` adds ``"md5"``: a CRC-32 of the tensor's bytes (8 hex digits, msprobe's name
+for it), read into ``extra["crc32"]`` as llmflow's own ``crc32`` dumps record it; where both sides
+of a statistics row have one, the compare asks for bitwise identity (``checksum_differs``).
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ _MODULE = re.compile(
     r"^(?:Module|Cell)\.(?:(?P<path>.+)\.)?(?P<cls>[^.]+)\.(?P<dir>forward|backward)\.(?P<k>\d+)$"
 )
 _API = re.compile(r"^(?P<group>[A-Za-z_]\w*)\.(?P<api>.+)\.(?P<k>\d+)\.(?P<dir>forward|backward)$")
+_CRC32 = re.compile(r"^[0-9a-fA-F]{8}$")
 _STAT_KEYS = (("Max", "max"), ("Min", "min"), ("Mean", "mean"), ("Norm", "norm"))
 
 
@@ -481,6 +485,9 @@ class MsprobeDumpReader(DumpReader):
             e.shape = check_shape(value["shape"], folder / DUMP_FILE)
             stats = {ours: v for k, ours in _STAT_KEYS if (v := statistic(value.get(k))) is not None}
             e.stats = stats or None
+            crc = value.get("md5")  # ``summary_mode: md5``: a CRC-32 of the tensor's bytes, 8 hex digits
+            if isinstance(crc, str) and _CRC32.match(crc):
+                e.extra["crc32"] = int(crc, 16)  # (the int llmflow's own ``crc32`` dumps record)
             data_name = value.get("data_name")
             e.has_data = isinstance(data_name, str) and self._whole(folder, files, data_name)
             if isinstance(data_name, str) and not e.has_data:
