@@ -66,7 +66,8 @@ class DumpConfig:
         "tensor", "'tensor' (full tensors) or 'statistics' (dtype, shape, min/max/mean/norm, NaN/Inf "
         "counts; no tensor data).", {"type": "string", "enum": ["tensor", "statistics"]})
     crc32: bool = setting(False, "In statistics mode also record a CRC32 of each tensor's bytes (costs a "
-                                 "copy of each).", {"type": "boolean"})
+                                 "copy of each); a compare of two such dumps then asks for bitwise identity "
+                                 "(a differing CRC32 fails its row).", {"type": "boolean"})
     max_bytes: int | None = setting(
         None, "Stop dumping (with a warning; the dump stays readable and says it was cut short) once this "
         "many bytes of tensor data have been captured; None = no limit.",
