@@ -109,6 +109,22 @@ def flag_names(cls: type) -> dict[str, str]:
     return {f.name: "/".join(f.metadata["flags"]) for f in declared(cls) if f.metadata["flags"]}
 
 
+def bounded(kind: type, minimum: float | None = None, maximum: float | None = None) -> Any:
+    """An argparse ``type`` that parses ``kind`` and refuses a value outside [minimum, maximum]
+    as a usage error (``--workers 0`` would otherwise run with no worker, or be read as "all")."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)  # (a ValueError reads as argparse's own "invalid int value: 'x'")
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum:g} (got {text})")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:g} (got {text})")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def json_type(schema: dict[str, Any]) -> str:
     """The schema's type other than null (``["integer", "null"]`` -> ``"integer"``)."""
     types = schema.get("type", "string")
@@ -129,6 +145,8 @@ def _argparse_kwargs(f: Field) -> dict[str, Any]:
         kwargs["type"] = _PY_TYPES.get(json_type(schema.get("items", {})), str)
     else:
         kwargs["type"] = _PY_TYPES.get(kind, str)
+        if kind in ("integer", "number") and ("minimum" in schema or "maximum" in schema):
+            kwargs["type"] = bounded(kwargs["type"], schema.get("minimum"), schema.get("maximum"))
     if "enum" in schema:
         kwargs["choices"] = [v for v in schema["enum"] if v is not None]
     if f.metadata["metavar"]:

@@ -37,6 +37,7 @@ import sys
 from llmflow.cli.common import add_workflow_args, verdict_line
 from llmflow.cli.plan import add_selection_args, print_plan
 from llmflow.errors import one_line
+from llmflow.options import bounded
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=bounded(int, minimum=1),
         default=1,
         metavar="N",
         help="run up to N independent stages at once (default 1)",

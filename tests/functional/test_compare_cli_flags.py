@@ -179,3 +179,17 @@ def test_the_progress_bar_is_up_from_the_start(tmp_path):
     assert 0 <= out.index("reading indexes") < out.index("pairing") < out.index("compare ")
     assert "2/2" in out  # the indexes bar counts the two dumps
     assert out.strip().splitlines()[-1].startswith("PASSED")
+
+
+@pytest.mark.parametrize("command", ["compare", "run"])
+@pytest.mark.parametrize("given", ["0", "-2", "two"])
+def test_workers_below_one_or_not_a_number_are_bad_input(tmp_path, command, given):
+    """``--workers 0`` would run nothing (or read as "all" somewhere else): refused before any work."""
+    g = as_dump(tmp_path, "g", steps=[0])
+    args = (["compare", "-gp", "g", "-mp", "g", "-o", "out"] if command == "compare"
+            else ["run", str(REPO / "workflows" / "llama2_bisect.yaml"), "--run-dir", "out"])
+    done = llmflow(*args, "--workers", given, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    why = "invalid int value: 'two'" if given == "two" else f"must be at least 1 (got {given})"
+    assert done.stdout.strip().splitlines()[-1] == f"FAILED: llmflow {command}: argument --workers: {why}"
+    assert not (tmp_path / "out").exists() and g.is_dir()
