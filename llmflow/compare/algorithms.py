@@ -13,14 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from llmflow.errors import UserError
 from llmflow.plugins import is_file_ref, load_file_ref, load_plugin
 
-Algorithm = Callable[[torch.Tensor, torch.Tensor], Any]
+if TYPE_CHECKING:  # (torch is imported where an algorithm runs: validate names columns without it)
+    import torch
+
+Algorithm = Callable[["torch.Tensor", "torch.Tensor"], Any]
 
 
 def algorithm_name(ref: str) -> str:
@@ -44,6 +45,8 @@ def load_algorithms(refs: Sequence[str], base_dir: str | Path = ".") -> dict[str
 
 def run_algorithm(name: str, func: Algorithm, golden: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
     """``{name: value, name_message: message}``; errors become the message, value NaN."""
+    import torch
+
     try:
         result = func(golden, target)
         value, message = result if isinstance(result, tuple) and len(result) == 2 else (result, "")

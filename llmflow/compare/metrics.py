@@ -47,9 +47,8 @@ import torch
 
 from llmflow.compare import kernels
 from llmflow.compare.codes import Code
+from llmflow.compare.columns import COUNT_COLUMNS, METRIC_COLUMNS, SIDE_COLUMNS, STAT_COLUMNS, known_metrics
 from llmflow.compare.statistics import (
-    SIDE_COLUMNS,
-    STAT_COLUMNS,
     compare_stats,
     put_sides,
     side_stats,
@@ -67,21 +66,9 @@ _FUSABLE = (*kernels.KERNEL_DTYPES, torch.float16)  # fp16 through a float32 buf
 _CONVERT_SPAN = 8 * kernels.FUSED_CHUNK  # fp16 elements per kernel call: 2 MiB fp32 buffers
 _scratch = threading.local()
 
-METRIC_COLUMNS = (
-    "cosine_similarity", "max_relative_error", "mean_relative_error", "max_absolute_error",
-    "mean_absolute_error", "kl_divergence", "relative_euclidean_distance", "rmse",
-    "one_thousandth_err_ratio", "five_thousandths_err_ratio",
-)
-COUNT_COLUMNS = ("golden_nan", "golden_inf", "target_nan", "target_inf")
 COLUMNS = (METRIC_COLUMNS + SIDE_COLUMNS + COUNT_COLUMNS
            + ("numel", "shape_mismatch", "dtype_mismatch", "code", "reason"))
 _OK = Code.OK.value
-
-
-def known_metrics(algorithms: tuple[str, ...] | list[str] = ()) -> list[str]:
-    """The columns a thresholds mapping may name: the metrics, the statistics-only differences
-    and the custom algorithms' columns."""
-    return [*METRIC_COLUMNS, *STAT_COLUMNS, *algorithms]
 
 
 _NAN_ROW = dict.fromkeys(METRIC_COLUMNS + SIDE_COLUMNS, math.nan)

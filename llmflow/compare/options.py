@@ -11,8 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmflow.compare.jumps import JUMP_RATIO
+from llmflow.compare.algorithms import algorithm_name
+from llmflow.compare.columns import known_metrics
+from llmflow.compare.jumps import JUMP_RATIO, check_jump_ratio
 from llmflow.compare.levels import LEVELS
+from llmflow.compare.thresholds import check_dtype_name, check_thresholds, limited_metrics
+from llmflow.errors import UserError
 from llmflow.options import option
 
 KL_CHOICES = ("all", "logits")  # rows that get the KL divergence: every one, or the logits rows only
@@ -100,3 +104,32 @@ class CompareOptions:
         # an empty string means none: a workflow parameter's empty default ("mapping: ''")
         self.mapping = self.mapping or None
         self.target_dtype = self.target_dtype or None
+
+
+def check_values(opts: CompareOptions, flags: dict[str, str] | None = None) -> list[str]:
+    """Refuse bad option values (UserError naming the field) without loading anything: levels,
+    the target dtype's name, the thresholds against the metric columns (the custom algorithms'
+    named from their references), kl and jump_ratio. ``flags`` renames fields in messages
+    (``{"target_dtype": "--target-dtype"}``). ``llmflow validate`` and ``run`` call it on a
+    workflow's literal values before any stage runs; the compare calls it again on the final
+    ones. Returns the algorithms' column names."""
+    flags = flags or {}
+    for lv in opts.levels or ():
+        if lv not in LEVELS:
+            raise UserError(f"{flags.get('levels', 'compare: levels')}: unknown level {lv!r} "
+                            f"(known: {', '.join(LEVELS)})")
+    if opts.target_dtype:
+        where = flags.get("target_dtype", "compare: target_dtype")
+        opts.target_dtype = check_dtype_name(opts.target_dtype, where)
+    names = [algorithm_name(a) for a in opts.algorithms]
+    check_thresholds(opts.thresholds, known_metrics(names), flags.get("thresholds", "thresholds"))
+    if opts.kl not in KL_CHOICES:
+        raise UserError(f"{flags.get('kl', 'compare: kl')}: expected one of {', '.join(KL_CHOICES)}, "
+                        f"got {opts.kl!r}")
+    if opts.kl == "logits" and "kl_divergence" in limited_metrics(opts.thresholds):
+        kl = flags.get("kl", "kl")
+        raise UserError(f"{flags.get('thresholds', 'thresholds')}: kl_divergence limits judge every row, "
+                        f"but {kl} logits leaves the KL of every row but the logits empty: use {kl} all, "
+                        "or drop the kl_divergence limits")
+    opts.jump_ratio = check_jump_ratio(opts.jump_ratio, flags.get("jump_ratio", "compare: jump_ratio"))
+    return names

@@ -21,6 +21,7 @@ import torch
 
 from llmflow.compare.algorithms import load_algorithms, run_algorithm
 from llmflow.compare.codes import RANK_OF_VALUE, Code
+from llmflow.compare.columns import STATS
 from llmflow.compare.mappings import REPLICATED, SUM
 from llmflow.compare.match import Pair
 from llmflow.compare.metrics import compare_tensors, judge
@@ -37,7 +38,7 @@ from llmflow.compare.shards import (
     unreduced,
     worst_copy_note,
 )
-from llmflow.compare.statistics import STATS, compare_stats, side_stats
+from llmflow.compare.statistics import compare_stats, side_stats
 from llmflow.compare.thresholds import coarser
 from llmflow.dtypes import dtype_class
 from llmflow.formats import locator, locator_prefix

@@ -18,20 +18,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmflow.compare.algorithms import algorithm_name, load_algorithms
+from llmflow.compare.algorithms import load_algorithms
 from llmflow.compare.align import align_dumps, steps_text
 from llmflow.compare.completeness import assess
 from llmflow.compare.divergence import different_inputs, divergence, divergence_in_dumps, is_diverged
 from llmflow.compare.engine import execute
-from llmflow.compare.jumps import JumpJudge, check_jump_ratio
+from llmflow.compare.jumps import JumpJudge
 from llmflow.compare.match import LEVELS
-from llmflow.compare.metrics import known_metrics
-from llmflow.compare.options import KL_CHOICES, CompareOptions
+from llmflow.compare.options import CompareOptions, check_values
 from llmflow.compare.pairing import plan_pairs
 from llmflow.compare.rows import Job
 from llmflow.compare.sheets import level_columns, write_sheets
 from llmflow.compare.summary import SummaryBuilder, report_lines
-from llmflow.compare.thresholds import check_dtype_name, check_thresholds, coarser, limited_metrics
+from llmflow.compare.thresholds import coarser
 from llmflow.dtypes import QUANTIZATION_DTYPES, dtype_class, dtype_name
 from llmflow.errors import UserError
 from llmflow.formats import DumpReader, open_dump
@@ -52,27 +51,8 @@ def output_names() -> list[str]:
 def check_options(opts: CompareOptions, flags: dict[str, str] | None = None) -> list[str]:
     """Refuse bad options before any work (UserError naming the field); the algorithms' column
     names. ``flags`` renames fields in messages (``{"target_dtype": "--target-dtype"}``)."""
-    flags = flags or {}
-    for lv in opts.levels or ():
-        if lv not in LEVELS:
-            raise UserError(f"{flags.get('levels', 'compare: levels')}: unknown level {lv!r} "
-                            f"(known: {', '.join(LEVELS)})")
-    if opts.target_dtype:
-        where = flags.get("target_dtype", "compare: target_dtype")
-        opts.target_dtype = check_dtype_name(opts.target_dtype, where)
     load_algorithms(opts.algorithms, opts.base_dir)  # bad refs fail here
-    names = [algorithm_name(a) for a in opts.algorithms]
-    check_thresholds(opts.thresholds, known_metrics(names), flags.get("thresholds", "thresholds"))
-    if opts.kl not in KL_CHOICES:
-        raise UserError(f"{flags.get('kl', 'compare: kl')}: expected one of {', '.join(KL_CHOICES)}, "
-                        f"got {opts.kl!r}")
-    if opts.kl == "logits" and "kl_divergence" in limited_metrics(opts.thresholds):
-        kl = flags.get("kl", "kl")
-        raise UserError(f"{flags.get('thresholds', 'thresholds')}: kl_divergence limits judge every row, "
-                        f"but {kl} logits leaves the KL of every row but the logits empty: use {kl} all, "
-                        "or drop the kl_divergence limits")
-    opts.jump_ratio = check_jump_ratio(opts.jump_ratio, flags.get("jump_ratio", "compare: jump_ratio"))
-    return names
+    return check_values(opts, flags)
 
 
 def _absolute_ref(ref: str, base_dir: str | Path) -> str:

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.compare.codes import Code
-from llmflow.compare.metrics import COUNT_COLUMNS, METRIC_COLUMNS
+from llmflow.compare.columns import COUNT_COLUMNS, METRIC_COLUMNS, SIDE_COLUMNS, STAT_COLUMNS
 from llmflow.compare.rows import ID_COLUMNS, LOGITS_COLUMNS, TAIL_COLUMNS
-from llmflow.compare.statistics import SIDE_COLUMNS, STAT_COLUMNS
 from llmflow.report.tables import VERDICT_RULES, Rule, excel_text, read_csv_rows, write_xlsx
 from llmflow.results.compare import CompareSummary
 

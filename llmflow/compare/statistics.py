@@ -14,11 +14,8 @@ from typing import Any
 import torch
 
 from llmflow.compare.codes import Code
+from llmflow.compare.columns import SIDE_COLUMNS, STAT_COLUMNS, STATS
 from llmflow.compare.kernels import EPS, fixed_dot, fixed_sum
-
-STATS = ("max", "min", "mean", "norm")
-STAT_COLUMNS = tuple(f"{s}_{kind}" for s in STATS for kind in ("diff", "rel_diff"))
-SIDE_COLUMNS = tuple(f"{side}_{s}" for side in ("golden", "target") for s in STATS)
 
 
 def side_stats(x: torch.Tensor) -> dict[str, float]:

@@ -135,6 +135,15 @@ class Stage(ABC):
         one never run at the same time."""
         return set()
 
+    @classmethod
+    def check_values(cls, params: dict[str, Any]) -> None:
+        """Refuse parameter values the schema cannot judge (a UserError whose message starts with
+        the parameter's name). ``params``: the values known before the run (literals,
+        ``${params.X}``, ``${env.X}``), schema-valid, without defaults filled in and without those
+        other stages give. ``llmflow validate`` and ``run`` call it before any stage runs, so a bad
+        limit surfaces before the hours of dumping ahead of it. Default: nothing to refuse."""
+        return None
+
     @abstractmethod
     def run(self, ctx: StageContext) -> dict[str, Any]:
         """Do the work, write files under ``ctx.out_dir``, return the outputs (JSON values)."""

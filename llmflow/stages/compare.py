@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from llmflow.compare.options import CompareOptions
+from llmflow.compare.options import CompareOptions, check_values
 from llmflow.options import from_params, stage_properties
 from llmflow.stages.align import DUMP_PARAMS, DUMP_REQUIRED, dump_paths
 from llmflow.stages.base import Stage, StageContext
@@ -38,6 +38,11 @@ class CompareStage(Stage):
         "xlsx": "compare.xlsx: a sheet per level, coloured by verdict (null when xlsx is false)",
         "summary_file": "compare_summary.json (also in summary.json under 'compare')",
     }
+
+    @classmethod
+    def check_values(cls, params: dict[str, Any]) -> None:
+        """Thresholds, target dtype, levels, kl and jump ratio, as the compare itself checks them."""
+        check_values(from_params(CompareOptions, params))
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         from llmflow.compare.run import compare_dumps  # (schema: no torch)

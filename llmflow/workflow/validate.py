@@ -3,9 +3,9 @@
 ``check`` finds every problem it can before anything runs: param specs and ``--set`` values,
 stage types (with a suggestion), ``needs`` (unknown ids, cycles), ``${...}`` references
 (syntax, unknown params, stages not in ``needs``, undeclared outputs) and each stage's ``with:``
-against its ``params_schema``. Literal values and ``${params.X}``/``${env.X}`` values are checked
-now; values that depend on other stages' outputs are checked by ``resolve_with`` when the stage
-is about to run.
+against its ``params_schema`` and its ``check_values``. Literal values and
+``${params.X}``/``${env.X}`` values are checked now; values that depend on other stages' outputs
+are checked by ``resolve_with`` when the stage is about to run.
 """
 
 from __future__ import annotations
@@ -329,7 +329,20 @@ def _check_with(wf: Workflow, checked: Checked) -> None:
             continue
         skip: list[tuple] = []
         instance = _static_with(st.with_, lookup, (), skip)
-        checked.errors += schema_errors(cls.params_schema, instance, wf.marks, ("stages", sid, "with"), skip)
+        errors = schema_errors(cls.params_schema, instance, wf.marks, ("stages", sid, "with"), skip)
+        checked.errors += errors
+        if errors or not isinstance(instance, dict):
+            continue
+        dynamic = {path[0] for path in skip if path}
+        known = {k: v for k, v in instance.items() if k not in dynamic}
+        try:
+            cls.check_values(known)
+        except Exception as exc:  # (a plugin's check may raise anything: one line, never a traceback)
+            said = str(exc) if isinstance(exc, UserError) else (
+                f"{st.uses}: check_values raised {type(exc).__name__}: {exc}")
+            key = next((k for k in known if said.startswith((f"{k}:", f"{k}.", f"{cls.type}: {k}"))), None)
+            checked.errors.append(ValidationError(said, wf.mark("stages", sid, "with", *(
+                (key,) if key is not None else ()))))
 
 
 def check(

@@ -338,3 +338,26 @@ def test_a_stage_that_returns_no_declared_output_fails_itself_and_keeps_nothing(
         assert last.startswith("FAILED: stage 'a' failed: ValueError: run() returned no 'x' of the "
                                "outputs it declares (x)"), last
     assert not (tmp_path / "run" / "a").exists()
+
+
+def test_a_compare_limit_the_wrong_way_round_stops_the_run_before_its_dumps(tmp_path):
+    """The compare's thresholds are checked when the run starts, not when the compare stage starts
+    after the dumps ahead of it (hours at the size users debug): no dump is made, exit 2."""
+    wf = write_workflow(tmp_path, """
+        name: mine
+        stages:
+          golden:
+            uses: dump
+            with: {model: "tiny-llama:layers=2,hidden=64,seed=0", prompt: hi, max_new_tokens: 2,
+                   chat_template: false, dump_dir: golden_dump}
+          compare:
+            uses: compare
+            needs: [golden]
+            with:
+              golden_dump: ${stages.golden.outputs.dump_dir}
+              target_dump: ${stages.golden.outputs.dump_dir}
+              thresholds: {cosine_similarity: {warn: 0.5, fail: 0.9}}
+    """)
+    proc = llmflow("run", str(wf), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    last = assert_bad_input(proc, "wf.yaml:13:", "thresholds.cosine_similarity: warn 0.5 is below fail 0.9")
+    assert "FAILED" in last and not (tmp_path / "golden_dump").exists() and not (tmp_path / "run").exists()

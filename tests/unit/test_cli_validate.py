@@ -287,3 +287,47 @@ def test_a_valid_workflow_names_the_params_a_run_must_be_given(validate):
     assert rc == 0 and lines[-1] == "PASSED (wf.yaml is valid; a run needs --set dump=VALUE)", lines
     rc, lines = validate(text, "--set", "dump=/data/d")
     assert rc == 0 and lines[-1] == "PASSED (wf.yaml is valid)", lines
+
+
+@pytest.mark.parametrize(("value", "line"), [
+    ("thresholds: {cosine_similarity: {warn: 0.5, fail: 0.9}}",
+     "wf.yaml:10:19: thresholds.cosine_similarity: warn 0.5 is below fail 0.9; higher is better for "
+     "cosine_similarity, so warn >= fail"),
+    ("thresholds: {cosine_similarty: {warn: 0.99, fail: 0.9}}",
+     "wf.yaml:10:19: thresholds.cosine_similarty: not a metric of this compare"),
+    ("target_dtype: ${params.dtype}", "wf.yaml:10:21: compare: target_dtype: unknown dtype 'fp33'"),
+    ("jump_ratio: 0.5", "wf.yaml:10:19: compare: jump_ratio: expected 0 (off) or a ratio above 1, got 0.5"),
+])
+def test_compare_values_the_schema_cannot_judge_are_found_before_the_run(validate, value, line):
+    """A limit written the wrong way round, a misspelt metric, an unknown dtype: found by validate
+    (and so by run, before the dumps ahead of the compare take their hours), at the line."""
+    rc, lines = validate(f"""
+        name: t
+        params:
+          dtype: {{type: string, default: fp33}}
+        stages:
+          compare:
+            uses: compare
+            with:
+              golden_dump: g
+              target_dump: t
+              {value}
+    """)
+    assert rc == 2 and lines[0].startswith(line), lines
+
+
+def test_compare_values_from_other_stages_wait_for_the_run(validate):
+    rc, lines = validate("""
+        name: t
+        stages:
+          a: {uses: seed}
+          compare:
+            uses: compare
+            needs: [a]
+            with:
+              golden_dump: g
+              target_dump: t
+              target_dtype: ${stages.a.outputs.settings.seed}
+              thresholds: {cosine_similarity: {warn: 0.99, fail: 0.9}}
+    """)
+    assert rc == 0, lines
