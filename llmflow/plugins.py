@@ -30,6 +30,7 @@ that file, so the checkout still knows its formats and stages.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import logging
@@ -206,6 +207,39 @@ def file_ref_problem(path: Path, attr: str) -> str | None:
     return f"{path.name} defines no {attr!r}{hint}"
 
 
+_IMPORTED: dict[str, str] = {}  # resolved path of a file imported by ``load_file_ref`` -> its source_hash
+
+
+def source_hash(source: bytes) -> str:
+    """The content hash a workflow's cache records for a code file."""
+    return hashlib.sha256(source).hexdigest()[:16]
+
+
+def code_hash(path: Path) -> str:
+    """The hash of the code this process runs from ``path``: as imported where ``load_file_ref``
+    imported it (an edit since does not run here), else the file's content now."""
+    return _IMPORTED.get(str(path.resolve())) or source_hash(path.read_bytes())
+
+
+def forget_edited() -> None:
+    """Drop the imports of ``file.py`` plugins edited since ``load_file_ref`` imported them, so
+    the next load imports the file as it is now. Called as a run or a plan begins (a notebook's
+    second run picks up the edit), never during one: inside a run every stage runs, and is keyed
+    by, the code imported first."""
+    for resolved, imported in list(_IMPORTED.items()):
+        try:
+            now = source_hash(Path(resolved).read_bytes())
+        except OSError:
+            now = None
+        if now != imported:
+            del _IMPORTED[resolved]
+            sys.modules.pop(_module_name(resolved), None)
+
+
+def _module_name(resolved: str) -> str:
+    return f"llmflow_local_{abs(hash(resolved))}"
+
+
 def load_file_ref(ref: str, base_dir: str | Path = ".") -> Any:
     """Import ``name`` from ``path/to/file.py`` (relative to ``base_dir``)."""
     path_s, _, attr = ref.rpartition(":")
@@ -214,7 +248,8 @@ def load_file_ref(ref: str, base_dir: str | Path = ".") -> Any:
         path = Path(base_dir) / path
     if not path.is_file():
         raise UserError(f"{ref}: no such file {path}")
-    mod_name = f"llmflow_local_{abs(hash(str(path.resolve())))}"
+    resolved = str(path.resolve())
+    mod_name = _module_name(resolved)
     if mod_name in sys.modules:
         module = sys.modules[mod_name]
     else:
@@ -224,10 +259,14 @@ def load_file_ref(ref: str, base_dir: str | Path = ".") -> Any:
         module = importlib.util.module_from_spec(spec)
         sys.modules[mod_name] = module
         try:
-            spec.loader.exec_module(module)
+            # the bytes hashed are the bytes run: a file edited while a run goes on is keyed in the
+            # cache by the code this process runs, not by what the file holds by then
+            source = path.read_bytes()
+            exec(compile(source, str(path), "exec"), module.__dict__)
         except Exception as exc:
             del sys.modules[mod_name]
             raise UserError(f"{ref}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+        _IMPORTED[resolved] = source_hash(source)
     if not hasattr(module, attr):
         raise UserError(f"{ref}: {path.name} defines no {attr!r}")
     return getattr(module, attr)

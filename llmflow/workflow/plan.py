@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.errors import UserError
-from llmflow.plugins import suggest
+from llmflow.plugins import forget_edited, suggest
 from llmflow.redaction import REDACTED
 from llmflow.workflow import dag
 from llmflow.workflow.loader import load_workflow
@@ -289,6 +289,7 @@ def compute_plan(checked: Checked, sel: Selection, run_dir: Path) -> list[PlanIt
 def prepare(path: str | Path, set_params: SetParams, trust_plugins: bool = True) -> Checked:
     """Load and check a workflow for running: raises WorkflowError listing every problem.
     ``trust_plugins=False`` reads ``file.py:Class`` stages without importing them."""
+    forget_edited()  # (plugins edited since an earlier run in this process are imported afresh)
     checked = check(load_workflow(path), set_params, runtime=True, trust_plugins=trust_plugins)
     if checked.errors:
         raise WorkflowError(checked.errors)

@@ -118,16 +118,12 @@ def load_registered() -> tuple[dict[str, type[Stage]], dict[str, str]]:
     return ok, failed
 
 
-def _file_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
-
 def stage_identity(uses: str, cls: type[Stage], base_dir: Path) -> str:
     """What a stage's fingerprint records about its code: the type name and version, plus the
     file's content hash for ``file.py:Class`` refs (editing a local plugin invalidates its cache)."""
     ident = f"{uses}@{cls.version}"
     if is_file_ref(uses):
-        ident += "#" + _file_hash(file_ref_path(uses, base_dir))
+        ident += "#" + plugins.code_hash(file_ref_path(uses, base_dir))
     return ident
 
 
@@ -145,7 +141,7 @@ def referenced_code(params: Any, dirs: Iterable[Path]) -> dict[str, str]:
             path = file_ref_path(text, base)
             try:
                 if path.is_file():
-                    out[text] = _file_hash(path)
+                    out[text] = plugins.code_hash(path)
                     break
             except OSError:
                 break

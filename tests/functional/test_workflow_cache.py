@@ -342,3 +342,59 @@ def test_deleted_dump_data_and_an_edited_patch_rerun_through_the_cli(tmp_path):
         fh.write("# reviewed\n")
     proc = llmflow("plan", str(wf), "--run-dir", str(rd))
     assert "code changed: patch.py" in proc.stdout and proc.returncode == 0
+
+
+EDITED_MID_RUN = '''
+from pathlib import Path
+
+from llmflow.stages.base import Stage
+
+VERSION = "v1"
+
+
+class Versioned(Stage):
+    """Writes the version of the code that runs."""
+
+    type = "versioned"
+    outputs = {"version": "the code's version"}
+
+    def run(self, ctx):
+        (ctx.out_dir / "version.txt").write_text(VERSION)
+        return {"version": VERSION}
+'''
+EDITOR = '''
+from pathlib import Path
+
+from llmflow.stages.base import Stage
+
+
+class Editor(Stage):
+    """Edits versioned.py to v2, as a user does while a long run goes on."""
+
+    type = "editor"
+
+    def run(self, ctx):
+        code = Path(__file__).with_name("versioned.py")
+        code.write_text(code.read_text().replace('VERSION = "v1"', 'VERSION = "v2"'))
+        return {}
+'''
+
+
+def test_a_plugin_edited_while_the_run_goes_on_is_cached_as_the_code_that_ran(tmp_path):
+    """The run imported the plugin once: the stage after the edit ran the old code, and its cache
+    entry says so. The next run, importing the edited file, runs that stage again."""
+    (tmp_path / "versioned.py").write_text(EDITED_MID_RUN)
+    (tmp_path / "editor.py").write_text(EDITOR)
+    wf = write_workflow(tmp_path, """
+        name: edited
+        stages:
+          edit: {uses: "editor.py:Editor"}
+          after: {uses: "versioned.py:Versioned", needs: [edit]}
+    """)
+    rd = tmp_path / "run"
+    proc = llmflow("run", str(wf), "--run-dir", str(rd), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (rd / "after" / "version.txt").read_text() == "v1"
+    proc = llmflow("run", str(wf), "--run-dir", str(rd), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (rd / "after" / "version.txt").read_text() == "v2"
