@@ -68,7 +68,9 @@ class CompareOptions:
         "pairs are not given.",
         schema={"type": "integer", "minimum": 0}, stage=False, flags=("--prefill-offset",))
     warmup: int = option(
-        0, "Warm-up folders at the start of the target dump, skipped, when pairs are not given.",
+        0, "Warm-up steps at the start of the target dump (its first step folders, or the msprobe "
+        "step numbers before the prompt's): skipped, golden step n pairs with target step n + warmup "
+        "(when pairs are not given).",
         schema={"type": "integer", "minimum": 0}, stage=False, flags=("--warmup",))
     target_dtype: str | None = option(
         None, "The dtype whose thresholds judge float rows (default: the model dtype the dumps "

@@ -127,6 +127,18 @@ def judging(golden: DumpReader, target: DumpReader, opts: CompareOptions) -> Jud
                            f"({sides}); a coarser tensor dtype judges its own rows" + quantized)
 
 
+def _pairing_hint(g_steps: list[int], t_steps: list[int], opts: CompareOptions) -> str:
+    """What to check when no step pairs. A target whose steps all come after the golden's first
+    (a dump that started counting at warm-up runs, msprobe's ``step: [2]``) pairs by a warmup of
+    the difference: named with its value, as the CLI flag and the workflow parameter."""
+    if g_steps and t_steps and not opts.warmup and not opts.pairs and min(t_steps) > min(g_steps):
+        skip = min(t_steps) - min(g_steps)
+        return (f"the target's steps start {skip} later: if its first {skip} step(s) were warm-up runs, "
+                f"or its dump began at step {min(t_steps)}, pair with --warmup {skip} (workflow "
+                f"parameter warmup: {skip}); else check steps and prefill_offset")
+    return "check steps, prefill_offset, and that both dumps hold tensors"
+
+
 def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpReader, out_dir: str | Path,
                   opts: CompareOptions | None = None, *,
                   progress: Callable[[str, float | None], Any] | None = None,
@@ -153,7 +165,7 @@ def compare_dumps(golden: str | Path | DumpReader, target: str | Path | DumpRead
         raise UserError(f"compare: nothing to compare: {g_reader.path} has steps "
                         f"{steps_text(g_reader.steps())}, {t_reader.path} has steps "
                         f"{steps_text(t_reader.steps())} and none pair up "
-                        f"(check steps, prefill_offset, and that both dumps hold tensors){damage}")
+                        f"({_pairing_hint(g_reader.steps(), t_reader.steps(), opts)}){damage}")
     coverage = assess(pairing, g_reader, t_reader)
     judge_by = judging(g_reader, t_reader, opts)
     prefill = next((p.target_step for p in pairs if p.golden_step == 0), None)

@@ -52,7 +52,8 @@ class AlignStage(Stage):
                                "description": "Target folders that hold the prefill AND the first "
                                "decode step (ATB: 1): golden n <-> target max(n - offset, 0)."},
             "warmup": {"type": "integer", "minimum": 0, "default": 0,
-                       "description": "Warm-up folders at the start of the target dump, skipped."},
+                       "description": "Warm-up steps at the start of the target dump (its first step "
+                                      "folders, or the msprobe step numbers before the prompt's), skipped."},
             "steps": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0},
                       "default": None, "description": "Golden steps to pair (null: all)."},
         },
