@@ -450,11 +450,24 @@ def call_label(row: dict[str, Any]) -> str:
 
 
 DUMP_AGAIN = "dump the target again (or copy the dump whole), then llmflow precheck it"
+#: how to make a dump precheck can judge whole, in the terms of the tool that made the dump
+_API_DUMP = {
+    "msprobe": "dump the target with msprobe at level L1, task tensor (config.json: {\"task\": \"tensor\", "
+               "\"level\": \"L1\", \"tensor\": {\"data_mode\": [\"all\"]}}; a Linear's weight is an input "
+               "of its API there)",
+    "": "dump the target with DumpConfig(mode='api', data_mode='tensor', dump_weight=True) (llmflow run "
+        "api_precheck does it)",
+}
+
+
+def _api_dump(reader: DumpReader) -> str:
+    """How to dump what precheck needs, for the dump ``reader`` reads."""
+    return _API_DUMP.get(reader.format, _API_DUMP[""])
 #: why a call taking a module's weight was not checked (a dump made without dump_weight)
 NO_WEIGHT = "not in the dump (dump with dump_weight)"
 
 
-def _uncovered(rows: list[dict[str, Any]]) -> tuple[str, str] | None:
+def _uncovered(rows: list[dict[str, Any]], reader: DumpReader) -> tuple[str, str] | None:
     """(what, next) where calls that decide the answer went unchecked though most calls were checked:
     a custom kernel's op (``mylib::op``: the code the port added, which no torch function stands
     for) or calls whose weights the dump lacks (every Linear of a dump made without dump_weight)."""
@@ -470,9 +483,7 @@ def _uncovered(rows: list[dict[str, Any]]) -> tuple[str, str] | None:
     weightless = sum(1 for r in unchecked if NO_WEIGHT in str(r["reason"]))
     if weightless:
         return (f"{weightless} calls taking a module's weight (the matmuls) were not checked: the dump holds "
-                "no weights",
-                "dump with DumpConfig(mode='api', data_mode='tensor', dump_weight=True) (llmflow run "
-                "api_precheck does it), then llmflow precheck that dump")
+                "no weights", f"{_api_dump(reader)}, then llmflow precheck that dump")
     return None
 
 
@@ -508,9 +519,9 @@ def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
     damaged = (f"the dump cannot be trusted whole: {problems[0]}"
                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")) if problems else ""
     if not calls:
-        status, headline = "inconclusive", "precheck: the dump holds no API calls (dump with mode api)"
-        next_step = ("dump the target with DumpConfig(mode='api', data_mode='tensor', dump_weight=True) "
-                     "(llmflow run api_precheck does it), then llmflow precheck that dump")
+        status = "inconclusive"
+        headline = "precheck: the dump holds no API calls (precheck replays API calls)"
+        next_step = f"{_api_dump(reader)}, then llmflow precheck that dump"
     elif totals["fail"]:
         status = "fail"
         headline = (f"precheck: {totals['fail']} of {checked} checked calls fail; first "
@@ -522,14 +533,13 @@ def precheck(reader: DumpReader, options: PrecheckOptions | None = None,
         headline = (f"precheck: only {checked} of {calls} calls could be checked; most often: "
                     f"{why[0][0] if why else '?'}" + (f"; {damaged}" if damaged else ""))
         next_step = DUMP_AGAIN if damaged else (
-            "dump tensors with their weights (DumpConfig(mode='api', data_mode='tensor', "
-            "dump_weight=True)), and give the ops without a CPU implementation a reference "
+            f"{_api_dump(reader)}, and give the ops without a CPU implementation a reference "
             "(--reference NAME=file.py:func); precheck.csv says why each call was not checked")
     elif damaged:  # (as a compare of a damaged dump never passes)
         status = "inconclusive"
         headline = f"precheck: {checked} of {calls} calls checked, none fails, but {damaged}"
         next_step = DUMP_AGAIN
-    elif (uncovered := _uncovered(rows)) is not None:
+    elif (uncovered := _uncovered(rows, reader)) is not None:
         status = "inconclusive"
         headline = f"precheck: {checked} of {calls} calls checked, none fails, but {uncovered[0]}"
         next_step = uncovered[1]

@@ -167,3 +167,20 @@ def test_inspect_finds_a_tensor_by_msprobes_own_names(dumps) -> None:
     assert one.returncode == 0 and last.startswith("PASSED (/linear.") and "output 0, step 0" in last, last
     module = llmflow("inspect", str(dumps[("L0", "tensor")]), "Module.model.layers.0.mlp.LlamaMLP.forward.0")
     assert module.returncode == 0 and "model.layers.0.mlp" in module.stdout, module.stdout[-2000:]
+
+
+@pytest.mark.parametrize(("run", "said"), [(("L0", "tensor"), "holds no API calls"),
+                                           (("L1", "statistics"), "calls could be checked")])
+def test_precheck_of_a_dump_it_cannot_judge_says_what_to_dump_in_msprobes_terms(dumps, tmp_path, run, said):
+    """A module-level or statistics-only msprobe dump: inconclusive (exit 3), and what to run next
+    is msprobe's own configuration, not llmflow's DumpConfig, which an msprobe user does not use."""
+    import json
+
+    from workflow_helpers import llmflow
+
+    proc = llmflow("precheck", str(dumps[run]), "-o", str(tmp_path / "out"))
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 3 and last.startswith("INCONCLUSIVE") and said in last, proc.stdout[-2000:]
+    [advice] = [line for line in proc.stdout.splitlines() if line.startswith("next: ")]
+    assert "msprobe at level L1, task tensor" in advice and "DumpConfig" not in advice + last, advice
+    assert json.loads((tmp_path / "out" / "precheck.json").read_text())["status"] == "inconclusive"
