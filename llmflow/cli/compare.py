@@ -156,6 +156,11 @@ def _files(args: argparse.Namespace, thresholds: dict | None) -> int:
     elif incomplete:
         verdict_line(False, f"incomplete: {alone} of {paired + alone} golden tensors have no tensor of their "
                             "name in the target")
+    elif paired and all(r.get("code") == "empty_tensor" for r in rows if r.get("verdict") != "unmatched"):
+        # (zero elements on both sides compare nothing: no evidence the target matches)
+        verdict_line("inconclusive", f"nothing compared: the {paired} paired tensor(s) hold no elements "
+                                     "on either side")
+        return EXIT_INCONCLUSIVE
     else:
         verdict_line(True, f"{paired} tensors" + (f", {alone} golden only" if alone else ""))
     return EXIT_FAILED if fails or incomplete else EXIT_PASSED

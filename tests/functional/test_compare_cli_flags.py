@@ -121,6 +121,20 @@ def test_two_tensor_files_that_pair_too_little_never_pass(tmp_path, kept, rc, la
     assert done.returncode == rc and done.stdout.strip().splitlines()[-1] == last, done.stdout + done.stderr
 
 
+@pytest.mark.parametrize("suffix", ["pt", "safetensors"])
+def test_two_empty_tensor_files_compare_nothing_and_never_pass(tmp_path, suffix):
+    for side in ("g", "t"):
+        if suffix == "pt":
+            torch.save(torch.zeros(0), tmp_path / f"{side}.pt")
+        else:
+            empty = {"a": torch.zeros(0, 4), "b": torch.zeros(2, 0)}
+            save_file(empty, str(tmp_path / f"{side}.safetensors"))
+    done = llmflow("compare", "-gp", f"g.{suffix}", "-mp", f"t.{suffix}", cwd=tmp_path)
+    n = 1 if suffix == "pt" else 2
+    assert done.returncode == 3 and done.stdout.strip().splitlines()[-1] == (
+        f"INCONCLUSIVE: nothing compared: the {n} paired tensor(s) hold no elements on either side"), done.stdout
+
+
 def test_two_tensor_files_with_o_say_nothing_is_written_there(tmp_path):
     save_file({"a": torch.ones(3)}, str(tmp_path / "g.safetensors"))
     save_file({"a": torch.ones(3)}, str(tmp_path / "t.safetensors"))
