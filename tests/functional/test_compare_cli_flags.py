@@ -131,8 +131,8 @@ def test_two_empty_tensor_files_compare_nothing_and_never_pass(tmp_path, suffix)
             save_file(empty, str(tmp_path / f"{side}.safetensors"))
     done = llmflow("compare", "-gp", f"g.{suffix}", "-mp", f"t.{suffix}", cwd=tmp_path)
     n = 1 if suffix == "pt" else 2
-    assert done.returncode == 3 and done.stdout.strip().splitlines()[-1] == (
-        f"INCONCLUSIVE: nothing compared: the {n} paired tensor(s) hold no elements on either side"), done.stdout
+    said = f"INCONCLUSIVE: nothing compared: the {n} paired tensor(s) hold no elements on either side"
+    assert done.returncode == 3 and done.stdout.strip().splitlines()[-1] == said, done.stdout
 
 
 def test_two_tensor_files_with_o_say_nothing_is_written_there(tmp_path):
