@@ -2,10 +2,11 @@
 the localisation reads: DeepSeek-V3 (multi-head latent attention, shared + routed experts, a dense
 first layer), GLM-4 (four norms a layer, a fused gate/up projection), GLM-4.5's MoE, OLMo-2 (no
 norm before the attention: the residual stream grows layer by layer into the projections),
-StarCoder2 (LayerNorm, biases), GPT-OSS (attention sinks, routed experts only), Granite-MoE and
-ERNIE-4.5's MoE. Each is a tiny seeded model saved with ``save_pretrained`` and a tokenizer: a
-clean bf16 target blames nothing, a planted fault is named to its layer and module, and
-``llmflow run`` names it the user's way (one run per family)."""
+StarCoder2 (LayerNorm, biases), GPT-OSS (attention sinks, routed experts only), Granite-MoE,
+ERNIE-4.5's MoE, EXAONE 4 (its norms after the attention and the MLP, a QK-norm, sliding-window
+layers) and Ministral (sliding-window attention). Each is a tiny seeded model saved with
+``save_pretrained`` and a tokenizer: a clean bf16 target blames nothing, a planted fault is named
+to its layer and module, and ``llmflow run`` names it the user's way (one run per family)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ FAULTS: dict[str, tuple[str, list[str]]] = {
     "gpt-oss": ("scale_expert", ["wrong_router"]),
     "granite-moe": ("scale_expert", ["wrong_router"]),
     "ernie4.5-moe": ("scale_down_proj", ["scale_expert"]),
+    "exaone4": ("wrong_eps", ["scale_attn_out"]),
+    "ministral": ("scale_down_proj", []),
 }
 LIBRARY_CASES = [(family, fault) for family, (_, faults) in FAULTS.items() for fault in faults]
 
