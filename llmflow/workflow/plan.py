@@ -29,9 +29,10 @@ from typing import Any
 from llmflow.errors import UserError
 from llmflow.plugins import forget_edited, suggest
 from llmflow.redaction import REDACTED
+from llmflow.stages.base import fill_defaults
 from llmflow.workflow import dag
 from llmflow.workflow.loader import load_workflow
-from llmflow.workflow.marks import WorkflowError
+from llmflow.workflow.marks import ValidationError, WorkflowError
 from llmflow.workflow.registry import (
     INPUT_PREFIX,
     is_file_ref,
@@ -49,7 +50,7 @@ from llmflow.workflow.state import (
     read_state,
     upstream_unchanged,
 )
-from llmflow.workflow.validate import Checked, SetParams, check, resolve_with, unset_env
+from llmflow.workflow.validate import Checked, SetParams, check, known_params, resolve_with, unset_env
 
 
 @dataclass
@@ -265,6 +266,40 @@ def missing_upstream(checked: Checked, sel: Selection, run_dir: Path) -> None:
                     f"--only {sid}: stage {dep!r} (needed by {sid!r}) has no completed result "
                     f"in {run_dir}; run it first or add --only {dep}"
                 )
+
+
+def check_devices(checked: Checked, sel: Selection, run_dir: Path) -> None:
+    """Every device that a stage about to run names in its parameters known before the run (a
+    dump's ``device: npu:0``, read through the stage's ``resources``) is available here: a target
+    on an NPU this machine lacks fails now, not after the golden dump ahead of it (hours at 70B).
+    Stages the plan reuses are not asked; nothing is planned where no stage names a device."""
+    named: list[tuple[str, str]] = []  # (stage, device)
+    for sid in checked.order:
+        cls = checked.classes.get(sid)
+        if sid not in sel.selected or cls is None:
+            continue
+        try:
+            held = cls().resources(fill_defaults(cls.params_schema, known_params(checked, sid)))
+        except Exception:  # (the stage reports a bad parameter when it runs)
+            continue
+        named += [(sid, r.partition(":")[2]) for r in sorted(held) if r.startswith("device:")]
+    if not named:
+        return
+    from llmflow.models import resolve_device  # (imports torch: only where a device is named)
+
+    to_run = {i.stage for i in compute_plan(checked, sel, run_dir) if i.action == "run"}
+    errors, seen = [], set()
+    for sid, device in named:
+        if sid not in to_run or device in seen:
+            continue
+        seen.add(device)
+        try:
+            resolve_device(device)
+        except UserError as exc:
+            where = checked.workflow.mark("stages", sid, "with")
+            errors.append(ValidationError(f"stage {sid!r}: {exc}", where))
+    if errors:
+        raise WorkflowError(errors)
 
 
 def compute_plan(checked: Checked, sel: Selection, run_dir: Path) -> list[PlanItem]:

@@ -33,6 +33,7 @@ from llmflow.workflow.conclusion import Conclusion, conclude, outcome_record
 from llmflow.workflow.plan import (
     Selection,
     StageKey,
+    check_devices,
     compute_plan,
     default_run_dir,
     missing_upstream,
@@ -332,6 +333,9 @@ def run_workflow(
             rundir.check_run_dir(rdir, checked.order)
         plan = compute_plan(checked, sel, rdir)
         return RunResult(checked.workflow.name, rdir, "planned", {}, {}, plan)
+    if rdir.exists():
+        rundir.check_run_dir(rdir, checked.order)
+    check_devices(checked, sel, rdir)  # (before the run dir is made: a run that cannot start leaves none)
     rundir.open_run_dir(rdir, checked.order, adopt=adopt_run_dir)
     with rundir.RunDirLock(rdir):
         removed = rundir.clean_tmp(rdir)

@@ -321,20 +321,34 @@ def _static_with(value: Any, lookup, path: tuple, skip: list[tuple]) -> Any:
     return value
 
 
+def _static_params(checked: Checked, sid: str) -> tuple[Any, list[tuple]]:
+    """Stage ``sid``'s ``with:`` with what is known before the run resolved (literals,
+    ``${params.X}``, set ``${env.X}``), and the paths of the values only the run knows."""
+    skip: list[tuple] = []
+    return _static_with(checked.workflow.stages[sid].with_, _static_lookup(checked.params), (), skip), skip
+
+
+def known_params(checked: Checked, sid: str) -> dict[str, Any]:
+    """The parameters of stage ``sid`` known before the run, without those other stages give
+    (nor the schema's defaults)."""
+    instance, skip = _static_params(checked, sid)
+    if not isinstance(instance, dict):
+        return {}
+    dynamic = {path[0] for path in skip if path}
+    return {k: v for k, v in instance.items() if k not in dynamic}
+
+
 def _check_with(wf: Workflow, checked: Checked) -> None:
-    lookup = _static_lookup(checked.params)
     for sid, st in wf.stages.items():
         cls = checked.classes.get(sid)
         if cls is None:
             continue
-        skip: list[tuple] = []
-        instance = _static_with(st.with_, lookup, (), skip)
+        instance, skip = _static_params(checked, sid)
         errors = schema_errors(cls.params_schema, instance, wf.marks, ("stages", sid, "with"), skip)
         checked.errors += errors
         if errors or not isinstance(instance, dict):
             continue
-        dynamic = {path[0] for path in skip if path}
-        known = {k: v for k, v in instance.items() if k not in dynamic}
+        known = known_params(checked, sid)
         try:
             cls.check_values(known)
         except Exception as exc:  # (a plugin's check may raise anything: one line, never a traceback)

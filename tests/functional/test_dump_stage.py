@@ -58,7 +58,6 @@ def test_dump_stage_through_the_runner(tmp_path):
 
 
 @pytest.mark.parametrize(("params", "message"), [
-    ({"device": "npu:0"}, "device 'npu:0': torch_npu is not installed"),
     ({"model": "no/such/model"}, "model 'no/such/model'"),
     ({"model": "m.py:make"}, "model 'm.py:make': returned str, not a torch.nn.Module"),
     ({"prompt": "x" * 600}, "prompt: 601 prompt tokens + max_new_tokens 3 exceed the model's context"),
