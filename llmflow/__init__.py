@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.9.24"
+__version__ = "0.9.25"
 
 # name -> module that defines it; imported on first use so `import llmflow` stays cheap
 _LAZY = {
