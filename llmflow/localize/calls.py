@@ -10,9 +10,10 @@ capture keeps it as a ``CacheSnapshot`` (the cache as the module found it, share
 replaying a module turns the snapshot into a private copy in the replaying side's dtype and device
 (``cast_inputs``), so the target's attention runs on the golden past keys and values and appends
 its own new ones, as its decode kernel does. A dump holds no cache contents: at the prefill step
-a recorded cache is empty and becomes None; at a decode step it marks the call not replayable
-(the bisect re-runs the golden model in memory instead). Any other input that cannot be rebuilt
-marks the call not replayable, with the reason.
+a recorded cache is empty, and becomes the empty cache a caller gives (``golden.prefill_cache``,
+so an attention's cache write can be measured there too), else None; at a decode step it marks
+the call not replayable (the bisect re-runs the golden model in memory instead). Any other input
+that cannot be rebuilt marks the call not replayable, with the reason.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def build_call(name: str, inputs: Iterable[tuple[str, Any]], outputs: Iterable[t
     keyword or by position, is empty at the prefill step (None); at a decode step its contents
     are not in the dump and the call is not replayable from it, unless ``cache`` is given: a cache
     object the caller keeps filled (a decoder layer re-run step after step from its dumped inputs
-    writes its own keys and values into it), passed where the dump recorded one.
+    writes its own keys and values into it), or at the prefill an empty ``CacheSnapshot`` (each
+    run of the call writes into a private copy), passed where the dump recorded one.
     """
     call = Call(name, module_type)
     leaves: list[tuple[str, Any]] = []

@@ -11,6 +11,10 @@ At the prefill step (0) two sources, used per decoder layer:
     the bisect recompute the rest layer by layer, never holding more than one layer in memory.
 The modules outside the decoder layers (embedding, final norm, lm_head) that such a dump lacks
 come from one golden prefill re-run (``golden_rerun`` at step 0, those modules selected).
+A dump records the prefill's KV cache by its kind alone (empty then); each call built from it is
+given an empty cache of that kind (``prefill_cache``), and an attention's call what the golden
+module writes into it (recomputed with its layer, or the dumped module run once more:
+``_golden_write``), so the replay measures the target's prefill cache write as at a decode step.
 
 At a decode step t > 0 a module also reads state: the KV cache of the steps before, the cache
 position, the rotary angles and the mask. A dump holds no cache contents, so the golden model is
@@ -42,7 +46,7 @@ import torch
 from torch import nn
 
 from llmflow.dump.arguments import is_cache_type
-from llmflow.dump.memory import Call, CallRecorder, capture_calls
+from llmflow.dump.memory import CacheSnapshot, Call, CallRecorder, cache_layer_index, capture_calls
 from llmflow.formats.base import DumpReader
 from llmflow.localize.calls import cache_class, calls_from_dump, cast_inputs, fresh_cache
 from llmflow.localize.own_error import own_error
@@ -69,20 +73,66 @@ def _run_layer(golden: Any, module: nn.Module, layer: str, call: Call,
     return sub, out if isinstance(out, torch.Tensor) else None
 
 
+def prefill_cache(reader: DumpReader, load_golden: Callable[[], Any]) -> CacheSnapshot | None:
+    """An empty KV cache of the kind the golden dump recorded at the prefill (step 0), laid out by
+    the golden model's config, for the calls built from that step: a dump holds the cache's kind
+    alone, and an attention given none writes nothing, so its cache write could not be measured.
+    None where the dump records no cache there, records several kinds, a kind that cannot be
+    made empty (``cache_class``), or the golden cannot be loaded. A snapshot: each run of a call
+    gets a private copy (``cast_inputs``)."""
+    kinds = {e.pytype for e in reader.entries()
+             if e.step == 0 and e.level == "module" and e.kind == "input" and is_cache_type(e.pytype)}
+    if len(kinds) != 1:
+        return None
+    golden = load_golden()
+    kind = kinds.pop()
+    if golden is None or cache_class(golden.model, kind) is None:
+        return None
+    return CacheSnapshot(fresh_cache(golden.model, kind))
+
+
+@torch.no_grad()
+def _golden_write(golden: Any, module: nn.Module, call: Call) -> None:
+    """Set a dumped call's ``cache_after``: the golden ``module`` run once more on the call's
+    inputs, into a private copy of the cache they hold, to have what it writes there (the dump
+    holds the module's outputs, not its cache). Left None for a module that names no cache layer,
+    a call without a cache snapshot, or a run that fails (the replay reports that call itself)."""
+    holds = any(isinstance(v, CacheSnapshot) for v in (*call.args, *call.kwargs.values()))
+    if not call.replayable or not holds or not isinstance(getattr(module, "layer_idx", None), int):
+        return
+    caches: list[Any] = []
+    try:
+        module(*cast_inputs(call.args, golden.device, golden.dtype, module, caches),
+               **cast_inputs(call.kwargs, golden.device, golden.dtype, module, caches))
+    except Exception:  # (a module that refuses the rebuilt inputs: its replay says why)
+        return
+    if len(caches) == 1:
+        call.cache_after = CacheSnapshot(caches[0], cache_layer_index(module))
+
+
 def golden_calls(reader: DumpReader, step: int, load_golden: Callable[[], Any],
                  stats: dict[str, int] | None = None, stack: LayerStack | None = None,
                  select: Callable[[str, nn.Module], bool] | None = None) -> Iterator[Call]:
     """Every golden call at ``step`` from the dump: the dumped ones, then for each dumped decoder
     layer whose sub-modules the dump lacks, the sub-module calls recomputed from the layer's inputs.
+    At the prefill a recorded KV cache is an empty one (``prefill_cache``), and each dumped call
+    of a module that writes into it holds what the golden module writes (``_golden_write``).
 
     ``load_golden()`` returns the golden LoadedModel, or None when it cannot be loaded (called only
-    when a layer must be re-run).
+    when a layer must be re-run or a prefill cache be made).
     ``stats["recomputed_layers"]`` counts the layers re-run.
     """
     names = {e.name for e in reader.entries() if e.step == step and e.level == "module"}
     stats = stats if stats is not None else {}
     stats.setdefault("recomputed_layers", 0)
-    for call in calls_from_dump(reader, step):
+    select = select or (lambda _n, _m: True)
+    cache = prefill_cache(reader, load_golden) if step == 0 else None
+    for call in calls_from_dump(reader, step, cache=cache):
+        if cache is not None:
+            golden = load_golden()  # (loaded: it made the cache)
+            module = dict(golden.model.named_modules()).get(call.name)
+            if module is not None and select(call.name, module):
+                _golden_write(golden, module, call)
         yield call
         layer = call.name
         if layer_of(layer, stack) != layer or not call.replayable:
@@ -93,19 +143,25 @@ def golden_calls(reader: DumpReader, step: int, load_golden: Callable[[], Any],
         module = dict(golden.model.named_modules()).get(layer) if golden is not None else None
         if module is None:
             continue
-        sub, _out = _run_layer(golden, module, layer, call, select or (lambda _n, _m: True))
+        sub, _out = _run_layer(golden, module, layer, call, select)
         stats["recomputed_layers"] += 1
         yield from sub.values()
 
 
 def golden_call(reader: DumpReader, step: int, name: str, load_golden: Callable[[], Any],
                 stack: LayerStack | None = None) -> Call | None:
-    """The golden call of one module from the dump: dumped, else recomputed from its layer's inputs."""
-    dumped = next(calls_from_dump(reader, step, names={name}), None)
+    """The golden call of one module from the dump: dumped, else recomputed from its layer's inputs
+    (at the prefill with an empty cache and what the golden writes there, as ``golden_calls``)."""
+    cache = prefill_cache(reader, load_golden) if step == 0 else None
+    dumped = next(calls_from_dump(reader, step, names={name}, cache=cache), None)
     if dumped is not None and dumped.replayable:
+        golden = load_golden() if cache is not None else None  # (loaded: it made the cache)
+        module = dict(golden.model.named_modules()).get(name) if golden is not None else None
+        if module is not None:
+            _golden_write(golden, module, dumped)
         return dumped
     layer = layer_of(name, stack)
-    layer_call = next(calls_from_dump(reader, step, names={layer}), None) if layer else None
+    layer_call = next(calls_from_dump(reader, step, names={layer}, cache=cache), None) if layer else None
     if layer_call is None or not layer_call.replayable:
         return dumped
     golden = load_golden()
