@@ -6,7 +6,9 @@ for it. The user's patch scales layer 2's prefill keys x1.5 on their way into th
 user runs it (``llmflow run llama2_bisect``), in float32 so that no CPU's bf16 decides anything;
 Llama, Qwen2 and Gemma-2 (sliding-window layers, soft-capped attention). Then the two golden
 sources of the prefill one by one: the decoder layers' dumped inputs recomputed (the recipe's
-dump), and every module dumped (the dumped attention run once more to have what it writes)."""
+dump), and every module dumped (the dumped attention run once more to have what it writes). A target known
+by its dump alone holds no cache contents: there the attention is named at the first decode step,
+its own error over the steps before from the target's recorded inputs."""
 
 from __future__ import annotations
 
@@ -19,14 +21,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
-from bisect_helpers import bisect_dumps, make_dumps  # noqa: E402
+from bisect_helpers import bisect_dumps, make_dumps, user_dump  # noqa: E402
 from workflow_helpers import llmflow  # noqa: E402
 
 from llmflow.dump.memory import CacheSnapshot  # noqa: E402
 from llmflow.formats import open_dump  # noqa: E402
 from llmflow.localize.golden import golden_calls  # noqa: E402
 from llmflow.localize.replay import is_branch, replay_modules  # noqa: E402
-from llmflow.models import load_model  # noqa: E402
+from llmflow.models import encode_prompt, load_model  # noqa: E402
 from llmflow.structure import find_layer_stack  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "gemma2"]
@@ -35,31 +37,16 @@ BAD = "model.layers.2.self_attn"
 CACHE_WRITE = f"FAILED: {BAD} (the keys and values it writes to the KV cache) is the fault"
 
 PATCH = '''
-class _PrefillKeys:
-    """The cache as layer 2's attention sees it: the prefill's keys stored x1.5, while the
-    attention computes its own prefill output on the keys it made."""
-
-    def __init__(self, cache):
-        self._cache = cache
-
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        if self._cache.get_seq_length(layer_idx) == 0:
-            self._cache.update(key * 1.5, value, layer_idx, *args, **kwargs)
-            return key, value
-        return self._cache.update(key, value, layer_idx, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._cache, name)
-
-
 def prefill_keys_x15(model):
-    def wrap(module, args, kwargs):
+    """Layer 2's attention computes its prefill output right, then the keys it stored in its KV
+    cache are scaled x1.5 there (the cache itself stays the model's own kind)."""
+    def scale_stored_keys(module, args, kwargs, output):
         cache = kwargs.get("past_key_values")
-        if cache is None:
-            return None
-        return args, {**kwargs, "past_key_values": _PrefillKeys(cache)}
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if cache is not None and hidden is not None and hidden.shape[1] > 1:  # the prefill
+            cache.layers[module.layer_idx].keys.mul_(1.5)
 
-    model.model.layers[2].self_attn.register_forward_pre_hook(wrap, with_kwargs=True)
+    model.model.layers[2].self_attn.register_forward_hook(scale_stored_keys, with_kwargs=True)
 
 
 def clean(model):
@@ -155,3 +142,15 @@ def test_a_golden_with_every_module_dumped_names_the_prefill_cache_write(tmp_pat
     assert v["status"] == "fail" and v["first_bad_module"] == BAD, v["headline"]
     assert "the keys and values it writes to the KV cache" in v["headline"], v["headline"]
     assert v["replay"]["step"] == 0, v["replay"]
+
+
+def test_a_target_known_by_its_dump_alone_names_the_attention_at_the_first_decode_step(tmp_path, port):
+    model = f"tiny-llama:{SIZE}"
+    golden = user_dump(tmp_path / "golden", model, {}, max_new_tokens=4)
+    target = user_dump(tmp_path / "target", model, {}, patch=f"{port}:prefill_keys_x15", max_new_tokens=4)
+    dumps = {"golden_dump": golden, "target_dump": target, "golden_ids": [], "target_ids": [],
+             "prompt_ids": encode_prompt(load_model(model).tokenizer, "Tell me a story."),
+             "golden_spec": {"model": model, "device": "cpu", "dtype": "float32"}}
+    v = bisect_dumps(dumps, isolate="target_dump", estimate_cost=False)
+    assert v["status"] == "fail" and v["first_bad_module"] == BAD, v["headline"]
+    assert v["replay"]["step"] > 0, v["replay"]  # what it wrote at the prefill, read there
