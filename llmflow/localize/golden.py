@@ -127,12 +127,12 @@ def golden_calls(reader: DumpReader, step: int, load_golden: Callable[[], Any],
     stats.setdefault("recomputed_layers", 0)
     select = select or (lambda _n, _m: True)
     cache = prefill_cache(reader, load_golden) if step == 0 else None
+    writer = load_golden() if cache is not None else None  # (loaded: it made the cache)
+    writers = dict(writer.model.named_modules()) if writer is not None else {}
     for call in calls_from_dump(reader, step, cache=cache):
-        if cache is not None:
-            golden = load_golden()  # (loaded: it made the cache)
-            module = dict(golden.model.named_modules()).get(call.name)
-            if module is not None and select(call.name, module):
-                _golden_write(golden, module, call)
+        module = writers.get(call.name)
+        if module is not None and select(call.name, module):
+            _golden_write(writer, module, call)
         yield call
         layer = call.name
         if layer_of(layer, stack) != layer or not call.replayable:
