@@ -55,7 +55,7 @@ from llmflow.formats.base import DumpReader
 from llmflow.localize import cost as cost_mod
 from llmflow.localize import dtype_baseline, moe, rounding
 from llmflow.localize import ops as ops_mod
-from llmflow.localize.calls import NO_INPUTS, calls_from_dump
+from llmflow.localize.calls import NO_INPUTS, calls_from_dump, cast_inputs
 from llmflow.localize.conclude import (
     KV_CACHE,
     StepReplay,
@@ -99,7 +99,7 @@ from llmflow.localize.tokens import (
     token_rows,
 )
 from llmflow.models import logits_of, resolve_dtype
-from llmflow.quantized import NormBias, UnfusedExperts, W8A8Linear, unsmooth
+from llmflow.quantized import NormBias, QuantAccount, UnfusedExperts, W8A8Linear, unsmooth
 from llmflow.results.verdict import (
     FIRST_BAD_OP_FILE,
     Cost,
@@ -122,6 +122,10 @@ from llmflow.structure import LayerStack, find_layer_stack, layer_of
 BASELINE_WHOLE_LIMIT = 16 << 30
 #: other layers' copies of the chosen module replayed per step for the reference median
 OWN_ERROR_PEERS = 8
+#: a module holding quantized Linear layers whose error their quantization explains carries theirs
+#: where its own error is within this many times the largest of theirs (an attention whose o_proj
+#: clips: 1.0x; a fault in the module's own code adds its own error on top)
+QUANT_CARRIED = 1.5
 
 Progress = Callable[[str, float | None], Any]
 
@@ -651,6 +655,7 @@ class _Bisect:
         result.routing = moe.routing_divergences(result.rows, step, self.decode_position(step))
         self.rank(result, replayed, "module: isolation replay", result.source)
         self.set_aside_rounding(result, self.rounding_in_target(result))
+        self.set_aside_quantization(result)
         if replayed and not result.anomalous and self.stack is not None:
             if before is not None:  # the prefill from the dump: its decoder layers' recorded calls
                 layer_calls = calls_from_dump(self.golden_dump, step, names=set(self.stack.layers))
@@ -679,6 +684,70 @@ class _Bisect:
             result.rounding.append(dict(cand))
             result.ranked = set_aside(result.ranked, cand)
             result.candidate = pick_candidate(result.ranked)
+
+    def set_aside_quantization(self, result: StepReplay) -> None:
+        """Check the step's candidate, where it is a quantized checkpoint's W8A8 Linear layer or holds
+        such layers, against what their quantization explains (``W8A8Linear.account`` on the golden
+        input): a Linear layer whose own error is the clip of a calibration on other prompts and
+        int8 rounding is set aside (``result.quantization``) and the next candidate checked, so that a
+        layer whose error the quantization does not explain (a wrong weight, scale or bias) is named
+        whatever ranks above it. A module holding such layers (an attention, an MLP, what an
+        attention writes to its KV cache) is set aside where every one of them is explained and its
+        own error is within ``QUANT_CARRIED`` times the largest of theirs: it carries theirs."""
+        tgt = self.target
+        if tgt is None or not getattr(tgt, "quantized", None) or result.call_of is None:
+            return
+        modules = dict(tgt.model.named_modules())
+        for _ in range(rounding.ROUNDING_CHECKED):
+            cand = result.candidate
+            if not cand or not cand.get("anomalous") or cand.get("overflow"):
+                return
+            base = cand["name"].removesuffix(KV_CACHE)
+            held = modules.get(base)
+            linears = {base: held} if isinstance(held, W8A8Linear) else \
+                {n: m for n, m in modules.items() if n.startswith(base + ".") and isinstance(m, W8A8Linear)}
+            accounts = {}
+            for name, linear in linears.items():
+                found = self.quantization_account(linear, result.call_of(name))
+                if found is not None and name == cand["name"]:  # (said in the verdict, and no longer
+                    # taken for the quantization's own where nothing fails: ``below_notice``)
+                    cand["weight_ratio"] = found[0].weight_ratio
+                if found is None or not found[0].explained(self.inp.ratio_threshold):
+                    return  # (not explained: the candidate stands)
+                accounts[name] = found
+            if not accounts:
+                return
+            worst = max(accounts, key=lambda n: accounts[n][0].error)
+            account, detail = accounts[worst]
+            error = cand.get("error")
+            if worst != cand["name"] and (not isinstance(error, (int, float))
+                                          or error > QUANT_CARRIED * account.error):
+                return  # more error than its quantized Linear layers': its own code's
+            self.log(f"bisect: {cand['name']} stands out {cand['score']:.1f}x from its peers, but the "
+                     f"quantization of {worst} explains it ({account.words()}): set aside")
+            result.quantization.append({**cand, "linear": worst, "account": account, "detail": detail})
+            result.ranked = set_aside(result.ranked, cand)
+            result.candidate = pick_candidate(result.ranked)
+
+    def quantization_account(self, module: W8A8Linear,
+                             call: Call | None) -> tuple[QuantAccount, str | None] | None:
+        """``module``'s account of its own error on the golden ``call`` and its ``explain``, on the
+        input its forward receives (after the pre-hooks ``unsmooth`` gives a smoothed norm's
+        readers); None where the call holds no input or output to measure."""
+        if call is None or not call.replayable or not call.args or not call.outputs:
+            return None
+        golden = call.outputs.get("0", next(iter(call.outputs.values())))
+        seen: dict[str, torch.Tensor] = {}
+        handle = module.register_forward_pre_hook(lambda _m, args: seen.__setitem__("x", args[0]))
+        try:
+            with torch.no_grad():
+                module(*cast_inputs(call.args, self.target.device, self.target.dtype, module, []))
+        finally:
+            handle.remove()
+        if not isinstance(seen.get("x"), torch.Tensor) or not isinstance(golden, torch.Tensor):
+            return None
+        with torch.no_grad():
+            return module.account(seen["x"], golden), module.explain(seen["x"])
 
     def rounding_in_target(self, result: StepReplay) -> Callable[[str], dict[str, Any] | None]:
         """The golden module's own rounding row in the target model's dtype, on its device, on the

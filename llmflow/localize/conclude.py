@@ -23,8 +23,11 @@ from llmflow.dtypes import DEFAULT_THRESHOLDS, OP_ERROR_FLOOR, dtype_class
 from llmflow.localize.dtype_baseline import OnDemand
 from llmflow.localize.own_error import whole_rel
 from llmflow.localize.quantized_words import (
+    EXPLAINED_REASON,
     expert_linear_clause,
+    explained_sentence,
     most_sensitive,
+    quantization_explained,
     quantization_of,
     quantization_spread,
     quantized_sentences,
@@ -105,6 +108,10 @@ class StepReplay:
     # candidates set aside: standing out from their peers by no more than the golden module's own
     # rounding in the target's dtype (``rounding.py``), each with its ``rounding_ratio``
     rounding: list[dict[str, Any]] = field(default_factory=list)
+    # candidates set aside: a quantized checkpoint's Linear layers whose own error their quantization
+    # explains (``quantized.QuantAccount``, under ``account``, with ``detail``: their ``explain``), and
+    # the modules holding them that carry that error and nothing more (``account`` None)
+    quantization: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def replayed(self) -> list[dict[str, Any]]:
@@ -163,8 +170,18 @@ def below_notice(inp: Any, cand: dict[str, Any] | None, mismatch: int | None, ba
         return False
     if getattr(inp, "compare_first_fail", None) != {}:
         return False
+    if _weight_wrong(inp, cand, quantized):
+        return False
     score = cand.get("score")
     return isinstance(score, (int, float)) and score < quiet_limit(inp, cand, quantized)
+
+
+def _weight_wrong(inp: Any, cand: dict[str, Any] | None, quantized: dict[str, str] | None) -> bool:
+    """Whether ``cand``, a quantized Linear layer, errs beyond its activation quantization by
+    ``ratio_threshold`` times what int8 rounding of its weight gives (``weight_ratio``): a weight,
+    scale or bias that is wrong, never the quantization's own, however little it stands out."""
+    ratio = (cand or {}).get("weight_ratio")
+    return _is_quantized(cand, quantized) and isinstance(ratio, (int, float)) and ratio >= inp.ratio_threshold
 
 
 def layer_fault(step: StepReplay, ratio_threshold: float) -> str | None:
@@ -423,7 +440,7 @@ CANDIDATE_FIELDS = ("rank", "name", "module_type", "layer", "error", "typical", 
                     "overflow", "nonfinite", "sharding", "rank_errors", "shard_rank", "rank_note",
                     "rank_source", "source", "covers", "token_rel", "expert_rel", "expert_worst",
                     "expert_median_rel", "expert_rest_rel", "prefill_expert", "weight_expert",
-                    "rounding_ratio")
+                    "rounding_ratio", "weight_ratio")
 
 
 def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: list[TokenRow],
@@ -459,7 +476,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         # a step replayed only because its logits, on the golden's tokens, are furthest from the
         # golden's while within the thresholds: held to the bar of a run where nothing fails
         score = cand.get("score")
-        quiet = isinstance(score, (int, float)) and score < quiet_limit(inp, cand, quantized)
+        quiet = (isinstance(score, (int, float)) and score < quiet_limit(inp, cand, quantized)
+                 and not _weight_wrong(inp, cand, quantized))
     if quiet and cand is not None:  # a lead too weak to name where every output is within its thresholds
         cand["anomalous"] = False
         module = None
@@ -534,6 +552,8 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
                       f"{_step_word(handed_down.step)}: not the one {handed_down.enclosing} was given.")
     if chosen.rounding:
         diagnosis += " " + _rounding_sentence(chosen.rounding, compute_dtype or dtype)
+    if chosen.quantization and not (why_not and why_not.reason.startswith(EXPLAINED_REASON)):
+        diagnosis += " " + explained_sentence(chosen.quantization, stored_name(quantized_names))
     diagnosis += _token_sentence(mismatch, detail)
     if note:
         diagnosis += f" {note}"
@@ -893,6 +913,11 @@ def _fault(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str, e
     if quantized:
         diagnosis += quantized_sentences(module, expert, linear, chosen.ranked, chosen.quant_detail,
                                          (inp.golden_spec, inp.target_spec), quantized, stored)
+    if _weight_wrong(inp, cand, quantized):
+        diagnosis += (" Its own error is not its quantization's: beyond what its activation "
+                      "quantization's clip and int8 rounding give, its output errs "
+                      f"{cand['weight_ratio']:.0f}x what rounding the float weight to its int8 grid "
+                      "gives: a weight, scale or bias of the checkpoint that is wrong.")
     if from_dump and stack is not None and module in stack.layers:  # the dumps hold the layers whole
         diagnosis += (f" The dumps hold no module inside {module}: dump the target with its modules "
                       f"(layer_name: {module}.*, module mode with inputs and outputs) and bisect again "
@@ -945,6 +970,8 @@ def _inconclusive_reason(inp: Any, tried: list[StepReplay], chosen: StepReplay,
     elif problems:
         reason = "the dumps are not whole: " + "; ".join(problems[:3])
         nxt = "rerun the dump stages (llmflow run ... --from dump-golden) and bisect again"
+    elif quantized and (bad_token is not None or mismatch is not None) and chosen.quantization:
+        reason, nxt = quantization_explained(chosen.quantization, steps, stored)
     elif quantized and (bad_token is not None or mismatch is not None or shared is not None):
         reason, nxt = quantization_spread(chosen.replayed, quantized, steps, stored)
     elif shared is not None:  # beyond rounding in the layers alike, but not a clear fault

@@ -155,3 +155,54 @@ def quantized_sentences(module: str, expert: int | None, linear: ExpertLinearRow
         return quantized_layer(linear.name, quantized[linear.name], detail, golden, target, stored)
     qtype = quantization_of(module, quantized)
     return quantized_block(module, qtype, expert, quantized, stored) if qtype else ""
+
+
+#: how many Linear layers set aside as explained by their quantization the verdict names
+QUANT_EXPLAINED_SHOWN = 3
+#: how the reason of a quantized target whose divergence its quantization explains begins
+EXPLAINED_REASON = "the divergence is explained by the quantization"
+
+
+def _explained_layers(explained: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per Linear layer set aside (a module carrying a Linear layer's error is said as that
+    layer), the first set aside first."""
+    seen: dict[str, dict[str, Any]] = {}
+    for r in explained:
+        if r.get("account") is not None:
+            seen.setdefault(r["linear"], r)
+    return list(seen.values())[:QUANT_EXPLAINED_SHOWN]
+
+
+def _explained_words(row: dict[str, Any], stored: Callable[[str], str]) -> str:
+    said = (f"{stored(row['linear'])} ({row['score']:.1f}x the same module in the other layers; "
+            f"{row['account'].words(counts=not row.get('detail'))}")
+    return said + (f"; {row['detail']})" if row.get("detail") else ")")
+
+
+def explained_sentence(explained: list[dict[str, Any]], stored: Callable[[str], str]) -> str:
+    """What a verdict adds where quantized Linear layers standing out were set aside because their
+    quantization explains their own error (``bisect.set_aside_quantization``)."""
+    rows = _explained_layers(explained)
+    if not rows:
+        return ""
+    return ("Set aside, their own error explained by their quantization (a calibration on other prompts "
+            "clipping a few of this prompt's values, and int8 rounding; their weights within int8 rounding "
+            "of the float ones): " + "; ".join(_explained_words(r, stored) for r in rows) + ".")
+
+
+def quantization_explained(explained: list[dict[str, Any]], steps: str,
+                           stored: Callable[[str], str]) -> tuple[str, str]:
+    """Why a quantized checkpoint whose texts or logits part where only Linear layers whose error
+    their quantization explains stand out is inconclusive, and what to run: the divergence is the
+    quantization's, at the layers named, not a fault of the port."""
+    rows = _explained_layers(explained)
+    names = ", ".join(f"'{stored(r['linear'])}'" for r in rows)
+    reason = (f"{EXPLAINED_REASON} at {', '.join(stored(r['linear']) for r in rows)}: "
+              f"at {steps} no module stands out but Linear layers whose own error their quantization "
+              "explains, a calibration on other prompts clipping a few of this prompt's values and int8 "
+              "rounding, their weights within int8 rounding of the float ones: "
+              + "; ".join(_explained_words(r, stored) for r in rows)
+              + ". That is the quantization doing what it does, not a fault of the port")
+    return reason, (f"to bring the target nearer the float model, keep those layers in float (msModelSlim "
+                    f"QuantConfig disable_names=[{names}]) or calibrate on prompts like this one, then "
+                    "bisect again")

@@ -139,6 +139,11 @@ class Candidate:
         "its own error over that of the golden module run in the target's dtype on its device on the "
         "same inputs (the dtype's own rounding there); a module under ratio_threshold of it is set aside, "
         "not named; null: not checked, or the two compute alike"))
+    weight_ratio: float | None = field(default=None, metadata=_doc(
+        "a quantized checkpoint's W8A8 Linear layer: its own error beyond what its activation "
+        "quantization (clip and int8 rounding) gives, over what rounding the float weight to its int8 "
+        "grid gives (about 1 for an honest quantization; a layer under ratio_threshold of it whose clip is "
+        "a calibration's on other prompts is set aside, not named); null: not checked"))
     replayable: bool = True
     reason: str | None = None
     routing: str | None = field(default=None, metadata=_doc(
