@@ -367,6 +367,10 @@ def _load_msmodelslim(path: Path, dt: torch.dtype, description: Path
     note = (f"An msModelSlim checkpoint ({installed.describe()} Linear layers) run by llmflow's emulation "
             "of the Ascend quantized kernels: it shows what the quantization costs, not a fault of the "
             "device's own kernels (for those, bisect the device's dumps: dump_bisect).")
+    inconsistent = installed.inconsistency()
+    if inconsistent is not None:
+        log.warning("model %s: %s", path, inconsistent)
+        note += " " + inconsistent
     return module, tokenizer, note, installed
 
 

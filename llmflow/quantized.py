@@ -52,6 +52,8 @@ ACTIVATION_QUANT = {"W8A8": "static", "W8A8S": "static", "W8A8_DYNAMIC": "dynami
 #: a static activation quantization that rounds this share of an input's nonzero values to its zero
 #: point loses that input (its scale was calibrated on far larger values): said in ``explain``
 ZERO_POINT_SHARE = 0.5
+#: deq_scale and input_scale * weight_scale agree to float32 rounding in an honest checkpoint
+DEQ_SCALE_RTOL = 1e-4
 #: the tensors msModelSlim stores beside a quantized weight
 LINEAR_COMPANIONS = ("weight_scale", "weight_offset", "deq_scale", "quant_bias", "input_scale",
                      "input_offset")
@@ -270,18 +272,28 @@ class W8A8Linear(nn.Module):
                             f"input's nonzero values to its zero point: its step (input_scale {step:.4g}) "
                             f"is {ratio:.3g}x the input's median magnitude ({typical:.3g}), a calibration "
                             "that saw far larger values (such as one token's massive activation)")
-            weight_scale = self.weight_scale_bits
-            if weight_scale is not None and weight_scale.numel() in (1, self.out_features):
-                implied = scale * weight_scale.view(torch.float32).reshape(-1)
-                tiny = torch.finfo(torch.float32).tiny
-                ratio = self.deq_scale_bits.view(torch.float32) / implied.clamp_min(tiny)
-                off = (ratio - 1).abs() > 1e-4
-                if bool(off.any()):
-                    worst = float(ratio[off][(ratio[off].log().abs()).argmax()])
-                    said.append(f"its deq_scale is {worst:.4g}x input_scale x weight_scale in "
-                                f"{int(off.sum())} of {off.numel()} channels (the device scales its output "
-                                "by deq_scale)")
+            mismatch = self.deq_scale_mismatch()
+            if mismatch:
+                said.append(f"its {mismatch}")
         return "; ".join(said) or None
+
+    def deq_scale_mismatch(self) -> str | None:
+        """How this static layer's ``deq_scale`` differs from ``input_scale * weight_scale``, the
+        product msModelSlim stores it as (``deq_scale is 10x input_scale x weight_scale in 64 of 64
+        channels``); None where they agree to float32 rounding, or where there is nothing to
+        compare (a dynamic layer, W8A8S without weight_scale, a per-group scale)."""
+        weight_scale = self.weight_scale_bits
+        if (self.mode == "dynamic" or weight_scale is None
+                or weight_scale.numel() not in (1, self.out_features)):
+            return None
+        implied = self.input_scale_bits.view(torch.float32) * weight_scale.view(torch.float32).reshape(-1)
+        ratio = self.deq_scale_bits.view(torch.float32) / implied.clamp_min(torch.finfo(torch.float32).tiny)
+        off = (ratio - 1).abs() > DEQ_SCALE_RTOL
+        if not bool(off.any()):
+            return None
+        worst = float(ratio[off][(ratio[off].log().abs()).argmax()])
+        return (f"deq_scale is {worst:.4g}x input_scale x weight_scale in {int(off.sum())} of {off.numel()} "
+                "channels (the device scales its output by deq_scale)")
 
     def account(self, x: torch.Tensor, golden: torch.Tensor) -> QuantAccount:
         """What this layer's own error on input ``x`` (the input its forward receives, after any
@@ -427,10 +439,25 @@ class QuantizedLinears:
     #: a Linear layer's name in the checkpoint, where it differs from the model's (an older layout)
     stored_names: dict[str, str] = field(default_factory=dict)
     smoothed: list[str] = field(default_factory=list)  # the norms anti-outlier gave a bias (NormBias)
+    #: a static W8A8 layer whose deq_scale is not input_scale * weight_scale -> how it differs
+    #: (``W8A8Linear.deq_scale_mismatch``): a checkpoint edited or written inconsistently
+    deq_scale_mismatches: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
         """``28 W8A8``, ``2 W8A16, 26 W8A8``: the Linear layers of each weight type."""
         return ", ".join(f"{n} {t}" for t, n in sorted(Counter(self.layers.values()).items()))
+
+    def inconsistency(self) -> str | None:
+        """The sentence the load note adds where static layers' deq_scale is not the product of
+        their scales: what runs (deq_scale, as on the device), and that the weight check shows it."""
+        if not self.deq_scale_mismatches:
+            return None
+        name, how = next(iter(self.deq_scale_mismatches.items()))
+        more = len(self.deq_scale_mismatches) - 1
+        return (f"Its {name}{f' and {more} more Linear layer(s)' if more else ''} store a deq_scale that is "
+                f"not input_scale x weight_scale ({name}: {how}): the checkpoint is inconsistent; this "
+                "emulation, as the device, computes with deq_scale, so the stored weight_scale is not what "
+                "runs (llmflow run weight_check names each such layer).")
 
 
 #: the per-expert Linear layers of a mixture of experts as transformers 4 names them (and
@@ -590,7 +617,11 @@ def install_quantized_linears(model: nn.Module, files: SafetensorsFiles, quant: 
                     raise ValueError(f"shape {list(weight.shape)}, the layer is "
                                      f"[{module.out_features}, {module.in_features}]")
                 parent, attr = holder_of(model, name)
-                setattr(parent, attr, W8A8Linear(qtype, weight, tensors, quant.group_size))
+                linear = W8A8Linear(qtype, weight, tensors, quant.group_size)
+                setattr(parent, attr, linear)
+                mismatch = linear.deq_scale_mismatch()
+                if mismatch is not None:
+                    done.deq_scale_mismatches[files.stored_name(key).removesuffix(".weight")] = mismatch
                 read = {key, *(base + c for c in (*LINEAR_COMPANIONS, "bias") if base + c in files)}
             else:
                 raise UserError(f"{where}: {files.stored_name(key)} is quantized as {qtype}, which llmflow "

@@ -71,6 +71,7 @@ from llmflow.compare.thresholds import finite_or_none
 from llmflow.dtypes import DTYPE_OF_SAFETENSORS_CODE, dtype_name
 from llmflow.errors import UserError
 from llmflow.quantized import (
+    DEQ_SCALE_RTOL,
     QuantConfig,
     deq_scale_as_float,
     dequantize,
@@ -90,8 +91,6 @@ COMPRESSED = ("W8A8SC", "W16A16SC")
 COMPRESSED_COMPANIONS = ("index", "info")
 #: Row codes of the weight check beyond the compare's (``llmflow.compare.codes``).
 SIBLING_OUTLIER, SCALE_MISMATCH = "sibling_outlier", "scale_mismatch"
-#: deq_scale and input_scale * weight_scale agree to float32 rounding in an honest checkpoint.
-DEQ_SCALE_RTOL = 1e-4
 
 
 class Checkpoint:

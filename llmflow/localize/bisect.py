@@ -698,6 +698,22 @@ class _Bisect:
         if tgt is None or not getattr(tgt, "quantized", None) or result.call_of is None:
             return
         modules = dict(tgt.model.named_modules())
+        self._set_aside_explained(result, modules)
+        # the other quantized Linear layers standing out beside a candidate that stands: each said as
+        # its quantization's where it is, not as the same fault in more layers
+        others = [r for r in result.ranked if r.get("anomalous") and r is not result.candidate
+                  and not r.get("overflow") and isinstance(modules.get(r["name"]), W8A8Linear)]
+        for row in others[:rounding.ROUNDING_CHECKED]:
+            found = self.quantization_account(modules[row["name"]], result.call_of(row["name"]))
+            if found is not None:
+                row["weight_ratio"] = found[0].weight_ratio
+            if found is not None and found[0].explained(self.inp.ratio_threshold):
+                result.quantization.append({**row, "linear": row["name"], "account": found[0],
+                                            "detail": found[1]})
+                result.ranked = set_aside(result.ranked, row)
+
+    def _set_aside_explained(self, result: StepReplay, modules: dict[str, Any]) -> None:
+        """``set_aside_quantization``'s candidates, one after the other, until one stands."""
         for _ in range(rounding.ROUNDING_CHECKED):
             cand = result.candidate
             if not cand or not cand.get("anomalous") or cand.get("overflow"):
