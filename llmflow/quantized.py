@@ -454,7 +454,8 @@ class QuantizedLinears:
             return None
         name, how = next(iter(self.deq_scale_mismatches.items()))
         more = len(self.deq_scale_mismatches) - 1
-        return (f"Its {name}{f' and {more} more Linear layer(s)' if more else ''} store a deq_scale that is "
+        return (f"Its {name}{f' and {more} more Linear layer(s)' if more else ''} "
+                f"{'store' if more else 'stores'} a deq_scale that is "
                 f"not input_scale x weight_scale ({name}: {how}): the checkpoint is inconsistent; this "
                 "emulation, as the device, computes with deq_scale, so the stored weight_scale is not what "
                 "runs (llmflow run weight_check names each such layer).")
