@@ -123,8 +123,9 @@ BASELINE_WHOLE_LIMIT = 16 << 30
 #: other layers' copies of the chosen module replayed per step for the reference median
 OWN_ERROR_PEERS = 8
 #: a module holding quantized Linear layers whose error their quantization explains carries theirs
-#: where its own error is within this many times the largest of theirs (an attention whose o_proj
-#: clips: 1.0x; a fault in the module's own code adds its own error on top)
+#: where its own error is within this many times their root sum of squares (an attention whose
+#: o_proj clips: 1.0x; an honest smoothed MLP's: 1.1x; a fault in the module's own code adds its own
+#: error on top)
 QUANT_CARRIED = 1.5
 
 Progress = Callable[[str, float | None], Any]
@@ -693,7 +694,7 @@ class _Bisect:
         layer whose error the quantization does not explain (a wrong weight, scale or bias) is named
         whatever ranks above it. A module holding such layers (an attention, an MLP, what an
         attention writes to its KV cache) is set aside where every one of them is explained and its
-        own error is within ``QUANT_CARRIED`` times the largest of theirs: it carries theirs."""
+        own error is within ``QUANT_CARRIED`` times theirs taken together: it carries theirs."""
         tgt = self.target
         if tgt is None or not getattr(tgt, "quantized", None) or result.call_of is None:
             return
@@ -703,18 +704,20 @@ class _Bisect:
         # its quantization's where it is, not as the same fault in more layers
         others = [r for r in result.ranked if r.get("anomalous") and r is not result.candidate
                   and not r.get("overflow") and isinstance(modules.get(r["name"]), W8A8Linear)]
-        for row in others[:rounding.ROUNDING_CHECKED]:
+        for row in others:
             found = self.quantization_account(modules[row["name"]], result.call_of(row["name"]))
             if found is not None:
                 row["weight_ratio"] = found[0].weight_ratio
-            if found is not None and found[0].explained(self.inp.ratio_threshold):
+            if found is not None and found[0].explained:
                 result.quantization.append({**row, "linear": row["name"], "account": found[0],
                                             "detail": found[1]})
                 result.ranked = set_aside(result.ranked, row)
 
     def _set_aside_explained(self, result: StepReplay, modules: dict[str, Any]) -> None:
-        """``set_aside_quantization``'s candidates, one after the other, until one stands."""
-        for _ in range(rounding.ROUNDING_CHECKED):
+        """``set_aside_quantization``'s candidates, one after the other, until one stands (each
+        check is one Linear layer run once: every standing-out one is checked, unlike the rounding's
+        module copies)."""
+        for _ in range(len(result.ranked)):
             cand = result.candidate
             if not cand or not cand.get("anomalous") or cand.get("overflow"):
                 return
@@ -728,7 +731,7 @@ class _Bisect:
                 if found is not None and name == cand["name"]:  # (said in the verdict, and no longer
                     # taken for the quantization's own where nothing fails: ``below_notice``)
                     cand["weight_ratio"] = found[0].weight_ratio
-                if found is None or not found[0].explained(self.inp.ratio_threshold):
+                if found is None or not found[0].explained:
                     return  # (not explained: the candidate stands)
                 accounts[name] = found
             if not accounts:
@@ -736,8 +739,11 @@ class _Bisect:
             worst = max(accounts, key=lambda n: accounts[n][0].error)
             account, detail = accounts[worst]
             error = cand.get("error")
+            # (the errors of the Linear layers one after another in a module add up about as their
+            # root sum of squares: an MLP's gate, up and down projections)
+            carried = math.sqrt(sum(a.error ** 2 for a, _ in accounts.values()))
             if worst != cand["name"] and (not isinstance(error, (int, float))
-                                          or error > QUANT_CARRIED * account.error):
+                                          or error > QUANT_CARRIED * carried):
                 return  # more error than its quantized Linear layers': its own code's
             self.log(f"bisect: {cand['name']} stands out {cand['score']:.1f}x from its peers, but the "
                      f"quantization of {worst} explains it ({account.words()}): set aside")

@@ -33,6 +33,7 @@ from llmflow.localize.quantized_words import (
     quantized_sentences,
     stored_name,
 )
+from llmflow.quantized import WEIGHT_ROUNDING_LIMIT
 from llmflow.results.codec import from_json
 from llmflow.results.verdict import (
     Candidate,
@@ -170,18 +171,19 @@ def below_notice(inp: Any, cand: dict[str, Any] | None, mismatch: int | None, ba
         return False
     if getattr(inp, "compare_first_fail", None) != {}:
         return False
-    if _weight_wrong(inp, cand, quantized):
+    if _weight_wrong(cand, quantized):
         return False
     score = cand.get("score")
     return isinstance(score, (int, float)) and score < quiet_limit(inp, cand, quantized)
 
 
-def _weight_wrong(inp: Any, cand: dict[str, Any] | None, quantized: dict[str, str] | None) -> bool:
+def _weight_wrong(cand: dict[str, Any] | None, quantized: dict[str, str] | None) -> bool:
     """Whether ``cand``, a quantized Linear layer, errs beyond its activation quantization by
-    ``ratio_threshold`` times what int8 rounding of its weight gives (``weight_ratio``): a weight,
-    scale or bias that is wrong, never the quantization's own, however little it stands out."""
+    ``WEIGHT_ROUNDING_LIMIT`` times what int8 rounding of its weight gives (``weight_ratio``): a
+    weight, scale or bias that is wrong, never the quantization's own, however little it stands out."""
     ratio = (cand or {}).get("weight_ratio")
-    return _is_quantized(cand, quantized) and isinstance(ratio, (int, float)) and ratio >= inp.ratio_threshold
+    return (_is_quantized(cand, quantized) and isinstance(ratio, (int, float))
+            and ratio >= WEIGHT_ROUNDING_LIMIT)
 
 
 def layer_fault(step: StepReplay, ratio_threshold: float) -> str | None:
@@ -477,7 +479,7 @@ def conclude(inp: Any, tried: list[StepReplay], chosen: StepReplay, *, rows: lis
         # golden's while within the thresholds: held to the bar of a run where nothing fails
         score = cand.get("score")
         quiet = (isinstance(score, (int, float)) and score < quiet_limit(inp, cand, quantized)
-                 and not _weight_wrong(inp, cand, quantized))
+                 and not _weight_wrong(cand, quantized))
     if quiet and cand is not None:  # a lead too weak to name where every output is within its thresholds
         cand["anomalous"] = False
         module = None
@@ -913,7 +915,7 @@ def _fault(inp: Any, tried: list[StepReplay], chosen: StepReplay, module: str, e
     if quantized:
         diagnosis += quantized_sentences(module, expert, linear, chosen.ranked, chosen.quant_detail,
                                          (inp.golden_spec, inp.target_spec), quantized, stored)
-    if _weight_wrong(inp, cand, quantized):
+    if _weight_wrong(cand, quantized):
         diagnosis += (" Its own error is not its quantization's: beyond what its activation "
                       "quantization's clip and int8 rounding give, its output errs "
                       f"{cand['weight_ratio']:.0f}x what rounding the float weight to its int8 grid "

@@ -142,8 +142,8 @@ class Candidate:
     weight_ratio: float | None = field(default=None, metadata=_doc(
         "a quantized checkpoint's W8A8 Linear layer: its own error beyond what its activation "
         "quantization (clip and int8 rounding) gives, over what rounding the float weight to its int8 "
-        "grid gives (about 1 for an honest quantization; a layer under ratio_threshold of it whose clip is "
-        "a calibration's on other prompts is set aside, not named); null: not checked"))
+        "grid gives (about 1 for an honest quantization; a layer under 3 of it whose clip is a "
+        "calibration's on other prompts is set aside, not named); null: not checked"))
     replayable: bool = True
     reason: str | None = None
     routing: str | None = field(default=None, metadata=_doc(
