@@ -832,7 +832,9 @@ class _Bisect:
         g_mod = dict(gld.model.named_modules())[name]
         t_mod = dict(tgt.model.named_modules())[name]
         if isinstance(t_mod, W8A8Linear) and call.args and isinstance(call.args[0], torch.Tensor):
-            chosen.quant_detail = t_mod.explain(call.args[0])
+            # (on the input its forward receives: a smoothed norm's reader's, after its pre-hook)
+            found = self.quantization_account(t_mod, call)
+            chosen.quant_detail = found[1] if found is not None else t_mod.explain(call.args[0])
         if moe.is_fused_experts(t_mod, call):
             chosen.experts = moe.expert_errors(g_mod, t_mod, call, golden=gld, target=tgt)
             chosen.expert = moe.worst_expert(chosen.experts, self.inp.ratio_threshold)
