@@ -12,8 +12,11 @@ Mixtral in transformers 4's layout: ``block_sparse_moe``, experts' ``w1``/``w3``
 DeepSeek-V3, its experts W8A8_DYNAMIC) run split back from transformers 5's fused experts, and a
 broken expert is named down to its Linear layer, by the names msModelSlim gave it; an honest
 checkpoint is never called a fault: the verdict says the drift is the quantization's own and which
-Linear layers to keep in float; types llmflow cannot run, and quantized tensors with no Linear layer
-to go to, are bad input in one line.
+Linear layers to keep in float, and a layer standing out through its calibration's clip of a few
+values is set aside as its quantization's (Qwen2, Mistral, Phi3), while one int8 output channel
+negated in another layer is named over it; a weight_scale the kernel does not read (deq_scale no
+longer their product) is noted at load; types llmflow cannot run, and quantized tensors with no
+Linear layer to go to, are bad input in one line.
 """
 
 from __future__ import annotations
