@@ -219,7 +219,8 @@ def test_statistics_only_dump_is_inconclusive(tmp_path, dumps):
     proc = llmflow("precheck", str(dumps["stats"]), "-o", str(tmp_path / "out"), cwd=tmp_path)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert last_line(proc).startswith("INCONCLUSIVE: only 0 of ") and "statistics only" in last_line(proc)
-    assert proc.stdout.strip().splitlines()[-2].startswith("next: dump tensors with their weights")
+    assert proc.stdout.strip().splitlines()[-2].startswith(
+        "next: dump the target with DumpConfig(mode='api', data_mode='tensor', dump_weight=True)")
 
 
 @pytest.mark.parametrize("args", [["/nonexistent/dump"], ["{dump}", "--reference", "no_equals_sign"],

@@ -142,6 +142,7 @@ def test_jump_ratio_from_a_workflow(faulty, tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     done = llmflow("run", str(wf), "--run-dir", "bad", *dumps, "--set", "jump_ratio=0.5", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
+    # (refused before any stage runs, at the workflow's line that sets it)
     assert done.stdout.strip().splitlines()[-1] == (
-        "FAILED: stage 'compare' failed: compare: jump_ratio: expected 0 (off) or a ratio above 1, got 0.5 "
-        "(1 done, 1 failed)")
+        f"FAILED: {wf}:17:19: compare: jump_ratio: expected 0 (off) or a ratio above 1, got 0.5")
+    assert not (tmp_path / "bad").exists()
