@@ -20,7 +20,8 @@ def _quantized(w: torch.Tensor, b: torch.Tensor, calibration: torch.Tensor) -> W
     deq_scale = input_scale * weight_scale
     tensors = {"input_scale": input_scale.reshape(1), "input_offset": torch.zeros(1),
                "deq_scale": deq_scale.to(torch.float32),
-               "quant_bias": torch.round(b / deq_scale).to(torch.int32), "weight_scale": weight_scale.reshape(-1, 1)}
+               "quant_bias": torch.round(b / deq_scale).to(torch.int32),
+               "weight_scale": weight_scale.reshape(-1, 1)}
     return W8A8Linear("W8A8", wq.to(torch.int8), tensors, None)
 
 
