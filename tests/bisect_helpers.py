@@ -445,3 +445,29 @@ def user_golden_maker(factory) -> Callable[[str, dict], Path]:
             made[key] = user_dump(factory.mktemp("golden"), model, scope)
         return made[key]
     return golden
+
+
+def recipe_bisect_reusing_golden(tmp_path: Path, family: str, size: str, golden_runs: dict[str, Path],
+                                 *sets: str) -> tuple[int, str, dict]:
+    """``llmflow run llama2_bisect`` on ``tiny-<family>:<size>`` for golden and target (``sets``:
+    more ``NAME=VALUE``), in ``tmp_path/run``; the first run of a family is kept in ``golden_runs``
+    and a later one starts from a copy of it, its golden dump reused (checked: cached). Returns
+    the exit code, the last line and the verdict."""
+    from workflow_helpers import llmflow
+
+    run = tmp_path / "run"
+    reused = family in golden_runs
+    if reused:
+        shutil.copytree(golden_runs[family], run, symlinks=True)
+    model = f"tiny-{family}:{size}"
+    args = ["--set", f"golden_model={model}", "--set", f"target_model={model}"]
+    for s in sets:
+        args += ["--set", s]
+    proc = llmflow("run", "llama2_bisect", "--run-dir", str(run), "--progress", "plain", *args, timeout=600)
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    if reused:
+        assert "dump-golden: cached" in proc.stdout, proc.stdout[-3000:]
+    elif "dump-golden: done" in proc.stdout:
+        golden_runs[family] = run
+    verdict = json.loads((run / "bisect" / "verdict.json").read_text())
+    return proc.returncode, proc.stdout.strip().splitlines()[-1], verdict

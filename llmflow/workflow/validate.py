@@ -331,7 +331,11 @@ def _static_params(checked: Checked, sid: str) -> tuple[Any, list[tuple]]:
 def known_params(checked: Checked, sid: str) -> dict[str, Any]:
     """The parameters of stage ``sid`` known before the run, without those other stages give
     (nor the schema's defaults)."""
-    instance, skip = _static_params(checked, sid)
+    return _known(*_static_params(checked, sid))
+
+
+def _known(instance: Any, skip: list[tuple]) -> dict[str, Any]:
+    """The top-level parameters of a static ``with:`` that hold no run-time value."""
     if not isinstance(instance, dict):
         return {}
     dynamic = {path[0] for path in skip if path}
@@ -348,7 +352,7 @@ def _check_with(wf: Workflow, checked: Checked) -> None:
         checked.errors += errors
         if errors or not isinstance(instance, dict):
             continue
-        known = known_params(checked, sid)
+        known = _known(instance, skip)
         try:
             cls.check_values(known)
         except Exception as exc:  # (a plugin's check may raise anything: one line, never a traceback)

@@ -9,15 +9,13 @@ before that is the CPU's affair, so every assertion holds either way. Run as a u
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
-from workflow_helpers import llmflow  # noqa: E402
+from bisect_helpers import recipe_bisect_reusing_golden  # noqa: E402
 
 FAMILIES = ["llama", "qwen2"]
 SIZE = "layers=4,init=0.2"
@@ -77,21 +75,8 @@ def golden_runs() -> dict[str, Path]:
 
 
 def _bisect(tmp_path: Path, family: str, golden_runs: dict[str, Path], patch: str) -> tuple[int, str, dict]:
-    run = tmp_path / "run"
-    reused = family in golden_runs
-    if reused:
-        shutil.copytree(golden_runs[family], run, symlinks=True)
-    model = f"tiny-{family}:{SIZE}"
-    proc = llmflow("run", "llama2_bisect", "--run-dir", str(run), "--progress", "plain",
-                   "--set", f"golden_model={model}", "--set", f"target_model={model}",
-                   "--set", "max_new_tokens=14", "--set", f"target_patch={patch}", timeout=600)
-    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    if reused:
-        assert "dump-golden: cached" in proc.stdout, proc.stdout[-3000:]
-    elif "dump-golden: done" in proc.stdout:
-        golden_runs[family] = run
-    verdict = json.loads((run / "bisect" / "verdict.json").read_text())
-    return proc.returncode, proc.stdout.strip().splitlines()[-1], verdict
+    return recipe_bisect_reusing_golden(tmp_path, family, SIZE, golden_runs,
+                                        "max_new_tokens=14", f"target_patch={patch}")
 
 
 @pytest.fixture

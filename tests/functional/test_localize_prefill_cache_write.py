@@ -12,8 +12,6 @@ its own error over the steps before from the target's recorded inputs."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -21,8 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the area's helpers
-from bisect_helpers import bisect_dumps, make_dumps, user_dump  # noqa: E402
-from workflow_helpers import llmflow  # noqa: E402
+from bisect_helpers import bisect_dumps, make_dumps, recipe_bisect_reusing_golden, user_dump  # noqa: E402
 
 from llmflow.dump.memory import CacheSnapshot  # noqa: E402
 from llmflow.formats import open_dump  # noqa: E402
@@ -68,22 +65,8 @@ def golden_runs() -> dict[str, Path]:
 
 
 def _bisect(tmp_path: Path, family: str, golden_runs: dict[str, Path], patch: str) -> tuple[int, str, dict]:
-    run = tmp_path / "run"
-    reused = family in golden_runs
-    if reused:
-        shutil.copytree(golden_runs[family], run, symlinks=True)
-    model = f"tiny-{family}:{SIZE}"
-    proc = llmflow("run", "llama2_bisect", "--run-dir", str(run), "--progress", "plain",
-                   "--set", f"golden_model={model}", "--set", f"target_model={model}",
-                   "--set", "target_dtype=float32", "--set", "max_new_tokens=4",
-                   "--set", f"target_patch={patch}", timeout=600)
-    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    if reused:
-        assert "dump-golden: cached" in proc.stdout, proc.stdout[-3000:]
-    elif "dump-golden: done" in proc.stdout:
-        golden_runs[family] = run
-    verdict = json.loads((run / "bisect" / "verdict.json").read_text())
-    return proc.returncode, proc.stdout.strip().splitlines()[-1], verdict
+    return recipe_bisect_reusing_golden(tmp_path, family, SIZE, golden_runs,
+                                        "target_dtype=float32", "max_new_tokens=4", f"target_patch={patch}")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
